@@ -1,0 +1,53 @@
+# Sourced by the entry-point scripts: installs what is missing (Debian packages, a Python venv with
+# the pinned torch wheel) and exports DFLASH_PYTHON, DFLASH_BUILD and ccache settings.
+# The venv lives outside the clone, keyed by the hash of scripts/requirements.txt, so it is reused
+# as long as the requirements do not change.
+set -euo pipefail
+DFLASH_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export DFLASH_ROOT
+
+dflash_apt_packages=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libyaml-cpp-dev
+  prometheus-cpp-dev libgtest-dev nlohmann-json3-dev shellcheck curl)
+
+dflash_install_debs() {
+  local missing=()
+  for p in "${dflash_apt_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "[env] installing Debian packages: ${missing[*]}"
+  local sudo=""; [ "$(id -u)" -ne 0 ] && sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+dflash_install_venv() {
+  local req="$DFLASH_ROOT/scripts/requirements.txt"
+  local key; key=$(sha256sum "$req" | cut -c1-12)
+  local base=${DFLASH_VENV_BASE:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash}
+  DFLASH_VENV=${DFLASH_VENV:-$base/venv-$key}
+  if [ ! -f "$DFLASH_VENV/.complete" ]; then
+    echo "[env] creating Python venv $DFLASH_VENV (torch wheel, transformers); first time only"
+    rm -rf "$DFLASH_VENV"; mkdir -p "$base"
+    local py=python3; command -v python3.11 >/dev/null && py=python3.11
+    $py -m venv "$DFLASH_VENV"
+    "$DFLASH_VENV/bin/pip" install -q --upgrade pip
+    "$DFLASH_VENV/bin/pip" install -q -r "$req"
+    touch "$DFLASH_VENV/.complete"
+  fi
+  export DFLASH_VENV DFLASH_PYTHON="$DFLASH_VENV/bin/python"
+}
+
+dflash_configure_build() {
+  # $1: build dir; rest: extra cmake args
+  local build=$1; shift
+  export CCACHE_DIR=${CCACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash/ccache}
+  export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+  export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-5G}
+  if [ ! -f "$build/build.ninja" ]; then
+    cmake -S "$DFLASH_ROOT" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=${DFLASH_BUILD_TYPE:-Release} \
+      -DDFLASH_PYTHON="$DFLASH_PYTHON" "$@"
+  fi
+  cmake --build "$build" -j "${DFLASH_JOBS:-$(nproc)}"
+}
