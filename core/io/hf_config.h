@@ -1,0 +1,63 @@
+// Hugging Face config.json -> TargetConfig for the supported target families.
+//
+// Contracts:
+// - parse_* validate everything they read; every failure throws dflash::ConfigError naming the
+//   source (file path or given name) and the field path (e.g. "text_config.head_dim").
+// - Families come from the top-level `model_type`: llama, qwen2, qwen3, qwen3_5 / qwen3_5_text.
+//   For qwen3_5 the text fields are read from `text_config` when present (falling back to the top
+//   level field by field).
+// - head_dim is read from the config; hidden_size / num_attention_heads is used only when absent.
+// - RoPE: `rope_parameters` first (rope_type, rope_theta, partial_rotary_factor, llama3 fields),
+//   then top-level `rope_theta` / `rope_scaling`; partial_rotary_factor may also sit at the top
+//   level. Only rope types "default" and "llama3" are accepted.
+// - Features the model code does not implement (active sliding window, non-SiLU activation, MoE
+//   families) are refused with ConfigError rather than silently ignored.
+// - weight_prefix is left at "model."; the model loader resolves it from the weight names.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dflash::io {
+
+enum class Family { kLlama, kQwen2, kQwen3, kQwen3_5 };
+
+struct RopeConfig {
+  std::string type = "default";  // "default" | "llama3"
+  double theta = 10000.0;
+  double partial_rotary_factor = 1.0;
+  // llama3 scaling only:
+  double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  int64_t original_max_position = 8192;
+};
+
+struct TargetConfig {
+  Family family = Family::kLlama;
+  std::string model_type;  // top-level model_type as written
+  int64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_layers = 0, num_heads = 0,
+          num_kv_heads = 0, head_dim = 0;
+  double rms_norm_eps = 1e-6;
+  RopeConfig rope;
+  int64_t max_position_embeddings = 0;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;  // bias on q/k/v projections (qwen2: always; others: attention_bias)
+  bool o_bias = false;    // bias on o_proj (attention_bias; never for qwen2)
+  bool mlp_bias = false;  // llama `mlp_bias`
+  bool qk_norm = false;   // per-head q_norm/k_norm: qwen3, qwen3_5
+  // qwen3_5 hybrid only:
+  std::vector<std::string> layer_types;  // "full_attention" | "linear_attention", size num_layers
+  bool attn_output_gate = false;
+  int64_t linear_num_key_heads = 0, linear_num_value_heads = 0, linear_key_head_dim = 0,
+          linear_value_head_dim = 0, linear_conv_kernel_dim = 0;
+  std::string weight_prefix = "model.";  // or "model.language_model."; resolved from the weights
+};
+
+// Reads DIR/config.json, or `model_dir` itself when it is a path to a JSON file.
+TargetConfig parse_hf_config(const std::string& model_dir);
+// Parses config.json text; `source_name` is used in error messages.
+TargetConfig parse_hf_config_json(const std::string& json_text, const std::string& source_name);
+// "llama", "qwen2", "qwen3", "qwen3_5".
+const char* family_name(Family f);
+
+}  // namespace dflash::io
