@@ -1,1 +1,136 @@
-// placeholder until implemented
+// Forward pass of dense decoders (target-models.md section 1), read top to bottom:
+//   h = embed(ids); per layer: h += o(attn(rope(qk_norm(qkv(norm(h)))))); h += mlp(norm(h)); capture.
+#include "core/model/dense.h"
+
+#include "core/model/layers.h"
+#include "core/util/error.h"
+
+namespace dflash::model {
+namespace F = torch::nn::functional;
+namespace {
+
+struct DenseLayer {
+  torch::Tensor ln1, ln2;     // [H]
+  torch::Tensor qkv_w;        // [(Hq + 2 Hkv) D, H] fused q|k|v
+  torch::Tensor qkv_b;        // [(Hq + 2 Hkv) D] or undefined
+  torch::Tensor o_w, o_b;     // [H, Hq D]
+  torch::Tensor q_norm, k_norm;  // [D] (qwen3) or undefined
+  torch::Tensor gate_up_w;    // [2 I, H]
+  torch::Tensor down_w;       // [H, I]
+};
+
+class DenseTarget : public TargetModel {
+ public:
+  DenseTarget(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt) : cfg_(cfg), opt_(opt) {
+    const int64_t H = cfg.hidden_size, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
+    const int64_t I = cfg.intermediate_size, V = cfg.vocab_size;
+    const std::string p = "model.";
+    embed_ = w.get(p + "embed_tokens.weight", {V, H}, Init::kNormal);
+    for (int64_t l = 0; l < cfg.num_layers; ++l) {
+      const std::string lp = p + "layers." + std::to_string(l) + ".";
+      DenseLayer L;
+      L.ln1 = w.get(lp + "input_layernorm.weight", {H}, Init::kOnes);
+      L.ln2 = w.get(lp + "post_attention_layernorm.weight", {H}, Init::kOnes);
+      L.qkv_w = torch::cat({w.get(lp + "self_attn.q_proj.weight", {Hq * D, H}, Init::kNormal),
+                            w.get(lp + "self_attn.k_proj.weight", {Hkv * D, H}, Init::kNormal),
+                            w.get(lp + "self_attn.v_proj.weight", {Hkv * D, H}, Init::kNormal)});
+      if (cfg.qkv_bias)
+        L.qkv_b = torch::cat({w.get(lp + "self_attn.q_proj.bias", {Hq * D}, Init::kZeros),
+                              w.get(lp + "self_attn.k_proj.bias", {Hkv * D}, Init::kZeros),
+                              w.get(lp + "self_attn.v_proj.bias", {Hkv * D}, Init::kZeros)});
+      L.o_w = w.get(lp + "self_attn.o_proj.weight", {H, Hq * D}, Init::kNormal);
+      if (cfg.o_bias) L.o_b = w.get(lp + "self_attn.o_proj.bias", {H}, Init::kZeros);
+      if (cfg.qk_norm) {
+        L.q_norm = w.get(lp + "self_attn.q_norm.weight", {D}, Init::kOnes);
+        L.k_norm = w.get(lp + "self_attn.k_norm.weight", {D}, Init::kOnes);
+      }
+      DFLASH_CHECK(!cfg.mlp_bias, ConfigError, "mlp_bias=true is not supported");
+      L.gate_up_w = torch::cat({w.get(lp + "mlp.gate_proj.weight", {I, H}, Init::kNormal),
+                                w.get(lp + "mlp.up_proj.weight", {I, H}, Init::kNormal)});
+      L.down_w = w.get(lp + "mlp.down_proj.weight", {H, I}, Init::kNormal);
+      layers_.push_back(std::move(L));
+    }
+    norm_ = w.get(p + "norm.weight", {H}, Init::kOnes);
+    if (opt.load_lm_head) {
+      if (!cfg.tie_word_embeddings && w.has("lm_head.weight"))
+        lm_head_ = w.get("lm_head.weight", {V, H}, Init::kNormal);
+      else
+        lm_head_ = embed_;  // tied (or lm_head missing, as HF ties it)
+    }
+    RopeOptions ro;
+    ro.theta = cfg.rope.theta;
+    ro.rotary_dim = D;
+    ro.type = cfg.rope.type;
+    ro.factor = cfg.rope.factor;
+    ro.low_freq_factor = cfg.rope.low_freq_factor;
+    ro.high_freq_factor = cfg.rope.high_freq_factor;
+    ro.original_max_position = cfg.rope.original_max_position;
+    inv_freq_ = rope_inv_freq(ro).to(opt.device);
+  }
+
+  const io::TargetConfig& config() const override { return cfg_; }
+  const LoadOptions& options() const override { return opt_; }
+
+  CaptureResult forward_capture(const torch::Tensor& ids_T, const std::vector<int64_t>& doc_lens,
+                                const CaptureSpec& spec, CaptureResult out) override {
+    torch::NoGradGuard no_grad;
+    const int64_t T = ids_T.size(0), H = cfg_.hidden_size, D = cfg_.head_dim;
+    const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, K = spec.layer_ids.size();
+    auto opts = torch::TensorOptions().device(opt_.device).dtype(opt_.dtype);
+    if (!out.features_TKH.defined() || out.features_TKH.sizes() != at::IntArrayRef({T, K * H}))
+      out.features_TKH = torch::empty({T, K * H}, opts);
+    if (spec.last_hidden && (!out.last_hidden_TH.defined() || out.last_hidden_TH.sizes() != at::IntArrayRef({T, H})))
+      out.last_hidden_TH = torch::empty({T, H}, opts);
+    // slot[l] = where layer l's output goes (-1: not captured)
+    std::vector<int64_t> slot(cfg_.num_layers, -1);
+    for (int64_t i = 0; i < K; ++i) slot[spec.layer_ids[i]] = i;
+
+    auto rope = rope_table(inv_freq_, doc_positions(doc_lens, opt_.device), opt_.dtype);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    auto h = F::embedding(ids_T, embed_);  // [T, H]
+    for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+      const auto& L = layers_[l];
+      auto x = rms_norm(h, L.ln1, cfg_.rms_norm_eps);
+      auto qkv = L.qkv_b.defined() ? F::linear(x, L.qkv_w, L.qkv_b) : F::linear(x, L.qkv_w);
+      auto q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
+      auto k = qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D});
+      auto v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D});
+      if (L.q_norm.defined()) {
+        q = rms_norm(q, L.q_norm, cfg_.rms_norm_eps);
+        k = rms_norm(k, L.k_norm, cfg_.rms_norm_eps);
+      }
+      q = apply_rope(q, rope);
+      k = apply_rope(k, rope);
+      auto a = causal_attention_varlen(q, k, v, doc_lens, scale).reshape({T, Hq * D});
+      h = h + (L.o_b.defined() ? F::linear(a, L.o_w, L.o_b) : F::linear(a, L.o_w));
+      x = rms_norm(h, L.ln2, cfg_.rms_norm_eps);
+      h = h + swiglu_mlp(x, L.gate_up_w, L.down_w);
+      if (slot[l] >= 0) out.features_TKH.narrow(1, slot[l] * H, H).copy_(h);
+    }
+    if (spec.last_hidden) out.last_hidden_TH.copy_(h);
+    return out;
+  }
+
+  torch::Tensor embed_tokens(const torch::Tensor& ids) const override { return F::embedding(ids, embed_); }
+  torch::Tensor final_norm(const torch::Tensor& h) const override { return rms_norm(h, norm_, cfg_.rms_norm_eps); }
+  const torch::Tensor& embed_weight() const override { return embed_; }
+  const torch::Tensor& lm_head_weight() const override {
+    DFLASH_CHECK(lm_head_.defined(), ConfigError, "lm_head was not loaded (LoadOptions.load_lm_head=false)");
+    return lm_head_;
+  }
+
+ private:
+  io::TargetConfig cfg_;
+  LoadOptions opt_;
+  torch::Tensor embed_, norm_, lm_head_, inv_freq_;
+  std::vector<DenseLayer> layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<TargetModel> make_dense_target(const io::TargetConfig& cfg, WeightSource& weights,
+                                               const LoadOptions& opt) {
+  return std::make_unique<DenseTarget>(cfg, weights, opt);
+}
+
+}  // namespace dflash::model

@@ -1,1 +1,106 @@
-// placeholder until implemented
+#include "core/model/layers.h"
+
+#include <ATen/ops/_flash_attention_forward.h>
+
+#include <cmath>
+
+namespace dflash::model {
+namespace F = torch::nn::functional;
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  auto x32 = x.to(torch::kFloat32);
+  auto y = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return w * y.to(x.scalar_type());
+}
+
+torch::Tensor rms_norm_zero_centred(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  auto x32 = x.to(torch::kFloat32);
+  auto y = x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + eps);
+  return (y * (1.0 + w.to(torch::kFloat32))).to(x.scalar_type());
+}
+
+torch::Tensor rope_inv_freq(const RopeOptions& opt) {
+  const int64_t dim = opt.rotary_dim;
+  TORCH_CHECK(dim > 0 && dim % 2 == 0, "rotary_dim must be positive and even, got ", dim);
+  auto exponent = torch::arange(0, dim, 2, torch::kInt64).to(torch::kFloat32) / static_cast<double>(dim);
+  auto inv_freq = 1.0 / torch::pow(opt.theta, exponent);
+  if (opt.type == "llama3") {
+    const double old_ctx = static_cast<double>(opt.original_max_position);
+    const double low_wavelen = old_ctx / opt.low_freq_factor;
+    const double high_wavelen = old_ctx / opt.high_freq_factor;
+    auto wavelen = 2.0 * M_PI / inv_freq;
+    auto scaled = torch::where(wavelen > low_wavelen, inv_freq / opt.factor, inv_freq);
+    auto smooth = (old_ctx / wavelen - opt.low_freq_factor) / (opt.high_freq_factor - opt.low_freq_factor);
+    auto smoothed = (1 - smooth) * scaled / opt.factor + smooth * scaled;
+    auto medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+    inv_freq = torch::where(medium, smoothed, scaled);
+  } else {
+    TORCH_CHECK(opt.type == "default", "unsupported rope type '", opt.type, "'");
+  }
+  return inv_freq;
+}
+
+RopeTable rope_table(const torch::Tensor& inv_freq, const torch::Tensor& positions_T, torch::ScalarType dtype) {
+  auto freqs = positions_T.to(torch::kFloat32).unsqueeze(1) * inv_freq.to(positions_T.device()).unsqueeze(0);
+  auto emb = torch::cat({freqs, freqs}, -1);  // [T, R]
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+torch::Tensor apply_rope(const torch::Tensor& x, const RopeTable& rope) {
+  const int64_t R = rope.cos.size(-1);
+  const int64_t D = x.size(-1);
+  auto cos = rope.cos.unsqueeze(1);  // [T, 1, R]
+  auto sin = rope.sin.unsqueeze(1);
+  auto xr = R == D ? x : x.narrow(-1, 0, R);
+  auto x1 = xr.narrow(-1, 0, R / 2);
+  auto x2 = xr.narrow(-1, R / 2, R / 2);
+  auto rotated = xr * cos + torch::cat({-x2, x1}, -1) * sin;
+  if (R == D) return rotated;
+  return torch::cat({rotated, x.narrow(-1, R, D - R)}, -1);
+}
+
+torch::Tensor doc_positions(const std::vector<int64_t>& doc_lens, torch::Device device) {
+  int64_t total = 0;
+  for (auto n : doc_lens) total += n;
+  std::vector<int64_t> pos;
+  pos.reserve(total);
+  for (auto n : doc_lens)
+    for (int64_t i = 0; i < n; ++i) pos.push_back(i);
+  return torch::tensor(pos, torch::kInt64).to(device);
+}
+
+torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                      const std::vector<int64_t>& doc_lens, double scale) {
+  const bool flash = q.is_cuda() && (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf);
+  if (flash) {
+    std::vector<int32_t> cu{0};
+    int64_t max_len = 0;
+    for (auto n : doc_lens) {
+      cu.push_back(cu.back() + static_cast<int32_t>(n));
+      max_len = std::max(max_len, n);
+    }
+    auto cu_t = torch::tensor(cu, torch::kInt32).pin_memory().to(q.device(), /*non_blocking=*/true);
+    auto out = at::_flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_t, cu_t, max_len,
+                                            max_len, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, scale);
+    return std::get<0>(out);
+  }
+  auto out = torch::empty_like(q);
+  int64_t off = 0;
+  for (auto n : doc_lens) {
+    auto qd = q.narrow(0, off, n).transpose(0, 1).unsqueeze(0);  // [1, Hq, n, D]
+    auto kd = k.narrow(0, off, n).transpose(0, 1).unsqueeze(0);
+    auto vd = v.narrow(0, off, n).transpose(0, 1).unsqueeze(0);
+    auto od = at::scaled_dot_product_attention(qd, kd, vd, {}, 0.0, /*is_causal=*/true, scale, /*enable_gqa=*/true);
+    out.narrow(0, off, n).copy_(od.squeeze(0).transpose(0, 1));
+    off += n;
+  }
+  return out;
+}
+
+torch::Tensor swiglu_mlp(const torch::Tensor& x, const torch::Tensor& gate_up_w, const torch::Tensor& down_w) {
+  auto gu = F::linear(x, gate_up_w);
+  auto chunks = gu.chunk(2, -1);
+  return F::linear(torch::silu(chunks[0]) * chunks[1], down_w);
+}
+
+}  // namespace dflash::model

@@ -1,1 +1,81 @@
-// placeholder until implemented
+#include "core/model/target.h"
+
+#include <set>
+
+#include "core/model/dense.h"
+#include "core/model/weights.h"
+#include "core/util/error.h"
+
+namespace dflash::model {
+namespace {
+
+std::unique_ptr<TargetModel> build(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt) {
+  switch (cfg.family) {
+    case io::Family::kLlama:
+    case io::Family::kQwen2:
+    case io::Family::kQwen3:
+      return make_dense_target(cfg, w, opt);
+    default:
+      break;
+  }
+  DFLASH_FAIL(ConfigError, "model family '" << io::family_name(cfg.family) << "' has no forward pass in this build");
+}
+
+}  // namespace
+
+std::unique_ptr<TargetModel> load_target(const std::string& dir, const LoadOptions& opt) {
+  auto cfg = io::parse_hf_config(dir);
+  auto w = file_weights(dir, opt.device, opt.dtype);
+  return build(cfg, *w, opt);
+}
+
+std::unique_ptr<TargetModel> make_random_target(const io::TargetConfig& cfg, const LoadOptions& opt, uint64_t seed) {
+  auto w = random_weights(seed, opt.device, opt.dtype);
+  return build(cfg, *w, opt);
+}
+
+void validate_capture(const io::TargetConfig& cfg, const CaptureSpec& spec) {
+  std::set<int64_t> seen;
+  for (auto id : spec.layer_ids) {
+    DFLASH_CHECK(id >= 0 && id < cfg.num_layers, ConfigError,
+                 "capture layer id " << id << " is out of range: the model has " << cfg.num_layers
+                                     << " decoder layers (valid ids 0.." << cfg.num_layers - 1 << ")");
+    DFLASH_CHECK(seen.insert(id).second, ConfigError, "capture layer id " << id << " is listed twice");
+  }
+  DFLASH_CHECK(!spec.layer_ids.empty() || spec.last_hidden, ConfigError,
+               "nothing to capture: give at least one layer id or ask for the last hidden state");
+}
+
+double forward_flops(const io::TargetConfig& c, const std::vector<int64_t>& doc_lens) {
+  const double H = c.hidden_size, D = c.head_dim, Hq = c.num_heads, Hkv = c.num_kv_heads, I = c.intermediate_size;
+  double tokens = 0, attn = 0;
+  for (auto n : doc_lens) {
+    tokens += n;
+    attn += 2.0 * 2.0 * Hq * D * (static_cast<double>(n) * (n + 1) / 2.0);  // QK^T + PV, causal half
+  }
+  const double per_token_params = H * (Hq + 2 * Hkv) * D + Hq * D * H + 3.0 * H * I;
+  return c.num_layers * (2.0 * tokens * per_token_params + attn);
+}
+
+}  // namespace dflash::model
+
+namespace dflash::model {
+
+torch::ScalarType parse_dtype(const std::string& n) {
+  if (n == "float32" || n == "fp32") return torch::kFloat32;
+  if (n == "bfloat16" || n == "bf16") return torch::kBFloat16;
+  if (n == "float16" || n == "fp16") return torch::kFloat16;
+  DFLASH_FAIL(ConfigError, "dtype: expected float32|bfloat16|float16, got '" << n << "'");
+}
+
+torch::Device parse_device(const std::string& n) {
+  if (n == "cpu") return torch::kCPU;
+  if (n.rfind("cuda", 0) == 0) {
+    DFLASH_CHECK(torch::cuda::is_available(), ConfigError,
+                 "device: '" << n << "' requested but no CUDA device is available in this process");
+    return torch::Device(n);
+  }
+  DFLASH_FAIL(ConfigError, "device: expected cpu|cuda|cuda:N, got '" << n << "'");
+}
+
+}  // namespace dflash::model

@@ -1,1 +1,45 @@
-// placeholder until implemented
+#include "services/coordinator/cli.h"
+
+#include <cstring>
+#include <iostream>
+#include <string>
+
+#include "core/util/error.h"
+#include "core/util/log.h"
+#include "services/coordinator/config_check_cmd.h"
+#include "services/target/bench_target.h"
+
+namespace dflash::cli {
+namespace {
+
+const char* kUsage =
+    "usage: dflash <command> ...\n"
+    "  config check FILE        validate a run config; prints every problem; exit 2 on any\n"
+    "  bench target [flags]     target forward+capture throughput as JSON (--shape qwen3-8b --device cuda\n"
+    "                           --batches 1x4096,4x4096,16x1024 --layers 1,9,17,25,33 [--baseline])\n"
+    "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
+
+bool is(const char* a, const char* b) { return a && !std::strcmp(a, b); }
+
+}  // namespace
+
+int run_cli(int argc, char** argv) {
+  set_log_role("dflash");
+  if (argc < 2 || is(argv[1], "--help") || is(argv[1], "-h") || is(argv[1], "help")) {
+    std::cerr << kUsage;
+    return argc < 2 ? kExitConfig : kExitOk;
+  }
+  try {
+    const char* cmd = argv[1];
+    const char* sub = argc > 2 ? argv[2] : nullptr;
+    if (is(cmd, "config") && is(sub, "check")) return cmd_config_check(argc - 3, argv + 3);
+    if (is(cmd, "bench") && is(sub, "target")) return target::cmd_bench_target(argc - 3, argv + 3);
+    std::cerr << "unknown command: " << cmd << (sub ? std::string(" ") + sub : "") << "\n" << kUsage;
+    return kExitConfig;
+  } catch (const std::exception& e) {
+    LOG_ERROR(e.what());
+    return exit_code_for(e);
+  }
+}
+
+}  // namespace dflash::cli

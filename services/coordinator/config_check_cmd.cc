@@ -1,1 +1,63 @@
-// placeholder until implemented
+// `dflash config check FILE` (see config_check_cmd.h).
+#include "services/coordinator/config_check_cmd.h"
+
+#include <exception>
+#include <iostream>
+#include <string>
+
+#include "core/config/config.h"
+#include "core/util/error.h"
+
+namespace dflash::cli {
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: dflash config check FILE\n"
+    "  Parses and validates a run config; prints every problem as FILE: field.path: message.\n"
+    "  Exit status: 0 valid, 2 any problem.\n";
+
+// "run 'x': 2 target(s) + 2 drafter(s) on 1 host(s), transport shm, ..."
+std::string summarize(const config::RunConfig& c) {
+  std::string s = "run '" + c.run.name + "': " + std::to_string(c.num_targets()) + " target(s) + " +
+                  std::to_string(c.num_drafters()) + " drafter(s) on " +
+                  std::to_string(c.topology.hosts.size()) + " host(s), transport " +
+                  config::to_string(c.topology.transport) + ", model " + c.target.model_dir +
+                  " (" + config::to_string(c.target.dtype) + "), " +
+                  std::to_string(c.drafter.num_layers) + " draft layer(s), block_size " +
+                  std::to_string(c.drafter.block_size) + ", token_budget " +
+                  std::to_string(c.data.token_budget) + ", max_seq_len " +
+                  std::to_string(c.data.max_seq_len) + ", " + std::to_string(c.run.epochs) +
+                  " epoch(s)";
+  return s;
+}
+
+}  // namespace
+
+int cmd_config_check(int argc, char** argv) {
+  if (argc == 1 && (std::string(argv[0]) == "-h" || std::string(argv[0]) == "--help")) {
+    std::cout << kUsage;
+    return kExitOk;
+  }
+  if (argc != 1) {
+    std::cerr << "dflash config check: expected exactly one FILE, got " << argc
+              << " argument(s)\n" << kUsage;
+    return kExitConfig;
+  }
+  const std::string file = argv[0];
+  try {
+    const config::ParseResult result = config::parse_config_file(file);
+    if (!result.ok()) {
+      for (const auto& p : result.problems) std::cerr << config::format_problem(file, p) << "\n";
+      std::cerr << file << ": " << result.problems.size() << " problem(s)\n";
+      return kExitConfig;
+    }
+    std::cout << file << ": ok\n" << summarize(result.config) << "\n";
+    return kExitOk;
+  } catch (const std::exception& e) {
+    std::cerr << file << ": " << e.what() << "\n";
+    return exit_code_for(e);
+  }
+}
+
+}  // namespace dflash::cli

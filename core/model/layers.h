@@ -1,0 +1,48 @@
+// Shared transformer building blocks for target models and the drafter (LibTorch, CPU and CUDA).
+// Legend: T = tokens of a packed batch (documents back to back), H = hidden, Hq/Hkv = heads,
+// D = head_dim, R = rotary dims. Positions restart at 0 in every document.
+#pragma once
+#include <torch/torch.h>
+
+#include <vector>
+
+namespace dflash::model {
+
+// Qwen3/Llama RMSNorm: w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype); the multiply in x's dtype.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+// Qwen3.5/Next zero-centred RMSNorm, all in fp32: (x32 * rsqrt(...) * (1 + w32)).to(x.dtype).
+torch::Tensor rms_norm_zero_centred(const torch::Tensor& x, const torch::Tensor& w, double eps);
+
+struct RopeOptions {
+  double theta = 10000.0;
+  int64_t rotary_dim = 0;  // R (even); the first R dims of each head rotate (partial RoPE)
+  std::string type = "default";  // "default" | "llama3"
+  double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  int64_t original_max_position = 8192;
+};
+
+// inv_freq [R/2] float32 as HF computes it (including llama3 frequency scaling).
+torch::Tensor rope_inv_freq(const RopeOptions& opt);
+
+// cos/sin [T, R] for the given positions, computed in fp32 and cast to `dtype` (as HF does).
+struct RopeTable {
+  torch::Tensor cos, sin;
+};
+RopeTable rope_table(const torch::Tensor& inv_freq, const torch::Tensor& positions_T, torch::ScalarType dtype);
+
+// x: [T, heads, D]; rotates the first R = cos.size(-1) dims with the half-split (NeoX) convention.
+torch::Tensor apply_rope(const torch::Tensor& x, const RopeTable& rope);
+
+// Positions [T] int64 restarting at 0 in every document.
+torch::Tensor doc_positions(const std::vector<int64_t>& doc_lens, torch::Device device);
+
+// Causal attention inside each document of a packed batch (no cross-document attention), GQA.
+// q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. CUDA bf16/fp16 uses the varlen flash kernel; other
+// cases run SDPA per document.
+torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                      const std::vector<int64_t>& doc_lens, double scale);
+
+// SwiGLU MLP with fused gate/up weight [2*I, H] (gate rows first): down(silu(gate(x)) * up(x)).
+torch::Tensor swiglu_mlp(const torch::Tensor& x, const torch::Tensor& gate_up_w, const torch::Tensor& down_w);
+
+}  // namespace dflash::model

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, runs every test (ctest). Exits non-zero on any failure.
+# Env: DFLASH_BUILD_DIR (default ./build), DFLASH_JOBS, DFLASH_CUDA (AUTO|ON|OFF), CTEST_ARGS.
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+start=$(date +%s)
+dflash_install_debs
+dflash_install_venv
+build=${DFLASH_BUILD_DIR:-$DFLASH_ROOT/build}
+dflash_configure_build "$build" -DDFLASH_CUDA="${DFLASH_CUDA:-AUTO}"
+built=$(date +%s)
+# Tests labelled `gpu` need a CUDA device; they run on GPU hosts only.
+exclude=()
+if ! nvidia-smi -L >/dev/null 2>&1; then exclude=(-LE gpu); fi
+cd "$build"
+ctest --output-on-failure -j "${DFLASH_JOBS:-$(nproc)}" "${exclude[@]}" ${CTEST_ARGS:-}
+echo "[test] build $((built - start)) s, tests $(($(date +%s) - built)) s"
