@@ -1,1 +1,1108 @@
-// placeholder until implemented
+// YAML -> RunConfig, validation that names the field, and RunConfig -> YAML.
+//
+// One field list per struct (`fields(v, s)`) drives three visitors: Reader (YAML -> struct, with
+// type errors and unknown keys), Writer (struct -> YAML) and, through to_yaml, equality. Range and
+// cross-field checks run afterwards in validate(), reading the typed config.
+#include "core/config/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <type_traits>
+#include <utility>
+
+#include "core/util/error.h"
+
+namespace dflash::config {
+
+// ---------------------------------------------------------------- enums
+
+namespace {
+
+template <class E>
+struct EnumTable;
+
+#define DFLASH_ENUM_TABLE(E, ...)                                          \
+  template <>                                                              \
+  struct EnumTable<E> {                                                    \
+    static const std::vector<std::pair<E, const char*>>& get() {           \
+      static const std::vector<std::pair<E, const char*>> t = {__VA_ARGS__}; \
+      return t;                                                            \
+    }                                                                      \
+  };
+
+DFLASH_ENUM_TABLE(Dtype, {Dtype::kBfloat16, "bfloat16"}, {Dtype::kFloat16, "float16"},
+                  {Dtype::kFloat32, "float32"})
+DFLASH_ENUM_TABLE(NoiseType, {NoiseType::kUniform, "uniform"}, {NoiseType::kGaussian, "gaussian"},
+                  {NoiseType::kNone, "none"})
+DFLASH_ENUM_TABLE(Overlong, {Overlong::kTruncate, "truncate"}, {Overlong::kDrop, "drop"})
+DFLASH_ENUM_TABLE(Transport, {Transport::kShm, "shm"}, {Transport::kC10d, "c10d"})
+DFLASH_ENUM_TABLE(LaunchKind, {LaunchKind::kLocal, "local"}, {LaunchKind::kSsh, "ssh"},
+                  {LaunchKind::kPct, "pct"})
+DFLASH_ENUM_TABLE(FaultKind, {FaultKind::kCrash, "crash"}, {FaultKind::kOom, "oom"},
+                  {FaultKind::kHang, "hang"}, {FaultKind::kCorruptCheckpoint, "corrupt_checkpoint"})
+DFLASH_ENUM_TABLE(Role, {Role::kTarget, "target"}, {Role::kDrafter, "drafter"},
+                  {Role::kCoordinator, "coordinator"})
+#undef DFLASH_ENUM_TABLE
+
+template <class E>
+const char* enum_name(E v) {
+  for (const auto& [value, name] : EnumTable<E>::get()) {
+    if (value == v) return name;
+  }
+  return "?";
+}
+
+}  // namespace
+
+const char* to_string(Dtype v) { return enum_name(v); }
+const char* to_string(NoiseType v) { return enum_name(v); }
+const char* to_string(Overlong v) { return enum_name(v); }
+const char* to_string(Transport v) { return enum_name(v); }
+const char* to_string(LaunchKind v) { return enum_name(v); }
+const char* to_string(FaultKind v) { return enum_name(v); }
+const char* to_string(Role v) { return enum_name(v); }
+
+int RunConfig::num_targets() const {
+  int n = 0;
+  for (const auto& h : topology.hosts) n += static_cast<int>(h.target_gpus.size());
+  return n;
+}
+
+int RunConfig::num_drafters() const {
+  int n = 0;
+  for (const auto& h : topology.hosts) n += static_cast<int>(h.drafter_gpus.size());
+  return n;
+}
+
+// ---------------------------------------------------------------- field lists
+
+namespace {
+
+// The one list of YAML keys per struct. V is called as v("key", field).
+template <class V>
+void fields(V& v, RunSection& s) {
+  v("name", s.name);
+  v("output_dir", s.output_dir);
+  v("seed", s.seed);
+  v("epochs", s.epochs);
+  v("save_interval_steps", s.save_interval_steps);
+  v("keep_last", s.keep_last);
+  v("keep_every", s.keep_every);
+  v("resume", s.resume);
+}
+
+template <class V>
+void fields(V& v, TargetSection& s) {
+  v("model_dir", s.model_dir);
+  v("dtype", s.dtype);
+  v("target_layer_ids", s.target_layer_ids);
+  v("ship_h_last", s.ship_h_last);
+}
+
+template <class V>
+void fields(V& v, DrafterSection& s) {
+  v("num_layers", s.num_layers);
+  v("block_size", s.block_size);
+  v("mask_token_id", s.mask_token_id);
+  v("hidden_size", s.hidden_size);
+  v("num_heads", s.num_heads);
+  v("num_kv_heads", s.num_kv_heads);
+  v("head_dim", s.head_dim);
+  v("intermediate_size", s.intermediate_size);
+  v("init_from", s.init_from);
+}
+
+template <class V>
+void fields(V& v, SoftLabelsOptions& s) {
+  v("enabled", s.enabled);
+  v("kl_weight", s.kl_weight);
+  v("temperature", s.temperature);
+}
+
+template <class V>
+void fields(V& v, NoiseOptions& s) {
+  v("type", s.type);
+  v("start", s.start);
+  v("end", s.end);
+}
+
+template <class V>
+void fields(V& v, TrainSection& s) {
+  v("lr", s.lr);
+  v("warmup_ratio", s.warmup_ratio);
+  v("weight_decay", s.weight_decay);
+  v("grad_accum", s.grad_accum);
+  v("grad_clip", s.grad_clip);
+  v("max_anchors", s.max_anchors);
+  v("gamma", s.gamma);
+  v("soft_labels", s.soft_labels);
+  v("noise", s.noise);
+  v("max_nonfinite_steps", s.max_nonfinite_steps);
+}
+
+template <class V>
+void fields(V& v, DataSection& s) {
+  v("shard_dir", s.shard_dir);
+  v("token_budget", s.token_budget);
+  v("max_seq_len", s.max_seq_len);
+  v("max_batch_size", s.max_batch_size);
+  v("bucketing", s.bucketing);
+  v("overlong", s.overlong);
+  v("shuffle_seed", s.shuffle_seed);
+  v("checksum", s.checksum);
+}
+
+template <class V>
+void fields(V& v, HostSpec& s) {
+  v("name", s.name);
+  v("launch", s.launch);
+  v("ctid", s.ctid);
+  v("target_gpus", s.target_gpus);
+  v("drafter_gpus", s.drafter_gpus);
+}
+
+template <class V>
+void fields(V& v, TopologySection& s) {
+  v("hosts", s.hosts);
+  v("transport", s.transport);
+  v("inflight_depth", s.inflight_depth);
+  v("shm_slots", s.shm_slots);
+}
+
+template <class V>
+void fields(V& v, CoordinatorSection& s) {
+  v("listen", s.listen);
+  v("token", s.token);
+  v("token_file", s.token_file);
+  v("heartbeat_timeout_s", s.heartbeat_timeout_s);
+  v("metrics_port", s.metrics_port);
+  v("worker_metrics_port_base", s.worker_metrics_port_base);
+  v("profile_interval_s", s.profile_interval_s);
+}
+
+template <class V>
+void fields(V& v, FaultSpec& s) {
+  v("kind", s.kind);
+  v("role", s.role);
+  v("rank", s.rank);
+  v("step", s.step);
+}
+
+template <class V>
+void fields(V& v, OomPolicy& s) {
+  v("token_budget_step", s.token_budget_step);
+  v("token_budget_floor", s.token_budget_floor);
+  v("max_batch_size_floor", s.max_batch_size_floor);
+  v("expandable_segments", s.expandable_segments);
+  v("allow_changing", s.allow_changing);
+}
+
+template <class V>
+void fields(V& v, ResilienceSection& s) {
+  v("oom", s.oom);
+  v("max_restarts", s.max_restarts);
+  v("backoff_s", s.backoff_s);
+  v("allow_degraded", s.allow_degraded);
+  v("fault_injection", s.fault_injection);
+}
+
+template <class V>
+void fields(V& v, LaunchTemplate& s) {
+  v("kind", s.kind);
+  v("command_template", s.command_template);
+  v("env", s.env);
+}
+
+template <class V>
+void fields(V& v, RunConfig& s) {
+  v("run", s.run);
+  v("target", s.target);
+  v("drafter", s.drafter);
+  v("train", s.train);
+  v("data", s.data);
+  v("topology", s.topology);
+  v("coordinator", s.coordinator);
+  v("resilience", s.resilience);
+  v("launch", s.launch);
+}
+
+// ---------------------------------------------------------------- helpers
+
+// Shortest decimal text that reads back as exactly `d`.
+std::string format_double(double d) {
+  char buf[40];
+  for (int prec = 1; prec <= 17; ++prec) {
+    std::snprintf(buf, sizeof(buf), "%.*g", prec, d);
+    if (std::strtod(buf, nullptr) == d) break;
+  }
+  return buf;
+}
+
+std::string join_key(const std::string& prefix, const std::string& key) {
+  return prefix.empty() ? key : prefix + "." + key;
+}
+
+std::string join_index(const std::string& prefix, size_t i) {
+  return prefix + "[" + std::to_string(i) + "]";
+}
+
+// 1-based (line, column) of a node, (0, 0) when unknown.
+struct Pos {
+  int line = 0;
+  int column = 0;
+};
+
+Pos pos_of(const YAML::Node& n) {
+  const YAML::Mark m = n.Mark();
+  if (m.is_null() || m.line < 0) return {};
+  return {m.line + 1, m.column + 1};
+}
+
+// How a node looks, for "got ..." in messages.
+std::string describe(const YAML::Node& n) {
+  switch (n.Type()) {
+    case YAML::NodeType::Null:
+    case YAML::NodeType::Undefined:
+      return "null";
+    case YAML::NodeType::Sequence:
+      return "a sequence";
+    case YAML::NodeType::Map:
+      return "a mapping";
+    case YAML::NodeType::Scalar:
+      break;
+  }
+  return "\"" + n.Scalar() + "\"";
+}
+
+// Optimal-string-alignment distance: insertions, deletions, substitutions, transpositions.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev2(b.size() + 1), prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t subst = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, subst});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
+        cur[j] = std::min(cur[j], prev2[j - 2] + 1);  // adjacent transposition
+      }
+    }
+    prev2 = prev;
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+// The closest candidate within a third of the key's length (at least 1 edit), or "".
+std::string suggest(const std::string& key, const std::vector<std::string>& candidates) {
+  const size_t limit = std::max<size_t>(1, key.size() / 3);
+  std::string best;
+  size_t best_d = limit + 1;
+  for (const auto& c : candidates) {
+    const size_t d = edit_distance(key, c);
+    if (d < best_d) {
+      best_d = d;
+      best = c;
+    }
+  }
+  return best;
+}
+
+std::string join_list(const std::vector<std::string>& items, const char* sep) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i) out += sep;
+    out += items[i];
+  }
+  return out;
+}
+
+template <class E>
+std::vector<std::string> enum_names() {
+  std::vector<std::string> out;
+  for (const auto& entry : EnumTable<E>::get()) out.push_back(entry.second);
+  return out;
+}
+
+// Problems plus the YAML line of every path seen, so later checks can point at the file.
+class Ctx {
+ public:
+  // Records a problem at `path`; an unknown position means "where path or its nearest ancestor
+  // is in the file". Only syntax errors show the column; it orders problems on one line.
+  void add(const std::string& path, const std::string& message, Pos pos = {}) {
+    if (pos.line == 0) pos = pos_of_path(path);
+    problems.push_back(Problem{path, message, pos.line, 0});
+    columns_.push_back(pos.column);
+    reported_.insert(path);
+  }
+  // Like add, but skipped when `path` already has a problem (a type error left a default there).
+  void check(const std::string& path, const std::string& message) {
+    if (reported_.count(path)) return;
+    add(path, message);
+  }
+  void note_line(const std::string& path, const YAML::Node& n) {
+    const Pos pos = pos_of(n);
+    if (pos.line > 0) positions_[path] = pos;
+  }
+  Pos pos_of_path(std::string path) const {
+    while (true) {
+      auto it = positions_.find(path);
+      if (it != positions_.end()) return it->second;
+      const size_t cut = path.find_last_of(".[");
+      if (cut == std::string::npos) return {};
+      path.resize(cut);
+    }
+  }
+  // The problems in file order (line, column); those with no position last, in report order.
+  std::vector<Problem> sorted_problems() const {
+    std::vector<size_t> order(problems.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    auto key = [&](size_t i) {
+      const int line = problems[i].line > 0 ? problems[i].line : INT32_MAX;
+      return std::make_pair(line, columns_[i]);
+    };
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
+    std::vector<Problem> out;
+    for (size_t i : order) out.push_back(problems[i]);
+    return out;
+  }
+
+  std::vector<Problem> problems;
+
+ private:
+  std::vector<int> columns_;  // parallel to problems
+  std::map<std::string, Pos> positions_;
+  std::set<std::string> reported_;
+};
+
+// ---------------------------------------------------------------- YAML -> struct
+
+void type_error(Ctx& ctx, const std::string& path, const YAML::Node& n, const std::string& expected) {
+  ctx.add(path, "expected " + expected + ", got " + describe(n), pos_of(n));
+}
+
+void read_value(const YAML::Node& n, const std::string& path, std::string& out, Ctx& ctx) {
+  if (n.IsNull()) {
+    out.clear();
+  } else if (n.IsScalar()) {
+    out = n.Scalar();
+  } else {
+    type_error(ctx, path, n, "a string");
+  }
+}
+
+void read_value(const YAML::Node& n, const std::string& path, bool& out, Ctx& ctx) {
+  bool v = false;
+  if (n.IsScalar() && YAML::convert<bool>::decode(n, v)) {
+    out = v;
+  } else {
+    type_error(ctx, path, n, "true or false");
+  }
+}
+
+template <class I>
+void read_integer(const YAML::Node& n, const std::string& path, I& out, Ctx& ctx) {
+  I v{};
+  if (n.IsScalar() && YAML::convert<I>::decode(n, v)) {
+    out = v;
+  } else {
+    type_error(ctx, path, n, "an integer");
+  }
+}
+
+void read_value(const YAML::Node& n, const std::string& path, int& out, Ctx& ctx) {
+  read_integer(n, path, out, ctx);
+}
+
+void read_value(const YAML::Node& n, const std::string& path, int64_t& out, Ctx& ctx) {
+  read_integer(n, path, out, ctx);
+}
+
+void read_value(const YAML::Node& n, const std::string& path, double& out, Ctx& ctx) {
+  double v = 0;
+  if (n.IsScalar() && YAML::convert<double>::decode(n, v)) {
+    if (std::isfinite(v)) {
+      out = v;
+    } else {
+      type_error(ctx, path, n, "a finite number");
+    }
+  } else {
+    type_error(ctx, path, n, "a number");
+  }
+}
+
+template <class T>
+void read_scalar_list(const YAML::Node& n, const std::string& path, std::vector<T>& out, Ctx& ctx) {
+  if (n.IsNull()) {
+    out.clear();
+    return;
+  }
+  if (!n.IsSequence()) {
+    type_error(ctx, path, n, "a sequence");
+    return;
+  }
+  std::vector<T> items;
+  for (size_t i = 0; i < n.size(); ++i) {
+    T item{};
+    const size_t before = ctx.problems.size();
+    ctx.note_line(join_index(path, i), n[i]);
+    read_value(n[i], join_index(path, i), item, ctx);
+    if (ctx.problems.size() == before) items.push_back(item);
+  }
+  out = std::move(items);
+}
+
+void read_value(const YAML::Node& n, const std::string& path, std::vector<int>& out, Ctx& ctx) {
+  read_scalar_list(n, path, out, ctx);
+}
+
+void read_value(const YAML::Node& n, const std::string& path, std::vector<std::string>& out,
+                Ctx& ctx) {
+  read_scalar_list(n, path, out, ctx);
+}
+
+template <class E, std::enable_if_t<std::is_enum<E>::value, int> = 0>
+void read_value(const YAML::Node& n, const std::string& path, E& out, Ctx& ctx) {
+  const std::string expected = "one of " + join_list(enum_names<E>(), "|");
+  if (!n.IsScalar()) {
+    type_error(ctx, path, n, expected);
+    return;
+  }
+  for (const auto& [value, name] : EnumTable<E>::get()) {
+    if (n.Scalar() == name) {
+      out = value;
+      return;
+    }
+  }
+  std::string msg = "expected " + expected + ", got " + describe(n);
+  const std::string hint = suggest(n.Scalar(), enum_names<E>());
+  if (!hint.empty()) msg += " (did you mean '" + hint + "'?)";
+  ctx.add(path, msg, pos_of(n));
+}
+
+template <class T, std::enable_if_t<std::is_class<T>::value, int> = 0>
+void read_value(const YAML::Node& n, const std::string& path, T& out, Ctx& ctx);
+
+template <class T>
+void read_value(const YAML::Node& n, const std::string& path, std::vector<T>& out, Ctx& ctx);
+
+template <class T>
+void read_value(const YAML::Node& n, const std::string& path, std::map<std::string, T>& out,
+                Ctx& ctx);
+
+// Visits a struct's fields against one YAML mapping; finish() reports unknown/duplicate keys.
+class Reader {
+ public:
+  Reader(const YAML::Node& map, std::string prefix, Ctx* ctx)
+      : map_(map), prefix_(std::move(prefix)), ctx_(ctx) {}
+
+  template <class T>
+  void operator()(const char* key, T& out) {
+    known_.emplace_back(key);
+    const YAML::Node n = map_[key];
+    if (!n.IsDefined()) return;
+    const std::string path = join_key(prefix_, key);
+    ctx_->note_line(path, n);
+    read_value(n, path, out, *ctx_);
+  }
+
+  void finish() {
+    std::set<std::string> seen;
+    for (auto it = map_.begin(); it != map_.end(); ++it) {
+      const YAML::Node& key = it->first;
+      if (!key.IsScalar()) {
+        ctx_->add(prefix_, "expected string keys, got " + describe(key), pos_of(key));
+        continue;
+      }
+      const std::string name = key.Scalar();
+      const std::string path = join_key(prefix_, name);
+      if (!seen.insert(name).second) {
+        ctx_->add(path, "duplicate key", pos_of(key));
+        continue;
+      }
+      if (std::find(known_.begin(), known_.end(), name) != known_.end()) continue;
+      const std::string hint = suggest(name, known_);
+      ctx_->add(path,
+                hint.empty() ? "unknown key (expected one of: " + join_list(known_, ", ") + ")"
+                             : "unknown key (did you mean '" + hint + "'?)",
+                pos_of(key));
+    }
+  }
+
+ private:
+  const YAML::Node map_;
+  std::string prefix_;
+  Ctx* ctx_;
+  std::vector<std::string> known_;
+};
+
+template <class T, std::enable_if_t<std::is_class<T>::value, int>>
+void read_value(const YAML::Node& n, const std::string& path, T& out, Ctx& ctx) {
+  if (n.IsNull()) return;  // `section:` with nothing under it: all defaults
+  if (!n.IsMap()) {
+    type_error(ctx, path, n, "a mapping");
+    return;
+  }
+  Reader r(n, path, &ctx);
+  fields(r, out);
+  r.finish();
+}
+
+template <class T>
+void read_value(const YAML::Node& n, const std::string& path, std::vector<T>& out, Ctx& ctx) {
+  if (n.IsNull()) {
+    out.clear();
+    return;
+  }
+  if (!n.IsSequence()) {
+    type_error(ctx, path, n, "a sequence");
+    return;
+  }
+  out.clear();
+  for (size_t i = 0; i < n.size(); ++i) {
+    T item{};
+    ctx.note_line(join_index(path, i), n[i]);
+    read_value(n[i], join_index(path, i), item, ctx);
+    out.push_back(std::move(item));
+  }
+}
+
+template <class T>
+void read_value(const YAML::Node& n, const std::string& path, std::map<std::string, T>& out,
+                Ctx& ctx) {
+  if (n.IsNull()) {
+    out.clear();
+    return;
+  }
+  if (!n.IsMap()) {
+    type_error(ctx, path, n, "a mapping");
+    return;
+  }
+  out.clear();
+  for (auto it = n.begin(); it != n.end(); ++it) {
+    if (!it->first.IsScalar()) {
+      ctx.add(path, "expected string keys, got " + describe(it->first), pos_of(it->first));
+      continue;
+    }
+    const std::string name = it->first.Scalar();
+    const std::string item_path = join_key(path, name);
+    if (out.count(name)) {
+      ctx.add(item_path, "duplicate key", pos_of(it->first));
+      continue;
+    }
+    T item{};
+    ctx.note_line(item_path, it->second);
+    read_value(it->second, item_path, item, ctx);
+    out.emplace(name, std::move(item));
+  }
+}
+
+// ---------------------------------------------------------------- struct -> YAML
+
+void write_value(YAML::Emitter& e, const std::string& v) { e << YAML::DoubleQuoted << v; }
+void write_value(YAML::Emitter& e, bool v) { e << (v ? "true" : "false"); }
+void write_value(YAML::Emitter& e, int v) { e << v; }
+void write_value(YAML::Emitter& e, int64_t v) { e << v; }
+void write_value(YAML::Emitter& e, double v) { e << format_double(v); }
+
+template <class E, std::enable_if_t<std::is_enum<E>::value, int> = 0>
+void write_value(YAML::Emitter& e, E v) {
+  e << enum_name(v);
+}
+
+template <class T, std::enable_if_t<std::is_class<T>::value, int> = 0>
+void write_value(YAML::Emitter& e, const T& v);
+
+template <class T>
+void write_value(YAML::Emitter& e, const std::vector<T>& v) {
+  const bool flow = v.empty() || !std::is_class<T>::value || std::is_same<T, std::string>::value;
+  if (flow) e << YAML::Flow;
+  e << YAML::BeginSeq;
+  for (const auto& item : v) write_value(e, item);
+  e << YAML::EndSeq;
+}
+
+template <class T>
+void write_value(YAML::Emitter& e, const std::map<std::string, T>& v) {
+  if (v.empty()) e << YAML::Flow;
+  e << YAML::BeginMap;
+  for (const auto& [key, item] : v) {
+    e << YAML::Key << YAML::DoubleQuoted << key << YAML::Value;
+    write_value(e, item);
+  }
+  e << YAML::EndMap;
+}
+
+class Writer {
+ public:
+  explicit Writer(YAML::Emitter* e) : e_(e) {}
+  template <class T>
+  void operator()(const char* key, const T& v) {
+    *e_ << YAML::Key << key << YAML::Value;
+    write_value(*e_, v);
+  }
+
+ private:
+  YAML::Emitter* e_;
+};
+
+template <class T, std::enable_if_t<std::is_class<T>::value, int>>
+void write_value(YAML::Emitter& e, const T& v) {
+  e << YAML::BeginMap;
+  Writer w(&e);
+  fields(w, const_cast<T&>(v));  // Writer only reads
+  e << YAML::EndMap;
+}
+
+// ---------------------------------------------------------------- environment expansion
+
+// Expands ${NAME} and ${NAME:-default} in `value`; problems name `path`.
+void expand_env(std::string& value, const std::string& path, Ctx& ctx) {
+  std::string out;
+  size_t i = 0;
+  while (i < value.size()) {
+    const size_t start = value.find("${", i);
+    if (start == std::string::npos) {
+      out += value.substr(i);
+      break;
+    }
+    out += value.substr(i, start - i);
+    const size_t close = value.find('}', start);
+    if (close == std::string::npos) {
+      ctx.add(path, "unterminated '${' in \"" + value + "\"");
+      return;
+    }
+    const std::string inner = value.substr(start + 2, close - start - 2);
+    const size_t dash = inner.find(":-");
+    const std::string name = inner.substr(0, dash);
+    const bool valid_name = !name.empty() && !std::isdigit(static_cast<unsigned char>(name[0])) &&
+                            std::all_of(name.begin(), name.end(), [](char c) {
+                              return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
+                            });
+    if (!valid_name) {
+      ctx.add(path, "expected ${NAME} or ${NAME:-default}, got \"${" + inner + "}\"");
+      return;
+    }
+    const char* env = std::getenv(name.c_str());
+    if (env != nullptr && *env != '\0') {
+      out += env;
+    } else if (dash != std::string::npos) {
+      out += inner.substr(dash + 2);
+    } else {
+      ctx.add(path, "environment variable " + name + " is not set (use ${" + name +
+                        ":-default} for a fallback)");
+      return;
+    }
+    i = close + 1;
+  }
+  value = out;
+}
+
+// ---------------------------------------------------------------- validation
+
+std::string num(double v) { return format_double(v); }
+std::string num(int64_t v) { return std::to_string(v); }
+std::string num(int v) { return std::to_string(v); }
+
+template <class T>
+void at_least(Ctx& ctx, const std::string& path, T v, T lo) {
+  if (v < lo) ctx.check(path, "expected a value >= " + num(lo) + ", got " + num(v));
+}
+
+void positive(Ctx& ctx, const std::string& path, double v) {
+  if (!(v > 0)) ctx.check(path, "expected a value > 0, got " + num(v));
+}
+
+template <class T>
+void in_range(Ctx& ctx, const std::string& path, T v, T lo, T hi) {
+  if (v < lo || v > hi) {
+    ctx.check(path, "expected a value in [" + num(lo) + ", " + num(hi) + "], got " + num(v));
+  }
+}
+
+// "HOST:PORT" with PORT in [0, 65535]; returns the port, or -1 after reporting.
+int check_listen(Ctx& ctx, const std::string& path, const std::string& listen, std::string* host) {
+  const size_t colon = listen.rfind(':');
+  const std::string port_text = colon == std::string::npos ? "" : listen.substr(colon + 1);
+  const bool digits = !port_text.empty() && port_text.size() <= 5 &&
+                      std::all_of(port_text.begin(), port_text.end(),
+                                  [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+  if (colon == std::string::npos || colon == 0 || !digits || std::stoi(port_text) > 65535) {
+    ctx.check(path, "expected HOST:PORT with PORT in [0, 65535], got \"" + listen + "\"");
+    return -1;
+  }
+  *host = listen.substr(0, colon);
+  return std::stoi(port_text);
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
+}
+
+void check_gpu_list(Ctx& ctx, const std::string& host_path, const char* list_name,
+                    const std::vector<int>& gpus, std::map<int, std::string>& used) {
+  for (size_t i = 0; i < gpus.size(); ++i) {
+    const std::string path = join_index(join_key(host_path, list_name), i);
+    if (gpus[i] < 0) {
+      ctx.check(path, "expected a GPU id >= 0, got " + num(gpus[i]));
+      continue;
+    }
+    auto [it, inserted] = used.emplace(gpus[i], list_name);
+    if (!inserted) {
+      ctx.check(path, "GPU " + num(gpus[i]) + " is already used by " + it->second + " on this host");
+    }
+  }
+}
+
+// Placeholders a launch command template may use.
+const std::vector<std::string> kPlaceholders = {"host", "ctid", "cmd"};
+
+bool uses_placeholder(const std::string& tmpl, const std::string& name) {
+  return tmpl.find("{" + name + "}") != std::string::npos;
+}
+
+void validate(RunConfig& c, Ctx& ctx) {
+  // run
+  if (c.run.name.empty()) ctx.check("run.name", "expected a non-empty name");
+  if (c.run.output_dir.empty()) ctx.check("run.output_dir", "expected a directory path");
+  at_least<int64_t>(ctx, "run.seed", c.run.seed, 0);
+  at_least(ctx, "run.epochs", c.run.epochs, 1);
+  at_least(ctx, "run.save_interval_steps", c.run.save_interval_steps, 1);
+  at_least(ctx, "run.keep_last", c.run.keep_last, 1);
+  at_least(ctx, "run.keep_every", c.run.keep_every, 0);
+  if (c.run.resume.empty()) {
+    ctx.check("run.resume", "expected \"auto\", \"never\" or a checkpoint path");
+  }
+
+  // target
+  if (c.target.model_dir.empty()) ctx.check("target.model_dir", "required field is missing");
+  {
+    std::set<int> seen;
+    for (size_t i = 0; i < c.target.target_layer_ids.size(); ++i) {
+      const int id = c.target.target_layer_ids[i];
+      const std::string path = join_index("target.target_layer_ids", i);
+      if (id < 0) {
+        ctx.check(path, "expected a layer id >= 0, got " + num(id));
+      } else if (!seen.insert(id).second) {
+        ctx.check(path, "layer id " + num(id) + " appears more than once");
+      }
+    }
+  }
+
+  // drafter
+  at_least(ctx, "drafter.num_layers", c.drafter.num_layers, 1);
+  at_least(ctx, "drafter.block_size", c.drafter.block_size, 2);
+  at_least<int64_t>(ctx, "drafter.mask_token_id", c.drafter.mask_token_id, -1);
+  at_least(ctx, "drafter.hidden_size", c.drafter.hidden_size, 0);
+  at_least(ctx, "drafter.num_heads", c.drafter.num_heads, 0);
+  at_least(ctx, "drafter.num_kv_heads", c.drafter.num_kv_heads, 0);
+  at_least(ctx, "drafter.head_dim", c.drafter.head_dim, 0);
+  at_least(ctx, "drafter.intermediate_size", c.drafter.intermediate_size, 0);
+  if (c.drafter.num_heads > 0 && c.drafter.num_kv_heads > 0 &&
+      c.drafter.num_heads % c.drafter.num_kv_heads != 0) {
+    ctx.check("drafter.num_kv_heads", "expected a divisor of drafter.num_heads (" +
+                                          num(c.drafter.num_heads) + "), got " +
+                                          num(c.drafter.num_kv_heads));
+  }
+
+  // train
+  positive(ctx, "train.lr", c.train.lr);
+  in_range(ctx, "train.warmup_ratio", c.train.warmup_ratio, 0.0, 1.0);
+  at_least(ctx, "train.weight_decay", c.train.weight_decay, 0.0);
+  at_least(ctx, "train.grad_accum", c.train.grad_accum, 1);
+  at_least(ctx, "train.grad_clip", c.train.grad_clip, 0.0);
+  at_least(ctx, "train.max_anchors", c.train.max_anchors, 1);
+  positive(ctx, "train.gamma", c.train.gamma);
+  at_least(ctx, "train.soft_labels.kl_weight", c.train.soft_labels.kl_weight, 0.0);
+  positive(ctx, "train.soft_labels.temperature", c.train.soft_labels.temperature);
+  at_least(ctx, "train.noise.start", c.train.noise.start, 0.0);
+  at_least(ctx, "train.noise.end", c.train.noise.end, 0.0);
+  at_least(ctx, "train.max_nonfinite_steps", c.train.max_nonfinite_steps, 0);
+  if (c.train.soft_labels.enabled && !c.target.ship_h_last) {
+    ctx.check("target.ship_h_last",
+              "expected true when train.soft_labels.enabled is true (soft labels need h_last)");
+  }
+
+  // data
+  if (c.data.shard_dir.empty()) ctx.check("data.shard_dir", "required field is missing");
+  at_least(ctx, "data.max_batch_size", c.data.max_batch_size, 1);
+  at_least<int64_t>(ctx, "data.shuffle_seed", c.data.shuffle_seed, 0);
+  if (c.data.max_seq_len < 2 * c.drafter.block_size) {
+    ctx.check("data.max_seq_len", "expected a value >= " + num(2 * c.drafter.block_size) +
+                                      " (2 * drafter.block_size), got " + num(c.data.max_seq_len));
+  }
+  if (c.data.token_budget < c.data.max_seq_len) {
+    ctx.check("data.token_budget", "expected a value >= " + num(c.data.max_seq_len) +
+                                       " (data.max_seq_len), got " + num(c.data.token_budget));
+  }
+
+  // topology
+  const TopologySection& topo = c.topology;
+  if (topo.hosts.empty()) ctx.check("topology.hosts", "expected at least one host");
+  std::set<std::string> host_names;
+  int hosts_with_workers = 0;
+  for (size_t h = 0; h < topo.hosts.size(); ++h) {
+    const HostSpec& host = topo.hosts[h];
+    const std::string hp = join_index("topology.hosts", h);
+    if (host.name.empty()) {
+      ctx.check(hp + ".name", "expected a non-empty host name");
+    } else if (!host_names.insert(host.name).second) {
+      ctx.check(hp + ".name", "host '" + host.name + "' appears more than once");
+    }
+    if (host.launch != "local" && !c.launch.count(host.launch)) {
+      std::vector<std::string> names = {"local"};
+      for (const auto& entry : c.launch) names.push_back(entry.first);
+      std::string msg = "expected 'local' or a launch template name (" + join_list(names, ", ") +
+                        "), got \"" + host.launch + "\"";
+      const std::string hint = suggest(host.launch, names);
+      if (!hint.empty()) msg += " (did you mean '" + hint + "'?)";
+      ctx.check(hp + ".launch", msg);
+    } else if (host.launch != "local") {
+      const LaunchTemplate& t = c.launch.at(host.launch);
+      if (uses_placeholder(t.command_template, "ctid") && host.ctid <= 0) {
+        ctx.check(hp + ".ctid", "expected a container id > 0 (launch template '" + host.launch +
+                                    "' uses {ctid}), got " + num(host.ctid));
+      }
+    }
+    at_least(ctx, hp + ".ctid", host.ctid, 0);
+    std::map<int, std::string> used;
+    check_gpu_list(ctx, hp, "target_gpus", host.target_gpus, used);
+    check_gpu_list(ctx, hp, "drafter_gpus", host.drafter_gpus, used);
+    if (!host.target_gpus.empty() || !host.drafter_gpus.empty()) ++hosts_with_workers;
+  }
+  if (!topo.hosts.empty()) {
+    if (c.num_targets() == 0) ctx.check("topology.hosts", "expected at least one target GPU");
+    if (c.num_drafters() == 0) ctx.check("topology.hosts", "expected at least one drafter GPU");
+  }
+  if (topo.transport == Transport::kShm && hosts_with_workers > 1) {
+    ctx.check("topology.transport", "shm needs every target and drafter on one host, but " +
+                                        num(hosts_with_workers) + " hosts have workers (use c10d)");
+  }
+  at_least(ctx, "topology.inflight_depth", topo.inflight_depth, 1);
+  if (topo.shm_slots < topo.inflight_depth) {
+    ctx.check("topology.shm_slots", "expected a value >= " + num(topo.inflight_depth) +
+                                        " (topology.inflight_depth), got " + num(topo.shm_slots));
+  }
+
+  // coordinator
+  const CoordinatorSection& co = c.coordinator;
+  std::string listen_host;
+  const int listen_port = check_listen(ctx, "coordinator.listen", co.listen, &listen_host);
+  if (!co.token.empty() && !co.token_file.empty()) {
+    ctx.check("coordinator.token", "expected at most one of token and token_file");
+  }
+  if (listen_port >= 0 && !is_loopback(listen_host) && co.token.empty() && co.token_file.empty()) {
+    ctx.check("coordinator.token", "required when coordinator.listen is not a loopback address "
+                                   "(set token or token_file)");
+  }
+  if (listen_port >= 0 && is_loopback(listen_host)) {
+    for (size_t h = 0; h < topo.hosts.size(); ++h) {
+      if (topo.hosts[h].launch != "local") {
+        ctx.check("coordinator.listen",
+                  "a loopback address is unreachable from host '" + topo.hosts[h].name +
+                      "' (launch '" + topo.hosts[h].launch + "'); listen on a routable address");
+        break;
+      }
+    }
+  }
+  positive(ctx, "coordinator.heartbeat_timeout_s", co.heartbeat_timeout_s);
+  in_range(ctx, "coordinator.metrics_port", co.metrics_port, 0, 65535);
+  in_range(ctx, "coordinator.worker_metrics_port_base", co.worker_metrics_port_base, 0, 65535);
+  if (co.metrics_port > 0 && co.metrics_port == listen_port) {
+    ctx.check("coordinator.metrics_port", "expected a port other than coordinator.listen's (" +
+                                              num(listen_port) + ")");
+  }
+  at_least(ctx, "coordinator.profile_interval_s", co.profile_interval_s, 0.0);
+
+  // resilience
+  const OomPolicy& oom = c.resilience.oom;
+  if (!(oom.token_budget_step > 0 && oom.token_budget_step < 1)) {
+    ctx.check("resilience.oom.token_budget_step",
+              "expected a value in (0, 1), got " + num(oom.token_budget_step));
+  }
+  if (oom.token_budget_floor > c.data.token_budget) {
+    ctx.check("resilience.oom.token_budget_floor",
+              "expected a value <= " + num(c.data.token_budget) + " (data.token_budget), got " +
+                  num(oom.token_budget_floor));
+  } else if (oom.token_budget_floor < c.data.max_seq_len) {
+    ctx.check("resilience.oom.token_budget_floor",
+              "expected a value >= " + num(c.data.max_seq_len) + " (data.max_seq_len), got " +
+                  num(oom.token_budget_floor));
+  }
+  if (oom.max_batch_size_floor < 1 || oom.max_batch_size_floor > c.data.max_batch_size) {
+    ctx.check("resilience.oom.max_batch_size_floor",
+              "expected a value in [1, " + num(c.data.max_batch_size) +
+                  "] (data.max_batch_size), got " + num(oom.max_batch_size_floor));
+  }
+  static const std::vector<std::string> kChangeable = {"token_budget", "max_batch_size",
+                                                       "expandable_segments"};
+  static const std::set<std::string> kTrainingSignal = {
+      "max_anchors", "block_size", "gamma",       "lr",          "warmup_ratio", "weight_decay",
+      "grad_accum",  "grad_clip",  "soft_labels", "kl_weight",   "temperature",  "noise",
+      "epochs",      "seed",       "max_seq_len", "num_layers"};
+  for (size_t i = 0; i < oom.allow_changing.size(); ++i) {
+    const std::string& full = oom.allow_changing[i];
+    const size_t dot = full.rfind('.');
+    const std::string name = dot == std::string::npos ? full : full.substr(dot + 1);
+    const std::string path = join_index("resilience.oom.allow_changing", i);
+    if (kTrainingSignal.count(name)) {
+      ctx.check(path, "'" + full + "' is a training-signal setting and is never changed by the "
+                      "system (expected one of: " + join_list(kChangeable, ", ") + ")");
+    } else if (std::find(kChangeable.begin(), kChangeable.end(), name) == kChangeable.end()) {
+      ctx.check(path, "expected one of: " + join_list(kChangeable, ", ") + ", got \"" + full + "\"");
+    }
+  }
+  at_least(ctx, "resilience.max_restarts", c.resilience.max_restarts, 0);
+  at_least(ctx, "resilience.backoff_s", c.resilience.backoff_s, 0.0);
+  for (size_t i = 0; i < c.resilience.fault_injection.size(); ++i) {
+    const FaultSpec& f = c.resilience.fault_injection[i];
+    const std::string fp = join_index("resilience.fault_injection", i);
+    at_least<int64_t>(ctx, fp + ".step", f.step, 0);
+    const int workers = f.role == Role::kTarget    ? c.num_targets()
+                        : f.role == Role::kDrafter ? c.num_drafters()
+                                                   : 1;
+    if (f.rank < 0 || f.rank >= workers) {
+      ctx.check(fp + ".rank", "expected a value in [0, " + num(workers - 1) + "] (" +
+                                  num(workers) + " " + to_string(f.role) + " worker(s)), got " +
+                                  num(f.rank));
+    }
+  }
+
+  // launch
+  for (const auto& [name, t] : c.launch) {
+    const std::string lp = join_key("launch", name);
+    if (name == "local") {
+      ctx.check(lp, "the name 'local' is reserved for the built-in local launcher");
+    }
+    if (t.kind == LaunchKind::kLocal) continue;
+    if (t.command_template.empty()) {
+      ctx.check(lp + ".command_template",
+                std::string("required for kind ") + to_string(t.kind) + " (e.g. \"" +
+                    (t.kind == LaunchKind::kSsh ? "ssh {host} -- {cmd}" : "pct exec {ctid} -- {cmd}") +
+                    "\")");
+      continue;
+    }
+    // Every {word} must be a known placeholder.
+    const std::string& tmpl = t.command_template;
+    for (size_t open = tmpl.find('{'); open != std::string::npos; open = tmpl.find('{', open + 1)) {
+      const size_t close = tmpl.find('}', open);
+      if (close == std::string::npos) break;
+      const std::string word = tmpl.substr(open + 1, close - open - 1);
+      if (std::find(kPlaceholders.begin(), kPlaceholders.end(), word) == kPlaceholders.end()) {
+        ctx.check(lp + ".command_template", "unknown placeholder {" + word +
+                                                "} (expected {host}, {ctid} or {cmd})");
+      }
+    }
+    if (!uses_placeholder(tmpl, "cmd")) {
+      ctx.check(lp + ".command_template", "expected the {cmd} placeholder in \"" + tmpl + "\"");
+    }
+    if (t.kind == LaunchKind::kPct && !uses_placeholder(tmpl, "ctid")) {
+      ctx.check(lp + ".command_template",
+                "expected the {ctid} placeholder for kind pct in \"" + tmpl + "\"");
+    }
+    for (const auto& entry : t.env) {
+      if (entry.first.empty() || entry.first.find('=') != std::string::npos) {
+        ctx.check(lp + ".env." + entry.first, "expected an environment variable name");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- public API
+
+std::string format_problem(const std::string& source, const Problem& p) {
+  std::string out = source + ": ";
+  if (!p.path.empty()) out += p.path + ": ";
+  if (p.line > 0) {
+    out += "line " + std::to_string(p.line);
+    if (p.column > 0) out += ", column " + std::to_string(p.column);
+    out += ": ";
+  }
+  return out + p.message;
+}
+
+ParseResult parse_config_string(const std::string& yaml, const std::string& source_name) {
+  (void)source_name;  // Problems carry field paths; format_problem(source, p) adds the source
+  ParseResult result;
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml);
+  } catch (const YAML::Exception& e) {
+    Problem p;
+    p.message = "YAML syntax error: " + e.msg;
+    if (!e.mark.is_null()) {
+      p.line = e.mark.line + 1;
+      p.column = e.mark.column + 1;
+    }
+    result.problems.push_back(p);
+    return result;
+  }
+  Ctx ctx;
+  if (root.IsDefined() && !root.IsNull() && !root.IsMap()) {
+    ctx.add("", "expected a mapping of sections at the top level, got " + describe(root),
+            pos_of(root));
+  } else if (root.IsMap()) {
+    Reader r(root, "", &ctx);
+    fields(r, result.config);
+    r.finish();
+  }
+  RunConfig& c = result.config;
+  const std::pair<std::string*, const char*> path_fields[] = {
+      {&c.run.output_dir, "run.output_dir"},   {&c.target.model_dir, "target.model_dir"},
+      {&c.drafter.init_from, "drafter.init_from"}, {&c.data.shard_dir, "data.shard_dir"},
+      {&c.coordinator.token_file, "coordinator.token_file"}};
+  for (const auto& [field, path] : path_fields) expand_env(*field, path, ctx);
+  validate(result.config, ctx);
+  result.problems = ctx.sorted_problems();
+  return result;
+}
+
+ParseResult parse_config_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    ParseResult result;
+    result.problems.push_back(Problem{"", std::string("cannot read file: ") + std::strerror(errno), 0, 0});
+    return result;
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) {
+    ParseResult result;
+    result.problems.push_back(Problem{"", "cannot read file: I/O error", 0, 0});
+    return result;
+  }
+  return parse_config_string(text.str(), path);
+}
+
+RunConfig load_config_or_throw(const std::string& path) {
+  ParseResult result = parse_config_file(path);
+  if (!result.ok()) {
+    std::string msg = path + ": " + std::to_string(result.problems.size()) + " config problem(s)";
+    for (const auto& p : result.problems) msg += "\n" + format_problem(path, p);
+    throw ConfigError(msg);
+  }
+  return std::move(result.config);
+}
+
+std::string to_yaml(const RunConfig& c) {
+  YAML::Emitter e;
+  write_value(e, c);
+  return std::string(e.c_str()) + "\n";
+}
+
+bool operator==(const RunConfig& a, const RunConfig& b) { return to_yaml(a) == to_yaml(b); }
+
+}  // namespace dflash::config

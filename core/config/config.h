@@ -1,0 +1,222 @@
+// The run config: one YAML file, parsed once at the edge into typed structs (DESIGN.md
+// "The run config"). Every process reads the same file.
+//
+// Contract:
+//   - parse_config_string / parse_config_file never throw for bad input: they collect EVERY
+//     problem (YAML syntax, type errors, unknown keys, missing required fields, out-of-range
+//     values, cross-field constraints) as a Problem naming the dotted field path
+//     ("train.lr", "topology.hosts[1].drafter_gpus[0]") and what was expected.
+//   - A key absent from the file keeps the default written in the struct below (the production
+//     values from DESIGN.md where it gives them). `section:` with no value is an empty section.
+//   - Unknown keys are errors (with a "did you mean" suggestion when a known key is close).
+//   - Path-like strings (run.output_dir, target.model_dir, drafter.init_from, data.shard_dir,
+//     coordinator.token_file) expand `${NAME}` and `${NAME:-default}` from the environment at
+//     parse time; an unset NAME without a default is a problem.
+//   - When problems is empty, `config` is valid; otherwise `config` holds what could be parsed
+//     (defaults where not) and must not be used to run anything.
+// No LibTorch, no gRPC: this library links yaml-cpp and dflash_util only.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace dflash::config {
+
+// ---- enums (YAML spelling in comments) ----
+
+enum class Dtype { kBfloat16, kFloat16, kFloat32 };            // bfloat16 | float16 | float32
+enum class NoiseType { kUniform, kGaussian, kNone };          // uniform | gaussian | none
+enum class Overlong { kTruncate, kDrop };                     // truncate | drop
+enum class Transport { kShm, kC10d };                         // shm | c10d
+enum class LaunchKind { kLocal, kSsh, kPct };                 // local | ssh | pct
+enum class FaultKind { kCrash, kOom, kHang, kCorruptCheckpoint };  // crash | oom | hang | corrupt_checkpoint
+enum class Role { kTarget, kDrafter, kCoordinator };          // target | drafter | coordinator
+
+// The YAML spelling of each enum value ("bfloat16", "corrupt_checkpoint", ...).
+const char* to_string(Dtype v);
+const char* to_string(NoiseType v);
+const char* to_string(Overlong v);
+const char* to_string(Transport v);
+const char* to_string(LaunchKind v);
+const char* to_string(FaultKind v);
+const char* to_string(Role v);
+
+// ---- sections ----
+
+struct RunSection {
+  std::string name = "dflash-run";
+  std::string output_dir = "runs/dflash-run";  // checkpoints, ledger, logs, exports
+  int64_t seed = 0;                              // >= 0
+  int epochs = 6;                                // >= 1
+  int save_interval_steps = 2000;                // >= 1 (optimizer steps)
+  int keep_last = 3;                             // >= 1 most recent checkpoints kept
+  int keep_every = 0;                            // >= 0; also keep steps % keep_every == 0 (0 = off)
+  std::string resume = "auto";                   // "auto" (latest in output_dir), "never", or a checkpoint path
+};
+
+struct TargetSection {
+  std::string model_dir;                  // REQUIRED: HF-style dir (config.json + safetensors)
+  Dtype dtype = Dtype::kBfloat16;
+  std::vector<int> target_layer_ids;      // empty = the paper's default formula; else >= 0, unique
+  bool ship_h_last = true;                // must be true when train.soft_labels.enabled
+};
+
+struct DrafterSection {
+  int num_layers = 5;                     // >= 1
+  int block_size = 32;                    // >= 2
+  int64_t mask_token_id = -1;             // -1 = unset (taken from the target's tokenizer config)
+  // Layer shapes: 0 = the target's value.
+  int hidden_size = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;                   // when both set: num_heads % num_kv_heads == 0
+  int head_dim = 0;
+  int intermediate_size = 0;
+  std::string init_from;                  // exported drafter dir to start from ("" = fresh init)
+};
+
+struct SoftLabelsOptions {
+  bool enabled = true;
+  double kl_weight = 0.15;                // >= 0
+  double temperature = 2.0;               // > 0
+};
+
+struct NoiseOptions {
+  NoiseType type = NoiseType::kUniform;
+  double start = 0.05;                    // >= 0, amplitude at step 0
+  double end = 0.01;                      // >= 0, amplitude at the last step (linear anneal)
+};
+
+struct TrainSection {
+  double lr = 6e-4;                       // > 0 peak learning rate
+  double warmup_ratio = 0.04;             // [0, 1]
+  double weight_decay = 0.01;             // >= 0
+  int grad_accum = 4;                     // >= 1
+  double grad_clip = 1.0;                 // >= 0 (0 = off), global norm
+  int max_anchors = 1024;                 // >= 1, per micro-batch
+  double gamma = 10.0;                    // > 0, loss-weight decay length
+  SoftLabelsOptions soft_labels;
+  NoiseOptions noise;
+  int max_nonfinite_steps = 10;           // >= 0 consecutive skipped non-finite steps before failing
+};
+
+struct DataSection {
+  std::string shard_dir;                  // REQUIRED: token shards
+  int64_t token_budget = 49152;           // >= max_seq_len, tokens per packed batch
+  int max_seq_len = 8192;                 // >= 2 * drafter.block_size
+  int max_batch_size = 64;                // >= 1 documents per packed batch
+  bool bucketing = true;                  // length-bucketed epoch order
+  Overlong overlong = Overlong::kTruncate;  // what to do with documents longer than max_seq_len
+  int64_t shuffle_seed = 0;               // >= 0
+  bool checksum = true;                   // verify shard and payload checksums
+};
+
+struct HostSpec {
+  std::string name = "localhost";         // unique, non-empty
+  std::string launch = "local";           // "local" or a key of the launch section
+  int ctid = 0;                           // Proxmox container id for templates using {ctid} (> 0 there)
+  std::vector<int> target_gpus;           // one target server per entry; >= 0
+  std::vector<int> drafter_gpus;          // one drafter trainer per entry; >= 0, disjoint from targets
+};
+
+struct TopologySection {
+  // Default: the production single-host layout (targets on GPUs 0-4, drafters on 5-7).
+  std::vector<HostSpec> hosts = {HostSpec{"localhost", "local", 0, {0, 1, 2, 3, 4}, {5, 6, 7}}};
+  Transport transport = Transport::kShm;  // shm requires every worker on one host
+  int inflight_depth = 2;                 // >= 1 batches in flight per sender
+  int shm_slots = 4;                      // >= inflight_depth receive slots per shm ring
+};
+
+struct CoordinatorSection {
+  std::string listen = "127.0.0.1:50051";  // HOST:PORT of the control plane (port 0 = ephemeral)
+  std::string token;                       // control-plane token (at most one of token/token_file);
+  std::string token_file;                  // one is required when listen is not loopback
+  double heartbeat_timeout_s = 30.0;       // > 0
+  int metrics_port = 9400;                 // [0, 65535], 0 = off (coordinator's /metrics)
+  int worker_metrics_port_base = 9401;     // [0, 65535], worker i serves base + i, 0 = off
+  double profile_interval_s = 0.0;         // >= 0 (0 = off)
+};
+
+struct FaultSpec {                         // tests only
+  FaultKind kind = FaultKind::kCrash;
+  Role role = Role::kDrafter;
+  int rank = 0;                            // >= 0, < number of workers of that role
+  int64_t step = 0;                        // >= 0 optimizer step at which to inject
+};
+
+struct OomPolicy {
+  double token_budget_step = 0.125;        // (0, 1): fraction token_budget shrinks by per OOM
+  int64_t token_budget_floor = 16384;      // in [data.max_seq_len, data.token_budget]
+  int max_batch_size_floor = 8;            // in [1, data.max_batch_size]
+  bool expandable_segments = true;         // PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  // What the OOM response may change; only packing/allocator settings, never training signal.
+  std::vector<std::string> allow_changing = {"token_budget", "max_batch_size", "expandable_segments"};
+};
+
+struct ResilienceSection {
+  OomPolicy oom;
+  int max_restarts = 5;                    // >= 0 per worker
+  double backoff_s = 5.0;                  // >= 0 before a restart
+  bool allow_degraded = false;             // continue with fewer workers when one cannot restart
+  std::vector<FaultSpec> fault_injection;  // tests only
+};
+
+struct LaunchTemplate {
+  LaunchKind kind = LaunchKind::kLocal;
+  // Placeholders: {host} {ctid} {cmd}. Required for ssh/pct and must contain {cmd};
+  // pct templates must contain {ctid}. E.g. "ssh {host} -- {cmd}", "pct exec {ctid} -- {cmd}".
+  std::string command_template;
+  std::map<std::string, std::string> env;  // environment for workers started through it
+};
+
+struct RunConfig {
+  RunSection run;
+  TargetSection target;
+  DrafterSection drafter;
+  TrainSection train;
+  DataSection data;
+  TopologySection topology;
+  CoordinatorSection coordinator;
+  ResilienceSection resilience;
+  std::map<std::string, LaunchTemplate> launch;  // name -> template ("local" is built in)
+
+  int num_targets() const;   // target_gpus over all hosts
+  int num_drafters() const;  // drafter_gpus over all hosts
+};
+
+// Field-by-field equality (doubles compared exactly; implemented as to_yaml(a) == to_yaml(b),
+// which writes every field with round-trip precision).
+bool operator==(const RunConfig& a, const RunConfig& b);
+inline bool operator!=(const RunConfig& a, const RunConfig& b) { return !(a == b); }
+
+// ---- parsing ----
+
+struct Problem {
+  std::string path;     // dotted field path; "" for file-level problems (unreadable, syntax)
+  std::string message;  // what was expected and what was found
+  int line = 0;         // 1-based YAML line when known, else 0
+  int column = 0;       // 1-based column when known (syntax errors), else 0
+};
+
+// "SOURCE: path: line N: message" (parts that are unknown are left out).
+std::string format_problem(const std::string& source, const Problem& p);
+
+struct ParseResult {
+  RunConfig config;
+  std::vector<Problem> problems;  // in file order (line); problems without a line last
+  bool ok() const { return problems.empty(); }
+};
+
+// Parses and validates YAML text. source_name names the text for callers' messages; Problems
+// themselves hold only paths, so print them with format_problem(source_name, p).
+ParseResult parse_config_string(const std::string& yaml, const std::string& source_name);
+// Reads and parses a file; an unreadable file is a Problem with an empty path.
+ParseResult parse_config_file(const std::string& path);
+// parse_config_file, throwing dflash::ConfigError (exit code 2) with every problem, one a line.
+RunConfig load_config_or_throw(const std::string& path);
+
+// YAML text holding every field (defaults included, environment references already expanded);
+// for a valid config, parse_config_string(to_yaml(c)) == c.
+std::string to_yaml(const RunConfig& c);
+
+}  // namespace dflash::config
