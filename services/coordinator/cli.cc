@@ -7,6 +7,7 @@
 #include "core/util/error.h"
 #include "core/util/log.h"
 #include "services/coordinator/config_check_cmd.h"
+#include "services/coordinator/data_cmd.h"
 #include "services/target/bench_target.h"
 
 namespace dflash::cli {
@@ -17,6 +18,7 @@ const char* kUsage =
     "  config check FILE        validate a run config; prints every problem; exit 2 on any\n"
     "  bench target [flags]     target forward+capture throughput as JSON (--shape qwen3-8b --device cuda\n"
     "                           --batches 1x4096,4x4096,16x1024 --layers 1,9,17,25,33 [--baseline])\n"
+    "  data import --input F.jsonl[,...] --out DIR [--max-seq-len N] [--block-size 16] [--skip-bad]  JSONL -> token shards\n"
     "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
 
 bool is(const char* a, const char* b) { return a && !std::strcmp(a, b); }
@@ -33,6 +35,7 @@ int run_cli(int argc, char** argv) {
     const char* cmd = argv[1];
     const char* sub = argc > 2 ? argv[2] : nullptr;
     if (is(cmd, "config") && is(sub, "check")) return cmd_config_check(argc - 3, argv + 3);
+    if (is(cmd, "data")) return cmd_data(argc - 2, argv + 2);
     if (is(cmd, "bench") && is(sub, "target")) return target::cmd_bench_target(argc - 3, argv + 3);
     std::cerr << "unknown command: " << cmd << (sub ? std::string(" ") + sub : "") << "\n" << kUsage;
     return kExitConfig;

@@ -1,0 +1,228 @@
+#include "core/data/import.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+
+#include "core/data/shards.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace dflash::data {
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+bool is_blank(const std::string& s) {
+  for (char ch : s)
+    if (ch != ' ' && ch != '\t' && ch != '\r' && ch != '\n') return false;
+  return true;
+}
+
+void fsync_dir_best_effort(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+// OUT must not exist or be an empty directory.
+void check_out_dir(const std::string& out) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(out, ec);
+  if (!fs::exists(st)) return;
+  DFLASH_CHECK(fs::is_directory(st), ConfigError, out << ": exists and is not a directory; refusing to import into it");
+  DFLASH_CHECK(fs::is_empty(out, ec) && !ec, ConfigError,
+               out << ": exists and is not empty; refusing to overwrite a dataset (remove it or pick another --out)");
+}
+
+}  // namespace
+
+json ImportSummary::to_json() const {
+  return {{"out", out_dir},
+          {"lines", lines},
+          {"documents", documents},
+          {"tokens", tokens},
+          {"trainable_tokens", trainable_tokens},
+          {"skipped_bad", skipped_bad},
+          {"dropped_short", dropped_short},
+          {"truncated", truncated},
+          {"shards", shards},
+          {"bad_examples", bad_examples}};
+}
+
+ParsedDoc parse_token_line(const std::string& line, const std::string& where) {
+  json j;
+  try {
+    j = json::parse(line);
+  } catch (const json::exception& e) {
+    DFLASH_FAIL(DataError, where << ": not valid JSON: " << e.what());
+  }
+  DFLASH_CHECK(j.is_object(), DataError, where << ": line is not a JSON object");
+  auto ids = j.find("input_ids");
+  DFLASH_CHECK(ids != j.end() && ids->is_array(), DataError, where << ": missing array 'input_ids'");
+  DFLASH_CHECK(!ids->empty(), DataError, where << ": 'input_ids' is empty");
+
+  ParsedDoc doc;
+  doc.input_ids.reserve(ids->size());
+  for (size_t i = 0; i < ids->size(); ++i) {
+    const json& v = (*ids)[i];
+    DFLASH_CHECK(v.is_number_integer(), DataError,
+                 where << ": input_ids[" << i << "] is not an integer: " << v.dump());
+    const bool ok = v.is_number_unsigned()
+                        ? v.get<uint64_t>() <= uint64_t{std::numeric_limits<int32_t>::max()}
+                        : v.get<int64_t>() >= 0 && v.get<int64_t>() <= std::numeric_limits<int32_t>::max();
+    DFLASH_CHECK(ok, DataError, where << ": input_ids[" << i << "] = " << v.dump() << " is not a valid token id");
+    doc.input_ids.push_back(static_cast<int32_t>(v.get<int64_t>()));
+  }
+
+  auto mask = j.find("loss_mask");
+  auto labels = j.find("labels");
+  if (mask != j.end() && !mask->is_null()) {
+    DFLASH_CHECK(mask->is_array() && mask->size() == ids->size(), DataError,
+                 where << ": 'loss_mask' must be an array of the same length as 'input_ids' ("
+                       << ids->size() << ")");
+    doc.loss_mask.reserve(mask->size());
+    for (size_t i = 0; i < mask->size(); ++i) {
+      const json& v = (*mask)[i];
+      if (v.is_boolean()) {
+        doc.loss_mask.push_back(v.get<bool>() ? 1 : 0);
+        continue;
+      }
+      DFLASH_CHECK(v.is_number_integer() && (v.get<int64_t>() == 0 || v.get<int64_t>() == 1), DataError,
+                   where << ": loss_mask[" << i << "] must be 0 or 1, got " << v.dump());
+      doc.loss_mask.push_back(static_cast<uint8_t>(v.get<int64_t>()));
+    }
+  } else if (labels != j.end() && !labels->is_null()) {
+    DFLASH_CHECK(labels->is_array() && labels->size() == ids->size(), DataError,
+                 where << ": 'labels' must be an array of the same length as 'input_ids' ("
+                       << ids->size() << ")");
+    doc.loss_mask.reserve(labels->size());
+    for (size_t i = 0; i < labels->size(); ++i) {
+      const json& v = (*labels)[i];
+      DFLASH_CHECK(v.is_number_integer(), DataError,
+                   where << ": labels[" << i << "] is not an integer: " << v.dump());
+      doc.loss_mask.push_back(v.get<int64_t>() == -100 ? 0 : 1);
+    }
+  } else {
+    doc.loss_mask.assign(doc.input_ids.size(), 1);
+  }
+  return doc;
+}
+
+ImportSummary import_jsonl(const ImportOptions& o) {
+  // Options and inputs first: nothing is created before they are known to be usable.
+  DFLASH_CHECK(!o.inputs.empty(), ConfigError, "data import: --input names no file");
+  DFLASH_CHECK(!o.out_dir.empty(), ConfigError, "data import: --out is empty");
+  DFLASH_CHECK(o.block_size >= 1 && o.block_size <= (int64_t{1} << 20), ConfigError,
+               "data import: --block-size must be in [1, 2^20], got " << o.block_size);
+  DFLASH_CHECK(o.max_seq_len == 0 || (o.max_seq_len >= 2 * o.block_size && o.max_seq_len <= UINT32_MAX),
+               ConfigError,
+               "data import: --max-seq-len must be 0 (none) or at least 2 * block_size = "
+                   << 2 * o.block_size << ", got " << o.max_seq_len);
+  DFLASH_CHECK(o.shard_tokens >= 1, ConfigError, "data import: --shard-tokens must be >= 1, got " << o.shard_tokens);
+  for (const std::string& in : o.inputs) {
+    std::ifstream probe(in);
+    DFLASH_CHECK(probe, ConfigError, "data import: cannot open input " << in);
+  }
+  std::string out = o.out_dir;
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
+  check_out_dir(out);
+
+  const fs::path parent = fs::absolute(out).parent_path();
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  DFLASH_CHECK(!ec, ConfigError, parent.string() << ": cannot create parent directory: " << ec.message());
+  std::string tmpl = out + ".tmp-XXXXXX";
+  DFLASH_CHECK(::mkdtemp(tmpl.data()) != nullptr, ConfigError,
+               tmpl << ": cannot create temporary directory: " << std::strerror(errno));
+  const std::string tmp = tmpl;
+  const mode_t mask = ::umask(0);  // mkdtemp makes 0700; the published dataset gets 0777 & ~umask
+  ::umask(mask);
+  ::chmod(tmp.c_str(), 0777 & ~mask);
+
+  ImportSummary s;
+  s.out_dir = out;
+  try {
+    ShardWriterOptions wo;
+    wo.shard_tokens = o.shard_tokens;
+    wo.block_size = static_cast<uint32_t>(o.block_size);
+    wo.max_seq_len = o.max_seq_len;
+    ShardWriter writer(tmp, wo);
+    const uint64_t min_trainable = 2 * static_cast<uint64_t>(o.block_size);
+
+    for (const std::string& path : o.inputs) {
+      std::ifstream in(path);
+      DFLASH_CHECK(in, ConfigError, "data import: cannot open input " << path);
+      std::string line;
+      uint64_t line_no = 0;
+      while (std::getline(in, line)) {
+        ++line_no;
+        if (is_blank(line)) continue;
+        ++s.lines;
+        ParsedDoc doc;
+        try {
+          doc = parse_token_line(line, path + ":" + std::to_string(line_no));
+        } catch (const DataError& e) {
+          if (!o.skip_bad) throw;
+          ++s.skipped_bad;
+          if (s.bad_examples.size() < ImportSummary::kMaxBadExamples) {
+            s.bad_examples.push_back(e.what());
+            LOG_WARN("skipping bad line: " << e.what());
+          }
+          continue;
+        }
+        size_t len = doc.input_ids.size();
+        const bool cut = o.max_seq_len > 0 && len > static_cast<size_t>(o.max_seq_len);
+        if (cut) len = static_cast<size_t>(o.max_seq_len);
+        uint64_t trainable = 0;
+        for (size_t i = 0; i < len; ++i) trainable += doc.loss_mask[i];
+        if (trainable < min_trainable) {
+          ++s.dropped_short;
+          continue;
+        }
+        s.truncated += cut ? 1 : 0;
+        writer.add(doc.input_ids.data(), doc.loss_mask.data(), len);
+      }
+      DFLASH_CHECK(!in.bad(), DataError, path << ": read error after line " << line_no);
+    }
+    DFLASH_CHECK(writer.documents() > 0, DataError,
+                 "data import: no document left to write (" << s.lines << " lines, " << s.skipped_bad
+                                                            << " bad, " << s.dropped_short
+                                                            << " with fewer than " << min_trainable
+                                                            << " trainable tokens)");
+    s.documents = writer.documents();
+    s.tokens = writer.tokens();
+    s.trainable_tokens = writer.trainable_tokens();
+    json stats = s.to_json();
+    stats.erase("out");
+    stats.erase("shards");  // the manifest lists the shards itself
+    stats["inputs"] = o.inputs;
+    writer.finish(stats);
+    s.shards = writer.shards();
+
+    // Publish: rename replaces OUT only if it is absent or an empty directory.
+    check_out_dir(out);
+    if (::rename(tmp.c_str(), out.c_str()) != 0) {
+      const int err = errno;
+      DFLASH_CHECK(err != ENOTEMPTY && err != EEXIST, ConfigError,
+                   out << ": appeared and is not empty; refusing to overwrite it");
+      DFLASH_FAIL(DataError, out << ": cannot rename " << tmp << " into place: " << std::strerror(err));
+    }
+    fsync_dir_best_effort(parent.string());
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  return s;
+}
+
+}  // namespace dflash::data

@@ -1,0 +1,214 @@
+// Token shards: write/read round trip, validation of damaged files, open() cost at 1M samples.
+#include "core/data/shards.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "core/data/packing.h"
+#include "tests/data/test_util.h"
+
+namespace dflash::data {
+namespace {
+
+using testing::contains;
+using testing::error_of;
+using testing::ScratchDir;
+
+struct Doc {
+  std::vector<int32_t> ids;
+  std::vector<uint8_t> mask;
+};
+
+// Deterministic documents of lengths 1..max_len with a mixed mask.
+std::vector<Doc> make_docs(size_t n, uint32_t max_len, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<Doc> docs(n);
+  for (Doc& d : docs) {
+    const size_t len = 1 + rng.below(max_len);
+    for (size_t i = 0; i < len; ++i) {
+      d.ids.push_back(static_cast<int32_t>(rng.below(151936)));
+      d.mask.push_back(static_cast<uint8_t>(rng.below(3) != 0));
+    }
+  }
+  return docs;
+}
+
+std::string write_dataset(const std::string& dir, const std::vector<Doc>& docs, int64_t shard_tokens) {
+  std::filesystem::create_directories(dir);
+  ShardWriterOptions o;
+  o.shard_tokens = shard_tokens;
+  o.block_size = 4;
+  ShardWriter w(dir, o);
+  for (size_t i = 0; i < docs.size(); ++i) EXPECT_EQ(w.add(docs[i].ids, docs[i].mask), i);
+  w.finish({{"note", "test"}});
+  return dir;
+}
+
+void truncate_file(const std::string& path, off_t size) { ASSERT_EQ(::truncate(path.c_str(), size), 0); }
+
+void patch_u32(const std::string& path, size_t at, uint32_t v) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(static_cast<std::streamoff>(at));
+  f.write(reinterpret_cast<const char*>(&v), 4);
+  ASSERT_TRUE(f.good());
+}
+
+TEST(Shards, RoundTripAcrossShards) {
+  ScratchDir tmp;
+  const std::vector<Doc> docs = make_docs(500, 300, 1);
+  const std::string dir = write_dataset(tmp.file("ds"), docs, 4000);  // ~19 shards
+
+  const ShardReader r = ShardReader::open(dir);
+  ASSERT_EQ(r.num_samples(), docs.size());
+  EXPECT_GT(r.num_shards(), 5u);
+  EXPECT_EQ(r.block_size(), 4u);
+  EXPECT_EQ(r.manifest()["import"]["note"], "test");
+  uint64_t tokens = 0;
+  const std::vector<uint32_t> lengths = r.lengths();
+  for (uint64_t id = 0; id < docs.size(); ++id) {
+    const SampleView s = r.sample(id);
+    ASSERT_EQ(s.id, id);
+    ASSERT_EQ(s.length, docs[id].ids.size());
+    ASSERT_EQ(lengths[id], s.length);
+    ASSERT_EQ(r.length(id), s.length);
+    ASSERT_EQ(std::vector<int32_t>(s.input_ids.begin(), s.input_ids.end()), docs[id].ids) << id;
+    ASSERT_EQ(std::vector<uint8_t>(s.loss_mask.begin(), s.loss_mask.end()), docs[id].mask) << id;
+    uint32_t trainable = 0;
+    for (uint8_t m : docs[id].mask) trainable += m;
+    ASSERT_EQ(s.trainable, trainable);
+    ASSERT_EQ(r.trainable(id), trainable);
+    tokens += s.length;
+  }
+  EXPECT_EQ(r.num_tokens(), tokens);
+  EXPECT_EQ(r.manifest()["tokens"].get<uint64_t>(), tokens);
+  EXPECT_TRUE(contains(error_of<DataError>([&] { r.sample(docs.size()); }), "out of range"));
+
+  // A document larger than shard_tokens gets a shard of its own.
+  ScratchDir tmp2;
+  const std::string dir2 = write_dataset(tmp2.file("ds"), make_docs(20, 300, 2), 50);
+  const ShardReader r2 = ShardReader::open(dir2);
+  EXPECT_GE(r2.num_shards(), 15u);
+}
+
+TEST(Shards, TruncatedShardNamesFileOffsetAndSample) {
+  ScratchDir tmp;
+  std::vector<Doc> docs(10);
+  for (size_t i = 0; i < docs.size(); ++i) {
+    docs[i].ids.assign(100, static_cast<int32_t>(i));
+    docs[i].mask.assign(100, 1);
+  }
+  const std::string dir = write_dataset(tmp.file("ds"), docs, 1 << 20);
+  const std::string shard = dir + "/shard-00000.bin";
+  // Cut inside the ids of sample 3 (token 350 of 1000).
+  truncate_file(shard, 64 + 4 * 350);
+  std::string msg = error_of<DataError>([&] { ShardReader::open(dir); });
+  EXPECT_TRUE(contains(msg, "shard-00000.bin")) << msg;
+  EXPECT_TRUE(contains(msg, "truncated at byte offset 1464")) << msg;
+  EXPECT_TRUE(contains(msg, "input_ids of sample 3")) << msg;
+  // Cut inside the mask of sample 7.
+  write_dataset(tmp.file("ds2"), docs, 1 << 20);
+  truncate_file(tmp.file("ds2") + "/shard-00000.bin", 64 + 4 * 1000 + 720);
+  msg = error_of<DataError>([&] { ShardReader::open(tmp.file("ds2")); });
+  EXPECT_TRUE(contains(msg, "loss_mask of sample 7")) << msg;
+  // Shorter than the header.
+  truncate_file(shard, 10);
+  msg = error_of<DataError>([&] { ShardReader::open(dir); });
+  EXPECT_TRUE(contains(msg, "shard-00000.bin: truncated at byte offset 10")) << msg;
+}
+
+TEST(Shards, TruncatedIndexNamesOffsetAndSample) {
+  ScratchDir tmp;
+  const std::string dir = write_dataset(tmp.file("ds"), make_docs(50, 20, 3), 1 << 20);
+  truncate_file(dir + "/index.bin", 64 + 32 * 17 + 5);
+  const std::string msg = error_of<DataError>([&] { ShardReader::open(dir); });
+  EXPECT_TRUE(contains(msg, "index.bin: truncated at byte offset 613")) << msg;
+  EXPECT_TRUE(contains(msg, "from sample 17 on are missing")) << msg;
+}
+
+TEST(Shards, UnknownVersionHasHint) {
+  ScratchDir tmp;
+  const std::string dir = write_dataset(tmp.file("ds"), make_docs(5, 20, 4), 1 << 20);
+  patch_u32(dir + "/shard-00000.bin", 8, 2);
+  std::string msg = error_of<DataError>([&] { ShardReader::open(dir); });
+  EXPECT_TRUE(contains(msg, "shard-00000.bin: unsupported token-shard format version 2")) << msg;
+  EXPECT_TRUE(contains(msg, "hint:")) << msg;
+  EXPECT_TRUE(contains(msg, "dflash data import")) << msg;
+
+  patch_u32(dir + "/index.bin", 8, 7);
+  msg = error_of<DataError>([&] { ShardReader::open(dir); });
+  EXPECT_TRUE(contains(msg, "index.bin: unsupported token-shard format version 7")) << msg;
+
+  nlohmann::json m;
+  std::ifstream(dir + "/manifest.json") >> m;
+  m["version"] = 99;
+  testing::write_file(dir + "/manifest.json", m.dump());
+  msg = error_of<DataError>([&] { ShardReader::open(dir); });
+  EXPECT_TRUE(contains(msg, "manifest.json: unsupported token-shard format version 99")) << msg;
+  EXPECT_TRUE(contains(msg, "newer dflash")) << msg;
+}
+
+TEST(Shards, BadMagicAndMissingFiles) {
+  ScratchDir tmp;
+  const std::string dir = write_dataset(tmp.file("ds"), make_docs(5, 20, 5), 1 << 20);
+  EXPECT_TRUE(contains(error_of<DataError>([&] { ShardReader::open(tmp.file("nope")); }), "dflash data import"));
+  patch_u32(dir + "/shard-00000.bin", 0, 0x58585858);
+  EXPECT_TRUE(contains(error_of<DataError>([&] { ShardReader::open(dir); }), "bad magic"));
+  std::filesystem::remove(dir + "/shard-00000.bin");
+  EXPECT_TRUE(contains(error_of<DataError>([&] { ShardReader::open(dir); }), "shard-00000.bin: cannot open"));
+}
+
+TEST(Shards, CorruptRecordNamedOnAccess) {
+  ScratchDir tmp;
+  const std::string dir = write_dataset(tmp.file("ds"), make_docs(10, 20, 6), 1 << 20);
+  // Record 4's offset (bytes 8..15 of the record) points far outside the shard.
+  patch_u32(dir + "/index.bin", 64 + 32 * 4 + 8, 1000000);
+  const ShardReader r = ShardReader::open(dir);  // lazy: open does not scan records
+  EXPECT_NO_THROW(r.sample(3));
+  const std::string msg = error_of<DataError>([&] { r.sample(4); });
+  EXPECT_TRUE(contains(msg, "record for sample 4 (byte offset 192)")) << msg;
+}
+
+// The index is what open() could be tempted to scan, so this builds 1M samples of tiny documents
+// (a 3B-token dataset would not fit CI's disk or time; shard size does not matter to open(): shards
+// are mapped, never read, and only their 64-byte headers are touched). Files are in the page cache
+// here; a cold open costs the same number of syscalls plus one page per file.
+TEST(Shards, OpenOneMillionSamplesUnderOneSecond) {
+  ScratchDir tmp;
+  const std::string dir = tmp.file("ds");
+  std::filesystem::create_directories(dir);
+  constexpr uint64_t kSamples = 1000000;
+  {
+    ShardWriterOptions o;
+    o.shard_tokens = 1 << 20;  // ~4 shards
+    ShardWriter w(dir, o);
+    std::vector<int32_t> ids(4);
+    std::vector<uint8_t> mask(4, 1);
+    for (uint64_t i = 0; i < kSamples; ++i) {
+      ids[0] = static_cast<int32_t>(i & 0x7fffffff);
+      w.add(ids, mask);
+    }
+    w.finish();
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const ShardReader r = ShardReader::open(dir);
+  const double open_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(r.num_samples(), kSamples);
+  EXPECT_EQ(r.sample(777777).input_ids[0], 777777);
+  EXPECT_EQ(r.sample(kSamples - 1).length, 4u);
+  const auto t1 = std::chrono::steady_clock::now();
+  const std::vector<uint32_t> lengths = r.lengths();
+  const double lengths_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  ASSERT_EQ(lengths.size(), kSamples);
+  std::printf("[ numbers  ] open() of %llu samples / %u shards: %.3f ms; lengths(): %.3f ms\n",
+              static_cast<unsigned long long>(kSamples), r.num_shards(), open_s * 1e3, lengths_s * 1e3);
+  EXPECT_LT(open_s, 1.0);
+}
+
+}  // namespace
+}  // namespace dflash::data
