@@ -1,0 +1,209 @@
+#include "core/model/drafter.h"
+
+#include <cmath>
+
+#include "core/io/safetensors.h"
+#include "core/model/weights.h"
+#include "core/util/error.h"
+
+namespace dflash::model {
+namespace F = torch::nn::functional;
+
+std::vector<int64_t> default_target_layer_ids(int64_t L_t, int64_t L_d) {
+  if (L_d == 1) return {L_t / 2};
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < L_d; ++i)
+    ids.push_back(static_cast<int64_t>(std::nearbyint(1.0 + double(i) * double(L_t - 4) / double(L_d - 1))));
+  return ids;
+}
+
+DrafterConfig drafter_config_for_target(const io::TargetConfig& t, const DrafterConfig& o) {
+  DrafterConfig c = o;
+  auto pick = [](int64_t v, int64_t fallback) { return v > 0 ? v : fallback; };
+  c.hidden_size = t.hidden_size;  // the fused context and the frozen embedding fix H
+  DFLASH_CHECK(o.hidden_size == 0 || o.hidden_size == t.hidden_size, ConfigError,
+               "drafter.hidden_size must equal the target's hidden_size " << t.hidden_size << " (the drafter uses the "
+               "target's embedding and lm_head), got " << o.hidden_size);
+  c.num_heads = pick(o.num_heads, t.num_heads);
+  c.num_kv_heads = pick(o.num_kv_heads, t.num_kv_heads);
+  c.head_dim = pick(o.head_dim, t.head_dim);
+  c.intermediate_size = pick(o.intermediate_size, t.intermediate_size);
+  c.vocab_size = t.vocab_size;
+  c.rms_norm_eps = t.rms_norm_eps;
+  c.rope.theta = t.rope.theta;
+  c.rope.type = t.rope.type;
+  c.rope.factor = t.rope.factor;
+  c.rope.low_freq_factor = t.rope.low_freq_factor;
+  c.rope.high_freq_factor = t.rope.high_freq_factor;
+  c.rope.original_max_position = t.rope.original_max_position;
+  c.rope.rotary_dim = c.head_dim;
+  c.num_target_layers = t.num_layers;
+  if (c.target_layer_ids.empty()) c.target_layer_ids = default_target_layer_ids(t.num_layers, c.num_layers);
+  for (auto id : c.target_layer_ids)
+    DFLASH_CHECK(id >= 0 && id < t.num_layers, ConfigError,
+                 "target_layer_ids: " << id << " is outside the target's layers 0.." << t.num_layers - 1);
+  DFLASH_CHECK(c.mask_token_id >= 0 && c.mask_token_id < t.vocab_size, ConfigError,
+               "drafter.mask_token_id must be a token id of the target vocabulary [0, " << t.vocab_size << "), got "
+                                                                                        << c.mask_token_id);
+  DFLASH_CHECK(c.num_heads % c.num_kv_heads == 0, ConfigError,
+               "drafter num_heads " << c.num_heads << " must be a multiple of num_kv_heads " << c.num_kv_heads);
+  DFLASH_CHECK(c.block_size >= 2, ConfigError, "drafter.block_size must be >= 2, got " << c.block_size);
+  return c;
+}
+
+torch::Tensor FrozenTargetParts::final_norm(const torch::Tensor& h) const {
+  return norm_zero_centred ? rms_norm_zero_centred(h, norm, norm_eps) : rms_norm(h, norm.to(h.scalar_type()), norm_eps);
+}
+
+FrozenTargetParts load_frozen_target_parts(const std::string& dir, torch::Device device, torch::ScalarType dtype) {
+  auto cfg = io::parse_hf_config(dir);
+  auto st = io::SafetensorsModel::open_dir(dir);
+  std::string prefix = "model.";
+  if (st.has("model.language_model.embed_tokens.weight")) prefix = "model.language_model.";
+  auto weights = file_weights(dir, device, dtype);
+  const int64_t V = cfg.vocab_size, H = cfg.hidden_size;
+  FrozenTargetParts p;
+  p.embed = weights->get(prefix + "embed_tokens.weight", {V, H}, Init::kNormal);
+  p.lm_head = (!cfg.tie_word_embeddings && st.has("lm_head.weight")) ? weights->get("lm_head.weight", {V, H}, Init::kNormal)
+                                                                       : p.embed;
+  p.norm_zero_centred = cfg.family == io::Family::kQwen3_5;
+  p.norm = weights->get(prefix + "norm.weight", {H}, Init::kOnes, /*keep_fp32=*/p.norm_zero_centred);
+  p.norm_eps = cfg.rms_norm_eps;
+  return p;
+}
+
+Drafter::Drafter(const DrafterConfig& cfg, torch::Device device, uint64_t seed) : cfg_(cfg), device_(device) {
+  const int64_t H = cfg.hidden_size, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
+  const int64_t I = cfg.intermediate_size, KH = cfg.num_context_layers() * H;
+  auto gen = at::detail::createCPUGenerator(seed);
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool ones) {
+    auto t = ones ? torch::ones(shape) : torch::randn(shape, gen) * 0.02;
+    index_[name] = params_.size();
+    params_.emplace_back(name, t.to(device).set_requires_grad(true));
+  };
+  add("fc.weight", {H, KH}, false);
+  add("hidden_norm.weight", {H}, true);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    add(p + "input_layernorm.weight", {H}, true);
+    add(p + "self_attn.q_proj.weight", {Hq * D, H}, false);
+    add(p + "self_attn.k_proj.weight", {Hkv * D, H}, false);
+    add(p + "self_attn.v_proj.weight", {Hkv * D, H}, false);
+    add(p + "self_attn.o_proj.weight", {H, Hq * D}, false);
+    add(p + "self_attn.q_norm.weight", {D}, true);
+    add(p + "self_attn.k_norm.weight", {D}, true);
+    add(p + "post_attention_layernorm.weight", {H}, true);
+    add(p + "mlp.gate_proj.weight", {I, H}, false);
+    add(p + "mlp.up_proj.weight", {I, H}, false);
+    add(p + "mlp.down_proj.weight", {H, I}, false);
+  }
+  add("norm.weight", {H}, true);
+  inv_freq_ = rope_inv_freq(cfg.rope).to(device);
+}
+
+const torch::Tensor& Drafter::param(const std::string& name) const {
+  auto it = index_.find(name);
+  DFLASH_CHECK(it != index_.end(), DataError, "drafter has no parameter '" << name << "'");
+  return params_[it->second].second;
+}
+
+int64_t Drafter::num_parameters() const {
+  int64_t n = 0;
+  for (auto& [_, t] : params_) n += t.numel();
+  return n;
+}
+
+void Drafter::load_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& values,
+                              const std::string& source) {
+  std::map<std::string, const torch::Tensor*> by_name;
+  for (auto& [n, t] : values) by_name[n] = &t;
+  for (auto& [n, t] : values)
+    DFLASH_CHECK(index_.count(n), DataError, source << ": unexpected drafter tensor '" << n << "'");
+  torch::NoGradGuard g;
+  for (auto& [name, p] : params_) {
+    auto it = by_name.find(name);
+    DFLASH_CHECK(it != by_name.end(), DataError, source << ": missing drafter tensor '" << name << "'");
+    DFLASH_CHECK(it->second->sizes() == p.sizes(), DataError,
+                 source << ": tensor '" << name << "' has shape " << it->second->sizes() << ", expected " << p.sizes());
+    p.copy_(*it->second);
+  }
+}
+
+torch::Tensor Drafter::w(const std::string& name, torch::ScalarType compute) const {
+  const auto& p = params_[index_.at(name)].second;
+  return p.scalar_type() == compute ? p : p.to(compute);
+}
+
+torch::Tensor Drafter::fuse_context(const torch::Tensor& features_TKH, torch::ScalarType compute) const {
+  auto ctx = F::linear(features_TKH.to(compute), w("fc.weight", compute));
+  return rms_norm(ctx, w("hidden_norm.weight", compute), cfg_.rms_norm_eps);
+}
+
+torch::Tensor Drafter::attention(const torch::Tensor& q, const torch::Tensor& k_ctx, const torch::Tensor& v_ctx,
+                                 const torch::Tensor& k_blk, const torch::Tensor& v_blk,
+                                 const BlockAttention& attn) const {
+  // q [Q, Hq, D]; k/v_ctx [T, Hkv, D]; k/v_blk [Q, Hkv, D]. Returns [Q, Hq, D].
+  const int64_t B = cfg_.block_size, N = attn.ctx_begin.size();
+  const double scale = 1.0 / std::sqrt(double(cfg_.head_dim));
+  std::vector<torch::Tensor> outs;
+  int64_t j0 = 0;
+  while (j0 < N) {
+    int64_t j1 = j0 + 1, L = attn.ctx_len[j0];
+    while (j1 < N && attn.ctx_begin[j1] == attn.ctx_begin[j0]) L = std::max(L, attn.ctx_len[j1++]);
+    const int64_t m = j1 - j0, cs = attn.ctx_begin[j0];
+    auto heads_first = [](const torch::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };  // [1, h, n, D]
+    auto qg = heads_first(q.narrow(0, j0 * B, m * B));
+    auto kg = heads_first(torch::cat({k_ctx.narrow(0, cs, L), k_blk.narrow(0, j0 * B, m * B)}));
+    auto vg = heads_first(torch::cat({v_ctx.narrow(0, cs, L), v_blk.narrow(0, j0 * B, m * B)}));
+    bool full = (m == 1 && attn.ctx_len[j0] == L);
+    torch::Tensor mask;
+    if (!full) {
+      auto opts = torch::TensorOptions().dtype(torch::kInt64);
+      auto lens = torch::tensor(std::vector<int64_t>(attn.ctx_len.begin() + j0, attn.ctx_len.begin() + j1), opts);
+      auto row_block = torch::arange(m * B, opts).div(B, "floor");                   // [mB]
+      auto ctx_vis = torch::arange(L, opts).unsqueeze(0) < lens.index({row_block}).unsqueeze(1);  // [mB, L]
+      auto blk_vis = row_block.unsqueeze(1) == row_block.unsqueeze(0);                 // [mB, mB]
+      mask = torch::cat({ctx_vis, blk_vis}, 1).to(q.device());
+    }
+    auto o = at::scaled_dot_product_attention(qg, kg, vg, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+                                              0.0, false, scale, /*enable_gqa=*/true);
+    outs.push_back(o.squeeze(0).transpose(0, 1));
+    j0 = j1;
+  }
+  return outs.size() == 1 ? outs[0] : torch::cat(outs, 0);
+}
+
+torch::Tensor Drafter::forward(const torch::Tensor& x_QH, const torch::Tensor& q_pos_Q, const torch::Tensor& ctx_TH,
+                               const torch::Tensor& ctx_pos_T, const BlockAttention& attn,
+                               torch::ScalarType compute) const {
+  const int64_t Q = x_QH.size(0), T = ctx_TH.size(0), D = cfg_.head_dim;
+  const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
+  const double eps = cfg_.rms_norm_eps;
+  auto rope_q = rope_table(inv_freq_, q_pos_Q, compute);
+  auto rope_c = rope_table(inv_freq_, ctx_pos_T, compute);
+  auto x = x_QH.to(compute);
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    auto h = rms_norm(x, w(p + "input_layernorm.weight", compute), eps);
+    auto wk = w(p + "self_attn.k_proj.weight", compute), wv = w(p + "self_attn.v_proj.weight", compute);
+    auto qn = w(p + "self_attn.q_norm.weight", compute), kn = w(p + "self_attn.k_norm.weight", compute);
+    auto q = rms_norm(F::linear(h, w(p + "self_attn.q_proj.weight", compute)).view({Q, Hq, D}), qn, eps);
+    // KV injection: the layer's own k/v projections over the fused context (not normed by input_layernorm).
+    auto k_ctx = rms_norm(F::linear(ctx_TH, wk).view({T, Hkv, D}), kn, eps);
+    auto v_ctx = F::linear(ctx_TH, wv).view({T, Hkv, D});
+    auto k_blk = rms_norm(F::linear(h, wk).view({Q, Hkv, D}), kn, eps);
+    auto v_blk = F::linear(h, wv).view({Q, Hkv, D});
+    q = apply_rope(q, rope_q);
+    k_blk = apply_rope(k_blk, rope_q);
+    k_ctx = apply_rope(k_ctx, rope_c);
+    auto a = attention(q, k_ctx, v_ctx, k_blk, v_blk, attn).reshape({Q, Hq * D});
+    x = x + F::linear(a, w(p + "self_attn.o_proj.weight", compute));
+    h = rms_norm(x, w(p + "post_attention_layernorm.weight", compute), eps);
+    auto g = F::linear(h, w(p + "mlp.gate_proj.weight", compute));
+    auto u = F::linear(h, w(p + "mlp.up_proj.weight", compute));
+    x = x + F::linear(torch::silu(g) * u, w(p + "mlp.down_proj.weight", compute));
+  }
+  return rms_norm(x, w("norm.weight", compute), eps);
+}
+
+}  // namespace dflash::model

@@ -1,0 +1,93 @@
+// The DFlash drafter (dflash.md section 1): fc + hidden_norm fusion of K target layers, Qwen3-style
+// draft layers with KV injection, final norm. The TARGET's embedding and lm_head are frozen and
+// live in FrozenTargetParts, never in the drafter.
+// Legend: T = packed context tokens, K = captured target layers, H = hidden, N = blocks (anchors),
+// B = block size, Q = N*B query rows, D = head_dim.
+//
+// Parameters are fp32 master weights named exactly as the HF DFlash export (fc.weight,
+// layers.{i}.self_attn.q_proj.weight, ...). forward() computes in `compute_dtype` (bf16 on GPU) by
+// casting weights on the fly, so gradients land in the fp32 masters.
+#pragma once
+#include <torch/torch.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/io/hf_config.h"
+#include "core/model/layers.h"
+
+namespace dflash::model {
+
+struct DrafterConfig {
+  int64_t hidden_size = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, intermediate_size = 0;
+  int64_t num_layers = 1;
+  int64_t vocab_size = 0;
+  double rms_norm_eps = 1e-6;
+  RopeOptions rope;  // theta / type of the target; rotary_dim = head_dim
+  int64_t block_size = 16;
+  int64_t mask_token_id = -1;
+  std::vector<int64_t> target_layer_ids;
+  int64_t num_target_layers = 0;
+  int64_t num_context_layers() const { return static_cast<int64_t>(target_layer_ids.size()); }
+};
+
+// dflash.md: [L_t // 2] if L_d == 1 else round(1 + i * (L_t - 4) / (L_d - 1)).
+std::vector<int64_t> default_target_layer_ids(int64_t num_target_layers, int64_t num_draft_layers);
+
+// Shapes default to the target's; 0 / empty fields in `overrides` mean "take the target's / default".
+DrafterConfig drafter_config_for_target(const io::TargetConfig& target, const DrafterConfig& overrides);
+
+// The frozen pieces of the target the drafter needs: embedding, lm_head, and the target's final norm
+// (for soft labels). Loaded from the target's safetensors without loading the whole target.
+struct FrozenTargetParts {
+  torch::Tensor embed;    // [V, H]
+  torch::Tensor lm_head;  // [V, H] (the embedding when tied)
+  torch::Tensor norm;     // [H]
+  bool norm_zero_centred = false;
+  double norm_eps = 1e-6;
+  torch::Tensor final_norm(const torch::Tensor& h) const;
+};
+FrozenTargetParts load_frozen_target_parts(const std::string& target_dir, torch::Device device,
+                                           torch::ScalarType dtype);
+
+// Which keys each block attends to: block j sees context rows [ctx_begin[j], ctx_begin[j] + ctx_len[j])
+// and its own B rows. Consecutive blocks with the same ctx_begin (one document) share one call.
+struct BlockAttention {
+  std::vector<int64_t> ctx_begin, ctx_len;  // per block, host side
+};
+
+class Drafter {
+ public:
+  Drafter(const DrafterConfig& cfg, torch::Device device, uint64_t init_seed);
+  const DrafterConfig& config() const { return cfg_; }
+  torch::Device device() const { return device_; }
+
+  std::vector<std::pair<std::string, torch::Tensor>>& parameters() { return params_; }
+  const std::vector<std::pair<std::string, torch::Tensor>>& parameters() const { return params_; }
+  const torch::Tensor& param(const std::string& name) const;
+  int64_t num_parameters() const;
+  // Copies values in (strict: every name present, shapes equal); `source` names the origin in errors.
+  void load_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& values, const std::string& source);
+
+  // ctx_TH = hidden_norm(fc(features_TKH)), computed once per batch and shared by every layer.
+  torch::Tensor fuse_context(const torch::Tensor& features_TKH, torch::ScalarType compute) const;
+
+  // Draft layers + final norm. x_QH: embedded block tokens; q_pos_Q / ctx_pos_T: RoPE positions.
+  // Returns the final-normed hidden states [Q, H] in `compute`.
+  torch::Tensor forward(const torch::Tensor& x_QH, const torch::Tensor& q_pos_Q, const torch::Tensor& ctx_TH,
+                        const torch::Tensor& ctx_pos_T, const BlockAttention& attn, torch::ScalarType compute) const;
+
+ private:
+  torch::Tensor w(const std::string& name, torch::ScalarType compute) const;
+  torch::Tensor attention(const torch::Tensor& q_QhD, const torch::Tensor& k_ctx, const torch::Tensor& v_ctx,
+                          const torch::Tensor& k_blk, const torch::Tensor& v_blk, const BlockAttention& attn) const;
+
+  DrafterConfig cfg_;
+  torch::Device device_;
+  std::vector<std::pair<std::string, torch::Tensor>> params_;
+  std::map<std::string, size_t> index_;
+  torch::Tensor inv_freq_;
+};
+
+}  // namespace dflash::model

@@ -1,0 +1,28 @@
+// Anchor sampling and per-block labels/weights for DFlash training (dflash.md section 3, steps 1-4).
+// Host-side and deterministic: a counter-based PRNG keyed by (seed, step, micro-batch, rank), so a
+// resumed run samples exactly the anchors the uninterrupted run would have.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace dflash::train {
+
+// splitmix64: the project's portable PRNG (std:: distributions differ across standard libraries).
+struct SplitMix64 {
+  uint64_t state;
+  explicit SplitMix64(uint64_t seed) : state(seed) {}
+  uint64_t next();
+  uint64_t below(uint64_t n);  // uniform in [0, n), n > 0
+  double uniform();            // [0, 1)
+};
+
+uint64_t mix_seed(uint64_t seed, uint64_t a, uint64_t b = 0, uint64_t c = 0);
+
+// Valid anchors: packed index i with loss_mask[i] and loss_mask[i+1] set, i+1 in the same document.
+std::vector<int64_t> valid_anchors(const std::vector<uint8_t>& loss_mask, const std::vector<int64_t>& doc_lens);
+
+// min(max_anchors, #valid) anchors uniformly without replacement, sorted ascending.
+std::vector<int64_t> sample_anchors(const std::vector<uint8_t>& loss_mask, const std::vector<int64_t>& doc_lens,
+                                    int64_t max_anchors, uint64_t seed);
+
+}  // namespace dflash::train

@@ -1,0 +1,148 @@
+#include "core/train/dflash_loss.h"
+
+#include <cmath>
+
+#include "core/model/layers.h"
+#include "core/util/error.h"
+
+namespace dflash::train {
+namespace F = torch::nn::functional;
+using torch::indexing::Slice;
+
+BlockInputs make_blocks(const std::vector<int64_t>& anchors, const std::vector<int64_t>& doc_lens,
+                        const torch::Tensor& input_ids_T, int64_t B, int64_t mask_token_id) {
+  const int64_t N = anchors.size();
+  std::vector<int64_t> doc_start, starts(1, 0);
+  for (auto n : doc_lens) starts.push_back(starts.back() + n);
+  BlockInputs bi;
+  std::vector<int64_t> pos(N * B), anchor_idx(N);
+  size_t d = 0;
+  for (int64_t j = 0; j < N; ++j) {
+    const int64_t a = anchors[j];
+    while (d + 1 < starts.size() && a >= starts[d + 1]) ++d;
+    DFLASH_CHECK(d < doc_lens.size(), DataError, "anchor " << a << " outside the packed batch");
+    const int64_t p = a - starts[d];
+    bi.attn.ctx_begin.push_back(starts[d]);
+    bi.attn.ctx_len.push_back(p);  // context strictly before the anchor
+    for (int64_t k = 0; k < B; ++k) pos[j * B + k] = p + k;
+    anchor_idx[j] = a;
+  }
+  auto dev = input_ids_T.device();
+  auto idx = torch::tensor(anchor_idx, torch::kInt64).to(dev);
+  auto ids = torch::full({N, B}, mask_token_id, torch::TensorOptions().dtype(torch::kInt64).device(dev));
+  ids.index_put_({Slice(), 0}, input_ids_T.index({idx}));
+  bi.ids_Q = ids.reshape({N * B});
+  bi.pos_Q = torch::tensor(pos, torch::kInt64).to(dev);
+  return bi;
+}
+
+MicroBatchStats forward_backward(const model::Drafter& drafter, const model::FrozenTargetParts& frozen,
+                                 const MicroBatch& mb, const std::vector<int64_t>& anchors, const LossOptions& opt,
+                                 const NoiseOptions& noise, torch::ScalarType compute, bool backward) {
+  const auto& cfg = drafter.config();
+  const int64_t B = cfg.block_size, N = anchors.size(), T = mb.input_ids_T.size(0);
+  auto dev = mb.input_ids_T.device();
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(dev);
+  MicroBatchStats st;
+  st.blocks = N;
+  st.tokens = T;
+  if (N == 0) {
+    st.ce_sum = st.kl_sum = st.weight_sum = st.accept_sum = torch::zeros({}, f32);
+    st.correct_k = st.counted_k = torch::zeros({B}, f32);
+    return st;
+  }
+  auto blocks = make_blocks(anchors, mb.doc_lens, mb.input_ids_T, B, cfg.mask_token_id);
+
+  // Labels, weights and soft-label sources for rows (block j, position k >= 1): [N, B-1].
+  std::vector<int64_t> label_idx(N * (B - 1)), doc_end(N);
+  std::vector<float> base_w(N * (B - 1));
+  {
+    std::vector<int64_t> starts(1, 0);
+    for (auto n : mb.doc_lens) starts.push_back(starts.back() + n);
+    size_t d = 0;
+    for (int64_t j = 0; j < N; ++j) {
+      while (d + 1 < starts.size() && anchors[j] >= starts[d + 1]) ++d;
+      for (int64_t k = 1; k < B; ++k) {
+        const int64_t g = anchors[j] + k;
+        const bool inside = g < starts[d + 1];
+        label_idx[j * (B - 1) + k - 1] = inside ? g : anchors[j];
+        base_w[j * (B - 1) + k - 1] = inside ? static_cast<float>(std::exp(-(k - 1) / opt.gamma)) : 0.0f;
+      }
+    }
+  }
+  auto lidx = torch::tensor(label_idx, torch::kInt64).to(dev);
+  auto labels = mb.input_ids_T.index({lidx});                                                  // [R]
+  auto weights = torch::tensor(base_w, torch::kFloat32).to(dev) * mb.loss_mask_T.index({lidx}).to(torch::kFloat32);
+
+  // Drafter forward up to the final norm (graph kept for the backward).
+  auto feats = mb.features_TKH;
+  if (noise.type != NoiseType::kNone && noise.amplitude > 0) {
+    if (dev.is_cuda()) torch::cuda::manual_seed(noise.seed);
+    auto gen = at::detail::createCPUGenerator(noise.seed);
+    auto shape = feats.sizes();
+    torch::Tensor r = dev.is_cuda() ? (noise.type == NoiseType::kUniform ? torch::rand(shape, f32) * 2 - 1 : torch::randn(shape, f32))
+                                    : (noise.type == NoiseType::kUniform ? torch::rand(shape, gen) * 2 - 1 : torch::randn(shape, gen));
+    feats = feats.to(torch::kFloat32) + r * noise.amplitude;
+  }
+  auto ctx = drafter.fuse_context(feats, compute);
+  auto ctx_pos = model::doc_positions(mb.doc_lens, dev);
+  auto x = F::embedding(blocks.ids_Q, frozen.embed).to(compute);
+  auto hidden = drafter.forward(x, blocks.pos_Q, ctx, ctx_pos, blocks.attn, compute);       // [N*B, H]
+  auto rows_h = hidden.view({N, B, -1}).index({Slice(), Slice(1)}).reshape({N * (B - 1), -1});  // [R, H]
+
+  // Chunked logits + loss; the gradient w.r.t. rows_h accumulates chunk by chunk.
+  auto rows_leaf = rows_h.detach().set_requires_grad(backward);
+  const int64_t R = N * (B - 1);
+  auto lm_head = frozen.lm_head.to(compute);
+  auto ce_sum = torch::zeros({}, f32), kl_sum = torch::zeros({}, f32);
+  auto correct = torch::empty({R}, f32);
+  const double Tt = opt.temperature;
+  for (int64_t r0 = 0; r0 < R; r0 += opt.logits_chunk_rows) {
+    const int64_t n = std::min(opt.logits_chunk_rows, R - r0);
+    auto hc = rows_leaf.narrow(0, r0, n);
+    auto wc = weights.narrow(0, r0, n);
+    auto yc = labels.narrow(0, r0, n);
+    auto logits = F::linear(hc, lm_head).to(torch::kFloat32);  // [n, V]
+    auto ce = F::cross_entropy(logits, yc, F::CrossEntropyFuncOptions().reduction(torch::kNone));
+    auto ce_c = (wc * ce).sum();
+    torch::Tensor loss_c = ce_c;
+    torch::Tensor kl_c;
+    if (opt.soft_labels) {
+      torch::Tensor t_logp;
+      {
+        torch::NoGradGuard ng;
+        auto src = lidx.narrow(0, r0, n) - 1;  // h_last of the token before the label
+        auto th = frozen.final_norm(mb.h_last_TH.index({src}).to(compute));
+        t_logp = torch::log_softmax(F::linear(th, lm_head).to(torch::kFloat32) / Tt, -1);
+      }
+      auto d_logp = torch::log_softmax(logits / Tt, -1);
+      auto kl = (t_logp.exp() * (t_logp - d_logp)).sum(-1);
+      kl_c = (wc * kl).sum();
+      loss_c = loss_c + opt.kl_weight * Tt * Tt * kl_c;
+    }
+    if (backward) loss_c.backward();
+    torch::NoGradGuard ng;
+    ce_sum += ce_c.detach();
+    if (kl_c.defined()) kl_sum += kl_c.detach();
+    correct.narrow(0, r0, n).copy_(logits.argmax(-1).eq(yc).to(torch::kFloat32));
+  }
+  if (backward) {
+    // Position 0 of every block predicts nothing: its rows get a zero gradient.
+    auto grad = torch::zeros({N, B, hidden.size(1)}, hidden.options());
+    grad.index_put_({Slice(), Slice(1)}, rows_leaf.grad().to(hidden.scalar_type()).view({N, B - 1, -1}));
+    hidden.backward(grad.view({N * B, -1}));
+  }
+
+  torch::NoGradGuard ng;
+  auto counted = (weights > 0).to(torch::kFloat32);
+  auto corr = (correct * counted).view({N, B - 1});
+  st.ce_sum = ce_sum;
+  st.kl_sum = kl_sum;
+  st.weight_sum = weights.sum();
+  st.correct_k = torch::cat({torch::zeros({1}, f32), corr.sum(0)});
+  st.counted_k = torch::cat({torch::zeros({1}, f32), counted.view({N, B - 1}).sum(0)});
+  st.accept_sum = (1.0 + corr.cumprod(1).sum(1)).sum();
+  return st;
+}
+
+}  // namespace dflash::train

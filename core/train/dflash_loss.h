@@ -1,0 +1,65 @@
+// One DFlash micro-batch: blocks at the anchors, drafter forward, chunked CE (+ soft-label KL) and
+// backward (dflash.md section 3). Legend: T tokens, N anchors/blocks, B block size, V vocab.
+//
+// Gradients of the UNNORMALISED loss  sum(w*CE) + kl_weight*T^2*sum(w*KL)  accumulate into the
+// drafter's fp32 parameters; the caller divides by the GLOBAL weight sum of the optimizer step
+// (over micro-batches and data-parallel ranks) before clipping, so the loss does not depend on how
+// samples fall into batches. Logits exist one row-chunk at a time (never [N*B, V] at once), in
+// forward and in backward.
+#pragma once
+#include <torch/torch.h>
+
+#include <vector>
+
+#include "core/model/drafter.h"
+
+namespace dflash::train {
+
+enum class NoiseType { kNone, kUniform, kGaussian };
+
+struct LossOptions {
+  double gamma = 7.0;
+  bool soft_labels = false;
+  double kl_weight = 0.15;
+  double temperature = 2.0;
+  int64_t logits_chunk_rows = 2048;
+};
+
+// A packed micro-batch as delivered by a target server (all tensors on the drafter's device).
+struct MicroBatch {
+  torch::Tensor input_ids_T;    // int64 [T]
+  torch::Tensor loss_mask_T;    // uint8 [T]
+  torch::Tensor features_TKH;   // [T, K*H]
+  torch::Tensor h_last_TH;      // [T, H] (needed for soft labels)
+  std::vector<int64_t> doc_lens;
+  std::vector<uint8_t> loss_mask_host;  // host copy used for anchor sampling
+};
+
+// Sums over the micro-batch, as device tensors (no host sync needed to produce them).
+struct MicroBatchStats {
+  torch::Tensor ce_sum, kl_sum, weight_sum;  // scalars (fp32)
+  torch::Tensor correct_k, counted_k;        // [B] per block position: argmax == label where w > 0
+  torch::Tensor accept_sum;                  // sum over blocks of 1 + sum_k prod_{i<=k} correct_i
+  int64_t blocks = 0, tokens = 0;
+};
+
+struct NoiseOptions {
+  NoiseType type = NoiseType::kNone;
+  double amplitude = 0.0;
+  uint64_t seed = 0;
+};
+
+// Runs forward (and backward when `backward`) for the given sorted anchors (packed indices).
+MicroBatchStats forward_backward(const model::Drafter& drafter, const model::FrozenTargetParts& frozen,
+                                 const MicroBatch& mb, const std::vector<int64_t>& anchors, const LossOptions& opt,
+                                 const NoiseOptions& noise, torch::ScalarType compute, bool backward);
+
+// The block inputs for given anchors: ids [N*B] = [ids[a], MASK x (B-1)] and positions [N*B].
+struct BlockInputs {
+  torch::Tensor ids_Q, pos_Q;
+  model::BlockAttention attn;
+};
+BlockInputs make_blocks(const std::vector<int64_t>& anchors, const std::vector<int64_t>& doc_lens,
+                        const torch::Tensor& input_ids_T, int64_t block_size, int64_t mask_token_id);
+
+}  // namespace dflash::train

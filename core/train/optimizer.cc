@@ -1,0 +1,71 @@
+#include "core/train/optimizer.h"
+
+#include <cmath>
+#include <map>
+
+#include "core/util/error.h"
+
+namespace dflash::train {
+
+AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>>* params, const AdamWOptions& opt)
+    : params_(params), opt_(opt) {
+  for (auto& [_, p] : *params_) {
+    m_.push_back(torch::zeros_like(p, torch::kFloat32).detach());
+    v_.push_back(torch::zeros_like(p, torch::kFloat32).detach());
+  }
+}
+
+void AdamW::step(double lr) {
+  torch::NoGradGuard g;
+  ++steps_;
+  const double bc1 = 1.0 - std::pow(opt_.beta1, double(steps_));
+  const double bc2 = 1.0 - std::pow(opt_.beta2, double(steps_));
+  for (size_t i = 0; i < params_->size(); ++i) {
+    auto& p = (*params_)[i].second;
+    if (!p.grad().defined()) continue;
+    auto grad = p.grad();
+    p.mul_(1.0 - lr * opt_.weight_decay);
+    m_[i].lerp_(grad, 1.0 - opt_.beta1);
+    v_[i].mul_(opt_.beta2).addcmul_(grad, grad, 1.0 - opt_.beta2);
+    auto denom = (v_[i].sqrt() / std::sqrt(bc2)).add_(opt_.eps);
+    p.addcdiv_(m_[i], denom, -lr / bc1);
+  }
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> AdamW::state() const {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (size_t i = 0; i < params_->size(); ++i) {
+    out.emplace_back("exp_avg." + (*params_)[i].first, m_[i]);
+    out.emplace_back("exp_avg_sq." + (*params_)[i].first, v_[i]);
+  }
+  return out;
+}
+
+void AdamW::load_state(const std::vector<std::pair<std::string, torch::Tensor>>& state, int64_t steps,
+                       const std::string& source) {
+  std::map<std::string, const torch::Tensor*> by;
+  for (auto& [n, t] : state) by[n] = &t;
+  torch::NoGradGuard g;
+  for (size_t i = 0; i < params_->size(); ++i) {
+    const std::vector<std::pair<std::string, torch::Tensor*>> slots{{"exp_avg.", &m_[i]}, {"exp_avg_sq.", &v_[i]}};
+    for (const auto& pair : slots) {
+      const std::string name = pair.first + (*params_)[i].first;
+      auto it = by.find(name);
+      DFLASH_CHECK(it != by.end(), DataError, source << ": optimizer state '" << name << "' missing");
+      DFLASH_CHECK(it->second->sizes() == pair.second->sizes(), DataError,
+                   source << ": optimizer state '" << name << "' has the wrong shape");
+      pair.second->copy_(*it->second);
+    }
+  }
+  steps_ = steps;
+}
+
+double lr_at(const ScheduleOptions& s, int64_t step) {
+  const double total = std::max<int64_t>(s.total_steps, 1);
+  const double warm = std::ceil(s.warmup_ratio * total);
+  if (step < warm) return s.lr * (step + 1) / warm;
+  const double progress = std::min(1.0, (step - warm) / std::max(1.0, total - warm));
+  return s.lr * 0.5 * (1.0 + std::cos(M_PI * progress));
+}
+
+}  // namespace dflash::train

@@ -1,0 +1,94 @@
+#include "core/train/trainer.h"
+
+#include <cmath>
+
+#include "core/train/anchors.h"
+#include "core/util/error.h"
+
+namespace dflash::train {
+
+Trainer::Trainer(model::Drafter& drafter, const model::FrozenTargetParts& frozen, const TrainerOptions& opt,
+                 Collectives* collectives)
+    : drafter_(drafter),
+      frozen_(frozen),
+      opt_(opt),
+      coll_(collectives ? collectives : &single_),
+      optimizer_(&drafter.parameters(), opt.adamw) {}
+
+double Trainer::noise_amplitude(int64_t step) const {
+  const double total = std::max<int64_t>(1, opt_.schedule.total_steps - 1);
+  const double t = std::min(1.0, step / total);
+  return opt_.noise_start + (opt_.noise_end - opt_.noise_start) * t;
+}
+
+std::vector<int64_t> Trainer::micro_batch(const MicroBatch& mb) {
+  const uint64_t step = optimizer_.steps(), micro = micro_in_step_++, rank = coll_->rank();
+  auto anchors = sample_anchors(mb.loss_mask_host, mb.doc_lens, opt_.max_anchors, mix_seed(opt_.seed, step, micro, rank));
+  NoiseOptions noise{opt_.noise_type, noise_amplitude(step), mix_seed(opt_.seed ^ 0x6e6f697365ull, step, micro, rank)};
+  pending_.push_back(forward_backward(drafter_, frozen_, mb, anchors, opt_.loss, noise, opt_.compute, /*backward=*/true));
+  return anchors;
+}
+
+StepMetrics Trainer::step() {
+  if (pending_.empty()) throw Error(kExitFailure, "Trainer::step() called without micro-batches");
+  auto& params = drafter_.parameters();
+  const int64_t B = drafter_.config().block_size;
+  auto dev = drafter_.device();
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(dev);
+  // Sums of this rank's micro-batches, then over ranks: [ce, kl, weight, accept, blocks, tokens, correct_k.., counted_k..]
+  auto sums = torch::zeros({6 + 2 * B}, f32);
+  for (auto& s : pending_) {
+    sums.narrow(0, 0, 4).add_(torch::stack({s.ce_sum, s.kl_sum, s.weight_sum, s.accept_sum}));
+    sums[4] += double(s.blocks);
+    sums[5] += double(s.tokens);
+    sums.narrow(0, 6, B).add_(s.correct_k);
+    sums.narrow(0, 6 + B, B).add_(s.counted_k);
+  }
+  std::vector<torch::Tensor> grads;
+  for (auto& [_, p] : params) {
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    grads.push_back(p.grad());
+  }
+  grads.push_back(sums);
+  coll_->all_reduce_sum(grads);
+
+  auto s = sums.cpu();
+  auto a = s.accessor<float, 1>();
+  StepMetrics m;
+  m.weight_sum = a[2];
+  const double denom = std::max(m.weight_sum, 1e-12);
+  const double T = opt_.loss.temperature;
+  m.ce = a[0] / denom;
+  m.kl = a[1] / denom;
+  m.loss = m.ce + (opt_.loss.soft_labels ? opt_.loss.kl_weight * T * T * m.kl : 0.0);
+  m.anchors = static_cast<int64_t>(a[4]);
+  m.tokens = static_cast<int64_t>(a[5]);
+  m.accept_len = m.anchors > 0 ? a[3] / a[4] : 0.0;
+  for (int64_t k = 0; k < B; ++k) m.acc_k.push_back(a[6 + B + k] > 0 ? a[6 + k] / a[6 + B + k] : 0.0);
+  m.micro_batches = pending_.size();
+
+  // Normalise by the GLOBAL weight sum, clip by the global norm, step.
+  torch::NoGradGuard g;
+  std::vector<torch::Tensor> gl;
+  for (auto& [_, p] : params) {
+    p.mutable_grad().div_(denom);
+    gl.push_back(p.grad().flatten());
+  }
+  auto norm = torch::cat(gl).norm().item<double>();
+  m.grad_norm = norm;
+  m.lr = lr_at(opt_.schedule, optimizer_.steps());
+  if (!std::isfinite(norm) || !std::isfinite(m.loss)) {
+    m.skipped_nonfinite = true;  // identical on every rank (all-reduced values): no partial update
+  } else {
+    if (opt_.grad_clip > 0 && norm > opt_.grad_clip)
+      for (auto& [_, p] : params) p.mutable_grad().mul_(opt_.grad_clip / (norm + 1e-6));
+    optimizer_.step(m.lr);
+  }
+  for (auto& [_, p] : params) p.mutable_grad().zero_();
+  pending_.clear();
+  micro_in_step_ = 0;
+  m.step = optimizer_.steps();
+  return m;
+}
+
+}  // namespace dflash::train
