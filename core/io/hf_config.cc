@@ -106,7 +106,8 @@ class Fields {
 };
 
 // Reads the RoPE settings: rope_parameters first, then rope_theta / rope_scaling.
-RopeConfig parse_rope(const Fields& f) {
+// `default_partial` applies when partial_rotary_factor is absent everywhere.
+RopeConfig parse_rope(const Fields& f, double default_partial) {
   RopeConfig r;
   std::string params_path;
   const json* params = f.find("rope_parameters", &params_path);
@@ -137,7 +138,7 @@ RopeConfig parse_rope(const Fields& f) {
   if (!(r.theta > 0)) f.fail(params ? params_path + ".rope_theta" : "rope_theta", "must be positive");
 
   // partial_rotary_factor: in the rope object, else at the (text) top level.
-  r.partial_rotary_factor = f.get_double("partial_rotary_factor", 1.0);
+  r.partial_rotary_factor = f.get_double("partial_rotary_factor", default_partial);
   if (obj != nullptr) {
     auto p = obj->find("partial_rotary_factor");
     if (p != obj->end() && !p->is_null())
@@ -294,7 +295,8 @@ TargetConfig parse_hf_config_json(const std::string& json_text, const std::strin
   if (!(c.rms_norm_eps > 0)) f.fail(path, "must be positive");
   c.max_position_embeddings = f.get_positive("max_position_embeddings");
   c.tie_word_embeddings = f.get_bool("tie_word_embeddings", false);
-  c.rope = parse_rope(f);
+  // HF Qwen3_5TextConfig defaults partial_rotary_factor to 0.25 (the others to full rotation).
+  c.rope = parse_rope(f, c.family == Family::kQwen3_5 ? 0.25 : 1.0);
   if (c.rope.partial_rotary_factor < 1.0) {
     const double rot = c.head_dim * c.rope.partial_rotary_factor;
     if (rot != std::floor(rot) || static_cast<int64_t>(rot) % 2 != 0)

@@ -3,6 +3,7 @@
 #include <set>
 
 #include "core/model/dense.h"
+#include "core/model/hybrid.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
 
@@ -15,6 +16,8 @@ std::unique_ptr<TargetModel> build(const io::TargetConfig& cfg, WeightSource& w,
     case io::Family::kQwen2:
     case io::Family::kQwen3:
       return make_dense_target(cfg, w, opt);
+    case io::Family::kQwen3_5:
+      return make_hybrid_target(cfg, w, opt);
     default:
       break;
   }

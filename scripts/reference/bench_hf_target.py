@@ -16,6 +16,14 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32),
 }
+# Qwen3.6-27B text tower (hybrid: 3 Gated DeltaNet layers + 1 gated full-attention layer, repeated).
+HYBRID_SHAPES = {
+    "qwen3.6-27b": dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_conv_kernel_dim=4, max_position_embeddings=262144,
+                        layer_types=["linear_attention"] * 3 + ["full_attention"]),
+}
 
 
 def main():
@@ -29,8 +37,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
-    cfg = transformers.Qwen3Config(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                                   tie_word_embeddings=False, **SHAPES[a.shape])
+    if a.shape in HYBRID_SHAPES:
+        shape = dict(HYBRID_SHAPES[a.shape])
+        shape["layer_types"] = shape["layer_types"] * (shape["num_hidden_layers"] // 4)
+        cfg = transformers.Qwen3_5TextConfig(
+            rms_norm_eps=1e-6, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}, **shape)
+    else:
+        cfg = transformers.Qwen3Config(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                                       tie_word_embeddings=False, **SHAPES[a.shape])
     cfg._attn_implementation = "sdpa"
     with torch.device(a.device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).model.eval()

@@ -38,8 +38,19 @@ io::TargetConfig shape_config(const std::string& shape) {
   } else if (shape == "tiny") {
     c.vocab_size = 512, c.hidden_size = 128, c.intermediate_size = 256, c.num_layers = 6;
     c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 32;
+  } else if (shape == "qwen3.6-27b") {  // hybrid: 48 Gated DeltaNet + 16 gated full-attention layers
+    c.family = io::Family::kQwen3_5;
+    c.model_type = "qwen3_5";
+    c.vocab_size = 248320, c.hidden_size = 5120, c.intermediate_size = 17408, c.num_layers = 64;
+    c.num_heads = 24, c.num_kv_heads = 4, c.head_dim = 256;
+    c.rope.theta = 1e7, c.rope.partial_rotary_factor = 0.25, c.max_position_embeddings = 262144;
+    c.attn_output_gate = true;
+    c.linear_num_key_heads = 16, c.linear_num_value_heads = 48, c.linear_key_head_dim = 128;
+    c.linear_value_head_dim = 128, c.linear_conv_kernel_dim = 4;
+    for (int64_t i = 0; i < c.num_layers; ++i)
+      c.layer_types.push_back((i + 1) % 4 == 0 ? "full_attention" : "linear_attention");
   } else {
-    DFLASH_FAIL(ConfigError, "--shape: expected qwen3-8b|tiny, got '" << shape << "'");
+    DFLASH_FAIL(ConfigError, "--shape: expected qwen3-8b|qwen3.6-27b|tiny, got '" << shape << "'");
   }
   return c;
 }
@@ -107,7 +118,7 @@ int cmd_bench_target(int argc, char** argv) {
           {"baseline", "no-last-hidden"});
   const std::string shape = f.get("shape", "qwen3-8b");
   const std::string batches_s = f.get("batches", "1x4096,4x4096,16x1024");
-  const std::string layers_s = f.get("layers", "1,9,17,25,33");
+  const std::string layers_s = f.get("layers", shape == "qwen3.6-27b" ? "3,15,31,47,59" : "1,9,17,25,33");
   const int64_t warmup = f.get_int("warmup", 2), repeats = f.get_int("repeats", 5);
   const double peak_tflops = f.get_double("peak-tflops", 790.0);
   model::LoadOptions lo;

@@ -1,0 +1,226 @@
+// Forward pass of Qwen3.5 / Qwen3.6 hybrid decoders (target-models.md section 2), read top to bottom:
+//   h = embed(ids); per layer: h += mixer(norm(h)); h += mlp(norm(h)); capture.
+//   mixer = gated_delta_net (layer_types "linear_attention") or gated_attention ("full_attention").
+// Every RMSNorm except the GDN output norm is zero-centred: (1 + w) * norm(x), in fp32.
+// The GDN keeps conv, l2norm, g/beta, the delta rule and the gated norm in fp32 whatever the model
+// dtype; projections run in the model dtype.
+#include "core/model/hybrid.h"
+
+#include <cmath>
+
+#include "core/model/gated_delta.h"
+#include "core/model/layers.h"
+#include "core/util/error.h"
+
+namespace dflash::model {
+namespace F = torch::nn::functional;
+namespace {
+
+struct GatedAttention {
+  torch::Tensor qkv_w;           // [Hq 2D + 2 Hkv D, H]: q_proj (per head [q | gate]) | k_proj | v_proj
+  torch::Tensor qkv_b;           // or undefined
+  torch::Tensor o_w, o_b;        // [H, Hq D]
+  torch::Tensor q_norm, k_norm;  // [D] fp32, zero-centred
+};
+
+struct GatedDeltaNet {
+  torch::Tensor in_w;         // [conv_dim + value_dim + 2 Hv, H]: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a
+  torch::Tensor conv_w;       // [conv_dim, Kc]
+  torch::Tensor A_log, dt_bias;  // [Hv] fp32
+  torch::Tensor norm_w;       // [dv] fp32, plain weight
+  torch::Tensor out_w;        // [H, value_dim]
+};
+
+struct HybridLayer {
+  bool linear = false;        // Gated DeltaNet (else gated full attention)
+  torch::Tensor ln1, ln2;     // [H] fp32, zero-centred
+  GatedAttention attn;
+  GatedDeltaNet gdn;
+  torch::Tensor gate_up_w;    // [2 I, H]
+  torch::Tensor down_w;       // [H, I]
+};
+
+// "model.language_model." (VLM checkpoints) or "model." (text-only exports).
+std::string resolve_prefix(const WeightSource& w) {
+  if (w.has("model.language_model.embed_tokens.weight")) return "model.language_model.";
+  if (w.has("model.embed_tokens.weight")) return "model.";
+  DFLASH_FAIL(DataError, "qwen3_5 weights: found neither 'model.language_model.embed_tokens.weight' nor "
+                         "'model.embed_tokens.weight'");
+}
+
+class HybridTarget : public TargetModel {
+ public:
+  HybridTarget(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt) : cfg_(cfg), opt_(opt) {
+    const int64_t H = cfg.hidden_size, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
+    const int64_t I = cfg.intermediate_size, V = cfg.vocab_size;
+    const int64_t Hk = cfg.linear_num_key_heads, Hv = cfg.linear_num_value_heads;
+    const int64_t dk = cfg.linear_key_head_dim, dv = cfg.linear_value_head_dim, Kc = cfg.linear_conv_kernel_dim;
+    const int64_t key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
+    DFLASH_CHECK(static_cast<int64_t>(cfg.layer_types.size()) == cfg.num_layers, ConfigError,
+                 "qwen3_5: layer_types has " << cfg.layer_types.size() << " entries for " << cfg.num_layers
+                                             << " layers");
+    DFLASH_CHECK(cfg.attn_output_gate, ConfigError,
+                 "qwen3_5: attn_output_gate=false is not supported (HF Qwen3_5Attention always gates)");
+    DFLASH_CHECK(!cfg.mlp_bias, ConfigError, "mlp_bias=true is not supported");
+    const std::string p = resolve_prefix(w);
+    cfg_.weight_prefix = p;
+
+    embed_ = w.get(p + "embed_tokens.weight", {V, H}, Init::kNormal);
+    for (int64_t l = 0; l < cfg.num_layers; ++l) {
+      const std::string lp = p + "layers." + std::to_string(l) + ".";
+      HybridLayer L;
+      L.ln1 = w.get(lp + "input_layernorm.weight", {H}, Init::kZeros, /*keep_fp32=*/true);
+      L.ln2 = w.get(lp + "post_attention_layernorm.weight", {H}, Init::kZeros, true);
+      L.linear = cfg.layer_types[l] == "linear_attention";
+      if (L.linear) {
+        const std::string ap = lp + "linear_attn.";
+        auto& G = L.gdn;
+        G.in_w = torch::cat({w.get(ap + "in_proj_qkv.weight", {conv_dim, H}, Init::kNormal),
+                             w.get(ap + "in_proj_z.weight", {value_dim, H}, Init::kNormal),
+                             w.get(ap + "in_proj_b.weight", {Hv, H}, Init::kNormal),
+                             w.get(ap + "in_proj_a.weight", {Hv, H}, Init::kNormal)});
+        G.conv_w = w.get(ap + "conv1d.weight", {conv_dim, 1, Kc}, Init::kNormal).view({conv_dim, Kc});
+        G.A_log = w.get(ap + "A_log", {Hv}, Init::kZeros, true);
+        G.dt_bias = w.get(ap + "dt_bias", {Hv}, Init::kOnes, true);
+        G.norm_w = w.get(ap + "norm.weight", {dv}, Init::kOnes, true);
+        G.out_w = w.get(ap + "out_proj.weight", {H, value_dim}, Init::kNormal);
+      } else {
+        const std::string ap = lp + "self_attn.";
+        auto& A = L.attn;
+        A.qkv_w = torch::cat({w.get(ap + "q_proj.weight", {Hq * 2 * D, H}, Init::kNormal),
+                              w.get(ap + "k_proj.weight", {Hkv * D, H}, Init::kNormal),
+                              w.get(ap + "v_proj.weight", {Hkv * D, H}, Init::kNormal)});
+        if (cfg.qkv_bias)
+          A.qkv_b = torch::cat({w.get(ap + "q_proj.bias", {Hq * 2 * D}, Init::kZeros),
+                                w.get(ap + "k_proj.bias", {Hkv * D}, Init::kZeros),
+                                w.get(ap + "v_proj.bias", {Hkv * D}, Init::kZeros)});
+        A.o_w = w.get(ap + "o_proj.weight", {H, Hq * D}, Init::kNormal);
+        if (cfg.o_bias) A.o_b = w.get(ap + "o_proj.bias", {H}, Init::kZeros);
+        A.q_norm = w.get(ap + "q_norm.weight", {D}, Init::kZeros, true);
+        A.k_norm = w.get(ap + "k_norm.weight", {D}, Init::kZeros, true);
+      }
+      L.gate_up_w = torch::cat({w.get(lp + "mlp.gate_proj.weight", {I, H}, Init::kNormal),
+                                w.get(lp + "mlp.up_proj.weight", {I, H}, Init::kNormal)});
+      L.down_w = w.get(lp + "mlp.down_proj.weight", {H, I}, Init::kNormal);
+      layers_.push_back(std::move(L));
+    }
+    norm_ = w.get(p + "norm.weight", {H}, Init::kZeros, true);
+    if (opt.load_lm_head) {
+      if (!cfg.tie_word_embeddings && w.has("lm_head.weight"))
+        lm_head_ = w.get("lm_head.weight", {V, H}, Init::kNormal);
+      else
+        lm_head_ = embed_;  // tied (or lm_head missing, as HF ties it)
+    }
+    // Partial RoPE: the first R = head_dim * partial_rotary_factor dims of each head rotate.
+    const double rot = D * cfg.rope.partial_rotary_factor;
+    DFLASH_CHECK(rot == std::floor(rot) && static_cast<int64_t>(rot) % 2 == 0 && rot > 0, ConfigError,
+                 "qwen3_5: head_dim * partial_rotary_factor = " << rot << " is not a positive even integer");
+    RopeOptions ro;
+    ro.theta = cfg.rope.theta;
+    ro.rotary_dim = static_cast<int64_t>(rot);
+    ro.type = cfg.rope.type;
+    ro.factor = cfg.rope.factor;
+    ro.low_freq_factor = cfg.rope.low_freq_factor;
+    ro.high_freq_factor = cfg.rope.high_freq_factor;
+    ro.original_max_position = cfg.rope.original_max_position;
+    inv_freq_ = rope_inv_freq(ro).to(opt.device);
+  }
+
+  const io::TargetConfig& config() const override { return cfg_; }
+  const LoadOptions& options() const override { return opt_; }
+
+  CaptureResult forward_capture(const torch::Tensor& ids_T, const std::vector<int64_t>& doc_lens,
+                                const CaptureSpec& spec, CaptureResult out) override {
+    torch::NoGradGuard no_grad;
+    const int64_t T = ids_T.size(0), H = cfg_.hidden_size, K = spec.layer_ids.size();
+    auto opts = torch::TensorOptions().device(opt_.device).dtype(opt_.dtype);
+    if (!out.features_TKH.defined() || out.features_TKH.sizes() != at::IntArrayRef({T, K * H}))
+      out.features_TKH = torch::empty({T, K * H}, opts);
+    if (spec.last_hidden && (!out.last_hidden_TH.defined() || out.last_hidden_TH.sizes() != at::IntArrayRef({T, H})))
+      out.last_hidden_TH = torch::empty({T, H}, opts);
+    // slot[l] = where layer l's output goes (-1: not captured)
+    std::vector<int64_t> slot(cfg_.num_layers, -1);
+    for (int64_t i = 0; i < K; ++i) slot[spec.layer_ids[i]] = i;
+
+    auto rope = rope_table(inv_freq_, doc_positions(doc_lens, opt_.device), opt_.dtype);
+    auto h = F::embedding(ids_T, embed_);  // [T, H]
+    for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+      const auto& L = layers_[l];
+      auto x = rms_norm_zero_centred(h, L.ln1, cfg_.rms_norm_eps);
+      h = h + (L.linear ? gated_delta_net(L.gdn, x, doc_lens) : gated_attention(L.attn, x, rope, doc_lens));
+      x = rms_norm_zero_centred(h, L.ln2, cfg_.rms_norm_eps);
+      h = h + swiglu_mlp(x, L.gate_up_w, L.down_w);
+      if (slot[l] >= 0) out.features_TKH.narrow(1, slot[l] * H, H).copy_(h);
+    }
+    if (spec.last_hidden) out.last_hidden_TH.copy_(h);
+    return out;
+  }
+
+  torch::Tensor embed_tokens(const torch::Tensor& ids) const override { return F::embedding(ids, embed_); }
+  torch::Tensor final_norm(const torch::Tensor& h) const override {
+    return rms_norm_zero_centred(h, norm_, cfg_.rms_norm_eps);
+  }
+  const torch::Tensor& embed_weight() const override { return embed_; }
+  const torch::Tensor& lm_head_weight() const override {
+    DFLASH_CHECK(lm_head_.defined(), ConfigError, "lm_head was not loaded (LoadOptions.load_lm_head=false)");
+    return lm_head_;
+  }
+
+ private:
+  // Full attention with a sigmoid output gate: q_proj rows are per head [q (D) | gate (D)].
+  torch::Tensor gated_attention(const GatedAttention& A, const torch::Tensor& x_TH, const RopeTable& rope,
+                                const std::vector<int64_t>& doc_lens) const {
+    const int64_t T = x_TH.size(0), D = cfg_.head_dim, Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
+    auto qkv = A.qkv_b.defined() ? F::linear(x_TH, A.qkv_w, A.qkv_b) : F::linear(x_TH, A.qkv_w);
+    auto qg_THD2 = qkv.narrow(1, 0, Hq * 2 * D).view({T, Hq, 2 * D});
+    auto q_THD = rms_norm_zero_centred(qg_THD2.narrow(2, 0, D), A.q_norm, cfg_.rms_norm_eps);
+    auto gate_TQ = qg_THD2.narrow(2, D, D).reshape({T, Hq * D});
+    auto k_THD = rms_norm_zero_centred(qkv.narrow(1, Hq * 2 * D, Hkv * D).view({T, Hkv, D}), A.k_norm,
+                                       cfg_.rms_norm_eps);
+    auto v_THD = qkv.narrow(1, Hq * 2 * D + Hkv * D, Hkv * D).view({T, Hkv, D});
+    q_THD = apply_rope(q_THD, rope);
+    k_THD = apply_rope(k_THD, rope);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    auto a_TQ = causal_attention_varlen(q_THD, k_THD, v_THD, doc_lens, scale).reshape({T, Hq * D});
+    a_TQ = a_TQ * torch::sigmoid(gate_TQ);
+    return A.o_b.defined() ? F::linear(a_TQ, A.o_w, A.o_b) : F::linear(a_TQ, A.o_w);
+  }
+
+  // Gated DeltaNet: conv + SiLU, l2norm(q, k), g/beta, chunked gated delta rule, gated RMSNorm.
+  torch::Tensor gated_delta_net(const GatedDeltaNet& G, const torch::Tensor& x_TH,
+                                const std::vector<int64_t>& doc_lens) const {
+    const int64_t T = x_TH.size(0), Hk = cfg_.linear_num_key_heads, Hv = cfg_.linear_num_value_heads;
+    const int64_t dk = cfg_.linear_key_head_dim, dv = cfg_.linear_value_head_dim;
+    const int64_t key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
+    auto proj = F::linear(x_TH, G.in_w);  // [T, conv_dim + value_dim + 2 Hv], model dtype
+    auto mixed_TC = causal_conv1d_silu_varlen(proj.narrow(1, 0, conv_dim), G.conv_w, doc_lens);  // fp32
+    GatedDeltaInputs in;
+    in.q_THK = l2norm(mixed_TC.narrow(1, 0, key_dim).view({T, Hk, dk}));
+    in.k_THK = l2norm(mixed_TC.narrow(1, key_dim, key_dim).view({T, Hk, dk}));
+    in.v_THV = mixed_TC.narrow(1, 2 * key_dim, value_dim).view({T, Hv, dv});
+    auto z_THV = proj.narrow(1, conv_dim, value_dim).view({T, Hv, dv});
+    auto b_TH = proj.narrow(1, conv_dim + value_dim, Hv).to(torch::kFloat32);
+    auto a_TH = proj.narrow(1, conv_dim + value_dim + Hv, Hv).to(torch::kFloat32);
+    in.beta_TH = torch::sigmoid(b_TH);
+    in.g_TH = -G.A_log.exp() * torch::softplus(a_TH + G.dt_bias, /*beta=*/1, /*threshold=*/20);
+    auto o_THV = chunk_gated_delta_rule(in, doc_lens, 1.0 / std::sqrt(static_cast<double>(dk)));
+    auto y_TV = gated_rms_norm(o_THV, z_THV, G.norm_w, cfg_.rms_norm_eps).to(opt_.dtype).reshape({T, value_dim});
+    return F::linear(y_TV, G.out_w);
+  }
+
+  io::TargetConfig cfg_;
+  LoadOptions opt_;
+  torch::Tensor embed_, norm_, lm_head_, inv_freq_;
+  std::vector<HybridLayer> layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<TargetModel> make_hybrid_target(const io::TargetConfig& cfg, WeightSource& weights,
+                                                const LoadOptions& opt) {
+  DFLASH_CHECK(cfg.family == io::Family::kQwen3_5, ConfigError,
+               "make_hybrid_target: family '" << io::family_name(cfg.family) << "' is not a hybrid");
+  return std::make_unique<HybridTarget>(cfg, weights, opt);
+}
+
+}  // namespace dflash::model
