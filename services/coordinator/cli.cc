@@ -8,6 +8,9 @@
 #include "core/util/log.h"
 #include "services/coordinator/config_check_cmd.h"
 #include "services/coordinator/data_cmd.h"
+#include "services/drafter/eval_cmd.h"
+#include "services/drafter/export_cmd.h"
+#include "services/drafter/local_train.h"
 #include "services/target/bench_target.h"
 
 namespace dflash::cli {
@@ -16,9 +19,14 @@ namespace {
 const char* kUsage =
     "usage: dflash <command> ...\n"
     "  config check FILE        validate a run config; prints every problem; exit 2 on any\n"
+    "  train CONFIG [--device cpu|cuda] [--max-steps N] [--export DIR]\n"
+    "                           a whole training run in one process (capture + train + checkpoints + export)\n"
     "  bench target [flags]     target forward+capture throughput as JSON (--shape qwen3-8b --device cuda\n"
     "                           --batches 1x4096,4x4096,16x1024 --layers 1,9,17,25,33 [--baseline])\n"
     "  data import --input F.jsonl[,...] --out DIR [--max-seq-len N] [--block-size 16] [--skip-bad]  JSONL -> token shards\n"
+    "  export --checkpoint DIR --out DIR [--dtype bfloat16|float32]  checkpoint -> HF DFlash drafter folder\n"
+    "  eval --target DIR --drafter DIR --input F.jsonl [--max-new-tokens 64] [--block-size B] [--device cpu|cuda]\n"
+    "       [--dtype float32|bfloat16] [--stop-token-ids a,b]  greedy speculative decoding; JSON with tau\n"
     "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
 
 bool is(const char* a, const char* b) { return a && !std::strcmp(a, b); }
@@ -36,6 +44,9 @@ int run_cli(int argc, char** argv) {
     const char* sub = argc > 2 ? argv[2] : nullptr;
     if (is(cmd, "config") && is(sub, "check")) return cmd_config_check(argc - 3, argv + 3);
     if (is(cmd, "data")) return cmd_data(argc - 2, argv + 2);
+    if (is(cmd, "export")) return cmd_export(argc - 2, argv + 2);
+    if (is(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
+    if (is(cmd, "train")) return drafter::cmd_train(argc - 2, argv + 2);
     if (is(cmd, "bench") && is(sub, "target")) return target::cmd_bench_target(argc - 3, argv + 3);
     std::cerr << "unknown command: " << cmd << (sub ? std::string(" ") + sub : "") << "\n" << kUsage;
     return kExitConfig;

@@ -1,0 +1,238 @@
+#include "services/drafter/local_train.h"
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "core/data/packing.h"
+#include "core/data/shards.h"
+#include "core/model/drafter.h"
+#include "core/model/target.h"
+#include "core/train/checkpoint.h"
+#include "core/train/export.h"
+#include "core/train/trainer.h"
+#include "core/util/error.h"
+#include "core/util/flags.h"
+#include "core/util/log.h"
+
+namespace dflash::drafter {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+torch::ScalarType to_torch(config::Dtype d) {
+  switch (d) {
+    case config::Dtype::kFloat32: return torch::kFloat32;
+    case config::Dtype::kFloat16: return torch::kFloat16;
+    default: return torch::kBFloat16;
+  }
+}
+
+train::NoiseType to_noise(config::NoiseType t) {
+  switch (t) {
+    case config::NoiseType::kUniform: return train::NoiseType::kUniform;
+    case config::NoiseType::kGaussian: return train::NoiseType::kGaussian;
+    default: return train::NoiseType::kNone;
+  }
+}
+
+data::PackingOptions packing_of(const config::RunConfig& c) {
+  data::PackingOptions p;
+  p.token_budget = c.data.token_budget;
+  p.max_batch_size = c.data.max_batch_size;
+  p.max_seq_len = c.data.max_seq_len;
+  p.bucketing = c.data.bucketing;
+  p.overlong = c.data.overlong == config::Overlong::kDrop ? data::PackingOptions::kDrop : data::PackingOptions::kTruncate;
+  p.seed = static_cast<uint64_t>(c.data.shuffle_seed);
+  return p;
+}
+
+// Target forward + capture of one planned batch -> a drafter micro-batch on `device`.
+train::MicroBatch capture_batch(model::TargetModel& target, const data::ShardReader& shards, const data::Batch& b,
+                                const model::CaptureSpec& spec, torch::Device device) {
+  std::vector<int64_t> ids;
+  train::MicroBatch mb;
+  for (size_t i = 0; i < b.sample_ids.size(); ++i) {
+    auto s = shards.sample(b.sample_ids[i]);
+    const int64_t n = b.lengths[i];
+    ids.insert(ids.end(), s.input_ids.data, s.input_ids.data + n);
+    mb.loss_mask_host.insert(mb.loss_mask_host.end(), s.loss_mask.data, s.loss_mask.data + n);
+    mb.doc_lens.push_back(n);
+  }
+  mb.input_ids_T = torch::tensor(ids, torch::kInt64).to(device);
+  mb.loss_mask_T = torch::tensor(std::vector<int64_t>(mb.loss_mask_host.begin(), mb.loss_mask_host.end()), torch::kInt64)
+                       .to(torch::kUInt8).to(device);
+  auto cap = target.forward_capture(mb.input_ids_T, mb.doc_lens, spec);
+  mb.features_TKH = cap.features_TKH;
+  mb.h_last_TH = cap.last_hidden_TH;
+  return mb;
+}
+
+}  // namespace
+
+LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTrainOptions& opt) {
+  const auto t_start = std::chrono::steady_clock::now();
+  auto device = model::parse_device(opt.device);
+  const auto target_dtype = to_torch(cfg.target.dtype);
+  const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+
+  model::LoadOptions lo;
+  lo.device = device;
+  lo.dtype = target_dtype;
+  lo.load_lm_head = false;
+  auto target = model::load_target(cfg.target.model_dir, lo);
+  auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, compute);
+  const auto& tcfg = target->config();
+
+  model::DrafterConfig over;
+  over.num_layers = cfg.drafter.num_layers;
+  over.block_size = cfg.drafter.block_size;
+  over.mask_token_id = cfg.drafter.mask_token_id;
+  if (over.mask_token_id < 0) {
+    over.mask_token_id = tcfg.vocab_size - 1;
+    LOG_WARN("drafter.mask_token_id not set: using the last vocabulary id " << over.mask_token_id);
+  }
+  over.hidden_size = cfg.drafter.hidden_size;
+  over.num_heads = cfg.drafter.num_heads;
+  over.num_kv_heads = cfg.drafter.num_kv_heads;
+  over.head_dim = cfg.drafter.head_dim;
+  over.intermediate_size = cfg.drafter.intermediate_size;
+  for (int id : cfg.target.target_layer_ids) over.target_layer_ids.push_back(id);
+  auto dcfg = model::drafter_config_for_target(tcfg, over);
+  model::Drafter drafter(dcfg, device, static_cast<uint64_t>(cfg.run.seed));
+  if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
+  model::CaptureSpec spec{dcfg.target_layer_ids, cfg.train.soft_labels.enabled};
+
+  auto shards = data::ShardReader::open(cfg.data.shard_dir);
+  const auto lengths = shards.lengths();
+  const auto packing = packing_of(cfg);
+  std::vector<data::EpochPlan> plans;
+  int64_t micro_total = 0;
+  for (int e = 0; e < cfg.run.epochs; ++e) {
+    plans.push_back(data::plan_epoch(lengths, e, packing));
+    micro_total += plans.back().batches.size();
+  }
+  const int64_t accum = cfg.train.grad_accum;
+  const int64_t total_steps = micro_total / accum;
+  DFLASH_CHECK(total_steps > 0, ConfigError,
+               "the data gives " << micro_total << " batches, fewer than train.grad_accum=" << accum << ": nothing to train");
+
+  train::TrainerOptions to;
+  to.loss.gamma = cfg.train.gamma;
+  to.loss.soft_labels = cfg.train.soft_labels.enabled;
+  to.loss.kl_weight = cfg.train.soft_labels.kl_weight;
+  to.loss.temperature = cfg.train.soft_labels.temperature;
+  to.schedule = {cfg.train.lr, cfg.train.warmup_ratio, total_steps};
+  to.adamw.weight_decay = cfg.train.weight_decay;
+  to.grad_clip = cfg.train.grad_clip;
+  to.grad_accum = accum;
+  to.max_anchors = cfg.train.max_anchors;
+  to.noise_type = to_noise(cfg.train.noise.type);
+  to.noise_start = cfg.train.noise.start;
+  to.noise_end = cfg.train.noise.end;
+  to.seed = static_cast<uint64_t>(cfg.run.seed);
+  to.compute = compute;
+  train::Trainer trainer(drafter, frozen, to);
+
+  const fs::path out = cfg.run.output_dir;
+  const fs::path ckpt_root = out / "checkpoints";
+  fs::create_directories(ckpt_root);
+  train::remove_stale_checkpoint_tmp(ckpt_root.string());
+
+  // Resume: the data position is (epoch, batch index of the next micro-batch to train).
+  int64_t epoch = 0, batch_idx = 0;
+  std::string resume_from;
+  if (cfg.run.resume == "auto") resume_from = train::latest_valid_checkpoint(ckpt_root.string());
+  else if (cfg.run.resume != "never") resume_from = cfg.run.resume;
+  if (!resume_from.empty()) {
+    auto loaded = train::load_checkpoint(resume_from, &drafter, &trainer.optimizer());
+    epoch = loaded.state.data_position.at("epoch").get<int64_t>();
+    batch_idx = loaded.state.data_position.at("batch").get<int64_t>();
+    LOG_INFO("resumed from " << resume_from << " at step " << trainer.step_count() << " (epoch " << epoch
+                             << ", batch " << batch_idx << ")");
+  }
+
+  LocalTrainResult res;
+  auto checkpoint = [&](int64_t e, int64_t b) {
+    const std::string dir = (ckpt_root / train::checkpoint_dir_name(trainer.step_count())).string();
+    if (fs::exists(dir)) return;
+    train::CheckpointState st;
+    st.step = trainer.step_count();
+    st.optimizer_steps = trainer.optimizer().steps();
+    st.data_position = {{"epoch", e}, {"batch", b}};
+    st.seed = to.seed;
+    st.scheduler = {{"lr", to.schedule.lr}, {"warmup_ratio", to.schedule.warmup_ratio}, {"total_steps", total_steps}};
+    train::save_checkpoint(dir, drafter, trainer.optimizer(), st);
+    train::apply_retention(ckpt_root.string(), cfg.run.keep_last, cfg.run.keep_every);
+    res.last_checkpoint = dir;
+  };
+
+  std::ofstream metrics_log(out / "metrics.jsonl", std::ios::app);
+  int64_t tokens_done = 0;
+  auto t_loop = std::chrono::steady_clock::now();
+  bool stopped_early = false;
+  for (; epoch < cfg.run.epochs && !stopped_early; ++epoch, batch_idx = 0) {
+    const auto& batches = plans[epoch].batches;
+    // Only whole optimizer steps: the last (batches % accum) batches of an epoch are carried by
+    // nobody; total_steps counts the same way.
+    const int64_t usable = static_cast<int64_t>(batches.size()) / accum * accum;
+    for (; batch_idx < usable; ++batch_idx) {
+      auto mb = capture_batch(*target, shards, batches[batch_idx], spec, device);
+      tokens_done += mb.input_ids_T.size(0);
+      trainer.micro_batch(mb);
+      if ((batch_idx + 1) % accum != 0) continue;
+      auto m = trainer.step();
+      res.steps = m.step;
+      res.last_loss = m.loss;
+      res.last_accept_len = m.accept_len;
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_loop).count();
+      json line = {{"step", m.step}, {"epoch", epoch}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl},
+                   {"accept_len", m.accept_len}, {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm},
+                   {"tokens", m.tokens}, {"anchors", m.anchors}, {"tokens_per_s", tokens_done / std::max(secs, 1e-9)},
+                   {"skipped_nonfinite", m.skipped_nonfinite}};
+      metrics_log << line.dump() << "\n";
+      metrics_log.flush();
+      if (!opt.quiet && (m.step % 10 == 0 || m.step == total_steps))
+        LOG_INFO("step " << m.step << "/" << total_steps << " epoch " << epoch << " loss " << m.loss << " tau "
+                         << m.accept_len << " lr " << m.lr << " tok/s " << int(tokens_done / std::max(secs, 1e-9)));
+      const bool last = m.step == total_steps;
+      if (m.step % cfg.run.save_interval_steps == 0 || last) checkpoint(epoch, batch_idx + 1);
+      if (opt.max_steps >= 0 && m.step >= opt.max_steps) {
+        checkpoint(epoch, batch_idx + 1);
+        stopped_early = true;
+        break;
+      }
+    }
+  }
+  res.steps = trainer.step_count();
+  if (!stopped_early) {
+    res.export_dir = opt.export_dir.empty() ? (out / "export").string() : opt.export_dir;
+    if (fs::exists(res.export_dir)) fs::remove_all(res.export_dir);
+    train::export_hf(drafter, res.export_dir, device.is_cuda() ? torch::kBFloat16 : torch::kFloat32);
+  }
+  LOG_INFO("trained " << res.steps << " steps in "
+                      << std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count() << " s"
+                      << (res.export_dir.empty() ? "" : ", exported to " + res.export_dir));
+  return res;
+}
+
+int cmd_train(int argc, char** argv) {
+  Flags f(argc, argv, {"device", "max-steps", "export", "quiet"}, {"quiet"});
+  DFLASH_CHECK(f.positional().size() == 1, ConfigError, "usage: dflash train CONFIG [--device cpu|cuda] [--max-steps N] [--export DIR]");
+  auto cfg = config::load_config_or_throw(f.positional()[0]);
+  LocalTrainOptions o;
+  o.device = f.get("device", "cpu");
+  o.max_steps = f.get_int("max-steps", -1);
+  o.export_dir = f.get("export", "");
+  o.quiet = f.has("quiet");
+  auto r = run_local_training(cfg, o);
+  std::cout << json{{"steps", r.steps}, {"loss", r.last_loss}, {"accept_len", r.last_accept_len},
+                    {"checkpoint", r.last_checkpoint}, {"export", r.export_dir}}.dump()
+            << std::endl;
+  return kExitOk;
+}
+
+}  // namespace dflash::drafter
