@@ -50,6 +50,9 @@ if(DFLASH_WITH_CUDA)
   if(NOT CMAKE_CUDA_COMPILER)
     set(CMAKE_CUDA_COMPILER ${_nvcc})
   endif()
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES 90)  # Hopper (H100/H200); override with -DCMAKE_CUDA_ARCHITECTURES
+  endif()
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)
   # NCCL: the wheel's nvidia-nccl package first, then NCCL_ROOT, then the toolkit.

@@ -10,6 +10,7 @@
 #include "services/coordinator/data_cmd.h"
 #include "services/drafter/eval_cmd.h"
 #include "services/drafter/export_cmd.h"
+#include "services/drafter/bench_drafter.h"
 #include "services/drafter/local_train.h"
 #include "services/target/bench_target.h"
 
@@ -27,6 +28,8 @@ const char* kUsage =
     "  export --checkpoint DIR --out DIR [--dtype bfloat16|float32]  checkpoint -> HF DFlash drafter folder\n"
     "  eval --target DIR --drafter DIR --input F.jsonl [--max-new-tokens 64] [--block-size B] [--device cpu|cuda]\n"
     "       [--dtype float32|bfloat16] [--stop-token-ids a,b]  greedy speculative decoding; JSON with tau\n"
+    "  bench drafter [flags]    one drafter training step as JSON (--layers 5 --hidden 4096 --context 4096\n"
+    "                           --anchors 512 --block-size 16)\n"
     "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
 
 bool is(const char* a, const char* b) { return a && !std::strcmp(a, b); }
@@ -48,6 +51,7 @@ int run_cli(int argc, char** argv) {
     if (is(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
     if (is(cmd, "train")) return drafter::cmd_train(argc - 2, argv + 2);
     if (is(cmd, "bench") && is(sub, "target")) return target::cmd_bench_target(argc - 3, argv + 3);
+    if (is(cmd, "bench") && is(sub, "drafter")) return drafter::cmd_bench_drafter(argc - 3, argv + 3);
     std::cerr << "unknown command: " << cmd << (sub ? std::string(" ") + sub : "") << "\n" << kUsage;
     return kExitConfig;
   } catch (const std::exception& e) {
