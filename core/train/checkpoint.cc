@@ -1,0 +1,539 @@
+#include "core/train/checkpoint.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "core/io/safetensors.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace dflash::train {
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Named = std::vector<std::pair<std::string, torch::Tensor>>;
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "checksums assume a little-endian host");
+
+namespace {
+
+constexpr const char* kDrafterFile = "drafter.safetensors";
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+constexpr const char* kStateFile = "state.json";
+constexpr const char* kChecksumAlgorithm = "fnv1a64-words";
+
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+void write_file_synced(const std::string& path, const std::string& bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  DFLASH_CHECK(fd >= 0, DataError, path << ": cannot create: " << std::strerror(errno));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int e = errno;
+      ::close(fd);
+      DFLASH_FAIL(DataError, path << ": write failed: " << std::strerror(e));
+    }
+    done += static_cast<size_t>(n);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  const int e = errno;
+  ::close(fd);
+  DFLASH_CHECK(synced, DataError, path << ": fsync failed: " << std::strerror(e));
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DFLASH_CHECK(in, DataError, path << ": cannot open");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Step parsed from "step-<digits>", -1 when the name does not have that form.
+int64_t step_of_name(const std::string& name) {
+  if (name.rfind("step-", 0) != 0 || name.size() == 5 || name.size() > 5 + 18) return -1;
+  for (size_t i = 5; i < name.size(); ++i)
+    if (name[i] < '0' || name[i] > '9') return -1;
+  return std::stoll(name.substr(5));
+}
+
+Named detached(const Named& in) {
+  Named out;
+  out.reserve(in.size());
+  for (auto& [n, t] : in) out.emplace_back(n, t.detach());
+  return out;
+}
+
+// Every expected name present with the expected shape, nothing else; DataError naming `source`.
+void check_names_shapes(const io::SafetensorsFile& file, const Named& expected, const std::string& what) {
+  std::set<std::string> want;
+  for (auto& [n, t] : expected) {
+    want.insert(n);
+    DFLASH_CHECK(file.has(n), DataError, file.path() << ": " << what << " tensor '" << n << "' is missing");
+    const auto& info = file.info(n);
+    DFLASH_CHECK(c10::IntArrayRef(info.shape) == t.sizes(), DataError,
+                 file.path() << ": " << what << " tensor '" << n << "' has shape " << c10::IntArrayRef(info.shape)
+                             << ", expected " << t.sizes());
+  }
+  for (auto& info : file.tensors())
+    DFLASH_CHECK(want.count(info.name), DataError,
+                 file.path() << ": unexpected " << what << " tensor '" << info.name << "'");
+}
+
+Named load_all(const io::SafetensorsFile& file) {
+  Named out;
+  for (auto& info : file.tensors()) out.emplace_back(info.name, file.load(info.name));
+  return out;
+}
+
+// Typed field access for state.json / drafter_config with DataError naming source and field.
+struct Reader {
+  const json& j;
+  std::string source, prefix;
+  const json& at(const std::string& key) const {
+    DFLASH_CHECK(j.is_object(), DataError, source << ": '" << prefix << "' is not a JSON object");
+    auto it = j.find(key);
+    DFLASH_CHECK(it != j.end(), DataError, source << ": field '" << prefix << key << "' is missing");
+    return *it;
+  }
+  int64_t i64(const std::string& key) const {
+    const json& v = at(key);
+    DFLASH_CHECK(v.is_number_integer(), DataError, source << ": field '" << prefix << key << "' must be an integer");
+    return v.get<int64_t>();
+  }
+  uint64_t u64(const std::string& key) const {
+    const json& v = at(key);
+    DFLASH_CHECK(v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0), DataError,
+                 source << ": field '" << prefix << key << "' must be a non-negative integer");
+    return v.get<uint64_t>();
+  }
+  double f64(const std::string& key) const {
+    const json& v = at(key);
+    DFLASH_CHECK(v.is_number(), DataError, source << ": field '" << prefix << key << "' must be a number");
+    return v.get<double>();
+  }
+  std::string str(const std::string& key) const {
+    const json& v = at(key);
+    DFLASH_CHECK(v.is_string(), DataError, source << ": field '" << prefix << key << "' must be a string");
+    return v.get<std::string>();
+  }
+  std::vector<int64_t> ints(const std::string& key) const {
+    const json& v = at(key);
+    DFLASH_CHECK(v.is_array(), DataError, source << ": field '" << prefix << key << "' must be an array");
+    std::vector<int64_t> out;
+    for (auto& e : v) {
+      DFLASH_CHECK(e.is_number_integer(), DataError,
+                   source << ": field '" << prefix << key << "' must hold integers only");
+      out.push_back(e.get<int64_t>());
+    }
+    return out;
+  }
+};
+
+// Parses DIR/state.json and checks format + version.
+json read_state_json(const std::string& dir) {
+  const std::string path = dir + "/" + kStateFile;
+  DFLASH_CHECK(fs::is_directory(dir), DataError, dir << ": checkpoint directory does not exist");
+  DFLASH_CHECK(fs::exists(path), DataError, dir << ": not a checkpoint (no " << kStateFile << ")");
+  json j;
+  try {
+    j = json::parse(read_text(path));
+  } catch (const json::exception& e) {
+    DFLASH_FAIL(DataError, path << ": not valid JSON: " << e.what());
+  }
+  DFLASH_CHECK(j.is_object(), DataError, path << ": not a JSON object");
+  Reader r{j, path, ""};
+  const auto* fmt = j.contains("format") && j["format"].is_string() ? j["format"].get_ptr<const std::string*>() : nullptr;
+  DFLASH_CHECK(fmt != nullptr && *fmt == kCheckpointFormat, DataError,
+               path << ": not a dflash checkpoint (format is " << (j.contains("format") ? j["format"].dump() : "missing")
+                    << ", expected \"" << kCheckpointFormat << "\")");
+  const int64_t version = r.i64("version");
+  DFLASH_CHECK(version == kCheckpointVersion, DataError,
+               path << ": checkpoint format version " << version << " is not supported by this build (supports "
+                    << kCheckpointVersion << "); load it with the dflash version that wrote it, or re-export it "
+                    << "there (dflash export) and start from the export (init_from_export)");
+  return j;
+}
+
+LoadedCheckpoint parse_state(const std::string& dir, const json& j) {
+  const std::string path = dir + "/" + kStateFile;
+  Reader r{j, path, ""};
+  LoadedCheckpoint out;
+  out.dir = dir;
+  out.state.step = r.i64("step");
+  out.state.optimizer_steps = r.i64("optimizer_steps");
+  out.state.seed = r.u64("seed");
+  out.state.data_position = r.at("data_position");
+  out.state.run_info = r.at("run_info");
+  const json& sched = r.at("scheduler");
+  out.state.scheduler = sched.is_object() && sched.contains("options") ? sched["options"] : json::object();
+  out.config = drafter_config_from_json(r.at("drafter_config"), path);
+  return out;
+}
+
+}  // namespace
+
+std::string checkpoint_dir_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+uint64_t file_checksum(const std::string& path, uint64_t* size_out) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  DFLASH_CHECK(fd >= 0, DataError, path << ": cannot open: " << std::strerror(errno));
+  constexpr size_t kChunk = size_t(4) << 20;  // multiple of 8
+  std::vector<unsigned char> buf(kChunk);
+  uint64_t h = 0xcbf29ce484222325ULL, total = 0;
+  constexpr uint64_t kPrime = 0x100000001b3ULL;
+  for (;;) {
+    size_t got = 0;
+    while (got < kChunk) {
+      const ssize_t n = ::read(fd, buf.data() + got, kChunk - got);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const int e = errno;
+        ::close(fd);
+        DFLASH_FAIL(DataError, path << ": read failed: " << std::strerror(e));
+      }
+      if (n == 0) break;
+      got += static_cast<size_t>(n);
+    }
+    total += got;
+    const size_t words = got / 8;
+    for (size_t i = 0; i < words; ++i) {
+      uint64_t w;
+      std::memcpy(&w, buf.data() + 8 * i, 8);
+      h = (h ^ w) * kPrime;
+    }
+    if (got % 8 != 0) {
+      uint64_t w = 0;
+      std::memcpy(&w, buf.data() + 8 * words, got % 8);
+      h = (h ^ w) * kPrime;
+    }
+    if (got < kChunk) break;
+  }
+  ::close(fd);
+  if (size_out) *size_out = total;
+  h ^= total;  // MurmurHash3 fmix64: a bijection, so every single-word change still shows
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdULL;
+  h ^= h >> 33;
+  h *= 0xc4ceb9fe1a85ec53ULL;
+  h ^= h >> 33;
+  return h;
+}
+
+std::string unique_tmp_path(const std::string& path) {
+  static std::atomic<uint64_t> counter{0};
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  return p + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1));
+}
+
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  DFLASH_CHECK(fd >= 0, DataError, path << ": cannot open for fsync: " << std::strerror(errno));
+  const bool ok = ::fsync(fd) == 0;
+  const int e = errno;
+  ::close(fd);
+  DFLASH_CHECK(ok, DataError, path << ": fsync failed: " << std::strerror(e));
+}
+
+void rename_no_replace(const std::string& from, const std::string& to) {
+#ifdef RENAME_NOREPLACE
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return;
+  if (errno == EEXIST || errno == ENOTEMPTY) DFLASH_FAIL(ConfigError, to << " already exists; refusing to overwrite it");
+  if (errno != EINVAL && errno != ENOSYS)
+    DFLASH_FAIL(DataError, "cannot rename " << from << " to " << to << ": " << std::strerror(errno));
+#endif
+  // Filesystems without RENAME_NOREPLACE: check, then rename (rename(2) would replace an empty dir).
+  DFLASH_CHECK(!fs::exists(fs::symlink_status(to)), ConfigError, to << " already exists; refusing to overwrite it");
+  DFLASH_CHECK(::rename(from.c_str(), to.c_str()) == 0, DataError,
+               "cannot rename " << from << " to " << to << ": " << std::strerror(errno));
+}
+
+json drafter_config_to_json(const model::DrafterConfig& c) {
+  return json{{"hidden_size", c.hidden_size},
+              {"num_heads", c.num_heads},
+              {"num_kv_heads", c.num_kv_heads},
+              {"head_dim", c.head_dim},
+              {"intermediate_size", c.intermediate_size},
+              {"num_layers", c.num_layers},
+              {"vocab_size", c.vocab_size},
+              {"rms_norm_eps", c.rms_norm_eps},
+              {"rope",
+               {{"theta", c.rope.theta},
+                {"rotary_dim", c.rope.rotary_dim},
+                {"type", c.rope.type},
+                {"factor", c.rope.factor},
+                {"low_freq_factor", c.rope.low_freq_factor},
+                {"high_freq_factor", c.rope.high_freq_factor},
+                {"original_max_position", c.rope.original_max_position}}},
+              {"block_size", c.block_size},
+              {"mask_token_id", c.mask_token_id},
+              {"target_layer_ids", c.target_layer_ids},
+              {"num_target_layers", c.num_target_layers}};
+}
+
+model::DrafterConfig drafter_config_from_json(const json& j, const std::string& source) {
+  Reader r{j, source, "drafter_config."};
+  model::DrafterConfig c;
+  c.hidden_size = r.i64("hidden_size");
+  c.num_heads = r.i64("num_heads");
+  c.num_kv_heads = r.i64("num_kv_heads");
+  c.head_dim = r.i64("head_dim");
+  c.intermediate_size = r.i64("intermediate_size");
+  c.num_layers = r.i64("num_layers");
+  c.vocab_size = r.i64("vocab_size");
+  c.rms_norm_eps = r.f64("rms_norm_eps");
+  Reader rr{r.at("rope"), source, "drafter_config.rope."};
+  c.rope.theta = rr.f64("theta");
+  c.rope.rotary_dim = rr.i64("rotary_dim");
+  c.rope.type = rr.str("type");
+  c.rope.factor = rr.f64("factor");
+  c.rope.low_freq_factor = rr.f64("low_freq_factor");
+  c.rope.high_freq_factor = rr.f64("high_freq_factor");
+  c.rope.original_max_position = rr.i64("original_max_position");
+  c.block_size = r.i64("block_size");
+  c.mask_token_id = r.i64("mask_token_id");
+  c.target_layer_ids = r.ints("target_layer_ids");
+  c.num_target_layers = r.i64("num_target_layers");
+  return c;
+}
+
+std::string drafter_config_difference(const model::DrafterConfig& a, const model::DrafterConfig& b) {
+  std::ostringstream d;
+  auto cmp = [&](const char* field, const auto& x, const auto& y) {
+    if (d.tellp() == 0 && !(x == y)) d << field << ": " << x << " vs " << y;
+  };
+  cmp("hidden_size", a.hidden_size, b.hidden_size);
+  cmp("num_heads", a.num_heads, b.num_heads);
+  cmp("num_kv_heads", a.num_kv_heads, b.num_kv_heads);
+  cmp("head_dim", a.head_dim, b.head_dim);
+  cmp("intermediate_size", a.intermediate_size, b.intermediate_size);
+  cmp("num_layers", a.num_layers, b.num_layers);
+  cmp("vocab_size", a.vocab_size, b.vocab_size);
+  cmp("rms_norm_eps", a.rms_norm_eps, b.rms_norm_eps);
+  cmp("rope.theta", a.rope.theta, b.rope.theta);
+  cmp("rope.rotary_dim", a.rope.rotary_dim ? a.rope.rotary_dim : a.head_dim,
+      b.rope.rotary_dim ? b.rope.rotary_dim : b.head_dim);
+  cmp("rope.type", a.rope.type, b.rope.type);
+  if (a.rope.type == "llama3" && b.rope.type == "llama3") {
+    cmp("rope.factor", a.rope.factor, b.rope.factor);
+    cmp("rope.low_freq_factor", a.rope.low_freq_factor, b.rope.low_freq_factor);
+    cmp("rope.high_freq_factor", a.rope.high_freq_factor, b.rope.high_freq_factor);
+    cmp("rope.original_max_position", a.rope.original_max_position, b.rope.original_max_position);
+  }
+  cmp("block_size", a.block_size, b.block_size);
+  cmp("mask_token_id", a.mask_token_id, b.mask_token_id);
+  if (d.tellp() == 0 && a.target_layer_ids != b.target_layer_ids)
+    d << "target_layer_ids: " << c10::IntArrayRef(a.target_layer_ids) << " vs " << c10::IntArrayRef(b.target_layer_ids);
+  cmp("num_target_layers", a.num_target_layers, b.num_target_layers);
+  return d.str();
+}
+
+void save_checkpoint(const std::string& dir, const model::Drafter& drafter, const AdamW& optimizer,
+                     const CheckpointState& state) {
+  DFLASH_CHECK(!fs::exists(fs::symlink_status(dir)), ConfigError,
+               dir << " already exists; refusing to overwrite a checkpoint");
+  const fs::path parent = fs::path(dir).parent_path().empty() ? fs::path(".") : fs::path(dir).parent_path();
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  DFLASH_CHECK(!ec, DataError, parent.string() << ": cannot create checkpoint parent: " << ec.message());
+  const std::string tmp = unique_tmp_path(dir);
+  DFLASH_CHECK(::mkdir(tmp.c_str(), 0755) == 0, DataError, tmp << ": cannot create: " << std::strerror(errno));
+  try {
+    io::save_safetensors(tmp + "/" + kDrafterFile, detached(drafter.parameters()),
+                         {{"dflash", "drafter fp32 master weights"}});
+    io::save_safetensors(tmp + "/" + kOptimizerFile, detached(optimizer.state()),
+                         {{"dflash", "AdamW state"}, {"optimizer_steps", std::to_string(optimizer.steps())}});
+    json files = json::array();
+    for (const char* name : {kDrafterFile, kOptimizerFile}) {
+      const std::string p = tmp + "/" + name;
+      fsync_path(p);  // save_safetensors syncs too; cheap and keeps this function's contract local
+      uint64_t size = 0;
+      const uint64_t sum = file_checksum(p, &size);
+      files.push_back({{"name", name}, {"bytes", size}, {"checksum", hex64(sum)}});
+    }
+    json j{{"format", kCheckpointFormat},
+           {"version", kCheckpointVersion},
+           {"step", state.step},
+           {"optimizer_steps", state.optimizer_steps},
+           {"scheduler",
+            {{"type", "warmup_cosine"},
+             {"note", "lr is a pure function of optimizer_steps and these options (lr_at)"},
+             {"optimizer_steps", state.optimizer_steps},
+             {"options", state.scheduler}}},
+           {"rng",
+            {{"type", "counter-based"},
+             {"note", "every draw is seeded from (seed, step, micro-batch, rank); seed + step is the whole state"},
+             {"seed", state.seed},
+             {"step", state.step}}},
+           {"seed", state.seed},
+           {"data_position", state.data_position},
+           {"run_info", state.run_info},
+           {"drafter_config", drafter_config_to_json(drafter.config())},
+           {"checksum_algorithm", kChecksumAlgorithm},
+           {"files", files}};
+    write_file_synced(tmp + "/" + kStateFile, j.dump(2) + "\n");
+    fsync_path(tmp);
+    rename_no_replace(tmp, dir);
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  fsync_path(parent.string());
+}
+
+LoadedCheckpoint inspect_checkpoint(const std::string& dir) { return parse_state(dir, read_state_json(dir)); }
+
+LoadedCheckpoint load_checkpoint(const std::string& dir, model::Drafter* drafter, AdamW* opt) {
+  const json j = read_state_json(dir);
+  const std::string state_path = dir + "/" + kStateFile;
+  LoadedCheckpoint out = parse_state(dir, j);
+
+  // Files: sizes first (truncation), then checksums (corruption).
+  Reader r{j, state_path, ""};
+  DFLASH_CHECK(r.str("checksum_algorithm") == kChecksumAlgorithm, DataError,
+               state_path << ": unknown checksum_algorithm '" << r.str("checksum_algorithm") << "'");
+  const json& files = r.at("files");
+  DFLASH_CHECK(files.is_array(), DataError, state_path << ": field 'files' must be an array");
+  std::set<std::string> listed;
+  for (const json& f : files) {
+    Reader fr{f, state_path, "files[]."};
+    const std::string name = fr.str("name");
+    DFLASH_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..", DataError,
+                 state_path << ": bad file name '" << name << "' in 'files'");
+    const std::string path = dir + "/" + name;
+    DFLASH_CHECK(fs::is_regular_file(path), DataError, path << ": checkpoint file is missing");
+    const uint64_t want_size = fr.u64("bytes");
+    const uint64_t have_size = fs::file_size(path);
+    DFLASH_CHECK(have_size == want_size, DataError,
+                 path << ": size " << have_size << " bytes differs from the recorded " << want_size
+                      << " (truncated or overwritten checkpoint file)");
+    uint64_t size = 0;
+    const std::string sum = hex64(file_checksum(path, &size));
+    DFLASH_CHECK(sum == fr.str("checksum"), DataError,
+                 path << ": checksum " << sum << " differs from the recorded " << fr.str("checksum")
+                      << " (corrupt checkpoint file)");
+    listed.insert(name);
+  }
+  for (const char* name : {kDrafterFile, kOptimizerFile})
+    DFLASH_CHECK(listed.count(name), DataError, state_path << ": 'files' does not list " << name);
+
+  if (drafter) {
+    const std::string diff = drafter_config_difference(out.config, drafter->config());
+    DFLASH_CHECK(diff.empty(), ConfigError,
+                 dir << ": the checkpoint's drafter config differs from this drafter's: " << diff
+                     << " (checkpoint vs current)");
+  }
+  // Validate everything before modifying anything.
+  std::unique_ptr<io::SafetensorsFile> dfile, ofile;
+  if (drafter) {
+    dfile = std::make_unique<io::SafetensorsFile>(io::SafetensorsFile::open(dir + "/" + kDrafterFile));
+    check_names_shapes(*dfile, drafter->parameters(), "drafter");
+  }
+  if (opt) {
+    ofile = std::make_unique<io::SafetensorsFile>(io::SafetensorsFile::open(dir + "/" + kOptimizerFile));
+    check_names_shapes(*ofile, opt->state(), "optimizer");
+  }
+  if (drafter) drafter->load_parameters(load_all(*dfile), dfile->path());
+  if (opt) opt->load_state(load_all(*ofile), out.state.optimizer_steps, ofile->path());
+  return out;
+}
+
+std::vector<std::string> list_checkpoints(const std::string& parent) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  if (!fs::is_directory(parent, ec)) return {};
+  for (const auto& e : fs::directory_iterator(parent, ec)) {
+    const std::string name = e.path().filename().string();
+    const int64_t step = step_of_name(name);
+    if (step < 0 || !e.is_directory(ec) || !fs::exists(e.path() / kStateFile, ec)) continue;
+    found.emplace_back(step, e.path().string());
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<std::string> out;
+  for (auto& [_, p] : found) out.push_back(p);
+  return out;
+}
+
+std::string latest_valid_checkpoint(const std::string& parent) {
+  const auto all = list_checkpoints(parent);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    try {
+      load_checkpoint(*it, nullptr, nullptr);
+      return *it;
+    } catch (const Error& e) {
+      LOG_WARN("skipping checkpoint " << *it << ": " << e.what());
+    }
+  }
+  return "";
+}
+
+int remove_stale_checkpoint_tmp(const std::string& parent) {
+  std::error_code ec;
+  if (!fs::is_directory(parent, ec)) return 0;
+  const std::string own = ".tmp-" + std::to_string(::getpid()) + "-";
+  std::vector<fs::path> victims;
+  for (const auto& e : fs::directory_iterator(parent, ec)) {
+    const std::string name = e.path().filename().string();
+    const size_t at = name.find(".tmp-");
+    if (at == std::string::npos || name.compare(at, own.size(), own) == 0) continue;
+    victims.push_back(e.path());
+  }
+  int removed = 0;
+  for (auto& v : victims) {
+    fs::remove_all(v, ec);
+    if (ec) {
+      LOG_WARN("cannot remove stale checkpoint tmp " << v.string() << ": " << ec.message());
+      continue;
+    }
+    LOG_INFO("removed stale checkpoint tmp " << v.string());
+    ++removed;
+  }
+  return removed;
+}
+
+std::vector<std::string> apply_retention(const std::string& parent, int64_t keep_last, int64_t keep_every) {
+  DFLASH_CHECK(keep_last >= 0 && keep_every >= 0, ConfigError,
+               "checkpoint retention: keep_last and keep_every must be >= 0, got " << keep_last << ", " << keep_every);
+  const auto all = list_checkpoints(parent);
+  const std::string newest_valid = latest_valid_checkpoint(parent);
+  std::vector<std::string> deleted;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const int64_t step = step_of_name(fs::path(all[i]).filename().string());
+    const bool keep = static_cast<int64_t>(all.size() - i) <= keep_last || (keep_every > 0 && step % keep_every == 0) ||
+                      all[i] == newest_valid;
+    if (keep) continue;
+    const std::string tmp = unique_tmp_path(all[i]);
+    rename_no_replace(all[i], tmp);
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    if (ec) LOG_WARN("cannot remove " << tmp << ": " << ec.message() << " (remove_stale_checkpoint_tmp will retry)");
+    deleted.push_back(all[i]);
+  }
+  if (!deleted.empty()) fsync_path(parent);
+  return deleted;
+}
+
+}  // namespace dflash::train

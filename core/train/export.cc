@@ -1,0 +1,256 @@
+#include "core/train/export.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "core/io/hf_config.h"
+#include "core/io/safetensors.h"
+#include "core/train/checkpoint.h"
+#include "core/util/error.h"
+
+namespace dflash::train {
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+torch::ScalarType parse_export_dtype(const std::string& name) {
+  if (name == "bfloat16" || name == "bf16") return torch::kBFloat16;
+  if (name == "float16" || name == "fp16") return torch::kHalf;
+  if (name == "float32" || name == "fp32") return torch::kFloat32;
+  DFLASH_FAIL(ConfigError, "export dtype must be bfloat16, float16 or float32, got '" << name << "'");
+}
+
+std::string export_dtype_name(torch::ScalarType t) {
+  switch (t) {
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kHalf: return "float16";
+    case torch::kFloat32: return "float32";
+    default: DFLASH_FAIL(ConfigError, "export dtype must be bfloat16, float16 or float32, got " << t);
+  }
+}
+
+json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dtype) {
+  json rope{{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
+  const int64_t rotary = c.rope.rotary_dim > 0 ? c.rope.rotary_dim : c.head_dim;
+  json j{{"architectures", {"DFlashDraftModel"}},
+         {"model_type", "qwen3"},
+         {"hidden_size", c.hidden_size},
+         {"intermediate_size", c.intermediate_size},
+         {"num_hidden_layers", c.num_layers},
+         {"num_attention_heads", c.num_heads},
+         {"num_key_value_heads", c.num_kv_heads},
+         {"head_dim", c.head_dim},
+         {"rms_norm_eps", c.rms_norm_eps},
+         {"rope_theta", c.rope.theta},
+         {"vocab_size", c.vocab_size},
+         {"max_position_embeddings", kExportMaxPositionEmbeddings},
+         {"tie_word_embeddings", false},
+         {"attention_bias", false},
+         {"attention_dropout", 0.0},
+         {"use_sliding_window", false},
+         {"hidden_act", "silu"},
+         {"num_target_layers", c.num_target_layers},
+         {"block_size", c.block_size},
+         {"dflash_config", {{"target_layer_ids", c.target_layer_ids}, {"mask_token_id", c.mask_token_id}}},
+         {"torch_dtype", export_dtype_name(dtype)}};
+  if (rotary != c.head_dim) {
+    const double partial = double(rotary) / double(c.head_dim);
+    rope["partial_rotary_factor"] = partial;
+    j["partial_rotary_factor"] = partial;
+  }
+  if (c.rope.type == "llama3") {
+    json scaling{{"rope_type", "llama3"},
+                 {"factor", c.rope.factor},
+                 {"low_freq_factor", c.rope.low_freq_factor},
+                 {"high_freq_factor", c.rope.high_freq_factor},
+                 {"original_max_position_embeddings", c.rope.original_max_position}};
+    for (auto& [k, v] : scaling.items()) rope[k] = v;
+    j["rope_scaling"] = scaling;  // older loaders (transformers < 5, SGLang) read this spelling
+  }
+  j["rope_parameters"] = rope;
+  return j;
+}
+
+model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const std::string& source) {
+  json root;
+  try {
+    root = json::parse(text);
+  } catch (const json::exception& e) {
+    DFLASH_FAIL(ConfigError, source << ": not valid JSON: " << e.what());
+  }
+  DFLASH_CHECK(root.is_object(), ConfigError, source << ": config is not a JSON object");
+  bool is_dflash = false;
+  if (auto a = root.find("architectures"); a != root.end() && a->is_array())
+    for (auto& e : *a) is_dflash |= e.is_string() && e.get<std::string>() == "DFlashDraftModel";
+  DFLASH_CHECK(is_dflash, ConfigError,
+               source << ": field 'architectures' must contain \"DFlashDraftModel\" (not a DFlash drafter export)");
+  const io::TargetConfig t = io::parse_hf_config_json(text, source);
+  DFLASH_CHECK(t.family == io::Family::kQwen3, ConfigError,
+               source << ": field 'model_type' must be \"qwen3\" for a DFlash drafter, got \"" << t.model_type << "\"");
+  DFLASH_CHECK(!t.qkv_bias && !t.o_bias, ConfigError,
+               source << ": field 'attention_bias' is true; DFlash drafters have no attention bias");
+
+  // dflash_config first, then the top level (z-lab's _draft_value).
+  const json* dcfg = nullptr;
+  if (auto d = root.find("dflash_config"); d != root.end() && !d->is_null()) {
+    DFLASH_CHECK(d->is_object(), ConfigError, source << ": field 'dflash_config' must be an object");
+    dcfg = &*d;
+  }
+  auto draft_value = [&](const std::string& key, std::string* path) -> const json* {
+    if (dcfg) {
+      auto it = dcfg->find(key);
+      if (it != dcfg->end() && !it->is_null()) {
+        *path = "dflash_config." + key;
+        return &*it;
+      }
+    }
+    auto it = root.find(key);
+    if (it != root.end() && !it->is_null()) {
+      *path = key;
+      return &*it;
+    }
+    return nullptr;
+  };
+  auto as_int = [&](const json& v, const std::string& path) {
+    DFLASH_CHECK(v.is_number_integer(), ConfigError, source << ": field '" << path << "' must be an integer, got "
+                                                            << v.dump());
+    return v.get<int64_t>();
+  };
+
+  model::DrafterConfig c;
+  c.hidden_size = t.hidden_size;
+  c.num_heads = t.num_heads;
+  c.num_kv_heads = t.num_kv_heads;
+  c.head_dim = t.head_dim;
+  c.intermediate_size = t.intermediate_size;
+  c.num_layers = t.num_layers;
+  c.vocab_size = t.vocab_size;
+  c.rms_norm_eps = t.rms_norm_eps;
+  c.rope.theta = t.rope.theta;
+  c.rope.type = t.rope.type;
+  c.rope.factor = t.rope.factor;
+  c.rope.low_freq_factor = t.rope.low_freq_factor;
+  c.rope.high_freq_factor = t.rope.high_freq_factor;
+  c.rope.original_max_position = t.rope.original_max_position;
+  c.rope.rotary_dim = static_cast<int64_t>(t.head_dim * t.rope.partial_rotary_factor);
+
+  auto nt = root.find("num_target_layers");
+  DFLASH_CHECK(nt != root.end(), ConfigError, source << ": field 'num_target_layers' is required but missing");
+  c.num_target_layers = as_int(*nt, "num_target_layers");
+  DFLASH_CHECK(c.num_target_layers > 0, ConfigError, source << ": field 'num_target_layers' must be positive");
+
+  std::string path;
+  if (const json* v = draft_value("block_size", &path)) c.block_size = as_int(*v, path);  // else z-lab's 16
+  DFLASH_CHECK(c.block_size >= 2, ConfigError, source << ": field 'block_size' must be >= 2, got " << c.block_size);
+
+  const json* mask = draft_value("mask_token_id", &path);
+  DFLASH_CHECK(mask != nullptr, ConfigError, source << ": field 'dflash_config.mask_token_id' is required but missing");
+  c.mask_token_id = as_int(*mask, path);
+  DFLASH_CHECK(c.mask_token_id >= 0 && c.mask_token_id < c.vocab_size, ConfigError,
+               source << ": field '" << path << "' must be in [0, vocab_size " << c.vocab_size << "), got "
+                      << c.mask_token_id);
+
+  if (const json* ids = draft_value("target_layer_ids", &path)) {
+    DFLASH_CHECK(ids->is_array() && !ids->empty(), ConfigError,
+                 source << ": field '" << path << "' must be a non-empty array of integers");
+    for (size_t i = 0; i < ids->size(); ++i) {
+      const int64_t id = as_int((*ids)[i], path + "[" + std::to_string(i) + "]");
+      DFLASH_CHECK(id >= 0 && id < c.num_target_layers, ConfigError,
+                   source << ": field '" << path << "[" << i << "]' is " << id << ", outside the target's layers 0.."
+                          << c.num_target_layers - 1);
+      c.target_layer_ids.push_back(id);
+    }
+  } else {
+    c.target_layer_ids = model::default_target_layer_ids(c.num_target_layers, c.num_layers);
+  }
+  return c;
+}
+
+void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype) {
+  const std::string dtype_name = export_dtype_name(dtype);
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(out_dir))) {
+    DFLASH_CHECK(fs::is_directory(out_dir) && fs::is_empty(out_dir), ConfigError,
+                 out_dir << " already exists and is not an empty directory; refusing to overwrite it");
+  }
+  const fs::path parent = fs::path(out_dir).parent_path().empty() ? fs::path(".") : fs::path(out_dir).parent_path();
+  fs::create_directories(parent, ec);
+  DFLASH_CHECK(!ec, DataError, parent.string() << ": cannot create: " << ec.message());
+  const std::string tmp = unique_tmp_path(out_dir);
+  DFLASH_CHECK(::mkdir(tmp.c_str(), 0755) == 0, DataError, tmp << ": cannot create: " << std::strerror(errno));
+  try {
+    std::vector<std::pair<std::string, torch::Tensor>> tensors;
+    {
+      torch::NoGradGuard g;
+      for (auto& [name, p] : drafter.parameters())
+        tensors.emplace_back(name, p.detach().to(torch::kCPU).to(dtype).contiguous());
+    }
+    io::save_safetensors(tmp + "/model.safetensors", tensors, {{"format", "pt"}});
+    tensors.clear();
+    const std::string cfg_path = tmp + "/config.json";
+    {
+      std::ofstream out(cfg_path, std::ios::binary | std::ios::trunc);
+      out << hf_drafter_config_json(drafter.config(), dtype).dump(2) << "\n";
+      out.close();
+      DFLASH_CHECK(out, DataError, cfg_path << ": write failed");
+    }
+    fsync_path(cfg_path);
+    fsync_path(tmp + "/model.safetensors");
+    fsync_path(tmp);
+    if (fs::is_directory(out_dir)) fs::remove(out_dir, ec);  // empty (checked above)
+    rename_no_replace(tmp, out_dir);
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  fsync_path(parent.string());
+}
+
+ImportedDrafter import_hf(const std::string& dir) {
+  const std::string cfg_path = dir + "/config.json";
+  std::ifstream in(cfg_path, std::ios::binary);
+  DFLASH_CHECK(in, ConfigError, cfg_path << ": cannot open (not a DFlash drafter export directory?)");
+  std::stringstream text;
+  text << in.rdbuf();
+  ImportedDrafter out;
+  out.config = drafter_config_from_hf_json(text.str(), cfg_path);
+
+  const auto st = io::SafetensorsModel::open_dir(dir);
+  const std::string where =
+      fs::exists(dir + "/model.safetensors") ? dir + "/model.safetensors" : dir + "/model.safetensors.index.json";
+  // The reference layout: a Drafter of this config on the meta device (no memory, no data).
+  const model::Drafter ref(out.config, torch::Device(torch::kMeta), 0);
+  std::set<std::string> expected;
+  for (auto& [name, p] : ref.parameters()) {
+    expected.insert(name);
+    DFLASH_CHECK(st.has(name), DataError,
+                 where << ": tensor '" << name << "' is missing (expected shape " << p.sizes() << ")");
+    const auto& info = st.info(name);
+    DFLASH_CHECK(c10::IntArrayRef(info.shape) == p.sizes(), DataError,
+                 where << ": tensor '" << name << "' has shape " << c10::IntArrayRef(info.shape) << ", expected "
+                       << p.sizes() << " for the config in " << cfg_path);
+    DFLASH_CHECK(info.dtype == "BF16" || info.dtype == "F16" || info.dtype == "F32", DataError,
+                 where << ": tensor '" << name << "' has dtype " << info.dtype << "; expected BF16, F16 or F32");
+  }
+  for (const auto& name : st.names())
+    DFLASH_CHECK(expected.count(name), DataError,
+                 where << ": unexpected tensor '" << name << "' (not a parameter of a DFlash drafter)");
+  for (auto& [name, p] : ref.parameters()) out.tensors.emplace_back(name, st.load(name, torch::kFloat32));
+  return out;
+}
+
+void init_from_export(model::Drafter& drafter, const std::string& dir) {
+  ImportedDrafter imp = import_hf(dir);
+  const std::string diff = drafter_config_difference(imp.config, drafter.config());
+  DFLASH_CHECK(diff.empty(), ConfigError,
+               dir << "/config.json: the exported drafter's config differs from this drafter's: " << diff
+                   << " (export vs current)");
+  drafter.load_parameters(imp.tensors, dir + "/model.safetensors");
+}
+
+}  // namespace dflash::train

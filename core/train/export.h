@@ -1,0 +1,57 @@
+// The HF DFlash drafter format (dflash.md section 1): what z-lab's DFlashDraftModel (PyPI `dflash`),
+// SGLang and vLLM load, and what z-lab's released drafters look like.
+//
+//   OUT/config.json        a Qwen3 config: architectures ["DFlashDraftModel"], model_type "qwen3",
+//                          num_hidden_layers = draft layers, num_target_layers, block_size,
+//                          dflash_config {target_layer_ids, mask_token_id}, shapes, rope, dtype
+//   OUT/model.safetensors  exactly the drafter's parameter names (fc.weight, hidden_norm.weight,
+//                          norm.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight, ...)
+//
+// Contracts:
+// - export_hf writes into OUT.tmp-<pid>-<n>/, fsyncs the files and the directory, then renames it to
+//   OUT: a crash never leaves a half-written OUT. OUT must not exist or be an empty directory
+//   (ConfigError otherwise). Weights are cast from the fp32 masters to `dtype` (bf16: round to
+//   nearest even, as torch .to()); float32 export is bit-exact. Only the drafter is read.
+// - import_hf reads config.json (ConfigError naming the file and field) and the safetensors
+//   (single file or sharded index), checks that the names and shapes are exactly those a Drafter of
+//   that config has (DataError naming the file and tensor) and returns fp32 CPU tensors.
+//   `block_size` and `mask_token_id`/`target_layer_ids` are read from dflash_config first, then the
+//   top level (as z-lab does); missing target_layer_ids default to the paper's formula.
+// - init_from_export loads an export into an existing drafter after checking that the configs agree
+//   (ConfigError naming the first differing field); the drafter is unchanged on any error.
+#pragma once
+#include <torch/torch.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/model/drafter.h"
+
+namespace dflash::train {
+
+// max_position_embeddings written to config.json (DrafterConfig carries none; Qwen3's value).
+constexpr int64_t kExportMaxPositionEmbeddings = 40960;
+
+// The config.json object for `c` with weights in `dtype` (bf16 | fp16 | fp32).
+nlohmann::json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dtype);
+// Parses an HF DFlash config.json text; `source` names the file in errors (ConfigError).
+model::DrafterConfig drafter_config_from_hf_json(const std::string& json_text, const std::string& source);
+
+void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype = torch::kBFloat16);
+
+struct ImportedDrafter {
+  model::DrafterConfig config;
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;  // fp32 CPU, in the Drafter's order
+};
+ImportedDrafter import_hf(const std::string& dir);
+
+void init_from_export(model::Drafter& drafter, const std::string& dir);
+
+// "bfloat16" | "float16" | "float32" <-> torch; ConfigError on anything else.
+torch::ScalarType parse_export_dtype(const std::string& name);
+std::string export_dtype_name(torch::ScalarType t);
+
+}  // namespace dflash::train
