@@ -1,25 +1,43 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, and runs the main job on the embedded default:
-# hidden-state capture with a tiny random-weight Qwen3 target (HF layout) and a generated token file.
+# Installs what is missing, builds, and runs the main job on the embedded default (CPU, ~2 minutes):
+#   1. generates a tiny random-weight Qwen3 target (HF layout) and training data: random prompts
+#      continued by the target's own greedy decoding (what DFlash recipes train on)
+#   2. dflash-target capture: hidden states of the chosen layers for a token file (offline capture)
+#   3. dflash data import -> token shards
+#   4. dflash train configs/tiny-cpu.yaml: capture + drafter training + checkpoints + HF export
+#   5. dflash eval: greedy speculative decoding with the trained drafter on held-out prompts
 # Env: DFLASH_BUILD_DIR (default ./build), DFLASH_DEMO_DIR (default ./out/demo).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 dflash_install_debs
 dflash_install_venv
 build=${DFLASH_BUILD_DIR:-$DFLASH_ROOT/build}
 dflash_configure_build "$build" -DDFLASH_CUDA="${DFLASH_CUDA:-AUTO}" >/dev/null
+bin=$build/bin
 work=${DFLASH_DEMO_DIR:-$DFLASH_ROOT/out/demo}
-mkdir -p "$work"
-echo "[demo] generating a tiny target model and token file in $work"
-"$DFLASH_PYTHON" "$DFLASH_ROOT/scripts/reference/make_tiny_models.py" --out "$work/models" --only qwen3 >/dev/null
-echo "[demo] dflash-target capture (layers 1,3 + last hidden state)"
-"$build/bin/dflash-target" capture --model "$work/models/qwen3" --input "$work/models/docs.jsonl" \
-  --layers 1,3 --last-hidden --out "$work/features.safetensors"
-"$DFLASH_PYTHON" - "$work/features.safetensors" <<'PY'
-import sys
-from safetensors import safe_open
-with safe_open(sys.argv[1], "pt") as f:
-    keys = sorted(f.keys(), key=lambda k: (k.split(".")[0], int(k.split(".")[1])))
-    for k in keys:
-        print(f"  {k:16s} {tuple(f.get_slice(k).get_shape())}")
-print(f"[demo] wrote {len(keys)} tensors to {sys.argv[1]}")
-PY
+rm -rf "$work" && mkdir -p "$work"
+py=$DFLASH_PYTHON
+
+echo "[demo 1/5] tiny target model and data in $work"
+"$py" "$DFLASH_ROOT/scripts/reference/make_tiny_models.py" --out "$work/models" --only qwen3 >/dev/null
+target=$work/models/qwen3
+"$py" "$DFLASH_ROOT/scripts/reference/make_target_data.py" --target "$target" --out "$work/train.jsonl" --n 256 --seed 1
+"$py" "$DFLASH_ROOT/scripts/reference/make_target_data.py" --target "$target" --out "$work/heldout.jsonl" \
+  --prompts-out "$work/prompts.jsonl" --n 6 --seed 999 >/dev/null
+
+echo "[demo 2/5] dflash-target capture (layers 0,2 + last hidden state)"
+"$bin/dflash-target" capture --model "$target" --input "$work/heldout.jsonl" --layers 0,2 --last-hidden \
+  --out "$work/features.safetensors"
+
+echo "[demo 3/5] dflash data import"
+"$bin/dflash" data import --input "$work/train.jsonl" --out "$work/shards" --block-size 8 \
+  | "$py" -c "import json,sys; s=json.load(sys.stdin); print(f\"  {s['documents']} documents, {s['tokens']} tokens ({s['trainable_tokens']} trainable)\")"
+
+echo "[demo 4/5] dflash train configs/tiny-cpu.yaml"
+export DFLASH_TINY_TARGET_DIR=$target DFLASH_TINY_DATA_DIR=$work/shards DFLASH_RUN_DIR=$work/run
+"$bin/dflash" train "$DFLASH_ROOT/configs/tiny-cpu.yaml"
+
+echo "[demo 5/5] dflash eval (block size 8, 48 new tokens per prompt)"
+"$bin/dflash" eval --target "$target" --drafter "$work/run/export" --input "$work/prompts.jsonl" \
+  --max-new-tokens 48 --block-size 8 > "$work/eval.json"
+"$py" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"  tau (mean acceptance length) {r['tau']:.2f}, {r['tokens_per_second']:.0f} tokens/s over {len(r['results'])} prompts\")" "$work/eval.json"
+echo "[demo] exported drafter (HF DFlash format): $work/run/export"
