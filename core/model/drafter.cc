@@ -165,8 +165,15 @@ torch::Tensor Drafter::attention(const torch::Tensor& q, const torch::Tensor& k_
       auto blk_vis = row_block.unsqueeze(1) == row_block.unsqueeze(0);                 // [mB, mB]
       mask = torch::cat({ctx_vis, blk_vis}, 1).to(q.device());
     }
+    // On CUDA, expand the KV heads so SDPA can pick the memory-efficient kernel (which takes an
+    // arbitrary mask); enable_gqa would fall back to the math kernel and materialise the scores.
+    const bool expand = q.is_cuda() && cfg_.num_heads != cfg_.num_kv_heads;
+    if (expand) {
+      kg = kg.repeat_interleave(cfg_.num_heads / cfg_.num_kv_heads, 1);
+      vg = vg.repeat_interleave(cfg_.num_heads / cfg_.num_kv_heads, 1);
+    }
     auto o = at::scaled_dot_product_attention(qg, kg, vg, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
-                                              0.0, false, scale, /*enable_gqa=*/true);
+                                              0.0, false, scale, /*enable_gqa=*/!expand);
     outs.push_back(o.squeeze(0).transpose(0, 1));
     j0 = j1;
   }
