@@ -1,0 +1,126 @@
+// The `shm` transport (transport.h): a ring of fixed-size slots in one POSIX shared-memory segment
+// on one host. The receiver (drafter) creates the segment and owns it; the sender (target)
+// attaches by name.
+//
+// Segment: /dev/shm/<name without the leading '/'>, mode 0600:
+//   [control page(s): magic "DFLSHM01", version, shape, both pids, slot states, ready ring,
+//    futex words] [slot 0] [slot 1] ... each slot starts on a 4096-byte boundary.
+// Synchronisation is lock-free (single producer, single consumer of the ready ring, one atomic
+// state per slot) with futex waits on two counters, so a peer killed at any instant can leave no
+// lock held. Each wait is cut into slices of `liveness_poll` (default 100 ms); between slices the
+// waiter checks the peer's pid (kill(pid, 0) plus /proc/<pid>/stat, so an unreaped zombie counts
+// as dead) and throws TransportError "shm link NAME: receiver (pid P) died" — detection within
+// about one slice. Both sides must share a PID namespace (same host, same container or host).
+//
+// Lifetime and cleanup:
+// - ShmReceiver::create() makes the segment (O_EXCL). An existing segment of that name whose
+//   creator pid is dead (or that is not a valid segment) is stale: it is unlinked with a warning
+//   and creation retried. One whose creator is alive -> TransportError.
+// - The receiver unlinks the segment in its destructor (only in the creating process; a forked
+//   child's copy never unlinks). The sender keeps its mapping until destroyed.
+// - A sender that finds the receiver dead unlinks the segment too (if the name still refers to
+//   the same segment), so a crashed drafter leaves nothing behind once the target exits.
+// - remove_stale_segments(prefix) sweeps /dev/shm for segments with that prefix whose creator is
+//   dead, e.g. at process start.
+// - One sender per segment lifetime (attach fails when a sender already attached).
+//
+// Pinning: base() / mapped_bytes() cover the whole mapping so GPU code can cudaHostRegister it.
+#pragma once
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "core/stream/transport.h"
+
+namespace dflash::stream {
+
+struct ShmLinkOptions {
+  uint32_t slots = 4;                 // credits; 1..kMaxShmSlots
+  size_t slot_bytes = 64ull << 20;    // capacity of each slot (largest packed batch)
+  bool verify_checksum = true;        // receiver verifies each batch's payload checksum
+  bool prefault = false;              // touch every page at create (MAP_POPULATE)
+  std::chrono::milliseconds liveness_poll{100};  // peer-death detection granularity
+};
+constexpr uint32_t kMaxShmSlots = 256;
+
+// "/<prefix>-<run id, 16 hex digits>-<link id>", e.g. "/dflash-00000000000004d2-3".
+std::string shm_segment_name(const std::string& prefix, uint64_t run_id, uint32_t link_id);
+
+// Unlinks every /dev/shm segment whose name starts with `prefix` (leading '/' optional) and whose
+// creator process is dead or whose header is not a valid segment. Returns how many were removed.
+size_t remove_stale_segments(const std::string& prefix);
+
+struct ShmSegment;  // mapping + control block (shm_transport.cc)
+
+class ShmReceiver final : public Receiver {
+ public:
+  // Creates and maps the segment `name` ("/..."), removing a stale one first. Throws
+  // TransportError if a live receiver owns the name or the system refuses (message has errno).
+  static std::unique_ptr<ShmReceiver> create(const std::string& name, const ShmLinkOptions& opts);
+  ~ShmReceiver() override;  // close(), unmap, unlink (creator process only)
+
+  std::optional<ReceivedBatch> receive(std::chrono::milliseconds timeout) override;
+  void release(ReceivedBatch&& batch) override;
+  void close() override;
+
+  size_t slot_capacity() const override;
+  uint32_t num_slots() const override;
+  LinkStats stats() const override;
+  const std::string& name() const override { return name_; }
+
+  void* base() const;           // start of the mapping (cudaHostRegister hook)
+  size_t mapped_bytes() const;
+  pid_t sender_pid() const;     // 0 until a sender attached
+
+ protected:
+  void return_slot(uint32_t slot, uint64_t ticket) noexcept override;
+
+ private:
+  ShmReceiver(std::string name, std::unique_ptr<ShmSegment> seg, const ShmLinkOptions& opts);
+  void release_slot(uint32_t slot);
+  std::string name_;
+  std::unique_ptr<ShmSegment> seg_;
+  ShmLinkOptions opts_;
+  std::mutex recv_mu_;  // serialises receive() callers (the ready ring has one consumer)
+};
+
+class ShmSender final : public Sender {
+ public:
+  // Maps the existing segment `name`, waiting up to `timeout` for the receiver to create it.
+  // Throws TransportError on timeout, version mismatch, a dead receiver or a second sender.
+  static std::unique_ptr<ShmSender> attach(const std::string& name, std::chrono::milliseconds timeout,
+                                           std::chrono::milliseconds liveness_poll = std::chrono::milliseconds(100));
+  ~ShmSender() override;  // without close(): marks the stream aborted (the receiver throws)
+
+  SlotBuffer acquire(size_t bytes, std::chrono::milliseconds timeout) override;
+  void commit(SlotBuffer&& slot) override;
+  void close() override;
+
+  size_t slot_capacity() const override;
+  uint32_t num_slots() const override;
+  LinkStats stats() const override;
+  const std::string& name() const override { return name_; }
+
+  void* base() const;
+  size_t mapped_bytes() const;
+  pid_t receiver_pid() const;
+
+ protected:
+  void return_slot(uint32_t slot, uint64_t ticket) noexcept override;
+
+ private:
+  ShmSender(std::string name, std::unique_ptr<ShmSegment> seg, std::chrono::milliseconds liveness_poll);
+  [[noreturn]] void fail_receiver_gone(const char* what);
+  std::string name_;
+  std::unique_ptr<ShmSegment> seg_;
+  std::chrono::milliseconds liveness_poll_;
+  std::mutex commit_mu_;  // serialises commit() callers (the ready ring has one producer)
+  std::atomic<uint32_t> next_scan_{0};
+  std::atomic<uint64_t> next_ticket_{1};
+};
+
+}  // namespace dflash::stream

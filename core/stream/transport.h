@@ -1,0 +1,197 @@
+// The data-plane transport: one Sender (target server) -> one Receiver (drafter trainer) per link,
+// carrying packed batches (packed_batch.h). Implementations: shm_transport.h (POSIX shared-memory
+// ring on one host), fake_transport.h (in-process, for tests); c10d point-to-point comes later.
+//
+// Contract shared by every implementation:
+// - Slots are preallocated by the receiver: `num_slots()` slots of `slot_capacity()` bytes each.
+// - Credit-based flow control: a slot is one credit. A sender holds a credit from acquire() until
+//   the receiver release()s the batch committed into it, so batches in flight (acquired +
+//   committed + being consumed) never exceed num_slots(); acquire() blocks while there is none.
+// - Zero copy: SlotBuffer::data() is the slot memory itself (write the packed batch in place, e.g.
+//   with PackedBatchWriter); ReceivedBatch::data() is the same memory on the other side.
+// - Order: the receiver gets batches in commit order (seq 0, 1, 2, ...).
+// - Every received batch has passed PackedBatchView::validate(); with checksum verification on
+//   (the receiver's option) its payload checksum too, else receive() throws DataError.
+// - Failure: a dead or vanished peer, or a wait longer than its timeout, makes the blocked call
+//   throw TransportError naming the link within a bounded time (never a hang). A sender destroyed
+//   without close() (e.g. unwinding) makes the receiver throw, not see a clean end of stream.
+// - Threads: one thread may acquire/commit while others fill slots; receive() and release() may
+//   be called from different threads. SlotBuffer / ReceivedBatch must not outlive their
+//   Sender / Receiver.
+#pragma once
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "core/stream/packed_batch.h"
+
+namespace dflash::stream {
+
+// Pass as a timeout to wait without limit (peer death is still detected).
+constexpr std::chrono::milliseconds kWaitForever = std::chrono::milliseconds::max();
+
+namespace detail {
+// Implemented by transports: gives back a slot whose handle was dropped without commit/release.
+class SlotReturn {
+ public:
+  virtual void return_slot(uint32_t slot, uint64_t ticket) noexcept = 0;
+
+ protected:
+  ~SlotReturn() = default;
+};
+}  // namespace detail
+
+// A writable slot held by the sender. Move-only. Dropping it without commit() gives the credit
+// back (nothing is published).
+class SlotBuffer {
+ public:
+  SlotBuffer() = default;
+  SlotBuffer(detail::SlotReturn* owner, void* data, size_t capacity, size_t size, uint32_t slot, uint64_t ticket)
+      : owner_(owner), data_(data), capacity_(capacity), size_(size), slot_(slot), ticket_(ticket) {}
+  SlotBuffer(SlotBuffer&& o) noexcept { *this = std::move(o); }
+  SlotBuffer& operator=(SlotBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      owner_ = o.owner_;
+      data_ = o.data_;
+      capacity_ = o.capacity_;
+      size_ = o.size_;
+      slot_ = o.slot_;
+      ticket_ = o.ticket_;
+      o.owner_ = nullptr;
+      o.data_ = nullptr;
+    }
+    return *this;
+  }
+  SlotBuffer(const SlotBuffer&) = delete;
+  SlotBuffer& operator=(const SlotBuffer&) = delete;
+  ~SlotBuffer() { reset(); }
+
+  bool valid() const { return owner_ != nullptr; }
+  void* data() const { return data_; }          // 4096-byte aligned for shm
+  size_t capacity() const { return capacity_; }  // == slot_capacity()
+  size_t size() const { return size_; }          // bytes commit() publishes; starts as acquire()'s bytes
+  void set_size(size_t n) { size_ = n; }         // commit() checks n <= capacity()
+  uint32_t slot() const { return slot_; }
+  uint64_t ticket() const { return ticket_; }
+  // For implementations: forget the slot (it was committed).
+  void disarm() { owner_ = nullptr; data_ = nullptr; }
+
+ private:
+  void reset() {
+    if (owner_) owner_->return_slot(slot_, ticket_);
+    owner_ = nullptr;
+    data_ = nullptr;
+  }
+  detail::SlotReturn* owner_ = nullptr;
+  void* data_ = nullptr;
+  size_t capacity_ = 0, size_ = 0;
+  uint32_t slot_ = 0;
+  uint64_t ticket_ = 0;
+};
+
+// A batch the receiver holds. Move-only. Dropping it without release() releases it.
+class ReceivedBatch {
+ public:
+  ReceivedBatch() = default;
+  ReceivedBatch(detail::SlotReturn* owner, const void* data, size_t size, uint32_t slot, uint64_t seq, uint64_t ticket)
+      : owner_(owner), data_(data), size_(size), slot_(slot), seq_(seq), ticket_(ticket) {}
+  ReceivedBatch(ReceivedBatch&& o) noexcept { *this = std::move(o); }
+  ReceivedBatch& operator=(ReceivedBatch&& o) noexcept {
+    if (this != &o) {
+      reset();
+      owner_ = o.owner_;
+      data_ = o.data_;
+      size_ = o.size_;
+      slot_ = o.slot_;
+      seq_ = o.seq_;
+      ticket_ = o.ticket_;
+      o.owner_ = nullptr;
+      o.data_ = nullptr;
+    }
+    return *this;
+  }
+  ReceivedBatch(const ReceivedBatch&) = delete;
+  ReceivedBatch& operator=(const ReceivedBatch&) = delete;
+  ~ReceivedBatch() { reset(); }
+
+  bool valid() const { return owner_ != nullptr; }
+  const void* data() const { return data_; }  // valid until release()
+  size_t size() const { return size_; }       // bytes the sender committed
+  uint32_t slot() const { return slot_; }
+  uint64_t seq() const { return seq_; }       // 0-based commit order on this link
+  uint64_t ticket() const { return ticket_; }
+  // The packed batch (already validated by receive(); this re-validates, O(header + T)).
+  PackedBatchView view() const {
+    PackedBatchView v(data_, size_);
+    v.validate();
+    return v;
+  }
+  void disarm() { owner_ = nullptr; data_ = nullptr; }
+
+ private:
+  void reset() {
+    if (owner_) owner_->return_slot(slot_, ticket_);
+    owner_ = nullptr;
+    data_ = nullptr;
+  }
+  detail::SlotReturn* owner_ = nullptr;
+  const void* data_ = nullptr;
+  size_t size_ = 0;
+  uint32_t slot_ = 0;
+  uint64_t seq_ = 0, ticket_ = 0;
+};
+
+// A snapshot for metrics (queue depth, free credits). Counters are link-wide.
+struct LinkStats {
+  uint32_t slots = 0;
+  uint32_t free_slots = 0;   // credits the sender may still take
+  uint32_t ready = 0;        // committed, not yet received (queue depth)
+  uint64_t committed = 0;
+  uint64_t received = 0;
+  uint64_t released = 0;
+};
+
+class Sender : protected detail::SlotReturn {
+ public:
+  virtual ~Sender() = default;  // without close(): the receiver gets an error, not end of stream
+
+  // Blocks until a slot is free (a credit), then returns it for writing. `bytes` must be <=
+  // slot_capacity(). Throws TransportError when `bytes` is too large, on timeout, when the
+  // receiver died or closed the link, or after close().
+  virtual SlotBuffer acquire(size_t bytes, std::chrono::milliseconds timeout) = 0;
+  // Publishes the slot's first size() bytes to the receiver. Never blocks on the peer.
+  virtual void commit(SlotBuffer&& slot) = 0;
+  // End of stream: the receiver sees std::nullopt after draining what was committed. Slots
+  // acquired but not committed are dropped. Idempotent.
+  virtual void close() = 0;
+
+  virtual size_t slot_capacity() const = 0;
+  virtual uint32_t num_slots() const = 0;
+  virtual LinkStats stats() const = 0;
+  virtual const std::string& name() const = 0;
+};
+
+class Receiver : protected detail::SlotReturn {
+ public:
+  virtual ~Receiver() = default;  // closes the link; batches still held become invalid
+
+  // The next batch in commit order; std::nullopt once the sender closed and everything committed
+  // was received. Throws TransportError on timeout, sender death or abort; DataError when the
+  // batch fails validation or (verification on) its checksum; the slot is then given back.
+  virtual std::optional<ReceivedBatch> receive(std::chrono::milliseconds timeout) = 0;
+  // Gives the slot back to the sender (one credit). Never blocks.
+  virtual void release(ReceivedBatch&& batch) = 0;
+  // Stops the link: a sender blocked in or calling acquire() gets TransportError. Idempotent.
+  virtual void close() = 0;
+
+  virtual size_t slot_capacity() const = 0;
+  virtual uint32_t num_slots() const = 0;
+  virtual LinkStats stats() const = 0;
+  virtual const std::string& name() const = 0;
+};
+
+}  // namespace dflash::stream
