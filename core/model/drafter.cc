@@ -139,43 +139,61 @@ torch::Tensor Drafter::fuse_context(const torch::Tensor& features_TKH, torch::Sc
   return rms_norm(ctx, w("hidden_norm.weight", compute), cfg_.rms_norm_eps);
 }
 
+std::vector<Drafter::AttnGroup> Drafter::plan_attention(const BlockAttention& attn, torch::Device device) const {
+  const int64_t B = cfg_.block_size, N = attn.ctx_begin.size();
+  const int64_t G = std::max<int64_t>(1, attn.max_group_blocks);
+  std::vector<AttnGroup> groups;
+  auto i64 = torch::TensorOptions().dtype(torch::kInt64).device(device);
+  for (int64_t j0 = 0; j0 < N;) {
+    int64_t j1 = j0 + 1;
+    while (j1 < N && j1 - j0 < G && attn.ctx_begin[j1] == attn.ctx_begin[j0]) ++j1;
+    AttnGroup g;
+    g.first = j0;
+    g.count = j1 - j0;
+    g.ctx_start = attn.ctx_begin[j0];
+    bool uniform = true;
+    for (int64_t j = j0; j < j1; ++j) {
+      g.ctx_keys = std::max(g.ctx_keys, attn.ctx_len[j]);
+      uniform = uniform && attn.ctx_len[j] == attn.ctx_len[j0];
+    }
+    if (!(g.count == 1 && uniform)) {
+      // Row r (block r / B) sees context column c < ctx_len[block] and block columns of its own block.
+      auto lens = torch::tensor(std::vector<int64_t>(attn.ctx_len.begin() + j0, attn.ctx_len.begin() + j1),
+                                torch::kInt64).to(device);
+      auto row_block = torch::arange(g.count * B, i64).div(B, "floor");
+      auto ctx_vis = torch::arange(g.ctx_keys, i64).unsqueeze(0) < lens.index({row_block}).unsqueeze(1);
+      auto blk_vis = row_block.unsqueeze(1) == row_block.unsqueeze(0);
+      g.mask = torch::cat({ctx_vis, blk_vis}, 1);
+    }
+    groups.push_back(std::move(g));
+    j0 = j1;
+  }
+  return groups;
+}
+
 torch::Tensor Drafter::attention(const torch::Tensor& q, const torch::Tensor& k_ctx, const torch::Tensor& v_ctx,
                                  const torch::Tensor& k_blk, const torch::Tensor& v_blk,
-                                 const BlockAttention& attn) const {
+                                 const std::vector<AttnGroup>& groups) const {
   // q [Q, Hq, D]; k/v_ctx [T, Hkv, D]; k/v_blk [Q, Hkv, D]. Returns [Q, Hq, D].
-  const int64_t B = cfg_.block_size, N = attn.ctx_begin.size();
+  const int64_t B = cfg_.block_size;
   const double scale = 1.0 / std::sqrt(double(cfg_.head_dim));
+  // On CUDA, expand the KV heads so SDPA can pick the memory-efficient kernel (which takes an
+  // arbitrary mask); enable_gqa would fall back to the math kernel and materialise the scores.
+  const bool expand = q.is_cuda() && cfg_.num_heads != cfg_.num_kv_heads;
+  const int64_t rep = cfg_.num_heads / cfg_.num_kv_heads;
+  auto heads_first = [](const torch::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };  // [1, h, n, D]
   std::vector<torch::Tensor> outs;
-  int64_t j0 = 0;
-  while (j0 < N) {
-    int64_t j1 = j0 + 1, L = attn.ctx_len[j0];
-    while (j1 < N && attn.ctx_begin[j1] == attn.ctx_begin[j0]) L = std::max(L, attn.ctx_len[j1++]);
-    const int64_t m = j1 - j0, cs = attn.ctx_begin[j0];
-    auto heads_first = [](const torch::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };  // [1, h, n, D]
-    auto qg = heads_first(q.narrow(0, j0 * B, m * B));
-    auto kg = heads_first(torch::cat({k_ctx.narrow(0, cs, L), k_blk.narrow(0, j0 * B, m * B)}));
-    auto vg = heads_first(torch::cat({v_ctx.narrow(0, cs, L), v_blk.narrow(0, j0 * B, m * B)}));
-    bool full = (m == 1 && attn.ctx_len[j0] == L);
-    torch::Tensor mask;
-    if (!full) {
-      auto opts = torch::TensorOptions().dtype(torch::kInt64);
-      auto lens = torch::tensor(std::vector<int64_t>(attn.ctx_len.begin() + j0, attn.ctx_len.begin() + j1), opts);
-      auto row_block = torch::arange(m * B, opts).div(B, "floor");                   // [mB]
-      auto ctx_vis = torch::arange(L, opts).unsqueeze(0) < lens.index({row_block}).unsqueeze(1);  // [mB, L]
-      auto blk_vis = row_block.unsqueeze(1) == row_block.unsqueeze(0);                 // [mB, mB]
-      mask = torch::cat({ctx_vis, blk_vis}, 1).to(q.device());
-    }
-    // On CUDA, expand the KV heads so SDPA can pick the memory-efficient kernel (which takes an
-    // arbitrary mask); enable_gqa would fall back to the math kernel and materialise the scores.
-    const bool expand = q.is_cuda() && cfg_.num_heads != cfg_.num_kv_heads;
+  for (const auto& g : groups) {
+    auto qg = heads_first(q.narrow(0, g.first * B, g.count * B));
+    auto kg = heads_first(torch::cat({k_ctx.narrow(0, g.ctx_start, g.ctx_keys), k_blk.narrow(0, g.first * B, g.count * B)}));
+    auto vg = heads_first(torch::cat({v_ctx.narrow(0, g.ctx_start, g.ctx_keys), v_blk.narrow(0, g.first * B, g.count * B)}));
     if (expand) {
-      kg = kg.repeat_interleave(cfg_.num_heads / cfg_.num_kv_heads, 1);
-      vg = vg.repeat_interleave(cfg_.num_heads / cfg_.num_kv_heads, 1);
+      kg = kg.repeat_interleave(rep, 1);
+      vg = vg.repeat_interleave(rep, 1);
     }
-    auto o = at::scaled_dot_product_attention(qg, kg, vg, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+    auto o = at::scaled_dot_product_attention(qg, kg, vg, g.mask.defined() ? std::optional<at::Tensor>(g.mask) : std::nullopt,
                                               0.0, false, scale, /*enable_gqa=*/!expand);
     outs.push_back(o.squeeze(0).transpose(0, 1));
-    j0 = j1;
   }
   return outs.size() == 1 ? outs[0] : torch::cat(outs, 0);
 }
@@ -189,6 +207,7 @@ torch::Tensor Drafter::forward(const torch::Tensor& x_QH, const torch::Tensor& q
   auto rope_q = rope_table(inv_freq_, q_pos_Q, compute);
   auto rope_c = rope_table(inv_freq_, ctx_pos_T, compute);
   auto x = x_QH.to(compute);
+  const auto groups = plan_attention(attn, x.device());  // masks built once, shared by every layer
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
     auto h = rms_norm(x, w(p + "input_layernorm.weight", compute), eps);
@@ -203,7 +222,7 @@ torch::Tensor Drafter::forward(const torch::Tensor& x_QH, const torch::Tensor& q
     q = apply_rope(q, rope_q);
     k_blk = apply_rope(k_blk, rope_q);
     k_ctx = apply_rope(k_ctx, rope_c);
-    auto a = attention(q, k_ctx, v_ctx, k_blk, v_blk, attn).reshape({Q, Hq * D});
+    auto a = attention(q, k_ctx, v_ctx, k_blk, v_blk, groups).reshape({Q, Hq * D});
     x = x + F::linear(a, w(p + "self_attn.o_proj.weight", compute));
     h = rms_norm(x, w(p + "post_attention_layernorm.weight", compute), eps);
     auto g = F::linear(h, w(p + "mlp.gate_proj.weight", compute));

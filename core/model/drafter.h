@@ -52,9 +52,12 @@ FrozenTargetParts load_frozen_target_parts(const std::string& target_dir, torch:
                                            torch::ScalarType dtype);
 
 // Which keys each block attends to: block j sees context rows [ctx_begin[j], ctx_begin[j] + ctx_len[j])
-// and its own B rows. Consecutive blocks with the same ctx_begin (one document) share one call.
+// and its own B rows. Consecutive blocks with the same ctx_begin (one document) are attended in
+// groups of at most `max_group_blocks` blocks: one masked SDPA call per group over the group's
+// context prefix (up to its largest ctx_len) and the group's own blocks.
 struct BlockAttention {
   std::vector<int64_t> ctx_begin, ctx_len;  // per block, host side
+  int64_t max_group_blocks = 64;
 };
 
 class Drafter {
@@ -80,8 +83,15 @@ class Drafter {
 
  private:
   torch::Tensor w(const std::string& name, torch::ScalarType compute) const;
+  // One masked attention call: blocks [first, first+count) over context rows [ctx_start, ctx_start+ctx_keys).
+  struct AttnGroup {
+    int64_t first = 0, count = 0, ctx_start = 0, ctx_keys = 0;
+    torch::Tensor mask;  // [count*B, ctx_keys + count*B] bool on the device, or undefined (all visible)
+  };
+  std::vector<AttnGroup> plan_attention(const BlockAttention& attn, torch::Device device) const;
   torch::Tensor attention(const torch::Tensor& q_QhD, const torch::Tensor& k_ctx, const torch::Tensor& v_ctx,
-                          const torch::Tensor& k_blk, const torch::Tensor& v_blk, const BlockAttention& attn) const;
+                          const torch::Tensor& k_blk, const torch::Tensor& v_blk,
+                          const std::vector<AttnGroup>& groups) const;
 
   DrafterConfig cfg_;
   torch::Device device_;

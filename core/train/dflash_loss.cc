@@ -52,6 +52,7 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
     return st;
   }
   auto blocks = make_blocks(anchors, mb.doc_lens, mb.input_ids_T, B, cfg.mask_token_id);
+  blocks.attn.max_group_blocks = opt.attn_group_blocks;
 
   // Labels, weights and soft-label sources for rows (block j, position k >= 1): [N, B-1].
   std::vector<int64_t> label_idx(N * (B - 1)), doc_end(N);

@@ -23,6 +23,7 @@ struct LossOptions {
   double kl_weight = 0.15;
   double temperature = 2.0;
   int64_t logits_chunk_rows = 2048;
+  int64_t attn_group_blocks = 64;  // blocks per masked attention call (see model::BlockAttention)
 };
 
 // A packed micro-batch as delivered by a target server (all tensors on the drafter's device).

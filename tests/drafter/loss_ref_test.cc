@@ -99,6 +99,31 @@ TEST(LossVsReference, ReferenceRejectsAWrongGradient) {
   EXPECT_NE(run_reference(path), 0);
 }
 
+TEST(LossGrouping, AttentionGroupSizeChangesNothing) {
+  // Blocks attended in groups of 2 (many masked calls) or 64 (one call per document): same loss and
+  // gradients up to fp32 rounding.
+  const std::string tdir = data_dir() + "/qwen3";
+  auto target = model::load_target(tdir, {});
+  auto frozen = model::load_frozen_target_parts(tdir, torch::kCPU, torch::kFloat32);
+  auto cfg = tiny_drafter_config(target->config(), 4);
+  auto mb = make_micro_batch(*target, {23, 9, 31}, 3);
+  auto anchors = train::sample_anchors(mb.loss_mask_host, mb.doc_lens, 20, 4);
+  std::vector<std::vector<torch::Tensor>> grads;
+  std::vector<double> losses;
+  for (int64_t g : {2, 64}) {
+    model::Drafter drafter(cfg, torch::kCPU, 7);
+    train::LossOptions lo;
+    lo.attn_group_blocks = g;
+    auto st = train::forward_backward(drafter, frozen, mb, anchors, lo, {}, torch::kFloat32, true);
+    losses.push_back(st.ce_sum.item<double>());
+    grads.emplace_back();
+    for (auto& [n, p] : drafter.parameters()) grads.back().push_back(p.grad().clone());
+  }
+  EXPECT_NEAR(losses[0], losses[1], 1e-5 * std::abs(losses[1]));
+  for (size_t i = 0; i < grads[0].size(); ++i)
+    EXPECT_LT((grads[0][i] - grads[1][i]).abs().max().item<double>(), 1e-5 * (grads[1][i].abs().max().item<double>() + 1e-12));
+}
+
 TEST(Anchors, ValidOnlySortedReproducible) {
   std::vector<uint8_t> mask = {0, 1, 1, 1, 0, 1, 1, /*doc 2*/ 1, 1, 0, 1};
   std::vector<int64_t> lens = {7, 4};
