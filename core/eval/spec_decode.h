@@ -1,0 +1,79 @@
+// Greedy speculative decoding with a DFlash drafter (dflash.md section 2), round for round the same
+// as z-lab's `dflash_generate` at temperature 0, so output ids AND per-round acceptance lengths can
+// be compared exactly. Legend: S = accepted sequence length (prompt + generated), V = verify size
+// (tokens of one block, <= B), H = hidden size, K = captured target layers, B = block size.
+//
+// One prompt (max_length = prompt + max_new_tokens):
+//   prefill: the target runs over the prompt; first token = argmax lm_head(final_norm(h_last[-1]));
+//            context = the captured target features (drafter.target_layer_ids) of every prompt row.
+//   rounds, while start + 1 < max_length and no stop token was produced (start = index of the last
+//   accepted token, initially the prompt length):
+//     V = min(B, max_length - start); block = [seq[start], MASK x (V-1)] at positions start..start+V-1;
+//     the drafter sees the fused context of positions 0..start-1 and the block; drafts = argmax of
+//     lm_head(drafter hidden) at block rows 1..V-1;
+//     the target verifies seq[0..start] + drafts; posterior[i] = target argmax at block row i;
+//     acceptance a = longest prefix with drafts[i] == posterior[i]; bonus = posterior[a];
+//     produced = min(a + 1, max_length - start - 1), cut after the first stop token among the
+//     produced tokens (which then ends decoding); acceptance_lengths gets `produced`;
+//     the context grows by the target features of block rows 0..produced-1; start += produced.
+//   output = generated tokens seq[prompt .. min(start + 1, max_length)) (a stop token is included).
+// With B == 1 there is no drafting (the target emits one token per round), as in z-lab.
+//
+// Cost (no KV cache yet, correctness first): every round the target re-runs over the WHOLE accepted
+// sequence plus the block (O(S) tokens, O(S^2) attention per round) and the drafter re-projects the
+// K/V of the whole context (the fused context itself is appended per round, not recomputed). The
+// per-token values equal the cached ones of z-lab; only the speed differs.
+//
+// Contracts: the drafter must fit the target (hidden size, target_layer_ids within the target's
+// layers, mask_token_id and prompt ids within the vocabulary): ConfigError / DataError otherwise.
+// Not thread-safe (the target is stateful).
+#pragma once
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "core/model/drafter.h"
+#include "core/model/target.h"
+
+namespace dflash::eval {
+
+struct SpecDecodeOptions {
+  int64_t max_new_tokens = 64;          // >= 1
+  int64_t block_size = 0;               // 0: the drafter's block_size; >= 1 otherwise
+  std::vector<int64_t> stop_token_ids;  // empty: stop only at max_new_tokens
+};
+
+struct SpecDecodeResult {
+  std::vector<int64_t> output_ids;          // generated tokens only
+  std::vector<int64_t> acceptance_lengths;  // tokens produced per round (z-lab's acceptance_lengths)
+};
+
+class SpeculativeDecoder {
+ public:
+  // Keeps references to `target` and a working copy of the drafter's weights in the target's dtype
+  // on the target's device (the drafter's own fp32 masters are not touched).
+  SpeculativeDecoder(model::TargetModel& target, const model::Drafter& drafter);
+  SpecDecodeResult generate(const std::vector<int64_t>& prompt, const SpecDecodeOptions& opt);
+
+ private:
+  // Drafter::forward treats its rows as blocks of config().block_size, so each verify size V gets a
+  // drafter whose block_size is V; all of them share the same weight tensors (built once per V).
+  const model::Drafter& drafter_for(int64_t V);
+  // Target forward over seq_S; returns (posterior argmax of rows [from, S), features [S, K*H]).
+  std::pair<std::vector<int64_t>, torch::Tensor> verify(const std::vector<int64_t>& seq_S, int64_t from);
+
+  model::TargetModel& target_;
+  model::DrafterConfig cfg_;
+  model::CaptureSpec capture_;
+  std::vector<torch::Tensor> weights_;  // in Drafter parameter order, target dtype/device
+  std::map<int64_t, std::unique_ptr<model::Drafter>> by_block_size_;
+};
+
+// The target's own greedy decoding by full re-forwards (no cache): max_new_tokens argmax steps,
+// stopping after (and including) the first stop token. The reference speculative decoding must equal.
+std::vector<int64_t> greedy_generate(model::TargetModel& target, const std::vector<int64_t>& prompt,
+                                     int64_t max_new_tokens, const std::vector<int64_t>& stop_token_ids = {});
+
+}  // namespace dflash::eval
