@@ -1,0 +1,189 @@
+// Prometheus metrics for every process: declared once per service, updated lock-free from the hot
+// path, served on /metrics by prometheus-cpp's Exposer; and the one-line stage profile for the log.
+//
+// Naming (checked at declaration, ConfigError otherwise): dflash_<role>_<what>_<unit>, lower case
+// [a-z0-9_], at least four '_'-separated parts, e.g. dflash_target_tokens_total,
+// dflash_drafter_step_seconds, dflash_target_sent_bytes_total.
+//   counters:          end in _total (the unit, if any, before it: ..._bytes_total)
+//   gauges/histograms: end in one of kUnits (_seconds, _bytes, _ratio, ...), never in _total,
+//                      _count, _sum or _bucket (reserved by the exposition format)
+// A (name, labels) pair is declared once; declaring it again throws (declare in one place per
+// service and pass the references around). The same name may be declared with different label
+// values (same type and help), e.g. dflash_target_stage_seconds{stage="forward"}.
+//
+// Threading: declaration takes a mutex (start-up only). Counter/Gauge/Histogram updates are single
+// atomic operations (no locks, no allocation), safe from any thread; a scrape reads the atomics from
+// the server's thread and never blocks an updater. References returned by the registry stay valid for
+// the registry's lifetime.
+#pragma once
+#include <prometheus/collectable.h>
+#include <prometheus/metric_family.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace prometheus {
+class Exposer;
+}
+
+namespace dflash::metrics {
+
+using Labels = std::map<std::string, std::string>;
+
+// Unit suffixes accepted for gauges and histograms (add one here when a new unit is needed).
+extern const std::vector<std::string> kUnits;
+
+enum class Kind { kCounter, kGauge, kHistogram };
+// Throws ConfigError explaining the rule `name` breaks for `kind`.
+void check_name(const std::string& name, Kind kind);
+
+class Counter {
+ public:
+  void inc(double v = 1.0);  // v >= 0 (negative increments are ignored)
+  double value() const { return value_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<double> value_{0.0};
+};
+
+class Gauge {
+ public:
+  void set(double v) { value_.store(v, std::memory_order_relaxed); }
+  void add(double v);
+  double value() const { return value_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<double> value_{0.0};
+};
+
+class Histogram {
+ public:
+  // `bounds`: strictly increasing upper bounds (the +Inf bucket is implicit).
+  explicit Histogram(std::vector<double> bounds);
+  void observe(double v);
+  struct Snapshot {
+    std::vector<double> bounds;
+    std::vector<uint64_t> cumulative;  // per bound, then +Inf
+    uint64_t count = 0;
+    double sum = 0.0;
+  };
+  Snapshot snapshot() const;
+
+  // Exponential bounds start, start*factor, ... (n of them), e.g. for seconds: (1e-4, 2, 20).
+  static std::vector<double> exponential(double start, double factor, int n);
+
+ private:
+  std::vector<double> bounds_;
+  std::unique_ptr<std::atomic<uint64_t>[]> buckets_;  // bounds_.size() + 1, non-cumulative
+  std::atomic<double> sum_{0.0};
+};
+
+// Declared metrics of one process. A prometheus::Collectable, so an Exposer can serve it.
+class Registry : public prometheus::Collectable {
+ public:
+  Counter& counter(const std::string& name, const std::string& help, const Labels& labels = {});
+  Gauge& gauge(const std::string& name, const std::string& help, const Labels& labels = {});
+  Histogram& histogram(const std::string& name, const std::string& help, std::vector<double> bounds,
+                       const Labels& labels = {});
+
+  std::vector<prometheus::MetricFamily> Collect() const override;
+  std::string text() const;  // the /metrics body (Prometheus text format)
+
+ private:
+  struct Entry {
+    Labels labels;
+    std::unique_ptr<Counter> counter;
+    std::unique_ptr<Gauge> gauge;
+    std::unique_ptr<Histogram> histogram;
+  };
+  struct Family {
+    std::string help;
+    Kind kind;
+    std::deque<Entry> entries;
+  };
+  Entry& declare(const std::string& name, const std::string& help, Kind kind, const Labels& labels);
+
+  mutable std::mutex mu_;
+  std::map<std::string, Family> families_;
+};
+
+// Serves a registry on http://<bind>:<port>/metrics from prometheus-cpp's own threads.
+// port 0 binds an ephemeral port (see bound_port()). Throws TransportError when it cannot bind.
+class MetricsServer {
+ public:
+  explicit MetricsServer(int port, const std::string& bind_address = "0.0.0.0",
+                         std::shared_ptr<Registry> registry = nullptr);
+  ~MetricsServer();
+  MetricsServer(const MetricsServer&) = delete;
+  MetricsServer& operator=(const MetricsServer&) = delete;
+
+  Registry& registry() { return *registry_; }
+  std::shared_ptr<Registry> shared_registry() const { return registry_; }
+  int bound_port() const { return port_; }
+
+ private:
+  std::shared_ptr<Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+};
+
+// Time share per named stage over an interval, for the periodic log line:
+//   "forward 71% pack 3% send 2% wait 24% | 12345 tok/s | inflight 2"
+// Stages are fixed at construction; add()/Scope/add_tokens()/set_inflight() are lock-free and may be
+// called from any thread. one_line() reports the interval since the previous one_line() (or since
+// construction) and starts a new one; call it from one thread (the logger). Shares are of the total
+// time recorded across stages (they add up to 100%, up to rounding); tok/s is over wall time.
+class StageProfiler {
+ public:
+  static constexpr size_t kMaxStages = 16;
+  explicit StageProfiler(std::vector<std::string> stages);
+
+  size_t stage(const std::string& name) const;  // index of a stage; ConfigError if unknown
+  void add(size_t stage, std::chrono::nanoseconds d);
+  void add_seconds(size_t stage, double s) {
+    add(stage, std::chrono::nanoseconds(static_cast<int64_t>(s * 1e9)));
+  }
+  void add_tokens(int64_t n) { tokens_.fetch_add(n, std::memory_order_relaxed); }
+  void set_inflight(int64_t n) { inflight_.store(n, std::memory_order_relaxed); }
+
+  // RAII timer: adds the scope's duration to `stage` on destruction.
+  class Scope {
+   public:
+    Scope(StageProfiler& p, size_t stage) : p_(p), stage_(stage), t0_(std::chrono::steady_clock::now()) {}
+    ~Scope() { p_.add(stage_, std::chrono::steady_clock::now() - t0_); }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    StageProfiler& p_;
+    size_t stage_;
+    std::chrono::steady_clock::time_point t0_;
+  };
+  Scope scope(size_t stage) { return Scope(*this, stage); }
+
+  struct Interval {
+    std::vector<std::pair<std::string, double>> shares;  // stage -> fraction of recorded time
+    double tokens_per_s = 0.0;
+    int64_t inflight = 0;
+    double wall_s = 0.0;
+  };
+  Interval take();         // the interval's numbers; starts a new interval
+  std::string one_line();  // take(), formatted
+
+ private:
+  std::vector<std::string> names_;
+  std::array<std::atomic<int64_t>, kMaxStages> ns_{};
+  std::atomic<int64_t> tokens_{0};
+  std::atomic<int64_t> inflight_{0};
+  std::chrono::steady_clock::time_point since_;
+};
+
+}  // namespace dflash::metrics
