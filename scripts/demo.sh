@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs the main job on the embedded default (CPU, ~2 minutes):
-#   1. generates a tiny random-weight Qwen3 target (HF layout) and training data: random prompts
-#      continued by the target's own greedy decoding (what DFlash recipes train on)
+#   1. generates a tiny Qwen3 target (HF layout; random init, then ~30 s of training to continue
+#      repeated phrases) and training data: prompts continued by the target's own greedy decoding
+#      (what DFlash recipes train on)
 #   2. dflash-target capture: hidden states of the chosen layers for a token file (offline capture)
 #   3. dflash data import -> token shards
 #   4. dflash train configs/tiny-cpu.yaml: capture + drafter training + checkpoints + HF export
@@ -18,11 +19,11 @@ rm -rf "$work" && mkdir -p "$work"
 py=$DFLASH_PYTHON
 
 echo "[demo 1/5] tiny target model and data in $work"
-"$py" "$DFLASH_ROOT/scripts/reference/make_tiny_models.py" --out "$work/models" --only qwen3 >/dev/null
-target=$work/models/qwen3
-"$py" "$DFLASH_ROOT/scripts/reference/make_target_data.py" --target "$target" --out "$work/train.jsonl" --n 256 --seed 1
-"$py" "$DFLASH_ROOT/scripts/reference/make_target_data.py" --target "$target" --out "$work/heldout.jsonl" \
-  --prompts-out "$work/prompts.jsonl" --n 6 --seed 999 >/dev/null
+target=$work/target
+"$py" "$DFLASH_ROOT/scripts/reference/make_copy_target.py" --out "$target" --steps 500
+gen=("$py" "$DFLASH_ROOT/scripts/reference/make_target_data.py" --target "$target" --phrase-prompts --prompt-len 12 --new-tokens 60)
+"${gen[@]}" --out "$work/train.jsonl" --n 256 --seed 1
+"${gen[@]}" --out "$work/heldout.jsonl" --prompts-out "$work/prompts.jsonl" --n 6 --seed 999 >/dev/null
 
 echo "[demo 2/5] dflash-target capture (layers 0,2 + last hidden state)"
 "$bin/dflash-target" capture --model "$target" --input "$work/heldout.jsonl" --layers 0,2 --last-hidden \

@@ -22,11 +22,18 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--exclude-top", type=int, default=8, help="prompt ids avoid the last N vocab ids (mask token)")
+    ap.add_argument("--phrase-prompts", action="store_true",
+                    help="prompts are a random phrase repeated (for make_copy_target.py targets)")
+    ap.add_argument("--phrase-len", type=int, default=5)
     a = ap.parse_args()
     model = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(a.seed)
     prompts = torch.randint(0, vocab - a.exclude_top, (a.n, a.prompt_len), generator=g)
+    if a.phrase_prompts:
+        for i in range(a.n):
+            p = a.phrase_len
+            prompts[i] = prompts[i, :p].repeat(a.prompt_len // p + 1)[: a.prompt_len]
     with torch.no_grad():
         ids = prompts
         for _ in range(a.new_tokens):  # plain greedy loop: no eos, no generate() defaults

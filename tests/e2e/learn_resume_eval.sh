@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End to end on CPU (issue 3 proof): a tiny drafter learns, resume is bitwise exact, and `dflash eval`
 # agrees with z-lab's dflash_generate on the trained drafter.
-#   1. data: random prompts continued by the tiny target's greedy decoding -> dflash data import
+#   1. a tiny target that continues repeated phrases (make_copy_target.py), data = repeated-phrase
+#      prompts continued by that target's greedy decoding -> dflash data import
 #   2. dflash train configs/tiny-cpu.yaml straight to the end          -> run A
 #   3. the same with --max-steps 60, then resumed to the end            -> run B; exports identical
 #   4. training expected acceptance length (last 20 steps) >= 3
@@ -13,11 +14,12 @@ bin=$1 data=$2 work=$3
 py=${DFLASH_PYTHON:-python3}
 src=${DFLASH_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 rm -rf "$work" && mkdir -p "$work"
-target=$data/qwen3
+target=$work/target
 
-"$py" "$src/scripts/reference/make_target_data.py" --target "$target" --out "$work/train.jsonl" --n 256 --seed 1
-"$py" "$src/scripts/reference/make_target_data.py" --target "$target" --out "$work/heldout.jsonl" \
-  --prompts-out "$work/prompts.jsonl" --n 6 --seed 999
+"$py" "$src/scripts/reference/make_copy_target.py" --out "$target" --steps 500
+gen=("$py" "$src/scripts/reference/make_target_data.py" --target "$target" --phrase-prompts --prompt-len 12 --new-tokens 60)
+"${gen[@]}" --out "$work/train.jsonl" --n 256 --seed 1
+"${gen[@]}" --out "$work/heldout.jsonl" --prompts-out "$work/prompts.jsonl" --n 6 --seed 999
 "$bin/dflash" data import --input "$work/train.jsonl" --out "$work/shards" --block-size 8 >/dev/null
 
 export DFLASH_TINY_TARGET_DIR=$target DFLASH_TINY_DATA_DIR=$work/shards
