@@ -4,6 +4,9 @@
 
 #include "core/model/layers.h"
 #include "core/util/error.h"
+#ifdef DFLASH_WITH_CUDA
+#include "core/model/cuda/fused_ops.h"
+#endif
 
 namespace dflash::model {
 namespace F = torch::nn::functional;
@@ -88,27 +91,54 @@ class DenseTarget : public TargetModel {
     auto rope = rope_table(inv_freq_, doc_positions(doc_lens, opt_.device), opt_.dtype);
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     auto h = F::embedding(ids_T, embed_);  // [T, H]
+    const bool fused = use_fused(h);
     for (int64_t l = 0; l < cfg_.num_layers; ++l) {
       const auto& L = layers_[l];
-      auto x = rms_norm(h, L.ln1, cfg_.rms_norm_eps);
+      auto x = norm(h, L.ln1, fused);
       auto qkv = L.qkv_b.defined() ? F::linear(x, L.qkv_w, L.qkv_b) : F::linear(x, L.qkv_w);
       auto q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
       auto k = qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D});
       auto v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D});
-      if (L.q_norm.defined()) {
-        q = rms_norm(q, L.q_norm, cfg_.rms_norm_eps);
-        k = rms_norm(k, L.k_norm, cfg_.rms_norm_eps);
-      }
-      q = apply_rope(q, rope);
-      k = apply_rope(k, rope);
+      q = norm_rope(q, L.q_norm, rope, fused);
+      k = norm_rope(k, L.k_norm, rope, fused);
       auto a = causal_attention_varlen(q, k, v, doc_lens, scale).reshape({T, Hq * D});
       h = h + (L.o_b.defined() ? F::linear(a, L.o_w, L.o_b) : F::linear(a, L.o_w));
-      x = rms_norm(h, L.ln2, cfg_.rms_norm_eps);
-      h = h + swiglu_mlp(x, L.gate_up_w, L.down_w);
+      x = norm(h, L.ln2, fused);
+      h = h + mlp(x, L, fused);
       if (slot[l] >= 0) out.features_TKH.narrow(1, slot[l] * H, H).copy_(h);
     }
     if (spec.last_hidden) out.last_hidden_TH.copy_(h);
     return out;
+  }
+
+  // The fused CUDA kernels (bf16) and the plain LibTorch ops round at the same points.
+  static bool use_fused(const torch::Tensor& h) {
+#ifdef DFLASH_WITH_CUDA
+    return fused::supported(h);
+#else
+    (void)h;
+    return false;
+#endif
+  }
+  torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, bool fused_ok) const {
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok) return fused::rms_norm(x, w, cfg_.rms_norm_eps);
+#endif
+    return rms_norm(x, w, cfg_.rms_norm_eps);
+  }
+  torch::Tensor norm_rope(const torch::Tensor& x, const torch::Tensor& norm_w, const RopeTable& rope,
+                          bool fused_ok) const {
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok && x.size(2) % 32 == 0 && x.size(2) <= 256) return fused::head_norm_rope(x, norm_w, cfg_.rms_norm_eps, rope.cos, rope.sin);
+#endif
+    auto y = norm_w.defined() ? rms_norm(x, norm_w, cfg_.rms_norm_eps) : x;
+    return apply_rope(y, rope);
+  }
+  torch::Tensor mlp(const torch::Tensor& x, const DenseLayer& L, bool fused_ok) const {
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok) return F::linear(fused::silu_mul(F::linear(x, L.gate_up_w)), L.down_w);
+#endif
+    return swiglu_mlp(x, L.gate_up_w, L.down_w);
   }
 
   torch::Tensor embed_tokens(const torch::Tensor& ids) const override { return F::embedding(ids, embed_); }

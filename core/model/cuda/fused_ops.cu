@@ -1,0 +1,154 @@
+// Fused bf16 kernels for the target forward. Rounding points follow the plain LibTorch path
+// (and HF): a bf16 rounding wherever the unfused ops materialise a bf16 tensor.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+
+#include "core/model/cuda/fused_ops.h"
+
+namespace dflash::model::fused {
+namespace {
+
+__device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+template <int kThreads>
+__device__ float block_sum(float v) {
+  __shared__ float warp_sums[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+  if (threadIdx.x < 32) {
+    total = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
+    if (threadIdx.x == 0) warp_sums[0] = total;
+  }
+  __syncthreads();
+  total = warp_sums[0];
+  __syncthreads();
+  return total;
+}
+
+template <int kThreads>
+__global__ void rms_norm_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                __nv_bfloat16* __restrict__ out, int n, float eps) {
+  const int64_t row = blockIdx.x;
+  const __nv_bfloat16* xr = x + row * n;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    float v = __bfloat162float(xr[i]);
+    ss += v * v;
+  }
+  const float r = rsqrtf(block_sum<kThreads>(ss) / n + eps);
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    float y = bf(__bfloat162float(xr[i]) * r);
+    out[row * n + i] = __float2bfloat16(__bfloat162float(w[i]) * y);
+  }
+}
+
+__global__ void silu_mul_kernel(const __nv_bfloat16* __restrict__ gu, __nv_bfloat16* __restrict__ out, int64_t rows,
+                                int64_t inter) {
+  const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (idx >= rows * inter) return;
+  const int64_t r = idx / inter, c = idx % inter;
+  const float g = __bfloat162float(gu[r * 2 * inter + c]);
+  const float u = __bfloat162float(gu[r * 2 * inter + inter + c]);
+  const float s = bf(g / (1.f + __expf(-g)));
+  out[idx] = __float2bfloat16(s * u);
+}
+
+// One warp per (token, head); D <= 256, R <= D.
+__global__ void head_norm_rope_kernel(const __nv_bfloat16* __restrict__ x, int64_t stride_t, int64_t stride_h,
+                                      const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ cos,
+                                      const __nv_bfloat16* __restrict__ sin, __nv_bfloat16* __restrict__ out,
+                                      int64_t T, int heads, int D, int R, float eps, bool norm) {
+  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= T * heads) return;
+  const int64_t t = warp / heads;
+  const int h = warp % heads;
+  const __nv_bfloat16* xr = x + t * stride_t + h * stride_h;
+  float v[8];  // D / 32 <= 8
+  const int per = D / 32;
+  float ss = 0.f;
+  for (int j = 0; j < per; ++j) {
+    v[j] = __bfloat162float(xr[lane + 32 * j]);
+    ss += v[j] * v[j];
+  }
+  if (norm) {
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    const float r = rsqrtf(ss / D + eps);
+    for (int j = 0; j < per; ++j) v[j] = bf(__bfloat162float(w[lane + 32 * j]) * bf(v[j] * r));
+  }
+  // Share the normalised head through shared memory for the rotate_half partner.
+  extern __shared__ float smem[];
+  float* sh = smem + (threadIdx.x / 32) * D;
+  for (int j = 0; j < per; ++j) sh[lane + 32 * j] = v[j];
+  __syncwarp();
+  __nv_bfloat16* o = out + (t * heads + h) * int64_t(D);
+  const int half = R / 2;
+  for (int j = 0; j < per; ++j) {
+    const int i = lane + 32 * j;
+    float y = v[j];
+    if (i < R) {
+      const float c = __bfloat162float(cos[t * R + i]), s = __bfloat162float(sin[t * R + i]);
+      const float partner = i < half ? -sh[i + half] : sh[i - half];
+      y = bf(bf(y * c) + bf(partner * s));
+    }
+    o[i] = __float2bfloat16(y);
+  }
+}
+
+}  // namespace
+
+bool supported(const torch::Tensor& x) { return x.is_cuda() && x.scalar_type() == torch::kBFloat16; }
+
+torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w, double eps) {
+  auto x = x_in.contiguous();
+  const int n = x.size(-1);
+  const int64_t rows = x.numel() / n;
+  auto out = torch::empty_like(x);
+  c10::cuda::CUDAGuard guard(x.device());
+  constexpr int kThreads = 256;
+  rms_norm_kernel<kThreads><<<rows, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(w.data_ptr()),
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), n, static_cast<float>(eps));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gu_in) {
+  auto gu = gu_in.contiguous();
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gu.options());
+  c10::cuda::CUDAGuard guard(gu.device());
+  const int64_t total = rows * inter;
+  silu_mul_kernel<<<(total + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(gu.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), rows,
+      inter);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+torch::Tensor head_norm_rope(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, const torch::Tensor& cos,
+                             const torch::Tensor& sin) {
+  const int64_t T = x.size(0);
+  const int heads = x.size(1), D = x.size(2), R = cos.size(1);
+  TORCH_CHECK(D % 32 == 0 && D <= 256 && x.stride(2) == 1, "head_norm_rope: head_dim must be a multiple of 32, <= 256");
+  auto out = torch::empty({T, heads, D}, x.options());
+  auto c = cos.contiguous(), s = sin.contiguous();
+  c10::cuda::CUDAGuard guard(x.device());
+  const int warps_per_block = 4, threads = 32 * warps_per_block;
+  const int64_t warps = T * heads;
+  head_norm_rope_kernel<<<(warps + warps_per_block - 1) / warps_per_block, threads, warps_per_block * D * sizeof(float),
+                          at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0), x.stride(1),
+      norm_w.defined() ? reinterpret_cast<const __nv_bfloat16*>(norm_w.data_ptr()) : nullptr,
+      reinterpret_cast<const __nv_bfloat16*>(c.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(s.data_ptr()),
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), T, heads, D, R, static_cast<float>(eps), norm_w.defined());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace dflash::model::fused

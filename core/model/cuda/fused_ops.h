@@ -1,0 +1,24 @@
+// Fused CUDA kernels for the target forward (bf16). Each has a plain-LibTorch twin in layers.h
+// with the same rounding points; tests/model/fused_ops_gpu_test.cc compares them on GPU hosts.
+// Available only in CUDA builds (DFLASH_WITH_CUDA); callers check `fused_ops_available()`.
+#pragma once
+#include <torch/torch.h>
+
+namespace dflash::model::fused {
+
+// True in CUDA builds when `x` is a CUDA bf16 tensor these kernels accept.
+bool supported(const torch::Tensor& x);
+
+// Qwen3/Llama RMSNorm over the last dim: w * bf16(x32 * rsqrt(mean(x32^2) + eps)). x: [rows, n].
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+
+// silu(gu[:, :I]) * gu[:, I:] for the fused gate|up projection output [rows, 2I] -> [rows, I].
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+
+// Optional per-head RMSNorm (norm_w defined) then half-split RoPE over the first R = cos.size(1)
+// dims. x: [T, heads, D] (may be a strided view of a fused qkv buffer); cos/sin [T, R] bf16.
+// Returns a contiguous [T, heads, D].
+torch::Tensor head_norm_rope(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
+                             const torch::Tensor& cos, const torch::Tensor& sin);
+
+}  // namespace dflash::model::fused

@@ -1,0 +1,44 @@
+// GPU hosts only (label gpu): fused bf16 kernels vs the plain LibTorch path they replace. Both
+// round to bf16 at the same points; allowed difference: 2 bf16 ulps relative to the value scale.
+#include <gtest/gtest.h>
+
+#include "core/model/cuda/fused_ops.h"
+#include "core/model/layers.h"
+#include "tests/model/golden_util.h"
+
+using namespace dflash::model;
+using dflash::testing::rel_err;
+
+namespace {
+torch::TensorOptions bf16() { return torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16); }
+constexpr double kTol = 2 * 0.0078125;
+
+TEST(FusedOps, RmsNormMatchesPlain) {
+  ASSERT_TRUE(torch::cuda::is_available());
+  auto x = torch::randn({1000, 4096}, bf16()) * 3;
+  auto w = torch::randn({4096}, bf16());
+  EXPECT_LT(rel_err(fused::rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6)), kTol);
+}
+
+TEST(FusedOps, SiluMulMatchesPlain) {
+  auto gu = torch::randn({777, 2 * 1536}, bf16()) * 2;
+  auto chunks = gu.chunk(2, -1);
+  EXPECT_LT(rel_err(fused::silu_mul(gu), torch::silu(chunks[0]) * chunks[1]), kTol);
+}
+
+TEST(FusedOps, HeadNormRopeMatchesPlainFullAndPartial) {
+  for (int64_t R : {128, 64}) {
+    const int64_t T = 300, Hq = 8, D = 128;
+    auto qkv = torch::randn({T, (Hq + 4) * D}, bf16());
+    auto q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});  // strided view, as in the model
+    auto w = torch::randn({D}, bf16());
+    RopeOptions ro;
+    ro.theta = 1e6;
+    ro.rotary_dim = R;
+    auto rope = rope_table(rope_inv_freq(ro).cuda(), torch::arange(T, torch::kInt64).cuda(), torch::kBFloat16);
+    auto plain = apply_rope(rms_norm(q, w, 1e-6), rope);
+    EXPECT_LT(rel_err(fused::head_norm_rope(q, w, 1e-6, rope.cos, rope.sin), plain), kTol) << "R=" << R;
+    EXPECT_LT(rel_err(fused::head_norm_rope(q, torch::Tensor(), 1e-6, rope.cos, rope.sin), apply_rope(q, rope)), kTol);
+  }
+}
+}  // namespace
