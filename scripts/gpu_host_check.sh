@@ -19,8 +19,8 @@ if has build && [ ! -x "$build/bin/dflash" ]; then
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 if has test; then
-  (cd "$build" && ctest -L gpu --output-on-failure -j 4 > "$out/ctest_gpu.log" 2>&1); echo "gpu tests rc=$?"
-  grep -E "worst|Passed|Failed|tests passed" "$out/ctest_gpu.log" | tail -12
+  (cd "$build" && ctest -L gpu -V -j 4 > "$out/ctest_gpu.log" 2>&1); echo "gpu tests rc=$?"
+  grep -E "worst|Passed|Failed|tests passed|FAIL" "$out/ctest_gpu.log" | tail -20
 fi
 if has bench-target; then
   "$build/bin/dflash" bench target --shape qwen3-8b --baseline > "$out/bench_target_qwen3_8b.json" 2> "$out/bench_target_qwen3_8b.err"
