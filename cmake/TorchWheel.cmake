@@ -40,10 +40,23 @@ if(NOT DFLASH_CUDA STREQUAL "OFF")
   endif()
 endif()
 
+# The wheel's include/ also holds an old copy of google/protobuf headers, which would shadow the
+# real protobuf's (both are system dirs; gcc searches -isystem dirs before /usr/include). So we
+# expose a mirror of include/ without `google/`.
+set(_ti ${CMAKE_BINARY_DIR}/torch-include)
+file(MAKE_DIRECTORY ${_ti})
+file(GLOB _tchildren RELATIVE ${TORCH_WHEEL_DIR}/include ${TORCH_WHEEL_DIR}/include/*)
+foreach(c ${_tchildren})
+  if(NOT c STREQUAL "google" AND NOT EXISTS ${_ti}/${c})
+    file(CREATE_LINK ${TORCH_WHEEL_DIR}/include/${c} ${_ti}/${c} SYMBOLIC)
+  endif()
+endforeach()
 add_library(dflash_torch INTERFACE)
 add_library(dflash::torch ALIAS dflash_torch)
-target_include_directories(dflash_torch SYSTEM INTERFACE
-  ${TORCH_WHEEL_DIR}/include ${TORCH_WHEEL_DIR}/include/torch/csrc/api/include)
+target_include_directories(dflash_torch SYSTEM INTERFACE ${_ti} ${TORCH_WHEEL_DIR}/include/torch/csrc/api/include)
+# -pthread everywhere LibTorch is used (gtest adds it too), so the shared PCH stays valid.
+target_link_libraries(dflash_torch INTERFACE Threads::Threads)
+target_compile_options(dflash_torch INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-pthread>)
 target_compile_definitions(dflash_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${_tw_abi})
 set(_tl ${TORCH_WHEEL_DIR}/lib)
 if(DFLASH_WITH_CUDA)
