@@ -1,0 +1,165 @@
+// Helpers shared by the two pipeline processes (dflash-target serve, dflash-drafter train): the
+// settings both sides must derive identically from the run config (packing, shape, run id, link
+// names, wire dtype), the periodic stage-profile log line, and GPU memory gauges.
+// Header-only (the target and drafter libraries do not link each other).
+#pragma once
+#include <torch/torch.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#ifdef DFLASH_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include "core/config/config.h"
+#include "core/data/packing.h"
+#include "core/metrics/metrics.h"
+#include "core/stream/assignment.h"
+#include "core/stream/packed_batch.h"
+#include "core/stream/shm_transport.h"
+#include "core/util/error.h"
+#include "core/util/flags.h"
+#include "core/util/log.h"
+
+namespace dflash::pipeline {
+
+inline torch::ScalarType torch_dtype(config::Dtype d) {
+  switch (d) {
+    case config::Dtype::kFloat32: return torch::kFloat32;
+    case config::Dtype::kFloat16: return torch::kFloat16;
+    default: return torch::kBFloat16;
+  }
+}
+inline stream::DType wire_dtype(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat32: return stream::DType::kF32;
+    case torch::kFloat16: return stream::DType::kF16;
+    case torch::kBFloat16: return stream::DType::kBF16;
+    default: DFLASH_FAIL(ConfigError, "no packed-batch dtype for torch dtype " << t);
+  }
+}
+inline torch::ScalarType torch_dtype(stream::DType d) {
+  switch (d) {
+    case stream::DType::kF32: return torch::kFloat32;
+    case stream::DType::kF16: return torch::kFloat16;
+    default: return torch::kBFloat16;
+  }
+}
+
+// Same as services/drafter/local_train.cc (the single-process reference).
+inline data::PackingOptions packing_options(const config::RunConfig& c) {
+  data::PackingOptions p;
+  p.token_budget = c.data.token_budget;
+  p.max_batch_size = c.data.max_batch_size;
+  p.max_seq_len = c.data.max_seq_len;
+  p.bucketing = c.data.bucketing;
+  p.overlong = c.data.overlong == config::Overlong::kDrop ? data::PackingOptions::kDrop : data::PackingOptions::kTruncate;
+  p.seed = static_cast<uint64_t>(c.data.shuffle_seed);
+  return p;
+}
+
+inline stream::PipelineShape pipeline_shape(const config::RunConfig& c) {
+  return {c.num_targets(), c.num_drafters(), c.train.grad_accum};
+}
+
+// --run-id N when given, else a hash of (run.name, run.output_dir): every process of one run
+// started from the same config agrees without being told.
+inline uint64_t run_id_of(const config::RunConfig& c, const Flags& f) {
+  if (f.has("run-id")) {
+    const int64_t v = f.get_int("run-id", 0);
+    DFLASH_CHECK(v >= 0, ConfigError, "--run-id must be >= 0, got " << v);
+    return static_cast<uint64_t>(v);
+  }
+  const std::string key = c.run.name + '\0' + c.run.output_dir;
+  return stream::xxhash64(key.data(), key.size()) & 0x7fffffffffffffffull;
+}
+
+constexpr const char* kShmPrefix = "dflash";
+inline std::string link_name(uint64_t run_id, int target, int drafter, int num_drafters) {
+  return stream::shm_segment_name(kShmPrefix, run_id, stream::link_id(target, drafter, num_drafters));
+}
+// The prefix every segment of this run starts with (for remove_stale_segments).
+inline std::string run_segment_prefix(uint64_t run_id) {
+  std::string n = stream::shm_segment_name(kShmPrefix, run_id, 0);
+  return n.substr(1, n.rfind('-'));  // "dflash-<16 hex>-"
+}
+
+// Writes profiler.one_line() to the log every `interval_s` seconds from its own thread (off when
+// interval_s <= 0). `extra` (called on that thread) may append text, e.g. queue depths.
+class ProfileLogger {
+ public:
+  ProfileLogger(metrics::StageProfiler& p, double interval_s, std::function<std::string()> extra = {})
+      : p_(p), extra_(std::move(extra)) {
+    if (interval_s <= 0) return;
+    th_ = std::thread([this, interval_s] {
+      std::unique_lock<std::mutex> lk(mu_);
+      while (!cv_.wait_for(lk, std::chrono::duration<double>(interval_s), [this] { return stop_; })) {
+        try {
+          LOG_INFO("profile: " << p_.one_line() << (extra_ ? " | " + extra_() : std::string()));
+        } catch (const std::exception& e) {
+          LOG_WARN("profile line failed: " << e.what());
+        }
+      }
+    });
+  }
+  ~ProfileLogger() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (th_.joinable()) th_.join();
+  }
+
+ private:
+  metrics::StageProfiler& p_;
+  std::function<std::string()> extra_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread th_;
+};
+
+// GPU memory gauges (allocated / reserved / peak bytes of the caching allocator); 0 on CPU.
+struct GpuMemoryGauges {
+  metrics::Gauge* allocated = nullptr;
+  metrics::Gauge* reserved = nullptr;
+  metrics::Gauge* peak = nullptr;
+  void declare(metrics::Registry& r, const std::string& role) {
+    allocated = &r.gauge("dflash_" + role + "_gpu_memory_allocated_bytes", "CUDA caching allocator: allocated bytes (0 on CPU)");
+    reserved = &r.gauge("dflash_" + role + "_gpu_memory_reserved_bytes", "CUDA caching allocator: reserved bytes (0 on CPU)");
+    peak = &r.gauge("dflash_" + role + "_gpu_memory_peak_bytes", "CUDA caching allocator: peak allocated bytes (0 on CPU)");
+  }
+  // Reads host-side allocator counters only (never synchronises the stream).
+  void update(torch::Device dev) {
+    if (!allocated) return;
+#ifdef DFLASH_WITH_CUDA
+    if (dev.is_cuda()) {
+      const auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index() < 0 ? 0 : dev.index());
+      const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+      allocated->set(static_cast<double>(s.allocated_bytes[all].current));
+      reserved->set(static_cast<double>(s.reserved_bytes[all].current));
+      peak->set(static_cast<double>(s.allocated_bytes[all].peak));
+      return;
+    }
+#endif
+    (void)dev;
+    allocated->set(0);
+    reserved->set(0);
+    peak->set(0);
+  }
+};
+
+// Stage-time histogram bounds shared by both roles: 50 us .. ~26 s.
+inline std::vector<double> stage_bounds() { return metrics::Histogram::exponential(5e-5, 2.0, 20); }
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace dflash::pipeline

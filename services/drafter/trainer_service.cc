@@ -1,0 +1,623 @@
+// Legend: T = tokens of one packed batch, K = captured layers, H = hidden size, N targets, M drafters.
+#include "services/drafter/trainer_service.h"
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#ifdef DFLASH_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#endif
+
+#include "core/data/shards.h"
+#include "core/io/hf_config.h"
+#include "core/model/drafter.h"
+#include "core/model/target.h"
+#include "core/train/checkpoint.h"
+#include "core/train/collectives_factory.h"
+#include "core/train/export.h"
+#include "core/train/trainer.h"
+#include "services/common/pipeline_common.h"
+
+namespace dflash::drafter {
+namespace fs = std::filesystem;
+using nlohmann::json;
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct ReplicaError : Error {
+  explicit ReplicaError(const std::string& m) : Error(kExitFailure, m) {}
+};
+
+milliseconds ms_of(double s) { return milliseconds(static_cast<int64_t>(s * 1000.0)); }
+
+train::NoiseType to_noise(config::NoiseType t) {
+  switch (t) {
+    case config::NoiseType::kUniform: return train::NoiseType::kUniform;
+    case config::NoiseType::kGaussian: return train::NoiseType::kGaussian;
+    default: return train::NoiseType::kNone;
+  }
+}
+
+bool pid_alive(pid_t pid) {
+  if (pid <= 0) return false;
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream st("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(st, line)) return false;
+  const auto p = line.rfind(')');
+  return p == std::string::npos || p + 2 >= line.size() || line[p + 2] != 'Z';
+}
+
+// Times the collectives (the all-reduce stage) and tells the watchdog when this rank is blocked in one.
+class TimedCollectives : public train::Collectives {
+ public:
+  TimedCollectives(train::Collectives& inner, metrics::Histogram& h, std::atomic<int64_t>& since_ns)
+      : inner_(inner), h_(h), since_(since_ns) {}
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  void all_reduce_sum(std::vector<torch::Tensor>& t) override { timed([&] { inner_.all_reduce_sum(t); }); }
+  void broadcast(std::vector<torch::Tensor>& t, int root) override { timed([&] { inner_.broadcast(t, root); }); }
+  void barrier() override { timed([&] { inner_.barrier(); }); }
+  double take_seconds() {
+    const double s = acc_;
+    acc_ = 0;
+    return s;
+  }
+
+ private:
+  template <class F>
+  void timed(F&& f) {
+    const auto t0 = Clock::now();
+    since_.store(t0.time_since_epoch().count(), std::memory_order_relaxed);
+    struct Clear {
+      std::atomic<int64_t>& s;
+      ~Clear() { s.store(0, std::memory_order_relaxed); }
+    } clear{since_};
+    f();
+    const double d = pipeline::seconds_since(t0);
+    h_.observe(d);
+    acc_ += d;
+  }
+  train::Collectives& inner_;
+  metrics::Histogram& h_;
+  std::atomic<int64_t>& since_;
+  double acc_ = 0;
+};
+
+// A peer drafter that died leaves the others blocked in a collective until its timeout; this thread
+// notices (the peer's pid is gone while we have been waiting > grace), removes this rank's shm
+// segments and exits 1 at once.
+class PeerWatchdog {
+ public:
+  PeerWatchdog(std::vector<pid_t> peers, std::vector<std::string> segments, std::atomic<int64_t>& since_ns, double grace_s,
+               int rank)
+      : peers_(std::move(peers)), segments_(std::move(segments)), since_(since_ns), grace_s_(grace_s), rank_(rank) {
+    th_ = std::thread([this] { loop(); });
+  }
+  ~PeerWatchdog() {
+    stop_ = true;
+    th_.join();
+  }
+
+ private:
+  void loop() {
+    while (!stop_) {
+      std::this_thread::sleep_for(milliseconds(100));
+      const int64_t s = since_.load(std::memory_order_relaxed);
+      if (s == 0) continue;
+      const double waited = std::chrono::duration<double>(Clock::now().time_since_epoch() - Clock::duration(s)).count();
+      if (waited < grace_s_) continue;
+      for (size_t r = 0; r < peers_.size(); ++r) {
+        if (static_cast<int>(r) == rank_ || pid_alive(peers_[r])) continue;
+        LOG_ERROR("drafter " << rank_ << ": peer drafter rank " << r << " (pid " << peers_[r] << ") died while this rank waited "
+                             << waited << " s in a collective; exiting");
+        for (const auto& n : segments_) ::shm_unlink(n.c_str());
+        std::_Exit(kExitFailure);
+      }
+    }
+  }
+  std::vector<pid_t> peers_;
+  std::vector<std::string> segments_;
+  std::atomic<int64_t>& since_;
+  double grace_s_;
+  int rank_;
+  std::atomic<bool> stop_{false};
+  std::thread th_;
+};
+
+struct DrafterMetrics {
+  metrics::Counter *tokens, *batches, *samples, *bytes, *checksums, *steps;
+  metrics::Histogram *wait, *train, *allreduce, *step, *checkpoint;
+  metrics::Gauge *queue_depth, *free_credits, *loss, *accuracy, *accept_len, *lr, *grad_norm, *waiting;
+  pipeline::GpuMemoryGauges gpu;
+  explicit DrafterMetrics(metrics::Registry& r) {
+    tokens = &r.counter("dflash_drafter_tokens_total", "tokens of the micro-batches trained");
+    batches = &r.counter("dflash_drafter_batches_total", "packed batches received and trained");
+    samples = &r.counter("dflash_drafter_samples_total", "documents trained");
+    bytes = &r.counter("dflash_drafter_received_bytes_total", "packed-batch bytes received");
+    checksums = &r.counter("dflash_drafter_checksums_verified_total", "packed batches whose payload checksum was verified");
+    steps = &r.counter("dflash_drafter_steps_total", "optimizer steps");
+    const std::string h = "time per micro-batch or step in one stage of the drafter loop";
+    const auto b = pipeline::stage_bounds();
+    wait = &r.histogram("dflash_drafter_stage_seconds", h, b, {{"stage", "wait"}});
+    train = &r.histogram("dflash_drafter_stage_seconds", h, b, {{"stage", "train"}});
+    allreduce = &r.histogram("dflash_drafter_stage_seconds", h, b, {{"stage", "allreduce"}});
+    step = &r.histogram("dflash_drafter_stage_seconds", h, b, {{"stage", "step"}});
+    checkpoint = &r.histogram("dflash_drafter_stage_seconds", h, b, {{"stage", "checkpoint"}});
+    queue_depth = &r.gauge("dflash_drafter_queue_depth_batches", "batches committed by targets, not yet received, over all links");
+    free_credits = &r.gauge("dflash_drafter_free_credits", "free slots (credits) over all links");
+    loss = &r.gauge("dflash_drafter_loss_nats", "loss of the last optimizer step");
+    accuracy = &r.gauge("dflash_drafter_accuracy_ratio", "mean per-position top-1 accuracy (positions 1..B-1) of the last step");
+    accept_len = &r.gauge("dflash_drafter_acceptance_length_tokens", "expected acceptance length per block (tau) of the last step");
+    lr = &r.gauge("dflash_drafter_learning_rate_value", "learning rate of the last step");
+    grad_norm = &r.gauge("dflash_drafter_grad_norm_value", "global gradient norm of the last step (before clipping)");
+    waiting = &r.gauge("dflash_drafter_waiting_ratio", "fraction of the loop's wall time spent waiting for data");
+    gpu.declare(r, "drafter");
+  }
+};
+
+// Weight hash: XXH64 of each parameter's fp32 bytes, then XXH64 of those hashes in parameter order.
+uint64_t weight_hash(const model::Drafter& d) {
+  std::vector<uint64_t> hs;
+  for (const auto& [_, p] : d.parameters()) {
+    auto c = p.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+    hs.push_back(stream::xxhash64(c.data_ptr(), c.numel() * sizeof(float)));
+  }
+  return stream::xxhash64(hs.data(), hs.size() * sizeof(uint64_t));
+}
+
+std::string hex(uint64_t v) {
+  char b[17];
+  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
+
+// The k-th micro-batch of drafter `d` must be exactly batch `i` of the epoch plan: checked field by field.
+void check_against_plan(const stream::PackedBatchView& v, uint64_t run_id, int64_t epoch, int64_t i, const data::Batch& b,
+                        uint32_t K, uint32_t H, stream::DType dt, const std::string& where) {
+  const auto& h = v.header();
+  DFLASH_CHECK(h.run_id == run_id, DataError, where << ": run id " << h.run_id << " != " << run_id << " (a target of another run?)");
+  DFLASH_CHECK(h.epoch == epoch && h.batch_id == static_cast<uint64_t>(i), DataError,
+               where << ": got batch " << h.batch_id << " of epoch " << h.epoch << ", the plan says batch " << i << " of epoch " << epoch);
+  DFLASH_CHECK(h.k == K && h.h == H && h.dtype == static_cast<uint32_t>(dt), DataError,
+               where << ": shape K=" << h.k << " H=" << h.h << " dtype " << stream::dtype_name(static_cast<stream::DType>(h.dtype))
+                     << ", expected K=" << K << " H=" << H << " dtype " << stream::dtype_name(dt));
+  DFLASH_CHECK(h.num_docs == b.sample_ids.size(), DataError,
+               where << ": " << h.num_docs << " documents, the plan has " << b.sample_ids.size());
+  const auto* docs = v.docs();
+  for (size_t j = 0; j < b.sample_ids.size(); ++j)
+    DFLASH_CHECK(docs[j].sample_id == b.sample_ids[j] && docs[j].length == static_cast<uint32_t>(b.lengths[j]), DataError,
+                 where << ": document " << j << " is sample " << docs[j].sample_id << " (" << docs[j].length
+                       << " tokens), the plan says sample " << b.sample_ids[j] << " (" << b.lengths[j] << " tokens)");
+}
+
+// The micro-batch over the slot's memory: views, except input ids (int32 -> int64) and the host mask
+// copy the anchor sampler reads. On CUDA the features are copied to the device (async, from the
+// registered mapping); the caller synchronises before giving the slot back.
+train::MicroBatch make_micro_batch(const stream::PackedBatchView& v, torch::Device device, bool want_h_last) {
+  const auto& L = v.layout();
+  const int64_t T = static_cast<int64_t>(L.tokens), KH = int64_t(L.k) * L.h;
+  const auto dt = pipeline::torch_dtype(L.dtype);
+  const bool cuda = device.is_cuda();
+  train::MicroBatch mb;
+  auto ids = torch::from_blob(const_cast<int32_t*>(v.input_ids()), {T}, torch::kInt32);
+  mb.input_ids_T = ids.to(device, torch::kInt64);
+  const uint8_t* mask = v.loss_mask();
+  mb.loss_mask_host.assign(mask, mask + T);
+  auto mask_T = torch::from_blob(const_cast<uint8_t*>(mask), {T}, torch::kUInt8);
+  mb.loss_mask_T = cuda ? mask_T.to(device, /*non_blocking=*/true) : mask_T;
+  auto feats = torch::from_blob(const_cast<void*>(v.features()), {T, KH}, dt);
+  mb.features_TKH = cuda ? feats.to(device, /*non_blocking=*/true) : feats;
+  if (want_h_last) {
+    DFLASH_CHECK(v.h_last() != nullptr, DataError,
+                 "packed batch " << v.header().batch_id << " has no h_last but train.soft_labels.enabled needs it (target.ship_h_last)");
+    auto hl = torch::from_blob(const_cast<void*>(v.h_last()), {T, int64_t(L.h)}, dt);
+    mb.h_last_TH = cuda ? hl.to(device, /*non_blocking=*/true) : hl;
+  }
+  const auto* docs = v.docs();
+  for (uint32_t j = 0; j < L.num_docs; ++j) mb.doc_lens.push_back(docs[j].length);
+  return mb;
+}
+
+}  // namespace
+
+TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainServiceOptions& opt) {
+  const auto t_start = Clock::now();
+  const auto shape = pipeline::pipeline_shape(cfg);
+  const int N = shape.targets, M = shape.drafters, rank = opt.rank;
+  DFLASH_CHECK(rank >= 0 && rank < M, ConfigError, "--rank " << rank << " outside [0, " << M << "): the config has " << M << " drafter trainers");
+  const fs::path out = cfg.run.output_dir;
+  const fs::path ckpt_root = out / "checkpoints";
+  if (cfg.run.resume != "never") {
+    const std::string found = cfg.run.resume == "auto" ? train::latest_valid_checkpoint(ckpt_root.string()) : cfg.run.resume;
+    DFLASH_CHECK(found.empty(), ConfigError,
+                 "run.resume: resuming a distributed run (from " << found << ") is not implemented yet (it needs the coordinator's "
+                 "ledger); use a fresh run.output_dir or run.resume: never");
+  }
+
+  auto registry = std::make_shared<metrics::Registry>();
+  DrafterMetrics met(*registry);
+  std::unique_ptr<metrics::MetricsServer> server;
+  if (opt.metrics_port >= 0) {
+    server = std::make_unique<metrics::MetricsServer>(opt.metrics_port, "0.0.0.0", registry);
+    LOG_INFO("metrics on http://0.0.0.0:" << server->bound_port() << "/metrics");
+  }
+  metrics::StageProfiler prof({"wait", "train", "allreduce", "step", "checkpoint"});
+  const size_t s_wait = prof.stage("wait"), s_train = prof.stage("train"), s_ar = prof.stage("allreduce"),
+               s_step = prof.stage("step"), s_ckpt = prof.stage("checkpoint");
+
+  // 1. Receiving links, sized for the largest batch the packing allows.
+  const auto tcfg = io::parse_hf_config(cfg.target.model_dir);
+  std::vector<int64_t> layer_ids;
+  for (int id : cfg.target.target_layer_ids) layer_ids.push_back(id);
+  if (layer_ids.empty()) layer_ids = model::default_target_layer_ids(tcfg.num_layers, cfg.drafter.num_layers);
+  const uint32_t K = static_cast<uint32_t>(layer_ids.size()), H = static_cast<uint32_t>(tcfg.hidden_size);
+  const auto wire = pipeline::wire_dtype(pipeline::torch_dtype(cfg.target.dtype));
+  stream::ShmLinkOptions lopt;
+  lopt.slots = static_cast<uint32_t>(cfg.topology.shm_slots);
+  lopt.verify_checksum = cfg.data.checksum;
+  lopt.slot_bytes = stream::BatchLayout::compute(static_cast<uint32_t>(cfg.data.max_batch_size), cfg.data.token_budget, K, H, wire,
+                                                 cfg.target.ship_h_last)
+                        .total_bytes;
+  const size_t stale = stream::remove_stale_segments(pipeline::run_segment_prefix(opt.run_id));
+  if (stale) LOG_WARN("removed " << stale << " stale shm segment(s) of run " << hex(opt.run_id));
+  std::vector<std::unique_ptr<stream::ShmReceiver>> links;
+  std::vector<std::string> segment_names;
+  for (int t = 0; t < N; ++t) {
+    segment_names.push_back(pipeline::link_name(opt.run_id, t, rank, M));
+    links.push_back(stream::ShmReceiver::create(segment_names.back(), lopt));
+  }
+  LOG_INFO("drafter " << rank << "/" << M << ": " << N << " links of " << lopt.slots << " slots x " << lopt.slot_bytes << " bytes ("
+                      << segment_names.front() << " ...)");
+  auto link_totals = [&](uint32_t* ready, uint32_t* free_slots) {
+    *ready = *free_slots = 0;
+    for (auto& l : links) {
+      const auto s = l->stats();
+      *ready += s.ready;
+      *free_slots += s.free_slots;
+    }
+  };
+  pipeline::ProfileLogger plog(prof, cfg.coordinator.profile_interval_s, [&] {
+    uint32_t r, f;
+    link_totals(&r, &f);
+    return "queued " + std::to_string(r) + " free credits " + std::to_string(f);
+  });
+
+  // 2. Collectives, drafter, trainer (the same construction as local_train.cc).
+  const auto device = model::parse_device(opt.device);
+  const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+#ifdef DFLASH_WITH_CUDA
+  if (device.is_cuda())
+    for (auto& l : links) {
+      cudaError_t err = cudaHostRegister(l->base(), l->mapped_bytes(), cudaHostRegisterDefault);
+      DFLASH_CHECK(err == cudaSuccess, TransportError, "cudaHostRegister of " << l->name() << ": " << cudaGetErrorString(err));
+    }
+#endif
+  train::CollectivesOptions co;
+  co.backend = device.is_cuda() ? "nccl" : "cpu";
+  co.rank = rank;
+  co.world_size = M;
+  co.store_host = opt.store_host;
+  co.store_port = opt.store_port;
+  co.timeout = ms_of(opt.collective_timeout_s);
+  auto coll = train::make_collectives(co);
+  std::atomic<int64_t> in_collective_since{0};
+  TimedCollectives tcoll(*coll, *met.allreduce, in_collective_since);
+
+  auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, compute);
+  model::DrafterConfig over;
+  over.num_layers = cfg.drafter.num_layers;
+  over.block_size = cfg.drafter.block_size;
+  over.mask_token_id = cfg.drafter.mask_token_id;
+  if (over.mask_token_id < 0) {
+    over.mask_token_id = tcfg.vocab_size - 1;
+    LOG_WARN("drafter.mask_token_id not set: using the last vocabulary id " << over.mask_token_id);
+  }
+  over.hidden_size = cfg.drafter.hidden_size;
+  over.num_heads = cfg.drafter.num_heads;
+  over.num_kv_heads = cfg.drafter.num_kv_heads;
+  over.head_dim = cfg.drafter.head_dim;
+  over.intermediate_size = cfg.drafter.intermediate_size;
+  over.target_layer_ids = layer_ids;
+  auto dcfg = model::drafter_config_for_target(tcfg, over);
+  model::Drafter drafter(dcfg, device, static_cast<uint64_t>(cfg.run.seed));
+  if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
+
+  auto shards = data::ShardReader::open(cfg.data.shard_dir);
+  const auto asg = stream::assign_run(shards.lengths(), cfg.run.epochs, pipeline::packing_options(cfg), shape);
+  // Schedule length as local_train computes it (batches per drafter over all epochs / grad_accum);
+  // the steps actually run drop each epoch's tail that does not fill a whole step.
+  int64_t rr_total = 0;
+  for (const auto& a : asg.epochs) rr_total += a.batches / M;
+  const int64_t accum = cfg.train.grad_accum;
+  const int64_t schedule_steps = rr_total / accum, total_steps = asg.total_steps();
+  DFLASH_CHECK(total_steps > 0, ConfigError,
+               "the data gives " << rr_total << " batches per drafter, fewer than train.grad_accum=" << accum << ": nothing to train");
+
+  train::TrainerOptions to;
+  to.loss.gamma = cfg.train.gamma;
+  to.loss.soft_labels = cfg.train.soft_labels.enabled;
+  to.loss.kl_weight = cfg.train.soft_labels.kl_weight;
+  to.loss.temperature = cfg.train.soft_labels.temperature;
+  to.schedule = {cfg.train.lr, cfg.train.warmup_ratio, schedule_steps};
+  to.adamw.weight_decay = cfg.train.weight_decay;
+  to.grad_clip = cfg.train.grad_clip;
+  to.grad_accum = accum;
+  to.max_anchors = cfg.train.max_anchors;
+  to.noise_type = to_noise(cfg.train.noise.type);
+  to.noise_start = cfg.train.noise.start;
+  to.noise_end = cfg.train.noise.end;
+  to.seed = static_cast<uint64_t>(cfg.run.seed);
+  to.compute = compute;
+  train::Trainer trainer(drafter, frozen, to, &tcoll);
+
+  // 3. Replicas start identical (checked against rank 0's weights), and everyone learns the peers' pids.
+  {
+    torch::NoGradGuard ng;
+    std::vector<torch::Tensor> mine;
+    for (const auto& [_, p] : drafter.parameters()) mine.push_back(p.detach().clone());
+    tcoll.broadcast(mine, 0);
+    size_t j = 0;
+    for (const auto& [name, p] : drafter.parameters()) {
+      DFLASH_CHECK(torch::equal(mine[j], p.detach()), ReplicaError,
+                   "drafter " << rank << ": parameter " << name << " differs from rank 0's at start (different seed or init?)");
+      ++j;
+    }
+  }
+  std::vector<pid_t> peers(M, 0);
+  {
+    auto pids = torch::zeros({M}, torch::kInt64);
+    pids[rank] = static_cast<int64_t>(::getpid());
+    std::vector<torch::Tensor> v{pids};
+    tcoll.all_reduce_sum(v);
+    for (int r = 0; r < M; ++r) peers[r] = static_cast<pid_t>(pids[r].item<int64_t>());
+  }
+  PeerWatchdog watchdog(peers, segment_names, in_collective_since, opt.peer_grace_s, rank);
+  const uint64_t h0 = weight_hash(drafter);
+  LOG_INFO("drafter " << rank << ": replicas identical at start (weights " << hex(h0) << "); " << total_steps << " steps of " << accum
+                      << " micro-batches over " << cfg.run.epochs << " epochs");
+
+  if (rank == 0) {
+    fs::create_directories(ckpt_root);
+    train::remove_stale_checkpoint_tmp(ckpt_root.string());
+  }
+  fs::create_directories(out / "pipeline");
+  std::ofstream steplog(out / "pipeline" / ("drafter-" + std::to_string(rank) + ".jsonl"), std::ios::trunc);
+  std::ofstream metrics_log;
+  if (rank == 0) metrics_log.open(out / "metrics.jsonl", std::ios::app);
+  {
+    json plan_line = {{"event", "plan"}, {"rank", rank}, {"drafters", M}, {"targets", N}, {"grad_accum", accum},
+                      {"total_steps", total_steps}, {"schedule_steps", schedule_steps}, {"initial_weight_hash", hex(h0)}};
+    json ep = json::array();
+    for (size_t e = 0; e < asg.epochs.size(); ++e) {
+      const auto& a = asg.epochs[e];
+      ep.push_back({{"epoch", e}, {"batches", a.batches}, {"per_drafter", a.per_drafter}, {"remainder_batches", a.remainder_batches},
+                    {"accum_cut_batches", a.accum_cut_batches}, {"dropped_samples", asg.plans[e].dropped},
+                    {"truncated_samples", asg.plans[e].truncated}});
+      // The batches nobody trains this epoch (round-robin remainder + cut to whole steps), by sample id.
+      json unassigned = json::array();
+      for (int64_t i = a.per_drafter * M; i < a.batches; ++i)
+        for (auto id : asg.plans[e].batches[i].sample_ids) unassigned.push_back(id);
+      ep.back()["unassigned_sample_ids"] = unassigned;
+    }
+    plan_line["epochs"] = ep;
+    steplog << plan_line.dump() << "\n";
+    steplog.flush();
+  }
+
+  TrainServiceResult res;
+  auto checkpoint = [&](int64_t e, int64_t next_k) {
+    const std::string dir = (ckpt_root / train::checkpoint_dir_name(trainer.step_count())).string();
+    if (fs::exists(dir)) return;
+    train::CheckpointState st;
+    st.step = trainer.step_count();
+    st.optimizer_steps = trainer.optimizer().steps();
+    st.data_position = {{"epoch", e}, {"micro_batch", next_k}, {"drafters", M}, {"targets", N}};
+    st.seed = to.seed;
+    st.scheduler = {{"lr", to.schedule.lr}, {"warmup_ratio", to.schedule.warmup_ratio}, {"total_steps", schedule_steps}};
+    train::save_checkpoint(dir, drafter, trainer.optimizer(), st);
+    train::apply_retention(ckpt_root.string(), cfg.run.keep_last, cfg.run.keep_every);
+    res.last_checkpoint = dir;
+  };
+
+  // 4. The loop: micro-batch k of drafter `rank` is batch k*M + rank, from target k mod N.
+  const auto t_loop = Clock::now();
+  std::vector<uint64_t> step_samples;
+  std::vector<int64_t> step_batches;
+  double wait_in_step = 0, train_in_step = 0;
+  const bool want_h_last = cfg.train.soft_labels.enabled;
+  for (int64_t e = 0; e < static_cast<int64_t>(asg.epochs.size()); ++e) {
+    const auto& a = asg.epochs[e];
+    const auto& plan = asg.plans[e];
+    for (int64_t k = 0; k < a.per_drafter; ++k) {
+      const int t = stream::EpochAssignment::target_of(k, N);
+      const int64_t i = a.batch_index(k, rank, M);
+      const std::string where = "drafter " + std::to_string(rank) + ": batch " + std::to_string(i) + " of epoch " + std::to_string(e) +
+                                " from target " + std::to_string(t) + " (" + links[t]->name() + ")";
+      const auto t0 = Clock::now();
+      std::optional<stream::ReceivedBatch> rb;
+      try {
+        rb = links[t]->receive(ms_of(opt.recv_timeout_s));
+      } catch (const TransportError& err) {
+        throw TransportError(where + ": " + err.what());
+      } catch (const DataError& err) {
+        throw DataError(where + ": " + err.what());
+      }
+      DFLASH_CHECK(rb.has_value(), TransportError, where << ": the target closed its link before sending it");
+      const auto t1 = Clock::now();
+      auto view = rb->view();
+      check_against_plan(view, opt.run_id, e, i, plan.batches[i], K, H, wire, where);
+      if (cfg.data.checksum && view.has_checksum()) met.checksums->inc(), ++res.checksums_verified;
+      auto mb = make_micro_batch(view, device, want_h_last);
+      const int64_t T = mb.input_ids_T.size(0);
+      trainer.micro_batch(mb);
+#ifdef DFLASH_WITH_CUDA
+      if (device.is_cuda()) c10::cuda::getCurrentCUDAStream().synchronize();  // the H2D copies read the slot
+#endif
+      mb = train::MicroBatch();
+      const size_t bytes = rb->size();
+      links[t]->release(std::move(*rb));
+      const auto t2 = Clock::now();
+
+      const double dw = std::chrono::duration<double>(t1 - t0).count(), dt = std::chrono::duration<double>(t2 - t1).count();
+      met.wait->observe(dw);
+      met.train->observe(dt);
+      prof.add_seconds(s_wait, dw);
+      prof.add_seconds(s_train, dt);
+      prof.add_tokens(T);
+      wait_in_step += dw;
+      train_in_step += dt;
+      res.wait_seconds += dw;
+      met.tokens->inc(double(T));
+      met.batches->inc();
+      met.samples->inc(double(plan.batches[i].sample_ids.size()));
+      met.bytes->inc(double(bytes));
+      uint32_t ready, free_slots;
+      link_totals(&ready, &free_slots);
+      met.queue_depth->set(ready);
+      met.free_credits->set(free_slots);
+      prof.set_inflight(ready);
+      res.micro_batches += 1;
+      res.tokens += T;
+      res.samples += static_cast<int64_t>(plan.batches[i].sample_ids.size());
+      step_samples.insert(step_samples.end(), plan.batches[i].sample_ids.begin(), plan.batches[i].sample_ids.end());
+      step_batches.push_back(i);
+      if ((k + 1) % accum != 0) continue;
+
+      // optimizer step (all-reduce inside)
+      const auto ts = Clock::now();
+      auto m = trainer.step();
+      const double step_s = pipeline::seconds_since(ts), ar_s = tcoll.take_seconds();
+      met.step->observe(step_s - ar_s);
+      prof.add_seconds(s_ar, ar_s);
+      prof.add_seconds(s_step, step_s - ar_s);
+      const bool hash_now = opt.hash_every > 0 && (m.step % opt.hash_every == 0 || m.step == total_steps);
+      const std::string wh = hash_now ? hex(weight_hash(drafter)) : "";
+      double acc = 0;
+      for (size_t j = 1; j < m.acc_k.size(); ++j) acc += m.acc_k[j];
+      if (m.acc_k.size() > 1) acc /= double(m.acc_k.size() - 1);
+      const double loop_s = pipeline::seconds_since(t_loop);
+      met.steps->inc();
+      met.loss->set(m.loss);
+      met.accuracy->set(acc);
+      met.accept_len->set(m.accept_len);
+      met.lr->set(m.lr);
+      met.grad_norm->set(m.grad_norm);
+      met.waiting->set(res.wait_seconds / std::max(loop_s, 1e-9));
+      met.gpu.update(device);
+      res.steps = m.step;
+      res.last_loss = m.loss;
+      res.last_accept_len = m.accept_len;
+      json line = {{"step", m.step}, {"epoch", e}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
+                   {"accuracy", acc}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tokens", m.tokens}, {"anchors", m.anchors},
+                   {"rank_tokens", res.tokens}, {"batches", step_batches}, {"sample_ids", step_samples},
+                   {"checksums_verified", res.checksums_verified}, {"weight_hash", wh}, {"wait_s", wait_in_step},
+                   {"train_s", train_in_step}, {"allreduce_s", ar_s}, {"step_s", step_s - ar_s},
+                   {"skipped_nonfinite", m.skipped_nonfinite}};
+      steplog << line.dump() << "\n";
+      steplog.flush();
+      if (rank == 0) {
+        json ml = {{"step", m.step}, {"epoch", e}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
+                   {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tokens", m.tokens}, {"anchors", m.anchors},
+                   {"tokens_per_s", res.tokens * M / std::max(loop_s, 1e-9)}, {"skipped_nonfinite", m.skipped_nonfinite}};
+        metrics_log << ml.dump() << "\n";
+        metrics_log.flush();
+      }
+      if (m.step % 10 == 0 || m.step == total_steps)
+        LOG_INFO("drafter " << rank << ": step " << m.step << "/" << total_steps << " epoch " << e << " loss " << m.loss << " tau "
+                            << m.accept_len << " lr " << m.lr << " tok/s " << int(res.tokens / std::max(loop_s, 1e-9)) << " waiting "
+                            << int(100 * res.wait_seconds / std::max(loop_s, 1e-9)) << "%");
+      if (rank == 0 && (m.step % cfg.run.save_interval_steps == 0 || m.step == total_steps)) {
+        const auto tc = Clock::now();
+        checkpoint(e, k + 1);
+        const double c = pipeline::seconds_since(tc);
+        met.checkpoint->observe(c);
+        prof.add_seconds(s_ckpt, c);
+      }
+      step_samples.clear();
+      step_batches.clear();
+      wait_in_step = train_in_step = 0;
+    }
+  }
+  res.loop_seconds = pipeline::seconds_since(t_loop);
+
+  // 5. Every link must now end cleanly: the targets sent exactly what the plan assigned.
+  for (int t = 0; t < N; ++t) {
+    std::optional<stream::ReceivedBatch> extra;
+    try {
+      extra = links[t]->receive(ms_of(opt.recv_timeout_s));
+    } catch (const TransportError& err) {
+      throw TransportError("drafter " + std::to_string(rank) + ": waiting for target " + std::to_string(t) + " to close " +
+                           links[t]->name() + ": " + err.what());
+    }
+    DFLASH_CHECK(!extra.has_value(), DataError,
+                 "drafter " << rank << ": target " << t << " sent a batch beyond the plan (batch " << extra->view().header().batch_id << ")");
+  }
+  if (rank == 0) {
+    res.export_dir = (out / "export").string();
+    if (fs::exists(res.export_dir)) fs::remove_all(res.export_dir);
+    train::export_hf(drafter, res.export_dir, device.is_cuda() ? torch::kBFloat16 : torch::kFloat32);
+  }
+  tcoll.barrier();  // nobody tears the store down while a peer still needs it
+#ifdef DFLASH_WITH_CUDA
+  if (device.is_cuda())
+    for (auto& l : links) cudaHostUnregister(l->base());
+#endif
+  res.seconds = pipeline::seconds_since(t_start);
+  json done = {{"event", "done"}, {"rank", rank}, {"steps", res.steps}, {"micro_batches", res.micro_batches}, {"tokens", res.tokens},
+               {"samples", res.samples}, {"checksums_verified", res.checksums_verified}, {"loop_s", res.loop_seconds},
+               {"wait_s", res.wait_seconds}, {"final_weight_hash", hex(weight_hash(drafter))}};
+  steplog << done.dump() << "\n";
+  LOG_INFO("drafter " << rank << ": trained " << res.steps << " steps, " << res.micro_batches << " micro-batches, " << res.tokens
+                      << " tokens in " << res.loop_seconds << " s (" << int(res.tokens / std::max(res.loop_seconds, 1e-9))
+                      << " tok/s, waiting " << int(100 * res.wait_seconds / std::max(res.loop_seconds, 1e-9)) << "%)"
+                      << (res.export_dir.empty() ? "" : ", exported to " + res.export_dir));
+  return res;
+}
+
+int cmd_train_service(int argc, char** argv) {
+  Flags f(argc, argv, {"config", "rank", "device", "run-id", "store-host", "store-port", "metrics-port", "recv-timeout-s",
+                       "collective-timeout-s", "peer-grace-s", "hash-every"});
+  DFLASH_CHECK(f.positional().empty(), ConfigError,
+               "usage: dflash-drafter train --config CFG --rank D [--device cpu|cuda] [--run-id ID] [--store-port P] [--metrics-port P]");
+  auto cfg = config::load_config_or_throw(f.get("config"));
+  TrainServiceOptions o;
+  o.rank = static_cast<int>(f.get_int("rank", -1));
+  o.device = f.get("device", "cpu");
+  o.run_id = pipeline::run_id_of(cfg, f);
+  o.store_host = f.get("store-host", "127.0.0.1");
+  o.store_port = static_cast<int>(f.get_int("store-port", 29500));
+  o.metrics_port = static_cast<int>(f.get_int("metrics-port", -1));
+  o.recv_timeout_s = f.get_double("recv-timeout-s", 300);
+  o.collective_timeout_s = f.get_double("collective-timeout-s", 300);
+  o.peer_grace_s = f.get_double("peer-grace-s", 3);
+  o.hash_every = f.get_int("hash-every", 1);
+  DFLASH_CHECK(o.recv_timeout_s > 0 && o.collective_timeout_s > 0 && o.peer_grace_s > 0, ConfigError,
+               "--recv-timeout-s, --collective-timeout-s and --peer-grace-s must be > 0");
+  auto r = run_train_service(cfg, o);
+  std::cout << json{{"role", "drafter"}, {"rank", o.rank}, {"steps", r.steps}, {"micro_batches", r.micro_batches},
+                    {"tokens", r.tokens}, {"samples", r.samples}, {"checksums_verified", r.checksums_verified},
+                    {"loss", r.last_loss}, {"accept_len", r.last_accept_len}, {"seconds", r.seconds},
+                    {"loop_seconds", r.loop_seconds}, {"wait_seconds", r.wait_seconds},
+                    {"tokens_per_s", r.tokens / std::max(r.loop_seconds, 1e-9)},
+                    {"waiting_fraction", r.wait_seconds / std::max(r.loop_seconds, 1e-9)},
+                    {"checkpoint", r.last_checkpoint}, {"export", r.export_dir}}
+                   .dump()
+            << std::endl;
+  return kExitOk;
+}
+
+}  // namespace dflash::drafter

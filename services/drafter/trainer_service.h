@@ -1,0 +1,64 @@
+// `dflash-drafter train`: one data-parallel drafter trainer of the pipeline (DESIGN.md "The data
+// path", step 3). Rank D of M:
+//   1. creates its N receiving shm links (one per target server, "/dflash-<run id>-<t*M+D>";
+//      stale segments of dead processes of this run are swept first), so targets can attach while
+//      it loads;
+//   2. joins the drafter collectives (make_collectives: "cpu" over the TCPStore rank 0 hosts at
+//      127.0.0.1:--store-port, "nccl" on CUDA), builds the Drafter and Trainer exactly as
+//      `dflash train` (services/drafter/local_train.cc) does, and checks with a broadcast from
+//      rank 0 that every replica starts with identical weights;
+//   3. trains the micro-batches the run assignment (core/stream/assignment.h) gives it, in that
+//      order: its k-th comes from target k mod N. Every batch is validated (header, doc table against
+//      the plan: epoch, batch index, sample ids, lengths) and, with data.checksum, its payload
+//      checksum verified by the transport; the MicroBatch views the slot memory (only input ids are
+//      converted to int64; on CUDA features are copied host->device from the registered mapping),
+//      and the slot goes back to the target right after the micro-batch's backward;
+//   4. every grad_accum micro-batches: Trainer::step() (all-reduce of gradients and the loss
+//      denominator through the collectives), then one JSON line in
+//      <output_dir>/pipeline/drafter-<D>.jsonl: step, epoch, loss, tau, accuracy, lr, the sample
+//      ids and batch indices consumed in the step, the checksums verified so far, and a hash of the
+//      fp32 weights (XXH64 over each parameter's bytes, combined in parameter order);
+//   5. rank 0 writes checkpoints (every run.save_interval_steps and at the end) and the final
+//      export like `dflash train`, and <output_dir>/metrics.jsonl with the same fields.
+// With M = 1 the run trains exactly what `dflash train` trains (same plan order, same seeds, same
+// schedule); with M > 1 anchor/noise seeds include the rank and gradients are summed over ranks, so
+// it is a different (equally valid) run.
+//
+// Failures: a dead or vanished target, or one that sends nothing for --recv-timeout-s -> TransportError
+// (exit 1) naming the link; a peer drafter that dies while this one waits in a collective for more
+// than --peer-grace-s -> exit 1 from a watchdog (which unlinks this rank's segments first); a
+// batch that does not match the plan or fails its checksum -> DataError (exit 4).
+// Not implemented here: resuming a distributed run (that needs the coordinator's ledger): a
+// config asking to resume from an existing checkpoint is refused (ConfigError).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/config/config.h"
+
+namespace dflash::drafter {
+
+struct TrainServiceOptions {
+  int rank = 0;
+  std::string device = "cpu";
+  uint64_t run_id = 0;
+  std::string store_host = "127.0.0.1";
+  int store_port = 29500;
+  int metrics_port = -1;              // -1: no /metrics; 0: ephemeral (logged)
+  double recv_timeout_s = 300;        // longest wait for one batch (target death is detected at once)
+  double collective_timeout_s = 300;  // rendezvous and each collective
+  double peer_grace_s = 3;            // a peer drafter dead while we wait this long in a collective -> exit 1
+  int64_t hash_every = 1;             // weight hash every N steps (0 = never)
+};
+
+struct TrainServiceResult {
+  int64_t steps = 0, micro_batches = 0, tokens = 0, samples = 0, checksums_verified = 0;
+  double seconds = 0, loop_seconds = 0, wait_seconds = 0, last_loss = 0, last_accept_len = 0;
+  std::string last_checkpoint, export_dir;
+};
+
+TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainServiceOptions& opt);
+
+int cmd_train_service(int argc, char** argv);  // args after "dflash-drafter train"
+
+}  // namespace dflash::drafter

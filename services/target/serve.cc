@@ -1,0 +1,312 @@
+// Legend: T = tokens of one packed batch, K = captured layers, H = hidden size, N targets, M drafters.
+#include "services/target/serve.h"
+
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#ifdef DFLASH_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#endif
+
+#include "core/data/shards.h"
+#include "core/model/drafter.h"
+#include "core/model/target.h"
+#include "services/common/pipeline_common.h"
+
+namespace dflash::target {
+namespace {
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+milliseconds ms_of(double s) { return milliseconds(static_cast<int64_t>(s * 1000.0)); }
+
+#ifdef DFLASH_WITH_CUDA
+// Pins a shm mapping for DMA (device->host copies straight into the slots) for this object's life.
+class HostRegistration {
+ public:
+  HostRegistration(void* base, size_t bytes) : base_(base) {
+    cudaError_t err = cudaHostRegister(base, bytes, cudaHostRegisterDefault);
+    DFLASH_CHECK(err == cudaSuccess, TransportError, "cudaHostRegister of the shm mapping (" << bytes << " bytes): " << cudaGetErrorString(err));
+  }
+  ~HostRegistration() { cudaHostUnregister(base_); }
+  HostRegistration(const HostRegistration&) = delete;
+  HostRegistration& operator=(const HostRegistration&) = delete;
+
+ private:
+  void* base_;
+};
+#endif
+
+struct TargetMetrics {
+  metrics::Counter *tokens, *batches, *bytes;
+  metrics::Histogram *read, *forward, *wait, *pack, *send;
+  metrics::Gauge *queue_depth, *free_credits, *inflight;
+  pipeline::GpuMemoryGauges gpu;
+  explicit TargetMetrics(metrics::Registry& r) {
+    tokens = &r.counter("dflash_target_tokens_total", "tokens forwarded, packed and sent");
+    batches = &r.counter("dflash_target_batches_total", "packed batches sent");
+    bytes = &r.counter("dflash_target_sent_bytes_total", "packed-batch bytes committed to the transport");
+    const std::string h = "time per batch in one stage of the target loop";
+    const auto b = pipeline::stage_bounds();
+    read = &r.histogram("dflash_target_stage_seconds", h, b, {{"stage", "read"}});
+    forward = &r.histogram("dflash_target_stage_seconds", h, b, {{"stage", "forward"}});
+    wait = &r.histogram("dflash_target_stage_seconds", h, b, {{"stage", "wait"}});
+    pack = &r.histogram("dflash_target_stage_seconds", h, b, {{"stage", "pack"}});
+    send = &r.histogram("dflash_target_stage_seconds", h, b, {{"stage", "send"}});
+    queue_depth = &r.gauge("dflash_target_queue_depth_batches", "batches committed but not yet received, over all links");
+    free_credits = &r.gauge("dflash_target_free_credits", "free slots (credits) over all links");
+    inflight = &r.gauge("dflash_target_inflight_batches", "batches held by the drafters (slots not yet given back)");
+    gpu.declare(r, "target");
+  }
+};
+
+}  // namespace
+
+ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt) {
+  const auto t_start = Clock::now();
+  const auto shape = pipeline::pipeline_shape(cfg);
+  const int N = shape.targets, M = shape.drafters, rank = opt.rank;
+  DFLASH_CHECK(rank >= 0 && rank < N, ConfigError, "--rank " << rank << " outside [0, " << N << "): the config has " << N << " target servers");
+
+  auto registry = std::make_shared<metrics::Registry>();
+  TargetMetrics met(*registry);
+  std::unique_ptr<metrics::MetricsServer> server;
+  if (opt.metrics_port >= 0) {
+    server = std::make_unique<metrics::MetricsServer>(opt.metrics_port, "0.0.0.0", registry);
+    LOG_INFO("metrics on http://0.0.0.0:" << server->bound_port() << "/metrics");
+  }
+  metrics::StageProfiler prof({"read", "forward", "wait", "pack", "send"});
+  const size_t s_read = prof.stage("read"), s_fwd = prof.stage("forward"), s_wait = prof.stage("wait"),
+               s_pack = prof.stage("pack"), s_send = prof.stage("send");
+
+  // 1. Links first (fail fast on a wrong run id / topology; lets the drafters watch this pid).
+  std::vector<std::unique_ptr<stream::ShmSender>> links;
+  for (int d = 0; d < M; ++d) {
+    const auto name = pipeline::link_name(opt.run_id, rank, d, M);
+    links.push_back(stream::ShmSender::attach(name, ms_of(opt.attach_timeout_s)));
+    LOG_INFO("attached " << name << " -> drafter " << d << " (" << links.back()->num_slots() << " slots of "
+                         << links.back()->slot_capacity() << " bytes)");
+  }
+  auto link_totals = [&](uint32_t* ready, uint32_t* free_slots, uint32_t* held) {
+    *ready = *free_slots = *held = 0;
+    for (auto& l : links) {
+      const auto s = l->stats();
+      *ready += s.ready;
+      *free_slots += s.free_slots;
+      *held += s.slots - s.free_slots;
+    }
+  };
+  pipeline::ProfileLogger plog(prof, cfg.coordinator.profile_interval_s, [&] {
+    uint32_t r, f, h;
+    link_totals(&r, &f, &h);
+    return "queued " + std::to_string(r) + " free credits " + std::to_string(f);
+  });
+
+  // 2. The target, loaded once; capture spec as the drafter expects it (same rule as local_train).
+  const auto device = model::parse_device(opt.device);
+  model::LoadOptions lo;
+  lo.device = device;
+  lo.dtype = pipeline::torch_dtype(cfg.target.dtype);
+  lo.load_lm_head = false;
+  auto target = model::load_target(cfg.target.model_dir, lo);
+  const auto& tcfg = target->config();
+  model::CaptureSpec spec;
+  for (int id : cfg.target.target_layer_ids) spec.layer_ids.push_back(id);
+  if (spec.layer_ids.empty()) spec.layer_ids = model::default_target_layer_ids(tcfg.num_layers, cfg.drafter.num_layers);
+  spec.last_hidden = cfg.target.ship_h_last;
+  model::validate_capture(tcfg, spec);
+  const int64_t K = static_cast<int64_t>(spec.layer_ids.size()), H = tcfg.hidden_size, V = tcfg.vocab_size;
+  const auto wire = pipeline::wire_dtype(lo.dtype);
+
+#ifdef DFLASH_WITH_CUDA
+  std::vector<std::unique_ptr<HostRegistration>> pins;
+  if (device.is_cuda())
+    for (auto& l : links) pins.push_back(std::make_unique<HostRegistration>(l->base(), l->mapped_bytes()));
+#endif
+
+  // 3. The plan: the same on every process.
+  auto shards = data::ShardReader::open(cfg.data.shard_dir);
+  const auto asg = stream::assign_run(shards.lengths(), cfg.run.epochs, pipeline::packing_options(cfg), shape);
+
+  // 4. Warm-up at the largest shape the packing allows (documents of max_seq_len up to the token
+  //    budget), into the capture buffers reused by every batch.
+  const int64_t t_max = std::min<int64_t>(cfg.data.token_budget, int64_t(cfg.data.max_batch_size) * cfg.data.max_seq_len);
+  const auto fopts = torch::TensorOptions().dtype(lo.dtype).device(device);
+  model::CaptureResult buf;
+  buf.features_TKH = torch::empty({t_max, K * H}, fopts);
+  if (spec.last_hidden) buf.last_hidden_TH = torch::empty({t_max, H}, fopts);
+  auto capture_view = [&](int64_t T) {
+    model::CaptureResult v;
+    v.features_TKH = buf.features_TKH.narrow(0, 0, T);
+    if (spec.last_hidden) v.last_hidden_TH = buf.last_hidden_TH.narrow(0, 0, T);
+    return v;
+  };
+  {
+    torch::NoGradGuard ng;
+    std::vector<int64_t> lens;
+    for (int64_t left = t_max; left > 0; left -= cfg.data.max_seq_len) lens.push_back(std::min<int64_t>(left, cfg.data.max_seq_len));
+    auto ids = torch::zeros({t_max}, torch::TensorOptions().dtype(torch::kInt64).device(device));
+    const auto tw = Clock::now();
+    target->forward_capture(ids, lens, spec, capture_view(t_max));
+#ifdef DFLASH_WITH_CUDA
+    if (device.is_cuda()) c10::cuda::getCurrentCUDAStream().synchronize();
+#endif
+    LOG_INFO("warm-up forward at T=" << t_max << " (" << lens.size() << " documents) in " << pipeline::seconds_since(tw) << " s");
+  }
+  int64_t assigned = 0;
+  for (const auto& a : asg.epochs) assigned += static_cast<int64_t>(stream::target_ks(a, rank, N).size()) * M;
+  LOG_INFO("target " << rank << "/" << N << ": " << assigned << " batches to send over " << cfg.run.epochs
+                     << " epochs to " << M << " drafters; K=" << K << " H=" << H << " dtype " << stream::dtype_name(wire)
+                     << (spec.last_hidden ? " +h_last" : "") << (cfg.data.checksum ? " +checksum" : ""));
+
+  // 5. The loop.
+  ServeSummary sum;
+  std::vector<int64_t> ids_host;
+  ids_host.reserve(t_max);
+  std::vector<int64_t> doc_lens;
+  std::vector<stream::DocSpec> docs;
+  std::vector<data::SampleView> samples;
+  torch::NoGradGuard ng;
+  for (int64_t e = 0; e < static_cast<int64_t>(asg.epochs.size()); ++e) {
+    const auto& a = asg.epochs[e];
+    const auto& plan = asg.plans[e];
+    for (int64_t k : stream::target_ks(a, rank, N)) {
+      for (int d = 0; d < M; ++d) {
+        const int64_t i = a.batch_index(k, d, M);
+        const auto& b = plan.batches[i];
+        // read
+        auto t0 = Clock::now();
+        ids_host.clear();
+        doc_lens.clear();
+        docs.clear();
+        samples.clear();
+        for (size_t j = 0; j < b.sample_ids.size(); ++j) {
+          auto s = shards.sample(b.sample_ids[j]);
+          const int64_t n = b.lengths[j];
+          for (int64_t x = 0; x < n; ++x) {
+            const int32_t id = s.input_ids[x];
+            DFLASH_CHECK(id >= 0 && id < V, DataError,
+                         cfg.data.shard_dir << ": sample " << s.id << " token " << x << " has id " << id << " outside the vocabulary [0, " << V << ")");
+            ids_host.push_back(id);
+          }
+          doc_lens.push_back(n);
+          docs.push_back({b.sample_ids[j], static_cast<uint32_t>(n)});
+          samples.push_back(s);
+        }
+        const int64_t T = static_cast<int64_t>(ids_host.size());
+        auto t1 = Clock::now();
+        // forward + capture into the reused buffers
+        auto ids_T = torch::from_blob(ids_host.data(), {T}, torch::kInt64);
+        if (device.is_cuda()) ids_T = ids_T.to(device);
+        auto cap = target->forward_capture(ids_T, doc_lens, spec, capture_view(T));
+        auto t2 = Clock::now();
+        // wait for a credit on the drafter's link
+        stream::PackedBatchInfo info;
+        info.run_id = opt.run_id;
+        info.batch_id = static_cast<uint64_t>(i);
+        info.epoch = static_cast<uint32_t>(e);
+        info.k = static_cast<uint32_t>(K);
+        info.h = static_cast<uint32_t>(H);
+        info.dtype = wire;
+        info.has_h_last = spec.last_hidden;
+        const auto layout = stream::BatchLayout::compute(static_cast<uint32_t>(docs.size()), T, info.k, info.h, wire, info.has_h_last);
+        stream::SlotBuffer slot;
+        try {
+          slot = links[d]->acquire(layout.total_bytes, ms_of(opt.send_timeout_s));
+        } catch (const TransportError& err) {
+          throw TransportError(std::string("target ") + std::to_string(rank) + ": cannot send batch " + std::to_string(i) +
+                               " of epoch " + std::to_string(e) + " to drafter " + std::to_string(d) + ": " + err.what());
+        }
+        auto t3 = Clock::now();
+        // pack ONE contiguous batch in place
+        stream::PackedBatchWriter w(slot.data(), slot.capacity(), info, docs);
+        int32_t* ids_out = w.input_ids();
+        for (int64_t x = 0; x < T; ++x) ids_out[x] = static_cast<int32_t>(ids_host[x]);
+        uint8_t* mask_out = w.loss_mask();
+        for (size_t j = 0; j < samples.size(); ++j) {
+          std::memcpy(mask_out, samples[j].loss_mask.data, static_cast<size_t>(doc_lens[j]));
+          mask_out += doc_lens[j];
+        }
+        const bool async = device.is_cuda();  // device->host straight into the (registered) slot
+        torch::from_blob(w.features(), {T, K * H}, torch::TensorOptions().dtype(lo.dtype)).copy_(cap.features_TKH, async);
+        if (spec.last_hidden)
+          torch::from_blob(w.h_last(), {T, H}, torch::TensorOptions().dtype(lo.dtype)).copy_(cap.last_hidden_TH, async);
+#ifdef DFLASH_WITH_CUDA
+        if (async) c10::cuda::getCurrentCUDAStream().synchronize();  // the transport needs the bytes before commit
+#endif
+        slot.set_size(w.finalize(cfg.data.checksum));
+        auto t4 = Clock::now();
+        const size_t bytes = slot.size();
+        try {
+          links[d]->commit(std::move(slot));
+        } catch (const TransportError& err) {
+          throw TransportError(std::string("target ") + std::to_string(rank) + ": commit of batch " + std::to_string(i) +
+                               " to drafter " + std::to_string(d) + ": " + err.what());
+        }
+        auto t5 = Clock::now();
+
+        const double dr = std::chrono::duration<double>(t1 - t0).count(), df = std::chrono::duration<double>(t2 - t1).count(),
+                     dw = std::chrono::duration<double>(t3 - t2).count(), dp = std::chrono::duration<double>(t4 - t3).count(),
+                     ds = std::chrono::duration<double>(t5 - t4).count();
+        met.read->observe(dr);
+        met.forward->observe(df);
+        met.wait->observe(dw);
+        met.pack->observe(dp);
+        met.send->observe(ds);
+        prof.add_seconds(s_read, dr);
+        prof.add_seconds(s_fwd, df);
+        prof.add_seconds(s_wait, dw);
+        prof.add_seconds(s_pack, dp);
+        prof.add_seconds(s_send, ds);
+        prof.add_tokens(T);
+        met.tokens->inc(double(T));
+        met.batches->inc();
+        met.bytes->inc(double(bytes));
+        uint32_t ready, free_slots, held;
+        link_totals(&ready, &free_slots, &held);
+        met.queue_depth->set(ready);
+        met.free_credits->set(free_slots);
+        met.inflight->set(held);
+        prof.set_inflight(held);
+        met.gpu.update(device);
+        sum.batches += 1;
+        sum.tokens += T;
+        sum.bytes += static_cast<int64_t>(bytes);
+        sum.wait_seconds += dw;
+      }
+    }
+  }
+  for (auto& l : links) l->close();
+  sum.seconds = pipeline::seconds_since(t_start);
+  LOG_INFO("target " << rank << ": sent " << sum.batches << " batches, " << sum.tokens << " tokens, " << sum.bytes
+                     << " bytes in " << sum.seconds << " s; waited for credits " << sum.wait_seconds << " s");
+  return sum;
+}
+
+int cmd_serve(int argc, char** argv) {
+  Flags f(argc, argv, {"config", "rank", "device", "run-id", "metrics-port", "attach-timeout-s", "send-timeout-s"});
+  DFLASH_CHECK(f.positional().empty(), ConfigError,
+               "usage: dflash-target serve --config CFG --rank R [--device cpu|cuda] [--run-id ID] [--metrics-port P]");
+  auto cfg = config::load_config_or_throw(f.get("config"));
+  ServeOptions o;
+  o.rank = static_cast<int>(f.get_int("rank", -1));
+  o.device = f.get("device", "cpu");
+  o.run_id = pipeline::run_id_of(cfg, f);
+  o.metrics_port = static_cast<int>(f.get_int("metrics-port", -1));
+  o.attach_timeout_s = f.get_double("attach-timeout-s", 300);
+  o.send_timeout_s = f.get_double("send-timeout-s", 600);
+  DFLASH_CHECK(o.attach_timeout_s > 0 && o.send_timeout_s > 0, ConfigError, "--attach-timeout-s and --send-timeout-s must be > 0");
+  auto s = run_serve(cfg, o);
+  std::cout << nlohmann::json{{"role", "target"}, {"rank", o.rank}, {"batches", s.batches}, {"tokens", s.tokens},
+                              {"bytes", s.bytes}, {"seconds", s.seconds}, {"wait_seconds", s.wait_seconds},
+                              {"tokens_per_s", s.tokens / std::max(s.seconds, 1e-9)}}
+                   .dump()
+            << std::endl;
+  return kExitOk;
+}
+
+}  // namespace dflash::target

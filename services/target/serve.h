@@ -1,0 +1,42 @@
+// `dflash-target serve`: one target server of the data-parallel pipeline (DESIGN.md "The data
+// path", steps 1-2). Loads the frozen target once, computes the run's batch assignment itself
+// (core/stream/assignment.h: every process derives the same one from the config), and for each
+// batch assigned to its rank: reads the samples from the shards, runs forward + capture into a
+// reused CaptureResult, packs ONE packed batch (core/stream/packed_batch.h) straight into a slot of
+// the shm link to the batch's drafter (credit-based: acquire blocks while that drafter has no free
+// slot) and commits it. Links are closed (clean end of stream) once every batch was sent.
+//
+// Links: one per drafter, "/dflash-<run id>-<t*M+d>"; the drafter creates the segment, the target
+// attaches (waiting up to --attach-timeout-s for it to appear).
+// CUDA (DFLASH_WITH_CUDA builds): the shm mappings are registered with cudaHostRegister, packing
+// stays on the compute stream and the device->host copies go straight into the slot; the stream is
+// synchronised once per batch before commit (the transport needs the bytes there).
+// Failures: a dead drafter or a link that stays full past --send-timeout-s -> TransportError
+// (exit 1) naming the link; config/usage -> 2; CUDA OOM -> 3; bad shard data -> 4.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/config/config.h"
+
+namespace dflash::target {
+
+struct ServeOptions {
+  int rank = 0;
+  std::string device = "cpu";
+  uint64_t run_id = 0;
+  int metrics_port = -1;          // -1: no /metrics; 0: ephemeral (logged)
+  double attach_timeout_s = 300;  // wait for the drafters to create their links
+  double send_timeout_s = 600;    // longest wait for one credit (peer death is detected at once)
+};
+
+struct ServeSummary {
+  int64_t batches = 0, tokens = 0, bytes = 0;
+  double seconds = 0, wait_seconds = 0;
+};
+
+ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt);
+
+int cmd_serve(int argc, char** argv);  // args after "dflash-target serve"
+
+}  // namespace dflash::target

@@ -1,0 +1,37 @@
+# Shared by the pipeline tests: tiny data, config copies, free ports, process helpers.
+# Needs: bin (build/bin), data (build/testdata), work (scratch dir), py, src.
+
+# Four LibTorch processes share a small CI machine: one intra-op thread each (OpenMP workers
+# spinning on oversubscribed cores slow a tiny model down by 10x or more). Every process of a test,
+# `dflash train` included, runs with the same setting, so results stay comparable bit for bit.
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+
+# Data: N random-prompt documents continued by the tiny qwen3 target's greedy decoding (72 tokens),
+# imported into shards with block size 8 (configs/tiny-cpu.yaml).
+make_pipeline_data() {  # N
+  "$py" "$src/scripts/reference/make_target_data.py" --target "$data/qwen3" --out "$work/train.jsonl" --n "$1" --seed 3 \
+    --prompt-len 8 --new-tokens 64 >/dev/null
+  "$bin/dflash" data import --input "$work/train.jsonl" --out "$work/shards" --block-size 8 >/dev/null
+}
+
+# configs/tiny-cpu.yaml with EPOCHS epochs and DRAFTERS drafter slots (1 or 2), resume never.
+make_config() {  # OUT EPOCHS DRAFTERS [PROFILE_S]
+  local gpus="[2, 3]"
+  [ "$3" = 1 ] && gpus="[2]"
+  sed -e "s/^  epochs: .*/  epochs: $2/" -e "s/drafter_gpus: \[2, 3\]/drafter_gpus: $gpus/" \
+      -e "s/^  resume: .*/  resume: never/" -e "s/^  profile_interval_s: .*/  profile_interval_s: ${4:-0}/" \
+      "$src/configs/tiny-cpu.yaml" > "$1"
+}
+
+free_ports() {  # COUNT -> space-separated free TCP ports
+  "$py" - "$1" <<'PY'
+import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks: s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+for s in socks: s.close()
+PY
+}
+
+# shm segments of run id $1 (decimal) still in /dev/shm
+run_segments() { ls /dev/shm 2>/dev/null | grep "^dflash-$(printf '%016x' "$1")-" || true; }
