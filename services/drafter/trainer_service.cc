@@ -102,9 +102,10 @@ class TimedCollectives : public train::Collectives {
 // segments and exits 1 at once.
 class PeerWatchdog {
  public:
-  PeerWatchdog(std::vector<pid_t> peers, std::vector<std::string> segments, std::atomic<int64_t>& since_ns, double grace_s,
-               int rank)
-      : peers_(std::move(peers)), segments_(std::move(segments)), since_(since_ns), grace_s_(grace_s), rank_(rank) {
+  PeerWatchdog(std::vector<pid_t> peers, std::vector<std::string> segments, std::string run_prefix,
+               std::atomic<int64_t>& since_ns, double grace_s, int rank)
+      : peers_(std::move(peers)), segments_(std::move(segments)), prefix_(std::move(run_prefix)), since_(since_ns),
+        grace_s_(grace_s), rank_(rank) {
     th_ = std::thread([this] { loop(); });
   }
   ~PeerWatchdog() {
@@ -125,12 +126,17 @@ class PeerWatchdog {
         LOG_ERROR("drafter " << rank_ << ": peer drafter rank " << r << " (pid " << peers_[r] << ") died while this rank waited "
                              << waited << " s in a collective; exiting");
         for (const auto& n : segments_) ::shm_unlink(n.c_str());
+        try {
+          stream::remove_stale_segments(prefix_);  // the dead peer's, if no target removed them
+        } catch (...) {
+        }
         std::_Exit(kExitFailure);
       }
     }
   }
   std::vector<pid_t> peers_;
   std::vector<std::string> segments_;
+  std::string prefix_;
   std::atomic<int64_t>& since_;
   double grace_s_;
   int rank_;
@@ -314,6 +320,23 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   co.store_port = opt.store_port;
   co.timeout = ms_of(opt.collective_timeout_s);
   auto coll = train::make_collectives(co);
+  // Failing (unwinding through here): give our segments back now, sweep those of dead peers, and
+  // leave the collectives undestroyed: rank 0's destructor would wait for peers that may be dead or
+  // blocked, while this process is about to exit anyway.
+  struct FailureGuard {
+    std::unique_ptr<train::Collectives>& coll;
+    std::vector<std::unique_ptr<stream::ShmReceiver>>& links;
+    std::string prefix;
+    ~FailureGuard() {
+      if (std::uncaught_exceptions() == 0) return;
+      links.clear();
+      try {
+        stream::remove_stale_segments(prefix);
+      } catch (...) {
+      }
+      (void)coll.release();
+    }
+  } failure_guard{coll, links, pipeline::run_segment_prefix(opt.run_id)};
   std::atomic<int64_t> in_collective_since{0};
   TimedCollectives tcoll(*coll, *met.allreduce, in_collective_since);
 
@@ -385,7 +408,8 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
     tcoll.all_reduce_sum(v);
     for (int r = 0; r < M; ++r) peers[r] = static_cast<pid_t>(pids[r].item<int64_t>());
   }
-  PeerWatchdog watchdog(peers, segment_names, in_collective_since, opt.peer_grace_s, rank);
+  PeerWatchdog watchdog(peers, segment_names, pipeline::run_segment_prefix(opt.run_id), in_collective_since,
+                        opt.peer_grace_s, rank);
   const uint64_t h0 = weight_hash(drafter);
   LOG_INFO("drafter " << rank << ": replicas identical at start (weights " << hex(h0) << "); " << total_steps << " steps of " << accum
                       << " micro-batches over " << cfg.run.epochs << " epochs");

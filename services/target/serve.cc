@@ -83,6 +83,19 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt) {
   const size_t s_read = prof.stage("read"), s_fwd = prof.stage("forward"), s_wait = prof.stage("wait"),
                s_pack = prof.stage("pack"), s_send = prof.stage("send");
 
+  // Failing (unwinding through here): a drafter that died leaves its segments to its senders; the
+  // link that failed was unlinked by the transport, the others to dead drafters are swept here.
+  struct SweepGuard {
+    std::string prefix;
+    ~SweepGuard() {
+      if (std::uncaught_exceptions() == 0) return;
+      try {
+        stream::remove_stale_segments(prefix);
+      } catch (...) {
+      }
+    }
+  } sweep_guard{pipeline::run_segment_prefix(opt.run_id)};
+
   // 1. Links first (fail fast on a wrong run id / topology; lets the drafters watch this pid).
   std::vector<std::unique_ptr<stream::ShmSender>> links;
   for (int d = 0; d < M; ++d) {

@@ -58,7 +58,7 @@ reap() {  # SCENARIO KILLED KILL_TIME RUN_ID
     wait "${pid[$name]}" || r=$?
     local dt
     dt=$("$py" -c "import time; print(f'{time.time() - $t0:.2f}')")
-    echo "($s) $name exited $r within ${dt} s of the kill: $(grep ' E ' "$work/$s-$name.log" | tail -1 | cut -c1-300)"
+    echo "($s) $name exited $r within ${dt} s of the kill: $(grep '^E ' "$work/$s-$name.log" | tail -1 | cut -c1-300)"
     [ "$r" != 0 ] || { echo "FAIL ($s): $name exited 0"; exit 1; }
     rc[$name]=$r
   done
@@ -86,7 +86,7 @@ t0=$("$py" -c "import time; print(time.time())")
 kill -9 "${pid[drafter1]}"
 reap kill-drafter drafter1 "$t0" $id
 for t in 0 1; do
-  grep -E "drafter 1: .*receiver \(pid [0-9]+\) died" "$work/kill-drafter-target$t.log" >/dev/null \
+  grep -E "to drafter [01]: .*receiver \(pid [0-9]+\) (died|closed the link)" "$work/kill-drafter-target$t.log" >/dev/null \
     || { echo "FAIL: target $t did not name the dead drafter"; exit 1; }
 done
 echo "PASS"
