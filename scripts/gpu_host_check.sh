@@ -14,7 +14,7 @@ t0=$(date +%s)
 if has build && [ ! -x "$build/bin/dflash" ]; then
   nvidia-smi -L > "$out/gpu.txt" 2>&1
   bash "$root/.gpu-deps/build.sh" "$root" "$build" -DDFLASH_CUDA=ON -DDFLASH_PYTHON=python3 \
-    -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter}" > "$out/build.log" 2>&1 \
+    -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;collectives}" > "$out/build.log" 2>&1 \
     || { tail -50 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
@@ -32,7 +32,7 @@ if has bench-hybrid; then
   echo "bench target qwen3.6-27b rc=$?"
 fi
 if has bench-drafter; then
-  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --soft-labels \
+  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --soft-labels --repeats 3 \
     > "$out/bench_drafter_4k.json" 2> "$out/bench_drafter_4k.err"
   echo "bench drafter 4k rc=$?"
   "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels \

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "core/model/drafter.h"
 #include "core/model/target.h"
+#include "core/train/anchors.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
@@ -95,6 +97,26 @@ int cmd_bench_drafter(int argc, char** argv) {
     if (i > 0) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   peak = peak_gib(device);
+  // Phase split (synchronised, so each phase is timed alone): forward + loss without backward,
+  // forward + loss + backward, then the optimizer step.
+  auto timed = [&](const std::function<void()>& fn) {
+    sync(device);
+    auto t0 = std::chrono::steady_clock::now();
+    fn();
+    sync(device);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  auto anchors = train::sample_anchors(mb.loss_mask_host, mb.doc_lens, to.max_anchors, 1);
+  const double t_fwd = timed([&] { train::forward_backward(drafter, frozen, mb, anchors, to.loss, {}, compute, false); });
+  const double t_fwd_bwd = timed([&] { train::forward_backward(drafter, frozen, mb, anchors, to.loss, {}, compute, true); });
+  const double t_ctx = timed([&] {
+    torch::NoGradGuard g;
+    drafter.fuse_context(mb.features_TKH, compute);
+  });
+  const double t_step = timed([&] {
+    trainer.micro_batch(mb);
+    trainer.step();
+  }) - t_fwd_bwd;
   std::sort(times.begin(), times.end());
   const double med = times[times.size() / 2];
   // FLOPs: 3x forward (fwd + bwd) of the draft layers on N*B queries, fc over T context tokens,
@@ -117,7 +139,9 @@ int cmd_bench_drafter(int argc, char** argv) {
                         {"median_step_s", med},
                         {"tflops", tflops},
                         {"mfu", tflops / f.get_double("peak-tflops", 790.0)},
-                        {"peak_gib", peak}};
+                        {"peak_gib", peak},
+                        {"phases_s", {{"forward_loss", t_fwd}, {"forward_loss_backward", t_fwd_bwd},
+                                      {"fuse_context_fwd", t_ctx}, {"optimizer_step_approx", t_step}}}};
   std::cout << out.dump(2) << std::endl;
   return kExitOk;
 }
