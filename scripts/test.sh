@@ -12,5 +12,8 @@ built=$(date +%s)
 exclude=()
 if ! nvidia-smi -L >/dev/null 2>&1; then exclude=(-LE gpu); fi
 cd "$build"
+# One intra-op thread per test process: ctest runs tests in parallel and several tests start
+# multi-process pipelines; oversubscribed LibTorch thread pools made them ~10x slower.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 ctest --output-on-failure -j "${DFLASH_JOBS:-$(nproc)}" "${exclude[@]}" ${CTEST_ARGS:-}
 echo "[test] build $((built - start)) s, tests $(($(date +%s) - built)) s"
