@@ -1,7 +1,15 @@
 #include "core/metrics/metrics.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <prometheus/check_names.h>
-#include <prometheus/exposer.h>
 #include <prometheus/text_serializer.h>
 
 #include <algorithm>
@@ -175,22 +183,77 @@ std::vector<prometheus::MetricFamily> Registry::Collect() const {
 
 std::string Registry::text() const { return prometheus::TextSerializer().Serialize(Collect()); }
 
+// A deliberately small HTTP/1.0 server instead of prometheus-cpp's civetweb Exposer: civetweb
+// cannot create its worker threads in a process that has loaded libtorch_cuda ("Cannot create
+// threads: error 0"), which every CUDA build of our workers does. One thread, one request per
+// connection, text exposition format 0.0.4.
 MetricsServer::MetricsServer(int port, const std::string& bind_address, std::shared_ptr<Registry> registry)
     : registry_(registry ? std::move(registry) : std::make_shared<Registry>()) {
   DFLASH_CHECK(port >= 0 && port < 65536, ConfigError, "metrics port " << port << " is not a port");
   const std::string addr = bind_address + ":" + std::to_string(port);
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(addr, 2);
-  } catch (const std::exception& e) {
-    DFLASH_FAIL(TransportError, "metrics: cannot serve /metrics on " << addr << ": " << e.what());
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  DFLASH_CHECK(inet_pton(AF_INET, bind_address.c_str(), &sa.sin_addr) == 1, ConfigError,
+               "metrics: bind address '" << bind_address << "' is not an IPv4 address");
+  listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  DFLASH_CHECK(listen_fd_ >= 0, TransportError, "metrics: socket(): " << std::strerror(errno));
+  int one = 1;
+  ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 || ::listen(listen_fd_, 16) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(listen_fd_);
+    DFLASH_FAIL(TransportError, "metrics: cannot serve /metrics on " << addr << ": " << why);
   }
-  exposer_->RegisterCollectable(registry_);
-  const auto ports = exposer_->GetListeningPorts();
-  DFLASH_CHECK(!ports.empty(), TransportError, "metrics: no listening port for " << addr);
-  port_ = ports.front();
+  socklen_t len = sizeof sa;
+  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&sa), &len);
+  port_ = ntohs(sa.sin_port);
+  thread_ = std::thread([this] { serve(); });
 }
 
-MetricsServer::~MetricsServer() = default;
+void MetricsServer::serve() {
+  while (!stop_.load()) {
+    pollfd pfd{listen_fd_, POLLIN, 0};
+    if (::poll(&pfd, 1, 200) <= 0) continue;
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    timeval tv{2, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    std::string req;
+    char buf[2048];
+    while (req.find("\r\n\r\n") == std::string::npos && req.size() < 16384) {
+      const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) break;
+      req.append(buf, static_cast<size_t>(n));
+    }
+    std::string status = "404 Not Found", body = "not found\n", type = "text/plain";
+    if (req.rfind("GET /metrics", 0) == 0 && (req.size() <= 12 || req[12] == ' ' || req[12] == '?')) {
+      try {
+        body = registry_->text();
+        status = "200 OK";
+        type = "text/plain; version=0.0.4; charset=utf-8";
+      } catch (const std::exception& e) {
+        status = "500 Internal Server Error";
+        body = std::string(e.what()) + "\n";
+      }
+    }
+    const std::string head = "HTTP/1.0 " + status + "\r\nContent-Type: " + type +
+                             "\r\nContent-Length: " + std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n";
+    const std::string out = head + body;
+    for (size_t off = 0; off < out.size();) {
+      const ssize_t n = ::send(fd, out.data() + off, out.size() - off, MSG_NOSIGNAL);
+      if (n <= 0) break;
+      off += static_cast<size_t>(n);
+    }
+    ::close(fd);
+  }
+}
+
+MetricsServer::~MetricsServer() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+}
 
 StageProfiler::StageProfiler(std::vector<std::string> stages)
     : names_(std::move(stages)), since_(std::chrono::steady_clock::now()) {

@@ -1,5 +1,5 @@
 // Prometheus metrics for every process: declared once per service, updated lock-free from the hot
-// path, served on /metrics by prometheus-cpp's Exposer; and the one-line stage profile for the log.
+// path, served on /metrics by MetricsServer (a small HTTP server; civetweb cannot start threads next to libtorch_cuda); and the one-line stage profile for the log.
 //
 // Naming (checked at declaration, ConfigError otherwise): dflash_<role>_<what>_<unit>, lower case
 // [a-z0-9_], at least four '_'-separated parts, e.g. dflash_target_tokens_total,
@@ -16,6 +16,8 @@
 // the server's thread and never blocks an updater. References returned by the registry stay valid for
 // the registry's lifetime.
 #pragma once
+#include <atomic>
+#include <thread>
 #include <prometheus/collectable.h>
 #include <prometheus/metric_family.h>
 
@@ -29,10 +31,6 @@
 #include <mutex>
 #include <string>
 #include <vector>
-
-namespace prometheus {
-class Exposer;
-}
 
 namespace dflash::metrics {
 
@@ -130,9 +128,13 @@ class MetricsServer {
   int bound_port() const { return port_; }
 
  private:
+  void serve();  // accept loop (own thread): GET /metrics -> text format, anything else -> 404
+
   std::shared_ptr<Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  int listen_fd_ = -1;
   int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
 };
 
 // Time share per named stage over an interval, for the periodic log line:

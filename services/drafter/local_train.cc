@@ -1,5 +1,8 @@
 #include "services/drafter/local_train.h"
 
+#include "services/common/pipeline_common.h"
+#include "services/drafter/run_setup.h"
+
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -22,33 +25,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
-
-torch::ScalarType to_torch(config::Dtype d) {
-  switch (d) {
-    case config::Dtype::kFloat32: return torch::kFloat32;
-    case config::Dtype::kFloat16: return torch::kFloat16;
-    default: return torch::kBFloat16;
-  }
-}
-
-train::NoiseType to_noise(config::NoiseType t) {
-  switch (t) {
-    case config::NoiseType::kUniform: return train::NoiseType::kUniform;
-    case config::NoiseType::kGaussian: return train::NoiseType::kGaussian;
-    default: return train::NoiseType::kNone;
-  }
-}
-
-data::PackingOptions packing_of(const config::RunConfig& c) {
-  data::PackingOptions p;
-  p.token_budget = c.data.token_budget;
-  p.max_batch_size = c.data.max_batch_size;
-  p.max_seq_len = c.data.max_seq_len;
-  p.bucketing = c.data.bucketing;
-  p.overlong = c.data.overlong == config::Overlong::kDrop ? data::PackingOptions::kDrop : data::PackingOptions::kTruncate;
-  p.seed = static_cast<uint64_t>(c.data.shuffle_seed);
-  return p;
-}
 
 // Target forward + capture of one planned batch -> a drafter micro-batch on `device`.
 train::MicroBatch capture_batch(model::TargetModel& target, const data::ShardReader& shards, const data::Batch& b,
@@ -76,7 +52,7 @@ train::MicroBatch capture_batch(model::TargetModel& target, const data::ShardRea
 LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTrainOptions& opt) {
   const auto t_start = std::chrono::steady_clock::now();
   auto device = model::parse_device(opt.device);
-  const auto target_dtype = to_torch(cfg.target.dtype);
+  const auto target_dtype = pipeline::torch_dtype(cfg.target.dtype);
   const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
 
   model::LoadOptions lo;
@@ -87,28 +63,14 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, compute);
   const auto& tcfg = target->config();
 
-  model::DrafterConfig over;
-  over.num_layers = cfg.drafter.num_layers;
-  over.block_size = cfg.drafter.block_size;
-  over.mask_token_id = cfg.drafter.mask_token_id;
-  if (over.mask_token_id < 0) {
-    over.mask_token_id = tcfg.vocab_size - 1;
-    LOG_WARN("drafter.mask_token_id not set: using the last vocabulary id " << over.mask_token_id);
-  }
-  over.hidden_size = cfg.drafter.hidden_size;
-  over.num_heads = cfg.drafter.num_heads;
-  over.num_kv_heads = cfg.drafter.num_kv_heads;
-  over.head_dim = cfg.drafter.head_dim;
-  over.intermediate_size = cfg.drafter.intermediate_size;
-  for (int id : cfg.target.target_layer_ids) over.target_layer_ids.push_back(id);
-  auto dcfg = model::drafter_config_for_target(tcfg, over);
+  auto dcfg = drafter_config_from_run(cfg, tcfg);
   model::Drafter drafter(dcfg, device, static_cast<uint64_t>(cfg.run.seed));
   if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
   model::CaptureSpec spec{dcfg.target_layer_ids, cfg.train.soft_labels.enabled};
 
   auto shards = data::ShardReader::open(cfg.data.shard_dir);
   const auto lengths = shards.lengths();
-  const auto packing = packing_of(cfg);
+  const auto packing = pipeline::packing_options(cfg);
   std::vector<data::EpochPlan> plans;
   int64_t micro_total = 0;
   for (int e = 0; e < cfg.run.epochs; ++e) {
@@ -120,21 +82,7 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   DFLASH_CHECK(total_steps > 0, ConfigError,
                "the data gives " << micro_total << " batches, fewer than train.grad_accum=" << accum << ": nothing to train");
 
-  train::TrainerOptions to;
-  to.loss.gamma = cfg.train.gamma;
-  to.loss.soft_labels = cfg.train.soft_labels.enabled;
-  to.loss.kl_weight = cfg.train.soft_labels.kl_weight;
-  to.loss.temperature = cfg.train.soft_labels.temperature;
-  to.schedule = {cfg.train.lr, cfg.train.warmup_ratio, total_steps};
-  to.adamw.weight_decay = cfg.train.weight_decay;
-  to.grad_clip = cfg.train.grad_clip;
-  to.grad_accum = accum;
-  to.max_anchors = cfg.train.max_anchors;
-  to.noise_type = to_noise(cfg.train.noise.type);
-  to.noise_start = cfg.train.noise.start;
-  to.noise_end = cfg.train.noise.end;
-  to.seed = static_cast<uint64_t>(cfg.run.seed);
-  to.compute = compute;
+  auto to = trainer_options_from_run(cfg, total_steps, compute);
   train::Trainer trainer(drafter, frozen, to);
 
   const fs::path out = cfg.run.output_dir;

@@ -1,6 +1,8 @@
 // Legend: T = tokens of one packed batch, K = captured layers, H = hidden size, N targets, M drafters.
 #include "services/drafter/trainer_service.h"
 
+#include "services/drafter/run_setup.h"
+
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -42,14 +44,6 @@ struct ReplicaError : Error {
 };
 
 milliseconds ms_of(double s) { return milliseconds(static_cast<int64_t>(s * 1000.0)); }
-
-train::NoiseType to_noise(config::NoiseType t) {
-  switch (t) {
-    case config::NoiseType::kUniform: return train::NoiseType::kUniform;
-    case config::NoiseType::kGaussian: return train::NoiseType::kGaussian;
-    default: return train::NoiseType::kNone;
-  }
-}
 
 bool pid_alive(pid_t pid) {
   if (pid <= 0) return false;
@@ -341,21 +335,8 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   TimedCollectives tcoll(*coll, *met.allreduce, in_collective_since);
 
   auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, compute);
-  model::DrafterConfig over;
-  over.num_layers = cfg.drafter.num_layers;
-  over.block_size = cfg.drafter.block_size;
-  over.mask_token_id = cfg.drafter.mask_token_id;
-  if (over.mask_token_id < 0) {
-    over.mask_token_id = tcfg.vocab_size - 1;
-    LOG_WARN("drafter.mask_token_id not set: using the last vocabulary id " << over.mask_token_id);
-  }
-  over.hidden_size = cfg.drafter.hidden_size;
-  over.num_heads = cfg.drafter.num_heads;
-  over.num_kv_heads = cfg.drafter.num_kv_heads;
-  over.head_dim = cfg.drafter.head_dim;
-  over.intermediate_size = cfg.drafter.intermediate_size;
-  over.target_layer_ids = layer_ids;
-  auto dcfg = model::drafter_config_for_target(tcfg, over);
+  auto dcfg = drafter_config_from_run(cfg, tcfg);
+  DFLASH_CHECK(dcfg.target_layer_ids == layer_ids, ConfigError, "drafter and wire disagree on target_layer_ids");
   model::Drafter drafter(dcfg, device, static_cast<uint64_t>(cfg.run.seed));
   if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
 
@@ -370,21 +351,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   DFLASH_CHECK(total_steps > 0, ConfigError,
                "the data gives " << rr_total << " batches per drafter, fewer than train.grad_accum=" << accum << ": nothing to train");
 
-  train::TrainerOptions to;
-  to.loss.gamma = cfg.train.gamma;
-  to.loss.soft_labels = cfg.train.soft_labels.enabled;
-  to.loss.kl_weight = cfg.train.soft_labels.kl_weight;
-  to.loss.temperature = cfg.train.soft_labels.temperature;
-  to.schedule = {cfg.train.lr, cfg.train.warmup_ratio, schedule_steps};
-  to.adamw.weight_decay = cfg.train.weight_decay;
-  to.grad_clip = cfg.train.grad_clip;
-  to.grad_accum = accum;
-  to.max_anchors = cfg.train.max_anchors;
-  to.noise_type = to_noise(cfg.train.noise.type);
-  to.noise_start = cfg.train.noise.start;
-  to.noise_end = cfg.train.noise.end;
-  to.seed = static_cast<uint64_t>(cfg.run.seed);
-  to.compute = compute;
+  auto to = trainer_options_from_run(cfg, schedule_steps, compute);
   train::Trainer trainer(drafter, frozen, to, &tcoll);
 
   // 3. Replicas start identical (checked against rank 0's weights), and everyone learns the peers' pids.
