@@ -8,9 +8,10 @@ dflash_install_venv
 build=${DFLASH_BUILD_DIR:-$DFLASH_ROOT/build}
 dflash_configure_build "$build" -DDFLASH_CUDA="${DFLASH_CUDA:-AUTO}"
 built=$(date +%s)
-# Tests labelled `gpu` need a CUDA device; they run on GPU hosts only.
+# Tests labelled `gpu` need a CUDA device, `multidev` two or more; they run only where those exist.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 exclude=()
-if ! nvidia-smi -L >/dev/null 2>&1; then exclude=(-LE gpu); fi
+if [ "${gpus:-0}" -eq 0 ]; then exclude=(-LE 'gpu|multidev'); elif [ "$gpus" -lt 2 ]; then exclude=(-LE multidev); fi
 cd "$build"
 # One intra-op thread per test process: ctest runs tests in parallel and several tests start
 # multi-process pipelines; oversubscribed LibTorch thread pools made them ~10x slower.
