@@ -244,8 +244,8 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   if (cfg.run.resume != "never") {
     const std::string found = cfg.run.resume == "auto" ? train::latest_valid_checkpoint(ckpt_root.string()) : cfg.run.resume;
     DFLASH_CHECK(found.empty(), ConfigError,
-                 "run.resume: resuming a distributed run (from " << found << ") is not implemented yet (it needs the coordinator's "
-                 "ledger); use a fresh run.output_dir or run.resume: never");
+                 "run.resume: resuming a distributed run (from " << found << ") is not supported until the coordinator keeps a "
+                 "run ledger (issue 5); use a fresh run.output_dir or run.resume: never");
   }
 
   auto registry = std::make_shared<metrics::Registry>();

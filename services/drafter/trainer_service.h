@@ -28,7 +28,7 @@
 // (exit 1) naming the link; a peer drafter that dies while this one waits in a collective for more
 // than --peer-grace-s -> exit 1 from a watchdog (which unlinks this rank's segments first); a
 // batch that does not match the plan or fails its checksum -> DataError (exit 4).
-// Not implemented here: resuming a distributed run (that needs the coordinator's ledger): a
+// Resuming a distributed run needs the coordinator's ledger (issue 5), so for now a
 // config asking to resume from an existing checkpoint is refused (ConfigError).
 #pragma once
 #include <cstdint>
