@@ -68,7 +68,6 @@ class Drafter {
 
   std::vector<std::pair<std::string, torch::Tensor>>& parameters() { return params_; }
   const std::vector<std::pair<std::string, torch::Tensor>>& parameters() const { return params_; }
-  const torch::Tensor& param(const std::string& name) const;
   int64_t num_parameters() const;
   // Copies values in (strict: every name present, shapes equal); `source` names the origin in errors.
   void load_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& values, const std::string& source);

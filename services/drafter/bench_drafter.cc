@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <map>
+#include <set>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -12,6 +14,8 @@
 #include "core/train/trainer.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
+
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #ifdef DFLASH_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -42,8 +46,8 @@ void reset_peak(const torch::Device& d) {
 
 int cmd_bench_drafter(int argc, char** argv) {
   Flags f(argc, argv, {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab",
-                       "context", "anchors", "block-size", "docs", "repeats", "soft-labels", "peak-tflops"},
-          {"soft-labels"});
+                       "context", "anchors", "block-size", "docs", "repeats", "soft-labels", "peak-tflops", "profile"},
+          {"soft-labels", "profile"});
   auto device = model::parse_device(f.get("device", "cuda"));
   const int64_t H = f.get_int("hidden", 4096), V = f.get_int("vocab", 151936), ctx = f.get_int("context", 4096);
   const int64_t docs = f.get_int("docs", 1), repeats = f.get_int("repeats", 5);
@@ -128,6 +132,38 @@ int cmd_bench_drafter(int argc, char** argv) {
   const double attn = 4 * Q * Hq * D * (ctx / 2.0 + B);  // average visible keys
   const double flops = 3 * (L * (layer_q + layer_ctx + attn) + 2 * double(T) * K * H * H + 2 * N * (B - 1) * H * V);
   const double tflops = flops / med / 1e12;
+  // --profile: one more trainer step under the kineto profiler; the top entries by total time, for
+  // CPU ops and for device kernels separately (where the step's time goes).
+  nlohmann::json profile = nlohmann::json::object();
+  if (f.has("profile")) {
+    namespace pi = torch::profiler::impl;
+    namespace ap = torch::autograd::profiler;
+    const pi::ProfilerConfig pcfg(pi::ProfilerState::KINETO);
+    std::set<pi::ActivityType> acts{pi::ActivityType::CPU};
+    if (device.is_cuda()) acts.insert(pi::ActivityType::CUDA);
+    ap::prepareProfiler(pcfg, acts);
+    ap::enableProfiler(pcfg, acts);
+    trainer.micro_batch(mb);
+    trainer.step();
+    sync(device);
+    auto result = ap::disableProfiler();
+    std::map<std::string, std::pair<double, int64_t>> cpu_ops, kernels;
+    for (const auto& e : result->events()) {
+      auto& table = e.deviceType() == c10::DeviceType::CPU ? cpu_ops : kernels;
+      auto& slot = table[e.name().substr(0, 90)];
+      slot.first += e.durationNs() / 1e6;
+      slot.second += 1;
+    }
+    auto top = [](const std::map<std::string, std::pair<double, int64_t>>& t) {
+      std::vector<std::pair<double, std::string>> v;
+      for (const auto& [name, val] : t) v.emplace_back(val.first, name + " x" + std::to_string(val.second));
+      std::sort(v.rbegin(), v.rend());
+      nlohmann::json j = nlohmann::json::array();
+      for (size_t i = 0; i < v.size() && i < 25; ++i) j.push_back({{"ms", v[i].first}, {"name", v[i].second}});
+      return j;
+    };
+    profile = {{"cpu_ops_total_ms", top(cpu_ops)}, {"device_kernels_total_ms", top(kernels)}};
+  }
   nlohmann::json out = {{"bench", "drafter"},
                         {"device", f.get("device", "cuda")},
                         {"layers", cfg.num_layers},
@@ -141,7 +177,8 @@ int cmd_bench_drafter(int argc, char** argv) {
                         {"mfu", tflops / f.get_double("peak-tflops", 790.0)},
                         {"peak_gib", peak},
                         {"phases_s", {{"forward_loss", t_fwd}, {"forward_loss_backward", t_fwd_bwd},
-                                      {"fuse_context_fwd", t_ctx}, {"optimizer_step_approx", t_step}}}};
+                                      {"fuse_context_fwd", t_ctx}, {"optimizer_step_approx", t_step}}},
+                        {"profile", profile}};
   std::cout << out.dump(2) << std::endl;
   return kExitOk;
 }
