@@ -1,5 +1,7 @@
 #include "core/data/import.h"
 
+#include "core/io/jsonl.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <stdlib.h>
@@ -60,61 +62,11 @@ json ImportSummary::to_json() const {
 }
 
 ParsedDoc parse_token_line(const std::string& line, const std::string& where) {
-  json j;
-  try {
-    j = json::parse(line);
-  } catch (const json::exception& e) {
-    DFLASH_FAIL(DataError, where << ": not valid JSON: " << e.what());
-  }
-  DFLASH_CHECK(j.is_object(), DataError, where << ": line is not a JSON object");
-  auto ids = j.find("input_ids");
-  DFLASH_CHECK(ids != j.end() && ids->is_array(), DataError, where << ": missing array 'input_ids'");
-  DFLASH_CHECK(!ids->empty(), DataError, where << ": 'input_ids' is empty");
-
-  ParsedDoc doc;
-  doc.input_ids.reserve(ids->size());
-  for (size_t i = 0; i < ids->size(); ++i) {
-    const json& v = (*ids)[i];
-    DFLASH_CHECK(v.is_number_integer(), DataError,
-                 where << ": input_ids[" << i << "] is not an integer: " << v.dump());
-    const bool ok = v.is_number_unsigned()
-                        ? v.get<uint64_t>() <= uint64_t{std::numeric_limits<int32_t>::max()}
-                        : v.get<int64_t>() >= 0 && v.get<int64_t>() <= std::numeric_limits<int32_t>::max();
-    DFLASH_CHECK(ok, DataError, where << ": input_ids[" << i << "] = " << v.dump() << " is not a valid token id");
-    doc.input_ids.push_back(static_cast<int32_t>(v.get<int64_t>()));
-  }
-
-  auto mask = j.find("loss_mask");
-  auto labels = j.find("labels");
-  if (mask != j.end() && !mask->is_null()) {
-    DFLASH_CHECK(mask->is_array() && mask->size() == ids->size(), DataError,
-                 where << ": 'loss_mask' must be an array of the same length as 'input_ids' ("
-                       << ids->size() << ")");
-    doc.loss_mask.reserve(mask->size());
-    for (size_t i = 0; i < mask->size(); ++i) {
-      const json& v = (*mask)[i];
-      if (v.is_boolean()) {
-        doc.loss_mask.push_back(v.get<bool>() ? 1 : 0);
-        continue;
-      }
-      DFLASH_CHECK(v.is_number_integer() && (v.get<int64_t>() == 0 || v.get<int64_t>() == 1), DataError,
-                   where << ": loss_mask[" << i << "] must be 0 or 1, got " << v.dump());
-      doc.loss_mask.push_back(static_cast<uint8_t>(v.get<int64_t>()));
-    }
-  } else if (labels != j.end() && !labels->is_null()) {
-    DFLASH_CHECK(labels->is_array() && labels->size() == ids->size(), DataError,
-                 where << ": 'labels' must be an array of the same length as 'input_ids' ("
-                       << ids->size() << ")");
-    doc.loss_mask.reserve(labels->size());
-    for (size_t i = 0; i < labels->size(); ++i) {
-      const json& v = (*labels)[i];
-      DFLASH_CHECK(v.is_number_integer(), DataError,
-                   where << ": labels[" << i << "] is not an integer: " << v.dump());
-      doc.loss_mask.push_back(v.get<int64_t>() == -100 ? 0 : 1);
-    }
-  } else {
-    doc.loss_mask.assign(doc.input_ids.size(), 1);
-  }
+  // One parser for every token JSONL in the project (core/io/jsonl.h); the shard format always
+  // stores a mask, so a line without loss_mask/labels is all trainable.
+  io::TokenDoc d = io::parse_token_json_line(line, where);
+  ParsedDoc doc{std::move(d.input_ids), std::move(d.loss_mask)};
+  if (doc.loss_mask.empty()) doc.loss_mask.assign(doc.input_ids.size(), 1);
   return doc;
 }
 
