@@ -57,7 +57,8 @@ static void shuffle_in_place(std::vector<T>& v, Rng& rng) {
 
 // ------------------------------------------------------------------------------------ planning
 
-EpochPlan plan_epoch(const std::vector<uint32_t>& lengths, int64_t epoch, const PackingOptions& o) {
+EpochPlan plan_epoch(const std::vector<uint32_t>& lengths, int64_t epoch, const PackingOptions& o,
+                     const std::vector<uint8_t>* exclude) {
   DFLASH_CHECK(o.token_budget > 0 && o.max_batch_size > 0 && o.max_seq_len > 0, ConfigError,
                "packing: token_budget, max_batch_size and max_seq_len must be positive (got "
                    << o.token_budget << ", " << o.max_batch_size << ", " << o.max_seq_len << ")");
@@ -65,6 +66,8 @@ EpochPlan plan_epoch(const std::vector<uint32_t>& lengths, int64_t epoch, const 
                "packing: max_seq_len (" << o.max_seq_len << ") must not exceed token_budget ("
                                         << o.token_budget << "): a full-length sample would fit no batch");
   DFLASH_CHECK(epoch >= 0, ConfigError, "packing: epoch must be >= 0, got " << epoch);
+  DFLASH_CHECK(!exclude || exclude->size() == lengths.size(), ConfigError,
+               "packing: exclusion set has " << (exclude ? exclude->size() : 0) << " flags for " << lengths.size() << " samples");
 
   EpochPlan plan;
   Rng rng(o.seed, static_cast<uint64_t>(epoch));
@@ -82,6 +85,7 @@ EpochPlan plan_epoch(const std::vector<uint32_t>& lengths, int64_t epoch, const 
   std::vector<Item> items;
   items.reserve(order.size());
   for (uint64_t id : order) {
+    if (exclude && (*exclude)[id]) continue;
     int64_t len = lengths[id];
     if (len == 0) {
       ++plan.dropped;

@@ -65,8 +65,11 @@ struct EpochPlan {
 };
 
 // Throws ConfigError (exit 2) for non-positive limits or max_seq_len > token_budget.
+// `exclude` (optional, one flag per sample id): samples already consumed earlier in this epoch
+// (a re-plan after the packing settings changed mid-epoch). They are removed right after the
+// shuffle, so the remaining samples keep their shuffled order; they are not counted as dropped.
 EpochPlan plan_epoch(const std::vector<uint32_t>& lengths_by_sample_id, int64_t epoch,
-                     const PackingOptions& options);
+                     const PackingOptions& options, const std::vector<uint8_t>* exclude = nullptr);
 
 // Splits a plan over n_consumers (drafters), round-robin: batch i goes to consumer i % n, for the
 // first floor(B / n) * n batches, so every consumer gets exactly floor(B / n) batches (the
