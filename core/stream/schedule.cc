@@ -79,6 +79,13 @@ std::vector<uint64_t> RunSchedule::step_samples(int64_t step) const {
   return ids;
 }
 
+int64_t RunSchedule::lr_schedule_steps() const {
+  DFLASH_CHECK(gens_.size() == 1, ConfigError, "schedule: the learning-rate schedule length is defined by generation 0 alone");
+  int64_t per_drafter = 0;
+  for (const auto& sg : segments_) per_drafter += sg.assignment.batches / shape_.drafters;
+  return per_drafter / shape_.grad_accum;
+}
+
 std::vector<int64_t> RunSchedule::target_counters(int64_t start_step, int target) const {
   DFLASH_CHECK(target >= 0 && target < shape_.targets, ConfigError,
                "schedule: target rank " << target << " outside [0, " << shape_.targets << ")");

@@ -75,6 +75,12 @@ class RunSchedule {
   int64_t launch_micro_batches(int64_t start_step) const { return (total_steps_ - start_step) * shape_.grad_accum; }
   std::vector<int64_t> target_counters(int64_t start_step, int target) const;
 
+  // Length of the learning-rate / noise schedule as `dflash train` computes it (batches per drafter
+  // over all epochs / grad_accum, before the per-epoch cut to whole steps). Defined on a schedule of
+  // ONE generation: the coordinator fixes it at run start and keeps it through packing changes, so
+  // an OOM never changes the learning-rate schedule (ConfigError otherwise).
+  int64_t lr_schedule_steps() const;
+
  private:
   PipelineShape shape_;
   std::vector<Generation> gens_;

@@ -5,6 +5,8 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <signal.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -21,7 +23,9 @@
 #include "core/metrics/metrics.h"
 #include "core/stream/assignment.h"
 #include "core/stream/packed_batch.h"
+#include "core/stream/schedule.h"
 #include "core/stream/shm_transport.h"
+#include "services/common/control_client.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
@@ -65,6 +69,36 @@ inline data::PackingOptions packing_options(const config::RunConfig& c) {
 
 inline stream::PipelineShape pipeline_shape(const config::RunConfig& c) {
   return {c.num_targets(), c.num_drafters(), c.train.grad_accum};
+}
+
+// The run schedule of a launch plan: the config's packing with each generation's limits.
+inline stream::RunSchedule build_schedule(const config::RunConfig& c, const std::vector<uint32_t>& lengths,
+                                          const control::LaunchPlan& plan) {
+  std::vector<stream::Generation> gens;
+  for (const auto& g : plan.generations) {
+    stream::Generation x{g.start_step, packing_options(c)};
+    x.packing.token_budget = g.token_budget;
+    x.packing.max_batch_size = g.max_batch_size;
+    gens.push_back(x);
+  }
+  return stream::RunSchedule::build(lengths, c.run.epochs, pipeline_shape(c), std::move(gens));
+}
+
+// Fault injection (tests only; resilience.fault_injection reaches workers through the coordinator's
+// assignment). crash: SIGKILL (nothing is reported, like a real crash); hang: SIGSTOP (heartbeats
+// stop too); oom: an OomError (exit 3, reported) thrown where a CUDA OOM would surface.
+inline void inject_fault(const control::FaultSpecWire& f, const std::string& where) {
+  switch (f.kind) {
+    case config::FaultKind::kOom:
+      throw OomError(where + ": CUDA out of memory (injected by resilience.fault_injection)");
+    case config::FaultKind::kHang:
+      LOG_WARN(where << ": hanging (injected by resilience.fault_injection)");
+      ::raise(SIGSTOP);
+      return;
+    default:
+      LOG_WARN(where << ": crashing (injected by resilience.fault_injection)");
+      ::raise(SIGKILL);
+  }
 }
 
 // --run-id N when given, else a hash of (run.name, run.output_dir): every process of one run

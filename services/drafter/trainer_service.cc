@@ -234,18 +234,19 @@ train::MicroBatch make_micro_batch(const stream::PackedBatchView& v, torch::Devi
 
 }  // namespace
 
-TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainServiceOptions& opt) {
+TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainServiceOptions& opt,
+                                     const control::LaunchPlan& plan, control::ControlClient* client) {
   const auto t_start = Clock::now();
   const auto shape = pipeline::pipeline_shape(cfg);
   const int N = shape.targets, M = shape.drafters, rank = opt.rank;
   DFLASH_CHECK(rank >= 0 && rank < M, ConfigError, "--rank " << rank << " outside [0, " << M << "): the config has " << M << " drafter trainers");
   const fs::path out = cfg.run.output_dir;
   const fs::path ckpt_root = out / "checkpoints";
-  if (cfg.run.resume != "never") {
+  if (!plan.from_coordinator && cfg.run.resume != "never") {
     const std::string found = cfg.run.resume == "auto" ? train::latest_valid_checkpoint(ckpt_root.string()) : cfg.run.resume;
     DFLASH_CHECK(found.empty(), ConfigError,
-                 "run.resume: resuming a distributed run (from " << found << ") is not supported until the coordinator keeps a "
-                 "run ledger (issue 5); use a fresh run.output_dir or run.resume: never");
+                 "run.resume: a distributed run resumes through its coordinator's ledger (`dflash run CONFIG --resume latest`); "
+                 "started by hand it must start fresh (found " << found << "): use a fresh run.output_dir or run.resume: never");
   }
 
   auto registry = std::make_shared<metrics::Registry>();
@@ -311,7 +312,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   co.rank = rank;
   co.world_size = M;
   co.store_host = opt.store_host;
-  co.store_port = opt.store_port;
+  co.store_port = plan.store_port > 0 ? plan.store_port : opt.store_port;
   co.timeout = ms_of(opt.collective_timeout_s);
   auto coll = train::make_collectives(co);
   // Failing (unwinding through here): give our segments back now, sweep those of dead peers, and
@@ -341,18 +342,30 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
 
   auto shards = data::ShardReader::open(cfg.data.shard_dir);
-  const auto asg = stream::assign_run(shards.lengths(), cfg.run.epochs, pipeline::packing_options(cfg), shape);
-  // Schedule length as local_train computes it (batches per drafter over all epochs / grad_accum);
-  // the steps actually run drop each epoch's tail that does not fill a whole step.
-  int64_t rr_total = 0;
-  for (const auto& a : asg.epochs) rr_total += a.batches / M;
+  const auto sched = pipeline::build_schedule(cfg, shards.lengths(), plan);
+  // Learning-rate schedule length as local_train computes it; fixed by the coordinator at run start
+  // (packing changes never change it). The steps actually run drop each epoch's tail that does not
+  // fill a whole step.
   const int64_t accum = cfg.train.grad_accum;
-  const int64_t schedule_steps = rr_total / accum, total_steps = asg.total_steps();
+  const int64_t schedule_steps = plan.schedule_steps >= 0 ? plan.schedule_steps : sched.lr_schedule_steps();
+  const int64_t total_steps = sched.total_steps(), start_step = plan.start_step;
   DFLASH_CHECK(total_steps > 0, ConfigError,
-               "the data gives " << rr_total << " batches per drafter, fewer than train.grad_accum=" << accum << ": nothing to train");
+               "the data gives fewer batches per drafter than train.grad_accum=" << accum << ": nothing to train");
+  DFLASH_CHECK(start_step >= 0 && start_step <= total_steps, ConfigError,
+               "the launch starts at step " << start_step << " outside the schedule's [0, " << total_steps << "]");
 
   auto to = trainer_options_from_run(cfg, schedule_steps, compute);
   train::Trainer trainer(drafter, frozen, to, &tcoll);
+  if (!plan.resume_checkpoint.empty()) {
+    // Every rank loads the committed checkpoint (the drafter state is replicated: any rank count).
+    auto ck = train::load_checkpoint(plan.resume_checkpoint, &drafter, &trainer.optimizer());
+    const int64_t at = ck.state.data_position.value("schedule_step", int64_t(-1));
+    DFLASH_CHECK(at == start_step, DataError,
+                 plan.resume_checkpoint << ": data_position.schedule_step is " << at << " but the coordinator resumes at step "
+                                        << start_step);
+    LOG_INFO("drafter " << rank << ": resumed from " << plan.resume_checkpoint << " (schedule step " << at << ", optimizer step "
+                        << ck.state.optimizer_steps << ")");
+  }
 
   // 3. Replicas start identical (checked against rank 0's weights), and everyone learns the peers' pids.
   {
@@ -386,22 +399,29 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
     train::remove_stale_checkpoint_tmp(ckpt_root.string());
   }
   fs::create_directories(out / "pipeline");
-  std::ofstream steplog(out / "pipeline" / ("drafter-" + std::to_string(rank) + ".jsonl"), std::ios::trunc);
+  // A resumed launch appends: the log then holds the rolled-back steps too, the last record of a
+  // step is the one that counts (the ledger says which steps are committed).
+  std::ofstream steplog(out / "pipeline" / ("drafter-" + std::to_string(rank) + ".jsonl"),
+                        start_step > 0 ? std::ios::app : std::ios::trunc);
   std::ofstream metrics_log;
   if (rank == 0) metrics_log.open(out / "metrics.jsonl", std::ios::app);
   {
     json plan_line = {{"event", "plan"}, {"rank", rank}, {"drafters", M}, {"targets", N}, {"grad_accum", accum},
-                      {"total_steps", total_steps}, {"schedule_steps", schedule_steps}, {"initial_weight_hash", hex(h0)}};
+                      {"total_steps", total_steps}, {"schedule_steps", schedule_steps}, {"start_step", start_step},
+                      {"attempt", plan.attempt}, {"initial_weight_hash", hex(h0)}};
     json ep = json::array();
-    for (size_t e = 0; e < asg.epochs.size(); ++e) {
-      const auto& a = asg.epochs[e];
-      ep.push_back({{"epoch", e}, {"batches", a.batches}, {"per_drafter", a.per_drafter}, {"remainder_batches", a.remainder_batches},
-                    {"accum_cut_batches", a.accum_cut_batches}, {"dropped_samples", asg.plans[e].dropped},
-                    {"truncated_samples", asg.plans[e].truncated}});
-      // The batches nobody trains this epoch (round-robin remainder + cut to whole steps), by sample id.
+    for (const auto& sg : sched.segments()) {
+      const auto& a = sg.assignment;
+      ep.push_back({{"epoch", sg.epoch}, {"generation", sg.generation}, {"first_step", sg.first_step}, {"steps", sg.steps},
+                    {"batches", a.batches}, {"per_drafter", a.per_drafter}, {"remainder_batches", a.remainder_batches},
+                    {"accum_cut_batches", a.accum_cut_batches}, {"dropped_samples", sg.plan.dropped},
+                    {"truncated_samples", sg.plan.truncated}, {"excluded_samples", sg.excluded_samples}});
+      // The batches of the epoch nobody trains (round-robin remainder + cut to whole steps), by sample
+      // id. A segment cut short by a packing change leaves its rest to the next generation's re-plan.
       json unassigned = json::array();
-      for (int64_t i = a.per_drafter * M; i < a.batches; ++i)
-        for (auto id : asg.plans[e].batches[i].sample_ids) unassigned.push_back(id);
+      if (sg.steps == a.steps())
+        for (int64_t i = a.per_drafter * M; i < a.batches; ++i)
+        for (auto id : sg.plan.batches[i].sample_ids) unassigned.push_back(id);
       ep.back()["unassigned_sample_ids"] = unassigned;
     }
     plan_line["epochs"] = ep;
@@ -410,32 +430,62 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   }
 
   TrainServiceResult res;
-  auto checkpoint = [&](int64_t e, int64_t next_k) {
-    const std::string dir = (ckpt_root / train::checkpoint_dir_name(trainer.step_count())).string();
-    if (fs::exists(dir)) return;
+  // Checkpoints are named by schedule step (= optimizer steps unless a non-finite step was skipped);
+  // with a coordinator, the commit is recorded in its ledger before training goes on.
+  auto checkpoint = [&](int64_t e, int64_t steps_done) {
+    const std::string dir = (ckpt_root / train::checkpoint_dir_name(steps_done)).string();
+    if (fs::exists(dir)) {
+      // Only a checkpoint a resumed launch started from can already exist here.
+      DFLASH_CHECK(fs::path(dir) == fs::path(plan.resume_checkpoint) || !client, ConfigError,
+                   dir << " exists but is not the checkpoint this launch resumed from");
+      return;
+    }
     train::CheckpointState st;
-    st.step = trainer.step_count();
+    st.step = steps_done;
     st.optimizer_steps = trainer.optimizer().steps();
-    st.data_position = {{"epoch", e}, {"micro_batch", next_k}, {"drafters", M}, {"targets", N}};
+    st.data_position = {{"schedule_step", steps_done}, {"epoch", e}, {"drafters", M}, {"targets", N},
+                        {"generations", static_cast<int64_t>(plan.generations.size())}};
     st.seed = to.seed;
     st.scheduler = {{"lr", to.schedule.lr}, {"warmup_ratio", to.schedule.warmup_ratio}, {"total_steps", schedule_steps}};
     train::save_checkpoint(dir, drafter, trainer.optimizer(), st);
+    if (client) client->commit_checkpoint(steps_done, dir, st.optimizer_steps);
     train::apply_retention(ckpt_root.string(), cfg.run.keep_last, cfg.run.keep_every);
     res.last_checkpoint = dir;
+    if (const auto* f = plan.fault_at(config::Role::kDrafter, rank, steps_done);
+        f && f->kind == config::FaultKind::kCorruptCheckpoint) {
+      // Flip one byte in the middle of the weights, then die: the restart must skip this one.
+      const auto w = fs::path(dir) / "drafter.safetensors";
+      std::fstream fw(w, std::ios::in | std::ios::out | std::ios::binary);
+      fw.seekg(static_cast<std::streamoff>(fs::file_size(w) / 2));
+      char b = 0;
+      fw.read(&b, 1);
+      fw.seekp(static_cast<std::streamoff>(fs::file_size(w) / 2));
+      b = static_cast<char>(~b);
+      fw.write(&b, 1);
+      fw.close();
+      LOG_WARN("drafter " << rank << ": corrupted " << w << " (injected), crashing");
+      ::raise(SIGKILL);
+    }
   };
 
-  // 4. The loop: micro-batch k of drafter `rank` is batch k*M + rank, from target k mod N.
+  if (client) client->set_on_lost([names = segment_names] {
+    for (const auto& n : names) ::shm_unlink(n.c_str());
+  });
+
+  // 4. The loop over the schedule from the launch's start step: this drafter's c-th micro-batch of
+  //    the launch comes from target c mod N (core/stream/schedule.h).
   const auto t_loop = Clock::now();
   std::vector<uint64_t> step_samples;
   std::vector<int64_t> step_batches;
   double wait_in_step = 0, train_in_step = 0;
   const bool want_h_last = cfg.train.soft_labels.enabled;
-  for (int64_t e = 0; e < static_cast<int64_t>(asg.epochs.size()); ++e) {
-    const auto& a = asg.epochs[e];
-    const auto& plan = asg.plans[e];
-    for (int64_t k = 0; k < a.per_drafter; ++k) {
-      const int t = stream::EpochAssignment::target_of(k, N);
-      const int64_t i = a.batch_index(k, rank, M);
+  for (int64_t step = start_step; step < total_steps; ++step) {
+    for (int j = 0; j < accum; ++j) {
+      const int64_t c = (step - start_step) * accum + j;
+      const int t = static_cast<int>(c % N);
+      const auto ref = sched.micro_batch(step, rank, j);
+      const int64_t e = ref.segment->epoch, i = ref.batch_index;
+      const auto& batch = ref.batch();
       const std::string where = "drafter " + std::to_string(rank) + ": batch " + std::to_string(i) + " of epoch " + std::to_string(e) +
                                 " from target " + std::to_string(t) + " (" + links[t]->name() + ")";
       const auto t0 = Clock::now();
@@ -450,7 +500,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
       DFLASH_CHECK(rb.has_value(), TransportError, where << ": the target closed its link before sending it");
       const auto t1 = Clock::now();
       auto view = rb->view();
-      check_against_plan(view, opt.run_id, e, i, plan.batches[i], K, H, wire, where);
+      check_against_plan(view, opt.run_id, e, i, batch, K, H, wire, where);
       if (cfg.data.checksum && view.has_checksum()) met.checksums->inc(), ++res.checksums_verified;
       auto mb = make_micro_batch(view, device, want_h_last);
       const int64_t T = mb.input_ids_T.size(0);
@@ -474,7 +524,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
       res.wait_seconds += dw;
       met.tokens->inc(double(T));
       met.batches->inc();
-      met.samples->inc(double(plan.batches[i].sample_ids.size()));
+      met.samples->inc(double(batch.sample_ids.size()));
       met.bytes->inc(double(bytes));
       uint32_t ready, free_slots;
       link_totals(&ready, &free_slots);
@@ -483,19 +533,20 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
       prof.set_inflight(ready);
       res.micro_batches += 1;
       res.tokens += T;
-      res.samples += static_cast<int64_t>(plan.batches[i].sample_ids.size());
-      step_samples.insert(step_samples.end(), plan.batches[i].sample_ids.begin(), plan.batches[i].sample_ids.end());
+      res.samples += static_cast<int64_t>(batch.sample_ids.size());
+      step_samples.insert(step_samples.end(), batch.sample_ids.begin(), batch.sample_ids.end());
       step_batches.push_back(i);
-      if ((k + 1) % accum != 0) continue;
+      if (j + 1 < accum) continue;
 
       // optimizer step (all-reduce inside)
       const auto ts = Clock::now();
       auto m = trainer.step();
+      const int64_t done = step + 1;  // schedule steps done
       const double step_s = pipeline::seconds_since(ts), ar_s = tcoll.take_seconds();
       met.step->observe(step_s - ar_s);
       prof.add_seconds(s_ar, ar_s);
       prof.add_seconds(s_step, step_s - ar_s);
-      const bool hash_now = opt.hash_every > 0 && (m.step % opt.hash_every == 0 || m.step == total_steps);
+      const bool hash_now = opt.hash_every > 0 && (done % opt.hash_every == 0 || done == total_steps);
       const std::string wh = hash_now ? hex(weight_hash(drafter)) : "";
       double acc = 0;
       for (size_t j = 1; j < m.acc_k.size(); ++j) acc += m.acc_k[j];
@@ -509,7 +560,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
       met.grad_norm->set(m.grad_norm);
       met.waiting->set(res.wait_seconds / std::max(loop_s, 1e-9));
       met.gpu.update(device);
-      res.steps = m.step;
+      res.steps = done;
       res.last_loss = m.loss;
       res.last_accept_len = m.accept_len;
       json line = {{"step", m.step}, {"epoch", e}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
@@ -527,13 +578,28 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
         metrics_log << ml.dump() << "\n";
         metrics_log.flush();
       }
-      if (m.step % 10 == 0 || m.step == total_steps)
+      if (done % 10 == 0 || done == total_steps)
         LOG_INFO("drafter " << rank << ": step " << m.step << "/" << total_steps << " epoch " << e << " loss " << m.loss << " tau "
                             << m.accept_len << " lr " << m.lr << " tok/s " << int(res.tokens / std::max(loop_s, 1e-9)) << " waiting "
                             << int(100 * res.wait_seconds / std::max(loop_s, 1e-9)) << "%");
-      if (rank == 0 && (m.step % cfg.run.save_interval_steps == 0 || m.step == total_steps)) {
+      if (client) {
+        control::ControlClient::StepInfo si;
+        si.rank = rank;
+        si.step = done;
+        si.optimizer_step = m.step;
+        si.epoch = static_cast<int>(e);
+        si.sample_ids = step_samples;
+        si.skipped_nonfinite = m.skipped_nonfinite;
+        si.loss = m.loss;
+        si.accept_len = m.accept_len;
+        si.tokens = m.tokens;
+        si.tokens_per_second = res.tokens / std::max(loop_s, 1e-9);
+        client->report_step(si);
+        client->set_progress(done, si.tokens_per_second, 0);
+      }
+      if (rank == 0 && (done % cfg.run.save_interval_steps == 0 || done == total_steps)) {
         const auto tc = Clock::now();
-        checkpoint(e, k + 1);
+        checkpoint(e, done);
         const double c = pipeline::seconds_since(tc);
         met.checkpoint->observe(c);
         prof.add_seconds(s_ckpt, c);
@@ -541,6 +607,8 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
       step_samples.clear();
       step_batches.clear();
       wait_in_step = train_in_step = 0;
+      if (const auto* f = plan.fault_at(config::Role::kDrafter, rank, done); f && f->kind != config::FaultKind::kCorruptCheckpoint)
+        pipeline::inject_fault(*f, "drafter " + std::to_string(rank) + " after step " + std::to_string(done));
     }
   }
   res.loop_seconds = pipeline::seconds_since(t_loop);
@@ -581,7 +649,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
 
 int cmd_train_service(int argc, char** argv) {
   Flags f(argc, argv, {"config", "rank", "device", "run-id", "store-host", "store-port", "metrics-port", "recv-timeout-s",
-                       "collective-timeout-s", "peer-grace-s", "hash-every"});
+                       "collective-timeout-s", "peer-grace-s", "hash-every", "coordinator", "attempt"});
   DFLASH_CHECK(f.positional().empty(), ConfigError,
                "usage: dflash-drafter train --config CFG --rank D [--device cpu|cuda] [--run-id ID] [--store-port P] [--metrics-port P]");
   auto cfg = config::load_config_or_throw(f.get("config"));
@@ -598,7 +666,18 @@ int cmd_train_service(int argc, char** argv) {
   o.hash_every = f.get_int("hash-every", 1);
   DFLASH_CHECK(o.recv_timeout_s > 0 && o.collective_timeout_s > 0 && o.peer_grace_s > 0, ConfigError,
                "--recv-timeout-s, --collective-timeout-s and --peer-grace-s must be > 0");
-  auto r = run_train_service(cfg, o);
+  std::unique_ptr<control::ControlClient> client;
+  if (f.has("coordinator"))
+    client = control::ControlClient::connect(control::ControlClient::options_from_env(
+        f.get("coordinator"), config::Role::kDrafter, o.rank, static_cast<int>(f.get_int("attempt", 0)), o.metrics_port,
+        cfg.coordinator.heartbeat_timeout_s));
+  const auto plan = client ? client->plan() : control::LaunchPlan::standalone(cfg, o.run_id);
+  if (client) o.run_id = plan.run_id;
+  TrainServiceResult r;
+  control::report_failures(client.get(), [&] {
+    r = run_train_service(cfg, o, plan, client.get());
+    return 0;
+  });
   std::cout << json{{"role", "drafter"}, {"rank", o.rank}, {"steps", r.steps}, {"micro_batches", r.micro_batches},
                     {"tokens", r.tokens}, {"samples", r.samples}, {"checksums_verified", r.checksums_verified},
                     {"loss", r.last_loss}, {"accept_len", r.last_accept_len}, {"seconds", r.seconds},

@@ -28,13 +28,17 @@
 // (exit 1) naming the link; a peer drafter that dies while this one waits in a collective for more
 // than --peer-grace-s -> exit 1 from a watchdog (which unlinks this rank's segments first); a
 // batch that does not match the plan or fails its checksum -> DataError (exit 4).
-// Resuming a distributed run needs the coordinator's ledger (issue 5), so for now a
-// config asking to resume from an existing checkpoint is refused (ConfigError).
+// Launch plan: with `--coordinator ADDR` (started by `dflash run`), the coordinator's assignment gives
+// the schedule generations, the start step and the checkpoint to resume from; rank 0 reports every
+// checkpoint commit and every rank its steps' sample ids (services/common/control_client.h). Started
+// by hand, the plan is LaunchPlan::standalone (one generation, step 0) and a config asking to resume
+// from an existing checkpoint is refused (ConfigError): resume goes through the ledger.
 #pragma once
 #include <cstdint>
 #include <string>
 
 #include "core/config/config.h"
+#include "services/common/control_client.h"
 
 namespace dflash::drafter {
 
@@ -57,7 +61,8 @@ struct TrainServiceResult {
   std::string last_checkpoint, export_dir;
 };
 
-TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainServiceOptions& opt);
+TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainServiceOptions& opt,
+                                     const control::LaunchPlan& plan, control::ControlClient* client);
 
 int cmd_train_service(int argc, char** argv);  // args after "dflash-drafter train"
 

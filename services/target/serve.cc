@@ -66,7 +66,8 @@ struct TargetMetrics {
 
 }  // namespace
 
-ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt) {
+ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, const control::LaunchPlan& plan,
+                       control::ControlClient* client) {
   const auto t_start = Clock::now();
   const auto shape = pipeline::pipeline_shape(cfg);
   const int N = shape.targets, M = shape.drafters, rank = opt.rank;
@@ -141,9 +142,13 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt) {
     for (auto& l : links) pins.push_back(std::make_unique<HostRegistration>(l->base(), l->mapped_bytes()));
 #endif
 
-  // 3. The plan: the same on every process.
+  // 3. The schedule: the same on every process (core/stream/schedule.h).
   auto shards = data::ShardReader::open(cfg.data.shard_dir);
-  const auto asg = stream::assign_run(shards.lengths(), cfg.run.epochs, pipeline::packing_options(cfg), shape);
+  const auto sched = pipeline::build_schedule(cfg, shards.lengths(), plan);
+  const int64_t start_step = plan.start_step, A = cfg.train.grad_accum;
+  DFLASH_CHECK(start_step >= 0 && start_step <= sched.total_steps(), ConfigError,
+               "the launch starts at step " << start_step << " outside the schedule's [0, " << sched.total_steps() << "]");
+  const auto counters = sched.target_counters(start_step, rank);
 
   // 4. Warm-up at the largest shape the packing allows (documents of max_seq_len up to the token
   //    budget), into the capture buffers reused by every batch.
@@ -170,10 +175,9 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt) {
 #endif
     LOG_INFO("warm-up forward at T=" << t_max << " (" << lens.size() << " documents) in " << pipeline::seconds_since(tw) << " s");
   }
-  int64_t assigned = 0;
-  for (const auto& a : asg.epochs) assigned += static_cast<int64_t>(stream::target_ks(a, rank, N).size()) * M;
-  LOG_INFO("target " << rank << "/" << N << ": " << assigned << " batches to send over " << cfg.run.epochs
-                     << " epochs to " << M << " drafters; K=" << K << " H=" << H << " dtype " << stream::dtype_name(wire)
+  const int64_t assigned = static_cast<int64_t>(counters.size()) * M;
+  LOG_INFO("target " << rank << "/" << N << ": " << assigned << " batches to send from step " << start_step << " of "
+                     << sched.total_steps() << " to " << M << " drafters; K=" << K << " H=" << H << " dtype " << stream::dtype_name(wire)
                      << (spec.last_hidden ? " +h_last" : "") << (cfg.data.checksum ? " +checksum" : ""));
 
   // 5. The loop.
@@ -184,13 +188,27 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt) {
   std::vector<stream::DocSpec> docs;
   std::vector<data::SampleView> samples;
   torch::NoGradGuard ng;
-  for (int64_t e = 0; e < static_cast<int64_t>(asg.epochs.size()); ++e) {
-    const auto& a = asg.epochs[e];
-    const auto& plan = asg.plans[e];
-    for (int64_t k : stream::target_ks(a, rank, N)) {
+  if (client) client->set_on_lost([prefix = pipeline::run_segment_prefix(opt.run_id)] {
+    try {
+      stream::remove_stale_segments(prefix);
+    } catch (...) {
+    }
+  });
+  bool fault_fired = false;
+  {
+    for (int64_t c : counters) {
+      const int64_t step = start_step + c / A;  // 0-based schedule step of micro-batch counter c
+      if (!fault_fired)
+        for (const auto& f : plan.faults)
+          if (f.role == config::Role::kTarget && f.rank == rank && step + 1 >= f.step) {
+            fault_fired = true;
+            pipeline::inject_fault(f, "target " + std::to_string(rank) + " at step " + std::to_string(step + 1));
+          }
+      if (client) client->set_progress(step, sum.tokens / std::max(pipeline::seconds_since(t_start), 1e-9), 0);
       for (int d = 0; d < M; ++d) {
-        const int64_t i = a.batch_index(k, d, M);
-        const auto& b = plan.batches[i];
+        const auto ref = sched.micro_batch(step, d, static_cast<int>(c % A));
+        const int64_t i = ref.batch_index, e = ref.segment->epoch;
+        const auto& b = ref.batch();
         // read
         auto t0 = Clock::now();
         ids_host.clear();
@@ -301,7 +319,8 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt) {
 }
 
 int cmd_serve(int argc, char** argv) {
-  Flags f(argc, argv, {"config", "rank", "device", "run-id", "metrics-port", "attach-timeout-s", "send-timeout-s"});
+  Flags f(argc, argv, {"config", "rank", "device", "run-id", "metrics-port", "attach-timeout-s", "send-timeout-s", "coordinator",
+                       "attempt"});
   DFLASH_CHECK(f.positional().empty(), ConfigError,
                "usage: dflash-target serve --config CFG --rank R [--device cpu|cuda] [--run-id ID] [--metrics-port P]");
   auto cfg = config::load_config_or_throw(f.get("config"));
@@ -313,7 +332,18 @@ int cmd_serve(int argc, char** argv) {
   o.attach_timeout_s = f.get_double("attach-timeout-s", 300);
   o.send_timeout_s = f.get_double("send-timeout-s", 600);
   DFLASH_CHECK(o.attach_timeout_s > 0 && o.send_timeout_s > 0, ConfigError, "--attach-timeout-s and --send-timeout-s must be > 0");
-  auto s = run_serve(cfg, o);
+  std::unique_ptr<control::ControlClient> client;
+  if (f.has("coordinator"))
+    client = control::ControlClient::connect(control::ControlClient::options_from_env(
+        f.get("coordinator"), config::Role::kTarget, o.rank, static_cast<int>(f.get_int("attempt", 0)), o.metrics_port,
+        cfg.coordinator.heartbeat_timeout_s));
+  const auto plan = client ? client->plan() : control::LaunchPlan::standalone(cfg, o.run_id);
+  if (client) o.run_id = plan.run_id;
+  ServeSummary s;
+  control::report_failures(client.get(), [&] {
+    s = run_serve(cfg, o, plan, client.get());
+    return 0;
+  });
   std::cout << nlohmann::json{{"role", "target"}, {"rank", o.rank}, {"batches", s.batches}, {"tokens", s.tokens},
                               {"bytes", s.bytes}, {"seconds", s.seconds}, {"wait_seconds", s.wait_seconds},
                               {"tokens_per_s", s.tokens / std::max(s.seconds, 1e-9)}}

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "core/config/config.h"
+#include "services/common/control_client.h"
 
 namespace dflash::target {
 
@@ -35,7 +36,10 @@ struct ServeSummary {
   double seconds = 0, wait_seconds = 0;
 };
 
-ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt);
+// `plan`: the coordinator's launch plan (schedule generations, start step, faults), or
+// LaunchPlan::standalone when started by hand; `client` (may be null) gets progress heartbeats.
+ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, const control::LaunchPlan& plan,
+                       control::ControlClient* client);
 
 int cmd_serve(int argc, char** argv);  // args after "dflash-target serve"
 

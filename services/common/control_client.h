@@ -1,0 +1,124 @@
+// The worker side of the control plane (proto/control.proto): what dflash-target serve and
+// dflash-drafter train do when a coordinator started them (`--coordinator HOST:PORT`, token in the
+// environment variable DFLASH_CONTROL_TOKEN, never on the command line).
+//
+//   - connect(): Register, then GetAssignment (the launch plan: schedule generations, start step,
+//     checkpoint to resume, faults to inject). Fails with TransportError naming the address when the
+//     coordinator cannot be reached within `connect_timeout_s`, ConfigError when it refuses the token.
+//   - A heartbeat thread (every `heartbeat_interval_s`) reports progress and receives control
+//     requests (stop / checkpoint), exposed as atomic flags. When the coordinator has not answered
+//     for `lost_after_s` (it died), the worker cannot commit anything any more: the thread logs it,
+//     runs the `on_lost` hook (unlink shared memory, ...) and exits the process with code 1, so no
+//     orphan keeps GPUs busy. `dflash run --resume latest` restarts the run from the ledger.
+//   - report_step / commit_checkpoint / report_failure: synchronous calls with a deadline; a failure
+//     of report_step or commit_checkpoint throws TransportError (a commit the coordinator did not
+//     record did not happen).
+// Without a coordinator (manual runs, tests of the data plane) workers use LaunchPlan::standalone.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/config/config.h"
+
+namespace dflash::control {
+
+struct GenerationSpec {
+  int64_t start_step = 0;
+  int64_t token_budget = 0;
+  int64_t max_batch_size = 0;
+};
+
+struct FaultSpecWire {
+  config::FaultKind kind = config::FaultKind::kCrash;
+  config::Role role = config::Role::kDrafter;
+  int rank = 0;
+  int64_t step = 0;
+};
+
+struct LaunchPlan {
+  uint64_t run_id = 0;
+  int attempt = 0;
+  int64_t start_step = 0;
+  int64_t schedule_steps = -1;        // -1: compute from generation 0 (standalone)
+  std::vector<GenerationSpec> generations;
+  std::string resume_checkpoint;
+  std::vector<FaultSpecWire> faults;
+  int store_port = 0;                 // 0: the worker's --store-port
+  bool from_coordinator = false;
+
+  // One generation from the config's packing settings, start 0, no resume.
+  static LaunchPlan standalone(const config::RunConfig& cfg, uint64_t run_id);
+  // The fault of `role`/`rank` to inject at schedule step `step` (1-based, after that step), if any.
+  const FaultSpecWire* fault_at(config::Role role, int rank, int64_t step) const;
+};
+
+struct ClientOptions {
+  std::string address;                // HOST:PORT
+  std::string token;
+  config::Role role = config::Role::kDrafter;
+  int rank = 0;
+  int attempt = 0;
+  int metrics_port = -1;
+  double connect_timeout_s = 60;
+  double heartbeat_interval_s = 1.0;
+  double lost_after_s = 10.0;
+  double call_timeout_s = 30.0;
+};
+
+class ControlClient {
+ public:
+  ~ControlClient();
+  // Registers and fetches the assignment (see above).
+  static std::unique_ptr<ControlClient> connect(const ClientOptions& o);
+  // Token from DFLASH_CONTROL_TOKEN; empty address -> nullptr (no coordinator).
+  static ClientOptions options_from_env(const std::string& address, config::Role role, int rank, int attempt, int metrics_port,
+                                        double heartbeat_timeout_s);
+
+  const LaunchPlan& plan() const { return plan_; }
+  int64_t worker_id() const { return worker_id_; }
+
+  void set_progress(int64_t step, double tokens_per_second, int64_t gpu_memory_bytes);
+  bool stop_requested() const { return stop_.load(); }
+  bool checkpoint_requested() const { return checkpoint_.load(); }
+  void clear_checkpoint_request() { checkpoint_.store(false); }
+  // Called (from the heartbeat thread) just before the process exits because the coordinator is lost.
+  void set_on_lost(std::function<void()> f);
+
+  struct StepInfo {
+    int rank = 0;
+    int64_t step = 0, optimizer_step = 0, tokens = 0;
+    int epoch = 0;
+    std::vector<uint64_t> sample_ids;
+    bool skipped_nonfinite = false;
+    double loss = 0, accept_len = 0, tokens_per_second = 0;
+  };
+  void report_step(const StepInfo& s);
+  void commit_checkpoint(int64_t step, const std::string& dir, int64_t optimizer_step);
+  // Best effort (the worker is failing): never throws.
+  void report_failure(int exit_code, const std::string& kind, const std::string& message, int64_t step) noexcept;
+
+ private:
+  struct Impl;
+  ControlClient() = default;
+  void heartbeat_loop();
+  std::unique_ptr<Impl> impl_;
+  ClientOptions opt_;
+  LaunchPlan plan_;
+  int64_t worker_id_ = -1;
+  std::atomic<int64_t> step_{0}, mem_{0};
+  std::atomic<double> tps_{0};
+  std::atomic<bool> stop_{false}, checkpoint_{false}, quit_{false};
+  std::function<void()> on_lost_;
+  std::thread hb_;
+};
+
+// Runs `body`; on an exception reports it to the coordinator (when `client` is non-null) with the
+// exit code exit_code_for(e), then rethrows. Used by the worker mains.
+int report_failures(ControlClient* client, const std::function<int()>& body);
+
+}  // namespace dflash::control
