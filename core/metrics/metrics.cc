@@ -24,7 +24,7 @@ namespace dflash::metrics {
 
 const std::vector<std::string> kUnits = {"seconds", "bytes",  "ratio",  "percent", "tokens",
                                          "batches", "samples", "steps", "slots",   "credits",
-                                         "nats",    "celsius", "watts", "hertz",   "value", "info"};
+                                         "nats",    "celsius", "watts", "hertz",   "value", "info", "workers"};
 
 namespace {
 

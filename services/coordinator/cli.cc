@@ -8,6 +8,7 @@
 #include "core/util/log.h"
 #include "services/coordinator/config_check_cmd.h"
 #include "services/coordinator/data_cmd.h"
+#include "services/coordinator/run_cmd.h"
 #include "services/drafter/eval_cmd.h"
 #include "services/drafter/export_cmd.h"
 #include "services/drafter/bench_drafter.h"
@@ -19,6 +20,11 @@ namespace {
 
 const char* kUsage =
     "usage: dflash <command> ...\n"
+    "  run CONFIG [--resume latest|DIR] [--plan] [--device cpu|cuda]\n"
+    "                           the coordinator: plan, launch every target server and drafter trainer,\n"
+    "                           supervise (restarts, OOM response), ledger, checkpoints; exit 0 when done\n"
+    "  status [--config CONFIG | --run-dir DIR | --coordinator ADDR] [--json]   workers, steps, restarts\n"
+    "  stop | checkpoint [--config CONFIG | --run-dir DIR | --coordinator ADDR] graceful stop / commit now\n"
     "  config check FILE        validate a run config; prints every problem; exit 2 on any\n"
     "  train CONFIG [--device cpu|cuda] [--max-steps N] [--export DIR]\n"
     "                           a whole training run in one process (capture + train + checkpoints + export)\n"
@@ -50,6 +56,9 @@ int run_cli(int argc, char** argv) {
     if (is(cmd, "export")) return cmd_export(argc - 2, argv + 2);
     if (is(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
     if (is(cmd, "train")) return drafter::cmd_train(argc - 2, argv + 2);
+    if (is(cmd, "run")) return coordinator::cmd_run(argc - 2, argv + 2);
+    if (is(cmd, "status")) return coordinator::cmd_status(argc - 2, argv + 2);
+    if (is(cmd, "stop") || is(cmd, "checkpoint")) return coordinator::cmd_control(cmd, argc - 2, argv + 2);
     if (is(cmd, "bench") && is(sub, "target")) return target::cmd_bench_target(argc - 3, argv + 3);
     if (is(cmd, "bench") && is(sub, "drafter")) return drafter::cmd_bench_drafter(argc - 3, argv + 3);
     std::cerr << "unknown command: " << cmd << (sub ? std::string(" ") + sub : "") << "\n" << kUsage;

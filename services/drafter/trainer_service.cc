@@ -479,7 +479,20 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   std::vector<int64_t> step_batches;
   double wait_in_step = 0, train_in_step = 0;
   const bool want_h_last = cfg.train.soft_labels.enabled;
-  for (int64_t step = start_step; step < total_steps; ++step) {
+  // Control requests (`dflash stop`, `dflash checkpoint`) reach every rank through heartbeats at
+  // different times; one tiny all-reduce per step makes every rank act after the same step.
+  auto agreed_flags = [&]() -> int {
+    if (!client) return 0;
+    const int mine = (client->stop_requested() ? 1 : 0) | (client->checkpoint_requested() ? 2 : 0);
+    if (M == 1) return mine;
+    std::vector<torch::Tensor> v{torch::tensor({double(mine & 1), double(mine >> 1)}, torch::TensorOptions().dtype(torch::kFloat32))
+                                     .to(device)};
+    tcoll.all_reduce_sum(v);
+    auto h = v[0].cpu();
+    return (h[0].item<float>() > 0 ? 1 : 0) | (h[1].item<float>() > 0 ? 2 : 0);
+  };
+  bool stopped = false;
+  for (int64_t step = start_step; step < total_steps && !stopped; ++step) {
     for (int j = 0; j < accum; ++j) {
       const int64_t c = (step - start_step) * accum + j;
       const int t = static_cast<int>(c % N);
@@ -597,7 +610,13 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
         client->report_step(si);
         client->set_progress(done, si.tokens_per_second, 0);
       }
-      if (rank == 0 && (done % cfg.run.save_interval_steps == 0 || done == total_steps)) {
+      const int flags = agreed_flags();
+      if (flags & 1) {
+        stopped = true;
+        LOG_INFO("drafter " << rank << ": stopping after step " << done << " (requested through the coordinator)");
+      }
+      if (flags & 2) client->clear_checkpoint_request();
+      if (rank == 0 && (done % cfg.run.save_interval_steps == 0 || done == total_steps || flags != 0)) {
         const auto tc = Clock::now();
         checkpoint(e, done);
         const double c = pipeline::seconds_since(tc);
@@ -614,7 +633,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   res.loop_seconds = pipeline::seconds_since(t_loop);
 
   // 5. Every link must now end cleanly: the targets sent exactly what the plan assigned.
-  for (int t = 0; t < N; ++t) {
+  for (int t = 0; t < N && !stopped; ++t) {
     std::optional<stream::ReceivedBatch> extra;
     try {
       extra = links[t]->receive(ms_of(opt.recv_timeout_s));
@@ -625,7 +644,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
     DFLASH_CHECK(!extra.has_value(), DataError,
                  "drafter " << rank << ": target " << t << " sent a batch beyond the plan (batch " << extra->view().header().batch_id << ")");
   }
-  if (rank == 0) {
+  if (rank == 0 && !stopped) {
     res.export_dir = (out / "export").string();
     if (fs::exists(res.export_dir)) fs::remove_all(res.export_dir);
     train::export_hf(drafter, res.export_dir, device.is_cuda() ? torch::kBFloat16 : torch::kFloat32);

@@ -1,0 +1,91 @@
+// The run ledger (DESIGN.md "The data path" step 4): an append-only JSON-lines file
+// <run.output_dir>/ledger.jsonl, the coordinator's crash-safe memory of the run. Every record is
+// written with one write(2) and fsync'ed before the call returns, so after a crash the file is a
+// prefix of what was appended, possibly with a torn last line, which open() drops (warned) and
+// truncates away.
+//
+// Records ("type"):
+//   run         first record: config hash, lr schedule length, generation 0 packing, shape
+//   launch      attempt N starts at schedule step S (from checkpoint DIR or fresh)
+//   step        drafter rank R finished schedule step S (1-based) with these sample ids (epoch,
+//               optimizer step, skipped_nonfinite, loss)
+//   checkpoint  rank 0 committed checkpoint DIR covering steps <= S: the commit point
+//   packing     packing generation G from step S (token_budget, max_batch_size) and why; a record
+//               with the start step of the current last generation replaces it
+//   restart     a worker failed (role, rank, reason, exit code) and the run restarts
+//   rollback    steps > S are discarded (the run restarts from the checkpoint at S); checkpoints
+//               above S (e.g. one that failed verification) are forgotten
+//   finished / stopped   the run ended (stopped: with a reason; resumable)
+//
+// Replaying gives LedgerState: what is committed, which generations exist, how often each role
+// restarted. Samples of steps after the last checkpoint are "pending": a restart rolls them back and
+// they are trained again, so each sample of an epoch is committed exactly once.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "services/common/control_client.h"
+
+namespace dflash::coordinator {
+
+struct LedgerCheckpoint {
+  int64_t step = 0;
+  int64_t optimizer_step = 0;
+  std::string dir;
+};
+
+struct LedgerStep {
+  int epoch = 0;
+  int64_t optimizer_step = 0;
+  bool skipped_nonfinite = false;
+  double loss = 0;
+  std::map<int, std::vector<uint64_t>> samples_by_rank;
+};
+
+struct LedgerState {
+  nlohmann::json run = nullptr;                       // the "run" record (null before it)
+  int64_t schedule_steps = 0;
+  std::vector<control::GenerationSpec> generations;
+  std::vector<LedgerCheckpoint> checkpoints;          // committed, in step order
+  std::map<int64_t, LedgerStep> steps;                // reported steps not rolled back
+  int attempts = 0;                                   // launches so far
+  std::map<std::string, int> restarts;                // role -> restarts
+  std::vector<nlohmann::json> restart_log;
+  std::vector<nlohmann::json> packing_log;
+  bool finished = false;
+  std::string stopped_reason;                         // last "stopped" record's reason ("" if none after the last launch)
+  int64_t records = 0;
+
+  int64_t committed_step() const { return checkpoints.empty() ? 0 : checkpoints.back().step; }
+};
+
+class Ledger {
+ public:
+  // Opens (creating it and its directory when missing) and replays `path`. A line that does not
+  // parse is accepted only as the torn last line (truncated, LOG_WARN); anywhere else -> DataError
+  // naming the file and line.
+  static Ledger open(const std::string& path);
+  Ledger(Ledger&&) noexcept;
+  Ledger& operator=(Ledger&&) noexcept;
+  ~Ledger();
+
+  // Adds "time" (unix seconds), writes the line, fsyncs, then applies it to state().
+  void append(nlohmann::json record);
+  const LedgerState& state() const { return state_; }
+  const std::string& path() const { return path_; }
+
+  // Applies one record to a state (pure; used by replay and append; DataError on a malformed record).
+  static void apply(LedgerState& s, const nlohmann::json& r);
+
+ private:
+  Ledger() = default;
+  std::string path_;
+  int fd_ = -1;
+  LedgerState state_;
+};
+
+}  // namespace dflash::coordinator
