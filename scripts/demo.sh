@@ -5,7 +5,10 @@
 #      (what DFlash recipes train on)
 #   2. dflash-target capture: hidden states of the chosen layers for a token file (offline capture)
 #   3. dflash data import -> token shards
-#   4. dflash train configs/tiny-cpu.yaml: capture + drafter training + checkpoints + HF export
+#   4. dflash run configs/tiny-cpu.yaml: the coordinator launches 2 target servers + 2 drafter
+#      trainers (shared memory), supervises them, commits checkpoints to the run ledger, and the
+#      drafters export the trained drafter (HF DFlash format); `dflash export` re-exports the final
+#      committed checkpoint as a check of the checkpoint -> export path
 #   5. dflash eval: greedy speculative decoding with the trained drafter on held-out prompts
 # Env: DFLASH_BUILD_DIR (default ./build), DFLASH_DEMO_DIR (default ./out/demo).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -33,9 +36,13 @@ echo "[demo 3/5] dflash data import"
 "$bin/dflash" data import --input "$work/train.jsonl" --out "$work/shards" --block-size 8 \
   | "$py" -c "import json,sys; s=json.load(sys.stdin); print(f\"  {s['documents']} documents, {s['tokens']} tokens ({s['trainable_tokens']} trainable)\")"
 
-echo "[demo 4/5] dflash train configs/tiny-cpu.yaml"
+echo "[demo 4/5] dflash run configs/tiny-cpu.yaml (2 target servers + 2 drafter trainers)"
 export DFLASH_TINY_TARGET_DIR=$target DFLASH_TINY_DATA_DIR=$work/shards DFLASH_RUN_DIR=$work/run
-"$bin/dflash" train "$DFLASH_ROOT/configs/tiny-cpu.yaml"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # four LibTorch processes share the CPU cores
+"$bin/dflash" run "$DFLASH_ROOT/configs/tiny-cpu.yaml"
+last=$(ls -d "$work"/run/checkpoints/step-* | tail -1)
+"$bin/dflash" export --checkpoint "$last" --out "$work/export-from-checkpoint" >/dev/null
+echo "  re-exported $last -> $work/export-from-checkpoint"
 
 echo "[demo 5/5] dflash eval (block size 8, 48 new tokens per prompt)"
 "$bin/dflash" eval --target "$target" --drafter "$work/run/export" --input "$work/prompts.jsonl" \

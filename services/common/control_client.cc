@@ -63,7 +63,7 @@ ClientOptions ControlClient::options_from_env(const std::string& address, config
   o.attempt = attempt;
   o.metrics_port = metrics_port;
   o.lost_after_s = std::max(3.0, heartbeat_timeout_s);
-  o.heartbeat_interval_s = std::min(1.0, o.lost_after_s / 4);
+  o.heartbeat_interval_s = std::min(0.5, o.lost_after_s / 4);
   return o;
 }
 

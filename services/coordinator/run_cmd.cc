@@ -152,7 +152,12 @@ json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& length
   p["total_steps"] = sched.total_steps();
   p["tokens_per_step"] = steps ? tokens / std::max<int64_t>(steps, 1) : 0;
   // Memory estimate per process (upper bounds of the big items, not measured).
-  const auto tc = io::parse_hf_config(cfg.target.model_dir);
+  io::TargetConfig tc;
+  try {
+    tc = io::parse_hf_config(cfg.target.model_dir);
+  } catch (const Error& e) {
+    throw ConfigError(std::string("target.model_dir: ") + e.what());
+  }
   const int64_t H = tc.hidden_size, V = tc.vocab_size;
   const int64_t K = cfg.target.target_layer_ids.empty() ? cfg.drafter.num_layers : int64_t(cfg.target.target_layer_ids.size());
   const double elt = cfg.target.dtype == config::Dtype::kFloat32 ? 4 : 2;
@@ -490,6 +495,17 @@ class Coordinator final : public pb::Coordinator::Service {
         LOG_WARN("skipping committed checkpoint " << it->dir << " (step " << it->step << "): it fails verification: " << e.what());
       }
     }
+    // Checkpoint directories above the commit (failed verification, or rolled back by --resume DIR)
+    // move aside to <output_dir>/rolled-back/, so the relaunch can write those steps afresh.
+    const fs::path ckroot = fs::path(cfg_.run.output_dir) / "checkpoints";
+    for (const auto& d : train::list_checkpoints(ckroot.string()))
+      if (std::stoll(fs::path(d).filename().string().substr(5)) > step) {  // list_checkpoints: step-<digits> only
+        const fs::path dst = fs::path(cfg_.run.output_dir) / "rolled-back" /
+                             (fs::path(d).filename().string() + "-attempt-" + std::to_string(st.attempts));
+        fs::create_directories(dst.parent_path());
+        fs::rename(d, dst);
+        LOG_WARN("moved " << d << " (above the commit at step " << step << ") to " << dst.string());
+      }
     if ((!st.steps.empty() && st.steps.rbegin()->first > step) || (!st.checkpoints.empty() && st.checkpoints.back().step > step)) {
       const int64_t discarded = st.steps.empty() ? 0 : std::max<int64_t>(0, st.steps.rbegin()->first - step);
       ledger_.append({{"type", "rollback"}, {"to_step", step}, {"discarded_steps", discarded}});
@@ -889,7 +905,7 @@ int cmd_status(int argc, char** argv) {
   const auto c = client_target(f);
   auto stub = stub_for(c);
   grpc::ClientContext ctx;
-  ctx.AddMetadata("x-dflash-token", c.token);
+  if (!c.token.empty()) ctx.AddMetadata("x-dflash-token", c.token);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   pb::StatusResponse resp;
   check_status(stub->GetStatus(&ctx, pb::StatusRequest(), &resp), c);
@@ -924,7 +940,7 @@ int cmd_control(const char* action, int argc, char** argv) {
   const auto c = client_target(f);
   auto stub = stub_for(c);
   grpc::ClientContext ctx;
-  ctx.AddMetadata("x-dflash-token", c.token);
+  if (!c.token.empty()) ctx.AddMetadata("x-dflash-token", c.token);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   pb::ControlRequest req;
   req.set_action(action);
