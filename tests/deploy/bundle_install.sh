@@ -89,5 +89,7 @@ t3=$(date +%s)
 cat "$work/train.json"
 [ -f "$work/run/export/model.safetensors" ] || { echo "FAIL: the installed dflash train exported nothing"; exit 1; }
 grep -q '"pve-b:9416"' "$work/prometheus.yml" || { echo "FAIL: installed dflash deploy prometheus output"; exit 1; }
-echo "bundle $((t1 - t0)) s ($(du -h "$archive" | cut -f1)), install $((t2 - t1)) s, run from the installed copy $((t3 - t2)) s"
+size=$(du -h "$archive" | cut -f1)
+rm -rf "$prefix" "$archive" "$work/foreign"   # ~4 GB in all; kept on failure
+echo "bundle $((t1 - t0)) s ($size), install $((t2 - t1)) s, run from the installed copy $((t3 - t2)) s"
 echo "PASS"
