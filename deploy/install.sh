@@ -70,6 +70,9 @@ is_host_lib() {
 for b in "$new"/bin/*; do
   [ -f "$b" ] || continue
   name=$(basename "$b")
+  if [ ! -x "$new/libexec/$name" ] && [ "$(od -An -tx1 -N4 "$b" | tr -d ' \n')" != 7f454c46 ]; then
+    continue  # a script (not an ELF executable): nothing to resolve
+  fi
   if [ -x "$new/libexec/$name" ]; then
     out=$(LD_LIBRARY_PATH="$new/lib" ldd "$new/libexec/$name" 2>&1) || { echo "install: ldd $name failed: $out" >&2; exit 1; }
   else
