@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the entry-point scripts: installs what is missing (Debian packages, a Python venv with
 # the pinned torch wheel) and exports DFLASH_PYTHON, DFLASH_BUILD and ccache settings.
 # The venv lives outside the clone, keyed by the hash of scripts/requirements.txt, so it is reused

@@ -766,7 +766,7 @@ void check_gpu_list(Ctx& ctx, const std::string& host_path, const char* list_nam
 }
 
 // Placeholders a launch command template may use.
-const std::vector<std::string> kPlaceholders = {"host", "ctid", "cmd"};
+const std::vector<std::string> kPlaceholders = {"host", "ctid", "cmd", "qcmd"};
 
 bool uses_placeholder(const std::string& tmpl, const std::string& name) {
   return tmpl.find("{" + name + "}") != std::string::npos;
@@ -989,7 +989,7 @@ void validate(RunConfig& c, Ctx& ctx) {
     if (t.command_template.empty()) {
       ctx.check(lp + ".command_template",
                 std::string("required for kind ") + to_string(t.kind) + " (e.g. \"" +
-                    (t.kind == LaunchKind::kSsh ? "ssh {host} -- {cmd}" : "pct exec {ctid} -- {cmd}") +
+                    (t.kind == LaunchKind::kSsh ? "ssh {host} {qcmd}" : "pct exec {ctid} -- {cmd}") +
                     "\")");
       continue;
     }
@@ -1001,11 +1001,11 @@ void validate(RunConfig& c, Ctx& ctx) {
       const std::string word = tmpl.substr(open + 1, close - open - 1);
       if (std::find(kPlaceholders.begin(), kPlaceholders.end(), word) == kPlaceholders.end()) {
         ctx.check(lp + ".command_template", "unknown placeholder {" + word +
-                                                "} (expected {host}, {ctid} or {cmd})");
+                                                "} (expected {host}, {ctid}, {cmd} or {qcmd})");
       }
     }
-    if (!uses_placeholder(tmpl, "cmd")) {
-      ctx.check(lp + ".command_template", "expected the {cmd} placeholder in \"" + tmpl + "\"");
+    if (!uses_placeholder(tmpl, "cmd") && !uses_placeholder(tmpl, "qcmd")) {
+      ctx.check(lp + ".command_template", "expected the {cmd} (or {qcmd}) placeholder in \"" + tmpl + "\"");
     }
     if (t.kind == LaunchKind::kPct && !uses_placeholder(tmpl, "ctid")) {
       ctx.check(lp + ".command_template",

@@ -163,8 +163,11 @@ struct ResilienceSection {
 
 struct LaunchTemplate {
   LaunchKind kind = LaunchKind::kLocal;
-  // Placeholders: {host} {ctid} {cmd}. Required for ssh/pct and must contain {cmd};
-  // pct templates must contain {ctid}. E.g. "ssh {host} -- {cmd}", "pct exec {ctid} -- {cmd}".
+  // Placeholders: {host} {ctid} {cmd} {qcmd}. Required for ssh/pct and must contain {cmd} or {qcmd};
+  // pct templates must contain {ctid}. {cmd} is the worker's command line quoted for one shell
+  // (the local /bin/sh -c); {qcmd} quotes it once more, for templates whose command is parsed by a
+  // second shell (ssh runs it through the remote login shell). E.g. "pct exec {ctid} -- {cmd}",
+  // "ssh {host} {qcmd}", "ssh {host} pct exec {ctid} -- {qcmd}".
   std::string command_template;
   std::map<std::string, std::string> env;  // environment for workers started through it
 };

@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cctype>
 #include <cstdlib>
+#include <fstream>
 
 #include "control.grpc.pb.h"
 #include "core/util/error.h"
@@ -58,6 +60,12 @@ ClientOptions ControlClient::options_from_env(const std::string& address, config
   o.address = address;
   const char* t = std::getenv("DFLASH_CONTROL_TOKEN");
   o.token = t ? t : "";
+  if (const char* tf = std::getenv("DFLASH_CONTROL_TOKEN_FILE"); o.token.empty() && tf && *tf) {
+    std::ifstream in(tf);
+    DFLASH_CHECK(in, ConfigError, "DFLASH_CONTROL_TOKEN_FILE: cannot read " << tf);
+    std::getline(in, o.token);
+    while (!o.token.empty() && std::isspace(static_cast<unsigned char>(o.token.back()))) o.token.pop_back();
+  }
   o.role = role;
   o.rank = rank;
   o.attempt = attempt;

@@ -8,6 +8,7 @@
 #include "core/util/log.h"
 #include "services/coordinator/config_check_cmd.h"
 #include "services/coordinator/data_cmd.h"
+#include "services/coordinator/deploy_cmd.h"
 #include "services/coordinator/run_cmd.h"
 #include "services/drafter/eval_cmd.h"
 #include "services/drafter/export_cmd.h"
@@ -36,6 +37,7 @@ const char* kUsage =
     "       [--dtype float32|bfloat16] [--stop-token-ids a,b]  greedy speculative decoding; JSON with tau\n"
     "  bench drafter [flags]    one drafter training step as JSON (--layers 5 --hidden 4096 --context 4096\n"
     "                           --anchors 512 --block-size 16)\n"
+    "  deploy prometheus CONFIG [--out FILE] [--address NAME=ADDR,...]  Prometheus scrape config for a run\n"
     "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
 
 bool is(const char* a, const char* b) { return a && !std::strcmp(a, b); }
@@ -53,6 +55,7 @@ int run_cli(int argc, char** argv) {
     const char* sub = argc > 2 ? argv[2] : nullptr;
     if (is(cmd, "config") && is(sub, "check")) return cmd_config_check(argc - 3, argv + 3);
     if (is(cmd, "data")) return cmd_data(argc - 2, argv + 2);
+    if (is(cmd, "deploy")) return cmd_deploy(argc - 2, argv + 2);
     if (is(cmd, "export")) return cmd_export(argc - 2, argv + 2);
     if (is(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
     if (is(cmd, "train")) return drafter::cmd_train(argc - 2, argv + 2);

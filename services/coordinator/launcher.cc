@@ -84,15 +84,17 @@ std::string shell_quote(const std::string& s) {
 }
 
 std::string render_template(const std::string& tmpl, const WorkerSpec& w) {
-  DFLASH_CHECK(tmpl.find("{cmd}") != std::string::npos, ConfigError,
-               "launch template '" << tmpl << "' has no {cmd} placeholder");
+  DFLASH_CHECK(tmpl.find("{cmd}") != std::string::npos || tmpl.find("{qcmd}") != std::string::npos, ConfigError,
+               "launch template '" << tmpl << "' has no {cmd} or {qcmd} placeholder");
   auto sub = [](std::string s, const std::string& key, const std::string& val) {
     for (size_t p; (p = s.find(key)) != std::string::npos;) s.replace(p, key.size(), val);
     return s;
   };
   std::string out = sub(tmpl, "{host}", shell_quote(w.host));
   out = sub(out, "{ctid}", std::to_string(w.ctid));
-  return sub(out, "{cmd}", command_line(w, true));
+  const std::string cmd = command_line(w, true);
+  out = sub(out, "{qcmd}", shell_quote(cmd));
+  return sub(out, "{cmd}", cmd);
 }
 
 pid_t LocalLauncher::start(const WorkerSpec& w) { return spawn(w.argv, w.env, w.log_path, true); }

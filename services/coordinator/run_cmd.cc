@@ -36,6 +36,8 @@
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
 
+extern char** environ;
+
 namespace dflash::coordinator {
 namespace fs = std::filesystem;
 namespace pb = dflash::control;
@@ -560,7 +562,18 @@ class Coordinator final : public pb::Coordinator::Service {
                      "--config", fs::absolute(config_path_).string(), "--rank", std::to_string(rank),
                      "--coordinator", address_, "--attempt", std::to_string(attempt_), "--device", device_,
                      "--metrics-port", std::to_string(port)};
-      w.spec.env["DFLASH_CONTROL_TOKEN"] = token_;
+      if (h.launch != "local" && !cfg_.coordinator.token_file.empty())
+        w.spec.env["DFLASH_CONTROL_TOKEN_FILE"] = cfg_.coordinator.token_file;  // not in remote argv
+      else
+        w.spec.env["DFLASH_CONTROL_TOKEN"] = token_;
+      if (h.launch != "local")  // ssh / pct forward no environment: carry what the config may reference
+        for (char** e = environ; *e; ++e) {
+          const std::string kv = *e;
+          const auto k = kv.substr(0, kv.find('='));
+          if ((k.rfind("DFLASH_", 0) == 0 && k != "DFLASH_CONTROL_TOKEN") || k == "OMP_NUM_THREADS" ||
+              k == "MKL_NUM_THREADS" || k.rfind("NCCL_", 0) == 0)
+            w.spec.env.emplace(k, kv.substr(k.size() + 1));
+        }
       if (device_ == "cuda") w.spec.env["CUDA_VISIBLE_DEVICES"] = std::to_string(gpu);
       if (cfg_.resilience.oom.expandable_segments) w.spec.env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True";
       w.spec.log_path = (logs / (std::string(role_name(role)) + "-" + std::to_string(rank) + ".log")).string();
@@ -839,7 +852,13 @@ int cmd_run(int argc, char** argv) {
   auto server = b.BuildAndStart();
   DFLASH_CHECK(server && port > 0, TransportError, "coordinator.listen: cannot listen on " << cfg.coordinator.listen);
   const std::string host = cfg.coordinator.listen.substr(0, cfg.coordinator.listen.rfind(':'));
-  const std::string address = (host == "0.0.0.0" || host == "[::]" ? "127.0.0.1" : host) + ":" + std::to_string(port);
+  // Listening on all interfaces: workers on other nodes reach us by this host's name.
+  char hostname[256] = {0};
+  ::gethostname(hostname, sizeof hostname - 1);
+  bool remote = false;
+  for (const auto& h : cfg.topology.hosts) remote = remote || h.launch != "local";
+  const bool any = host == "0.0.0.0" || host == "[::]";
+  const std::string address = (any ? (remote ? std::string(hostname) : "127.0.0.1") : host) + ":" + std::to_string(port);
   coord.set_address(address);
   {
     const auto tok = out / "control-token";

@@ -10,7 +10,7 @@
 #      per-round acceptance lengths) and to the target's own greedy decoding.
 # Usage: learn_resume_eval.sh BIN_DIR TESTDATA_DIR WORK_DIR   (DFLASH_PYTHON, DFLASH_SOURCE_DIR set)
 set -euo pipefail
-bin=$1 data=$2 work=$3
+bin=$1 work=$3   # $2 (TESTDATA_DIR) unused: this test makes its own target
 py=${DFLASH_PYTHON:-python3}
 src=${DFLASH_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 rm -rf "$work" && mkdir -p "$work"

@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2154  # bin, data, work, py, src: set by the sourcing test script
 # Shared by the pipeline tests: tiny data, config copies, free ports, process helpers.
 # Needs: bin (build/bin), data (build/testdata), work (scratch dir), py, src.
 
@@ -34,4 +35,8 @@ PY
 }
 
 # shm segments of run id $1 (decimal) still in /dev/shm
-run_segments() { ls /dev/shm 2>/dev/null | grep "^dflash-$(printf '%016x' "$1")-" || true; }
+run_segments() {
+  local f
+  for f in /dev/shm/dflash-"$(printf '%016x' "$1")"-*; do [ -e "$f" ] && basename "$f"; done
+  return 0
+}

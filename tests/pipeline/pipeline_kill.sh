@@ -79,7 +79,9 @@ grep -E "target 0 .*died|peer drafter rank [01] .*died" "$work/kill-target-draft
   || { echo "FAIL: no drafter named the dead target"; exit 1; }
 
 # 2. a drafter dies
-unset pid rc; declare -A pid rc
+unset pid rc
+# shellcheck disable=SC2034  # rc: exit codes recorded by start(), kept for debugging
+declare -A pid rc
 id=$((id + 1))
 start kill-drafter $id
 t0=$("$py" -c "import time; print(time.time())")
