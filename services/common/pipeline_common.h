@@ -76,7 +76,7 @@ inline stream::RunSchedule build_schedule(const config::RunConfig& c, const std:
                                           const control::LaunchPlan& plan) {
   std::vector<stream::Generation> gens;
   for (const auto& g : plan.generations) {
-    stream::Generation x{g.start_step, packing_options(c)};
+    stream::Generation x{g.start_step, packing_options(c), g.drafters};
     x.packing.token_budget = g.token_budget;
     x.packing.max_batch_size = g.max_batch_size;
     gens.push_back(x);

@@ -353,6 +353,9 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
                "the data gives fewer batches per drafter than train.grad_accum=" << accum << ": nothing to train");
   DFLASH_CHECK(start_step >= 0 && start_step <= total_steps, ConfigError,
                "the launch starts at step " << start_step << " outside the schedule's [0, " << total_steps << "]");
+  DFLASH_CHECK(start_step == total_steps || sched.segment_of(start_step).drafters == M, ConfigError,
+               "the schedule has " << sched.segment_of(start_step).drafters << " drafter ranks at step " << start_step
+                                   << " but the config has " << M);
 
   auto to = trainer_options_from_run(cfg, schedule_steps, compute);
   train::Trainer trainer(drafter, frozen, to, &tcoll);
@@ -413,6 +416,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
     for (const auto& sg : sched.segments()) {
       const auto& a = sg.assignment;
       ep.push_back({{"epoch", sg.epoch}, {"generation", sg.generation}, {"first_step", sg.first_step}, {"steps", sg.steps},
+                    {"drafters", sg.drafters},
                     {"batches", a.batches}, {"per_drafter", a.per_drafter}, {"remainder_batches", a.remainder_batches},
                     {"accum_cut_batches", a.accum_cut_batches}, {"dropped_samples", sg.plan.dropped},
                     {"truncated_samples", sg.plan.truncated}, {"excluded_samples", sg.excluded_samples}});
@@ -420,7 +424,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
       // id. A segment cut short by a packing change leaves its rest to the next generation's re-plan.
       json unassigned = json::array();
       if (sg.steps == a.steps())
-        for (int64_t i = a.per_drafter * M; i < a.batches; ++i)
+        for (int64_t i = a.per_drafter * sg.drafters; i < a.batches; ++i)
         for (auto id : sg.plan.batches[i].sample_ids) unassigned.push_back(id);
       ep.back()["unassigned_sample_ids"] = unassigned;
     }

@@ -148,6 +148,9 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
   const int64_t start_step = plan.start_step, A = cfg.train.grad_accum;
   DFLASH_CHECK(start_step >= 0 && start_step <= sched.total_steps(), ConfigError,
                "the launch starts at step " << start_step << " outside the schedule's [0, " << sched.total_steps() << "]");
+  DFLASH_CHECK(start_step == sched.total_steps() || sched.segment_of(start_step).drafters == M, ConfigError,
+               "the schedule has " << sched.segment_of(start_step).drafters << " drafter ranks at step " << start_step
+                                   << " but the config has " << M);
   const auto counters = sched.target_counters(start_step, rank);
 
   // 4. Warm-up at the largest shape the packing allows (documents of max_seq_len up to the token
