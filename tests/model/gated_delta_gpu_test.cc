@@ -10,7 +10,9 @@
 
 #include "core/model/cuda/hybrid_ops.h"
 #include "core/model/gated_delta.h"
+#include "core/model/hybrid.h"
 #include "core/model/layers.h"
+#include "core/model/weights.h"
 #include "tests/model/golden_util.h"
 
 using namespace dflash;
@@ -230,6 +232,62 @@ TEST(HybridOpsGpu, ZeroCentredRmsNormMatchesPlain) {
   auto y = model::hybrid_cuda::rms_norm_zero_centred(x, w, 1e-6);
   EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
   EXPECT_LT(rel_err(y, model::rms_norm_zero_centred(x, w, 1e-6)), kBf16Ulps2);
+}
+
+// Same random weights on any device: drawn by the CPU generator (fp32), then moved and cast.
+class MovedWeights : public model::WeightSource {
+ public:
+  MovedWeights(uint64_t seed, torch::Device d, torch::ScalarType dt)
+      : cpu_(model::random_weights(seed, torch::kCPU, torch::kFloat32, 0.05)), device_(d), dtype_(dt) {}
+  bool has(const std::string& n) const override { return cpu_->has(n); }
+  torch::Tensor get(const std::string& n, const std::vector<int64_t>& shape, model::Init init, bool keep_fp32) override {
+    return cpu_->get(n, shape, init, true).to(device_, keep_fp32 ? torch::kFloat32 : dtype_);
+  }
+
+ private:
+  std::unique_ptr<model::WeightSource> cpu_;
+  torch::Device device_;
+  torch::ScalarType dtype_;
+};
+
+io::TargetConfig small_hybrid() {
+  io::TargetConfig c{};
+  c.family = io::Family::kQwen3_5;
+  c.model_type = "qwen3_5";
+  c.vocab_size = 1000, c.hidden_size = 256, c.intermediate_size = 512, c.num_layers = 4;
+  c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 64;
+  c.rms_norm_eps = 1e-6, c.rope.theta = 1e7, c.rope.partial_rotary_factor = 0.25;
+  c.max_position_embeddings = 4096, c.qk_norm = true, c.attn_output_gate = true;
+  c.linear_num_key_heads = 1, c.linear_num_value_heads = 2, c.linear_key_head_dim = 128;
+  c.linear_value_head_dim = 128, c.linear_conv_kernel_dim = 4;
+  c.layer_types = {"linear_attention", "linear_attention", "linear_attention", "full_attention"};
+  return c;
+}
+
+TEST(HybridGpu, CudaForwardMatchesCpuComposed) {
+  // Whole hybrid layers with the 27B head dims (kernel path): CUDA fp32 (GDN kernels, plain norms)
+  // and CUDA bf16 (kernels + every fused op) against CPU fp32 (composed LibTorch everywhere).
+  const auto cfg = small_hybrid();
+  const std::vector<int64_t> lens{300, 77, 1, 130};
+  const int64_t T = total(lens);
+  torch::manual_seed(31);
+  auto ids = torch::randint(0, cfg.vocab_size, {T}, torch::kInt64);
+  model::CaptureSpec spec{{0, 2, 3}, true};
+  auto run = [&](torch::Device d, torch::ScalarType dt) {
+    MovedWeights w(7, d, dt);
+    model::LoadOptions lo;
+    lo.device = d, lo.dtype = dt, lo.load_lm_head = false;
+    auto m = model::make_hybrid_target(cfg, w, lo);
+    auto r = m->forward_capture(ids.to(d), lens, spec);
+    return torch::cat({r.features_TKH, r.last_hidden_TH}, 1).to(torch::kCPU, torch::kFloat32);
+  };
+  auto ref = run(torch::kCPU, torch::kFloat32);
+  const double e32 = rel_err(run(torch::kCUDA, torch::kFloat32), ref);
+  std::cout << "hybrid CUDA fp32 vs CPU fp32 relative error " << e32 << "\n";
+  EXPECT_LT(e32, kFp32Tol);
+  const double e16 = rel_err(run(torch::kCUDA, torch::kBFloat16), ref);
+  std::cout << "hybrid CUDA bf16 (fused) vs CPU fp32 relative error " << e16 << "\n";
+  EXPECT_LT(e16, 5e-2);
 }
 
 }  // namespace
