@@ -261,7 +261,8 @@ __global__ void __launch_bounds__(256) gdn_chunk_scan(const float* __restrict__ 
 
     // Phase 2: o_i = P_q,i + sum_{j <= i} Aqk_ij v_new_j (AT[j][i] = 0 for j > i).
     const float* AT = base + lay.AT() + 8 * w;
-    const int jend = 8 * w + 8;
+    const int jend = 8 * w + 8;  // a multiple of 4
+#pragma unroll 4
     for (int j = 0; j < jend; ++j) {
       const float vn = Vn[j][lane];
       const float4 a0 = __ldg(reinterpret_cast<const float4*>(AT + j * kC));
@@ -281,7 +282,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_scan(const float* __restrict__ 
 #pragma unroll
     for (int b = 0; b < RW; ++b) s[b] *= dec;
     const float* KD = base + lay.KD() + RW * w;
-#pragma unroll 2
+#pragma unroll 4
     for (int i = 0; i < kC; ++i) {
       const float vn = Vn[i][lane];
 #pragma unroll
