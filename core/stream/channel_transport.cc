@@ -59,6 +59,7 @@ class ChannelReceiver final : public Receiver {
   ~ChannelReceiver() override {
     close();
     if (worker_.joinable()) worker_.join();
+    if (!eos_ || !error_.empty()) data_->abort();
     free_slots();
   }
 
@@ -345,6 +346,7 @@ class ChannelSender final : public Sender {
     hb_cv_.notify_all();
     if (worker_.joinable()) worker_.join();
     if (heartbeat_.joinable()) heartbeat_.join();
+    if (!clean || !error_.empty()) data_->abort();
     free_slots();
   }
 

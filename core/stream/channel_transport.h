@@ -59,6 +59,9 @@ class LinkData {
   virtual void free_host(void* p) noexcept = 0;
   virtual void send(const void* src, size_t bytes, const std::function<void()>& check) = 0;
   virtual void recv(void* dst, size_t bytes, const std::function<void()>& check) = 0;
+  // Called once by the link before destruction when the stream did not end cleanly (peer dead,
+  // aborted, closed early): tear down without waiting on the peer. Default: nothing to do.
+  virtual void abort() noexcept {}
 };
 
 struct ChannelLinkOptions {

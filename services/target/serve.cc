@@ -16,6 +16,7 @@
 #include "core/model/drafter.h"
 #include "core/model/target.h"
 #include "services/common/pipeline_common.h"
+#include "services/common/transport_factory.h"
 
 namespace dflash::target {
 namespace {
@@ -97,10 +98,10 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt) {
   } sweep_guard{pipeline::run_segment_prefix(opt.run_id)};
 
   // 1. Links first (fail fast on a wrong run id / topology; lets the drafters watch this pid).
-  std::vector<std::unique_ptr<stream::ShmSender>> links;
+  std::vector<std::unique_ptr<stream::Sender>> links;
   for (int d = 0; d < M; ++d) {
     const auto name = pipeline::link_name(opt.run_id, rank, d, M);
-    links.push_back(stream::ShmSender::attach(name, ms_of(opt.attach_timeout_s)));
+    links.push_back(pipeline::make_sender_link(cfg, opt.run_id, rank, d, opt.device, ms_of(opt.attach_timeout_s)));
     LOG_INFO("attached " << name << " -> drafter " << d << " (" << links.back()->num_slots() << " slots of "
                          << links.back()->slot_capacity() << " bytes)");
   }
@@ -138,7 +139,8 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt) {
 #ifdef DFLASH_WITH_CUDA
   std::vector<std::unique_ptr<HostRegistration>> pins;
   if (device.is_cuda())
-    for (auto& l : links) pins.push_back(std::make_unique<HostRegistration>(l->base(), l->mapped_bytes()));
+    for (auto& l : links)
+      if (auto r = pipeline::host_region(*l); r.first) pins.push_back(std::make_unique<HostRegistration>(r.first, r.second));
 #endif
 
   // 3. The plan: the same on every process.
@@ -290,6 +292,9 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt) {
         sum.tokens += T;
         sum.bytes += static_cast<int64_t>(bytes);
         sum.wait_seconds += dw;
+        sum.forward_seconds += df;
+        sum.pack_seconds += dp;
+        sum.send_seconds += ds;
       }
     }
   }
@@ -316,7 +321,9 @@ int cmd_serve(int argc, char** argv) {
   auto s = run_serve(cfg, o);
   std::cout << nlohmann::json{{"role", "target"}, {"rank", o.rank}, {"batches", s.batches}, {"tokens", s.tokens},
                               {"bytes", s.bytes}, {"seconds", s.seconds}, {"wait_seconds", s.wait_seconds},
-                              {"tokens_per_s", s.tokens / std::max(s.seconds, 1e-9)}}
+                              {"tokens_per_s", s.tokens / std::max(s.seconds, 1e-9)},
+                              {"forward_seconds", s.forward_seconds}, {"pack_seconds", s.pack_seconds},
+                              {"send_seconds", s.send_seconds}, {"peak_gpu_bytes", pipeline::peak_gpu_bytes(o.device)}}
                    .dump()
             << std::endl;
   return kExitOk;
