@@ -22,6 +22,10 @@
 
 #include <torch/torch.h>
 
+#ifdef DFLASH_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
 #include "core/data/import.h"
 #include "core/io/safetensors.h"
 #include "core/util/error.h"
@@ -39,7 +43,8 @@ const char* kUsage =
     "usage: dflash bench pipeline [--transport shm|c10d] [--shape tiny|qwen3-8b | --model HF_DIR]\n"
     "         [--device cpu|cuda] [--target-gpu 0] [--drafter-gpu 0] [--samples N] [--seq-len L]\n"
     "         [--token-budget T] [--max-batch-size B] [--epochs 1] [--drafter-layers 5] [--block-size 16]\n"
-    "         [--max-anchors 512] [--inflight-depth 2] [--work DIR] [--bin-dir DIR] [--timeout-s 3000]\n"
+    "         [--max-anchors 512] [--inflight-depth 2] [--work DIR] [--bin-dir DIR] [--timeout-s 3000] [--keep-run]\n"
+    "  Both transports use inflight_depth slots per link (shm_slots = inflight_depth).\n"
     "  --shape writes a random-weight HF dir (config.json + model.safetensors) under --work once and\n"
     "  reuses it; --model uses an existing one (e.g. the tiny test model).\n";
 
@@ -90,7 +95,7 @@ std::string make_random_hf_target(const std::string& shape, const fs::path& dir,
   fs::remove_all(dir);
   fs::create_directories(dir);
   const auto t0 = Clock::now();
-  json cfg = {{"architectures", {"Qwen3ForCausalLM"}},
+  json cfg = {{"architectures", json::array({"Qwen3ForCausalLM"})},
               {"model_type", "qwen3"},
               {"hidden_size", c.hidden_size},
               {"intermediate_size", c.intermediate_size},
@@ -133,6 +138,10 @@ std::string make_random_hf_target(const std::string& shape, const fs::path& dir,
     w.emplace_back(p + "mlp.down_proj.weight", rnd({H, I}));
   }
   io::save_safetensors((dir / "model.safetensors").string(), w);
+  w.clear();
+#ifdef DFLASH_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();  // the children need the GPU
+#endif
   std::ofstream(dir / ".complete") << "1\n";
   LOG_INFO("wrote random-weight " << shape << " target to " << dir.string() << " in " << secs(Clock::now() - t0) << " s");
   return dir.string();
@@ -273,7 +282,7 @@ int cmd_bench_pipeline(int argc, char** argv) {
   Flags f(argc, argv,
           {"transport", "shape", "model", "device", "target-gpu", "drafter-gpu", "samples", "seq-len", "token-budget",
            "max-batch-size", "epochs", "drafter-layers", "block-size", "max-anchors", "inflight-depth", "work", "bin-dir",
-           "timeout-s", "grace-s"});
+           "timeout-s", "grace-s", "keep-run"}, {"keep-run"});
   DFLASH_CHECK(f.positional().empty(), ConfigError, kUsage);
   const auto t_setup = Clock::now();
   const std::string transport = f.get("transport", "shm");
@@ -289,7 +298,7 @@ int cmd_bench_pipeline(int argc, char** argv) {
   const int64_t seq_len = f.get_int("seq-len", big ? 4096 : 64);
   const int64_t token_budget = f.get_int("token-budget", big ? 16384 : 4 * seq_len);
   const int64_t max_batch = f.get_int("max-batch-size", std::max<int64_t>(1, token_budget / seq_len));
-  const int64_t samples = f.get_int("samples", big ? 96 : 48);
+  const int64_t samples = f.get_int("samples", big ? 64 : 48);
   const int64_t epochs = f.get_int("epochs", 1);
   const int64_t drafter_layers = f.get_int("drafter-layers", big ? 5 : 1);
   const int64_t block = f.get_int("block-size", big ? 16 : 8);
@@ -334,7 +343,7 @@ int cmd_bench_pipeline(int argc, char** argv) {
     << "data:\n  shard_dir: " << (work / "shards").string() << "\n  token_budget: " << token_budget << "\n  max_seq_len: " << seq_len
     << "\n  max_batch_size: " << max_batch << "\n  bucketing: true\n  overlong: truncate\n  shuffle_seed: 0\n  checksum: true\n"
     << "topology:\n  hosts:\n    - name: localhost\n      launch: local\n      target_gpus: [0]\n      drafter_gpus: [1]\n"
-    << "  transport: " << transport << "\n  inflight_depth: " << inflight << "\n  shm_slots: " << std::max<int64_t>(4, inflight)
+    << "  transport: " << transport << "\n  inflight_depth: " << inflight << "\n  shm_slots: " << inflight
     << "\n  c10d_port_base: " << c10d_port << "\n"
     << "coordinator:\n  listen: 127.0.0.1:0\n  heartbeat_timeout_s: 60\n  metrics_port: 0\n  worker_metrics_port_base: 0\n"
     << "  profile_interval_s: 0\n"
@@ -409,6 +418,7 @@ int cmd_bench_pipeline(int argc, char** argv) {
       {"processes", {{"target", proc_json(ps[1], tj)}, {"drafter", proc_json(ps[0], dj)}}},
       {"work_dir", work.string()}};
   std::cout << out.dump(2) << std::endl;
+  if (!f.has("keep-run")) fs::remove_all(run_dir);  // drafter checkpoint + export (GBs at qwen3-8b shapes)
   return kExitOk;
 }
 
