@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -10,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <optional>
 #include <mutex>
 #include <thread>
 
@@ -69,6 +71,7 @@ class NcclData final : public LinkData {
       : name_(std::move(name)), peer_(rank == kReceiverRank ? kSenderRank : kReceiverRank) {
     try {
       device_ = at::Device(at::kCUDA, c10::cuda::current_device());
+      stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index());
       auto o = c10d::ProcessGroupNCCL::Options::create();
       o->timeout = timeout;
       pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank, 2, o);
@@ -97,7 +100,7 @@ class NcclData final : public LinkData {
   void free_host(void* p) noexcept override { cudaFreeHost(p); }
 
   void send(const void* src, size_t bytes, const std::function<void()>& check) override {
-    c10::cuda::CUDAGuard g(device_);
+    c10::cuda::CUDAStreamGuard g(*stream_);
     auto dev = staging(bytes, "send");
     try {
       dev.copy_(at::from_blob(const_cast<void*>(src), {static_cast<int64_t>(bytes)}, at::kByte), /*non_blocking=*/true);
@@ -110,7 +113,7 @@ class NcclData final : public LinkData {
   }
 
   void recv(void* dst, size_t bytes, const std::function<void()>& check) override {
-    c10::cuda::CUDAGuard g(device_);
+    c10::cuda::CUDAStreamGuard g(*stream_);
     auto dev = staging(bytes, "recv");
     try {
       std::vector<at::Tensor> t{dev};
@@ -169,6 +172,9 @@ class NcclData final : public LinkData {
   std::string name_;
   int peer_;
   at::Device device_{at::kCUDA, 0};
+  // The link's own (non-blocking) stream: staging copies overlap the application's work on its
+  // stream instead of queueing behind it on the legacy default stream.
+  std::optional<c10::cuda::CUDAStream> stream_;
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg_;
   size_t staging_bytes_ = 0;
   at::Tensor staging_;

@@ -13,7 +13,13 @@
 // Peer death while an NCCL op is pending: the waiting side polls the op and the link's liveness
 // checks; on failure it aborts the communicator (ProcessGroupNCCL::abort) and throws
 // TransportError, so nothing hangs in NCCL.
-// Device: the CUDA device current when the Receiver/Sender is made.
+// Device: the CUDA device current when the Receiver/Sender is made; copies and NCCL ops run on a
+// stream of the link's own (from the pool), so they overlap the application's compute.
+// Known limit: NCCL creates the link's communicator lazily inside the first send/recv, a call
+// that blocks until both sides joined; a peer that dies exactly then is bounded only by the
+// process group timeout (max(connect_timeout, 10 min)), not by the link's liveness checks.
+// NCCL refuses two ranks of one communicator on the same GPU: sender and receiver need different
+// GPUs (use shm for a target and a drafter sharing one GPU).
 #pragma once
 #include <chrono>
 #include <memory>
