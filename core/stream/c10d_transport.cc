@@ -1,4 +1,5 @@
 #include "core/stream/c10d_transport.h"
+#include "core/stream/store_control.h"
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -8,7 +9,6 @@
 #include <cuda_runtime.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
 #include <optional>
@@ -24,45 +24,6 @@ namespace {
 using std::chrono::milliseconds;
 
 constexpr int kReceiverRank = 0, kSenderRank = 1;
-
-// LinkControl over a c10d store; every call is serialised and its failures become TransportError.
-class StoreControl final : public LinkControl {
- public:
-  StoreControl(c10::intrusive_ptr<c10d::Store> store, std::string name) : store_(std::move(store)), name_(std::move(name)) {}
-  void set(const std::string& key, const std::string& value) override {
-    guarded("set " + key, [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
-  }
-  std::optional<std::string> get_if(const std::string& key) override {
-    std::optional<std::string> out;
-    guarded("get " + key, [&] {
-      if (!store_->check({key})) return;
-      const auto v = store_->get(key);
-      out = std::string(v.begin(), v.end());
-    });
-    return out;
-  }
-  int64_t add(const std::string& key, int64_t delta) override {
-    int64_t n = 0;
-    guarded("add " + key, [&] { n = store_->add(key, delta); });
-    return n;
-  }
-
- private:
-  template <class F>
-  void guarded(const std::string& what, F f) {
-    std::lock_guard<std::mutex> lk(mu_);
-    try {
-      f();
-    } catch (const c10::Error& e) {
-      DFLASH_FAIL(TransportError, "c10d link " << name_ << ": store " << what << " failed (peer gone?): " << e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      DFLASH_FAIL(TransportError, "c10d link " << name_ << ": store " << what << " failed (peer gone?): " << e.what());
-    }
-  }
-  c10::intrusive_ptr<c10d::Store> store_;
-  std::string name_;
-  std::mutex mu_;
-};
 
 // LinkData over a two-rank ProcessGroupNCCL, staging each batch through one device buffer per side.
 class NcclData final : public LinkData {
@@ -181,40 +142,20 @@ class NcclData final : public LinkData {
   bool aborted_ = false;
 };
 
-c10::intrusive_ptr<c10d::Store> make_store(const std::string& name, const C10dLinkOptions& o, bool server) {
-  DFLASH_CHECK(o.port > 0 && o.port < 65536, ConfigError, "c10d link " << name << ": port " << o.port << " outside [1, 65535]");
-  c10d::TCPStoreOptions so;
-  so.port = static_cast<std::uint16_t>(o.port);
-  so.isServer = server;
-  so.numWorkers = std::nullopt;
-  so.waitWorkers = false;
-  so.timeout = o.connect_timeout;
-  try {
-    return c10::make_intrusive<c10d::TCPStore>(o.host, so);
-  } catch (const c10::Error& e) {
-    if (server)
-      DFLASH_FAIL(TransportError, "c10d link " << name << ": cannot host the link store on port " << o.port << ": "
-                                               << e.what_without_backtrace());
-    DFLASH_FAIL(TransportError, "c10d link " << name << ": receiver's store at " << o.host << ":" << o.port << " unreachable within "
-                                             << o.connect_timeout.count() << " ms (is the drafter running?): "
-                                             << e.what_without_backtrace());
-  }
-}
-
 milliseconds pg_timeout(const C10dLinkOptions& o) { return std::max<milliseconds>(o.connect_timeout, std::chrono::minutes(10)); }
 
 }  // namespace
 
 std::unique_ptr<Receiver> make_c10d_receiver(const std::string& name, const C10dLinkOptions& opts) {
-  auto store = make_store(name, opts, true);
-  auto control = std::make_shared<StoreControl>(c10::make_intrusive<c10d::PrefixStore>("link", store), name);
+  auto store = make_link_store("c10d link " + name, opts.host, opts.port, true, opts.connect_timeout);
+  auto control = make_store_control(c10::make_intrusive<c10d::PrefixStore>("link", store), "c10d link " + name);
   auto data = std::make_unique<NcclData>(store, kReceiverRank, name, pg_timeout(opts));
   return make_channel_receiver("c10d " + name, std::move(control), std::move(data), opts.link);
 }
 
 std::unique_ptr<Sender> make_c10d_sender(const std::string& name, const C10dLinkOptions& opts) {
-  auto store = make_store(name, opts, false);
-  auto control = std::make_shared<StoreControl>(c10::make_intrusive<c10d::PrefixStore>("link", store), name);
+  auto store = make_link_store("c10d link " + name, opts.host, opts.port, false, opts.connect_timeout);
+  auto control = make_store_control(c10::make_intrusive<c10d::PrefixStore>("link", store), "c10d link " + name);
   auto data = std::make_unique<NcclData>(store, kSenderRank, name, pg_timeout(opts));
   return make_channel_sender("c10d " + name, std::move(control), std::move(data), opts.connect_timeout, opts.link);
 }
