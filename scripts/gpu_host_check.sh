@@ -44,18 +44,20 @@ if has bench-pipeline; then
   # (written once under $work, reused), drafter shape from the generated config (5 layers, hidden
   # 4096 = the target's). shm with both on GPU 0; with 2+ GPUs c10d GPU 0 -> GPU 1 and the c10d
   # multidev test. An older build dir gets the new targets (stream tests included) first.
+  # Extra flags for both benches, e.g. DFLASH_BENCH_PIPELINE_ARGS="--samples 32" for a shorter run.
   work=${DFLASH_BENCH_WORK:-/tmp/dflash-bench-pipeline}
+  read -r -a extra <<< "${DFLASH_BENCH_PIPELINE_ARGS:-}"
   if [ ! -x "$build/bin/test_c10d_transport" ]; then
     cmake -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;collectives;stream}" "$build" > "$out/build_pipeline.log" 2>&1
     cmake --build "$build" -j "$(nproc)" >> "$out/build_pipeline.log" 2>&1 || { tail -50 "$out/build_pipeline.log"; exit 1; }
   fi
   "$build/bin/dflash" bench pipeline --transport shm --shape qwen3-8b --device cuda --target-gpu 0 --drafter-gpu 0 \
-    --work "$work" > "$out/bench_pipeline_shm_qwen3_8b.json" 2> "$out/bench_pipeline_shm_qwen3_8b.err"
+    --work "$work" "${extra[@]}" > "$out/bench_pipeline_shm_qwen3_8b.json" 2> "$out/bench_pipeline_shm_qwen3_8b.err"
   echo "bench pipeline shm qwen3-8b (GPU 0 + GPU 0) rc=$?"
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   if [ "${ngpu:-0}" -ge 2 ]; then
     "$build/bin/dflash" bench pipeline --transport c10d --shape qwen3-8b --device cuda --target-gpu 0 --drafter-gpu 1 \
-      --work "$work" > "$out/bench_pipeline_c10d_qwen3_8b.json" 2> "$out/bench_pipeline_c10d_qwen3_8b.err"
+      --work "$work" "${extra[@]}" > "$out/bench_pipeline_c10d_qwen3_8b.json" 2> "$out/bench_pipeline_c10d_qwen3_8b.err"
     echo "bench pipeline c10d qwen3-8b (GPU 0 -> GPU 1) rc=$?"
     (cd "$build" && ctest -R test_c10d_transport -V > "$out/ctest_c10d_multidev.log" 2>&1); echo "c10d multidev test rc=$?"
     grep -E "OK|FAILED|Passed|Failed|GPU 0 -> GPU 1" "$out/ctest_c10d_multidev.log" | tail -10
