@@ -47,10 +47,11 @@ if has bench-pipeline; then
   # Extra flags for both benches, e.g. DFLASH_BENCH_PIPELINE_ARGS="--samples 32" for a shorter run.
   work=${DFLASH_BENCH_WORK:-/tmp/dflash-bench-pipeline}
   read -r -a extra <<< "${DFLASH_BENCH_PIPELINE_ARGS:-}"
-  if [ ! -x "$build/bin/test_c10d_transport" ]; then
+  if [ ! -x "$build/tests/stream/test_c10d_transport" ]; then
     cmake -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;collectives;stream}" "$build" > "$out/build_pipeline.log" 2>&1
-    cmake --build "$build" -j "$(nproc)" >> "$out/build_pipeline.log" 2>&1 || { tail -50 "$out/build_pipeline.log"; exit 1; }
   fi
+  # Up to date after `build` of this tree: a no-op then.
+  cmake --build "$build" -j "$(nproc)" >> "$out/build_pipeline.log" 2>&1 || { tail -50 "$out/build_pipeline.log"; exit 1; }
   "$build/bin/dflash" bench pipeline --transport shm --shape qwen3-8b --device cuda --target-gpu 0 --drafter-gpu 0 \
     --work "$work" "${extra[@]}" > "$out/bench_pipeline_shm_qwen3_8b.json" 2> "$out/bench_pipeline_shm_qwen3_8b.err"
   echo "bench pipeline shm qwen3-8b (GPU 0 + GPU 0) rc=$?"
