@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-hybrid|bench-drafter|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-hybrid|bench-drafter|bench-pipeline|all]...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out/gpu}
@@ -14,7 +14,7 @@ t0=$(date +%s)
 if has build && [ ! -x "$build/bin/dflash" ]; then
   nvidia-smi -L > "$out/gpu.txt" 2>&1
   bash "$root/.gpu-deps/build.sh" "$root" "$build" -DDFLASH_CUDA=ON -DDFLASH_PYTHON=python3 \
-    -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;collectives}" > "$out/build.log" 2>&1 \
+    -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;collectives;stream}" > "$out/build.log" 2>&1 \
     || { tail -50 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
@@ -38,5 +38,33 @@ if has bench-drafter; then
   "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels \
     > "$out/bench_drafter_8k.json" 2> "$out/bench_drafter_8k.err"
   echo "bench drafter 8k rc=$?"
+fi
+if has bench-pipeline; then
+  # 1 target server + 1 drafter trainer as processes (dflash bench pipeline), qwen3-8b random weights
+  # (written once under $work, reused), drafter shape from the generated config (5 layers, hidden
+  # 4096 = the target's). shm with both on GPU 0; with 2+ GPUs c10d GPU 0 -> GPU 1 and the c10d
+  # multidev test. An older build dir gets the new targets (stream tests included) first.
+  # Extra flags for both benches, e.g. DFLASH_BENCH_PIPELINE_ARGS="--samples 32" for a shorter run.
+  work=${DFLASH_BENCH_WORK:-/tmp/dflash-bench-pipeline}
+  read -r -a extra <<< "${DFLASH_BENCH_PIPELINE_ARGS:-}"
+  if [ ! -x "$build/tests/stream/test_c10d_transport" ]; then
+    cmake -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;collectives;stream}" "$build" > "$out/build_pipeline.log" 2>&1
+  fi
+  # Up to date after `build` of this tree: a no-op then.
+  cmake --build "$build" -j "$(nproc)" >> "$out/build_pipeline.log" 2>&1 || { tail -50 "$out/build_pipeline.log"; exit 1; }
+  "$build/bin/dflash" bench pipeline --transport shm --shape qwen3-8b --device cuda --target-gpu 0 --drafter-gpu 0 \
+    --work "$work" "${extra[@]}" > "$out/bench_pipeline_shm_qwen3_8b.json" 2> "$out/bench_pipeline_shm_qwen3_8b.err"
+  echo "bench pipeline shm qwen3-8b (GPU 0 + GPU 0) rc=$?"
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if [ "${ngpu:-0}" -ge 2 ]; then
+    "$build/bin/dflash" bench pipeline --transport c10d --shape qwen3-8b --device cuda --target-gpu 0 --drafter-gpu 1 \
+      --work "$work" "${extra[@]}" > "$out/bench_pipeline_c10d_qwen3_8b.json" 2> "$out/bench_pipeline_c10d_qwen3_8b.err"
+    echo "bench pipeline c10d qwen3-8b (GPU 0 -> GPU 1) rc=$?"
+    (cd "$build" && ctest -R test_c10d_transport -V > "$out/ctest_c10d_multidev.log" 2>&1); echo "c10d multidev test rc=$?"
+    grep -E "OK|FAILED|Passed|Failed|GPU 0 -> GPU 1" "$out/ctest_c10d_multidev.log" | tail -10
+  else
+    echo "bench pipeline c10d: skipped, $ngpu GPU(s) (needs 2)"
+  fi
+  rm -rf "$work"/run-*   # checkpoints of the drafter; the random target stays for the next run
 fi
 echo "total: $(( $(date +%s) - t0 )) s"

@@ -125,6 +125,7 @@ struct TopologySection {
   Transport transport = Transport::kShm;  // shm requires every worker on one host
   int inflight_depth = 2;                 // >= 1 batches in flight per sender
   int shm_slots = 4;                      // >= inflight_depth receive slots per shm ring
+  int c10d_port_base = 29700;             // c10d: link t*M+d's TCPStore listens on base + t*M+d (drafter d's host)
 };
 
 struct CoordinatorSection {

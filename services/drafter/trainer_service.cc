@@ -30,6 +30,7 @@
 #include "core/train/export.h"
 #include "core/train/trainer.h"
 #include "services/common/pipeline_common.h"
+#include "services/common/transport_factory.h"
 
 namespace dflash::drafter {
 namespace fs = std::filesystem;
@@ -275,11 +276,11 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
                         .total_bytes;
   const size_t stale = stream::remove_stale_segments(pipeline::run_segment_prefix(opt.run_id));
   if (stale) LOG_WARN("removed " << stale << " stale shm segment(s) of run " << hex(opt.run_id));
-  std::vector<std::unique_ptr<stream::ShmReceiver>> links;
+  std::vector<std::unique_ptr<stream::Receiver>> links;
   std::vector<std::string> segment_names;
   for (int t = 0; t < N; ++t) {
     segment_names.push_back(pipeline::link_name(opt.run_id, t, rank, M));
-    links.push_back(stream::ShmReceiver::create(segment_names.back(), lopt));
+    links.push_back(pipeline::make_receiver_link(cfg, opt.run_id, t, rank, lopt, opt.device));
   }
   LOG_INFO("drafter " << rank << "/" << M << ": " << N << " links of " << lopt.slots << " slots x " << lopt.slot_bytes << " bytes ("
                       << segment_names.front() << " ...)");
@@ -303,7 +304,9 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
 #ifdef DFLASH_WITH_CUDA
   if (device.is_cuda())
     for (auto& l : links) {
-      cudaError_t err = cudaHostRegister(l->base(), l->mapped_bytes(), cudaHostRegisterDefault);
+      const auto region = pipeline::host_region(*l);
+      if (!region.first) continue;
+      cudaError_t err = cudaHostRegister(region.first, region.second, cudaHostRegisterDefault);
       DFLASH_CHECK(err == cudaSuccess, TransportError, "cudaHostRegister of " << l->name() << ": " << cudaGetErrorString(err));
     }
 #endif
@@ -320,7 +323,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   // blocked, while this process is about to exit anyway.
   struct FailureGuard {
     std::unique_ptr<train::Collectives>& coll;
-    std::vector<std::unique_ptr<stream::ShmReceiver>>& links;
+    std::vector<std::unique_ptr<stream::Receiver>>& links;
     std::string prefix;
     ~FailureGuard() {
       if (std::uncaught_exceptions() == 0) return;
@@ -656,7 +659,8 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   tcoll.barrier();  // nobody tears the store down while a peer still needs it
 #ifdef DFLASH_WITH_CUDA
   if (device.is_cuda())
-    for (auto& l : links) cudaHostUnregister(l->base());
+    for (auto& l : links)
+      if (auto region = pipeline::host_region(*l); region.first) cudaHostUnregister(region.first);
 #endif
   res.seconds = pipeline::seconds_since(t_start);
   json done = {{"event", "done"}, {"rank", rank}, {"steps", res.steps}, {"micro_batches", res.micro_batches}, {"tokens", res.tokens},
@@ -707,6 +711,7 @@ int cmd_train_service(int argc, char** argv) {
                     {"loop_seconds", r.loop_seconds}, {"wait_seconds", r.wait_seconds},
                     {"tokens_per_s", r.tokens / std::max(r.loop_seconds, 1e-9)},
                     {"waiting_fraction", r.wait_seconds / std::max(r.loop_seconds, 1e-9)},
+                    {"peak_gpu_bytes", pipeline::peak_gpu_bytes(o.device)},
                     {"checkpoint", r.last_checkpoint}, {"export", r.export_dir}}
                    .dump()
             << std::endl;
