@@ -159,7 +159,7 @@ struct ResilienceSection {
   int max_restarts = 5;                    // >= 0 per worker
   double backoff_s = 5.0;                  // >= 0 before a restart
   bool allow_degraded = false;             // continue with fewer workers when one cannot restart
-  std::vector<FaultSpec> fault_injection;  // tests only
+  std::vector<FaultSpec> fault_injection;  // tests only; entry k is armed in launch attempt k only
 };
 
 struct LaunchTemplate {

@@ -38,14 +38,10 @@ const char* kUsage =
     "       [--dtype float32|bfloat16] [--stop-token-ids a,b]  greedy speculative decoding; JSON with tau\n"
     "  bench drafter [flags]    one drafter training step as JSON (--layers 5 --hidden 4096 --context 4096\n"
     "                           --anchors 512 --block-size 16)\n"
-    "  deploy prometheus CONFIG [--out FILE] [--address NAME=ADDR,...]  Prometheus scrape config for a run
-"
-    "  bench pipeline [flags]   1 target server + 1 drafter trainer as processes over shm|c10d as JSON
-"
-    "                           (--transport shm|c10d --shape qwen3-8b|tiny or --model DIR --device cuda
-"
-    "                           --target-gpu 0 --drafter-gpu 1; --help for all flags)
-"
+    "  deploy prometheus CONFIG [--out FILE] [--address NAME=ADDR,...]  Prometheus scrape config for a run\n"
+    "  bench pipeline [flags]   1 target server + 1 drafter trainer as processes over shm|c10d as JSON\n"
+    "                           (--transport shm|c10d --shape qwen3-8b|tiny or --model DIR --device cuda\n"
+    "                           --target-gpu 0 --drafter-gpu 1; --help for all flags)\n"
     "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
 
 bool is(const char* a, const char* b) { return a && !std::strcmp(a, b); }

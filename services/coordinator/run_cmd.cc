@@ -546,9 +546,10 @@ class Coordinator final : public pb::Coordinator::Service {
       x->set_drafters(g.drafters);
     }
     assignment_.set_resume_checkpoint(resume_dir);
-    // Injected faults fire in the first attempt only (a restart must be able to get past them).
-    if (attempt_ == 0 || getenv("DFLASH_FAULTS_EVERY_ATTEMPT"))
-      for (const auto& f : cfg_.resilience.fault_injection) {
+    // Injected faults (tests): entry k of resilience.fault_injection is armed in launch attempt k
+    // only, so a sequence of faults fires one after another and every restart can get past its own.
+    if (attempt_ < static_cast<int>(cfg_.resilience.fault_injection.size()))
+      for (const auto& f : {cfg_.resilience.fault_injection[attempt_]}) {
         auto* x = assignment_.add_faults();
         x->set_kind(config::to_string(f.kind));
         x->set_role(f.role == config::Role::kTarget ? pb::ROLE_TARGET : pb::ROLE_DRAFTER);
