@@ -390,8 +390,9 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   {
     auto pids = torch::zeros({M}, torch::kInt64);
     pids[rank] = static_cast<int64_t>(::getpid());
-    std::vector<torch::Tensor> v{pids};
+    std::vector<torch::Tensor> v{pids.to(device)};  // NCCL reduces device tensors only
     tcoll.all_reduce_sum(v);
+    pids = v[0].cpu();
     for (int r = 0; r < M; ++r) peers[r] = static_cast<pid_t>(pids[r].item<int64_t>());
   }
   PeerWatchdog watchdog(peers, segment_names, pipeline::run_segment_prefix(opt.run_id), in_collective_since,
