@@ -804,6 +804,9 @@ int cmd_run(int argc, char** argv) {
   DFLASH_CHECK(sched0.total_steps() > 0, ConfigError,
                "the data gives no whole optimizer step (" << lengths.size() << " samples, " << cfg.num_drafters()
                                                           << " drafters, train.grad_accum=" << cfg.train.grad_accum << ")");
+  if (cfg.resilience.allow_degraded)
+    LOG_WARN("resilience.allow_degraded: running with fewer ranks is not implemented (the data-parallel schedule needs "
+             "every drafter rank); the run stops when restarts are exhausted. Resume with a smaller topology instead.");
   const auto plan = make_plan(cfg, lengths, sched0);
   print_plan(plan, std::cerr);
   if (f.has("plan")) {
