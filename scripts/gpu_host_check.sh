@@ -44,8 +44,18 @@ if has run-gpu; then
       -e "s/^  transport: .*/  transport: $transport/" \
       -e "s/^  fault_injection: .*/  fault_injection: [{kind: oom, role: drafter, rank: 0, step: 12}, {kind: crash, role: target, rank: 0, step: 25}]/" \
       "$root/configs/tiny-cpu.yaml" > "$w/cfg.yaml"
-  "$build/bin/dflash" run "$w/cfg.yaml" --device cuda > "$out/run_gpu.out" 2> "$out/run_gpu.err"
+  sed -i "s/^  worker_metrics_port_base: .*/  worker_metrics_port_base: 9601/" "$w/cfg.yaml"
+  "$build/bin/dflash" run "$w/cfg.yaml" --device cuda > "$out/run_gpu.out" 2> "$out/run_gpu.err" &
+  coord=$!
+  # The drafter (worker 1: port 9602) while it trains: GPU memory and NVML utilisation gauges.
+  while kill -0 $coord 2>/dev/null; do
+    curl -sf http://127.0.0.1:9602/metrics > "$w/m.tmp" && grep -q '^dflash_drafter_steps_total [1-9]' "$w/m.tmp" \
+      && cp "$w/m.tmp" "$out/run_gpu_drafter_metrics.txt"
+    sleep 0.5
+  done
+  wait $coord
   echo "dflash run on CUDA ($transport) rc=$?"
+  grep -E '^dflash_drafter_gpu_(utilization_ratio|memory_peak_bytes)' "$out/run_gpu_drafter_metrics.txt"
   python3 "$root/tests/coordinator/check_run.py" "$w/run" --samples 300 --expect-restarts 2 --expect-oom | tee "$out/run_gpu_check.txt"
   cp "$w/run/ledger.jsonl" "$out/run_gpu_ledger.jsonl"; cp "$w"/run/logs/*.log "$out/" 2>/dev/null
 fi

@@ -17,11 +17,13 @@
 
 #ifdef DFLASH_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime.h>
 #endif
 
 #include "core/config/config.h"
 #include "core/data/packing.h"
 #include "core/metrics/metrics.h"
+#include "core/metrics/nvml.h"
 #include "core/stream/assignment.h"
 #include "core/stream/packed_batch.h"
 #include "core/stream/schedule.h"
@@ -165,15 +167,32 @@ struct GpuMemoryGauges {
   metrics::Gauge* allocated = nullptr;
   metrics::Gauge* reserved = nullptr;
   metrics::Gauge* peak = nullptr;
+  metrics::Gauge* utilization = nullptr;
+  std::unique_ptr<metrics::NvmlSampler> nvml;  // sampled on its own thread (never touches a stream)
+  bool nvml_tried = false;
   void declare(metrics::Registry& r, const std::string& role) {
     allocated = &r.gauge("dflash_" + role + "_gpu_memory_allocated_bytes", "CUDA caching allocator: allocated bytes (0 on CPU)");
     reserved = &r.gauge("dflash_" + role + "_gpu_memory_reserved_bytes", "CUDA caching allocator: reserved bytes (0 on CPU)");
     peak = &r.gauge("dflash_" + role + "_gpu_memory_peak_bytes", "CUDA caching allocator: peak allocated bytes (0 on CPU)");
+    utilization = &r.gauge("dflash_" + role + "_gpu_utilization_ratio",
+                           "NVML: fraction of the last sample period a kernel ran on this process's GPU (0 on CPU)");
   }
-  // Reads host-side allocator counters only (never synchronises the stream).
+  // Reads host-side allocator counters only (never synchronises the stream); the first call on a
+  // CUDA device starts the NVML sampler (or logs once why there is none).
   void update(torch::Device dev) {
     if (!allocated) return;
 #ifdef DFLASH_WITH_CUDA
+    if (dev.is_cuda() && !nvml_tried) {
+      nvml_tried = true;
+      char bus[32] = {0};
+      std::string why = "cudaDeviceGetPCIBusId failed";
+      if (cudaDeviceGetPCIBusId(bus, sizeof bus, dev.index() < 0 ? 0 : dev.index()) == cudaSuccess)
+        nvml = metrics::NvmlSampler::open(bus, &why);
+      if (nvml)
+        nvml->start(1.0, [g = utilization](double u) { g->set(u); });
+      else
+        LOG_WARN("no GPU utilisation metric: " << why);
+    }
     if (dev.is_cuda()) {
       const auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index() < 0 ? 0 : dev.index());
       const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);

@@ -10,6 +10,7 @@
 
 #ifdef DFLASH_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #endif
@@ -161,13 +162,16 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
   //    budget), into the capture buffers reused by every batch.
   const int64_t t_max = std::min<int64_t>(cfg.data.token_budget, int64_t(cfg.data.max_batch_size) * cfg.data.max_seq_len);
   const auto fopts = torch::TensorOptions().dtype(lo.dtype).device(device);
-  model::CaptureResult buf;
-  buf.features_TKH = torch::empty({t_max, K * H}, fopts);
-  if (spec.last_hidden) buf.last_hidden_TH = torch::empty({t_max, H}, fopts);
-  auto capture_view = [&](int64_t T) {
+  // Two capture buffers on CUDA (batch n's device->host copy overlaps batch n+1's forward), one on CPU.
+  std::vector<model::CaptureResult> bufs(device.is_cuda() ? 2 : 1);
+  for (auto& buf : bufs) {
+    buf.features_TKH = torch::empty({t_max, K * H}, fopts);
+    if (spec.last_hidden) buf.last_hidden_TH = torch::empty({t_max, H}, fopts);
+  }
+  auto capture_view = [&](int b, int64_t T) {
     model::CaptureResult v;
-    v.features_TKH = buf.features_TKH.narrow(0, 0, T);
-    if (spec.last_hidden) v.last_hidden_TH = buf.last_hidden_TH.narrow(0, 0, T);
+    v.features_TKH = bufs[b].features_TKH.narrow(0, 0, T);
+    if (spec.last_hidden) v.last_hidden_TH = bufs[b].last_hidden_TH.narrow(0, 0, T);
     return v;
   };
   {
@@ -176,7 +180,7 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
     for (int64_t left = t_max; left > 0; left -= cfg.data.max_seq_len) lens.push_back(std::min<int64_t>(left, cfg.data.max_seq_len));
     auto ids = torch::zeros({t_max}, torch::TensorOptions().dtype(torch::kInt64).device(device));
     const auto tw = Clock::now();
-    target->forward_capture(ids, lens, spec, capture_view(t_max));
+    target->forward_capture(ids, lens, spec, capture_view(0, t_max));
 #ifdef DFLASH_WITH_CUDA
     if (device.is_cuda()) c10::cuda::getCurrentCUDAStream().synchronize();
 #endif
@@ -201,6 +205,74 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
     } catch (...) {
     }
   });
+  auto commit = [&](int d, int64_t i, stream::SlotBuffer&& slot) {
+    try {
+      links[d]->commit(std::move(slot));
+    } catch (const TransportError& err) {
+      throw TransportError(std::string("target ") + std::to_string(rank) + ": commit of batch " + std::to_string(i) +
+                           " to drafter " + std::to_string(d) + ": " + err.what());
+    }
+  };
+  // Per-batch stage times (seconds): read, forward (GPU time on CUDA), credit wait, pack, send.
+  auto record = [&](int64_t T, size_t bytes, double dr, double df, double dw, double dp, double ds) {
+    met.read->observe(dr);
+    met.forward->observe(df);
+    met.wait->observe(dw);
+    met.pack->observe(dp);
+    met.send->observe(ds);
+    prof.add_seconds(s_read, dr);
+    prof.add_seconds(s_fwd, df);
+    prof.add_seconds(s_wait, dw);
+    prof.add_seconds(s_pack, dp);
+    prof.add_seconds(s_send, ds);
+    prof.add_tokens(T);
+    met.tokens->inc(double(T));
+    met.batches->inc();
+    met.bytes->inc(double(bytes));
+    uint32_t ready, free_slots, held;
+    link_totals(&ready, &free_slots, &held);
+    met.queue_depth->set(ready);
+    met.free_credits->set(free_slots);
+    met.inflight->set(held);
+    prof.set_inflight(held);
+    met.gpu.update(device);
+    sum.batches += 1;
+    sum.tokens += T;
+    sum.bytes += static_cast<int64_t>(bytes);
+    sum.wait_seconds += dw;
+    sum.forward_seconds += df;
+    sum.pack_seconds += dp;
+    sum.send_seconds += ds;
+  };
+  int64_t n_batches = 0;
+#ifdef DFLASH_WITH_CUDA
+  // The batch whose device->host copy is in flight (CUDA pipelining, see the loop).
+  struct Pending {
+    stream::SlotBuffer slot;
+    std::optional<stream::PackedBatchWriter> w;
+    int d = 0;
+    int64_t i = 0, T = 0;
+    double read_s = 0, wait_s = 0, pack_s = 0;
+    std::optional<at::cuda::CUDAEvent> fwd_begin, fwd_end, copied;
+  };
+  std::optional<Pending> pending;
+  auto copy_stream = device.is_cuda() ? c10::cuda::getStreamFromPool(false, device.index() < 0 ? 0 : device.index())
+                                      : c10::cuda::getCurrentCUDAStream();
+  auto finish = [&](Pending& p) {
+    const auto ta = Clock::now();
+    p.copied->synchronize();  // ran behind its forward's event, overlapping the next forward
+    const auto tb = Clock::now();
+    p.slot.set_size(p.w->finalize(cfg.data.checksum));
+    const auto tc = Clock::now();
+    const size_t bytes = p.slot.size();
+    commit(p.d, p.i, std::move(p.slot));
+    const double ds = pipeline::seconds_since(tc);
+    const double df = p.fwd_begin->elapsed_time(*p.fwd_end) / 1000.0;
+    // pack = host packing + checksum; the wait for the copy is time the GPU spends on the next forward.
+    record(p.T, bytes, p.read_s, df, p.wait_s, p.pack_s + std::chrono::duration<double>(tc - tb).count(), ds);
+    sum.copy_wait_seconds += std::chrono::duration<double>(tb - ta).count();
+  };
+#endif
   bool fault_fired = false;
   {
     for (int64_t c : counters) {
@@ -237,20 +309,10 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
         }
         const int64_t T = static_cast<int64_t>(ids_host.size());
         auto t1 = Clock::now();
+        const int bi = static_cast<int>(n_batches++ % bufs.size());
         // forward + capture into the reused buffers
         auto ids_T = torch::from_blob(ids_host.data(), {T}, torch::kInt64);
         if (device.is_cuda()) ids_T = ids_T.to(device);
-#ifdef DFLASH_WITH_CUDA
-        // On CUDA the forward's time is its GPU time (the host only launches it): timed by events.
-        std::optional<at::cuda::CUDAEvent> fwd_begin, fwd_end;
-        if (device.is_cuda()) fwd_begin.emplace(cudaEventDefault), fwd_end.emplace(cudaEventDefault), fwd_begin->record();
-#endif
-        auto cap = target->forward_capture(ids_T, doc_lens, spec, capture_view(T));
-#ifdef DFLASH_WITH_CUDA
-        if (fwd_end) fwd_end->record();
-#endif
-        auto t2 = Clock::now();
-        // wait for a credit on the drafter's link
         stream::PackedBatchInfo info;
         info.run_id = opt.run_id;
         info.batch_id = static_cast<uint64_t>(i);
@@ -260,84 +322,80 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
         info.dtype = wire;
         info.has_h_last = spec.last_hidden;
         const auto layout = stream::BatchLayout::compute(static_cast<uint32_t>(docs.size()), T, info.k, info.h, wire, info.has_h_last);
-        stream::SlotBuffer slot;
-        try {
-          slot = links[d]->acquire(layout.total_bytes, ms_of(opt.send_timeout_s));
-        } catch (const TransportError& err) {
-          throw TransportError(std::string("target ") + std::to_string(rank) + ": cannot send batch " + std::to_string(i) +
-                               " of epoch " + std::to_string(e) + " to drafter " + std::to_string(d) + ": " + err.what());
-        }
-        auto t3 = Clock::now(), t3p = t3;  // t3p: packing starts (after the forward's GPU tail on CUDA)
-        double gpu_forward_s = -1;  // CUDA: the forward's GPU time; its tail is not counted as packing
+        auto acquire = [&] {
+          try {
+            return links[d]->acquire(layout.total_bytes, ms_of(opt.send_timeout_s));
+          } catch (const TransportError& err) {
+            throw TransportError(std::string("target ") + std::to_string(rank) + ": cannot send batch " + std::to_string(i) +
+                                 " of epoch " + std::to_string(e) + " to drafter " + std::to_string(d) + ": " + err.what());
+          }
+        };
+        auto pack_host = [&](stream::PackedBatchWriter& w) {  // ids + mask (the features come from the device)
+          int32_t* ids_out = w.input_ids();
+          for (int64_t x = 0; x < T; ++x) ids_out[x] = static_cast<int32_t>(ids_host[x]);
+          uint8_t* mask_out = w.loss_mask();
+          for (size_t j = 0; j < samples.size(); ++j) {
+            std::memcpy(mask_out, samples[j].loss_mask.data, static_cast<size_t>(doc_lens[j]));
+            mask_out += doc_lens[j];
+          }
+        };
+        const double dr = std::chrono::duration<double>(t1 - t0).count();
 #ifdef DFLASH_WITH_CUDA
-        if (fwd_end) {
-          fwd_end->synchronize();
-          gpu_forward_s = fwd_begin->elapsed_time(*fwd_end) / 1000.0;
-          t3p = Clock::now();
+        if (device.is_cuda()) {
+          // Pipelined: batch n's forward is launched, then batch n-1 (whose device->host copy ran on
+          // the copy stream behind its forward's event, overlapping this forward) is checksummed and
+          // committed, then batch n gets its slot, its ids/mask, and its copy behind its own event.
+          // Two capture buffers, so forward n+1 never writes what copy n still reads (copy n is
+          // waited for before forward n+2 is launched). The only host waits: credits (transport) and
+          // the completion of the previous copy (the transport needs the bytes before commit).
+          Pending cur;
+          cur.d = d, cur.i = i, cur.T = T, cur.read_s = dr;
+          cur.fwd_begin.emplace(cudaEventDefault), cur.fwd_end.emplace(cudaEventDefault), cur.copied.emplace(cudaEventDefault);
+          cur.fwd_begin->record();
+          auto cap = target->forward_capture(ids_T, doc_lens, spec, capture_view(bi, T));
+          cur.fwd_end->record();
+          if (pending) finish(*pending), pending.reset();
+          const auto tw = Clock::now();
+          cur.slot = acquire();
+          const auto tp = Clock::now();
+          cur.wait_s = std::chrono::duration<double>(tp - tw).count();
+          cur.w.emplace(cur.slot.data(), cur.slot.capacity(), info, docs);
+          pack_host(*cur.w);
+          {
+            c10::cuda::CUDAStreamGuard g(copy_stream);
+            cur.fwd_end->block(copy_stream);
+            torch::from_blob(cur.w->features(), {T, K * H}, torch::TensorOptions().dtype(lo.dtype)).copy_(cap.features_TKH, true);
+            if (spec.last_hidden)
+              torch::from_blob(cur.w->h_last(), {T, H}, torch::TensorOptions().dtype(lo.dtype)).copy_(cap.last_hidden_TH, true);
+            cur.copied->record(copy_stream);
+          }
+          cur.pack_s = pipeline::seconds_since(tp);
+          pending = std::move(cur);
+          continue;
         }
 #endif
+        auto cap = target->forward_capture(ids_T, doc_lens, spec, capture_view(bi, T));
+        auto t2 = Clock::now();
+        stream::SlotBuffer slot = acquire();
+        auto t3 = Clock::now();
         // pack ONE contiguous batch in place
         stream::PackedBatchWriter w(slot.data(), slot.capacity(), info, docs);
-        int32_t* ids_out = w.input_ids();
-        for (int64_t x = 0; x < T; ++x) ids_out[x] = static_cast<int32_t>(ids_host[x]);
-        uint8_t* mask_out = w.loss_mask();
-        for (size_t j = 0; j < samples.size(); ++j) {
-          std::memcpy(mask_out, samples[j].loss_mask.data, static_cast<size_t>(doc_lens[j]));
-          mask_out += doc_lens[j];
-        }
-        const bool async = device.is_cuda();  // device->host straight into the (registered) slot
-        torch::from_blob(w.features(), {T, K * H}, torch::TensorOptions().dtype(lo.dtype)).copy_(cap.features_TKH, async);
-        if (spec.last_hidden)
-          torch::from_blob(w.h_last(), {T, H}, torch::TensorOptions().dtype(lo.dtype)).copy_(cap.last_hidden_TH, async);
-#ifdef DFLASH_WITH_CUDA
-        if (async) c10::cuda::getCurrentCUDAStream().synchronize();  // the transport needs the bytes before commit
-#endif
+        pack_host(w);
+        torch::from_blob(w.features(), {T, K * H}, torch::TensorOptions().dtype(lo.dtype)).copy_(cap.features_TKH);
+        if (spec.last_hidden) torch::from_blob(w.h_last(), {T, H}, torch::TensorOptions().dtype(lo.dtype)).copy_(cap.last_hidden_TH);
         slot.set_size(w.finalize(cfg.data.checksum));
         auto t4 = Clock::now();
         const size_t bytes = slot.size();
-        try {
-          links[d]->commit(std::move(slot));
-        } catch (const TransportError& err) {
-          throw TransportError(std::string("target ") + std::to_string(rank) + ": commit of batch " + std::to_string(i) +
-                               " to drafter " + std::to_string(d) + ": " + err.what());
-        }
+        commit(d, i, std::move(slot));
         auto t5 = Clock::now();
-
-        const double dr = std::chrono::duration<double>(t1 - t0).count(),
-                     df = gpu_forward_s >= 0 ? gpu_forward_s : std::chrono::duration<double>(t2 - t1).count(),
-                     dw = std::chrono::duration<double>(t3 - t2).count(), dp = std::chrono::duration<double>(t4 - t3p).count(),
-                     ds = std::chrono::duration<double>(t5 - t4).count();
-        met.read->observe(dr);
-        met.forward->observe(df);
-        met.wait->observe(dw);
-        met.pack->observe(dp);
-        met.send->observe(ds);
-        prof.add_seconds(s_read, dr);
-        prof.add_seconds(s_fwd, df);
-        prof.add_seconds(s_wait, dw);
-        prof.add_seconds(s_pack, dp);
-        prof.add_seconds(s_send, ds);
-        prof.add_tokens(T);
-        met.tokens->inc(double(T));
-        met.batches->inc();
-        met.bytes->inc(double(bytes));
-        uint32_t ready, free_slots, held;
-        link_totals(&ready, &free_slots, &held);
-        met.queue_depth->set(ready);
-        met.free_credits->set(free_slots);
-        met.inflight->set(held);
-        prof.set_inflight(held);
-        met.gpu.update(device);
-        sum.batches += 1;
-        sum.tokens += T;
-        sum.bytes += static_cast<int64_t>(bytes);
-        sum.wait_seconds += dw;
-        sum.forward_seconds += df;
-        sum.pack_seconds += dp;
-        sum.send_seconds += ds;
+        record(T, bytes, dr, std::chrono::duration<double>(t2 - t1).count(), std::chrono::duration<double>(t3 - t2).count(),
+               std::chrono::duration<double>(t4 - t3).count(), std::chrono::duration<double>(t5 - t4).count());
       }
     }
   }
+#ifdef DFLASH_WITH_CUDA
+  if (pending) finish(*pending), pending.reset();
+#endif
   for (auto& l : links) l->close();
   sum.seconds = pipeline::seconds_since(t_start);
   LOG_INFO("target " << rank << ": sent " << sum.batches << " batches, " << sum.tokens << " tokens, " << sum.bytes
@@ -375,7 +433,8 @@ int cmd_serve(int argc, char** argv) {
                               {"bytes", s.bytes}, {"seconds", s.seconds}, {"wait_seconds", s.wait_seconds},
                               {"tokens_per_s", s.tokens / std::max(s.seconds, 1e-9)},
                               {"forward_seconds", s.forward_seconds}, {"pack_seconds", s.pack_seconds},
-                              {"send_seconds", s.send_seconds}, {"peak_gpu_bytes", pipeline::peak_gpu_bytes(o.device)}}
+                              {"send_seconds", s.send_seconds}, {"copy_wait_seconds", s.copy_wait_seconds},
+                              {"peak_gpu_bytes", pipeline::peak_gpu_bytes(o.device)}}
                    .dump()
             << std::endl;
   return kExitOk;

@@ -35,6 +35,7 @@ struct ServeSummary {
   int64_t batches = 0, tokens = 0, bytes = 0;
   double seconds = 0, wait_seconds = 0;
   double forward_seconds = 0, pack_seconds = 0, send_seconds = 0;  // per stage, summed over batches
+  double copy_wait_seconds = 0;  // CUDA: host waiting for a device->host copy (overlaps the next forward)
 };
 
 // `plan`: the coordinator's launch plan (schedule generations, start step, faults), or

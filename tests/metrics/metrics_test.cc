@@ -158,3 +158,17 @@ TEST(StageProfiler, SharesAddUpAndLineFormat) {
     sum += std::stoi(m[1]);
   EXPECT_NEAR(sum, 100, 2) << l3;
 }
+
+// NVML: without a driver (CI) open() returns null and says why; on a GPU host the gpu-labelled
+// test_nvml_gpu samples a real device.
+#include "core/metrics/nvml.h"
+TEST(Nvml, OpenFailsWithAReasonOrSamplesARatio) {
+  std::string why;
+  auto s = dflash::metrics::NvmlSampler::open("0000:00:00.0", &why);
+  if (!s) {
+    EXPECT_FALSE(why.empty());
+  } else {
+    const double u = s->utilization();
+    EXPECT_TRUE(u == -1.0 || (u >= 0.0 && u <= 1.0));
+  }
+}
