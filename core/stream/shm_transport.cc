@@ -434,6 +434,7 @@ std::unique_ptr<ShmSender> ShmSender::attach(const std::string& name, millisecon
     const bool magic_ok = std::memcmp(c0->magic, kShmMagic, 8) == 0;
     const uint32_t version = c0->version;
     const size_t mapped = c0->mapped_bytes;
+    const pid_t rpid0 = c0->receiver_pid.load();
     ::munmap(p, sizeof(ShmControl));
     if (!magic_ok || version != kShmVersion) {
       ::close(fd);
@@ -444,6 +445,13 @@ std::unique_ptr<ShmSender> ShmSender::attach(const std::string& name, millisecon
     if (static_cast<size_t>(st.st_size) < mapped) {
       ::close(fd);
       DFLASH_FAIL(TransportError, "shm link " << name << ": segment is " << st.st_size << " bytes, header says " << mapped);
+    }
+    if (!pid_alive(rpid0)) {
+      // A stale segment of a crashed run (its receiver is dead): the new receiver sweeps it and
+      // creates the link afresh; attaching to it now would fail the new run for nothing.
+      ::close(fd);
+      waiting_for = "a live receiver (the segment's receiver pid " + std::to_string(rpid0) + " is dead: stale segment)";
+      continue;
     }
     void* base = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     const int e = errno;

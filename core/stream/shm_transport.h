@@ -23,6 +23,8 @@
 // - remove_stale_segments(prefix) sweeps /dev/shm for segments with that prefix whose creator is
 //   dead, e.g. at process start.
 // - One sender per segment lifetime (attach fails when a sender already attached).
+// - attach() skips a stale segment whose receiver is dead (left by a crashed run under the same
+//   name) and keeps waiting for the new receiver to replace it.
 //
 // Pinning: base() / mapped_bytes() cover the whole mapping so GPU code can cudaHostRegister it.
 #pragma once

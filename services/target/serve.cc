@@ -256,8 +256,8 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
     std::optional<at::cuda::CUDAEvent> fwd_begin, fwd_end, copied;
   };
   std::optional<Pending> pending;
-  auto copy_stream = device.is_cuda() ? c10::cuda::getStreamFromPool(false, device.index() < 0 ? 0 : device.index())
-                                      : c10::cuda::getCurrentCUDAStream();
+  std::optional<c10::cuda::CUDAStream> copy_stream;  // CUDA only (touching CUDA on a CPU host fails)
+  if (device.is_cuda()) copy_stream = c10::cuda::getStreamFromPool(false, device.index() < 0 ? 0 : device.index());
   auto finish = [&](Pending& p) {
     const auto ta = Clock::now();
     p.copied->synchronize();  // ran behind its forward's event, overlapping the next forward
@@ -362,12 +362,12 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
           cur.w.emplace(cur.slot.data(), cur.slot.capacity(), info, docs);
           pack_host(*cur.w);
           {
-            c10::cuda::CUDAStreamGuard g(copy_stream);
-            cur.fwd_end->block(copy_stream);
+            c10::cuda::CUDAStreamGuard g(*copy_stream);
+            cur.fwd_end->block(*copy_stream);
             torch::from_blob(cur.w->features(), {T, K * H}, torch::TensorOptions().dtype(lo.dtype)).copy_(cap.features_TKH, true);
             if (spec.last_hidden)
               torch::from_blob(cur.w->h_last(), {T, H}, torch::TensorOptions().dtype(lo.dtype)).copy_(cap.last_hidden_TH, true);
-            cur.copied->record(copy_stream);
+            cur.copied->record(*copy_stream);
           }
           cur.pack_s = pipeline::seconds_since(tp);
           pending = std::move(cur);

@@ -408,6 +408,33 @@ TEST_F(ShmTransport, ChecksumMismatchAbortedStreamAndMisuse) {
   EXPECT_FALSE(segment_exists(name));
 }
 
+// A crashed run leaves a segment whose receiver is dead under the name a restarted run uses: the new
+// sender must wait for the new receiver instead of attaching to the stale segment and failing.
+TEST_F(ShmTransport, AttachSkipsAStaleSegmentOfADeadReceiver) {
+  const std::string name = test_prefix() + "-stale";
+  ShmLinkOptions o;
+  o.slots = 2;
+  o.slot_bytes = 4096;
+  const pid_t child = ::fork();
+  if (child == 0) {
+    auto rx = ShmReceiver::create(name, o);
+    (void)rx.release();  // no destructor: the segment stays, like after kill -9
+    ::_exit(0);
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(child, &st, 0), child);
+  ASSERT_TRUE(segment_exists(name));
+  std::unique_ptr<ShmSender> tx;
+  std::thread t([&] { tx = ShmSender::attach(name, 5s); });
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(remove_stale_segments(name.substr(1)), 1u);
+  auto rx = ShmReceiver::create(name, o);
+  t.join();
+  ASSERT_TRUE(tx);
+  EXPECT_EQ(rx->sender_pid(), ::getpid());
+  tx->close();
+}
+
 TEST_F(ShmTransport, AttachTimesOutAndRejectsUnknownVersion) {
   const auto t0 = Clock::now();
   EXPECT_THROW(ShmSender::attach(test_prefix() + "-nobody", 200ms), TransportError);
