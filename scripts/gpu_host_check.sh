@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-hybrid|bench-drafter|mem-drafter|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-hybrid|bench-drafter|mem-drafter|bench-pipeline|run-gpu|all]...
 # (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps.)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,13 +15,40 @@ t0=$(date +%s)
 if has build && [ ! -x "$build/bin/dflash" ]; then
   nvidia-smi -L > "$out/gpu.txt" 2>&1
   bash "$root/.gpu-deps/build.sh" "$root" "$build" -DDFLASH_CUDA=ON -DDFLASH_PYTHON=python3 \
-    -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;collectives}" > "$out/build.log" 2>&1 \
+    -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;collectives;stream}" > "$out/build.log" 2>&1 \
     || { tail -50 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 if has test; then
-  (cd "$build" && ctest -L gpu -V -j 4 > "$out/ctest_gpu.log" 2>&1); echo "gpu tests rc=$?"
-  grep -E "worst|Passed|Failed|tests passed|FAIL" "$out/ctest_gpu.log" | tail -20
+  labels=gpu
+  [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ] && labels='gpu|multidev'
+  (cd "$build" && ctest -L "$labels" -V -j 4 > "$out/ctest_gpu.log" 2>&1); echo "gpu tests ($labels) rc=$?"
+  grep -E "worst|Passed|Failed|tests passed|FAIL" "$out/ctest_gpu.log" | tail -30
+fi
+if has run-gpu; then
+  # The coordinator on CUDA workers (needs 2 GPUs: a topology gives targets and drafters disjoint
+  # GPUs): `dflash run` of the tiny qwen3 target, 1 target server on GPU 0 + 1 drafter trainer on
+  # GPU 1 over the c10d transport, with an injected drafter OOM (attempt 0) and a target crash
+  # (attempt 1); check_run.py verifies exactly-once from the ledger and the drafter's log.
+  w=/tmp/dflash-run-gpu
+  rm -rf "$w" && mkdir -p "$w"
+  python3 "$root/scripts/reference/make_tiny_models.py" --out "$w/models" --only qwen3 > "$w/prep.log" 2>&1
+  python3 "$root/scripts/reference/make_target_data.py" --target "$w/models/qwen3" --out "$w/train.jsonl" --n 300 --seed 3 \
+    --prompt-len 8 --new-tokens 64 >> "$w/prep.log" 2>&1
+  "$build/bin/dflash" data import --input "$w/train.jsonl" --out "$w/shards" --block-size 8 >> "$w/prep.log" 2>&1
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  transport=c10d; dg=1
+  sed -e "s|^  output_dir: .*|  output_dir: $w/run|" -e "s|^  model_dir: .*|  model_dir: $w/models/qwen3|" \
+      -e "s|^  shard_dir: .*|  shard_dir: $w/shards|" -e "s/^  epochs: .*/  epochs: 2/" \
+      -e "s/^  save_interval_steps: .*/  save_interval_steps: 10/" -e "s/^  backoff_s: .*/  backoff_s: 0.2/" \
+      -e "s/target_gpus: \[0, 1\]/target_gpus: [0]/" -e "s/drafter_gpus: \[2, 3\]/drafter_gpus: [$dg]/" \
+      -e "s/^  transport: .*/  transport: $transport/" \
+      -e "s/^  fault_injection: .*/  fault_injection: [{kind: oom, role: drafter, rank: 0, step: 12}, {kind: crash, role: target, rank: 0, step: 25}]/" \
+      "$root/configs/tiny-cpu.yaml" > "$w/cfg.yaml"
+  "$build/bin/dflash" run "$w/cfg.yaml" --device cuda > "$out/run_gpu.out" 2> "$out/run_gpu.err"
+  echo "dflash run on CUDA ($transport) rc=$?"
+  python3 "$root/tests/coordinator/check_run.py" "$w/run" --samples 300 --expect-restarts 2 --expect-oom | tee "$out/run_gpu_check.txt"
+  cp "$w/run/ledger.jsonl" "$out/run_gpu_ledger.jsonl"; cp "$w"/run/logs/*.log "$out/" 2>/dev/null
 fi
 if has bench-target; then
   "$build/bin/dflash" bench target --shape qwen3-8b --baseline > "$out/bench_target_qwen3_8b.json" 2> "$out/bench_target_qwen3_8b.err"
@@ -46,5 +73,33 @@ if has mem-drafter; then
   "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --soft-labels --repeats 3 \
     --steps 1000 > "$out/mem_drafter_4k_1000.json" 2> "$out/mem_drafter_4k_1000.err"
   echo "mem drafter 4k x1000 rc=$?"
+fi
+if has bench-pipeline; then
+  # 1 target server + 1 drafter trainer as processes (dflash bench pipeline), qwen3-8b random weights
+  # (written once under $work, reused), drafter shape from the generated config (5 layers, hidden
+  # 4096 = the target's). shm with both on GPU 0; with 2+ GPUs c10d GPU 0 -> GPU 1 and the c10d
+  # multidev test. An older build dir gets the new targets (stream tests included) first.
+  # Extra flags for both benches, e.g. DFLASH_BENCH_PIPELINE_ARGS="--samples 32" for a shorter run.
+  work=${DFLASH_BENCH_WORK:-/tmp/dflash-bench-pipeline}
+  read -r -a extra <<< "${DFLASH_BENCH_PIPELINE_ARGS:-}"
+  if [ ! -x "$build/tests/stream/test_c10d_transport" ]; then
+    cmake -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;collectives;stream}" "$build" > "$out/build_pipeline.log" 2>&1
+  fi
+  # Up to date after `build` of this tree: a no-op then.
+  cmake --build "$build" -j "$(nproc)" >> "$out/build_pipeline.log" 2>&1 || { tail -50 "$out/build_pipeline.log"; exit 1; }
+  "$build/bin/dflash" bench pipeline --transport shm --shape qwen3-8b --device cuda --target-gpu 0 --drafter-gpu 0 \
+    --work "$work" "${extra[@]}" > "$out/bench_pipeline_shm_qwen3_8b.json" 2> "$out/bench_pipeline_shm_qwen3_8b.err"
+  echo "bench pipeline shm qwen3-8b (GPU 0 + GPU 0) rc=$?"
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if [ "${ngpu:-0}" -ge 2 ]; then
+    "$build/bin/dflash" bench pipeline --transport c10d --shape qwen3-8b --device cuda --target-gpu 0 --drafter-gpu 1 \
+      --work "$work" "${extra[@]}" > "$out/bench_pipeline_c10d_qwen3_8b.json" 2> "$out/bench_pipeline_c10d_qwen3_8b.err"
+    echo "bench pipeline c10d qwen3-8b (GPU 0 -> GPU 1) rc=$?"
+    (cd "$build" && ctest -R test_c10d_transport -V > "$out/ctest_c10d_multidev.log" 2>&1); echo "c10d multidev test rc=$?"
+    grep -E "OK|FAILED|Passed|Failed|GPU 0 -> GPU 1" "$out/ctest_c10d_multidev.log" | tail -10
+  else
+    echo "bench pipeline c10d: skipped, $ngpu GPU(s) (needs 2)"
+  fi
+  rm -rf "$work"/run-*   # checkpoints of the drafter; the random target stays for the next run
 fi
 echo "total: $(( $(date +%s) - t0 )) s"

@@ -178,6 +178,7 @@ void fields(V& v, TopologySection& s) {
   v("transport", s.transport);
   v("inflight_depth", s.inflight_depth);
   v("shm_slots", s.shm_slots);
+  v("c10d_port_base", s.c10d_port_base);
 }
 
 template <class V>
@@ -890,6 +891,10 @@ void validate(RunConfig& c, Ctx& ctx) {
                                         num(hosts_with_workers) + " hosts have workers (use c10d)");
   }
   at_least(ctx, "topology.inflight_depth", topo.inflight_depth, 1);
+  if (topo.transport == Transport::kC10d) {
+    const int links = c.num_targets() * c.num_drafters();
+    in_range(ctx, "topology.c10d_port_base", topo.c10d_port_base, 1, 65535 - std::max(links - 1, 0));
+  }
   if (topo.shm_slots < topo.inflight_depth) {
     ctx.check("topology.shm_slots", "expected a value >= " + num(topo.inflight_depth) +
                                         " (topology.inflight_depth), got " + num(topo.shm_slots));

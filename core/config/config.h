@@ -125,6 +125,7 @@ struct TopologySection {
   Transport transport = Transport::kShm;  // shm requires every worker on one host
   int inflight_depth = 2;                 // >= 1 batches in flight per sender
   int shm_slots = 4;                      // >= inflight_depth receive slots per shm ring
+  int c10d_port_base = 29700;             // c10d: link t*M+d's TCPStore listens on base + t*M+d (drafter d's host)
 };
 
 struct CoordinatorSection {
@@ -158,7 +159,7 @@ struct ResilienceSection {
   int max_restarts = 5;                    // >= 0 per worker
   double backoff_s = 5.0;                  // >= 0 before a restart
   bool allow_degraded = false;             // continue with fewer workers when one cannot restart
-  std::vector<FaultSpec> fault_injection;  // tests only
+  std::vector<FaultSpec> fault_injection;  // tests only; entry k is armed in launch attempt k only
 };
 
 struct LaunchTemplate {

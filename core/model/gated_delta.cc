@@ -7,6 +7,13 @@
 
 #include "core/model/layers.h"
 #include "core/util/error.h"
+#include "core/util/log.h"
+#ifdef DFLASH_WITH_CUDA
+#include <mutex>
+#include <set>
+
+#include "core/model/cuda/gated_delta_cuda.h"
+#endif
 
 namespace dflash::model {
 namespace {
@@ -40,12 +47,15 @@ int64_t check_inputs(const GatedDeltaInputs& in, const std::vector<int64_t>& doc
   DFLASH_CHECK(in.g_TH.size(1) == Hv && in.beta_TH.size(1) == Hv, DataError,
                "gated delta rule: g/beta must have Hv = " << Hv << " heads");
   DFLASH_CHECK(Hv % Hk == 0, DataError, "gated delta rule: Hv " << Hv << " is not a multiple of Hk " << Hk);
-  const auto dt = in.q_THK.scalar_type();
-  DFLASH_CHECK(dt == torch::kFloat32 || dt == torch::kFloat64, DataError,
-               "gated delta rule: inputs must be float32 or float64");
+  const auto dt = in.q_THK.scalar_type(), gdt = in.g_TH.scalar_type();
+  DFLASH_CHECK(dt == torch::kFloat32 || dt == torch::kFloat64 || dt == torch::kBFloat16, DataError,
+               "gated delta rule: q/k/v must be float32, float64 or bfloat16");
+  DFLASH_CHECK(in.k_THK.scalar_type() == dt && in.v_THV.scalar_type() == dt, DataError,
+               "gated delta rule: q, k and v must share one dtype");
+  DFLASH_CHECK(in.beta_TH.scalar_type() == gdt && (gdt == torch::kFloat32 || gdt == torch::kFloat64 || gdt == dt),
+               DataError, "gated delta rule: g and beta must share one dtype, float32, float64 or q's");
   for (const auto* t : {&in.k_THK, &in.v_THV, &in.g_TH, &in.beta_TH})
-    DFLASH_CHECK(t->scalar_type() == dt && t->device() == in.q_THK.device(), DataError,
-                 "gated delta rule: all inputs must share one dtype and device");
+    DFLASH_CHECK(t->device() == in.q_THK.device(), DataError, "gated delta rule: all inputs must share one device");
   (void)K;
   checked_total(doc_lens, T, "gated delta rule");
   return Hv / Hk;
@@ -138,10 +148,17 @@ torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& z, con
   return y * w.to(dt) * torch::silu(z.to(dt));
 }
 
-torch::Tensor chunk_gated_delta_rule(const GatedDeltaInputs& in, const std::vector<int64_t>& doc_lens, double scale,
-                                     int64_t C) {
-  const int64_t r = check_inputs(in, doc_lens);
-  DFLASH_CHECK(C > 0, ConfigError, "gated delta rule: chunk size must be positive");
+namespace {
+
+// The inputs in the compute dtype: fp64 when q is fp64, fp32 otherwise (no copy when already so).
+GatedDeltaInputs in_compute_dtype(const GatedDeltaInputs& in) {
+  const auto dt = compute_dtype(in.q_THK);
+  return {in.q_THK.to(dt), in.k_THK.to(dt), in.v_THV.to(dt), in.g_TH.to(dt), in.beta_TH.to(dt)};
+}
+
+// Steps 1-8 of target-models.md 2.5 in batched LibTorch ops (inputs already in the compute dtype).
+torch::Tensor composed_chunk_rule(const GatedDeltaInputs& in, const std::vector<int64_t>& doc_lens, double scale,
+                                  int64_t C, int64_t r) {
   const int64_t T = in.q_THK.size(0), K = in.q_THK.size(2), Hv = in.v_THV.size(1), V = in.v_THV.size(2);
   if (T == 0) return torch::zeros_like(in.v_THV);
   const auto dev = in.q_THK.device();
@@ -200,9 +217,50 @@ torch::Tensor chunk_gated_delta_rule(const GatedDeltaInputs& in, const std::vect
   return o.permute({0, 2, 1, 3}).reshape({N * C, Hv, V}).index_select(0, plan.dst_T);
 }
 
-torch::Tensor recurrent_gated_delta_rule(const GatedDeltaInputs& in, const std::vector<int64_t>& doc_lens,
-                                         double scale) {
+#ifdef DFLASH_WITH_CUDA
+// Logs each reason for leaving the kernels once per process (kAuto on CUDA tensors).
+void warn_composed_once(const std::string& why) {
+  static std::mutex mu;
+  static std::set<std::string> seen;
+  std::lock_guard<std::mutex> lock(mu);
+  if (seen.insert(why).second)
+    LOG_WARN("gated delta rule: CUDA inputs run on the composed LibTorch path (slower), because of " << why);
+}
+#endif
+
+}  // namespace
+
+bool gated_delta_uses_cuda_kernel(const GatedDeltaInputs& in, int64_t chunk) {
+#ifdef DFLASH_WITH_CUDA
+  return in.q_THK.is_cuda() && cuda_gdn::unsupported_reason(in, chunk).empty();
+#else
+  (void)in, (void)chunk;
+  return false;
+#endif
+}
+
+torch::Tensor chunk_gated_delta_rule(const GatedDeltaInputs& in, const std::vector<int64_t>& doc_lens, double scale,
+                                     int64_t C, GdnBackend backend) {
   const int64_t r = check_inputs(in, doc_lens);
+  DFLASH_CHECK(C > 0, ConfigError, "gated delta rule: chunk size must be positive");
+  if (backend != GdnBackend::kComposed && (backend == GdnBackend::kCuda || in.q_THK.is_cuda())) {
+#ifdef DFLASH_WITH_CUDA
+    const std::string why = cuda_gdn::unsupported_reason(in, C);
+    if (why.empty()) return cuda_gdn::chunk_gated_delta_rule(in, doc_lens, scale);
+    DFLASH_CHECK(backend != GdnBackend::kCuda, ConfigError, "gated delta rule: the CUDA kernels do not accept " << why);
+    warn_composed_once(why);
+#else
+    DFLASH_CHECK(backend != GdnBackend::kCuda, ConfigError,
+                 "gated delta rule: the CUDA kernels were asked for, but this build has no CUDA");
+#endif
+  }
+  return composed_chunk_rule(in_compute_dtype(in), doc_lens, scale, C, r).to(in.q_THK.scalar_type());
+}
+
+torch::Tensor recurrent_gated_delta_rule(const GatedDeltaInputs& in_raw, const std::vector<int64_t>& doc_lens,
+                                         double scale) {
+  const int64_t r = check_inputs(in_raw, doc_lens);
+  const GatedDeltaInputs in = in_compute_dtype(in_raw);
   const int64_t K = in.q_THK.size(2), Hv = in.v_THV.size(1), V = in.v_THV.size(2);
   // Value head h reads key head h / r (explicit index, independent of repeat_interleave).
   auto map_H = torch::arange(Hv, torch::TensorOptions().dtype(torch::kInt64).device(in.q_THK.device())).div(
@@ -222,7 +280,7 @@ torch::Tensor recurrent_gated_delta_rule(const GatedDeltaInputs& in, const std::
     }
     off += n;
   }
-  return o_THV;
+  return o_THV.to(in_raw.q_THK.scalar_type());
 }
 
 }  // namespace dflash::model

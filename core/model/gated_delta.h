@@ -29,20 +29,33 @@ torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& z, con
 // Inputs of the gated delta rule, one row per token of the packed batch:
 //   q_THK, k_THK: [T, Hk, K], already l2-normalised (the rule applies `scale` to q itself);
 //   v_THV: [T, Hv, V]; g_TH (log decay, <= 0) and beta_TH: [T, Hv].
-// All five must share one dtype, float32 or float64, and one device; the rule computes in that dtype
-// and returns o_THV [T, Hv, V] in it. Per document, with S_0 = 0 [K, V] per value head:
+// All five live on one device. q, k, v share one dtype (float32, float64 or bfloat16); g and beta
+// share one (float32, float64 or q's). The rule computes in fp64 when q is fp64, in fp32 otherwise,
+// and returns o_THV [T, Hv, V] in q's dtype. Per document, with S_0 = 0 [K, V] per value head:
 //   S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T (scale q_t).
 struct GatedDeltaInputs {
   torch::Tensor q_THK, k_THK, v_THV, g_TH, beta_TH;
 };
 
+// Which implementation of the chunked rule runs.
+//   kAuto: the CUDA kernels (core/model/cuda/gated_delta.cu) for CUDA tensors they accept; the
+//          composed LibTorch ops on CPU; on CUDA with inputs the kernels do not accept (fp64, chunk
+//          != 64, other head dims) the composed ops, with a warning logged once per reason.
+//   kComposed: always the composed LibTorch ops (any device; the reference of the GPU tests).
+//   kCuda: always the kernels; ConfigError when they do not accept the inputs (or no CUDA build).
+enum class GdnBackend { kAuto, kComposed, kCuda };
+
 // Chunked form (chunk size `chunk`, 64 in HF/FLA). Every document is zero-padded to a multiple of
-// the chunk size; the chunks of all documents are laid out wave-major (wave j = chunk j of every
-// document that has one, longest documents first) so that steps 2-6 of the algorithm run as one
-// batch over all chunks and heads, and only the inter-chunk recurrence loops: max_d ceil(len_d /
-// chunk) iterations, each over the documents still running.
+// the chunk size. Composed path: the chunks of all documents are laid out wave-major (wave j =
+// chunk j of every document that has one, longest documents first) so that steps 2-6 of the
+// algorithm run as one batch over all chunks and heads, and only the inter-chunk recurrence loops:
+// max_d ceil(len_d / chunk) iterations, each over the documents still running. CUDA path: two
+// kernel launches, all chunks at once, then one block per (document, value head, value tile).
 torch::Tensor chunk_gated_delta_rule(const GatedDeltaInputs& in, const std::vector<int64_t>& doc_lens, double scale,
-                                     int64_t chunk = 64);
+                                     int64_t chunk = 64, GdnBackend backend = GdnBackend::kAuto);
+
+// True when kAuto would run the CUDA kernels for these inputs (false on CPU builds).
+bool gated_delta_uses_cuda_kernel(const GatedDeltaInputs& in, int64_t chunk = 64);
 
 // Recurrent form, one token at a time (the reference for tests; slow: T sequential steps).
 torch::Tensor recurrent_gated_delta_rule(const GatedDeltaInputs& in, const std::vector<int64_t>& doc_lens,

@@ -11,6 +11,10 @@
 #include "core/model/gated_delta.h"
 #include "core/model/layers.h"
 #include "core/util/error.h"
+#ifdef DFLASH_WITH_CUDA
+#include "core/model/cuda/fused_ops.h"
+#include "core/model/cuda/hybrid_ops.h"
+#endif
 
 namespace dflash::model {
 namespace F = torch::nn::functional;
@@ -142,14 +146,16 @@ class HybridTarget : public TargetModel {
     std::vector<int64_t> slot(cfg_.num_layers, -1);
     for (int64_t i = 0; i < K; ++i) slot[spec.layer_ids[i]] = i;
 
-    auto rope = rope_table(inv_freq_, doc_positions(doc_lens, opt_.device), opt_.dtype);
+    auto pos_T = doc_positions(doc_lens, opt_.device);
+    auto rope = rope_table(inv_freq_, pos_T, opt_.dtype);
     auto h = F::embedding(ids_T, embed_);  // [T, H]
+    const bool fused = use_fused(h);
     for (int64_t l = 0; l < cfg_.num_layers; ++l) {
       const auto& L = layers_[l];
-      auto x = rms_norm_zero_centred(h, L.ln1, cfg_.rms_norm_eps);
-      h = h + (L.linear ? gated_delta_net(L.gdn, x, doc_lens) : gated_attention(L.attn, x, rope, doc_lens));
-      x = rms_norm_zero_centred(h, L.ln2, cfg_.rms_norm_eps);
-      h = h + swiglu_mlp(x, L.gate_up_w, L.down_w);
+      auto x = norm(h, L.ln1, fused);
+      h = h + (L.linear ? gated_delta_net(L.gdn, x, doc_lens, pos_T, fused) : gated_attention(L.attn, x, rope, doc_lens));
+      x = norm(h, L.ln2, fused);
+      h = h + mlp(x, L, fused);
       if (slot[l] >= 0) out.features_TKH.narrow(1, slot[l] * H, H).copy_(h);
     }
     if (spec.last_hidden) out.last_hidden_TH.copy_(h);
@@ -167,6 +173,31 @@ class HybridTarget : public TargetModel {
   }
 
  private:
+  // Fused CUDA kernels (bf16 model on CUDA) with the same fp32 arithmetic and bf16 rounding points
+  // as the plain ops; tests/model/gated_delta_gpu_test.cc compares each pair.
+  static bool use_fused(const torch::Tensor& h) {
+#ifdef DFLASH_WITH_CUDA
+    return fused::supported(h);
+#else
+    (void)h;
+    return false;
+#endif
+  }
+  torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, bool fused_ok) const {
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok) return hybrid_cuda::rms_norm_zero_centred(x, w, cfg_.rms_norm_eps);
+#endif
+    (void)fused_ok;
+    return rms_norm_zero_centred(x, w, cfg_.rms_norm_eps);
+  }
+  torch::Tensor mlp(const torch::Tensor& x, const HybridLayer& L, bool fused_ok) const {
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok) return F::linear(fused::silu_mul(F::linear(x, L.gate_up_w)), L.down_w);
+#endif
+    (void)fused_ok;
+    return swiglu_mlp(x, L.gate_up_w, L.down_w);
+  }
+
   // Full attention with a sigmoid output gate: q_proj rows are per head [q (D) | gate (D)].
   torch::Tensor gated_attention(const GatedAttention& A, const torch::Tensor& x_TH, const RopeTable& rope,
                                 const std::vector<int64_t>& doc_lens) const {
@@ -187,13 +218,20 @@ class HybridTarget : public TargetModel {
   }
 
   // Gated DeltaNet: conv + SiLU, l2norm(q, k), g/beta, chunked gated delta rule, gated RMSNorm.
-  torch::Tensor gated_delta_net(const GatedDeltaNet& G, const torch::Tensor& x_TH,
-                                const std::vector<int64_t>& doc_lens) const {
+  // On CUDA the delta rule runs the kernels of core/model/cuda/gated_delta.cu (dispatched inside
+  // chunk_gated_delta_rule); with `fused` (bf16 on CUDA) the conv + SiLU and the gated norm too.
+  torch::Tensor gated_delta_net(const GatedDeltaNet& G, const torch::Tensor& x_TH, const std::vector<int64_t>& doc_lens,
+                                const torch::Tensor& pos_T, bool fused_ok) const {
     const int64_t T = x_TH.size(0), Hk = cfg_.linear_num_key_heads, Hv = cfg_.linear_num_value_heads;
     const int64_t dk = cfg_.linear_key_head_dim, dv = cfg_.linear_value_head_dim;
     const int64_t key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
     auto proj = F::linear(x_TH, G.in_w);  // [T, conv_dim + value_dim + 2 Hv], model dtype
-    auto mixed_TC = causal_conv1d_silu_varlen(proj.narrow(1, 0, conv_dim), G.conv_w, doc_lens);  // fp32
+    torch::Tensor mixed_TC;  // fp32
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok && cfg_.linear_conv_kernel_dim <= 8)
+      mixed_TC = hybrid_cuda::causal_conv1d_silu(proj.narrow(1, 0, conv_dim), G.conv_w, pos_T);
+#endif
+    if (!mixed_TC.defined()) mixed_TC = causal_conv1d_silu_varlen(proj.narrow(1, 0, conv_dim), G.conv_w, doc_lens);
     GatedDeltaInputs in;
     in.q_THK = l2norm(mixed_TC.narrow(1, 0, key_dim).view({T, Hk, dk}));
     in.k_THK = l2norm(mixed_TC.narrow(1, key_dim, key_dim).view({T, Hk, dk}));
@@ -204,7 +242,14 @@ class HybridTarget : public TargetModel {
     in.beta_TH = torch::sigmoid(b_TH);
     in.g_TH = -G.A_log.exp() * torch::softplus(a_TH + G.dt_bias, /*beta=*/1, /*threshold=*/20);
     auto o_THV = chunk_gated_delta_rule(in, doc_lens, 1.0 / std::sqrt(static_cast<double>(dk)));
-    auto y_TV = gated_rms_norm(o_THV, z_THV, G.norm_w, cfg_.rms_norm_eps).to(opt_.dtype).reshape({T, value_dim});
+    torch::Tensor y_TV;
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok && dv % 32 == 0 && dv <= 512 && o_THV.scalar_type() == torch::kFloat32)
+      y_TV = hybrid_cuda::gated_rms_norm(o_THV, z_THV, G.norm_w, cfg_.rms_norm_eps, opt_.dtype).reshape({T, value_dim});
+#endif
+    if (!y_TV.defined())
+      y_TV = gated_rms_norm(o_THV, z_THV, G.norm_w, cfg_.rms_norm_eps).to(opt_.dtype).reshape({T, value_dim});
+    (void)pos_T;
     return F::linear(y_TV, G.out_w);
   }
 

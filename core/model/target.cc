@@ -51,13 +51,36 @@ void validate_capture(const io::TargetConfig& cfg, const CaptureSpec& spec) {
 
 double forward_flops(const io::TargetConfig& c, const std::vector<int64_t>& doc_lens) {
   const double H = c.hidden_size, D = c.head_dim, Hq = c.num_heads, Hkv = c.num_kv_heads, I = c.intermediate_size;
-  double tokens = 0, attn = 0;
+  double tokens = 0, attn = 0, chunks64 = 0;
   for (auto n : doc_lens) {
     tokens += n;
     attn += 2.0 * 2.0 * Hq * D * (static_cast<double>(n) * (n + 1) / 2.0);  // QK^T + PV, causal half
+    chunks64 += static_cast<double>((n + 63) / 64);
   }
-  const double per_token_params = H * (Hq + 2 * Hkv) * D + Hq * D * H + 3.0 * H * I;
-  return c.num_layers * (2.0 * tokens * per_token_params + attn);
+  const double mlp = 3.0 * H * I;
+  if (c.family != io::Family::kQwen3_5) {
+    const double per_token_params = H * (Hq + 2 * Hkv) * D + Hq * D * H + mlp;
+    return c.num_layers * (2.0 * tokens * per_token_params + attn);
+  }
+  // Hybrid (target-models.md 2.3-2.5). Gated attention: q_proj has 2 Hq D rows (q | gate).
+  const double attn_params = H * (2 * Hq + 2 * Hkv) * D + Hq * D * H + mlp;
+  // Gated DeltaNet: in_proj qkv | z | b | a, out_proj, causal conv (Kc taps over conv_dim channels),
+  // and the chunked delta rule (C = 64) per chunk and value head:
+  //   K K^T and Q K^T: 4 C^2 dk; triangular solve for [U | W]: C^2 (dv + dk);
+  //   W S, (q e^G) S, state update: 6 C dk dv; Aqk v_new (lower half): C^2 dv.
+  const double Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads, dk = c.linear_key_head_dim;
+  const double dv = c.linear_value_head_dim, Kc = c.linear_conv_kernel_dim, C = 64;
+  const double key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
+  const double gdn_params = H * (conv_dim + value_dim + 2 * Hv) + value_dim * H + mlp;
+  const double rule_per_chunk = 4 * C * C * dk + C * C * (dv + dk) + 6 * C * dk * dv + C * C * dv;
+  double total = 0;
+  for (const auto& type : c.layer_types) {
+    if (type == "linear_attention")
+      total += 2.0 * tokens * gdn_params + 2.0 * tokens * Kc * conv_dim + chunks64 * Hv * rule_per_chunk;
+    else
+      total += 2.0 * tokens * attn_params + attn;
+  }
+  return total;
 }
 
 }  // namespace dflash::model

@@ -20,7 +20,11 @@ RunSchedule RunSchedule::build(const std::vector<uint32_t>& lengths, int epochs,
   s.gens_ = std::move(gens);
   int64_t step = 0;
   size_t g = 0;
-  const int M = shape.drafters, A = shape.grad_accum;
+  const int A = shape.grad_accum;
+  for (auto& gen : s.gens_) {
+    if (gen.drafters == 0) gen.drafters = shape.drafters;
+    DFLASH_CHECK(gen.drafters >= 1, ConfigError, "schedule: generation from step " << gen.start_step << " has " << gen.drafters << " drafters");
+  }
   for (int64_t e = 0; e < epochs; ++e) {
     std::vector<uint8_t> consumed(lengths.size(), 0);
     int64_t n_consumed = 0;
@@ -33,8 +37,9 @@ RunSchedule RunSchedule::build(const std::vector<uint32_t>& lengths, int epochs,
       seg.epoch = e;
       seg.first_step = step;
       seg.excluded_samples = n_consumed;
+      const int M = seg.drafters = s.gens_[g].drafters;
       seg.plan = data::plan_epoch(lengths, e, s.gens_[g].packing, n_consumed ? &consumed : nullptr);
-      seg.assignment = assign_epoch(e, static_cast<int64_t>(seg.plan.batches.size()), shape);
+      seg.assignment = assign_epoch(e, static_cast<int64_t>(seg.plan.batches.size()), {shape.targets, M, A});
       seg.steps = std::min(seg.assignment.steps(), next_start - step);
       for (int64_t ls = 0; ls < seg.steps; ++ls)
         for (int d = 0; d < M; ++d)
@@ -62,16 +67,17 @@ const ScheduleSegment& RunSchedule::segment_of(int64_t step) const {
 }
 
 RunSchedule::Ref RunSchedule::micro_batch(int64_t step, int drafter, int micro) const {
-  DFLASH_CHECK(drafter >= 0 && drafter < shape_.drafters && micro >= 0 && micro < shape_.grad_accum, ConfigError,
-               "schedule: drafter " << drafter << " micro-batch " << micro << " outside the shape");
   const auto& seg = segment_of(step);
+  DFLASH_CHECK(drafter >= 0 && drafter < seg.drafters && micro >= 0 && micro < shape_.grad_accum, ConfigError,
+               "schedule: drafter " << drafter << " micro-batch " << micro << " outside step " << step << "'s shape ("
+                                    << seg.drafters << " drafters, grad_accum " << shape_.grad_accum << ")");
   const int64_t k = (step - seg.first_step) * shape_.grad_accum + micro;
-  return {&seg, seg.assignment.batch_index(k, drafter, shape_.drafters)};
+  return {&seg, seg.assignment.batch_index(k, drafter, seg.drafters)};
 }
 
 std::vector<uint64_t> RunSchedule::step_samples(int64_t step) const {
   std::vector<uint64_t> ids;
-  for (int d = 0; d < shape_.drafters; ++d)
+  for (int d = 0; d < segment_of(step).drafters; ++d)
     for (int j = 0; j < shape_.grad_accum; ++j) {
       const auto& b = micro_batch(step, d, j).batch();
       ids.insert(ids.end(), b.sample_ids.begin(), b.sample_ids.end());
@@ -82,7 +88,7 @@ std::vector<uint64_t> RunSchedule::step_samples(int64_t step) const {
 int64_t RunSchedule::lr_schedule_steps() const {
   DFLASH_CHECK(gens_.size() == 1, ConfigError, "schedule: the learning-rate schedule length is defined by generation 0 alone");
   int64_t per_drafter = 0;
-  for (const auto& sg : segments_) per_drafter += sg.assignment.batches / shape_.drafters;
+  for (const auto& sg : segments_) per_drafter += sg.assignment.batches / sg.drafters;
   return per_drafter / shape_.grad_accum;
 }
 

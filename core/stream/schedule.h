@@ -33,6 +33,8 @@ namespace dflash::stream {
 struct Generation {
   int64_t start_step = 0;         // first schedule step planned with these settings
   data::PackingOptions packing;
+  int drafters = 0;               // data-parallel drafter ranks from start_step on (0: the shape's);
+                                  // a resume with another rank count opens a generation
 };
 
 // One (generation, epoch) stretch of the schedule: a plan and the steps taken from it.
@@ -44,6 +46,7 @@ struct ScheduleSegment {
   data::EpochPlan plan;
   EpochAssignment assignment;
   int64_t excluded_samples = 0;     // consumed earlier in this epoch (re-plan after a change)
+  int drafters = 1;                 // M of this segment's generation
 };
 
 class RunSchedule {
@@ -67,7 +70,7 @@ class RunSchedule {
   Ref micro_batch(int64_t step, int drafter, int micro) const;
   const ScheduleSegment& segment_of(int64_t step) const;
 
-  // Samples trained in `step` by all drafters (drafter-major, then micro-batch order).
+  // Samples trained in `step` by all drafters of its generation (drafter-major, then micro-batch).
   std::vector<uint64_t> step_samples(int64_t step) const;
 
   // Launch from `start_step`: the (step, micro) pairs of micro-batch counter c, and the counters a

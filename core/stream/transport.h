@@ -1,6 +1,8 @@
 // The data-plane transport: one Sender (target server) -> one Receiver (drafter trainer) per link,
 // carrying packed batches (packed_batch.h). Implementations: shm_transport.h (POSIX shared-memory
-// ring on one host), fake_transport.h (in-process, for tests); c10d point-to-point comes later.
+// ring on one host), c10d_transport.h (TCPStore + ProcessGroupNCCL, GPU to GPU, CUDA builds; its
+// logic is channel_transport.h), fake_transport.h (in-process, for tests). services/common/
+// transport_factory.h picks one by topology.transport.
 //
 // Contract shared by every implementation:
 // - Slots are preallocated by the receiver: `num_slots()` slots of `slot_capacity()` bytes each.

@@ -44,7 +44,7 @@ struct ControlClient::Impl {
 LaunchPlan LaunchPlan::standalone(const config::RunConfig& cfg, uint64_t run_id) {
   LaunchPlan p;
   p.run_id = run_id;
-  p.generations.push_back({0, cfg.data.token_budget, cfg.data.max_batch_size});
+  p.generations.push_back({0, cfg.data.token_budget, cfg.data.max_batch_size, cfg.num_drafters()});
   return p;
 }
 
@@ -122,7 +122,8 @@ std::unique_ptr<ControlClient> ControlClient::connect(const ClientOptions& o) {
   p.attempt = a.attempt();
   p.start_step = a.start_step();
   p.schedule_steps = a.schedule_steps();
-  for (const auto& g : a.generations()) p.generations.push_back({g.start_step(), g.token_budget(), g.max_batch_size()});
+  for (const auto& g : a.generations())
+    p.generations.push_back({g.start_step(), g.token_budget(), g.max_batch_size(), g.drafters()});
   p.resume_checkpoint = a.resume_checkpoint();
   for (const auto& f : a.faults()) p.faults.push_back({fault_kind(f.kind()), from_pb(f.role()), f.rank(), f.step()});
   p.store_port = a.store_port();

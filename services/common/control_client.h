@@ -31,6 +31,7 @@ struct GenerationSpec {
   int64_t start_step = 0;
   int64_t token_budget = 0;
   int64_t max_batch_size = 0;
+  int drafters = 0;                   // 0: the config's count
 };
 
 struct FaultSpecWire {

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -76,7 +77,7 @@ inline stream::RunSchedule build_schedule(const config::RunConfig& c, const std:
                                           const control::LaunchPlan& plan) {
   std::vector<stream::Generation> gens;
   for (const auto& g : plan.generations) {
-    stream::Generation x{g.start_step, packing_options(c)};
+    stream::Generation x{g.start_step, packing_options(c), g.drafters};
     x.packing.token_budget = g.token_budget;
     x.packing.max_batch_size = g.max_batch_size;
     gens.push_back(x);
@@ -188,6 +189,24 @@ struct GpuMemoryGauges {
     peak->set(0);
   }
 };
+
+// Peak CUDA caching-allocator bytes on `device` ("cuda[:i]"): {"allocated": .., "reserved": ..};
+// zeros on CPU. For the end-of-run JSON lines (dflash bench pipeline reads them).
+inline std::map<std::string, int64_t> peak_gpu_bytes(const std::string& device) {
+  std::map<std::string, int64_t> out{{"allocated", 0}, {"reserved", 0}};
+#ifdef DFLASH_WITH_CUDA
+  const auto dev = torch::Device(device);
+  if (dev.is_cuda()) {
+    const auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index() < 0 ? 0 : dev.index());
+    const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out["allocated"] = s.allocated_bytes[all].peak;
+    out["reserved"] = s.reserved_bytes[all].peak;
+  }
+#else
+  (void)device;
+#endif
+  return out;
+}
 
 // Stage-time histogram bounds shared by both roles: 50 us .. ~26 s.
 inline std::vector<double> stage_bounds() { return metrics::Histogram::exponential(5e-5, 2.0, 20); }

@@ -6,6 +6,7 @@
 
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "services/coordinator/bench_pipeline.h"
 #include "services/coordinator/config_check_cmd.h"
 #include "services/coordinator/data_cmd.h"
 #include "services/coordinator/deploy_cmd.h"
@@ -38,6 +39,9 @@ const char* kUsage =
     "  bench drafter [flags]    one drafter training step as JSON (--layers 5 --hidden 4096 --context 4096\n"
     "                           --anchors 512 --block-size 16 [--soft-labels] [--baseline] [--steps N])\n"
     "  deploy prometheus CONFIG [--out FILE] [--address NAME=ADDR,...]  Prometheus scrape config for a run\n"
+    "  bench pipeline [flags]   1 target server + 1 drafter trainer as processes over shm|c10d as JSON\n"
+    "                           (--transport shm|c10d --shape qwen3-8b|tiny or --model DIR --device cuda\n"
+    "                           --target-gpu 0 --drafter-gpu 1; --help for all flags)\n"
     "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
 
 bool is(const char* a, const char* b) { return a && !std::strcmp(a, b); }
@@ -64,6 +68,7 @@ int run_cli(int argc, char** argv) {
     if (is(cmd, "stop") || is(cmd, "checkpoint")) return coordinator::cmd_control(cmd, argc - 2, argv + 2);
     if (is(cmd, "bench") && is(sub, "target")) return target::cmd_bench_target(argc - 3, argv + 3);
     if (is(cmd, "bench") && is(sub, "drafter")) return drafter::cmd_bench_drafter(argc - 3, argv + 3);
+    if (is(cmd, "bench") && is(sub, "pipeline")) return cmd_bench_pipeline(argc - 3, argv + 3);
     std::cerr << "unknown command: " << cmd << (sub ? std::string(" ") + sub : "") << "\n" << kUsage;
     return kExitConfig;
   } catch (const std::exception& e) {

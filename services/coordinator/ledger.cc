@@ -31,7 +31,7 @@ void Ledger::apply(LedgerState& s, const json& r) {
   if (type == "run") {
     s.run = r;
     s.schedule_steps = field<int64_t>(r, "schedule_steps");
-    s.generations = {{0, field<int64_t>(r, "token_budget"), field<int64_t>(r, "max_batch_size")}};
+    s.generations = {{0, field<int64_t>(r, "token_budget"), field<int64_t>(r, "max_batch_size"), r.value("drafters", 0)}};
   } else if (type == "launch") {
     s.attempts = field<int>(r, "attempt") + 1;
     s.stopped_reason.clear();
@@ -45,8 +45,9 @@ void Ledger::apply(LedgerState& s, const json& r) {
   } else if (type == "checkpoint") {
     s.checkpoints.push_back({field<int64_t>(r, "step"), r.value("optimizer_step", int64_t(0)), field<std::string>(r, "dir")});
   } else if (type == "packing") {
-    control::GenerationSpec g{field<int64_t>(r, "start_step"), field<int64_t>(r, "token_budget"), field<int64_t>(r, "max_batch_size")};
     DFLASH_CHECK(!s.generations.empty(), DataError, "ledger: packing record before the run record");
+    control::GenerationSpec g{field<int64_t>(r, "start_step"), field<int64_t>(r, "token_budget"), field<int64_t>(r, "max_batch_size"),
+                              r.value("drafters", s.generations.back().drafters)};
     if (g.start_step == s.generations.back().start_step)
       s.generations.back() = g;
     else

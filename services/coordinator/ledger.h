@@ -10,7 +10,8 @@
 //   step        drafter rank R finished schedule step S (1-based) with these sample ids (epoch,
 //               optimizer step, skipped_nonfinite, loss)
 //   checkpoint  rank 0 committed checkpoint DIR covering steps <= S: the commit point
-//   packing     packing generation G from step S (token_budget, max_batch_size) and why; a record
+//   packing     packing generation G from step S (token_budget, max_batch_size, drafters) and why
+//               (an OOM, or a resume with another number of drafter ranks); a record
 //               with the start step of the current last generation replaces it
 //   restart     a worker failed (role, rank, reason, exit code) and the run restarts
 //   rollback    steps > S are discarded (the run restarts from the checkpoint at S); checkpoints

@@ -110,6 +110,7 @@ stream::RunSchedule schedule_of(const config::RunConfig& c, const std::vector<ui
     stream::Generation s{x.start_step, packing_of(c)};
     s.packing.token_budget = x.token_budget;
     s.packing.max_batch_size = x.max_batch_size;
+    s.drafters = x.drafters;
     g.push_back(s);
   }
   return stream::RunSchedule::build(lengths, c.run.epochs, {c.num_targets(), c.num_drafters(), c.train.grad_accum}, g);
@@ -354,6 +355,19 @@ class Coordinator final : public pb::Coordinator::Service {
         return kExitOk;
       }
       const auto [start_step, resume_dir] = choose_commit();
+      if (cfg_.num_drafters() != st.generations.back().drafters) {
+        // Resumed with another number of drafter ranks: the drafter state is replicated (it loads
+        // on any count); the rest of the epoch is re-planned for the new count from the commit.
+        auto g = st.generations.back();
+        const int before = g.drafters;
+        g.drafters = cfg_.num_drafters();
+        g.start_step = start_step;
+        ledger_.append({{"type", "packing"}, {"start_step", g.start_step}, {"token_budget", g.token_budget},
+                        {"max_batch_size", g.max_batch_size}, {"drafters", g.drafters},
+                        {"reason", "resumed with " + std::to_string(g.drafters) + " drafter ranks instead of " + std::to_string(before)},
+                        {"max_anchors", cfg_.train.max_anchors}, {"block_size", cfg_.drafter.block_size}});
+        LOG_WARN("drafter ranks " << before << " -> " << g.drafters << " from step " << start_step);
+      }
       const auto sched = schedule_of(cfg_, lengths_, st.generations);
       total_steps_ = sched.total_steps();
       attempt_ = st.attempts;
@@ -425,7 +439,8 @@ class Coordinator final : public pb::Coordinator::Service {
     const auto& st = ledger_.state();
     json gens = json::array();
     for (const auto& g : st.generations)
-      gens.push_back({{"start_step", g.start_step}, {"token_budget", g.token_budget}, {"max_batch_size", g.max_batch_size}});
+      gens.push_back({{"start_step", g.start_step}, {"token_budget", g.token_budget}, {"max_batch_size", g.max_batch_size},
+                      {"drafters", g.drafters}});
     double tps = 0;
     for (const auto& [_, v] : tokens_per_s_) tps += v;
     return {{"run", cfg_.run.name}, {"output_dir", cfg_.run.output_dir}, {"address", address_}, {"attempt", attempt_},
@@ -528,11 +543,13 @@ class Coordinator final : public pb::Coordinator::Service {
       x->set_start_step(g.start_step);
       x->set_token_budget(g.token_budget);
       x->set_max_batch_size(g.max_batch_size);
+      x->set_drafters(g.drafters);
     }
     assignment_.set_resume_checkpoint(resume_dir);
-    // Injected faults fire in the first attempt only (a restart must be able to get past them).
-    if (attempt_ == 0 || getenv("DFLASH_FAULTS_EVERY_ATTEMPT"))
-      for (const auto& f : cfg_.resilience.fault_injection) {
+    // Injected faults (tests): entry k of resilience.fault_injection is armed in launch attempt k
+    // only, so a sequence of faults fires one after another and every restart can get past its own.
+    if (attempt_ < static_cast<int>(cfg_.resilience.fault_injection.size()))
+      for (const auto& f : {cfg_.resilience.fault_injection[attempt_]}) {
         auto* x = assignment_.add_faults();
         x->set_kind(config::to_string(f.kind));
         x->set_role(f.role == config::Role::kTarget ? pb::ROLE_TARGET : pb::ROLE_DRAFTER);
@@ -726,7 +743,7 @@ class Coordinator final : public pb::Coordinator::Service {
     }
     g.start_step = st.committed_step();
     ledger_.append({{"type", "packing"}, {"start_step", g.start_step}, {"token_budget", g.token_budget},
-                    {"max_batch_size", g.max_batch_size}, {"reason", "CUDA OOM in " + std::string(role_name(w.spec.role)) + " " +
+                    {"max_batch_size", g.max_batch_size}, {"drafters", g.drafters}, {"reason", "CUDA OOM in " + std::string(role_name(w.spec.role)) + " " +
                                                                           std::to_string(w.spec.rank)},
                     {"max_anchors", cfg_.train.max_anchors}, {"block_size", cfg_.drafter.block_size}});
     if (m_packing_) m_packing_->inc();
@@ -783,7 +800,7 @@ int cmd_run(int argc, char** argv) {
   const auto cfg = config::load_config_or_throw(config_path);
   auto shards = data::ShardReader::open(cfg.data.shard_dir);
   const auto lengths = shards.lengths();
-  const auto sched0 = schedule_of(cfg, lengths, {{0, cfg.data.token_budget, cfg.data.max_batch_size}});
+  const auto sched0 = schedule_of(cfg, lengths, {{0, cfg.data.token_budget, cfg.data.max_batch_size, cfg.num_drafters()}});
   DFLASH_CHECK(sched0.total_steps() > 0, ConfigError,
                "the data gives no whole optimizer step (" << lengths.size() << " samples, " << cfg.num_drafters()
                                                           << " drafters, train.grad_accum=" << cfg.train.grad_accum << ")");

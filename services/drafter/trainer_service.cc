@@ -30,6 +30,7 @@
 #include "core/train/export.h"
 #include "core/train/trainer.h"
 #include "services/common/pipeline_common.h"
+#include "services/common/transport_factory.h"
 
 namespace dflash::drafter {
 namespace fs = std::filesystem;
@@ -275,11 +276,11 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
                         .total_bytes;
   const size_t stale = stream::remove_stale_segments(pipeline::run_segment_prefix(opt.run_id));
   if (stale) LOG_WARN("removed " << stale << " stale shm segment(s) of run " << hex(opt.run_id));
-  std::vector<std::unique_ptr<stream::ShmReceiver>> links;
+  std::vector<std::unique_ptr<stream::Receiver>> links;
   std::vector<std::string> segment_names;
   for (int t = 0; t < N; ++t) {
     segment_names.push_back(pipeline::link_name(opt.run_id, t, rank, M));
-    links.push_back(stream::ShmReceiver::create(segment_names.back(), lopt));
+    links.push_back(pipeline::make_receiver_link(cfg, opt.run_id, t, rank, lopt, opt.device));
   }
   LOG_INFO("drafter " << rank << "/" << M << ": " << N << " links of " << lopt.slots << " slots x " << lopt.slot_bytes << " bytes ("
                       << segment_names.front() << " ...)");
@@ -303,7 +304,9 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
 #ifdef DFLASH_WITH_CUDA
   if (device.is_cuda())
     for (auto& l : links) {
-      cudaError_t err = cudaHostRegister(l->base(), l->mapped_bytes(), cudaHostRegisterDefault);
+      const auto region = pipeline::host_region(*l);
+      if (!region.first) continue;
+      cudaError_t err = cudaHostRegister(region.first, region.second, cudaHostRegisterDefault);
       DFLASH_CHECK(err == cudaSuccess, TransportError, "cudaHostRegister of " << l->name() << ": " << cudaGetErrorString(err));
     }
 #endif
@@ -320,7 +323,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   // blocked, while this process is about to exit anyway.
   struct FailureGuard {
     std::unique_ptr<train::Collectives>& coll;
-    std::vector<std::unique_ptr<stream::ShmReceiver>>& links;
+    std::vector<std::unique_ptr<stream::Receiver>>& links;
     std::string prefix;
     ~FailureGuard() {
       if (std::uncaught_exceptions() == 0) return;
@@ -353,6 +356,9 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
                "the data gives fewer batches per drafter than train.grad_accum=" << accum << ": nothing to train");
   DFLASH_CHECK(start_step >= 0 && start_step <= total_steps, ConfigError,
                "the launch starts at step " << start_step << " outside the schedule's [0, " << total_steps << "]");
+  DFLASH_CHECK(start_step == total_steps || sched.segment_of(start_step).drafters == M, ConfigError,
+               "the schedule has " << sched.segment_of(start_step).drafters << " drafter ranks at step " << start_step
+                                   << " but the config has " << M);
 
   auto to = trainer_options_from_run(cfg, schedule_steps, compute);
   train::Trainer trainer(drafter, frozen, to, &tcoll);
@@ -384,8 +390,9 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   {
     auto pids = torch::zeros({M}, torch::kInt64);
     pids[rank] = static_cast<int64_t>(::getpid());
-    std::vector<torch::Tensor> v{pids};
+    std::vector<torch::Tensor> v{pids.to(device)};  // NCCL reduces device tensors only
     tcoll.all_reduce_sum(v);
+    pids = v[0].cpu();
     for (int r = 0; r < M; ++r) peers[r] = static_cast<pid_t>(pids[r].item<int64_t>());
   }
   PeerWatchdog watchdog(peers, segment_names, pipeline::run_segment_prefix(opt.run_id), in_collective_since,
@@ -413,6 +420,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
     for (const auto& sg : sched.segments()) {
       const auto& a = sg.assignment;
       ep.push_back({{"epoch", sg.epoch}, {"generation", sg.generation}, {"first_step", sg.first_step}, {"steps", sg.steps},
+                    {"drafters", sg.drafters},
                     {"batches", a.batches}, {"per_drafter", a.per_drafter}, {"remainder_batches", a.remainder_batches},
                     {"accum_cut_batches", a.accum_cut_batches}, {"dropped_samples", sg.plan.dropped},
                     {"truncated_samples", sg.plan.truncated}, {"excluded_samples", sg.excluded_samples}});
@@ -420,7 +428,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
       // id. A segment cut short by a packing change leaves its rest to the next generation's re-plan.
       json unassigned = json::array();
       if (sg.steps == a.steps())
-        for (int64_t i = a.per_drafter * M; i < a.batches; ++i)
+        for (int64_t i = a.per_drafter * sg.drafters; i < a.batches; ++i)
         for (auto id : sg.plan.batches[i].sample_ids) unassigned.push_back(id);
       ep.back()["unassigned_sample_ids"] = unassigned;
     }
@@ -652,7 +660,8 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   tcoll.barrier();  // nobody tears the store down while a peer still needs it
 #ifdef DFLASH_WITH_CUDA
   if (device.is_cuda())
-    for (auto& l : links) cudaHostUnregister(l->base());
+    for (auto& l : links)
+      if (auto region = pipeline::host_region(*l); region.first) cudaHostUnregister(region.first);
 #endif
   res.seconds = pipeline::seconds_since(t_start);
   json done = {{"event", "done"}, {"rank", rank}, {"steps", res.steps}, {"micro_batches", res.micro_batches}, {"tokens", res.tokens},
@@ -703,6 +712,7 @@ int cmd_train_service(int argc, char** argv) {
                     {"loop_seconds", r.loop_seconds}, {"wait_seconds", r.wait_seconds},
                     {"tokens_per_s", r.tokens / std::max(r.loop_seconds, 1e-9)},
                     {"waiting_fraction", r.wait_seconds / std::max(r.loop_seconds, 1e-9)},
+                    {"peak_gpu_bytes", pipeline::peak_gpu_bytes(o.device)},
                     {"checkpoint", r.last_checkpoint}, {"export", r.export_dir}}
                    .dump()
             << std::endl;

@@ -55,6 +55,12 @@ io::TargetConfig shape_config(const std::string& shape) {
   return c;
 }
 
+}  // namespace
+
+io::TargetConfig bench_shape_config(const std::string& shape) { return shape_config(shape); }
+
+namespace {
+
 struct BatchShape {
   int64_t docs, len;
 };

@@ -5,9 +5,11 @@
 #include <cstring>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #ifdef DFLASH_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #endif
@@ -16,6 +18,7 @@
 #include "core/model/drafter.h"
 #include "core/model/target.h"
 #include "services/common/pipeline_common.h"
+#include "services/common/transport_factory.h"
 
 namespace dflash::target {
 namespace {
@@ -98,10 +101,10 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
   } sweep_guard{pipeline::run_segment_prefix(opt.run_id)};
 
   // 1. Links first (fail fast on a wrong run id / topology; lets the drafters watch this pid).
-  std::vector<std::unique_ptr<stream::ShmSender>> links;
+  std::vector<std::unique_ptr<stream::Sender>> links;
   for (int d = 0; d < M; ++d) {
     const auto name = pipeline::link_name(opt.run_id, rank, d, M);
-    links.push_back(stream::ShmSender::attach(name, ms_of(opt.attach_timeout_s)));
+    links.push_back(pipeline::make_sender_link(cfg, opt.run_id, rank, d, opt.device, ms_of(opt.attach_timeout_s)));
     LOG_INFO("attached " << name << " -> drafter " << d << " (" << links.back()->num_slots() << " slots of "
                          << links.back()->slot_capacity() << " bytes)");
   }
@@ -139,7 +142,8 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
 #ifdef DFLASH_WITH_CUDA
   std::vector<std::unique_ptr<HostRegistration>> pins;
   if (device.is_cuda())
-    for (auto& l : links) pins.push_back(std::make_unique<HostRegistration>(l->base(), l->mapped_bytes()));
+    for (auto& l : links)
+      if (auto r = pipeline::host_region(*l); r.first) pins.push_back(std::make_unique<HostRegistration>(r.first, r.second));
 #endif
 
   // 3. The schedule: the same on every process (core/stream/schedule.h).
@@ -148,6 +152,9 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
   const int64_t start_step = plan.start_step, A = cfg.train.grad_accum;
   DFLASH_CHECK(start_step >= 0 && start_step <= sched.total_steps(), ConfigError,
                "the launch starts at step " << start_step << " outside the schedule's [0, " << sched.total_steps() << "]");
+  DFLASH_CHECK(start_step == sched.total_steps() || sched.segment_of(start_step).drafters == M, ConfigError,
+               "the schedule has " << sched.segment_of(start_step).drafters << " drafter ranks at step " << start_step
+                                   << " but the config has " << M);
   const auto counters = sched.target_counters(start_step, rank);
 
   // 4. Warm-up at the largest shape the packing allows (documents of max_seq_len up to the token
@@ -233,7 +240,15 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
         // forward + capture into the reused buffers
         auto ids_T = torch::from_blob(ids_host.data(), {T}, torch::kInt64);
         if (device.is_cuda()) ids_T = ids_T.to(device);
+#ifdef DFLASH_WITH_CUDA
+        // On CUDA the forward's time is its GPU time (the host only launches it): timed by events.
+        std::optional<at::cuda::CUDAEvent> fwd_begin, fwd_end;
+        if (device.is_cuda()) fwd_begin.emplace(cudaEventDefault), fwd_end.emplace(cudaEventDefault), fwd_begin->record();
+#endif
         auto cap = target->forward_capture(ids_T, doc_lens, spec, capture_view(T));
+#ifdef DFLASH_WITH_CUDA
+        if (fwd_end) fwd_end->record();
+#endif
         auto t2 = Clock::now();
         // wait for a credit on the drafter's link
         stream::PackedBatchInfo info;
@@ -252,7 +267,15 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
           throw TransportError(std::string("target ") + std::to_string(rank) + ": cannot send batch " + std::to_string(i) +
                                " of epoch " + std::to_string(e) + " to drafter " + std::to_string(d) + ": " + err.what());
         }
-        auto t3 = Clock::now();
+        auto t3 = Clock::now(), t3p = t3;  // t3p: packing starts (after the forward's GPU tail on CUDA)
+        double gpu_forward_s = -1;  // CUDA: the forward's GPU time; its tail is not counted as packing
+#ifdef DFLASH_WITH_CUDA
+        if (fwd_end) {
+          fwd_end->synchronize();
+          gpu_forward_s = fwd_begin->elapsed_time(*fwd_end) / 1000.0;
+          t3p = Clock::now();
+        }
+#endif
         // pack ONE contiguous batch in place
         stream::PackedBatchWriter w(slot.data(), slot.capacity(), info, docs);
         int32_t* ids_out = w.input_ids();
@@ -280,8 +303,9 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
         }
         auto t5 = Clock::now();
 
-        const double dr = std::chrono::duration<double>(t1 - t0).count(), df = std::chrono::duration<double>(t2 - t1).count(),
-                     dw = std::chrono::duration<double>(t3 - t2).count(), dp = std::chrono::duration<double>(t4 - t3).count(),
+        const double dr = std::chrono::duration<double>(t1 - t0).count(),
+                     df = gpu_forward_s >= 0 ? gpu_forward_s : std::chrono::duration<double>(t2 - t1).count(),
+                     dw = std::chrono::duration<double>(t3 - t2).count(), dp = std::chrono::duration<double>(t4 - t3p).count(),
                      ds = std::chrono::duration<double>(t5 - t4).count();
         met.read->observe(dr);
         met.forward->observe(df);
@@ -308,6 +332,9 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
         sum.tokens += T;
         sum.bytes += static_cast<int64_t>(bytes);
         sum.wait_seconds += dw;
+        sum.forward_seconds += df;
+        sum.pack_seconds += dp;
+        sum.send_seconds += ds;
       }
     }
   }
@@ -346,7 +373,9 @@ int cmd_serve(int argc, char** argv) {
   });
   std::cout << nlohmann::json{{"role", "target"}, {"rank", o.rank}, {"batches", s.batches}, {"tokens", s.tokens},
                               {"bytes", s.bytes}, {"seconds", s.seconds}, {"wait_seconds", s.wait_seconds},
-                              {"tokens_per_s", s.tokens / std::max(s.seconds, 1e-9)}}
+                              {"tokens_per_s", s.tokens / std::max(s.seconds, 1e-9)},
+                              {"forward_seconds", s.forward_seconds}, {"pack_seconds", s.pack_seconds},
+                              {"send_seconds", s.send_seconds}, {"peak_gpu_bytes", pipeline::peak_gpu_bytes(o.device)}}
                    .dump()
             << std::endl;
   return kExitOk;

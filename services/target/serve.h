@@ -34,6 +34,7 @@ struct ServeOptions {
 struct ServeSummary {
   int64_t batches = 0, tokens = 0, bytes = 0;
   double seconds = 0, wait_seconds = 0;
+  double forward_seconds = 0, pack_seconds = 0, send_seconds = 0;  // per stage, summed over batches
 };
 
 // `plan`: the coordinator's launch plan (schedule generations, start step, faults), or

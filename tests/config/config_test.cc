@@ -293,6 +293,22 @@ TEST(Config, MultiHostC10dIsValid) {
   EXPECT_EQ(r.config.launch.at("ssh").env.at("A"), "b");
 }
 
+TEST(Config, C10dPortBaseLeavesRoomForEveryLink) {
+  const std::string topo = "topology:\n  transport: c10d\n  c10d_port_base: PORT\n"
+                           "  hosts:\n    - {name: localhost, target_gpus: [0, 1], drafter_gpus: [2, 3]}\n";
+  auto with = [&](const std::string& port) {
+    std::string t = topo;
+    t.replace(t.find("PORT"), 4, port);
+    return parse(kMinimal + t);
+  };
+  EXPECT_TRUE(with("29700").ok()) << dump(with("29700"));
+  EXPECT_EQ(with("29700").config.topology.c10d_port_base, 29700);
+  ParseResult r = with("65534");  // 4 links need base .. base + 3
+  EXPECT_EQ(paths_of(r), (std::vector<std::string>{"topology.c10d_port_base"})) << dump(r);
+  EXPECT_EQ(r.problems[0].message, "expected a value in [1, 65532], got 65534");
+  EXPECT_EQ(paths_of(with("0")), (std::vector<std::string>{"topology.c10d_port_base"}));
+}
+
 TEST(Config, CoordinatorAndLaunchChecks) {
   ParseResult r = parse(kMinimal +
                         "topology:\n"

@@ -51,7 +51,7 @@ base run
 coord=$!
 for _ in $(seq 600); do [ -e "$work/run/coordinator.json" ] && grep -q '"step":3,' "$work/run/ledger.jsonl" 2>/dev/null && break; sleep 0.1; done
 addr=$("$py" -c "import json,sys; print(json.load(open(sys.argv[1]))['address'])" "$work/run/coordinator.json")
-DFLASH_CONTROL_TOKEN= expect_rc 2 "$work/c1.log" "$bin/dflash" status --coordinator "$addr"
+DFLASH_CONTROL_TOKEN='' expect_rc 2 "$work/c1.log" "$bin/dflash" status --coordinator "$addr"
 grep -q "missing x-dflash-token" "$work/c1.log" || { echo "FAIL (c): no token"; cat "$work/c1.log"; exit 1; }
 DFLASH_CONTROL_TOKEN=wrong expect_rc 2 "$work/c2.log" "$bin/dflash" stop --coordinator "$addr"
 grep -q "wrong control-plane token" "$work/c2.log" || { echo "FAIL (c): wrong token"; cat "$work/c2.log"; exit 1; }
@@ -65,7 +65,6 @@ committed=$(grep '"type":"checkpoint"' "$work/run/ledger.jsonl" | tail -1 | "$py
 shard=$(ls "$work"/shards/shard-*.bin | head -1)
 cp "$shard" "$work/shard.bak"
 truncate -s $(( $(stat -c %s "$shard") / 2 )) "$shard"
-ledger_before=$(md5sum < "$work/run/ledger.jsonl")
 expect_rc 4 "$work/d.log" "$bin/dflash" run "$work/run.yaml" --resume latest
 grep -q "$(basename "$shard")" "$work/d.log" || { echo "FAIL (d): the error does not name the shard"; tail -5 "$work/d.log"; exit 1; }
 [ -d "$committed" ] || { echo "FAIL (d): the committed checkpoint is gone"; exit 1; }
@@ -83,6 +82,6 @@ grep -qi "version" "$work/e.log" || { echo "FAIL (e): export error does not name
 echo "(e) unknown checkpoint version -> export exit 4: $(grep -io 'version[^[]*' "$work/e.log" | head -1)"
 "$bin/dflash" run "$work/run.yaml" --resume latest --quiet 2> "$work/e-run.log" || { tail -20 "$work/e-run.log"; exit 1; }
 grep -q "fails verification" "$work/e-run.log" || { echo "FAIL (e): no warning for the skipped checkpoint"; exit 1; }
-ls "$work/run/rolled-back/" | grep -q step- || { echo "FAIL (e): the skipped checkpoint was not kept aside"; exit 1; }
+compgen -G "$work/run/rolled-back/step-*" > /dev/null || { echo "FAIL (e): the skipped checkpoint was not kept aside"; exit 1; }
 "$py" "$src/tests/coordinator/check_run.py" "$work/run" --samples 200
 echo "PASS bad inputs"

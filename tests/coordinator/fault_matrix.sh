@@ -96,6 +96,6 @@ grep -q '"type":"stopped"' "$work/stop/ledger.jsonl" || { echo "FAIL: no stopped
 "$bin/dflash" run "$work/stop.yaml" --resume latest --quiet 2>> "$work/stop.log" || { tail -20 "$work/stop.log"; exit 1; }
 check stop
 
-left=$(ls /dev/shm | grep '^dflash-' || true)
+left=$(compgen -G "/dev/shm/dflash-*" || true)
 [ -z "$left" ] || echo "note: shm segments present after the matrix (other runs on this machine?): $left"
 echo "PASS fault matrix in $(( $(date +%s) - t0 )) s"

@@ -29,9 +29,9 @@ trap 'kill -9 $coord 2>/dev/null || true' EXIT
 # Workers: check_pipeline.py keeps each port's last scrape that saw traffic; the coordinator: its
 # last scrape while the run is on.
 for _ in $(seq 300); do [ -e "$work/run/coordinator.json" ] && break; sleep 0.1; done
-pids=$(pgrep -f -- "--config $work/cfg.yaml" | tr '\n' ' ')
-"$py" "$pipe/check_pipeline.py" scrape --out "$work/scrapes" --ports $wbase $((wbase + 1)) $((wbase + 2)) $((wbase + 3)) \
-  --pids $coord $pids &
+mapfile -t pids < <(pgrep -f -- "--config $work/cfg.yaml")
+"$py" "$pipe/check_pipeline.py" scrape --out "$work/scrapes" --ports "$wbase" $((wbase + 1)) $((wbase + 2)) $((wbase + 3)) \
+  --pids "$coord" "${pids[@]}" &
 scraper=$!
 while kill -0 $coord 2>/dev/null; do
   curl -sf "http://127.0.0.1:$cport/metrics" > "$work/coord.tmp" && mv "$work/coord.tmp" "$work/scrapes-coordinator.txt"

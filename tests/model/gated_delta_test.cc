@@ -2,7 +2,9 @@
 // mapping, no state leaking across documents, conv == torch conv1d per document.
 #include <gtest/gtest.h>
 
+#include "core/io/hf_config.h"
 #include "core/model/gated_delta.h"
+#include "core/model/target.h"
 #include "tests/model/golden_util.h"
 
 using namespace dflash;
@@ -109,6 +111,33 @@ TEST(GatedDelta, BadInputsAreDataErrors) {
   EXPECT_ANY_THROW(model::chunk_gated_delta_rule(ok, {4, 5}, 1.0));  // lengths do not sum to T
   ok.v_THV = ok.v_THV.to(torch::kBFloat16);
   EXPECT_ANY_THROW(model::chunk_gated_delta_rule(ok, {10}, 1.0));   // mixed dtypes
+}
+
+TEST(GatedDelta, Bf16InputsComputeInFp32AndKernelsNeedCuda) {
+  const std::vector<int64_t> lens{70, 9};
+  auto in = random_inputs(total(lens), 2, 4, 8, 8, torch::kFloat32, 8);
+  auto bf = in;
+  bf.q_THK = in.q_THK.to(torch::kBFloat16), bf.k_THK = in.k_THK.to(torch::kBFloat16);
+  bf.v_THV = in.v_THV.to(torch::kBFloat16);
+  auto o = model::chunk_gated_delta_rule(bf, lens, 0.5);  // g/beta stay fp32
+  EXPECT_EQ(o.scalar_type(), torch::kBFloat16);
+  EXPECT_LT(rel_err(o, model::chunk_gated_delta_rule(in, lens, 0.5)), 2e-2);
+  EXPECT_FALSE(model::gated_delta_uses_cuda_kernel(in));
+  EXPECT_ANY_THROW(model::chunk_gated_delta_rule(in, lens, 0.5, 64, model::GdnBackend::kCuda));  // CPU tensors
+}
+
+TEST(GatedDelta, HybridFlopCountAt27BShape) {
+  // Qwen3.6-27B text shape, one 4096-token document; the expected value is the formula of
+  // target.cc written out independently (python): 48 GDN layers + 16 gated attention layers.
+  io::TargetConfig c{};
+  c.family = io::Family::kQwen3_5;
+  c.hidden_size = 5120, c.intermediate_size = 17408, c.num_layers = 64, c.num_heads = 24, c.num_kv_heads = 4;
+  c.head_dim = 256, c.linear_num_key_heads = 16, c.linear_num_value_heads = 48, c.linear_key_head_dim = 128;
+  c.linear_value_head_dim = 128, c.linear_conv_kernel_dim = 4;
+  for (int i = 0; i < 64; ++i) c.layer_types.push_back((i + 1) % 4 == 0 ? "full_attention" : "linear_attention");
+  const double f = model::forward_flops(c, {4096});
+  EXPECT_NEAR(f / 204264081195008.0, 1.0, 1e-12);
+  std::cout << "27B shape, 1x4096: " << f / 4096 / 1e9 << " GFLOP/token\n";
 }
 
 TEST(CausalConv, EqualsTorchConv1dPerDocument) {

@@ -1,0 +1,35 @@
+// CUDA kernels of the chunked gated delta rule (target-models.md 2.5, chunk 64), fp32 state and
+// accumulation, over packed documents (the state restarts at every document boundary). The same
+// algorithm, step for step, as the LibTorch composition in gated_delta.cc, which stays the CPU path
+// and the reference of tests/model/gated_delta_gpu_test.cc. Available only in CUDA builds.
+//
+// Two launches per call:
+//   1. gdn_chunk_prep, one block per (chunk, value head), all chunks of all documents in parallel:
+//      cumulative log decay G, the 64x64 products K K^T and Q K^T in shared memory, the unit-lower
+//      triangular solve (I + strict_lower(beta K K^T * L)) [U | W] = [v beta | k beta exp(G)] by
+//      forward substitution (one thread per right-hand-side column, the 64 rows in registers), and
+//      the per-chunk operands of the recurrence: U, W^T, (scale q exp(G))^T, k exp(G_last - G),
+//      (Q K^T * L)^T, exp(G_last). Value head h reads key head h / (Hv / Hk) by index (no copy).
+//   2. gdn_chunk_scan, one block per (document, value head, 32-wide value tile): the 128 x 32 fp32
+//      state tile on chip, chunks in order: v_new = U - W S, o = (q exp G) S + Aqk v_new,
+//      S = exp(G_last) S + (k exp(G_last - G))^T v_new; writes o in the input dtype.
+#pragma once
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "core/model/gated_delta.h"
+
+namespace dflash::model::cuda_gdn {
+
+// Empty when the kernels accept these inputs; otherwise why not (for the caller's log or error).
+// Accepted: CUDA tensors; q/k/v float32 or bfloat16 (one dtype), g/beta float32 or q's dtype;
+// chunk == 64; key head dim 64 or 128; value head dim a multiple of 32 with K + V <= 256;
+// q/k/v with unit stride over the head dim and heads packed ([T, H, D] rows may be strided).
+std::string unsupported_reason(const GatedDeltaInputs& in, int64_t chunk);
+
+// o [T, Hv, V] in q's dtype. Inputs as for model::chunk_gated_delta_rule (already checked).
+torch::Tensor chunk_gated_delta_rule(const GatedDeltaInputs& in, const std::vector<int64_t>& doc_lens, double scale);
+
+}  // namespace dflash::model::cuda_gdn

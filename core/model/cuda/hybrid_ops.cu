@@ -1,0 +1,203 @@
+// Fused kernels of the hybrid target (see hybrid_ops.h). fp32 arithmetic in the order of the
+// LibTorch twins; explicit __fmul_rn / __fadd_rn where the twin multiplies and adds separately.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+
+#include "core/model/cuda/hybrid_ops.h"
+
+namespace dflash::model::hybrid_cuda {
+namespace {
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// One thread per (token, channel); tap Kc-1 reads the token itself, tap Kc-1-s the token s back,
+// which exists when the token is at least s positions into its document.
+template <typename Tin>
+__global__ void conv_silu_kernel(const Tin* __restrict__ x, int64_t sx, const float* __restrict__ w,
+                                 const int64_t* __restrict__ pos, float* __restrict__ out, int64_t T, int C, int Kc) {
+  const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (idx >= T * C) return;
+  const int64_t t = idx / C;
+  const int c = static_cast<int>(idx % C);
+  const int64_t p = pos[t];
+  const float* wc = w + int64_t(c) * Kc;
+  float acc = __fmul_rn(to_f(x[t * sx + c]), wc[Kc - 1]);
+  for (int s = 1; s < Kc; ++s)
+    if (p >= s) acc = __fadd_rn(acc, __fmul_rn(to_f(x[(t - s) * sx + c]), wc[Kc - 1 - s]));
+  out[idx] = silu(acc);
+}
+
+// One warp per (token, head) row of D = 32 * PER values.
+template <typename Tz, typename Tout, int PER>
+__global__ void gated_norm_kernel(const float* __restrict__ x, const Tz* __restrict__ z, int64_t sz_t,
+                                  const float* __restrict__ w, Tout* __restrict__ out, int64_t rows, int H, float eps) {
+  constexpr int D = 32 * PER;
+  const int64_t row = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;  // whole warps leave together
+  const int64_t t = row / H;
+  const int h = static_cast<int>(row % H);
+  const float* xr = x + row * D;
+  const Tz* zr = z + t * sz_t + int64_t(h) * D;
+  float v[PER];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    v[j] = xr[lane + 32 * j];
+    ss = fmaf(v[j], v[j], ss);
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float r = rsqrtf(ss / D + eps);
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = lane + 32 * j;
+    const float y = __fmul_rn(__fmul_rn(__fmul_rn(v[j], r), w[i]), silu(to_f(zr[i])));
+    out[row * D + i] = from_f<Tout>(y);
+  }
+}
+
+template <int kThreads>
+__device__ float block_sum(float v) {
+  __shared__ float warp_sums[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+  if (threadIdx.x < 32) {
+    total = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    if (threadIdx.x == 0) warp_sums[0] = total;
+  }
+  __syncthreads();
+  total = warp_sums[0];
+  __syncthreads();
+  return total;
+}
+
+template <int kThreads>
+__global__ void rms_norm_zc_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
+                                   __nv_bfloat16* __restrict__ out, int n, float eps) {
+  const int64_t row = blockIdx.x;
+  const __nv_bfloat16* xr = x + row * n;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    const float v = __bfloat162float(xr[i]);
+    ss = fmaf(v, v, ss);
+  }
+  const float r = rsqrtf(block_sum<kThreads>(ss) / n + eps);
+  for (int i = threadIdx.x; i < n; i += kThreads)
+    out[row * n + i] = __float2bfloat16(__fmul_rn(__fmul_rn(__bfloat162float(xr[i]), r), __fadd_rn(1.f, w[i])));
+}
+
+}  // namespace
+
+torch::Tensor causal_conv1d_silu(const torch::Tensor& x_TC, const torch::Tensor& w_CK, const torch::Tensor& pos_T) {
+  TORCH_CHECK(x_TC.is_cuda() && x_TC.dim() == 2 && x_TC.stride(1) == 1, "conv: x must be CUDA [T, C], unit channel stride");
+  TORCH_CHECK(x_TC.scalar_type() == torch::kFloat32 || x_TC.scalar_type() == torch::kBFloat16, "conv: x float32|bfloat16");
+  const int64_t T = x_TC.size(0);
+  const int C = static_cast<int>(x_TC.size(1)), Kc = static_cast<int>(w_CK.size(1));
+  TORCH_CHECK(w_CK.size(0) == C && Kc >= 1 && Kc <= 8, "conv: w must be [C, Kc <= 8]");
+  TORCH_CHECK(pos_T.scalar_type() == torch::kInt64 && pos_T.numel() == T, "conv: pos must be int64 [T]");
+  c10::cuda::CUDAGuard guard(x_TC.device());
+  auto w = w_CK.to(x_TC.device(), torch::kFloat32).contiguous();
+  auto pos = pos_T.contiguous();
+  auto out = torch::empty({T, C}, x_TC.options().dtype(torch::kFloat32));
+  const int64_t total = T * C;
+  if (total == 0) return out;
+  const int threads = 256;
+  const int64_t blocks = (total + threads - 1) / threads;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (x_TC.scalar_type() == torch::kBFloat16)
+    conv_silu_kernel<<<blocks, threads, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(x_TC.data_ptr()),
+                                                     x_TC.stride(0), w.data_ptr<float>(), pos.data_ptr<int64_t>(),
+                                                     out.data_ptr<float>(), T, C, Kc);
+  else
+    conv_silu_kernel<<<blocks, threads, 0, stream>>>(x_TC.data_ptr<float>(), x_TC.stride(0), w.data_ptr<float>(),
+                                                     pos.data_ptr<int64_t>(), out.data_ptr<float>(), T, C, Kc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+namespace {
+template <typename Tz, typename Tout>
+void launch_gated_norm(const torch::Tensor& x, const torch::Tensor& z, const torch::Tensor& w, float eps,
+                       torch::Tensor& out) {
+  const int64_t T = x.size(0), rows = T * x.size(1);
+  const int H = static_cast<int>(x.size(1)), D = static_cast<int>(x.size(2));
+  const int warps_per_block = 8;
+  const int64_t blocks = (rows + warps_per_block - 1) / warps_per_block;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const Tz* zp = reinterpret_cast<const Tz*>(z.data_ptr());
+  Tout* op = reinterpret_cast<Tout*>(out.data_ptr());
+#define DFLASH_GATED_NORM(PER)                                                                               \
+  gated_norm_kernel<Tz, Tout, PER><<<blocks, 32 * warps_per_block, 0, stream>>>(x.data_ptr<float>(), zp,     \
+                                                                               z.stride(0), w.data_ptr<float>(), \
+                                                                               op, rows, H, eps)
+  switch (D / 32) {
+    case 1: DFLASH_GATED_NORM(1); break;
+    case 2: DFLASH_GATED_NORM(2); break;
+    case 4: DFLASH_GATED_NORM(4); break;
+    case 8: DFLASH_GATED_NORM(8); break;
+    case 16: DFLASH_GATED_NORM(16); break;
+    default: TORCH_CHECK(false, "gated norm: head dim ", D, " not in {32, 64, 128, 256, 512}");
+  }
+#undef DFLASH_GATED_NORM
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+}  // namespace
+
+torch::Tensor gated_rms_norm(const torch::Tensor& x_in, const torch::Tensor& z_in, const torch::Tensor& w, double eps,
+                             torch::ScalarType out_dtype) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 3 && x_in.scalar_type() == torch::kFloat32, "gated norm: x CUDA fp32 [T, H, D]");
+  TORCH_CHECK(z_in.sizes() == x_in.sizes(), "gated norm: z must have x's shape");
+  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16, "gated norm: out float32|bfloat16");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  auto x = x_in.contiguous();
+  const int64_t D = x.size(2);
+  auto z = z_in;
+  if (!(z.stride(2) == 1 && (z.size(1) <= 1 || z.stride(1) == D))) z = z.contiguous();
+  if (z.scalar_type() != torch::kBFloat16) z = z.to(torch::kFloat32);
+  auto wf = w.to(x.device(), torch::kFloat32).contiguous();
+  auto out = torch::empty(x.sizes(), x.options().dtype(out_dtype));
+  if (x.numel() == 0) return out;
+  const float e = static_cast<float>(eps);
+  const bool zbf = z.scalar_type() == torch::kBFloat16, obf = out_dtype == torch::kBFloat16;
+  if (zbf && obf) launch_gated_norm<__nv_bfloat16, __nv_bfloat16>(x, z, wf, e, out);
+  else if (zbf) launch_gated_norm<__nv_bfloat16, float>(x, z, wf, e, out);
+  else if (obf) launch_gated_norm<float, __nv_bfloat16>(x, z, wf, e, out);
+  else launch_gated_norm<float, float>(x, z, wf, e, out);
+  return out;
+}
+
+torch::Tensor rms_norm_zero_centred(const torch::Tensor& x_in, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.scalar_type() == torch::kBFloat16, "zero-centred norm: x CUDA bf16");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.numel() == x_in.size(-1), "zero-centred norm: w fp32 [n]");
+  auto x = x_in.contiguous();
+  const int n = static_cast<int>(x.size(-1));
+  const int64_t rows = n ? x.numel() / n : 0;
+  auto out = torch::empty_like(x);
+  if (rows == 0) return out;
+  c10::cuda::CUDAGuard guard(x.device());
+  constexpr int kThreads = 256;
+  rms_norm_zc_kernel<kThreads><<<rows, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), w.data_ptr<float>(),
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), n, static_cast<float>(eps));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace dflash::model::hybrid_cuda

@@ -1,0 +1,664 @@
+#include "core/stream/channel_transport.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace dflash::stream {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr int64_t kChannelVersion = 1;
+constexpr uint32_t kMaxChannelSlots = 256;
+constexpr const char* kEnd = "end";
+
+Clock::time_point deadline_after(milliseconds t) {
+  if (t == kWaitForever || t > std::chrono::hours(24 * 365)) return Clock::time_point::max();
+  return Clock::now() + t;
+}
+
+std::string meta_key(uint64_t seq) { return "m/" + std::to_string(seq); }
+
+// ---------------------------------------------------------------- receiver
+
+class ChannelReceiver final : public Receiver {
+ public:
+  ChannelReceiver(std::string name, std::shared_ptr<LinkControl> control, std::unique_ptr<LinkData> data,
+                  const ChannelLinkOptions& opts)
+      : name_(std::move(name)), control_(std::move(control)), data_(std::move(data)), opts_(opts) {
+    DFLASH_CHECK(opts.slots >= 1 && opts.slots <= kMaxChannelSlots, TransportError,
+                 "link " << name_ << ": slots " << opts.slots << " out of range [1, " << kMaxChannelSlots << "]");
+    DFLASH_CHECK(opts.slot_bytes >= kHeaderBytes, TransportError,
+                 "link " << name_ << ": slot_bytes " << opts.slot_bytes << " is smaller than a packed batch header");
+    slots_.resize(opts.slots);
+    try {
+      for (auto& s : slots_) s.mem = data_->alloc_host(opts.slot_bytes);
+    } catch (...) {
+      free_slots();
+      throw;
+    }
+    control_->set("r/slots", std::to_string(opts.slots));
+    control_->set("r/slot_bytes", std::to_string(opts.slot_bytes));
+    control_->set("r/version", std::to_string(kChannelVersion));
+    control_->set("r/open", "1");
+    worker_ = std::thread([this] { worker_loop(); });
+  }
+
+  ~ChannelReceiver() override {
+    close();
+    if (worker_.joinable()) worker_.join();
+    if (!eos_ || !error_.empty()) data_->abort();
+    free_slots();
+  }
+
+  std::optional<ReceivedBatch> receive(milliseconds timeout) override {
+    std::unique_lock<std::mutex> lk(mu_);
+    const auto deadline = deadline_after(timeout);
+    auto ready = [&] { return !ready_.empty() || eos_ || !error_.empty() || closed_; };
+    if (deadline == Clock::time_point::max()) {
+      cv_.wait(lk, ready);
+    } else if (!cv_.wait_until(lk, deadline, ready)) {
+      DFLASH_FAIL(TransportError, "link " << name_ << ": no batch within " << timeout.count() << " ms ("
+                                          << (attached_ ? "sender stalled" : "no sender attached") << ")");
+    }
+    DFLASH_CHECK(!closed_, TransportError, "link " << name_ << ": receive after close()");
+    if (ready_.empty()) {
+      if (!error_.empty()) throw TransportError(error_);
+      return std::nullopt;  // eos_
+    }
+    const Ready r = ready_.front();
+    ready_.pop_front();
+    Slot& s = slots_[r.slot];
+    s.state = kHeld;
+    s.ticket = ++next_ticket_;
+    ++received_;
+    ReceivedBatch b(this, s.mem, r.size, r.slot, r.seq, s.ticket);
+    lk.unlock();
+    // Throws DataError on a bad batch; `b` then gives the slot back.
+    check_received_batch(b.data(), b.size(), opts_.verify_checksum, "link " + name_ + " batch seq " + std::to_string(b.seq()));
+    return std::optional<ReceivedBatch>(std::move(b));
+  }
+
+  void release(ReceivedBatch&& b) override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      DFLASH_CHECK(b.valid() && b.slot() < slots_.size() && slots_[b.slot()].state == kHeld && slots_[b.slot()].ticket == b.ticket(),
+                   TransportError, "link " << name_ << ": release of a batch this receiver does not hold");
+    }
+    b.disarm();
+    give_back(b.slot());
+  }
+
+  void close() override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (closed_) return;
+      closed_ = true;
+    }
+    stop_ = true;
+    cv_.notify_all();
+    try {
+      control_->add("r/closed", 1);
+    } catch (const std::exception&) {
+    }
+  }
+
+  size_t slot_capacity() const override { return opts_.slot_bytes; }
+  uint32_t num_slots() const override { return opts_.slots; }
+  const std::string& name() const override { return name_; }
+  LinkStats stats() const override {
+    std::lock_guard<std::mutex> lk(mu_);
+    LinkStats st;
+    st.slots = opts_.slots;
+    for (const auto& s : slots_) st.free_slots += s.state == kFree;
+    st.ready = static_cast<uint32_t>(ready_.size());
+    st.received = received_;
+    st.committed = received_ + ready_.size();
+    st.released = released_;
+    return st;
+  }
+
+ protected:
+  void return_slot(uint32_t slot, uint64_t ticket) noexcept override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (slot >= slots_.size() || slots_[slot].state != kHeld || slots_[slot].ticket != ticket) return;
+    }
+    give_back(slot);
+  }
+
+ private:
+  enum State { kFree, kFilling, kReady, kHeld };
+  struct Slot {
+    void* mem = nullptr;
+    State state = kFree;
+    uint64_t ticket = 0;
+  };
+  struct Ready {
+    uint32_t slot;
+    uint64_t seq;
+    size_t size;
+  };
+
+  void free_slots() {
+    for (auto& s : slots_)
+      if (s.mem) data_->free_host(s.mem), s.mem = nullptr;
+  }
+
+  void give_back(uint32_t slot) noexcept {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      slots_[slot].state = kFree;
+      ++released_;
+    }
+    cv_.notify_all();
+    try {
+      control_->add("r/released", 1);
+    } catch (const std::exception& e) {
+      // The sender then sees no credit and fails on its own liveness checks.
+      LOG_WARN("link " << name_ << ": returning a credit failed: " << e.what());
+    }
+  }
+
+  void fail(const std::string& msg) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (error_.empty()) error_ = msg;
+    }
+    cv_.notify_all();
+  }
+
+  // Throws TransportError when the link must stop: close(), sender aborted, sender heartbeat stale.
+  void check_peer() {
+    if (stop_) throw TransportError("link " + name_ + ": closed by the receiver");
+    const auto now = Clock::now();
+    if (now < next_check_) return;
+    next_check_ = now + std::min<milliseconds>(milliseconds(50), opts_.peer_timeout);
+    if (!attached_) {
+      if (control_->get_if("s/attached")) {
+        std::lock_guard<std::mutex> lk(mu_);
+        attached_ = true;
+        last_hb_change_ = now;
+      } else {
+        return;  // no sender yet: receive() timeouts bound the wait
+      }
+    }
+    DFLASH_CHECK(control_->add("s/aborted", 0) == 0, TransportError,
+                 "link " << name_ << ": sender went away without close() (aborted stream)");
+    const int64_t hb = control_->add("s/hb", 0);
+    if (hb != last_hb_) {
+      last_hb_ = hb;
+      last_hb_change_ = now;
+    }
+    DFLASH_CHECK(now - last_hb_change_ < opts_.peer_timeout, TransportError,
+                 "link " << name_ << ": sender died (no heartbeat for "
+                         << std::chrono::duration_cast<milliseconds>(now - last_hb_change_).count() << " ms)");
+  }
+
+  void worker_loop() {
+    try {
+      for (uint64_t seq = 0;; ++seq) {
+        // A free slot (one always exists for a sender that keeps the credit rule; waiting here only
+        // means the application holds every slot).
+        uint32_t slot = 0;
+        for (;;) {
+          {
+            std::unique_lock<std::mutex> lk(mu_);
+            auto it = std::find_if(slots_.begin(), slots_.end(), [](const Slot& s) { return s.state == kFree; });
+            if (it != slots_.end()) {
+              slot = static_cast<uint32_t>(it - slots_.begin());
+              it->state = kFilling;
+              break;
+            }
+            cv_.wait_for(lk, milliseconds(50));
+          }
+          check_peer();
+        }
+        // The byte count of commit `seq`, or the end marker.
+        std::string meta;
+        for (;;) {
+          check_peer();
+          if (auto v = control_->get_if(meta_key(seq))) {
+            meta = *v;
+            break;
+          }
+          std::this_thread::sleep_for(opts_.poll);
+        }
+        if (meta == kEnd) {
+          {
+            std::lock_guard<std::mutex> lk(mu_);
+            slots_[slot].state = kFree;
+            eos_ = true;
+          }
+          cv_.notify_all();
+          return;
+        }
+        char* endp = nullptr;
+        const unsigned long long size = std::strtoull(meta.c_str(), &endp, 10);
+        DFLASH_CHECK(endp && *endp == 0 && !meta.empty() && size <= opts_.slot_bytes, TransportError,
+                     "link " << name_ << ": bad size '" << meta << "' for commit " << seq << " (slot capacity "
+                             << opts_.slot_bytes << ")");
+        data_->recv(slots_[slot].mem, size, [this] { check_peer(); });
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          slots_[slot].state = kReady;
+          ready_.push_back({slot, seq, static_cast<size_t>(size)});
+        }
+        cv_.notify_all();
+      }
+    } catch (const std::exception& e) {
+      fail(e.what());
+    }
+  }
+
+  std::string name_;
+  std::shared_ptr<LinkControl> control_;
+  std::unique_ptr<LinkData> data_;
+  ChannelLinkOptions opts_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Slot> slots_;
+  std::deque<Ready> ready_;
+  bool eos_ = false, closed_ = false, attached_ = false;
+  std::string error_;
+  std::atomic<bool> stop_{false};
+  uint64_t received_ = 0, released_ = 0, next_ticket_ = 0;
+  // worker-thread only
+  int64_t last_hb_ = -1;
+  Clock::time_point last_hb_change_{}, next_check_{};
+  std::thread worker_;
+};
+
+// ---------------------------------------------------------------- sender
+
+class ChannelSender final : public Sender {
+ public:
+  ChannelSender(std::string name, std::shared_ptr<LinkControl> control, std::unique_ptr<LinkData> data,
+                milliseconds timeout, const ChannelLinkOptions& opts)
+      : name_(std::move(name)), control_(std::move(control)), data_(std::move(data)), opts_(opts) {
+    const auto deadline = deadline_after(timeout);
+    while (!control_->get_if("r/open")) {
+      DFLASH_CHECK(Clock::now() < deadline, TransportError,
+                   "link " << name_ << ": attach timed out after " << timeout.count()
+                           << " ms waiting for the receiver to open the link (is the receiver running?)");
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    auto num = [&](const char* key) {
+      auto v = control_->get_if(key);
+      DFLASH_CHECK(v.has_value(), TransportError, "link " << name_ << ": receiver opened the link without '" << key << "'");
+      return std::strtoll(v->c_str(), nullptr, 10);
+    };
+    const int64_t version = num("r/version");
+    DFLASH_CHECK(version == kChannelVersion, TransportError,
+                 "link " << name_ << ": receiver speaks link version " << version << ", this sender " << kChannelVersion
+                         << "; sender and receiver binaries must match");
+    DFLASH_CHECK(control_->add("r/closed", 0) == 0, TransportError, "link " << name_ << ": receiver already closed the link");
+    DFLASH_CHECK(control_->add("s/attached_count", 1) == 1, TransportError,
+                 "link " << name_ << ": already has a sender; a link takes one sender per receiver lifetime");
+    const int64_t slots = num("r/slots");
+    slot_bytes_ = static_cast<size_t>(num("r/slot_bytes"));
+    DFLASH_CHECK(slots >= 1 && slots <= kMaxChannelSlots, TransportError, "link " << name_ << ": receiver announced " << slots << " slots");
+    slots_.resize(static_cast<size_t>(slots));
+    try {
+      for (auto& s : slots_) s.mem = data_->alloc_host(slot_bytes_);
+    } catch (...) {
+      free_slots();
+      throw;
+    }
+    control_->add("s/hb", 1);
+    control_->set("s/attached", "1");
+    worker_ = std::thread([this] { worker_loop(); });
+    heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  }
+
+  ~ChannelSender() override {
+    bool clean;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      clean = closed_;
+      if (clean) {
+        // Let the send thread deliver what was committed and the end marker.
+        const auto deadline = Clock::now() + opts_.drain_timeout;
+        cv_.wait_until(lk, deadline, [&] { return worker_done_; });
+        if (!worker_done_) LOG_WARN("link " << name_ << ": gave up draining sends after " << opts_.drain_timeout.count() << " ms");
+      }
+    }
+    if (!clean || !worker_done_) {
+      try {
+        control_->add("s/aborted", 1);
+      } catch (const std::exception&) {
+      }
+    }
+    stop_ = true;
+    cv_.notify_all();
+    hb_cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+    if (heartbeat_.joinable()) heartbeat_.join();
+    if (!clean || !error_.empty()) data_->abort();
+    free_slots();
+  }
+
+  SlotBuffer acquire(size_t bytes, milliseconds timeout) override {
+    DFLASH_CHECK(bytes <= slot_bytes_, TransportError,
+                 "link " << name_ << ": acquire of " << bytes << " bytes exceeds the slot capacity " << slot_bytes_);
+    const auto deadline = deadline_after(timeout);
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        DFLASH_CHECK(!closed_, TransportError, "link " << name_ << ": acquire after close()");
+        if (!error_.empty()) throw TransportError(error_);
+        const uint64_t in_flight = acquired_ + (committed_ - released_remote_);
+        if (in_flight < slots_.size()) {
+          auto it = std::find_if(slots_.begin(), slots_.end(), [](const Slot& s) { return s.state == kFree; });
+          if (it != slots_.end()) {
+            it->state = kAcquired;
+            it->ticket = ++next_ticket_;
+            ++acquired_;
+            return SlotBuffer(this, it->mem, slot_bytes_, bytes, static_cast<uint32_t>(it - slots_.begin()), it->ticket);
+          }
+        }
+      }
+      // No credit (or the send thread still uses the buffers): refresh from the receiver.
+      int64_t released = 0;
+      try {
+        DFLASH_CHECK(control_->add("r/closed", 0) == 0, TransportError, "link " << name_ << ": receiver closed the link");
+        released = control_->add("r/released", 0);
+      } catch (const TransportError& e) {
+        throw TransportError(std::string(e.what()));
+      }
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        released_remote_ = std::max<uint64_t>(released_remote_, static_cast<uint64_t>(released));
+      }
+      DFLASH_CHECK(Clock::now() < deadline, TransportError,
+                   "link " << name_ << ": no free slot within " << timeout.count() << " ms (receiver stalled; " << slots_.size()
+                           << " slots all in flight)");
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait_for(lk, opts_.poll);
+    }
+  }
+
+  void commit(SlotBuffer&& buf) override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      DFLASH_CHECK(buf.valid() && buf.slot() < slots_.size() && slots_[buf.slot()].state == kAcquired &&
+                       slots_[buf.slot()].ticket == buf.ticket(),
+                   TransportError, "link " << name_ << ": commit of a slot this sender does not hold");
+      DFLASH_CHECK(buf.size() <= slot_bytes_, TransportError,
+                   "link " << name_ << ": commit of " << buf.size() << " bytes exceeds the slot capacity " << slot_bytes_);
+      DFLASH_CHECK(!closed_, TransportError, "link " << name_ << ": commit after close()");
+      if (!error_.empty()) throw TransportError(error_);
+      slots_[buf.slot()].state = kQueued;
+      --acquired_;
+      queue_.push_back({buf.slot(), committed_++, buf.size()});
+      buf.disarm();
+    }
+    cv_.notify_all();
+  }
+
+  void close() override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (closed_) return;
+      closed_ = true;
+      for (auto& s : slots_)
+        if (s.state == kAcquired) s.state = kFree;
+      acquired_ = 0;
+      queue_.push_back({kEndSlot, committed_, 0});
+    }
+    cv_.notify_all();
+  }
+
+  size_t slot_capacity() const override { return slot_bytes_; }
+  uint32_t num_slots() const override { return static_cast<uint32_t>(slots_.size()); }
+  const std::string& name() const override { return name_; }
+  LinkStats stats() const override {
+    std::lock_guard<std::mutex> lk(mu_);
+    LinkStats st;
+    st.slots = static_cast<uint32_t>(slots_.size());
+    const uint64_t in_flight = acquired_ + (committed_ - std::min(released_remote_, committed_));
+    st.free_slots = static_cast<uint32_t>(slots_.size() - std::min<uint64_t>(in_flight, slots_.size()));
+    st.committed = committed_;
+    st.released = released_remote_;
+    st.received = released_remote_;  // the sender cannot see receives that were not yet released
+    st.ready = static_cast<uint32_t>(queue_.size());
+    return st;
+  }
+
+ protected:
+  void return_slot(uint32_t slot, uint64_t ticket) noexcept override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (slot >= slots_.size() || slots_[slot].state != kAcquired || slots_[slot].ticket != ticket) return;
+      slots_[slot].state = kFree;
+      --acquired_;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  static constexpr uint32_t kEndSlot = ~0u;
+  enum State { kFree, kAcquired, kQueued };
+  struct Slot {
+    void* mem = nullptr;
+    State state = kFree;
+    uint64_t ticket = 0;
+  };
+  struct Job {
+    uint32_t slot;
+    uint64_t seq;
+    size_t size;
+  };
+
+  void free_slots() {
+    for (auto& s : slots_)
+      if (s.mem) data_->free_host(s.mem), s.mem = nullptr;
+  }
+
+  void check_peer() {
+    if (stop_) throw TransportError("link " + name_ + ": sender shut down during a transfer");
+    const auto now = Clock::now();
+    if (now < next_check_) return;
+    next_check_ = now + milliseconds(50);
+    DFLASH_CHECK(control_->add("r/closed", 0) == 0, TransportError, "link " << name_ << ": receiver closed the link");
+  }
+
+  void worker_loop() {
+    try {
+      for (;;) {
+        Job job;
+        {
+          std::unique_lock<std::mutex> lk(mu_);
+          cv_.wait(lk, [&] { return !queue_.empty() || stop_; });
+          if (queue_.empty()) return;
+          job = queue_.front();
+        }
+        if (job.slot == kEndSlot) {
+          control_->set(meta_key(job.seq), kEnd);
+          std::lock_guard<std::mutex> lk(mu_);
+          queue_.pop_front();
+          worker_done_ = true;
+          cv_.notify_all();
+          return;
+        }
+        control_->set(meta_key(job.seq), std::to_string(job.size));
+        data_->send(slots_[job.slot].mem, job.size, [this] { check_peer(); });
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          queue_.pop_front();
+          slots_[job.slot].state = kFree;  // the bytes are out; the credit stays taken until released
+        }
+        cv_.notify_all();
+      }
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (error_.empty()) error_ = e.what();
+      worker_done_ = true;
+      cv_.notify_all();
+    }
+  }
+
+  void heartbeat_loop() {
+    std::unique_lock<std::mutex> lk(hb_mu_);
+    while (!stop_) {
+      hb_cv_.wait_for(lk, opts_.heartbeat);
+      if (stop_) break;
+      try {
+        control_->add("s/hb", 1);
+      } catch (const std::exception&) {
+        // The receiver (store host) is gone; acquire()/the send thread report it.
+      }
+    }
+  }
+
+  std::string name_;
+  std::shared_ptr<LinkControl> control_;
+  std::unique_ptr<LinkData> data_;
+  ChannelLinkOptions opts_;
+  size_t slot_bytes_ = 0;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Slot> slots_;
+  std::deque<Job> queue_;
+  uint64_t acquired_ = 0, committed_ = 0, released_remote_ = 0, next_ticket_ = 0;
+  bool closed_ = false, worker_done_ = false;
+  std::string error_;
+  std::atomic<bool> stop_{false};
+  Clock::time_point next_check_{};  // send thread only
+  std::mutex hb_mu_;
+  std::condition_variable hb_cv_;
+  std::thread worker_, heartbeat_;
+};
+
+// ---------------------------------------------------------------- fakes
+
+struct FakeChannelState {
+  std::string name;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::string, std::string> kv;
+  std::deque<std::vector<uint8_t>> wire;
+  bool dead = false, frozen = false, corrupt = false;
+};
+
+class FakeControl final : public LinkControl {
+ public:
+  explicit FakeControl(std::shared_ptr<FakeChannelState> st) : st_(std::move(st)) {}
+  void set(const std::string& key, const std::string& value) override {
+    std::lock_guard<std::mutex> lk(st_->mu);
+    check();
+    if (st_->frozen && (key[0] == 's' || key[0] == 'm')) return;  // the sender's process is gone
+    st_->kv[key] = value;
+  }
+  std::optional<std::string> get_if(const std::string& key) override {
+    std::lock_guard<std::mutex> lk(st_->mu);
+    check();
+    auto it = st_->kv.find(key);
+    if (it == st_->kv.end()) return std::nullopt;
+    return it->second;
+  }
+  int64_t add(const std::string& key, int64_t delta) override {
+    std::lock_guard<std::mutex> lk(st_->mu);
+    check();
+    if (st_->frozen && key[0] == 's') delta = 0;
+    auto& v = st_->kv[key];
+    const int64_t n = (v.empty() ? 0 : std::strtoll(v.c_str(), nullptr, 10)) + delta;
+    v = std::to_string(n);
+    return n;
+  }
+
+ private:
+  void check() {
+    DFLASH_CHECK(!st_->dead, TransportError, "fake link " << st_->name << ": control store unreachable (its host died)");
+  }
+  std::shared_ptr<FakeChannelState> st_;
+};
+
+class FakeData final : public LinkData {
+ public:
+  explicit FakeData(std::shared_ptr<FakeChannelState> st) : st_(std::move(st)) {}
+  void* alloc_host(size_t bytes) override {
+    void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+    DFLASH_CHECK(p, TransportError, "fake link: cannot allocate " << bytes << " bytes");
+    return p;
+  }
+  void free_host(void* p) noexcept override { std::free(p); }
+  void send(const void* src, size_t bytes, const std::function<void()>& check) override {
+    check();
+    std::lock_guard<std::mutex> lk(st_->mu);
+    if (st_->frozen) return;
+    const auto* b = static_cast<const uint8_t*>(src);
+    st_->wire.emplace_back(b, b + bytes);
+    if (st_->corrupt && bytes > kSectionAlign) {
+      st_->wire.back()[bytes - 1] ^= 0x5a;
+      st_->corrupt = false;
+    }
+    st_->cv.notify_all();
+  }
+  void recv(void* dst, size_t bytes, const std::function<void()>& check) override {
+    std::unique_lock<std::mutex> lk(st_->mu);
+    while (st_->wire.empty()) {
+      st_->cv.wait_for(lk, milliseconds(5));
+      lk.unlock();
+      check();
+      lk.lock();
+    }
+    auto msg = std::move(st_->wire.front());
+    st_->wire.pop_front();
+    DFLASH_CHECK(msg.size() == bytes, TransportError,
+                 "fake link " << st_->name << ": sent " << msg.size() << " bytes, receiver expected " << bytes);
+    std::memcpy(dst, msg.data(), bytes);
+  }
+
+ private:
+  std::shared_ptr<FakeChannelState> st_;
+};
+
+}  // namespace
+
+std::unique_ptr<Receiver> make_channel_receiver(const std::string& name, std::shared_ptr<LinkControl> control,
+                                                std::unique_ptr<LinkData> data, const ChannelLinkOptions& opts) {
+  return std::make_unique<ChannelReceiver>(name, std::move(control), std::move(data), opts);
+}
+
+std::unique_ptr<Sender> make_channel_sender(const std::string& name, std::shared_ptr<LinkControl> control,
+                                            std::unique_ptr<LinkData> data, std::chrono::milliseconds timeout,
+                                            const ChannelLinkOptions& opts) {
+  return std::make_unique<ChannelSender>(name, std::move(control), std::move(data), timeout, opts);
+}
+
+FakeChannel make_fake_channel(const std::string& name) {
+  auto st = std::make_shared<FakeChannelState>();
+  st->name = name;
+  FakeChannel fc;
+  fc.control = std::make_shared<FakeControl>(st);
+  fc.sender_data = std::make_unique<FakeData>(st);
+  fc.receiver_data = std::make_unique<FakeData>(st);
+  fc.kill_control = [st] {
+    std::lock_guard<std::mutex> lk(st->mu);
+    st->dead = true;
+  };
+  fc.freeze_sender = [st] {
+    std::lock_guard<std::mutex> lk(st->mu);
+    st->frozen = true;
+  };
+  fc.corrupt_next = [st] {
+    std::lock_guard<std::mutex> lk(st->mu);
+    st->corrupt = true;
+  };
+  return fc;
+}
+
+}  // namespace dflash::stream

@@ -1,0 +1,293 @@
+// GPU hosts only (label gpu): the CUDA chunked gated delta rule (core/model/cuda/gated_delta.cu)
+// against the composed LibTorch chunked path (fp64 on the same GPU), on packed documents whose
+// lengths are not multiples of 64, with the GVA head mapping (Hv = 3 Hk) and the 27B head dims.
+// Metric: rel_err = max|a - b| / max|b| (golden_util.h). Limits: fp32 inputs 1e-4, bf16 q/k/v 2e-2.
+// Also the hybrid's fused conv + SiLU, gated RMSNorm and zero-centred RMSNorm (hybrid_ops.cu) vs
+// their LibTorch twins: fp32 results 1e-5, bf16 results 2 bf16 ulps of the value scale.
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "core/model/cuda/hybrid_ops.h"
+#include "core/model/gated_delta.h"
+#include "core/model/hybrid.h"
+#include "core/model/layers.h"
+#include "core/model/weights.h"
+#include "tests/model/golden_util.h"
+
+using namespace dflash;
+using dflash::testing::rel_err;
+
+namespace {
+
+constexpr double kFp32Tol = 1e-4;
+constexpr double kBf16Tol = 2e-2;
+
+int64_t total(const std::vector<int64_t>& lens) {
+  int64_t t = 0;
+  for (auto n : lens) t += n;
+  return t;
+}
+
+// Random inputs on the GPU in fp64: l2-normalised q/k, log decays in [-g_max, 0], beta in (0, 1).
+model::GatedDeltaInputs random_inputs(int64_t T, int64_t Hk, int64_t Hv, int64_t K, int64_t V, uint64_t seed,
+                                      double g_max = 3.0) {
+  torch::manual_seed(seed);
+  auto o = torch::TensorOptions().dtype(torch::kFloat64).device(torch::kCUDA);
+  model::GatedDeltaInputs in;
+  in.q_THK = model::l2norm(torch::randn({T, Hk, K}, o));
+  in.k_THK = model::l2norm(torch::randn({T, Hk, K}, o));
+  in.v_THV = torch::randn({T, Hv, V}, o);
+  in.g_TH = -torch::rand({T, Hv}, o) * g_max;
+  in.beta_TH = torch::sigmoid(torch::randn({T, Hv}, o));
+  return in;
+}
+
+model::GatedDeltaInputs cast(const model::GatedDeltaInputs& in, torch::ScalarType qkv, torch::ScalarType gb) {
+  return {in.q_THK.to(qkv), in.k_THK.to(qkv), in.v_THV.to(qkv), in.g_TH.to(gb), in.beta_TH.to(gb)};
+}
+
+model::GatedDeltaInputs slice(const model::GatedDeltaInputs& in, int64_t off, int64_t n) {
+  return {in.q_THK.narrow(0, off, n), in.k_THK.narrow(0, off, n), in.v_THV.narrow(0, off, n),
+          in.g_TH.narrow(0, off, n), in.beta_TH.narrow(0, off, n)};
+}
+
+torch::Tensor cuda_rule(const model::GatedDeltaInputs& in, const std::vector<int64_t>& lens, double scale) {
+  return model::chunk_gated_delta_rule(in, lens, scale, 64, model::GdnBackend::kCuda);
+}
+torch::Tensor composed_rule(const model::GatedDeltaInputs& in, const std::vector<int64_t>& lens, double scale) {
+  return model::chunk_gated_delta_rule(in, lens, scale, 64, model::GdnBackend::kComposed);
+}
+
+// Lengths around and across chunk boundaries, none of the long ones a multiple of 64.
+const std::vector<int64_t> kLens{1, 63, 64, 65, 130, 7, 200, 333};
+
+TEST(GatedDeltaGpu, Fp32KernelMatchesComposedFp64) {
+  ASSERT_TRUE(torch::cuda::is_available());
+  const int64_t K = 128, V = 128;
+  const double scale = 1.0 / std::sqrt(double(K));
+  auto in64 = random_inputs(total(kLens), 2, 6, K, V, 11);
+  auto ref = composed_rule(in64, kLens, scale);
+  auto in32 = cast(in64, torch::kFloat32, torch::kFloat32);
+  ASSERT_TRUE(model::gated_delta_uses_cuda_kernel(in32));
+  auto o = cuda_rule(in32, kLens, scale);
+  ASSERT_EQ(o.sizes(), ref.sizes());
+  EXPECT_EQ(o.scalar_type(), torch::kFloat32);
+  const double e = rel_err(o, ref);
+  std::cout << "cuda fp32 vs composed fp64 relative error " << e << "\n";
+  EXPECT_LT(e, kFp32Tol);
+  // Same order of error as the composed fp32 path.
+  const double e_comp = rel_err(composed_rule(in32, kLens, scale), ref);
+  std::cout << "composed fp32 vs composed fp64 relative error " << e_comp << "\n";
+  // The automatic backend picks the kernel for these inputs and gives the same tensor.
+  EXPECT_EQ(rel_err(model::chunk_gated_delta_rule(in32, kLens, scale), o), 0.0);
+}
+
+TEST(GatedDeltaGpu, KeyDim64AndWideValueTiles) {
+  // K = 64 instantiation, V = 192 (6 value tiles), Hk == Hv (r = 1), strong decays.
+  const std::vector<int64_t> lens{129, 5, 64, 190};
+  auto in64 = random_inputs(total(lens), 3, 3, 64, 192, 12, /*g_max=*/8.0);
+  auto ref = composed_rule(in64, lens, 0.125);
+  auto o = cuda_rule(cast(in64, torch::kFloat32, torch::kFloat32), lens, 0.125);
+  const double e = rel_err(o, ref);
+  std::cout << "K 64 V 192: cuda fp32 vs composed fp64 relative error " << e << "\n";
+  EXPECT_LT(e, kFp32Tol);
+}
+
+TEST(GatedDeltaGpu, Bf16InputsMatchComposedFp64) {
+  const int64_t K = 128, V = 128;
+  const double scale = 1.0 / std::sqrt(double(K));
+  auto in64 = random_inputs(total(kLens), 2, 6, K, V, 13);
+  auto in_bf = cast(in64, torch::kBFloat16, torch::kFloat32);  // q/k/v bf16, g/beta fp32
+  // Reference on the bf16-rounded inputs: what is left is the kernel's arithmetic + bf16 output.
+  auto ref = composed_rule(cast(in_bf, torch::kFloat64, torch::kFloat64), kLens, scale);
+  auto o = cuda_rule(in_bf, kLens, scale);
+  EXPECT_EQ(o.scalar_type(), torch::kBFloat16);
+  const double e = rel_err(o, ref);
+  std::cout << "cuda bf16 inputs vs composed fp64 relative error " << e << "\n";
+  EXPECT_LT(e, kBf16Tol);
+  // And against the unrounded fp64 inputs (input rounding included).
+  const double e_in = rel_err(o, composed_rule(in64, kLens, scale));
+  std::cout << "cuda bf16 inputs vs fp64 inputs relative error " << e_in << "\n";
+  EXPECT_LT(e_in, kBf16Tol);
+}
+
+TEST(GatedDeltaGpu, DocumentsDoNotLeak) {
+  const std::vector<int64_t> lens{100, 3, 64, 129, 1, 70};
+  const int64_t T = total(lens);
+  auto in = cast(random_inputs(T, 2, 6, 128, 128, 14), torch::kFloat32, torch::kFloat32);
+  auto packed = cuda_rule(in, lens, 0.1);
+  int64_t off = 0;
+  for (auto n : lens) {
+    auto alone = cuda_rule(slice(in, off, n), {n}, 0.1);
+    // Each document's blocks see exactly the same numbers packed or alone.
+    EXPECT_EQ(rel_err(packed.narrow(0, off, n), alone), 0.0) << "document of length " << n;
+    off += n;
+  }
+  // The check can fail: one long document carries state into the later ones.
+  auto leaky = cuda_rule(in, {T}, 0.1);
+  EXPECT_GT(rel_err(leaky.narrow(0, lens[0], T - lens[0]), packed.narrow(0, lens[0], T - lens[0])), 1e-2);
+  // Empty documents are allowed anywhere.
+  std::vector<int64_t> with_empty{0, 100, 0, 3, 64, 129, 1, 70, 0};
+  EXPECT_EQ(rel_err(cuda_rule(in, with_empty, 0.1), packed), 0.0);
+}
+
+TEST(GatedDeltaGpu, StridedValueViewAsInTheHybridLayer) {
+  // v is a narrow of the fused conv output [T, 2 key_dim + value_dim], rows strided.
+  const std::vector<int64_t> lens{77, 150};
+  const int64_t T = total(lens), Hk = 2, Hv = 4, K = 128, V = 128;
+  auto in = cast(random_inputs(T, Hk, Hv, K, V, 15), torch::kFloat32, torch::kFloat32);
+  auto fused = torch::cat({in.q_THK.reshape({T, Hk * K}), in.k_THK.reshape({T, Hk * K}), in.v_THV.reshape({T, Hv * V})}, 1);
+  auto strided = in;
+  strided.v_THV = fused.narrow(1, 2 * Hk * K, Hv * V).view({T, Hv, V});
+  ASSERT_FALSE(strided.v_THV.is_contiguous());
+  EXPECT_EQ(rel_err(cuda_rule(strided, lens, 0.3), cuda_rule(in, lens, 0.3)), 0.0);
+}
+
+TEST(GatedDeltaGpu, Qwen36ShapeMatchesComposedAndTimes) {
+  // 27B GDN layer shape: Hk 16, Hv 48, dk = dv = 128; documents 1500 + 2596 (= 4096 tokens).
+  const std::vector<int64_t> lens{1500, 2596};
+  const int64_t K = 128;
+  const double scale = 1.0 / std::sqrt(double(K));
+  auto in32 = cast(random_inputs(total(lens), 16, 48, K, 128, 16), torch::kFloat32, torch::kFloat32);
+  auto ref = composed_rule(in32, lens, scale);
+  auto o = cuda_rule(in32, lens, scale);
+  const double e = rel_err(o, ref);
+  std::cout << "27B shape: cuda fp32 vs composed fp32 relative error " << e << "\n";
+  EXPECT_LT(e, kFp32Tol);
+  auto time_ms = [&](auto&& fn) {
+    for (int i = 0; i < 2; ++i) fn();
+    torch::cuda::synchronize();
+    auto t0 = std::chrono::steady_clock::now();
+    const int reps = 5;
+    for (int i = 0; i < reps; ++i) fn();
+    torch::cuda::synchronize();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / reps;
+  };
+  const double t_cuda = time_ms([&] { cuda_rule(in32, lens, scale); });
+  const double t_comp = time_ms([&] { composed_rule(in32, lens, scale); });
+  std::cout << "27B shape, 4096 tokens, one layer: cuda " << t_cuda << " ms, composed " << t_comp << " ms ("
+            << t_comp / t_cuda << "x)\n";
+}
+
+TEST(GatedDeltaGpu, UnsupportedInputsFailLoudlyOrRunComposedDeliberately) {
+  const std::vector<int64_t> lens{70, 9};
+  auto in64 = random_inputs(total(lens), 2, 4, 128, 128, 17);
+  // fp64: the kernels compute in fp32, so kCuda refuses and kAuto runs the composed path.
+  EXPECT_FALSE(model::gated_delta_uses_cuda_kernel(in64));
+  EXPECT_ANY_THROW(cuda_rule(in64, lens, 0.5));
+  EXPECT_LT(rel_err(model::chunk_gated_delta_rule(in64, lens, 0.5), composed_rule(in64, lens, 0.5)), 1e-12);
+  auto in32 = cast(in64, torch::kFloat32, torch::kFloat32);
+  EXPECT_ANY_THROW(model::chunk_gated_delta_rule(in32, lens, 0.5, 16, model::GdnBackend::kCuda));  // chunk 16
+  auto odd = cast(random_inputs(total(lens), 2, 4, 16, 24, 18), torch::kFloat32, torch::kFloat32);  // tiny dims
+  EXPECT_FALSE(model::gated_delta_uses_cuda_kernel(odd));
+  EXPECT_ANY_THROW(cuda_rule(odd, lens, 0.5));
+  EXPECT_NO_THROW(model::chunk_gated_delta_rule(odd, lens, 0.5));  // composed, with a logged warning
+}
+
+constexpr double kBf16Ulps2 = 2 * 0.0078125;
+
+TEST(HybridOpsGpu, CausalConvSiluMatchesComposed) {
+  const std::vector<int64_t> lens{1, 2, 3, 17, 500, 5, 64};
+  const int64_t T = total(lens), C = 320, Kc = 4;
+  torch::manual_seed(21);
+  auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  auto fused_buf = torch::randn({T, C + 40}, cuda.dtype(torch::kBFloat16));  // strided rows, as in the layer
+  auto x = fused_buf.narrow(1, 0, C);
+  auto w = torch::randn({C, Kc}, cuda.dtype(torch::kBFloat16));
+  auto pos = model::doc_positions(lens, torch::kCUDA);
+  auto ref = model::causal_conv1d_silu_varlen(x, w, lens);  // composed LibTorch, fp32
+  auto y = model::hybrid_cuda::causal_conv1d_silu(x, w, pos);
+  EXPECT_EQ(y.scalar_type(), torch::kFloat32);
+  const double e = rel_err(y, ref);
+  std::cout << "conv+silu bf16 in: fused vs composed " << e << "\n";
+  EXPECT_LT(e, 1e-5);
+  auto x32 = x.to(torch::kFloat32);
+  EXPECT_LT(rel_err(model::hybrid_cuda::causal_conv1d_silu(x32, w, pos), model::causal_conv1d_silu_varlen(x32, w, lens)),
+            1e-5);
+}
+
+TEST(HybridOpsGpu, GatedRmsNormMatchesComposed) {
+  const int64_t T = 333, H = 6, D = 128;
+  torch::manual_seed(22);
+  auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  auto x = torch::randn({T, H, D}, cuda.dtype(torch::kFloat32)) * 0.3;
+  auto zbuf = torch::randn({T, H * D + 64}, cuda.dtype(torch::kBFloat16));
+  auto z = zbuf.narrow(1, 0, H * D).view({T, H, D});
+  auto w = torch::rand({D}, cuda.dtype(torch::kFloat32)) + 0.5;
+  auto ref = model::gated_rms_norm(x, z, w, 1e-6);  // fp32
+  const double e32 = rel_err(model::hybrid_cuda::gated_rms_norm(x, z, w, 1e-6, torch::kFloat32), ref);
+  std::cout << "gated norm fp32 out: fused vs composed " << e32 << "\n";
+  EXPECT_LT(e32, 1e-5);
+  auto y = model::hybrid_cuda::gated_rms_norm(x, z, w, 1e-6, torch::kBFloat16);
+  EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  EXPECT_LT(rel_err(y, ref.to(torch::kBFloat16)), kBf16Ulps2);
+}
+
+TEST(HybridOpsGpu, ZeroCentredRmsNormMatchesPlain) {
+  torch::manual_seed(23);
+  auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  auto x = torch::randn({777, 5120}, cuda.dtype(torch::kBFloat16)) * 3;
+  auto w = torch::randn({5120}, cuda.dtype(torch::kFloat32)) * 0.1;
+  auto y = model::hybrid_cuda::rms_norm_zero_centred(x, w, 1e-6);
+  EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  EXPECT_LT(rel_err(y, model::rms_norm_zero_centred(x, w, 1e-6)), kBf16Ulps2);
+}
+
+// Same random weights on any device: drawn by the CPU generator (fp32), then moved and cast.
+class MovedWeights : public model::WeightSource {
+ public:
+  MovedWeights(uint64_t seed, torch::Device d, torch::ScalarType dt)
+      : cpu_(model::random_weights(seed, torch::kCPU, torch::kFloat32, 0.05)), device_(d), dtype_(dt) {}
+  bool has(const std::string& n) const override { return cpu_->has(n); }
+  torch::Tensor get(const std::string& n, const std::vector<int64_t>& shape, model::Init init, bool keep_fp32) override {
+    return cpu_->get(n, shape, init, true).to(device_, keep_fp32 ? torch::kFloat32 : dtype_);
+  }
+
+ private:
+  std::unique_ptr<model::WeightSource> cpu_;
+  torch::Device device_;
+  torch::ScalarType dtype_;
+};
+
+io::TargetConfig small_hybrid() {
+  io::TargetConfig c{};
+  c.family = io::Family::kQwen3_5;
+  c.model_type = "qwen3_5";
+  c.vocab_size = 1000, c.hidden_size = 256, c.intermediate_size = 512, c.num_layers = 4;
+  c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 64;
+  c.rms_norm_eps = 1e-6, c.rope.theta = 1e7, c.rope.partial_rotary_factor = 0.25;
+  c.max_position_embeddings = 4096, c.qk_norm = true, c.attn_output_gate = true;
+  c.linear_num_key_heads = 1, c.linear_num_value_heads = 2, c.linear_key_head_dim = 128;
+  c.linear_value_head_dim = 128, c.linear_conv_kernel_dim = 4;
+  c.layer_types = {"linear_attention", "linear_attention", "linear_attention", "full_attention"};
+  return c;
+}
+
+TEST(HybridGpu, CudaForwardMatchesCpuComposed) {
+  // Whole hybrid layers with the 27B head dims (kernel path): CUDA fp32 (GDN kernels, plain norms)
+  // and CUDA bf16 (kernels + every fused op) against CPU fp32 (composed LibTorch everywhere).
+  const auto cfg = small_hybrid();
+  const std::vector<int64_t> lens{300, 77, 1, 130};
+  const int64_t T = total(lens);
+  torch::manual_seed(31);
+  auto ids = torch::randint(0, cfg.vocab_size, {T}, torch::kInt64);
+  model::CaptureSpec spec{{0, 2, 3}, true};
+  auto run = [&](torch::Device d, torch::ScalarType dt) {
+    MovedWeights w(7, d, dt);
+    model::LoadOptions lo;
+    lo.device = d, lo.dtype = dt, lo.load_lm_head = false;
+    auto m = model::make_hybrid_target(cfg, w, lo);
+    auto r = m->forward_capture(ids.to(d), lens, spec);
+    return torch::cat({r.features_TKH, r.last_hidden_TH}, 1).to(torch::kCPU, torch::kFloat32);
+  };
+  auto ref = run(torch::kCPU, torch::kFloat32);
+  const double e32 = rel_err(run(torch::kCUDA, torch::kFloat32), ref);
+  std::cout << "hybrid CUDA fp32 vs CPU fp32 relative error " << e32 << "\n";
+  EXPECT_LT(e32, kFp32Tol);
+  const double e16 = rel_err(run(torch::kCUDA, torch::kBFloat16), ref);
+  std::cout << "hybrid CUDA bf16 (fused) vs CPU fp32 relative error " << e16 << "\n";
+  EXPECT_LT(e16, 5e-2);
+}
+
+}  // namespace

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# `dflash bench pipeline` on CPU with the tiny qwen3 test model over shm: 1 target server + 1 drafter
+# trainer as processes; checks the JSON fields and that every batch's checksum was verified.
+# Usage: bench_pipeline.sh BIN_DIR TESTDATA_DIR WORK_DIR   (DFLASH_PYTHON set)
+set -euo pipefail
+bin=$1 data=$2 work=$3
+py=${DFLASH_PYTHON:-python3}
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+rm -rf "$work" && mkdir -p "$work"
+"$bin/dflash" bench pipeline --transport shm --model "$data/qwen3" --device cpu --samples 24 --seq-len 64 \
+  --work "$work" --timeout-s 600 > "$work/bench.json" 2> "$work/bench.log" || { tail -40 "$work/bench.log"; exit 1; }
+cat "$work/bench.json"
+"$py" - "$work/bench.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for k in ["transport", "tokens", "batches", "tokens_per_s", "tokens_per_s_wall", "drafter_wait_fraction",
+          "target_pack_send_over_forward", "target_credit_wait_fraction", "checksums_verified", "checksums_all_verified",
+          "processes", "wall_s"]:
+    assert k in r, f"missing field {k}"
+assert r["transport"] == "shm"
+assert r["batches"] > 0 and r["tokens"] > 0 and r["tokens_per_s"] > 0, r
+assert r["checksums_all_verified"] is True and r["checksums_verified"] == r["batches"], r
+assert 0 <= r["drafter_wait_fraction"] <= 1, r
+assert r["target_pack_send_over_forward"] >= 0, r
+for role in ["target", "drafter"]:
+    p = r["processes"][role]
+    assert p["peak_rss_bytes"] > 10 << 20, (role, p)
+    assert "peak_gpu_allocated_bytes" in p and "peak_gpu_reserved_bytes" in p, (role, p)
+# 24 documents of 64 tokens, 4 per batch: 6 batches, all trained by the single drafter.
+assert r["batches"] == 6 and r["tokens"] == 24 * 64, r
+print("bench pipeline JSON OK:", r["batches"], "batches,", round(r["tokens_per_s"]), "tok/s")
+PY
+echo PASS

@@ -1,0 +1,188 @@
+// The c10d transport's control plane (store_control.h: a real TCPStore hosted by the receiver) with
+// the channel link logic, across two processes on CPU: batches in order with checksums, and a
+// SIGKILLed sender or receiver gives the other side a TransportError within a bounded time.
+// The data plane here is a test one that moves the bytes through the same store (the NCCL one is
+// covered by test_c10d_transport on GPU hosts).
+#include "core/stream/store_control.h"
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "core/util/error.h"
+#include "tests/stream/stream_test_util.h"
+
+namespace dflash::stream {
+namespace {
+
+using namespace std::chrono_literals;
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Test data plane: transfer k is the store value "d/<k>" (set by the sender, taken by the receiver).
+class StoreData final : public LinkData {
+ public:
+  explicit StoreData(std::shared_ptr<LinkControl> c) : c_(std::move(c)) {}
+  void* alloc_host(size_t bytes) override { return std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096); }
+  void free_host(void* p) noexcept override { std::free(p); }
+  void send(const void* src, size_t bytes, const std::function<void()>& check) override {
+    check();
+    c_->set("d/" + std::to_string(n_++), std::string(static_cast<const char*>(src), bytes));
+  }
+  void recv(void* dst, size_t bytes, const std::function<void()>& check) override {
+    const std::string key = "d/" + std::to_string(n_++);
+    for (;;) {
+      check();
+      if (auto v = c_->get_if(key)) {
+        DFLASH_CHECK(v->size() == bytes, TransportError, "store data: " << v->size() << " bytes, expected " << bytes);
+        std::memcpy(dst, v->data(), bytes);
+        return;
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+  }
+
+ private:
+  std::shared_ptr<LinkControl> c_;
+  uint64_t n_ = 0;
+};
+
+ChannelLinkOptions opts() {
+  ChannelLinkOptions o;
+  o.slots = 2;
+  o.slot_bytes = 1 << 18;
+  o.heartbeat = 20ms;
+  o.peer_timeout = 1s;
+  return o;
+}
+
+struct End {
+  std::shared_ptr<LinkControl> control;
+  std::unique_ptr<LinkData> data;
+};
+End connect(int port, bool server) {
+  auto store = make_link_store("test link", "127.0.0.1", port, server, 20s);
+  End e;
+  e.control = make_store_control(store, "test link");
+  e.data = std::make_unique<StoreData>(e.control);
+  return e;
+}
+
+void send_batches(int port, int n, int die_after) {
+  End e = connect(port, false);
+  auto tx = make_channel_sender("test", e.control, std::move(e.data), 20s, opts());
+  for (int i = 0; i < n; ++i) {
+    auto docs = testing::docs_for(i, 128);
+    uint64_t T = 0;
+    for (auto& d : docs) T += d.length;
+    SlotBuffer buf = tx->acquire(BatchLayout::compute(docs.size(), T, 2, 16, DType::kBF16, true).total_bytes, 20s);
+    PackedBatchInfo info;
+    info.batch_id = i;
+    info.k = 2;
+    info.h = 16;
+    info.has_h_last = true;
+    PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
+    testing::fill_pattern(w, i);
+    buf.set_size(w.finalize(true));
+    tx->commit(std::move(buf));
+    if (i == die_after) {
+      std::this_thread::sleep_for(100ms);
+      ::raise(SIGKILL);
+    }
+  }
+  tx->close();
+}
+
+// Runs `f` in a child process; the child exits 0 iff f returned without throwing.
+pid_t child(const std::function<void()>& f) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int rc = 0;
+    try {
+      f();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "child: %s\n", e.what());
+      rc = 1;
+    }
+    std::_Exit(rc);
+  }
+  return pid;
+}
+
+int exit_of(pid_t pid) {
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+TEST(StoreLink, BatchesAcrossProcessesInOrderWithChecksums) {
+  const int port = free_port(), n = 25;
+  pid_t tx = child([&] { send_batches(port, n, -1); });  // forked before this process starts store threads
+  End e = connect(port, true);
+  auto rx = make_channel_receiver("test", e.control, std::move(e.data), opts());
+  int got = 0;
+  while (auto b = rx->receive(30s)) {
+    auto v = b->view();
+    EXPECT_EQ(v.header().batch_id, uint64_t(got));
+    EXPECT_TRUE(v.verify_checksum());
+    EXPECT_EQ(testing::check_pattern(v), "");
+    rx->release(std::move(*b));
+    ++got;
+  }
+  EXPECT_EQ(got, n);
+  EXPECT_EQ(exit_of(tx), 0);
+}
+
+TEST(StoreLink, KilledSenderIsAnErrorWithinThePeerTimeout) {
+  const int port = free_port();
+  pid_t tx = child([&] { send_batches(port, 10, 2); });
+  End e = connect(port, true);
+  auto rx = make_channel_receiver("test", e.control, std::move(e.data), opts());
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    while (auto b = rx->receive(60s)) rx->release(std::move(*b));
+    FAIL() << "a killed sender must not look like a clean end of stream";
+  } catch (const TransportError& err) {
+    EXPECT_NE(std::string(err.what()).find("sender died"), std::string::npos) << err.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+  EXPECT_EQ(exit_of(tx), 128 + SIGKILL);
+}
+
+TEST(StoreLink, KilledReceiverFailsTheSender) {
+  const int port = free_port();
+  // The receiver (store host) is the child: it takes 2 batches, holds them, then dies.
+  pid_t rxp = child([&] {
+    End e = connect(port, true);
+    auto rx = make_channel_receiver("test", e.control, std::move(e.data), opts());
+    auto a = rx->receive(30s);
+    auto b = rx->receive(30s);
+    std::this_thread::sleep_for(300ms);
+    ::raise(SIGKILL);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THROW(send_batches(port, 10, -1), TransportError);  // the 3rd acquire has no credit and no store
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s);
+  EXPECT_EQ(exit_of(rxp), 128 + SIGKILL);
+}
+
+}  // namespace
+}  // namespace dflash::stream
