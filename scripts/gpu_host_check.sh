@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-hybrid|bench-drafter|bench-pipeline|run-gpu|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-hybrid|bench-drafter|mem-drafter|bench-pipeline|run-gpu|all]...
+# (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps.)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out/gpu}
@@ -9,7 +10,7 @@ build=${DFLASH_GPU_BUILD:-$root/build-gpu}
 export PYTHONUNBUFFERED=1 DFLASH_SOURCE_DIR=$root DFLASH_PYTHON=${DFLASH_PYTHON:-python3}
 export LD_LIBRARY_PATH=/tmp/dflash-deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ]; } && return 0; done; return 1; }
 t0=$(date +%s)
 if has build && [ ! -x "$build/bin/dflash" ]; then
   nvidia-smi -L > "$out/gpu.txt" 2>&1
@@ -69,12 +70,19 @@ if has bench-hybrid; then
   echo "bench target qwen3.6-27b rc=$?"
 fi
 if has bench-drafter; then
-  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --soft-labels --repeats 3 \
+  # --baseline: scripts/reference/bench_drafter_baseline.py (eager PyTorch) in the same invocation.
+  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --soft-labels --repeats 3 --baseline \
     > "$out/bench_drafter_4k.json" 2> "$out/bench_drafter_4k.err"
   echo "bench drafter 4k rc=$?"
-  "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels \
+  "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels --baseline \
     > "$out/bench_drafter_8k.json" 2> "$out/bench_drafter_8k.err"
   echo "bench drafter 8k rc=$?"
+fi
+if has mem-drafter; then
+  # Peak allocated / reserved memory at steps 1, 10 and 1000 and the largest growth (creep).
+  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --soft-labels --repeats 3 \
+    --steps 1000 > "$out/mem_drafter_4k_1000.json" 2> "$out/mem_drafter_4k_1000.err"
+  echo "mem drafter 4k x1000 rc=$?"
 fi
 if has bench-pipeline; then
   # 1 target server + 1 drafter trainer as processes (dflash bench pipeline), qwen3-8b random weights

@@ -37,7 +37,7 @@ const char* kUsage =
     "  eval --target DIR --drafter DIR --input F.jsonl [--max-new-tokens 64] [--block-size B] [--device cpu|cuda]\n"
     "       [--dtype float32|bfloat16] [--stop-token-ids a,b]  greedy speculative decoding; JSON with tau\n"
     "  bench drafter [flags]    one drafter training step as JSON (--layers 5 --hidden 4096 --context 4096\n"
-    "                           --anchors 512 --block-size 16)\n"
+    "                           --anchors 512 --block-size 16 [--soft-labels] [--baseline] [--steps N])\n"
     "  deploy prometheus CONFIG [--out FILE] [--address NAME=ADDR,...]  Prometheus scrape config for a run\n"
     "  bench pipeline [flags]   1 target server + 1 drafter trainer as processes over shm|c10d as JSON\n"
     "                           (--transport shm|c10d --shape qwen3-8b|tiny or --model DIR --device cuda\n"

@@ -2,11 +2,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <functional>
-#include <map>
-#include <set>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
 
 #include "core/model/drafter.h"
 #include "core/model/target.h"
@@ -14,6 +18,7 @@
 #include "core/train/trainer.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
+#include "core/util/log.h"
 
 #include <torch/csrc/autograd/profiler_kineto.h>
 
@@ -25,32 +30,96 @@
 namespace dflash::drafter {
 namespace {
 
+using json = nlohmann::json;
+
 void sync(const torch::Device& d) {
 #ifdef DFLASH_WITH_CUDA
   if (d.is_cuda()) c10::cuda::device_synchronize();
 #endif
 }
-double peak_gib(const torch::Device& d) {
-#ifdef DFLASH_WITH_CUDA
-  if (d.is_cuda()) return c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak / double(1ull << 30);
-#endif
+
+// Host memory of this process from /proc/self/status (kB fields), in GiB; 0 when unreadable.
+double host_status_gib(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(in, line))
+    if (line.rfind(key, 0) == 0) {
+      std::istringstream ss(line.substr(key.size()));
+      double kb = 0;
+      ss >> kb;
+      return kb / double(1ull << 20);
+    }
   return 0.0;
+}
+
+// Peak memory since the last reset_peak(): on CUDA the caching allocator's allocated / reserved
+// bytes; on CPU the process's peak resident set (VmHWM, reset through /proc/self/clear_refs), which
+// stands for both (there is no separate reserve on the host).
+struct Mem {
+  double peak_allocated = 0, peak_reserved = 0, allocated_now = 0;
+};
+Mem memory(const torch::Device& d) {
+  Mem m;
+#ifdef DFLASH_WITH_CUDA
+  if (d.is_cuda()) {
+    auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index() < 0 ? 0 : d.index());
+    const double g = double(1ull << 30);
+    m.peak_allocated = st.allocated_bytes[0].peak / g;
+    m.peak_reserved = st.reserved_bytes[0].peak / g;
+    m.allocated_now = st.allocated_bytes[0].current / g;
+    return m;
+  }
+#endif
+  m.peak_allocated = m.peak_reserved = host_status_gib("VmHWM");
+  m.allocated_now = host_status_gib("VmRSS");
+  return m;
+}
+const char* memory_source(const torch::Device& d) {
+  return d.is_cuda() ? "CUDA caching allocator (allocated / reserved bytes)"
+                     : "host VmHWM (peak resident set of the process) / VmRSS";
 }
 void reset_peak(const torch::Device& d) {
 #ifdef DFLASH_WITH_CUDA
-  if (d.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+  if (d.is_cuda()) {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(d.index() < 0 ? 0 : d.index());
+    return;
+  }
 #endif
+  if (FILE* f = std::fopen("/proc/self/clear_refs", "w")) {  // "5": VmHWM := VmRSS
+    std::fputs("5", f);
+    std::fclose(f);
+  }
 }
 
-}  // namespace
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
 
-int cmd_bench_drafter(int argc, char** argv) {
-  Flags f(argc, argv, {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab",
-                       "context", "anchors", "block-size", "docs", "repeats", "soft-labels", "peak-tflops", "profile"},
-          {"soft-labels", "profile"});
-  auto device = model::parse_device(f.get("device", "cuda"));
+json run_baseline(const std::string& cmd) {
+  LOG_INFO("baseline: " << cmd);
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) throw Error(kExitFailure, "cannot start baseline: " + cmd);
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  const int rc = pclose(p);
+  if (rc != 0) throw Error(kExitFailure, "baseline failed (status " + std::to_string(rc) + "): " + cmd);
+  const auto brace = out.find('{');
+  if (brace == std::string::npos) throw Error(kExitFailure, "baseline printed no JSON: " + cmd);
+  return json::parse(out.substr(brace));
+}
+
+// Our measurement; every tensor it makes is freed when it returns (the baseline runs afterwards on
+// the same device).
+json bench_ours(const Flags& f, const torch::Device& device) {
   const int64_t H = f.get_int("hidden", 4096), V = f.get_int("vocab", 151936), ctx = f.get_int("context", 4096);
-  const int64_t docs = f.get_int("docs", 1), repeats = f.get_int("repeats", 5);
+  const int64_t docs = f.get_int("docs", 1), repeats = f.get_int("repeats", 5), warmup = f.get_int("warmup", 2);
+  const int64_t steps = f.get_int("steps", 0);
+  DFLASH_CHECK(repeats >= 1 && warmup >= 1 && steps >= 0, ConfigError,
+               "bench drafter: need --repeats >= 1, --warmup >= 1, --steps >= 0");
   io::TargetConfig t;
   t.family = io::Family::kQwen3;
   t.hidden_size = H;
@@ -76,7 +145,7 @@ int cmd_bench_drafter(int argc, char** argv) {
   train::TrainerOptions to;
   to.max_anchors = f.get_int("anchors", 512);
   to.loss.soft_labels = f.has("soft-labels");
-  to.schedule.total_steps = 1000;
+  to.schedule.total_steps = std::max<int64_t>(1000, warmup + repeats + steps + 2);
   to.compute = compute;
   train::Trainer trainer(drafter, frozen, to);
 
@@ -90,17 +159,16 @@ int cmd_bench_drafter(int argc, char** argv) {
   mb.h_last_TH = torch::randn({T, H}, bf);
 
   std::vector<double> times;
-  double peak = 0;
-  for (int64_t i = 0; i < repeats + 1; ++i) {
-    if (i == 1) reset_peak(device);
+  for (int64_t i = 0; i < warmup + repeats; ++i) {
+    if (i == warmup) reset_peak(device);
     sync(device);
     auto t0 = std::chrono::steady_clock::now();
     trainer.micro_batch(mb);
     trainer.step();
     sync(device);
-    if (i > 0) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (i >= warmup) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  peak = peak_gib(device);
+  const Mem mem = memory(device);
   // Phase split (synchronised, so each phase is timed alone): forward + loss without backward,
   // forward + loss + backward, then the optimizer step.
   auto timed = [&](const std::function<void()>& fn) {
@@ -125,6 +193,7 @@ int cmd_bench_drafter(int argc, char** argv) {
   const double med = times[times.size() / 2];
   // FLOPs: 3x forward (fwd + bwd) of the draft layers on N*B queries, fc over T context tokens,
   // the per-layer K/V projections over the context, and the lm_head over N*(B-1) rows.
+  // scripts/reference/bench_drafter_baseline.py counts with the same formula.
   const double N = to.max_anchors, B = cfg.block_size, Q = N * B, D = cfg.head_dim, Hq = cfg.num_heads,
                Hkv = cfg.num_kv_heads, I = cfg.intermediate_size, L = cfg.num_layers;
   const double layer_q = 2 * Q * (H * Hq * D * 2 + H * Hkv * D * 2 + 3 * H * I);
@@ -134,7 +203,7 @@ int cmd_bench_drafter(int argc, char** argv) {
   const double tflops = flops / med / 1e12;
   // --profile: one more trainer step under the kineto profiler; the top entries by total time, for
   // CPU ops and for device kernels separately (where the step's time goes).
-  nlohmann::json profile = nlohmann::json::object();
+  json profile = json::object();
   if (f.has("profile")) {
     namespace pi = torch::profiler::impl;
     namespace ap = torch::autograd::profiler;
@@ -158,27 +227,123 @@ int cmd_bench_drafter(int argc, char** argv) {
       std::vector<std::pair<double, std::string>> v;
       for (const auto& [name, val] : t) v.emplace_back(val.first, name + " x" + std::to_string(val.second));
       std::sort(v.rbegin(), v.rend());
-      nlohmann::json j = nlohmann::json::array();
+      json j = json::array();
       for (size_t i = 0; i < v.size() && i < 25; ++i) j.push_back({{"ms", v[i].first}, {"name", v[i].second}});
       return j;
     };
     profile = {{"cpu_ops_total_ms", top(cpu_ops)}, {"device_kernels_total_ms", top(kernels)}};
   }
-  nlohmann::json out = {{"bench", "drafter"},
-                        {"device", f.get("device", "cuda")},
-                        {"layers", cfg.num_layers},
-                        {"hidden", H},
-                        {"context", ctx},
-                        {"anchors", to.max_anchors},
-                        {"block_size", cfg.block_size},
-                        {"trainable_params", drafter.num_parameters()},
-                        {"median_step_s", med},
-                        {"tflops", tflops},
-                        {"mfu", tflops / f.get_double("peak-tflops", 790.0)},
-                        {"peak_gib", peak},
-                        {"phases_s", {{"forward_loss", t_fwd}, {"forward_loss_backward", t_fwd_bwd},
-                                      {"fuse_context_fwd", t_ctx}, {"optimizer_step_approx", t_step}}},
-                        {"profile", profile}};
+  json out = {{"bench", "drafter"},
+              {"device", f.get("device", "cuda")},
+              {"layers", cfg.num_layers},
+              {"hidden", H},
+              {"heads", cfg.num_heads},
+              {"kv_heads", cfg.num_kv_heads},
+              {"head_dim", cfg.head_dim},
+              {"intermediate", cfg.intermediate_size},
+              {"vocab", V},
+              {"context", ctx},
+              {"docs", docs},
+              {"anchors", to.max_anchors},
+              {"block_size", cfg.block_size},
+              {"soft_labels", to.loss.soft_labels},
+              {"logits_chunk_rows", to.loss.logits_chunk_rows},
+              {"trainable_params", drafter.num_parameters()},
+              {"warmup", warmup},
+              {"repeats", repeats},
+              {"median_step_s", med},
+              {"median_step_ms", med * 1e3},
+              {"tflops", tflops},
+              {"mfu", tflops / f.get_double("peak-tflops", 790.0)},
+              {"peak_gib", mem.peak_allocated},
+              {"peak_reserved_gib", mem.peak_reserved},
+              {"memory_source", memory_source(device)},
+              {"phases_s", {{"forward_loss", t_fwd}, {"forward_loss_backward", t_fwd_bwd},
+                            {"fuse_context_fwd", t_ctx}, {"optimizer_step_approx", t_step}}},
+              {"profile", profile}};
+  // --steps N: N more optimizer steps (after the warm-up, the timed repeats and the phases), each
+  // with its own peak; peaks at steps 1, 10 and N and the largest growth over step 1 (memory creep).
+  if (steps > 0) {
+    std::vector<Mem> per;
+    std::vector<double> step_s;
+    for (int64_t s = 1; s <= steps; ++s) {
+      sync(device);
+      reset_peak(device);
+      auto t0 = std::chrono::steady_clock::now();
+      trainer.micro_batch(mb);
+      trainer.step();
+      sync(device);
+      step_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      per.push_back(memory(device));
+    }
+    json at = json::array();
+    for (int64_t s : std::set<int64_t>{1, std::min<int64_t>(10, steps), steps}) {
+      const Mem& m = per[s - 1];
+      at.push_back({{"step", s},
+                    {"peak_allocated_gib", m.peak_allocated},
+                    {"peak_reserved_gib", m.peak_reserved},
+                    {"allocated_after_gib", m.allocated_now}});
+    }
+    Mem creep, highest;
+    for (const Mem& m : per) {
+      creep.peak_allocated = std::max(creep.peak_allocated, m.peak_allocated - per[0].peak_allocated);
+      creep.peak_reserved = std::max(creep.peak_reserved, m.peak_reserved - per[0].peak_reserved);
+      creep.allocated_now = std::max(creep.allocated_now, m.allocated_now - per[0].allocated_now);
+      highest.peak_allocated = std::max(highest.peak_allocated, m.peak_allocated);
+      highest.peak_reserved = std::max(highest.peak_reserved, m.peak_reserved);
+    }
+    std::sort(step_s.begin(), step_s.end());
+    out["steps"] = {{"n", steps},
+                    {"median_step_s", step_s[step_s.size() / 2]},
+                    {"max_step_s", step_s.back()},
+                    {"at", at},
+                    {"max_peak_allocated_gib", highest.peak_allocated},
+                    {"max_peak_reserved_gib", highest.peak_reserved},
+                    {"max_creep_gib", {{"peak_allocated", creep.peak_allocated},
+                                       {"peak_reserved", creep.peak_reserved},
+                                       {"allocated_after", creep.allocated_now}}}};
+  }
+  return out;
+}
+
+}  // namespace
+
+int cmd_bench_drafter(int argc, char** argv) {
+  Flags f(argc, argv,
+          {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "context", "anchors",
+           "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
+           "python"},
+          {"soft-labels", "profile", "baseline"});
+  auto device = model::parse_device(f.get("device", "cuda"));
+  json out = bench_ours(f, device);
+#ifdef DFLASH_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();  // the baseline needs the memory
+#endif
+  if (f.has("baseline")) {
+    // The eager PyTorch baseline (issue 6) in its own process, same shapes, same FLOP formula.
+    const char* env_py = std::getenv("DFLASH_PYTHON");
+    const char* env_src = std::getenv("DFLASH_SOURCE_DIR");
+    const std::string py = f.get("python", env_py ? env_py : "python3");
+    const std::string script = std::string(env_src ? env_src : ".") + "/scripts/reference/bench_drafter_baseline.py";
+    std::string cmd = shell_quote(py) + " " + shell_quote(script) + " --device " + shell_quote(f.get("device", "cuda"));
+    for (const auto& [flag, key] : std::vector<std::pair<std::string, std::string>>{
+             {"hidden", "hidden"}, {"layers", "layers"}, {"heads", "heads"}, {"kv-heads", "kv_heads"},
+             {"head-dim", "head_dim"}, {"intermediate", "intermediate"}, {"vocab", "vocab"}, {"context", "context"},
+             {"docs", "docs"}, {"anchors", "anchors"}, {"block-size", "block_size"}, {"warmup", "warmup"},
+             {"repeats", "repeats"}, {"chunk-rows", "logits_chunk_rows"}})
+      cmd += " --" + flag + " " + std::to_string(out.at(key).get<int64_t>());
+    cmd += " --peak-tflops " + std::to_string(f.get_double("peak-tflops", 790.0));
+    if (out.at("soft_labels").get<bool>()) cmd += " --soft-labels";
+    auto base = run_baseline(cmd);
+    const double base_s = base.at("median_step_s").get<double>(), base_peak = base.at("peak_gib").get<double>();
+    out["baseline"] = base;
+    out["baseline_median_step_ms"] = base_s * 1e3;
+    out["baseline_peak_gib"] = base_peak;
+    out["baseline_mfu"] = base.at("mfu").get<double>();
+    // Speed: baseline time / ours (> 1: we are faster). Memory: our peak / the baseline's (< 1: leaner).
+    out["speedup_vs_baseline"] = base_s / out["median_step_s"].get<double>();
+    out["memory_ratio_vs_baseline"] = base_peak > 0 ? out["peak_gib"].get<double>() / base_peak : 0.0;
+  }
   std::cout << out.dump(2) << std::endl;
   return kExitOk;
 }

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""`dflash bench drafter --device cpu --baseline --steps 3` at small shapes: the JSON carries our
+numbers, the eager PyTorch baseline's (scripts/reference/bench_drafter_baseline.py, run by the same
+invocation), the ratios and the memory over steps, all finite and positive (creep >= 0).
+Usage: bench_baseline_check.py DFLASH_BIN. Env: DFLASH_PYTHON, DFLASH_SOURCE_DIR (set by ctest)."""
+import json
+import math
+import subprocess
+import sys
+
+cmd = [sys.argv[1], "bench", "drafter", "--device", "cpu", "--hidden", "64", "--vocab", "512", "--context", "128",
+       "--anchors", "8", "--block-size", "4", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+       "--intermediate", "128", "--repeats", "2", "--warmup", "1", "--steps", "3", "--soft-labels", "--baseline"]
+print(" ".join(cmd), flush=True)
+r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+sys.stderr.write(r.stderr[-4000:])
+if r.returncode != 0:
+    print(f"FAIL: exit {r.returncode}")
+    sys.exit(1)
+j = json.loads(r.stdout[r.stdout.index("{"):])
+errors = []
+
+
+def positive(path, allow_zero=False):
+    v = j
+    for k in path.split("."):
+        if isinstance(v, list):
+            v = v[int(k)]
+        elif k not in v:
+            errors.append(f"missing {path}")
+            return
+        else:
+            v = v[k]
+    if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        errors.append(f"{path} = {v!r}, expected a finite {'non-negative' if allow_zero else 'positive'} number")
+
+
+for p in ["median_step_s", "median_step_ms", "tflops", "mfu", "peak_gib", "peak_reserved_gib", "trainable_params",
+          "baseline.median_step_s", "baseline.peak_gib", "baseline.mfu", "baseline.tflops", "baseline.trainable_params",
+          "baseline_median_step_ms", "baseline_peak_gib", "baseline_mfu", "speedup_vs_baseline",
+          "memory_ratio_vs_baseline", "steps.n", "steps.median_step_s", "steps.max_peak_allocated_gib",
+          "steps.max_peak_reserved_gib"]:
+    positive(p)
+for p in ["steps.max_creep_gib.peak_allocated", "steps.max_creep_gib.peak_reserved",
+          "steps.max_creep_gib.allocated_after"]:
+    positive(p, allow_zero=True)
+at = j.get("steps", {}).get("at", [])
+if [a.get("step") for a in at] != [1, 3]:
+    errors.append(f"steps.at should record steps 1 and 3 (10 is past N), got {[a.get('step') for a in at]}")
+for i in range(len(at)):
+    for k in ["peak_allocated_gib", "peak_reserved_gib", "allocated_after_gib"]:
+        positive(f"steps.at.{i}.{k}")
+if j.get("steps", {}).get("n") != 3:
+    errors.append("steps.n != 3")
+# Same problem on both sides: the trainable parameter counts agree.
+if j.get("trainable_params") != j.get("baseline", {}).get("trainable_params"):
+    errors.append(f"trainable params differ: ours {j.get('trainable_params')} baseline "
+                  f"{j.get('baseline', {}).get('trainable_params')}")
+if abs(j.get("speedup_vs_baseline", 0) - j["baseline"]["median_step_s"] / j["median_step_s"]) > 1e-9:
+    errors.append("speedup_vs_baseline is not baseline / ours")
+print(f"ours {j['median_step_ms']:.1f} ms, {j['peak_gib']:.2f} GiB; baseline {j['baseline_median_step_ms']:.1f} ms, "
+      f"{j['baseline_peak_gib']:.2f} GiB; speedup {j['speedup_vs_baseline']:.2f}, memory ratio "
+      f"{j['memory_ratio_vs_baseline']:.2f}; creep {j['steps']['max_creep_gib']}")
+for e in errors:
+    print("FAIL:", e)
+print("PASS" if not errors else "FAIL")
+sys.exit(1 if errors else 0)
