@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   if (t == 0) out[lay.dec()] = expf(glast);
 }
 
-// One block of NW warps per (document d, value head h, value tile of VT columns), VT = 32 or 16.
+// One block of NW warps per (document d, value head h, value tile of VT columns), VT = 32, 16 or 8.
 // Thread (warp w, lane l): value column l % VT of the tile, and group grp = w (32 / VT) + l / VT of
 // the NW (32 / VT) groups. Phases 1-2: group grp owns output rows [RPT grp, RPT (grp + 1)); the state
 // S [K][VT] fp32: group grp keeps rows [SRT grp, SRT (grp + 1)) in registers and mirrors them to
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
 template <typename Tout, int K, int VT, int NW, bool PF>
 __global__ void __launch_bounds__(NW * 32) gdn_chunk_scan(const float* __restrict__ work, const int* __restrict__ doc_info,
                                                           int Hv, int V, Tout* __restrict__ out) {
-  static_assert(VT == 32 || VT == 16, "value tile 32 or 16");
+  static_assert(VT == 32 || VT == 16 || VT == 8, "value tile 32, 16 or 8");
   constexpr int PARTS = 32 / VT;          // column groups per warp
   constexpr int NG = NW * PARTS;          // row groups per block
   constexpr int RPT = kC / NG;            // output rows per thread
@@ -331,7 +331,9 @@ void launch_scan(bool pf, const float* work, const int* doc_info, int64_t num_do
 template <typename Tout, int K>
 void dispatch_scan(const Tuning& tu, const float* work, const int* doc_info, int64_t num_docs, int Hv, int V,
                    Tout* out, cudaStream_t stream) {
-  if (tu.scan_vt == 16) {
+  if (tu.scan_vt == 8) {  // 4 warps only (8 would leave 2 output rows per thread)
+    launch_scan<Tout, K, 8, 4>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
+  } else if (tu.scan_vt == 16) {
     if (tu.scan_warps == 4)
       launch_scan<Tout, K, 16, 4>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
     else
@@ -395,7 +397,7 @@ Tuning& tuning() {
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_VT")) t.scan_vt = std::atoi(e);
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_WARPS")) t.scan_warps = std::atoi(e);
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_PREFETCH")) t.scan_prefetch = std::atoi(e) != 0;
-    if (t.scan_vt != 16) t.scan_vt = 32;
+    if (t.scan_vt != 16 && t.scan_vt != 8) t.scan_vt = 32;
     if (t.scan_warps != 4) t.scan_warps = 8;
     return t;
   }();

@@ -25,8 +25,8 @@ namespace dflash::model::cuda_gdn {
 
 // Runtime choice among the kernels' variants (one process-wide instance, read by every call; set it
 // from one thread while no call is running). Defaults from the environment:
-//   DFLASH_GDN_SCAN_VT     value-tile width of the scan, 32 (default) or 16 (twice the blocks)
-//   DFLASH_GDN_SCAN_WARPS  warps per scan block, 8 (default) or 4
+//   DFLASH_GDN_SCAN_VT     value-tile width of the scan, 32 (default), 16 or 8 (2x / 4x the blocks)
+//   DFLASH_GDN_SCAN_WARPS  warps per scan block, 8 (default) or 4 (value tile 8 always runs 4)
 //   DFLASH_GDN_SCAN_PREFETCH  1: each chunk step prefetches the next chunk's operands into L2 (default 0)
 // Other values fall back to the defaults.
 struct Tuning {
