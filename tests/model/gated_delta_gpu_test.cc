@@ -6,7 +6,11 @@
 // their LibTorch twins: fp32 results 1e-5, bf16 results 2 bf16 ulps of the value scale.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
+
+#include "core/model/cuda/gated_delta_cuda.h"
 
 #include "core/model/cuda/hybrid_ops.h"
 #include "core/model/gated_delta.h"
@@ -168,6 +172,96 @@ TEST(GatedDeltaGpu, Qwen36ShapeMatchesComposedAndTimes) {
   const double t_comp = time_ms([&] { composed_rule(in32, lens, scale); });
   std::cout << "27B shape, 4096 tokens, one layer: cuda " << t_cuda << " ms, composed " << t_comp << " ms ("
             << t_comp / t_cuda << "x)\n";
+}
+
+// Timing sweep over the kernels' runtime variants (cuda_gdn::Tuning) at the 27B head shape: one
+// line per (shape, variant): median over 20 calls of the prep kernel, the scan kernel (CUDA events
+// around each launch) and the whole call (host wall time between two synchronisations), bf16 inputs as in the
+// model; and each variant's relative error vs the composed path (fp32 inputs), which must stay under
+// the fp32 tolerance. Restores the process-wide tuning afterwards.
+TEST(GatedDeltaGpu, KernelSweep) {
+  struct Variant {
+    int vt, warps;
+    bool pf;
+  };
+  const std::vector<Variant> variants{{32, 8, false}, {32, 4, false}, {16, 8, false}, {16, 4, false}, {8, 4, false},
+                                      {32, 8, true},  {32, 4, true},  {16, 8, true},  {16, 4, true},  {8, 4, true}};
+  const auto saved = model::cuda_gdn::tuning();
+  const int64_t K = 128, V = 128, Hk = 16, Hv = 48;
+  const double scale = 1.0 / std::sqrt(double(K));
+  auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  for (const auto& lens : std::vector<std::vector<int64_t>>{{4096}, {8192, 8192}}) {
+    const int64_t T = total(lens);
+    auto in32 = cast(random_inputs(T, Hk, Hv, K, V, 41), torch::kFloat32, torch::kFloat32);
+    auto ref = composed_rule(in32, lens, scale);
+    auto in_bf = cast(in32, torch::kBFloat16, torch::kFloat32);
+    // The composed path on the same inputs, timed for the comparison (fp32).
+    auto wall_ms = [](auto&& fn) {
+      torch::cuda::synchronize();
+      const auto t0 = std::chrono::steady_clock::now();
+      fn();
+      torch::cuda::synchronize();
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    };
+    composed_rule(in32, lens, scale);
+    std::vector<double> comp;
+    for (int i = 0; i < 3; ++i) comp.push_back(wall_ms([&] { composed_rule(in32, lens, scale); }));
+    const double t_comp = median(comp);
+    for (const auto& v : variants) {
+      auto& tu = model::cuda_gdn::tuning();
+      tu.scan_vt = v.vt, tu.scan_warps = v.warps, tu.scan_prefetch = v.pf, tu.time_kernels = false;
+      const double e = rel_err(cuda_rule(in32, lens, scale), ref);
+      const double e_bf = rel_err(cuda_rule(in_bf, lens, scale).to(torch::kFloat32), ref);
+      // Whole call, untimed launches.
+      std::vector<double> whole, prep, scan;
+      for (int i = 0; i < 3; ++i) cuda_rule(in_bf, lens, scale);
+      for (int i = 0; i < 20; ++i) whole.push_back(wall_ms([&] { cuda_rule(in_bf, lens, scale); }));
+      tu.time_kernels = true;
+      for (int i = 0; i < 20; ++i) {
+        cuda_rule(in_bf, lens, scale);
+        const auto kt = model::cuda_gdn::last_kernel_times();
+        prep.push_back(kt.prep_ms), scan.push_back(kt.scan_ms);
+      }
+      tu.time_kernels = false;
+      std::printf("GDN sweep T=%lld docs=%zu vt=%d warps=%d prefetch=%d: prep %.3f ms, scan %.3f ms, call %.3f ms "
+                  "(composed fp32 %.3f ms); rel_err fp32 %.2e, bf16-in vs fp32 ref %.2e\n",
+                  static_cast<long long>(T), lens.size(), v.vt, v.warps, int(v.pf), median(prep), median(scan),
+                  median(whole), t_comp, e, e_bf);
+      std::fflush(stdout);
+      EXPECT_LT(e, kFp32Tol) << "vt " << v.vt << " warps " << v.warps << " prefetch " << v.pf;
+    }
+  }
+  model::cuda_gdn::tuning() = saved;
+}
+
+// Every variant on the small correctness shapes (packed documents, K 64, bf16).
+TEST(GatedDeltaGpu, AllVariantsMatchComposed) {
+  const auto saved = model::cuda_gdn::tuning();
+  const double scale = 1.0 / std::sqrt(128.0);
+  auto in64 = random_inputs(total(kLens), 2, 6, 128, 128, 51);
+  auto ref = composed_rule(in64, kLens, scale);
+  auto in32 = cast(in64, torch::kFloat32, torch::kFloat32);
+  const std::vector<int64_t> lens64{129, 5, 64, 190};
+  auto in64b = random_inputs(total(lens64), 3, 3, 64, 192, 52, 8.0);
+  auto ref64 = composed_rule(in64b, lens64, 0.125);
+  auto in32b = cast(in64b, torch::kFloat32, torch::kFloat32);
+  auto in_bf = cast(in64, torch::kBFloat16, torch::kFloat32);
+  auto ref_bf = composed_rule(cast(in_bf, torch::kFloat64, torch::kFloat64), kLens, scale);
+  for (int vt : {32, 16, 8})
+    for (int warps : {8, 4})
+      for (bool pf : {false, true}) {
+        auto& tu = model::cuda_gdn::tuning();
+        tu.scan_vt = vt, tu.scan_warps = warps, tu.scan_prefetch = pf;
+        const std::string tag = "vt " + std::to_string(vt) + " warps " + std::to_string(warps) + " pf " +
+                                std::to_string(int(pf));
+        EXPECT_LT(rel_err(cuda_rule(in32, kLens, scale), ref), kFp32Tol) << tag;
+        EXPECT_LT(rel_err(cuda_rule(in32b, lens64, 0.125), ref64), kFp32Tol) << tag << " (K 64, V 192)";
+        EXPECT_LT(rel_err(cuda_rule(in_bf, kLens, scale), ref_bf), kBf16Tol) << tag << " (bf16)";
+      }
+  model::cuda_gdn::tuning() = saved;
 }
 
 TEST(GatedDeltaGpu, UnsupportedInputsFailLoudlyOrRunComposedDeliberately) {

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <sstream>
 
 #include "core/model/cuda/gated_delta_cuda.h"
@@ -13,6 +14,8 @@ namespace dflash::model::cuda_gdn {
 namespace {
 
 constexpr int kC = 64;  // chunk size (rows of a chunk)
+
+KernelTimes g_times;  // last timed call (Tuning::time_kernels)
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -204,89 +207,106 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   if (t == 0) out[lay.dec()] = expf(glast);
 }
 
-// One block of 256 threads (8 warps) per (document d, value head h, value tile of 32 columns).
-// Lane = value column of the tile. State S [K][32] fp32: warp w keeps rows [w K/8, (w+1) K/8) in
-// registers and mirrors them to shared memory, where every warp reads all rows.
-template <typename Tout, int K>
-__global__ void __launch_bounds__(256) gdn_chunk_scan(const float* __restrict__ work, const int* __restrict__ doc_info,
-                                                     int Hv, int V, Tout* __restrict__ out) {
-  constexpr int RW = K / 8;  // state rows per warp
-  static_assert(RW % 4 == 0, "K must be a multiple of 32");
-  __shared__ float S[K][32];
-  __shared__ float Vn[kC][32];
-  const int d = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * 32;
+// One block of NW warps per (document d, value head h, value tile of VT columns), VT = 32, 16 or 8.
+// Thread (warp w, lane l): value column l % VT of the tile, and group grp = w (32 / VT) + l / VT of
+// the NW (32 / VT) groups. Phases 1-2: group grp owns output rows [RPT grp, RPT (grp + 1)); the state
+// S [K][VT] fp32: group grp keeps rows [SRT grp, SRT (grp + 1)) in registers and mirrors them to
+// shared memory, where every thread reads all rows. VT = 32, NW = 8 is the original (verified) kernel.
+// PF: at the start of each chunk, prefetch the next chunk's operands into L2 (prefetch.global.L2,
+// ~4.6 lines of 128 B per thread), so that the chunk after reads L2 instead of HBM.
+template <typename Tout, int K, int VT, int NW, bool PF>
+__global__ void __launch_bounds__(NW * 32) gdn_chunk_scan(const float* __restrict__ work, const int* __restrict__ doc_info,
+                                                          int Hv, int V, Tout* __restrict__ out) {
+  static_assert(VT == 32 || VT == 16 || VT == 8, "value tile 32, 16 or 8");
+  constexpr int PARTS = 32 / VT;          // column groups per warp
+  constexpr int NG = NW * PARTS;          // row groups per block
+  constexpr int RPT = kC / NG;            // output rows per thread
+  constexpr int SRT = K / NG;             // state rows per thread
+  static_assert(RPT % 4 == 0 && RPT * NG == kC, "rows per thread must be a multiple of 4");
+  static_assert(SRT % 4 == 0 && SRT * NG == K, "state rows per thread must be a multiple of 4");
+  __shared__ float S[K][VT];
+  __shared__ float Vn[kC][VT];
+  const int d = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * VT;
   const int t = threadIdx.x, w = t / 32, lane = t % 32;
+  const int col = lane % VT, grp = w * PARTS + lane / VT;
+  const int r0 = RPT * grp, s0 = SRT * grp;
   const int chunk0 = doc_info[3 * d], tok0 = doc_info[3 * d + 1], len = doc_info[3 * d + 2];
   const int nchunks = (len + kC - 1) / kC;
   const Layout lay{K, V};
   const int64_t row_stride = int64_t(Hv) * V;
 
-  float s[RW];
+  float s[SRT];
 #pragma unroll
-  for (int b = 0; b < RW; ++b) {
+  for (int b = 0; b < SRT; ++b) {
     s[b] = 0.f;
-    S[w * RW + b][lane] = 0.f;
+    S[s0 + b][col] = 0.f;
   }
   __syncthreads();
 
   for (int c = 0; c < nchunks; ++c) {
     const float* base = work + (int64_t(chunk0 + c) * Hv + h) * lay.size();
-    // Phase 1 (rows i = 8w + a): P_w = W S, P_q = (scale q exp G) S with the state before the chunk.
-    float pw[8], pq[8];
+    if (PF && c + 1 < nchunks) {
+      const char* next = reinterpret_cast<const char*>(base + int64_t(Hv) * lay.size());
+      const int64_t bytes = lay.size() * int64_t(sizeof(float));
+      for (int64_t off = int64_t(t) * 128; off < bytes; off += int64_t(NW) * 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(next + off));
+    }
+    // Phase 1 (rows i = r0 + a): P_w = W S, P_q = (scale q exp G) S with the state before the chunk.
+    float pw[RPT], pq[RPT];
 #pragma unroll
-    for (int a = 0; a < 8; ++a) pw[a] = pq[a] = 0.f;
-    const float* Wt = base + lay.Wt() + 8 * w;
-    const float* Qt = base + lay.Qt() + 8 * w;
+    for (int a = 0; a < RPT; ++a) pw[a] = pq[a] = 0.f;
+    const float* Wt = base + lay.Wt() + r0;
+    const float* Qt = base + lay.Qt() + r0;
 #pragma unroll 4
     for (int kk = 0; kk < K; ++kk) {
-      const float sv = S[kk][lane];
-      const float4 w0 = __ldg(reinterpret_cast<const float4*>(Wt + kk * kC));
-      const float4 w1 = __ldg(reinterpret_cast<const float4*>(Wt + kk * kC + 4));
-      const float4 q0 = __ldg(reinterpret_cast<const float4*>(Qt + kk * kC));
-      const float4 q1 = __ldg(reinterpret_cast<const float4*>(Qt + kk * kC + 4));
-      pw[0] = fmaf(w0.x, sv, pw[0]), pw[1] = fmaf(w0.y, sv, pw[1]), pw[2] = fmaf(w0.z, sv, pw[2]);
-      pw[3] = fmaf(w0.w, sv, pw[3]), pw[4] = fmaf(w1.x, sv, pw[4]), pw[5] = fmaf(w1.y, sv, pw[5]);
-      pw[6] = fmaf(w1.z, sv, pw[6]), pw[7] = fmaf(w1.w, sv, pw[7]);
-      pq[0] = fmaf(q0.x, sv, pq[0]), pq[1] = fmaf(q0.y, sv, pq[1]), pq[2] = fmaf(q0.z, sv, pq[2]);
-      pq[3] = fmaf(q0.w, sv, pq[3]), pq[4] = fmaf(q1.x, sv, pq[4]), pq[5] = fmaf(q1.y, sv, pq[5]);
-      pq[6] = fmaf(q1.z, sv, pq[6]), pq[7] = fmaf(q1.w, sv, pq[7]);
-    }
-    const float* U = base + lay.U() + v0 + lane;
+      const float sv = S[kk][col];
 #pragma unroll
-    for (int a = 0; a < 8; ++a) {
-      const int i = 8 * w + a;
-      Vn[i][lane] = __ldg(U + int64_t(i) * V) - pw[a];  // v_new = U - W S
+      for (int a4 = 0; a4 < RPT / 4; ++a4) {
+        const float4 w4 = __ldg(reinterpret_cast<const float4*>(Wt + kk * kC + 4 * a4));
+        const float4 q4 = __ldg(reinterpret_cast<const float4*>(Qt + kk * kC + 4 * a4));
+        pw[4 * a4] = fmaf(w4.x, sv, pw[4 * a4]), pw[4 * a4 + 1] = fmaf(w4.y, sv, pw[4 * a4 + 1]);
+        pw[4 * a4 + 2] = fmaf(w4.z, sv, pw[4 * a4 + 2]), pw[4 * a4 + 3] = fmaf(w4.w, sv, pw[4 * a4 + 3]);
+        pq[4 * a4] = fmaf(q4.x, sv, pq[4 * a4]), pq[4 * a4 + 1] = fmaf(q4.y, sv, pq[4 * a4 + 1]);
+        pq[4 * a4 + 2] = fmaf(q4.z, sv, pq[4 * a4 + 2]), pq[4 * a4 + 3] = fmaf(q4.w, sv, pq[4 * a4 + 3]);
+      }
+    }
+    const float* U = base + lay.U() + v0 + col;
+#pragma unroll
+    for (int a = 0; a < RPT; ++a) {
+      const int i = r0 + a;
+      Vn[i][col] = __ldg(U + int64_t(i) * V) - pw[a];  // v_new = U - W S
     }
     __syncthreads();
 
     // Phase 2: o_i = P_q,i + sum_{j <= i} Aqk_ij v_new_j (AT[j][i] = 0 for j > i).
-    const float* AT = base + lay.AT() + 8 * w;
-    const int jend = 8 * w + 8;  // a multiple of 4
+    const float* AT = base + lay.AT() + r0;
+    const int jend = r0 + RPT;  // a multiple of 4
 #pragma unroll 4
     for (int j = 0; j < jend; ++j) {
-      const float vn = Vn[j][lane];
-      const float4 a0 = __ldg(reinterpret_cast<const float4*>(AT + j * kC));
-      const float4 a1 = __ldg(reinterpret_cast<const float4*>(AT + j * kC + 4));
-      pq[0] = fmaf(a0.x, vn, pq[0]), pq[1] = fmaf(a0.y, vn, pq[1]), pq[2] = fmaf(a0.z, vn, pq[2]);
-      pq[3] = fmaf(a0.w, vn, pq[3]), pq[4] = fmaf(a1.x, vn, pq[4]), pq[5] = fmaf(a1.y, vn, pq[5]);
-      pq[6] = fmaf(a1.z, vn, pq[6]), pq[7] = fmaf(a1.w, vn, pq[7]);
+      const float vn = Vn[j][col];
+#pragma unroll
+      for (int a4 = 0; a4 < RPT / 4; ++a4) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(AT + j * kC + 4 * a4));
+        pq[4 * a4] = fmaf(a.x, vn, pq[4 * a4]), pq[4 * a4 + 1] = fmaf(a.y, vn, pq[4 * a4 + 1]);
+        pq[4 * a4 + 2] = fmaf(a.z, vn, pq[4 * a4 + 2]), pq[4 * a4 + 3] = fmaf(a.w, vn, pq[4 * a4 + 3]);
+      }
     }
 #pragma unroll
-    for (int a = 0; a < 8; ++a) {
-      const int pos = c * kC + 8 * w + a;
-      if (pos < len) out[(int64_t(tok0) + pos) * row_stride + int64_t(h) * V + v0 + lane] = from_f<Tout>(pq[a]);
+    for (int a = 0; a < RPT; ++a) {
+      const int pos = c * kC + r0 + a;
+      if (pos < len) out[(int64_t(tok0) + pos) * row_stride + int64_t(h) * V + v0 + col] = from_f<Tout>(pq[a]);
     }
 
-    // Phase 3: S = exp(G_last) S + sum_i KD_i^T v_new_i (this warp's rows, kept in registers).
+    // Phase 3: S = exp(G_last) S + sum_i KD_i^T v_new_i (this group's rows, kept in registers).
     const float dec = __ldg(base + lay.dec());
 #pragma unroll
-    for (int b = 0; b < RW; ++b) s[b] *= dec;
-    const float* KD = base + lay.KD() + RW * w;
+    for (int b = 0; b < SRT; ++b) s[b] *= dec;
+    const float* KD = base + lay.KD() + s0;
 #pragma unroll 4
     for (int i = 0; i < kC; ++i) {
-      const float vn = Vn[i][lane];
+      const float vn = Vn[i][col];
 #pragma unroll
-      for (int b4 = 0; b4 < RW / 4; ++b4) {
+      for (int b4 = 0; b4 < SRT / 4; ++b4) {
         const float4 kd = __ldg(reinterpret_cast<const float4*>(KD + int64_t(i) * K + 4 * b4));
         s[4 * b4] = fmaf(kd.x, vn, s[4 * b4]);
         s[4 * b4 + 1] = fmaf(kd.y, vn, s[4 * b4 + 1]);
@@ -296,8 +316,33 @@ __global__ void __launch_bounds__(256) gdn_chunk_scan(const float* __restrict__ 
     }
     // Nobody reads S between the barrier above and the one below (phase 1 is done everywhere).
 #pragma unroll
-    for (int b = 0; b < RW; ++b) S[w * RW + b][lane] = s[b];
+    for (int b = 0; b < SRT; ++b) S[s0 + b][col] = s[b];
     __syncthreads();
+  }
+}
+
+template <typename Tout, int K, int VT, int NW>
+void launch_scan(bool pf, const float* work, const int* doc_info, int64_t num_docs, int Hv, int V, Tout* out,
+                 cudaStream_t stream) {
+  auto kernel = pf ? gdn_chunk_scan<Tout, K, VT, NW, true> : gdn_chunk_scan<Tout, K, VT, NW, false>;
+  kernel<<<dim3(num_docs, Hv, V / VT), NW * 32, 0, stream>>>(work, doc_info, Hv, V, out);
+}
+
+template <typename Tout, int K>
+void dispatch_scan(const Tuning& tu, const float* work, const int* doc_info, int64_t num_docs, int Hv, int V,
+                   Tout* out, cudaStream_t stream) {
+  if (tu.scan_vt == 8) {  // 4 warps only (8 would leave 2 output rows per thread)
+    launch_scan<Tout, K, 8, 4>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
+  } else if (tu.scan_vt == 16) {
+    if (tu.scan_warps == 4)
+      launch_scan<Tout, K, 16, 4>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
+    else
+      launch_scan<Tout, K, 16, 8>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
+  } else {
+    if (tu.scan_warps == 4)
+      launch_scan<Tout, K, 32, 4>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
+    else
+      launch_scan<Tout, K, 32, 8>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
   }
 }
 
@@ -309,19 +354,33 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   const int* chunk_tok = tables.data_ptr<int>();
   const int* chunk_len = chunk_tok + num_chunks;
   const int* doc_info = chunk_len + num_chunks;
-  const Layout lay{K, V};
-  (void)lay;
   const size_t smem = PrepSmem<K>::floats * sizeof(float);
   auto prep = gdn_chunk_prep<Tin, K>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const Tuning tu = tuning();
+  cudaEvent_t ev[3];
+  if (tu.time_kernels) {
+    for (auto& e : ev) C10_CUDA_CHECK(cudaEventCreate(&e));
+    C10_CUDA_CHECK(cudaEventRecord(ev[0], stream));
+  }
   prep<<<dim3(num_chunks, Hv), K + V, smem, stream>>>(
       reinterpret_cast<const Tin*>(q.data_ptr()), reinterpret_cast<const Tin*>(k.data_ptr()),
       reinterpret_cast<const Tin*>(v.data_ptr()), q.stride(0), k.stride(0), v.stride(0), g.data_ptr<float>(),
       beta.data_ptr<float>(), chunk_tok, chunk_len, Hv, r, V, scale, work.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  gdn_chunk_scan<Tin, K><<<dim3(num_docs, Hv, V / 32), 256, 0, stream>>>(
-      work.data_ptr<float>(), doc_info, Hv, V, reinterpret_cast<Tin*>(out.data_ptr()));
+  if (tu.time_kernels) C10_CUDA_CHECK(cudaEventRecord(ev[1], stream));
+  dispatch_scan<Tin, K>(tu, work.data_ptr<float>(), doc_info, num_docs, Hv, V, reinterpret_cast<Tin*>(out.data_ptr()),
+                        stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (tu.time_kernels) {
+    C10_CUDA_CHECK(cudaEventRecord(ev[2], stream));
+    C10_CUDA_CHECK(cudaEventSynchronize(ev[2]));
+    float a = 0.f, b = 0.f;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&a, ev[0], ev[1]));
+    C10_CUDA_CHECK(cudaEventElapsedTime(&b, ev[1], ev[2]));
+    g_times = KernelTimes{a, b};
+    for (auto& e : ev) C10_CUDA_CHECK(cudaEventDestroy(e));
+  }
 }
 
 // Rows may be strided (a view of a fused projection buffer); heads and the head dim must be packed.
@@ -331,6 +390,21 @@ torch::Tensor packed_rows(const torch::Tensor& x) {
 }
 
 }  // namespace
+
+Tuning& tuning() {
+  static Tuning tu = [] {
+    Tuning t;
+    if (const char* e = std::getenv("DFLASH_GDN_SCAN_VT")) t.scan_vt = std::atoi(e);
+    if (const char* e = std::getenv("DFLASH_GDN_SCAN_WARPS")) t.scan_warps = std::atoi(e);
+    if (const char* e = std::getenv("DFLASH_GDN_SCAN_PREFETCH")) t.scan_prefetch = std::atoi(e) != 0;
+    if (t.scan_vt != 16 && t.scan_vt != 8) t.scan_vt = 32;
+    if (t.scan_warps != 4) t.scan_warps = 8;
+    return t;
+  }();
+  return tu;
+}
+
+KernelTimes last_kernel_times() { return g_times; }
 
 std::string unsupported_reason(const GatedDeltaInputs& in, int64_t chunk) {
   std::ostringstream why;

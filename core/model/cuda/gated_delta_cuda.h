@@ -23,6 +23,26 @@
 
 namespace dflash::model::cuda_gdn {
 
+// Runtime choice among the kernels' variants (one process-wide instance, read by every call; set it
+// from one thread while no call is running). Defaults from the environment:
+//   DFLASH_GDN_SCAN_VT     value-tile width of the scan, 32 (default), 16 or 8 (2x / 4x the blocks)
+//   DFLASH_GDN_SCAN_WARPS  warps per scan block, 8 (default) or 4 (value tile 8 always runs 4)
+//   DFLASH_GDN_SCAN_PREFETCH  1: each chunk step prefetches the next chunk's operands into L2 (default 0)
+// Other values fall back to the defaults.
+struct Tuning {
+  int scan_vt = 32;
+  int scan_warps = 8;
+  bool scan_prefetch = false;
+  bool time_kernels = false;  // CUDA events around each launch; synchronises the stream after each call
+};
+Tuning& tuning();
+
+// Milliseconds of the last call's two launches, when Tuning::time_kernels was set.
+struct KernelTimes {
+  float prep_ms = 0.f, scan_ms = 0.f;
+};
+KernelTimes last_kernel_times();
+
 // Empty when the kernels accept these inputs; otherwise why not (for the caller's log or error).
 // Accepted: CUDA tensors; q/k/v float32 or bfloat16 (one dtype), g/beta float32 or q's dtype;
 // chunk == 64; key head dim 64 or 128; value head dim a multiple of 32 with K + V <= 256;
