@@ -50,8 +50,8 @@ if has run-gpu; then
   coord=$!
   # The drafter (worker 1: port 9602) while it trains: GPU memory and NVML utilisation gauges.
   while kill -0 $coord 2>/dev/null; do
-    curl -sf http://127.0.0.1:9602/metrics > "$w/m.tmp" && grep -q '^dflash_drafter_steps_total [1-9]' "$w/m.tmp" \
-      && cp "$w/m.tmp" "$out/run_gpu_drafter_metrics.txt"
+    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen("http://127.0.0.1:9602/metrics", timeout=1).read().decode())' \
+      > "$w/m.tmp" 2>/dev/null && grep -q '^dflash_drafter_steps_total [1-9]' "$w/m.tmp" && cp "$w/m.tmp" "$out/run_gpu_drafter_metrics.txt"
     sleep 0.5
   done
   wait $coord
