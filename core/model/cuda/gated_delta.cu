@@ -357,7 +357,11 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   const size_t smem = PrepSmem<K>::floats * sizeof(float);
   auto prep = gdn_chunk_prep<Tin, K>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const Tuning tu = tuning();
+  Tuning tu = tuning();
+  if (tu.scan_vt == 0) {
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    tu.scan_vt = int64_t(num_docs) * Hv * (V / 32) < 2 * sms ? 16 : 32;
+  }
   cudaEvent_t ev[3];
   if (tu.time_kernels) {
     for (auto& e : ev) C10_CUDA_CHECK(cudaEventCreate(&e));
@@ -397,7 +401,7 @@ Tuning& tuning() {
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_VT")) t.scan_vt = std::atoi(e);
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_WARPS")) t.scan_warps = std::atoi(e);
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_PREFETCH")) t.scan_prefetch = std::atoi(e) != 0;
-    if (t.scan_vt != 16 && t.scan_vt != 8) t.scan_vt = 32;
+    if (t.scan_vt != 32 && t.scan_vt != 16 && t.scan_vt != 8) t.scan_vt = 0;  // auto
     if (t.scan_warps != 4) t.scan_warps = 8;
     return t;
   }();

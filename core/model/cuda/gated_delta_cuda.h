@@ -30,9 +30,13 @@ namespace dflash::model::cuda_gdn {
 //   DFLASH_GDN_SCAN_PREFETCH  1: each chunk step prefetches the next chunk's operands into L2 (default 0)
 // Other values fall back to the defaults.
 struct Tuning {
-  int scan_vt = 32;
+  // Value-tile width of the scan: 32, 16, 8, or 0 = auto (16 when 32-wide tiles would give fewer
+  // than two blocks per SM, else 32). Measured on the H200 at the Qwen3.6-27B head shape
+  // (docs/perf.md): 1x4096 16/8/prefetch 3.50 ms vs 32/8/prefetch 4.31 ms vs the first kernel's
+  // 32/8/no-prefetch 5.69 ms; 2x8192 32/8/prefetch 11.8 ms vs 16/8/prefetch 18.3 ms.
+  int scan_vt = 0;
   int scan_warps = 8;
-  bool scan_prefetch = false;
+  bool scan_prefetch = true;
   bool time_kernels = false;  // CUDA events around each launch; synchronises the stream after each call
 };
 Tuning& tuning();
