@@ -74,17 +74,21 @@ inline stream::PipelineShape pipeline_shape(const config::RunConfig& c) {
   return {c.num_targets(), c.num_drafters(), c.train.grad_accum};
 }
 
-// The run schedule of a launch plan: the config's packing with each generation's limits.
+// The run schedule of packing generations: the config's packing with each generation's limits.
 inline stream::RunSchedule build_schedule(const config::RunConfig& c, const std::vector<uint32_t>& lengths,
-                                          const control::LaunchPlan& plan) {
+                                          const std::vector<control::GenerationSpec>& generations) {
   std::vector<stream::Generation> gens;
-  for (const auto& g : plan.generations) {
+  for (const auto& g : generations) {
     stream::Generation x{g.start_step, packing_options(c), g.drafters};
     x.packing.token_budget = g.token_budget;
     x.packing.max_batch_size = g.max_batch_size;
     gens.push_back(x);
   }
   return stream::RunSchedule::build(lengths, c.run.epochs, pipeline_shape(c), std::move(gens));
+}
+inline stream::RunSchedule build_schedule(const config::RunConfig& c, const std::vector<uint32_t>& lengths,
+                                          const control::LaunchPlan& plan) {
+  return build_schedule(c, lengths, plan.generations);
 }
 
 // Fault injection (tests only; resilience.fault_injection reaches workers through the coordinator's
@@ -106,14 +110,17 @@ inline void inject_fault(const control::FaultSpecWire& f, const std::string& whe
 
 // --run-id N when given, else a hash of (run.name, run.output_dir): every process of one run
 // started from the same config agrees without being told.
+inline uint64_t run_id_of(const config::RunConfig& c) {
+  const std::string key = c.run.name + '\0' + c.run.output_dir;
+  return stream::xxhash64(key.data(), key.size()) & 0x7fffffffffffffffull;
+}
 inline uint64_t run_id_of(const config::RunConfig& c, const Flags& f) {
   if (f.has("run-id")) {
     const int64_t v = f.get_int("run-id", 0);
     DFLASH_CHECK(v >= 0, ConfigError, "--run-id must be >= 0, got " << v);
     return static_cast<uint64_t>(v);
   }
-  const std::string key = c.run.name + '\0' + c.run.output_dir;
-  return stream::xxhash64(key.data(), key.size()) & 0x7fffffffffffffffull;
+  return run_id_of(c);
 }
 
 constexpr const char* kShmPrefix = "dflash";

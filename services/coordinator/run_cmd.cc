@@ -33,6 +33,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "services/common/pipeline_common.h"
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
 
@@ -86,35 +87,6 @@ std::string self_dir() {
 }
 
 const char* role_name(config::Role r) { return r == config::Role::kTarget ? "target" : "drafter"; }
-
-uint64_t run_id_for(const config::RunConfig& c) {
-  const std::string key = c.run.name + '\0' + c.run.output_dir;
-  return stream::xxhash64(key.data(), key.size()) & 0x7fffffffffffffffull;
-}
-
-data::PackingOptions packing_of(const config::RunConfig& c) {
-  data::PackingOptions p;
-  p.token_budget = c.data.token_budget;
-  p.max_batch_size = c.data.max_batch_size;
-  p.max_seq_len = c.data.max_seq_len;
-  p.bucketing = c.data.bucketing;
-  p.overlong = c.data.overlong == config::Overlong::kDrop ? data::PackingOptions::kDrop : data::PackingOptions::kTruncate;
-  p.seed = static_cast<uint64_t>(c.data.shuffle_seed);
-  return p;
-}
-
-stream::RunSchedule schedule_of(const config::RunConfig& c, const std::vector<uint32_t>& lengths,
-                                const std::vector<control::GenerationSpec>& gens) {
-  std::vector<stream::Generation> g;
-  for (const auto& x : gens) {
-    stream::Generation s{x.start_step, packing_of(c)};
-    s.packing.token_budget = x.token_budget;
-    s.packing.max_batch_size = x.max_batch_size;
-    s.drafters = x.drafters;
-    g.push_back(s);
-  }
-  return stream::RunSchedule::build(lengths, c.run.epochs, {c.num_targets(), c.num_drafters(), c.train.grad_accum}, g);
-}
 
 std::string fmt_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
@@ -368,7 +340,7 @@ class Coordinator final : public pb::Coordinator::Service {
                         {"max_anchors", cfg_.train.max_anchors}, {"block_size", cfg_.drafter.block_size}});
         LOG_WARN("drafter ranks " << before << " -> " << g.drafters << " from step " << start_step);
       }
-      const auto sched = schedule_of(cfg_, lengths_, st.generations);
+      const auto sched = pipeline::build_schedule(cfg_, lengths_, st.generations);
       total_steps_ = sched.total_steps();
       attempt_ = st.attempts;
       stop_requested_ = checkpoint_requested_ = false;
@@ -534,7 +506,7 @@ class Coordinator final : public pb::Coordinator::Service {
   void build_assignment(int64_t start_step, const std::string& resume_dir) {
     const auto& st = ledger_.state();
     assignment_.Clear();
-    assignment_.set_run_id(run_id_for(cfg_));
+    assignment_.set_run_id(pipeline::run_id_of(cfg_));
     assignment_.set_attempt(attempt_);
     assignment_.set_start_step(start_step);
     assignment_.set_schedule_steps(st.schedule_steps);
@@ -671,6 +643,29 @@ class Coordinator final : public pb::Coordinator::Service {
       if (m_alive_) m_alive_->set(alive);
       if (m_step_) m_step_->set(double(step_));
       if (m_committed_) m_committed_->set(double(ledger_.state().committed_step()));
+      if (out.worker >= 0 && !out.hang) {
+        // Peers of a failing worker fail right after it (a closed link, a dead peer in a
+        // collective). Give them a moment, then blame the root cause: an OOM first, then a worker
+        // killed by a signal, then a reported config/data error, then anything else.
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        auto rank_of = [](const WorkerState& w) {
+          if (w.exit.code == kExitOom || w.reported_code == kExitOom) return 0;
+          if (w.exit.signal) return 1;
+          if (w.reported_code == kExitConfig || w.reported_code == kExitData) return 2;
+          return 3;
+        };
+        for (size_t i = 0; i < workers_.size(); ++i) {
+          auto& w = workers_[i];
+          if (!w.exit.exited) w.exit = poll_child(w.pid);
+          if (!w.exit.exited || w.exit.code == 0 || w.state == "stopped") continue;
+          w.state = "failed";
+          if (rank_of(w) < rank_of(workers_[out.worker])) {
+            out.worker = static_cast<int>(i);
+            out.reason = w.exit.describe() + (w.reported_message.empty() ? "" : ": " + w.reported_message);
+            if (rank_of(w) == 0) out.reason = "CUDA out of memory (" + out.reason + ")";
+          }
+        }
+      }
       if (out.worker >= 0) {
         auto& w = workers_[out.worker];
         if (m_oom_ && (w.exit.code == kExitOom || w.reported_code == kExitOom)) m_oom_->inc();
@@ -800,7 +795,7 @@ int cmd_run(int argc, char** argv) {
   const auto cfg = config::load_config_or_throw(config_path);
   auto shards = data::ShardReader::open(cfg.data.shard_dir);
   const auto lengths = shards.lengths();
-  const auto sched0 = schedule_of(cfg, lengths, {{0, cfg.data.token_budget, cfg.data.max_batch_size, cfg.num_drafters()}});
+  const auto sched0 = pipeline::build_schedule(cfg, lengths, std::vector<control::GenerationSpec>{{0, cfg.data.token_budget, cfg.data.max_batch_size, cfg.num_drafters()}});
   DFLASH_CHECK(sched0.total_steps() > 0, ConfigError,
                "the data gives no whole optimizer step (" << lengths.size() << " samples, " << cfg.num_drafters()
                                                           << " drafters, train.grad_accum=" << cfg.train.grad_accum << ")");

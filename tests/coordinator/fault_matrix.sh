@@ -4,7 +4,7 @@
 # own logs (exactly-once per epoch, steps committed by every rank) and compares final weights with
 # the fault-free run:
 #   target_crash   target 1 SIGKILLs itself after step 14 (injected)          -> same weights
-#   drafter_kill   kill -9 of drafter 1 from outside once step 12 is reported  -> same weights
+#   drafter_kill   kill -9 of drafter 1 from outside once step 6 is reported   -> same weights
 #   coord_kill     kill -9 of the coordinator after a commit, then --resume latest -> same weights
 #   oom            drafter 1 reports CUDA OOM at step 15 (injected, exit 3)    -> token_budget lowered,
 #                  a different (valid) schedule from the commit on             -> weights differ
@@ -49,10 +49,12 @@ check target_crash --reference "$work/ref" --expect-restarts 1
 config drafter_kill "[]"
 "$bin/dflash" run "$work/drafter_kill.yaml" --quiet 2> "$work/drafter_kill.log" &
 coord=$!
-wait_ledger drafter_kill '"rank":1,.*"step":12,'
-pid=$("$bin/dflash" status --config "$work/drafter_kill.yaml" --json | "$py" -c \
-  "import json,sys; print([w['pid'] for w in json.load(sys.stdin)['workers'] if w['role']=='drafter' and w['rank']==1][0])")
+wait_ledger drafter_kill '"rank":1,.*"step":6,'
+# The pid as the coordinator reports it (dflash status); pgrep first, since the run is short.
+pid=$(pgrep -f -- "dflash-drafter train --config $work/drafter_kill.yaml --rank 1 ")
 kill -9 "$pid"
+"$bin/dflash" status --config "$work/drafter_kill.yaml" --json | "$py" -c \
+  "import json,sys; w=json.load(sys.stdin)['workers']; assert any(x['role']=='drafter' and x['rank']==1 for x in w), w"
 wait $coord || { tail -20 "$work/drafter_kill.log"; exit 1; }
 check drafter_kill --reference "$work/ref" --expect-restarts 1
 
