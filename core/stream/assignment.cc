@@ -38,12 +38,4 @@ RunAssignment assign_run(const std::vector<uint32_t>& lengths, int epochs, const
   return r;
 }
 
-std::vector<int64_t> target_ks(const EpochAssignment& a, int target, int num_targets) {
-  DFLASH_CHECK(target >= 0 && target < num_targets, ConfigError,
-               "pipeline: target rank " << target << " outside [0, " << num_targets << ")");
-  std::vector<int64_t> ks;
-  for (int64_t k = target; k < a.per_drafter; k += num_targets) ks.push_back(k);
-  return ks;
-}
-
 }  // namespace dflash::stream

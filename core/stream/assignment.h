@@ -10,11 +10,10 @@
 //   - each drafter trains `per_drafter` = floor(floor(B / M) / grad_accum) * grad_accum of them,
 //     so every drafter takes the same number of micro-batches per optimizer step; the batches cut
 //     by this rounding are counted in `accum_cut_batches`;
-//   - drafter d's k-th micro-batch (0 <= k < per_drafter) is batch i = k * M + d, produced by
-//     target t = k mod N (== (i div M) mod N) and sent on link t * M + d.
-// Each link carries its batches in increasing k, so a drafter reading its k-th batch from the link
-// of target k mod N sees exactly the planned order. Every batch of an epoch is therefore trained
-// exactly once, or counted in remainder_batches / accum_cut_batches.
+//   - drafter d's k-th micro-batch (0 <= k < per_drafter) is batch i = k * M + d.
+// Every batch of an epoch is therefore trained exactly once, or counted in remainder_batches /
+// accum_cut_batches. Which target produces a batch, and the run-level sequence of epochs and
+// packing generations, is the schedule's business: core/stream/schedule.h.
 //
 // Pure functions, no I/O; throws ConfigError for non-positive counts.
 #pragma once
@@ -45,9 +44,8 @@ struct EpochAssignment {
   int64_t steps() const;          // per_drafter / grad_accum (set by assign_epoch)
   int64_t grad_accum = 1;
 
-  // Batch index of drafter d's k-th micro-batch, and the target that produces it.
+  // Batch index of drafter d's k-th micro-batch.
   int64_t batch_index(int64_t k, int drafter, int num_drafters) const { return k * num_drafters + drafter; }
-  static int target_of(int64_t k, int num_targets) { return static_cast<int>(k % num_targets); }
 };
 
 EpochAssignment assign_epoch(int64_t epoch, int64_t num_batches, const PipelineShape& shape);
@@ -60,9 +58,5 @@ struct RunAssignment {
 };
 RunAssignment assign_run(const std::vector<uint32_t>& lengths, int epochs, const data::PackingOptions& packing,
                          const PipelineShape& shape);
-
-// The micro-batch indices k target t produces in one epoch, in send order, each sent to every
-// drafter d = 0..M-1 in turn: k = t, t + N, t + 2N, ... < per_drafter.
-std::vector<int64_t> target_ks(const EpochAssignment& a, int target, int num_targets);
 
 }  // namespace dflash::stream
