@@ -85,6 +85,26 @@ int RunConfig::num_drafters() const {
   return n;
 }
 
+RunConfig without_workers(RunConfig c, const std::vector<WorkerSlot>& slots) {
+  for (const auto& s : slots) {
+    bool found = false;
+    for (auto& h : c.topology.hosts) {
+      if (h.name != s.host) continue;
+      auto& gpus = s.role == Role::kTarget ? h.target_gpus : h.drafter_gpus;
+      auto it = std::find(gpus.begin(), gpus.end(), s.gpu);
+      if (it == gpus.end()) continue;
+      gpus.erase(it);
+      found = true;
+      break;
+    }
+    DFLASH_CHECK(found, ConfigError, "topology.hosts: no " << to_string(s.role) << " on host '" << s.host << "' GPU " << s.gpu
+                                                           << " to leave out");
+  }
+  DFLASH_CHECK(c.num_targets() > 0 && c.num_drafters() > 0, ConfigError,
+               "topology.hosts: leaving out " << slots.size() << " worker(s) leaves no " << (c.num_targets() ? "drafter" : "target"));
+  return c;
+}
+
 // ---------------------------------------------------------------- field lists
 
 namespace {

@@ -188,6 +188,17 @@ struct RunConfig {
   int num_drafters() const;  // drafter_gpus over all hosts
 };
 
+// One worker of the topology: its role, host name and GPU id on that host.
+struct WorkerSlot {
+  Role role = Role::kDrafter;
+  std::string host;
+  int gpu = 0;
+};
+// `c` with these workers removed from topology.hosts: the topology of a run continuing degraded
+// (resilience.allow_degraded). Ranks are renumbered densely in topology order, as for any config.
+// ConfigError naming the slot when it is not in the topology or when a role would have no worker.
+RunConfig without_workers(RunConfig c, const std::vector<WorkerSlot>& slots);
+
 // Field-by-field equality (doubles compared exactly; implemented as to_yaml(a) == to_yaml(b),
 // which writes every field with round-trip precision).
 bool operator==(const RunConfig& a, const RunConfig& b);

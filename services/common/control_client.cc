@@ -127,6 +127,7 @@ std::unique_ptr<ControlClient> ControlClient::connect(const ClientOptions& o) {
   p.resume_checkpoint = a.resume_checkpoint();
   for (const auto& f : a.faults()) p.faults.push_back({fault_kind(f.kind()), from_pb(f.role()), f.rank(), f.step()});
   p.store_port = a.store_port();
+  for (const auto& x : a.left_out()) p.left_out.push_back({from_pb(x.role()), x.host(), x.gpu()});
   DFLASH_CHECK(!p.generations.empty(), TransportError, "the coordinator's assignment has no packing generation");
   c->hb_ = std::thread([raw = c.get()] { raw->heartbeat_loop(); });
   return c;

@@ -50,8 +50,13 @@ struct LaunchPlan {
   std::string resume_checkpoint;
   std::vector<FaultSpecWire> faults;
   int store_port = 0;                 // 0: the worker's --store-port
+  std::vector<config::WorkerSlot> left_out;  // running degraded: apply with topology() below
   bool from_coordinator = false;
 
+  // The topology this launch runs: the config's without the workers left out (running degraded).
+  config::RunConfig topology(const config::RunConfig& cfg) const {
+    return left_out.empty() ? cfg : config::without_workers(cfg, left_out);
+  }
   // One generation from the config's packing settings, start 0, no resume.
   static LaunchPlan standalone(const config::RunConfig& cfg, uint64_t run_id);
   // The fault of `role`/`rank` to inject at schedule step `step` (1-based, after that step), if any.

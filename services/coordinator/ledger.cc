@@ -56,6 +56,10 @@ void Ledger::apply(LedgerState& s, const json& r) {
   } else if (type == "restart") {
     ++s.restarts[field<std::string>(r, "role")];
     s.restart_log.push_back(r);
+  } else if (type == "degraded") {
+    const auto role = field<std::string>(r, "role");
+    s.restarts_at_degrade[role] = s.restarts[role];
+    s.degraded_log.push_back(r);
   } else if (type == "rollback") {
     const int64_t to = field<int64_t>(r, "to_step");
     s.steps.erase(s.steps.upper_bound(to), s.steps.end());

@@ -14,6 +14,9 @@
 //               (an OOM, or a resume with another number of drafter ranks); a record
 //               with the start step of the current last generation replaces it
 //   restart     a worker failed (role, rank, reason, exit code) and the run restarts
+//   degraded    restarts of a role were exhausted and resilience.allow_degraded let the run go on
+//               without that worker (role, rank, host, gpu, reason, step); the role's restart
+//               budget starts afresh
 //   rollback    steps > S are discarded (the run restarts from the checkpoint at S); checkpoints
 //               above S (e.g. one that failed verification) are forgotten
 //   finished / stopped   the run ended (stopped: with a reason; resumable)
@@ -56,12 +59,19 @@ struct LedgerState {
   int attempts = 0;                                   // launches so far
   std::map<std::string, int> restarts;                // role -> restarts
   std::vector<nlohmann::json> restart_log;
+  std::map<std::string, int> restarts_at_degrade;     // role -> restarts when it last went degraded
+  std::vector<nlohmann::json> degraded_log;
   std::vector<nlohmann::json> packing_log;
   bool finished = false;
   std::string stopped_reason;                         // last "stopped" record's reason ("" if none after the last launch)
   int64_t records = 0;
 
   int64_t committed_step() const { return checkpoints.empty() ? 0 : checkpoints.back().step; }
+  // Restarts of `role` counted against resilience.max_restarts (since it last went degraded).
+  int restart_budget_used(const std::string& role) const {
+    auto r = restarts.find(role), d = restarts_at_degrade.find(role);
+    return (r == restarts.end() ? 0 : r->second) - (d == restarts_at_degrade.end() ? 0 : d->second);
+  }
 };
 
 class Ledger {

@@ -193,7 +193,7 @@ class Coordinator final : public pb::Coordinator::Service {
  public:
   Coordinator(const config::RunConfig& cfg, std::string config_path, Ledger ledger, std::vector<uint32_t> lengths,
               std::string token, std::string device, bool quiet)
-      : cfg_(cfg), config_path_(std::move(config_path)), ledger_(std::move(ledger)), lengths_(std::move(lengths)),
+      : base_cfg_(cfg), cfg_(cfg), config_path_(std::move(config_path)), ledger_(std::move(ledger)), lengths_(std::move(lengths)),
         token_(std::move(token)), device_(std::move(device)), quiet_(quiet) {}
 
   // gRPC ------------------------------------------------------------------------------------------
@@ -328,15 +328,17 @@ class Coordinator final : public pb::Coordinator::Service {
       }
       const auto [start_step, resume_dir] = choose_commit();
       if (cfg_.num_drafters() != st.generations.back().drafters) {
-        // Resumed with another number of drafter ranks: the drafter state is replicated (it loads
-        // on any count); the rest of the epoch is re-planned for the new count from the commit.
+        // Resumed with another number of drafter ranks, or one left out (running degraded): the
+        // drafter state is replicated (it loads on any count); the rest of the epoch is re-planned
+        // for the new count from the commit.
         auto g = st.generations.back();
         const int before = g.drafters;
         g.drafters = cfg_.num_drafters();
         g.start_step = start_step;
+        const std::string why = (left_out_.empty() ? "resumed with " : "running degraded with ") + std::to_string(g.drafters) +
+                                " drafter ranks instead of " + std::to_string(before);
         ledger_.append({{"type", "packing"}, {"start_step", g.start_step}, {"token_budget", g.token_budget},
-                        {"max_batch_size", g.max_batch_size}, {"drafters", g.drafters},
-                        {"reason", "resumed with " + std::to_string(g.drafters) + " drafter ranks instead of " + std::to_string(before)},
+                        {"max_batch_size", g.max_batch_size}, {"drafters", g.drafters}, {"reason", why},
                         {"max_anchors", cfg_.train.max_anchors}, {"block_size", cfg_.drafter.block_size}});
         LOG_WARN("drafter ranks " << before << " -> " << g.drafters << " from step " << start_step);
       }
@@ -345,7 +347,8 @@ class Coordinator final : public pb::Coordinator::Service {
       attempt_ = st.attempts;
       stop_requested_ = checkpoint_requested_ = false;
       ledger_.append({{"type", "launch"}, {"attempt", attempt_}, {"start_step", start_step}, {"resume", resume_dir},
-                      {"generations", static_cast<int64_t>(st.generations.size())}});
+                      {"generations", static_cast<int64_t>(st.generations.size())}, {"targets", cfg_.num_targets()},
+                      {"drafters", cfg_.num_drafters()}, {"left_out", slots_json()}});
       build_assignment(start_step, resume_dir);
       step_ = start_step;
       start_step_ = start_step;
@@ -373,7 +376,7 @@ class Coordinator final : public pb::Coordinator::Service {
       const bool oom = w.exit.code == kExitOom || w.reported_code == kExitOom;
       ledger_.append({{"type", "restart"}, {"attempt", attempt_}, {"role", role}, {"rank", w.spec.rank},
                       {"reason", outcome.reason}, {"exit_code", w.exit.code}, {"oom", oom}});
-      const int n = ledger_.state().restarts.at(role);
+      const int n = ledger_.state().restart_budget_used(role);
       LOG_WARN(role << " " << w.spec.rank << " failed: " << outcome.reason << " (restart " << n << " of at most "
                     << cfg_.resilience.max_restarts << " for the " << role << "s)");
       const int code = w.reported_code > 0 ? w.reported_code : w.exit.code;
@@ -385,7 +388,12 @@ class Coordinator final : public pb::Coordinator::Service {
                                                  << "; log: " << w.spec.log_path);
         return code;
       }
-      if (n > cfg_.resilience.max_restarts) {
+      if (n > cfg_.resilience.max_restarts && !oom && cfg_.resilience.allow_degraded &&
+          (w.spec.role == config::Role::kTarget ? cfg_.num_targets() : cfg_.num_drafters()) > 1) {
+        go_degraded(w, role + " " + std::to_string(w.spec.rank) + " failed " + std::to_string(n) +
+                           " times, more than resilience.max_restarts=" + std::to_string(cfg_.resilience.max_restarts) +
+                           "; last: " + outcome.reason);
+      } else if (n > cfg_.resilience.max_restarts) {
         const std::string why = role + " " + std::to_string(w.spec.rank) + " failed " + std::to_string(n) +
                                 " times, more than resilience.max_restarts=" + std::to_string(cfg_.resilience.max_restarts) +
                                 "; last: " + outcome.reason;
@@ -420,7 +428,9 @@ class Coordinator final : public pb::Coordinator::Service {
             {"tokens_per_s", tps}, {"committed_step", st.committed_step()},
             {"last_checkpoint", st.checkpoints.empty() ? "" : st.checkpoints.back().dir}, {"workers", ws},
             {"restarts", st.restart_log}, {"restarts_by_role", st.restarts}, {"packing", gens},
-            {"packing_changes", st.packing_log}, {"nonfinite_steps", nonfinite_}, {"stop_requested", stop_requested_}};
+            {"packing_changes", st.packing_log}, {"nonfinite_steps", nonfinite_}, {"stop_requested", stop_requested_},
+            {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()}, {"left_out", slots_json()},
+            {"degraded", st.degraded_log}};
   }
 
   void declare_metrics(metrics::Registry& r) {
@@ -430,6 +440,7 @@ class Coordinator final : public pb::Coordinator::Service {
     m_packing_ = &r.counter("dflash_coordinator_packing_changes_total", "packing generations opened after OOMs");
     m_step_ = &r.gauge("dflash_coordinator_schedule_steps", "schedule steps reported by drafter rank 0");
     m_committed_ = &r.gauge("dflash_coordinator_committed_steps", "schedule step of the last committed checkpoint");
+    m_left_out_ = &r.gauge("dflash_coordinator_left_out_workers", "workers the run left out to continue degraded");
     for (const char* role : {"target", "drafter"})
       for (const char* why : {"crash", "oom", "hang"})
         m_restart_[std::string(role) + "/" + why] =
@@ -529,6 +540,12 @@ class Coordinator final : public pb::Coordinator::Service {
         x->set_step(f.step);
       }
     assignment_.set_store_port(free_port());
+    for (const auto& s : left_out_) {
+      auto* x = assignment_.add_left_out();
+      x->set_role(s.role == config::Role::kTarget ? pb::ROLE_TARGET : pb::ROLE_DRAFTER);
+      x->set_host(s.host);
+      x->set_gpu(s.gpu);
+    }
     if (m_budget_) m_budget_->set(double(st.generations.back().token_budget));
   }
 
@@ -709,6 +726,31 @@ class Coordinator final : public pb::Coordinator::Service {
     std::cerr << os.str() << std::endl;
   }
 
+  json slots_json() const {
+    json a = json::array();
+    for (const auto& s : left_out_) a.push_back({{"role", role_name(s.role)}, {"host", s.host}, {"gpu", s.gpu}});
+    return a;
+  }
+
+  // Restarts of a role are exhausted and resilience.allow_degraded is set: leave the failing worker
+  // out and go on with the others from the last commit (targets: any count; drafters: a schedule
+  // generation for the new count, opened by supervise()). Lasts for this `dflash run`: a later
+  // --resume starts every configured worker again.
+  void go_degraded(const WorkerState& w, const std::string& why) {
+    left_out_.push_back({w.spec.role, w.spec.host, w.spec.gpu});
+    cfg_ = config::without_workers(base_cfg_, left_out_);
+    const int64_t step = ledger_.state().committed_step();
+    ledger_.append({{"type", "degraded"}, {"role", role_name(w.spec.role)}, {"rank", w.spec.rank}, {"host", w.spec.host},
+                    {"gpu", w.spec.gpu}, {"reason", why}, {"step", step}, {"targets", cfg_.num_targets()},
+                    {"drafters", cfg_.num_drafters()}});
+    if (m_left_out_) m_left_out_->set(double(left_out_.size()));
+    LOG_WARN("running degraded (resilience.allow_degraded): " << why << "; going on without " << role_name(w.spec.role) << " "
+                                                              << w.spec.rank << " (host " << w.spec.host << " GPU " << w.spec.gpu
+                                                              << ") from the commit at step " << step << " with "
+                                                              << cfg_.num_targets() << " target(s) + " << cfg_.num_drafters()
+                                                              << " drafter(s)");
+  }
+
   // OOM response: a new packing generation from the commit step (never the training signal).
   bool lower_packing(const WorkerState& w) {
     const auto& st = ledger_.state();
@@ -747,7 +789,9 @@ class Coordinator final : public pb::Coordinator::Service {
     return true;
   }
 
-  const config::RunConfig& cfg_;
+  const config::RunConfig base_cfg_;  // the config as given
+  config::RunConfig cfg_;             // the topology running now (base_cfg_ without left_out_)
+  std::vector<config::WorkerSlot> left_out_;
   std::string config_path_;
   mutable std::mutex mu_;
   Ledger ledger_;
@@ -763,7 +807,7 @@ class Coordinator final : public pb::Coordinator::Service {
   double last_loss_ = 0, last_tau_ = 0;
   std::map<int, double> tokens_per_s_;
   Clock::time_point t0_ = Clock::now();
-  metrics::Gauge *m_alive_ = nullptr, *m_budget_ = nullptr, *m_step_ = nullptr, *m_committed_ = nullptr;
+  metrics::Gauge *m_alive_ = nullptr, *m_budget_ = nullptr, *m_step_ = nullptr, *m_committed_ = nullptr, *m_left_out_ = nullptr;
   metrics::Counter *m_oom_ = nullptr, *m_packing_ = nullptr;
   std::map<std::string, metrics::Counter*> m_restart_;
 };
@@ -799,9 +843,6 @@ int cmd_run(int argc, char** argv) {
   DFLASH_CHECK(sched0.total_steps() > 0, ConfigError,
                "the data gives no whole optimizer step (" << lengths.size() << " samples, " << cfg.num_drafters()
                                                           << " drafters, train.grad_accum=" << cfg.train.grad_accum << ")");
-  if (cfg.resilience.allow_degraded)
-    LOG_WARN("resilience.allow_degraded: running with fewer ranks is not implemented (the data-parallel schedule needs "
-             "every drafter rank); the run stops when restarts are exhausted. Resume with a smaller topology instead.");
   const auto plan = make_plan(cfg, lengths, sched0);
   print_plan(plan, std::cerr);
   if (f.has("plan")) {
@@ -963,6 +1004,13 @@ int cmd_status(int argc, char** argv) {
               << std::setw(10) << w["state"].get<std::string>() << std::setw(7) << w["step"].get<int64_t>() << std::setw(11)
               << int64_t(w["tokens_per_s"].get<double>()) << hb.str() << "\n";
   }
+  for (const auto& x : s["degraded"])
+    std::cout << "degraded: left out " << x.value("role", "?") << " " << x.value("rank", -1) << " (host " << x.value("host", "?")
+              << " GPU " << x.value("gpu", -1) << ") from step " << x.value("step", int64_t(-1)) << ": " << x.value("reason", "")
+              << "\n";
+  if (!s["left_out"].empty())
+    std::cout << "running degraded: " << s["targets"] << " target(s) + " << s["drafters"] << " drafter(s), left out "
+              << s["left_out"].dump() << "\n";
   for (const auto& r : s["restarts"])
     std::cout << "restart: " << r.value("role", "?") << " " << r.value("rank", -1) << " attempt " << r.value("attempt", -1) << ": "
               << r.value("reason", "") << "\n";

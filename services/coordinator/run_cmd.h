@@ -22,8 +22,12 @@
 //    max_batch_size down to its floor) as a new packing generation from the commit step: the
 //    training signal (max_anchors, block_size, loss, learning-rate schedule) never changes. More
 //    than resilience.max_restarts restarts of one role stop the run (exit 1) with the reason; the
-//    last commit stays valid for --resume. (Running degraded with fewer ranks is refused at config
-//    check: the data-parallel schedule needs every rank.)
+//    last commit stays valid for --resume. With resilience.allow_degraded the run instead leaves
+//    the failing worker out (when its role has another; not for OOMs, which the packing policy
+//    handles) and goes on from the commit with the rest: a "degraded" ledger record, a warning, the
+//    left-out workers in `dflash status` and dflash_coordinator_left_out_workers. Workers get the
+//    left-out slots in their assignment and derive ranks, links and the schedule from the reduced
+//    topology (fewer drafters: a schedule generation from the commit, as a resize).
 // 6. Exits 0 when every drafter finished (rank 0 committed the final checkpoint and exported), or
 //    after `dflash stop` once the drafters stopped with a checkpoint.
 #pragma once

@@ -701,6 +701,7 @@ int cmd_train_service(int argc, char** argv) {
         cfg.coordinator.heartbeat_timeout_s));
   const auto plan = client ? client->plan() : control::LaunchPlan::standalone(cfg, o.run_id);
   if (client) o.run_id = plan.run_id;
+  cfg = plan.topology(cfg);  // without the workers a degraded run left out
   TrainServiceResult r;
   control::report_failures(client.get(), [&] {
     r = run_train_service(cfg, o, plan, client.get());

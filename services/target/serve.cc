@@ -424,6 +424,7 @@ int cmd_serve(int argc, char** argv) {
         cfg.coordinator.heartbeat_timeout_s));
   const auto plan = client ? client->plan() : control::LaunchPlan::standalone(cfg, o.run_id);
   if (client) o.run_id = plan.run_id;
+  cfg = plan.topology(cfg);  // without the workers a degraded run left out
   ServeSummary s;
   control::report_failures(client.get(), [&] {
     s = run_serve(cfg, o, plan, client.get());

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/config/config.h"
 #include "core/util/error.h"
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
@@ -53,6 +54,47 @@ TEST(Ledger, ReplayEqualsLiveStateAndRollbackDiscardsUncommitted) {
   EXPECT_EQ(s.generations[1].start_step, 10);
   EXPECT_EQ(s.generations[1].token_budget, 324);
   EXPECT_EQ(s.attempts, 1);
+}
+
+TEST(Ledger, DegradedRecordRestartsTheRoleBudget) {
+  const auto p = tmp_path("d.jsonl");
+  fs::remove(p);
+  {
+    auto l = Ledger::open(p);
+    run_records(l);
+    for (int i = 0; i < 3; ++i) l.append({{"type", "restart"}, {"role", "drafter"}, {"rank", 1}, {"reason", "killed"}});
+    l.append({{"type", "restart"}, {"role", "target"}, {"rank", 0}, {"reason", "killed"}});
+    EXPECT_EQ(l.state().restart_budget_used("drafter"), 3);
+    l.append({{"type", "degraded"}, {"role", "drafter"}, {"rank", 1}, {"host", "h"}, {"gpu", 3}, {"reason", "x"}, {"step", 10}});
+    l.append({{"type", "restart"}, {"role", "drafter"}, {"rank", 0}, {"reason", "killed"}});
+  }
+  const auto l = Ledger::open(p);  // replay gives the same budget
+  EXPECT_EQ(l.state().restarts.at("drafter"), 4);
+  EXPECT_EQ(l.state().restart_budget_used("drafter"), 1);
+  EXPECT_EQ(l.state().restart_budget_used("target"), 1);
+  EXPECT_EQ(l.state().restart_budget_used("coordinator"), 0);
+  ASSERT_EQ(l.state().degraded_log.size(), 1u);
+  EXPECT_EQ(l.state().degraded_log[0]["gpu"], 3);
+}
+
+TEST(Config, WithoutWorkersRenumbersAndRefusesEmptyRoles) {
+  config::RunConfig c;
+  c.topology.hosts = {config::HostSpec{"a", "local", 0, {0, 1}, {2, 3}}, config::HostSpec{"b", "local", 0, {0}, {1}}};
+  const auto d = config::without_workers(c, {{config::Role::kDrafter, "a", 3}, {config::Role::kTarget, "a", 0}});
+  EXPECT_EQ(d.num_targets(), 2);
+  EXPECT_EQ(d.num_drafters(), 2);
+  EXPECT_EQ(d.topology.hosts[0].target_gpus, std::vector<int>{1});  // target rank 0 is now host a GPU 1
+  EXPECT_EQ(d.topology.hosts[0].drafter_gpus, std::vector<int>{2});
+  EXPECT_EQ(d.topology.hosts[1].drafter_gpus, std::vector<int>{1});
+  try {
+    config::without_workers(c, {{config::Role::kTarget, "b", 5}});
+    FAIL() << "a slot not in the topology was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("host 'b' GPU 5"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(config::without_workers(c, {{config::Role::kTarget, "a", 0}, {config::Role::kTarget, "a", 1},
+                                           {config::Role::kTarget, "b", 0}}),
+               ConfigError);
 }
 
 TEST(Ledger, TornLastRecordIsDroppedAndTruncated) {
