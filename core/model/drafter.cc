@@ -1,6 +1,9 @@
 #include "core/model/drafter.h"
 
 #include <cmath>
+#include <cstdlib>
+
+#include "core/model/block_attention.h"
 
 #include "core/io/safetensors.h"
 #include "core/model/weights.h"
@@ -205,29 +208,47 @@ torch::Tensor Drafter::forward(const torch::Tensor& x_QH, const torch::Tensor& q
   auto rope_q = rope_table(inv_freq_, q_pos_Q, compute);
   auto rope_c = rope_table(inv_freq_, ctx_pos_T, compute);
   auto x = x_QH.to(compute);
-  const auto groups = plan_attention(attn, x.device());  // masks built once, shared by every layer
+  auto kernel = attn.kernel;
+  if (kernel == BlockAttention::Kernel::kAuto) {
+    const char* env = std::getenv("DFLASH_DRAFTER_ATTENTION");
+    const std::string e = env ? env : "";
+    DFLASH_CHECK(e.empty() || e == "masked" || e == "block_sparse", ConfigError,
+                 "DFLASH_DRAFTER_ATTENTION: expected masked or block_sparse, got '" << e << "'");
+    const bool flash = x.is_cuda() && (compute == torch::kBFloat16 || compute == torch::kHalf) && D <= 256 && D % 8 == 0;
+    kernel = e == "masked" || (e.empty() && !flash) ? BlockAttention::Kernel::kMasked : BlockAttention::Kernel::kBlockSparse;
+  }
+  const bool sparse = kernel == BlockAttention::Kernel::kBlockSparse;
+  int64_t tile = attn.tile;
+  if (const char* t = std::getenv("DFLASH_BSA_TILE")) tile = std::atoll(t);
+  DFLASH_CHECK(tile > 0, ConfigError, "block-sparse attention tile must be > 0 (DFLASH_BSA_TILE), got " << tile);
+  // Built once per forward, shared by every layer.
+  const auto groups = sparse ? std::vector<AttnGroup>{} : plan_attention(attn, x.device());
+  const auto bsp = sparse ? plan_block_sparse(attn.ctx_begin, attn.ctx_len, cfg_.block_size, T, tile, x.device()) : BlockSparsePlan{};
+  const double scale = 1.0 / std::sqrt(double(D));
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
-    auto h = rms_norm(x, w(p + "input_layernorm.weight", compute), eps);
+    auto h = rms_norm_train(x, w(p + "input_layernorm.weight", compute), eps);
     auto wk = w(p + "self_attn.k_proj.weight", compute), wv = w(p + "self_attn.v_proj.weight", compute);
     auto qn = w(p + "self_attn.q_norm.weight", compute), kn = w(p + "self_attn.k_norm.weight", compute);
-    auto q = rms_norm(F::linear(h, w(p + "self_attn.q_proj.weight", compute)).view({Q, Hq, D}), qn, eps);
+    auto q = rms_norm_train(F::linear(h, w(p + "self_attn.q_proj.weight", compute)).view({Q, Hq, D}), qn, eps);
     // KV injection: the layer's own k/v projections over the fused context (not normed by input_layernorm).
-    auto k_ctx = rms_norm(F::linear(ctx_TH, wk).view({T, Hkv, D}), kn, eps);
+    auto k_ctx = rms_norm_train(F::linear(ctx_TH, wk).view({T, Hkv, D}), kn, eps);
     auto v_ctx = F::linear(ctx_TH, wv).view({T, Hkv, D});
-    auto k_blk = rms_norm(F::linear(h, wk).view({Q, Hkv, D}), kn, eps);
+    auto k_blk = rms_norm_train(F::linear(h, wk).view({Q, Hkv, D}), kn, eps);
     auto v_blk = F::linear(h, wv).view({Q, Hkv, D});
     q = apply_rope(q, rope_q);
     k_blk = apply_rope(k_blk, rope_q);
     k_ctx = apply_rope(k_ctx, rope_c);
-    auto a = attention(q, k_ctx, v_ctx, k_blk, v_blk, groups).reshape({Q, Hq * D});
+    auto a = (sparse ? block_sparse_attention(q, k_ctx, v_ctx, k_blk, v_blk, bsp, scale, block_sparse_flash_supported(q))
+                     : attention(q, k_ctx, v_ctx, k_blk, v_blk, groups))
+                 .reshape({Q, Hq * D});
     x = x + F::linear(a, w(p + "self_attn.o_proj.weight", compute));
-    h = rms_norm(x, w(p + "post_attention_layernorm.weight", compute), eps);
+    h = rms_norm_train(x, w(p + "post_attention_layernorm.weight", compute), eps);
     auto g = F::linear(h, w(p + "mlp.gate_proj.weight", compute));
     auto u = F::linear(h, w(p + "mlp.up_proj.weight", compute));
-    x = x + F::linear(torch::silu(g) * u, w(p + "mlp.down_proj.weight", compute));
+    x = x + F::linear(silu_mul_train(g, u), w(p + "mlp.down_proj.weight", compute));
   }
-  return rms_norm(x, w("norm.weight", compute), eps);
+  return rms_norm_train(x, w("norm.weight", compute), eps);
 }
 
 }  // namespace dflash::model

@@ -52,12 +52,19 @@ FrozenTargetParts load_frozen_target_parts(const std::string& target_dir, torch:
                                            torch::ScalarType dtype);
 
 // Which keys each block attends to: block j sees context rows [ctx_begin[j], ctx_begin[j] + ctx_len[j])
-// and its own B rows. Consecutive blocks with the same ctx_begin (one document) are attended in
-// groups of at most `max_group_blocks` blocks: one masked SDPA call per group over the group's
-// context prefix (up to its largest ctx_len) and the group's own blocks.
+// and its own B rows. Two kernels:
+//   block-sparse  core/model/block_attention.h: no mask, only (about) the visible keys are computed;
+//                 flash on CUDA bf16/fp16 (the default there: kAuto), a reference kernel elsewhere.
+//   masked        consecutive blocks with the same ctx_begin (one document) in groups of at most
+//                 `max_group_blocks` blocks: one masked SDPA call per group over the group's context
+//                 prefix (up to its largest ctx_len) and the group's own blocks (kAuto off CUDA).
+// DFLASH_DRAFTER_ATTENTION=masked|block_sparse overrides kAuto (benchmarks: A/B in one build).
 struct BlockAttention {
+  enum class Kernel { kAuto, kMasked, kBlockSparse };
   std::vector<int64_t> ctx_begin, ctx_len;  // per block, host side
-  int64_t max_group_blocks = 64;
+  int64_t max_group_blocks = 64;            // masked
+  int64_t tile = 256;                       // block-sparse: context rows per full tile (DFLASH_BSA_TILE)
+  Kernel kernel = Kernel::kAuto;
 };
 
 class Drafter {

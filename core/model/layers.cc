@@ -13,6 +13,51 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return w * y.to(x.scalar_type());
 }
 
+namespace {
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w, double eps) {
+    auto x32 = x.to(torch::kFloat32);
+    auto rstd = torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    ctx->save_for_backward({x, w, rstd});
+    return w * (x32 * rstd).to(x.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto &x = s[0], &w = s[1], &rstd = s[2];
+    const auto& dy = grads[0];
+    auto xhat = x.to(torch::kFloat32) * rstd;
+    // out = w * y with y = xhat in x's dtype: dw = sum(dy * y), dy/dxhat = dy * w.
+    auto y = xhat.to(x.scalar_type());
+    auto dw = (dy * y).reshape({-1, w.numel()}).sum(0).to(w.scalar_type());
+    auto g = (dy * w).to(torch::kFloat32);
+    auto dx = rstd * (g - xhat * (g * xhat).mean(-1, /*keepdim=*/true));
+    return {dx.to(x.scalar_type()), dw, torch::Tensor()};
+  }
+};
+
+struct SiluMulFn : public torch::autograd::Function<SiluMulFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& g, const torch::Tensor& u) {
+    ctx->save_for_backward({g, u});
+    return torch::silu(g) * u;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto &g = s[0], &u = s[1];
+    const auto& dy = grads[0];
+    auto sg = torch::sigmoid(g);
+    auto du = dy * (g * sg);
+    auto dg = dy * u * (sg * (1 + g * (1 - sg)));
+    return {dg, du};
+  }
+};
+}  // namespace
+
+torch::Tensor rms_norm_train(const torch::Tensor& x, const torch::Tensor& w, double eps) { return RmsNormFn::apply(x, w, eps); }
+torch::Tensor silu_mul_train(const torch::Tensor& g, const torch::Tensor& u) { return SiluMulFn::apply(g, u); }
+
 torch::Tensor rms_norm_zero_centred(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   auto x32 = x.to(torch::kFloat32);
   auto y = x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + eps);

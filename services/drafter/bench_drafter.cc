@@ -233,8 +233,10 @@ json bench_ours(const Flags& f, const torch::Device& device) {
     };
     profile = {{"cpu_ops_total_ms", top(cpu_ops)}, {"device_kernels_total_ms", top(kernels)}};
   }
+  const char* attn_env = std::getenv("DFLASH_DRAFTER_ATTENTION");
   json out = {{"bench", "drafter"},
               {"device", f.get("device", "cuda")},
+              {"attention", attn_env ? attn_env : "auto (block_sparse on CUDA bf16, else masked)"},
               {"layers", cfg.num_layers},
               {"hidden", H},
               {"heads", cfg.num_heads},

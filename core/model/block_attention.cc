@@ -1,0 +1,312 @@
+#include "core/model/block_attention.h"
+
+#include <ATen/ops/_flash_attention_backward.h>
+#include <ATen/ops/_flash_attention_forward.h>
+
+#include <cmath>
+#include <limits>
+
+#include "core/util/error.h"
+
+namespace dflash::model {
+using torch::Tensor;
+
+namespace {
+
+// One unmasked attention call over a batch of sequences: sequence i has query rows
+// [q_off[i], q_off[i+1]) and key rows [k_off[i], k_off[i+1]). out [rows, Hq, D] in q's dtype,
+// lse [Hq, rows] fp32 (fp64 for fp64 inputs; -inf for a row without keys).
+struct Seqs {
+  std::vector<int64_t> q_off, k_off;
+  Tensor cu_q, cu_k;  // device int32 (flash varlen); undefined: a single sequence (flash batch API)
+  int64_t max_q = 0, max_k = 0;
+};
+
+// --- reference kernel (any device / dtype; fp64 math for fp64 inputs, else fp32) ----------------
+torch::ScalarType math_type(const Tensor& q) { return q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32; }
+
+Tensor rep_heads(const Tensor& kv, int64_t rep) { return rep == 1 ? kv : kv.repeat_interleave(rep, 1); }
+
+std::pair<Tensor, Tensor> ref_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Seqs& s, double scale) {
+  const auto mt = math_type(q);
+  const int64_t Hq = q.size(1), rep = Hq / k.size(1);
+  auto out = torch::zeros(q.sizes(), q.options().dtype(mt));
+  auto lse = torch::full({Hq, q.size(0)}, -std::numeric_limits<double>::infinity(), q.options().dtype(mt));
+  for (size_t i = 0; i + 1 < s.q_off.size(); ++i) {
+    const int64_t q0 = s.q_off[i], n = s.q_off[i + 1] - q0, k0 = s.k_off[i], m = s.k_off[i + 1] - k0;
+    if (n == 0 || m == 0) continue;
+    auto qs = q.narrow(0, q0, n).to(mt), ks = rep_heads(k.narrow(0, k0, m), rep).to(mt), vs = rep_heads(v.narrow(0, k0, m), rep).to(mt);
+    auto sc = torch::einsum("qhd,khd->hqk", {qs, ks}) * scale;
+    auto l = torch::logsumexp(sc, -1);
+    out.narrow(0, q0, n).copy_(torch::einsum("hqk,khd->qhd", {torch::exp(sc - l.unsqueeze(-1)), vs}));
+    lse.narrow(1, q0, n).copy_(l);
+  }
+  return {out.to(q.scalar_type()), lse};
+}
+
+// Gradients of one part given the MERGED out and lse (see the header).
+std::tuple<Tensor, Tensor, Tensor> ref_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                                const Tensor& out, const Tensor& lse, const Seqs& s, double scale) {
+  const auto mt = math_type(q);
+  const int64_t Hq = q.size(1), Hkv = k.size(1), rep = Hq / Hkv, D = q.size(2);
+  auto dq = torch::zeros(q.sizes(), q.options().dtype(mt));
+  auto dk = torch::zeros(k.sizes(), k.options().dtype(mt)), dv = torch::zeros(v.sizes(), v.options().dtype(mt));
+  for (size_t i = 0; i + 1 < s.q_off.size(); ++i) {
+    const int64_t q0 = s.q_off[i], n = s.q_off[i + 1] - q0, k0 = s.k_off[i], m = s.k_off[i + 1] - k0;
+    if (n == 0 || m == 0) continue;
+    auto qs = q.narrow(0, q0, n).to(mt), ks = rep_heads(k.narrow(0, k0, m), rep).to(mt), vs = rep_heads(v.narrow(0, k0, m), rep).to(mt);
+    auto dos = dout.narrow(0, q0, n).to(mt), os = out.narrow(0, q0, n).to(mt);
+    auto p = torch::exp(torch::einsum("qhd,khd->hqk", {qs, ks}) * scale - lse.narrow(1, q0, n).to(mt).unsqueeze(-1));
+    auto dvr = torch::einsum("hqk,qhd->khd", {p, dos});
+    auto dp = torch::einsum("qhd,khd->hqk", {dos, vs});
+    auto rowdot = (dos * os).sum(-1).transpose(0, 1).unsqueeze(-1);  // [Hq, n, 1]
+    auto ds = p * (dp - rowdot);
+    dq.narrow(0, q0, n).add_(torch::einsum("hqk,khd->qhd", {ds, ks}) * scale);
+    auto dkr = torch::einsum("hqk,qhd->khd", {ds, qs}) * scale;
+    dk.narrow(0, k0, m).add_(dkr.view({m, Hkv, rep, D}).sum(2));
+    dv.narrow(0, k0, m).add_(dvr.view({m, Hkv, rep, D}).sum(2));
+  }
+  return {dq, dk, dv};
+}
+
+// --- flash (CUDA bf16/fp16) -----------------------------------------------------------------------
+// flash's lse layout: [Hq, rows] (varlen, unpadded) or [batch, Hq, max_q]; ours is [Hq, rows].
+Tensor lse_from_flash(const Tensor& l, int64_t Hq, int64_t rows) {
+  if (l.dim() == 2) return l;
+  return l.permute({1, 0, 2}).reshape({Hq, -1}).narrow(1, 0, rows);  // batch of equal-length sequences
+}
+Tensor lse_to_flash(const Tensor& lse, const Tensor& like) {
+  if (like.dim() == 2) return lse.contiguous();
+  const int64_t b = like.size(0), Hq = like.size(1), mq = like.size(2);
+  return lse.view({Hq, b, mq}).permute({1, 0, 2}).contiguous();
+}
+
+struct FlashOut {
+  Tensor out, lse, lse_layout, rng, unused;
+};
+FlashOut flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Seqs& s, double scale) {
+  const bool varlen = s.cu_q.defined();
+  auto r = varlen ? at::_flash_attention_forward(q, k, v, s.cu_q, s.cu_k, s.max_q, s.max_k, 0.0, false, false, scale)
+                  : at::_flash_attention_forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), std::nullopt, std::nullopt,
+                                                 s.max_q, s.max_k, 0.0, false, false, scale);
+  FlashOut f;
+  f.out = varlen ? std::get<0>(r) : std::get<0>(r).squeeze(0);
+  f.lse_layout = std::get<1>(r);
+  f.lse = lse_from_flash(f.lse_layout, q.size(1), q.size(0));
+  f.rng = std::get<2>(r);
+  f.unused = std::get<3>(r);
+  return f;
+}
+std::tuple<Tensor, Tensor, Tensor> flash_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  const Tensor& out, const Tensor& lse_flash, const Seqs& s, double scale,
+                                                  const Tensor& rng, const Tensor& unused) {
+  if (s.cu_q.defined()) {
+    auto r = at::_flash_attention_backward(dout, q, k, v, out, lse_flash, s.cu_q, s.cu_k, s.max_q, s.max_k, 0.0, false, rng,
+                                           unused, scale);
+    return r;
+  }
+  auto r = at::_flash_attention_backward(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
+                                         lse_flash, Tensor(), Tensor(), s.max_q, s.max_k, 0.0, false, rng, unused, scale);
+  return {std::get<0>(r).squeeze(0), std::get<1>(r).squeeze(0), std::get<2>(r).squeeze(0)};
+}
+
+// --- the plan, flattened into the autograd context ---------------------------------------------------
+Seqs tail_seqs(const BlockSparsePlan& p) {
+  Seqs s;
+  for (int64_t j = 0; j <= p.blocks; ++j) s.q_off.push_back(j * p.block);
+  s.k_off = p.cu_k_host;
+  s.cu_q = p.cu_q;
+  s.cu_k = p.cu_k;
+  s.max_q = p.block;
+  s.max_k = p.max_tail_keys;
+  return s;
+}
+Seqs full_seqs(const BlockSparsePlan::Full& f) {
+  Seqs s;
+  s.q_off = {0, f.q_rows};
+  s.k_off = {0, f.k_rows};
+  s.max_q = f.q_rows;
+  s.max_k = f.k_rows;
+  return s;
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k_ctx, const Tensor& v_ctx, const Tensor& k_blk,
+                        const Tensor& v_blk, const BlockSparsePlan& plan, double scale, bool use_flash) {
+    const int64_t Hq = q.size(1);
+    // tail: gathered keys, one varlen call
+    auto kt = torch::cat({k_ctx, k_blk}).index_select(0, plan.tail_index);
+    auto vt = torch::cat({v_ctx, v_blk}).index_select(0, plan.tail_index);
+    const Seqs ts = tail_seqs(plan);
+    Tensor out32, lse, tail_lse_layout, rng, unused;
+    if (use_flash) {
+      auto f = flash_forward(q, kt, vt, ts, scale);
+      out32 = f.out.to(torch::kFloat32);
+      lse = f.lse;
+      tail_lse_layout = f.lse_layout;
+      rng = f.rng;
+      unused = f.unused;
+    } else {
+      auto [o, l] = ref_forward(q, kt, vt, ts, scale);
+      out32 = o.to(math_type(q));
+      lse = l;
+    }
+    // full runs: merged into the rows they cover
+    std::vector<Tensor> full_lse_layouts;
+    for (const auto& f : plan.full) {
+      const auto qs = q.narrow(0, f.q_row0, f.q_rows);
+      const auto kc = k_ctx.narrow(0, f.k_row0, f.k_rows), vc = v_ctx.narrow(0, f.k_row0, f.k_rows);
+      Tensor o, l;
+      if (use_flash) {
+        auto r = flash_forward(qs, kc, vc, full_seqs(f), scale);
+        o = r.out;
+        l = r.lse;
+        full_lse_layouts.push_back(r.lse_layout);
+      } else {
+        std::tie(o, l) = ref_forward(qs, kc, vc, full_seqs(f), scale);
+      }
+      auto lt = lse.narrow(1, f.q_row0, f.q_rows);
+      auto merged = torch::logaddexp(lt, l);
+      auto wt = torch::exp(lt - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
+      auto wf = torch::exp(l - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
+      auto rows = out32.narrow(0, f.q_row0, f.q_rows);
+      rows.copy_(rows * wt + o.to(out32.scalar_type()) * wf);
+      lt.copy_(merged);
+    }
+    auto out = out32.to(q.scalar_type());
+    ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, plan.tail_index, plan.cu_q, plan.cu_k,
+                            rng.defined() ? rng : Tensor(), unused.defined() ? unused : Tensor(),
+                            tail_lse_layout.defined() ? tail_lse_layout : Tensor()});
+    std::vector<int64_t> runs;
+    for (const auto& f : plan.full) runs.insert(runs.end(), {f.q_row0, f.q_rows, f.k_row0, f.k_rows});
+    ctx->saved_data["runs"] = runs;
+    ctx->saved_data["cu_k_host"] = plan.cu_k_host;
+    ctx->saved_data["dims"] = std::vector<int64_t>{plan.block, plan.blocks, plan.ctx_rows, plan.tile, plan.max_tail_keys};
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["flash"] = use_flash;
+    (void)Hq;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto sv = ctx->get_saved_variables();
+    const Tensor &q = sv[0], &k_ctx = sv[1], &v_ctx = sv[2], &k_blk = sv[3], &v_blk = sv[4], &out = sv[5], &lse = sv[6];
+    BlockSparsePlan plan;
+    plan.tail_index = sv[7];
+    plan.cu_q = sv[8];
+    plan.cu_k = sv[9];
+    const Tensor &rng = sv[10], &unused = sv[11], &tail_lse_layout = sv[12];
+    const auto dims = ctx->saved_data["dims"].toIntVector();
+    plan.block = dims[0];
+    plan.blocks = dims[1];
+    plan.ctx_rows = dims[2];
+    plan.tile = dims[3];
+    plan.max_tail_keys = dims[4];
+    plan.cu_k_host = ctx->saved_data["cu_k_host"].toIntVector();
+    const auto runs = ctx->saved_data["runs"].toIntVector();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const bool use_flash = ctx->saved_data["flash"].toBool();
+    const auto dout = grads[0].contiguous();
+    const int64_t T = k_ctx.size(0);
+
+    auto kt = torch::cat({k_ctx, k_blk}).index_select(0, plan.tail_index);  // recomputed, not saved
+    auto vt = torch::cat({v_ctx, v_blk}).index_select(0, plan.tail_index);
+    const Seqs ts = tail_seqs(plan);
+    Tensor dq, dkt, dvt;
+    if (use_flash)
+      std::tie(dq, dkt, dvt) =
+          flash_backward(dout, q, kt, vt, out, lse_to_flash(lse, tail_lse_layout), ts, scale, rng, unused);
+    else
+      std::tie(dq, dkt, dvt) = ref_backward(dout, q, kt, vt, out, lse, ts, scale);
+    const auto acc = use_flash ? torch::kFloat32 : math_type(q);
+    dq = dq.to(acc);
+    auto dkv_k = torch::zeros({T + k_blk.size(0), k_ctx.size(1), k_ctx.size(2)}, k_ctx.options().dtype(acc));
+    auto dkv_v = torch::zeros_like(dkv_k);
+    dkv_k.index_add_(0, plan.tail_index, dkt.to(acc));
+    dkv_v.index_add_(0, plan.tail_index, dvt.to(acc));
+    for (size_t r = 0; r < runs.size(); r += 4) {
+      const BlockSparsePlan::Full f{runs[r], runs[r + 1], runs[r + 2], runs[r + 3]};
+      const auto qs = q.narrow(0, f.q_row0, f.q_rows);
+      const auto kc = k_ctx.narrow(0, f.k_row0, f.k_rows), vc = v_ctx.narrow(0, f.k_row0, f.k_rows);
+      const auto dos = dout.narrow(0, f.q_row0, f.q_rows), os = out.narrow(0, f.q_row0, f.q_rows);
+      const auto ls = lse.narrow(1, f.q_row0, f.q_rows);
+      Tensor a, b, c;
+      if (use_flash)
+        std::tie(a, b, c) = flash_backward(dos, qs, kc, vc, os, ls.unsqueeze(0).contiguous(), full_seqs(f), scale, rng, unused);
+      else
+        std::tie(a, b, c) = ref_backward(dos, qs, kc, vc, os, ls, full_seqs(f), scale);
+      dq.narrow(0, f.q_row0, f.q_rows).add_(a.to(acc));
+      dkv_k.narrow(0, f.k_row0, f.k_rows).add_(b.to(acc));
+      dkv_v.narrow(0, f.k_row0, f.k_rows).add_(c.to(acc));
+    }
+    return {dq.to(q.scalar_type()),
+            dkv_k.narrow(0, 0, T).to(k_ctx.scalar_type()),
+            dkv_v.narrow(0, 0, T).to(v_ctx.scalar_type()),
+            dkv_k.narrow(0, T, k_blk.size(0)).to(k_blk.scalar_type()),
+            dkv_v.narrow(0, T, v_blk.size(0)).to(v_blk.scalar_type()),
+            Tensor(), Tensor(), Tensor()};
+  }
+};
+
+}  // namespace
+
+BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const std::vector<int64_t>& ctx_len, int64_t B,
+                                  int64_t T, int64_t tile, torch::Device device) {
+  DFLASH_CHECK(ctx_begin.size() == ctx_len.size() && B > 0 && tile > 0, ConfigError,
+               "block-sparse attention: " << ctx_begin.size() << " ctx_begin vs " << ctx_len.size()
+                                          << " ctx_len entries, block " << B << ", tile " << tile);
+  BlockSparsePlan p;
+  p.block = B;
+  p.blocks = static_cast<int64_t>(ctx_begin.size());
+  p.ctx_rows = T;
+  p.tile = tile;
+  std::vector<int64_t> index;
+  std::vector<int32_t> cu_k{0};
+  p.cu_k_host = {0};
+  for (int64_t j = 0; j < p.blocks; ++j) {
+    const int64_t b = ctx_begin[j], n = ctx_len[j], t = n / tile;
+    DFLASH_CHECK(b >= 0 && n >= 0 && b + n <= T, ConfigError,
+                 "block-sparse attention: block " << j << " sees context rows [" << b << ", " << b + n << ") of " << T);
+    for (int64_t r = b + t * tile; r < b + n; ++r) index.push_back(r);
+    for (int64_t r = 0; r < B; ++r) index.push_back(T + j * B + r);
+    p.cu_k_host.push_back(static_cast<int64_t>(index.size()));
+    cu_k.push_back(static_cast<int32_t>(index.size()));
+    p.max_tail_keys = std::max(p.max_tail_keys, p.cu_k_host.back() - p.cu_k_host[j]);
+    if (t == 0) continue;
+    auto& runs = p.full;
+    if (!runs.empty() && runs.back().k_row0 == b && runs.back().k_rows == t * tile && runs.back().q_row0 + runs.back().q_rows == j * B)
+      runs.back().q_rows += B;
+    else
+      runs.push_back({j * B, B, b, t * tile});
+  }
+  std::vector<int32_t> cu_q;
+  for (int64_t j = 0; j <= p.blocks; ++j) cu_q.push_back(static_cast<int32_t>(j * B));
+  p.tail_index = torch::tensor(index, torch::kInt64).to(device);
+  p.cu_q = torch::tensor(cu_q, torch::kInt32).to(device);
+  p.cu_k = torch::tensor(cu_k, torch::kInt32).to(device);
+  return p;
+}
+
+bool block_sparse_flash_supported(const torch::Tensor& q) {
+  return q.is_cuda() && (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf) && q.size(-1) <= 256 &&
+         q.size(-1) % 8 == 0;
+}
+
+torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor& k_ctx, const torch::Tensor& v_ctx,
+                                     const torch::Tensor& k_blk, const torch::Tensor& v_blk, const BlockSparsePlan& plan,
+                                     double scale, bool use_flash) {
+  DFLASH_CHECK(!use_flash || block_sparse_flash_supported(q), ConfigError,
+               "block-sparse attention: flash needs CUDA bf16/fp16 inputs with head dim <= 256, got " << q.device() << " "
+                                                                                                     << q.scalar_type());
+  DFLASH_CHECK(q.size(0) == plan.blocks * plan.block && k_ctx.size(0) == plan.ctx_rows && k_blk.size(0) == q.size(0),
+               ConfigError, "block-sparse attention: q rows " << q.size(0) << ", context rows " << k_ctx.size(0)
+                                                              << " do not match the plan (" << plan.blocks << " blocks of "
+                                                              << plan.block << ", " << plan.ctx_rows << " context rows)");
+  return BlockSparseFn::apply(q.contiguous(), k_ctx.contiguous(), v_ctx.contiguous(), k_blk.contiguous(), v_blk.contiguous(), plan,
+                              scale, use_flash);
+}
+
+}  // namespace dflash::model

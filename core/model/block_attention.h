@@ -1,0 +1,58 @@
+// DFlash training attention without a dense mask (issue 6): block j (B query rows) sees the context
+// rows [ctx_begin[j], ctx_begin[j] + ctx_len[j]) of its document and its own B rows (both
+// directions), nothing else. Instead of one masked call over every key, the visible keys of each
+// block are split into parts that need no mask at all, each attended by a fused kernel that returns
+// its log-sum-exp, and the parts are merged exactly:
+//   full   the context tiles (of `tile` rows) that lie wholly below the block's ctx_len. Consecutive
+//          blocks of one document whose ctx_len falls in the same tile t share the prefix
+//          [ctx_begin, ctx_begin + t*tile): one unmasked call per such run (query rows contiguous,
+//          key rows a contiguous prefix of the context).
+//   tail   per block, the rest of its context (< tile rows of the tile its ctx_len falls in) and its
+//          own B rows, gathered into one varlen batch (keys of different blocks never overlap in a
+//          batch): one unmasked varlen call for all blocks.
+// Merge: lse = log(exp(lse_full) + exp(lse_tail)), out = sum_p exp(lse_p - lse) out_p. Backward:
+// every part's kernel backward is called with the MERGED out and lse, which gives exactly that
+// part's share of dq, dk, dv (P = exp(S - lse) and rowsum(dO * out) are the full softmax's); the
+// gathered tail keys' gradients are scattered back with index_add (fp32 accumulation).
+// Work: ~ the visible keys plus < tile per block (the masked call attends the whole group prefix);
+// memory: nothing quadratic, no repeated KV heads, only the tail gather is copied (and recomputed in
+// backward rather than saved).
+// Kernels: on CUDA with bf16/fp16, PyTorch's flash attention (varlen for the tail, one batch for each
+// full run; GQA native). Elsewhere a plain reference kernel (per sequence, fp32 or fp64 math) so the
+// decomposition itself is tested on CPU against the masked SDPA path.
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace dflash::model {
+
+struct BlockSparsePlan {
+  int64_t block = 0, blocks = 0, ctx_rows = 0, tile = 0;
+  // tail: one varlen sequence per block; rows index cat(k_ctx, k_blk) ([T + Q, Hkv, D]).
+  torch::Tensor tail_index;       // [sum of tail lengths] int64 on the device
+  torch::Tensor cu_q, cu_k;       // [blocks + 1] int32 on the device
+  std::vector<int64_t> cu_k_host;
+  int64_t max_tail_keys = 0;
+  struct Full {
+    int64_t q_row0, q_rows, k_row0, k_rows;
+  };
+  std::vector<Full> full;
+};
+
+// ctx_begin/ctx_len per block as in BlockAttention; T context rows; B rows per block.
+BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const std::vector<int64_t>& ctx_len, int64_t B,
+                                  int64_t T, int64_t tile, torch::Device device);
+
+// q [Q, Hq, D], k/v_ctx [T, Hkv, D], k/v_blk [Q, Hkv, D] (Q = blocks * B) -> [Q, Hq, D]. Autograd
+// through all five inputs. `use_flash`: the CUDA flash kernels (needs CUDA bf16/fp16), else the
+// reference kernel.
+torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor& k_ctx, const torch::Tensor& v_ctx,
+                                     const torch::Tensor& k_blk, const torch::Tensor& v_blk, const BlockSparsePlan& plan,
+                                     double scale, bool use_flash);
+
+// True when block_sparse_attention can use flash for these inputs (CUDA, bf16/fp16, head dim <= 256).
+bool block_sparse_flash_supported(const torch::Tensor& q);
+
+}  // namespace dflash::model

@@ -1,0 +1,202 @@
+// The drafter's training kernels. (1) The lean-autograd RMSNorm and SiLU*mul (core/model/layers.h)
+// against the plain LibTorch ops they replace: the same forward bitwise, gradients within 1e-5
+// relative (fp32; fp32 rounding order differs). (2) Block-sparse DFlash attention
+// (core/model/block_attention.h) against an independent dense
+// computation: every query row's visible keys spelled out as a boolean matrix over [context; blocks],
+// softmax in fp64. CPU: the decomposition with the reference kernel, fp64, forward and the gradients
+// of all five inputs (relative error < 1e-10). GPU (label gpu): the flash kernels in bf16 against the
+// same dense fp32 computation (relative error < 2e-2), and the drafter forward/backward with either
+// kernel.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "core/model/block_attention.h"
+#include "core/model/drafter.h"
+#include "core/model/layers.h"
+#include "core/util/error.h"
+
+using namespace dflash;
+using torch::Tensor;
+
+namespace {
+
+struct Case {
+  int64_t B, T, Hq, Hkv, D, tile;
+  std::vector<int64_t> ctx_begin, ctx_len;
+};
+
+// Three documents: ctx_len 0, below one tile, exactly a tile, several tiles and a remainder, the
+// whole document; blocks of one document in anchor order (as the anchor sampler gives them).
+Case small_case() {
+  Case c{3, 40, 4, 2, 16, 4, {}, {}};
+  auto doc = [&](int64_t begin, std::vector<int64_t> lens) {
+    for (auto n : lens) c.ctx_begin.push_back(begin), c.ctx_len.push_back(n);
+  };
+  doc(0, {0, 2, 4, 5, 6, 11, 12, 17});
+  doc(17, {1, 8, 9, 15});
+  doc(32, {3, 8});
+  return c;
+}
+
+Tensor dense_reference(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& kb, const Tensor& vb, const Case& c) {
+  const int64_t Q = q.size(0), T = kc.size(0), rep = c.Hq / c.Hkv;
+  auto vis = torch::zeros({Q, T + Q}, torch::kBool);
+  for (int64_t j = 0; j < int64_t(c.ctx_begin.size()); ++j)
+    for (int64_t r = j * c.B; r < (j + 1) * c.B; ++r) {
+      vis.index_put_({r, torch::indexing::Slice(c.ctx_begin[j], c.ctx_begin[j] + c.ctx_len[j])}, true);
+      vis.index_put_({r, torch::indexing::Slice(T + j * c.B, T + (j + 1) * c.B)}, true);
+    }
+  auto k = torch::cat({kc, kb}).repeat_interleave(rep, 1).to(torch::kFloat64);
+  auto v = torch::cat({vc, vb}).repeat_interleave(rep, 1).to(torch::kFloat64);
+  auto s = torch::einsum("qhd,khd->hqk", {q.to(torch::kFloat64), k}) / std::sqrt(double(c.D));
+  s = s.masked_fill(vis.logical_not().to(q.device()).unsqueeze(0), -INFINITY);
+  return torch::einsum("hqk,khd->qhd", {torch::softmax(s, -1), v});
+}
+
+double rel(const Tensor& a, const Tensor& b) {
+  auto a64 = a.to(torch::kFloat64).cpu(), b64 = b.to(torch::kFloat64).cpu();
+  return (a64 - b64).norm().item<double>() / std::max(b64.norm().item<double>(), 1e-300);
+}
+
+struct Inputs {
+  std::vector<Tensor> t;  // q, k_ctx, v_ctx, k_blk, v_blk (leaves)
+};
+Inputs make_inputs(const Case& c, torch::TensorOptions o, uint64_t seed) {
+  torch::manual_seed(seed);
+  const int64_t Q = int64_t(c.ctx_begin.size()) * c.B;
+  Inputs in;
+  for (auto shape : std::vector<std::vector<int64_t>>{{Q, c.Hq, c.D}, {c.T, c.Hkv, c.D}, {c.T, c.Hkv, c.D}, {Q, c.Hkv, c.D}, {Q, c.Hkv, c.D}})
+    in.t.push_back(torch::randn(shape, o.dtype(torch::kFloat64)).to(o.dtype()).set_requires_grad(true));
+  return in;
+}
+
+// Output and gradients (for a fixed random upstream gradient) of f over the inputs.
+std::vector<Tensor> value_and_grads(const Inputs& in, const std::function<Tensor(const std::vector<Tensor>&)>& f, uint64_t seed) {
+  for (auto& x : in.t) x.mutable_grad() = Tensor();
+  auto out = f(in.t);
+  torch::manual_seed(seed);
+  auto g = torch::randn(out.sizes(), torch::TensorOptions().dtype(torch::kFloat64)).to(out.options());
+  out.backward(g);
+  std::vector<Tensor> r{out.detach()};
+  for (auto& x : in.t) r.push_back(x.grad().clone());
+  return r;
+}
+
+void compare(const Case& c, torch::Device dev, torch::ScalarType dt, bool flash, double tol) {
+  auto plan = model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, dev);
+  const double scale = 1.0 / std::sqrt(double(c.D));
+  auto in = make_inputs(c, torch::TensorOptions().device(dev).dtype(dt), 7);
+  auto ours = value_and_grads(in, [&](const std::vector<Tensor>& t) {
+    return model::block_sparse_attention(t[0], t[1], t[2], t[3], t[4], plan, scale, flash);
+  }, 11);
+  auto ref = value_and_grads(in, [&](const std::vector<Tensor>& t) { return dense_reference(t[0], t[1], t[2], t[3], t[4], c); }, 11);
+  const char* names[] = {"out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"};
+  for (size_t i = 0; i < ours.size(); ++i) {
+    const double e = rel(ours[i], ref[i]);
+    EXPECT_LT(e, tol) << names[i];
+    std::printf("block-sparse %s %s: %s rel err %.3g\n", dev.str().c_str(), flash ? "flash" : "reference", names[i], e);
+  }
+}
+
+}  // namespace
+
+TEST(LeanAutograd, RmsNormAndSiluMulEqualPlainOps) {
+  torch::manual_seed(3);
+  for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
+    auto x = torch::randn({37, 5, 24}).to(dt).set_requires_grad(true);
+    auto w = (1 + 0.1 * torch::randn({24})).to(dt).set_requires_grad(true);
+    auto g = torch::randn({37, 48}).to(dt).set_requires_grad(true), u = torch::randn({37, 48}).to(dt).set_requires_grad(true);
+    auto up_n = torch::randn({37, 5, 24}).to(dt), up_m = torch::randn({37, 48}).to(dt);
+    std::vector<Tensor> r[2];
+    for (int lean = 0; lean < 2; ++lean) {
+      for (auto* t : {&x, &w, &g, &u}) t->mutable_grad() = Tensor();
+      auto n = lean ? model::rms_norm_train(x, w, 1e-6) : model::rms_norm(x, w, 1e-6);
+      auto m = lean ? model::silu_mul_train(g, u) : torch::silu(g) * u;
+      ((n.to(torch::kFloat32) * up_n.to(torch::kFloat32)).sum() + (m.to(torch::kFloat32) * up_m.to(torch::kFloat32)).sum()).backward();
+      r[lean] = {n.detach(), m.detach(), x.grad().clone(), w.grad().clone(), g.grad().clone(), u.grad().clone()};
+    }
+    EXPECT_TRUE(torch::equal(r[0][0], r[1][0]));
+    EXPECT_TRUE(torch::equal(r[0][1], r[1][1]));
+    const double tol = dt == torch::kFloat32 ? 1e-5 : 2e-2;
+    for (int i = 2; i < 6; ++i) EXPECT_LT(rel(r[1][i], r[0][i]), tol) << i << " " << dt;
+  }
+}
+
+TEST(BlockSparseAttention, PlanSplitsFullTilesAndTails) {
+  const auto c = small_case();
+  auto p = model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, torch::kCPU);
+  // doc 0: tiles of 4 -> t = 0,0,1,1,1,2,3,4; doc 1: 0,2,2,3; doc 2: 0,2.
+  std::vector<std::array<int64_t, 4>> want = {{2 * 3, 9, 0, 4}, {5 * 3, 3, 0, 8}, {6 * 3, 3, 0, 12}, {7 * 3, 3, 0, 16},
+                                              {9 * 3, 6, 17, 8}, {11 * 3, 3, 17, 12}, {13 * 3, 3, 32, 8}};
+  ASSERT_EQ(p.full.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(p.full[i].q_row0, want[i][0]) << i;
+    EXPECT_EQ(p.full[i].q_rows, want[i][1]) << i;
+    EXPECT_EQ(p.full[i].k_row0, want[i][2]) << i;
+    EXPECT_EQ(p.full[i].k_rows, want[i][3]) << i;
+  }
+  // Tail of block 4 (ctx_len 6, tile 4): context rows 4, 5 and its own rows T + 12..14.
+  auto idx = p.tail_index.index({torch::indexing::Slice(p.cu_k_host[4], p.cu_k_host[5])});
+  EXPECT_TRUE(torch::equal(idx, torch::tensor({4, 5, 40 + 12, 40 + 13, 40 + 14}, torch::kInt64))) << idx;
+  EXPECT_THROW(model::plan_block_sparse({0}, {41}, 3, 40, 4, torch::kCPU), ConfigError);
+}
+
+TEST(BlockSparseAttention, ReferenceKernelEqualsDenseFp64) {
+  compare(small_case(), torch::kCPU, torch::kFloat64, /*flash=*/false, 1e-10);
+}
+
+TEST(BlockSparseAttention, DrafterForwardAndGradsEqualMaskedPath) {
+  model::DrafterConfig cfg;
+  cfg.hidden_size = 32;
+  cfg.num_heads = 4;
+  cfg.num_kv_heads = 2;
+  cfg.head_dim = 8;
+  cfg.intermediate_size = 48;
+  cfg.num_layers = 2;
+  cfg.block_size = 3;
+  cfg.vocab_size = 64;
+  cfg.rope.rotary_dim = 8;
+  cfg.target_layer_ids = {0, 1};
+  cfg.num_target_layers = 2;
+  const auto c = small_case();
+  const int64_t Q = int64_t(c.ctx_begin.size()) * c.B;
+  std::vector<Tensor> results[2];
+  for (int k = 0; k < 2; ++k) {
+    model::Drafter d(cfg, torch::kCPU, 3);
+    for (auto& [_, p] : d.parameters()) p.set_data(p.data().to(torch::kFloat64));
+    torch::manual_seed(5);
+    auto x = torch::randn({Q, 32}, torch::kFloat64), ctx = torch::randn({c.T, 32}, torch::kFloat64);
+    auto qpos = torch::arange(Q, torch::kInt64), cpos = torch::arange(c.T, torch::kInt64);
+    model::BlockAttention a;
+    a.ctx_begin = c.ctx_begin;
+    a.ctx_len = c.ctx_len;
+    a.tile = 4;
+    a.max_group_blocks = 3;
+    a.kernel = k == 0 ? model::BlockAttention::Kernel::kMasked : model::BlockAttention::Kernel::kBlockSparse;
+    auto out = d.forward(x, qpos, ctx, cpos, a, torch::kFloat64);
+    (out * torch::randn(out.sizes(), torch::kFloat64)).sum().backward();
+    results[k].push_back(out.detach());
+    for (auto& [_, p] : d.parameters())  // fc / hidden_norm are not used by forward (ctx is fused already)
+      if (p.grad().defined()) results[k].push_back(p.grad().clone());
+  }
+  ASSERT_EQ(results[0].size(), results[1].size());
+  ASSERT_GT(results[0].size(), 10u);
+  for (size_t i = 0; i < results[0].size(); ++i) EXPECT_LT(rel(results[1][i], results[0][i]), 1e-10) << i;
+}
+
+TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  compare(small_case(), torch::kCUDA, torch::kFloat32, /*flash=*/false, 1e-5);  // reference kernel on the GPU
+  // Drafter shape: 32/8 heads of 128, blocks of 16 over 3 documents of a 1024-row context.
+  Case c{16, 1024, 32, 8, 128, 256, {}, {}};
+  auto doc = [&](int64_t begin, int64_t len, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) c.ctx_begin.push_back(begin), c.ctx_len.push_back((i * 37 * len / n) / 37 + (i % 3));
+  };
+  doc(0, 600, 24);
+  doc(600, 300, 12);
+  doc(900, 124, 6);
+  for (size_t j = 0; j < c.ctx_len.size(); ++j) c.ctx_len[j] = std::min<int64_t>(c.ctx_len[j], j < 24 ? 600 : j < 36 ? 300 : 124);
+  compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
+}
