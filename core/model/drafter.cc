@@ -246,7 +246,7 @@ torch::Tensor Drafter::forward(const torch::Tensor& x_QH, const torch::Tensor& q
     h = rms_norm_train(x, w(p + "post_attention_layernorm.weight", compute), eps);
     auto g = F::linear(h, w(p + "mlp.gate_proj.weight", compute));
     auto u = F::linear(h, w(p + "mlp.up_proj.weight", compute));
-    x = x + F::linear(silu_mul_train(g, u), w(p + "mlp.down_proj.weight", compute));
+    x = x + swiglu_down_train(g, u, w(p + "mlp.down_proj.weight", compute));
   }
   return rms_norm_train(x, w("norm.weight", compute), eps);
 }

@@ -38,25 +38,32 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   }
 };
 
-struct SiluMulFn : public torch::autograd::Function<SiluMulFn> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& g, const torch::Tensor& u) {
-    ctx->save_for_backward({g, u});
-    return torch::silu(g) * u;
+// (silu(g) * u) @ w^T, keeping only g and u: the product is recomputed in backward for dw.
+struct SwigluDownFn : public torch::autograd::Function<SwigluDownFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& w) {
+    ctx->save_for_backward({g, u, w});
+    return torch::nn::functional::linear(torch::silu(g) * u, w);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const auto &g = s[0], &u = s[1];
-    const auto& dy = grads[0];
+    const auto &g = s[0], &u = s[1], &w = s[2];
+    const auto dy = grads[0].reshape({-1, w.size(0)});
     auto sg = torch::sigmoid(g);
-    auto du = dy * (g * sg);
-    auto dg = dy * u * (sg * (1 + g * (1 - sg)));
-    return {dg, du};
+    auto silu = g * sg;
+    auto act = (silu * u).reshape({-1, w.size(1)});
+    auto dw = dy.t().mm(act);
+    auto da = dy.mm(w).view(g.sizes());
+    auto du = da * silu;
+    auto dg = da * u * (sg * (1 + g * (1 - sg)));
+    return {dg, du, dw};
   }
 };
 }  // namespace
 
 torch::Tensor rms_norm_train(const torch::Tensor& x, const torch::Tensor& w, double eps) { return RmsNormFn::apply(x, w, eps); }
-torch::Tensor silu_mul_train(const torch::Tensor& g, const torch::Tensor& u) { return SiluMulFn::apply(g, u); }
+torch::Tensor swiglu_down_train(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& w_down) {
+  return SwigluDownFn::apply(g, u, w_down);
+}
 
 torch::Tensor rms_norm_zero_centred(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   auto x32 = x.to(torch::kFloat32);

@@ -10,11 +10,12 @@ namespace dflash::model {
 
 // Qwen3/Llama RMSNorm: w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype); the multiply in x's dtype.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
-// Training versions with lean autograd (the drafter): the same forward as rms_norm / silu(g) * u,
-// but a custom backward that saves only x and the fp32 row scale (rms_norm keeps x in fp32, the
-// normalised rows and more: ~5x the bytes), resp. only g and u (recomputing silu(g) in backward).
+// Training versions with lean autograd (the drafter): the same forward as rms_norm, resp.
+// linear(silu(g) * u, w_down), but a custom backward that saves only x and the fp32 row scale
+// (rms_norm's graph keeps x in fp32, the normalised rows and more: ~5x the bytes), resp. only g, u
+// and w_down (silu(g) * u, the largest activation, is recomputed in backward for w_down's gradient).
 torch::Tensor rms_norm_train(const torch::Tensor& x, const torch::Tensor& w, double eps);
-torch::Tensor silu_mul_train(const torch::Tensor& g, const torch::Tensor& u);
+torch::Tensor swiglu_down_train(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& w_down);
 // Qwen3.5/Next zero-centred RMSNorm, all in fp32: (x32 * rsqrt(...) * (1 + w32)).to(x.dtype).
 torch::Tensor rms_norm_zero_centred(const torch::Tensor& x, const torch::Tensor& w, double eps);
 

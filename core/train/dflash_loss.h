@@ -22,7 +22,7 @@ struct LossOptions {
   bool soft_labels = false;
   double kl_weight = 0.15;
   double temperature = 2.0;
-  int64_t logits_chunk_rows = 2048;
+  int64_t logits_chunk_rows = 1024;  // rows of [rows, V] fp32 logits alive at a time
   int64_t attn_group_blocks = 64;  // blocks per masked attention call (see model::BlockAttention)
 };
 

@@ -314,6 +314,7 @@ int cmd_bench_drafter(int argc, char** argv) {
   Flags f(argc, argv,
           {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "context", "anchors",
            "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
+           "baseline-chunk-rows",
            "python"},
           {"soft-labels", "profile", "baseline"});
   auto device = model::parse_device(f.get("device", "cuda"));
@@ -332,8 +333,10 @@ int cmd_bench_drafter(int argc, char** argv) {
              {"hidden", "hidden"}, {"layers", "layers"}, {"heads", "heads"}, {"kv-heads", "kv_heads"},
              {"head-dim", "head_dim"}, {"intermediate", "intermediate"}, {"vocab", "vocab"}, {"context", "context"},
              {"docs", "docs"}, {"anchors", "anchors"}, {"block-size", "block_size"}, {"warmup", "warmup"},
-             {"repeats", "repeats"}, {"chunk-rows", "logits_chunk_rows"}})
+             {"repeats", "repeats"}})
       cmd += " --" + flag + " " + std::to_string(out.at(key).get<int64_t>());
+    // The baseline keeps its own loss chunking (2048 rows, as first measured) whatever ours is.
+    cmd += " --chunk-rows " + std::to_string(f.get_int("baseline-chunk-rows", 2048));
     cmd += " --peak-tflops " + std::to_string(f.get_double("peak-tflops", 790.0));
     if (out.at("soft_labels").get<bool>()) cmd += " --soft-labels";
     auto base = run_baseline(cmd);

@@ -1,4 +1,4 @@
-// The drafter's training kernels. (1) The lean-autograd RMSNorm and SiLU*mul (core/model/layers.h)
+// The drafter's training kernels. (1) The lean-autograd RMSNorm and SwiGLU down projection (core/model/layers.h)
 // against the plain LibTorch ops they replace: the same forward bitwise, gradients within 1e-5
 // relative (fp32; fp32 rounding order differs). (2) Block-sparse DFlash attention
 // (core/model/block_attention.h) against an independent dense
@@ -102,25 +102,26 @@ void compare(const Case& c, torch::Device dev, torch::ScalarType dt, bool flash,
 
 }  // namespace
 
-TEST(LeanAutograd, RmsNormAndSiluMulEqualPlainOps) {
+TEST(LeanAutograd, RmsNormAndSwigluDownEqualPlainOps) {
   torch::manual_seed(3);
   for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
     auto x = torch::randn({37, 5, 24}).to(dt).set_requires_grad(true);
     auto w = (1 + 0.1 * torch::randn({24})).to(dt).set_requires_grad(true);
     auto g = torch::randn({37, 48}).to(dt).set_requires_grad(true), u = torch::randn({37, 48}).to(dt).set_requires_grad(true);
-    auto up_n = torch::randn({37, 5, 24}).to(dt), up_m = torch::randn({37, 48}).to(dt);
+    auto wd = torch::randn({20, 48}).to(dt).set_requires_grad(true);
+    auto up_n = torch::randn({37, 5, 24}).to(dt), up_m = torch::randn({37, 20}).to(dt);
     std::vector<Tensor> r[2];
     for (int lean = 0; lean < 2; ++lean) {
-      for (auto* t : {&x, &w, &g, &u}) t->mutable_grad() = Tensor();
+      for (auto* t : {&x, &w, &g, &u, &wd}) t->mutable_grad() = Tensor();
       auto n = lean ? model::rms_norm_train(x, w, 1e-6) : model::rms_norm(x, w, 1e-6);
-      auto m = lean ? model::silu_mul_train(g, u) : torch::silu(g) * u;
+      auto m = lean ? model::swiglu_down_train(g, u, wd) : torch::nn::functional::linear(torch::silu(g) * u, wd);
       ((n.to(torch::kFloat32) * up_n.to(torch::kFloat32)).sum() + (m.to(torch::kFloat32) * up_m.to(torch::kFloat32)).sum()).backward();
-      r[lean] = {n.detach(), m.detach(), x.grad().clone(), w.grad().clone(), g.grad().clone(), u.grad().clone()};
+      r[lean] = {n.detach(), m.detach(), x.grad().clone(), w.grad().clone(), g.grad().clone(), u.grad().clone(), wd.grad().clone()};
     }
     EXPECT_TRUE(torch::equal(r[0][0], r[1][0]));
     EXPECT_TRUE(torch::equal(r[0][1], r[1][1]));
     const double tol = dt == torch::kFloat32 ? 1e-5 : 2e-2;
-    for (int i = 2; i < 6; ++i) EXPECT_LT(rel(r[1][i], r[0][i]), tol) << i << " " << dt;
+    for (int i = 2; i < 7; ++i) EXPECT_LT(rel(r[1][i], r[0][i]), tol) << i << " " << dt;
   }
 }
 
