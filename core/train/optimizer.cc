@@ -1,6 +1,9 @@
 #include "core/train/optimizer.h"
 
+#include <ATen/ops/_fused_adamw.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <map>
 
 #include "core/util/error.h"
@@ -13,11 +16,43 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>>* params, const A
     m_.push_back(torch::zeros_like(p, torch::kFloat32).detach());
     v_.push_back(torch::zeros_like(p, torch::kFloat32).detach());
   }
+  auto impl = opt_.impl;
+  if (impl == AdamWOptions::Impl::kAuto) {
+    const char* e = std::getenv("DFLASH_ADAMW");
+    const std::string env = e ? e : "";
+    DFLASH_CHECK(env.empty() || env == "plain" || env == "fused", ConfigError,
+                 "DFLASH_ADAMW: expected plain or fused, got '" << env << "'");
+    const bool cuda = !params_->empty() && params_->front().second.is_cuda();
+    impl = env == "fused" || (env.empty() && cuda) ? AdamWOptions::Impl::kFused : AdamWOptions::Impl::kPlain;
+  }
+  fused_ = impl == AdamWOptions::Impl::kFused && !params_->empty();
+  if (fused_) {
+    for (auto& [name, p] : *params_)
+      DFLASH_CHECK(p.scalar_type() == torch::kFloat32 && p.device() == params_->front().second.device(), ConfigError,
+                   "fused AdamW: parameter " << name << " must be fp32 on " << params_->front().second.device());
+    step_counts_ = torch::zeros({int64_t(params_->size())}, params_->front().second.options().dtype(torch::kFloat32));
+  }
 }
 
 void AdamW::step(double lr) {
   torch::NoGradGuard g;
   ++steps_;
+  if (fused_) {
+    std::vector<torch::Tensor> ps, gs, ms, vs, ss;
+    for (size_t i = 0; i < params_->size(); ++i) {
+      auto& p = (*params_)[i].second;
+      if (!p.grad().defined()) continue;
+      ps.push_back(p);
+      gs.push_back(p.grad());
+      ms.push_back(m_[i]);
+      vs.push_back(v_[i]);
+      ss.push_back(step_counts_[int64_t(i)]);
+    }
+    step_counts_.fill_(double(steps_));  // the kernel's bias corrections use these (steps_ already counts this one)
+    at::_fused_adamw_(ps, gs, ms, vs, {}, ss, lr, opt_.beta1, opt_.beta2, opt_.weight_decay, opt_.eps, /*amsgrad=*/false,
+                      /*maximize=*/false);
+    return;
+  }
   const double bc1 = 1.0 - std::pow(opt_.beta1, double(steps_));
   const double bc2 = 1.0 - std::pow(opt_.beta2, double(steps_));
   for (size_t i = 0; i < params_->size(); ++i) {

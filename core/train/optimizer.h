@@ -11,6 +11,10 @@ namespace dflash::train {
 
 struct AdamWOptions {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
+  // PyTorch's fused multi-tensor AdamW kernel (one launch for every parameter instead of ~6
+  // elementwise passes each; same math). kAuto: fused on CUDA, the plain loop on CPU (CI compares
+  // the two on CPU). DFLASH_ADAMW=plain|fused overrides kAuto.
+  enum class Impl { kAuto, kPlain, kFused } impl = Impl::kAuto;
 };
 
 class AdamW {
@@ -27,7 +31,9 @@ class AdamW {
  private:
   std::vector<std::pair<std::string, torch::Tensor>>* params_;
   AdamWOptions opt_;
+  bool fused_ = false;
   std::vector<torch::Tensor> m_, v_;
+  torch::Tensor step_counts_;  // fused: the kernel's per-parameter step (views of one fp32 tensor)
   int64_t steps_ = 0;
 };
 

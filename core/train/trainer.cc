@@ -1,5 +1,8 @@
 #include "core/train/trainer.h"
 
+#include <ATen/ops/_foreach_div.h>
+#include <ATen/ops/_foreach_norm.h>
+
 #include <cmath>
 
 #include "core/train/anchors.h"
@@ -70,11 +73,10 @@ StepMetrics Trainer::step() {
   // Normalise by the GLOBAL weight sum, clip by the global norm, step.
   torch::NoGradGuard g;
   std::vector<torch::Tensor> gl;
-  for (auto& [_, p] : params) {
-    p.mutable_grad().div_(denom);
-    gl.push_back(p.grad().flatten());
-  }
-  auto norm = torch::cat(gl).norm().item<double>();
+  for (auto& [_, p] : params) gl.push_back(p.grad());
+  at::_foreach_div_(gl, denom);
+  // Per-tensor norms in one multi-tensor launch, then their norm (no flattened copy of all grads).
+  auto norm = torch::stack(at::_foreach_norm(gl, 2)).norm().item<double>();
   m.grad_norm = norm;
   m.lr = lr_at(opt_.schedule, optimizer_.steps());
   if (!std::isfinite(norm) || !std::isfinite(m.loss)) {
