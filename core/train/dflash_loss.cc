@@ -1,5 +1,11 @@
 #include "core/train/dflash_loss.h"
 
+#include <cstdlib>
+
+#ifdef DFLASH_WITH_CUDA
+#include "core/train/cuda/fused_loss.h"
+#endif
+
 #include <cmath>
 
 #include "core/model/layers.h"
@@ -8,6 +14,23 @@
 namespace dflash::train {
 namespace F = torch::nn::functional;
 using torch::indexing::Slice;
+
+namespace {
+// The fused CUDA loss kernel for CUDA bf16 logits (DFLASH_LOSS=plain|fused overrides; fused needs
+// a CUDA build and bf16 on CUDA, else ConfigError).
+bool fused_loss_enabled(const torch::Tensor& lm_head) {
+  const char* e = std::getenv("DFLASH_LOSS");
+  const std::string env = e ? e : "";
+  DFLASH_CHECK(env.empty() || env == "plain" || env == "fused", ConfigError, "DFLASH_LOSS: expected plain or fused, got '" << env << "'");
+#ifdef DFLASH_WITH_CUDA
+  const bool ok = cuda_loss::supported(lm_head);
+#else
+  const bool ok = false;
+#endif
+  DFLASH_CHECK(env != "fused" || ok, ConfigError, "DFLASH_LOSS=fused needs a CUDA build and bf16 logits on CUDA");
+  return env.empty() ? ok : env == "fused";
+}
+}  // namespace
 
 BlockInputs make_blocks(const std::vector<int64_t>& anchors, const std::vector<int64_t>& doc_lens,
                         const torch::Tensor& input_ids_T, int64_t B, int64_t mask_token_id) {
@@ -105,9 +128,27 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   auto correct = torch::empty({R}, f32);
   auto grad_rows = backward ? torch::empty({R, rows_d.size(1)}, rows_d.options()) : torch::Tensor();
   const double Tt = opt.temperature;
+  const bool fused = fused_loss_enabled(lm_head);
   for (int64_t r0 = 0; r0 < R; r0 += opt.logits_chunk_rows) {
     const int64_t n = std::min(opt.logits_chunk_rows, R - r0);
     auto wc = weights.narrow(0, r0, n);
+#ifdef DFLASH_WITH_CUDA
+    if (fused) {  // one kernel per chunk (core/train/cuda/fused_loss.h), same quantities as below
+      auto z = F::linear(rows_d.narrow(0, r0, n), lm_head).contiguous();
+      torch::Tensor t;
+      if (opt.soft_labels)
+        t = F::linear(frozen.final_norm(mb.h_last_TH.index({lidx.narrow(0, r0, n) - 1}).to(compute)), lm_head).contiguous();
+      auto r = cuda_loss::loss_rows(z, t, labels.narrow(0, r0, n), wc, Tt, opt.kl_weight, backward);
+      ce_sum += (wc * r.ce).sum();
+      if (opt.soft_labels) kl_sum += (wc * r.kl).sum();
+      correct.narrow(0, r0, n).copy_(r.correct);
+      if (backward) {
+        auto g = grad_rows.narrow(0, r0, n);
+        at::mm_out(g, r.dz, lm_head);
+      }
+      continue;
+    }
+#endif
     auto yc = labels.narrow(0, r0, n).unsqueeze(1);
     auto logits = F::linear(rows_d.narrow(0, r0, n), lm_head).to(torch::kFloat32);  // [n, V]
     auto lse = logits.logsumexp(-1, /*keepdim=*/true);

@@ -15,7 +15,11 @@
 #include "core/model/block_attention.h"
 #include "core/model/drafter.h"
 #include "core/model/layers.h"
+#include "core/train/dflash_loss.h"
 #include "core/train/optimizer.h"
+#ifdef DFLASH_WITH_CUDA
+#include "core/train/cuda/fused_loss.h"
+#endif
 #include "core/util/error.h"
 
 using namespace dflash;
@@ -238,3 +242,88 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
   for (size_t j = 0; j < c.ctx_len.size(); ++j) c.ctx_len[j] = std::min<int64_t>(c.ctx_len[j], j < 24 ? 600 : j < 36 ? 300 : 124);
   compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
 }
+
+#ifdef DFLASH_WITH_CUDA
+// (4) The fused loss kernel against the same quantities in plain LibTorch fp32 ops.
+TEST(FusedLossGpu, EqualsPlainOps) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(21);
+  const int64_t n = 67, V = 151936;
+  const double T = 2.0, kw = 0.15;
+  auto o = torch::TensorOptions().device(torch::kCUDA);
+  auto z = (torch::randn({n, V}, o) * 3).to(torch::kBFloat16), t = (torch::randn({n, V}, o) * 3).to(torch::kBFloat16);
+  auto y = torch::randint(V, {n}, o.dtype(torch::kInt64));
+  auto w = torch::rand({n}, o);
+  w[3] = 0;
+  for (bool soft : {false, true}) {
+    auto r = train::cuda_loss::loss_rows(z, soft ? t : Tensor(), y, w, T, kw, /*backward=*/true);
+    auto z32 = z.to(torch::kFloat32), t32 = t.to(torch::kFloat32);
+    auto lse = z32.logsumexp(-1);
+    auto ce = lse - z32.gather(1, y.unsqueeze(1)).squeeze(1);
+    auto dz = torch::softmax(z32, -1) - torch::one_hot(y, V).to(torch::kFloat32);
+    dz = dz * w.unsqueeze(1);
+    if (soft) {
+      auto tl = torch::log_softmax(t32 / T, -1), dl = torch::log_softmax(z32 / T, -1);
+      auto kl = (tl.exp() * (tl - dl)).sum(-1);
+      EXPECT_LT(rel(r.kl, kl), 1e-5);
+      dz = dz + (kw * T) * w.unsqueeze(1) * (dl.exp() - tl.exp());
+    }
+    EXPECT_LT(rel(r.ce, ce), 1e-5) << soft;
+    EXPECT_TRUE(torch::equal(r.correct, z32.argmax(-1).eq(y).to(torch::kFloat32))) << soft;
+    const double e = rel(r.dz, dz);
+    EXPECT_LT(e, 5e-3) << soft;  // bf16 output
+    EXPECT_EQ(r.dz[3].abs().max().item<float>(), 0.f);
+    std::printf("fused loss (soft %d): ce %.3g, dz %.3g rel err\n", int(soft), rel(r.ce, ce), e);
+  }
+}
+
+// The whole micro-batch (drafter forward, loss, backward) with the fused loss vs the plain one, on
+// CUDA bf16 with soft labels and several loss chunks.
+TEST(FusedLossGpu, MicroBatchEqualsPlainLoss) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  model::DrafterConfig cfg;
+  cfg.hidden_size = 256;
+  cfg.num_heads = 4;
+  cfg.num_kv_heads = 2;
+  cfg.head_dim = 64;
+  cfg.intermediate_size = 512;
+  cfg.num_layers = 2;
+  cfg.block_size = 8;
+  cfg.vocab_size = 3000;
+  cfg.mask_token_id = 2999;
+  cfg.rope.rotary_dim = 64;
+  cfg.target_layer_ids = {0, 1};
+  cfg.num_target_layers = 2;
+  auto o = torch::TensorOptions().device(torch::kCUDA);
+  torch::manual_seed(4);
+  model::FrozenTargetParts frozen;
+  frozen.embed = (torch::randn({3000, 256}, o) * 0.05).to(torch::kBFloat16);
+  frozen.lm_head = (torch::randn({3000, 256}, o) * 0.05).to(torch::kBFloat16);
+  frozen.norm = torch::ones({256}, o).to(torch::kBFloat16);
+  train::MicroBatch mb;
+  mb.doc_lens = {300, 200, 140};
+  const int64_t T = 640;
+  mb.input_ids_T = torch::randint(2999, {T}, o.dtype(torch::kInt64));
+  mb.loss_mask_T = torch::ones({T}, o.dtype(torch::kUInt8));
+  mb.loss_mask_host.assign(T, 1);
+  mb.features_TKH = torch::randn({T, 512}, o).to(torch::kBFloat16);
+  mb.h_last_TH = torch::randn({T, 256}, o).to(torch::kBFloat16);
+  std::vector<int64_t> anchors;
+  for (int64_t a = 3; a < T - 8; a += 11) anchors.push_back(a);
+  train::LossOptions lo;
+  lo.soft_labels = true;
+  lo.logits_chunk_rows = 100;
+  std::vector<Tensor> r[2];
+  for (int k = 0; k < 2; ++k) {
+    ::setenv("DFLASH_LOSS", k ? "fused" : "plain", 1);
+    model::Drafter d(cfg, torch::kCUDA, 3);
+    auto st = train::forward_backward(d, frozen, mb, anchors, lo, {}, torch::kBFloat16, true);
+    r[k] = {st.ce_sum, st.kl_sum, st.accept_sum, st.correct_k};
+    for (auto& [_, p] : d.parameters())
+      if (p.grad().defined()) r[k].push_back(p.grad().clone());
+  }
+  ::unsetenv("DFLASH_LOSS");
+  ASSERT_EQ(r[0].size(), r[1].size());
+  for (size_t i = 0; i < r[0].size(); ++i) EXPECT_LT(rel(r[1][i], r[0][i]), i < 4 ? 1e-3 : 2e-2) << i;
+}
+#endif
