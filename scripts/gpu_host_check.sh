@@ -77,6 +77,10 @@ if has bench-drafter; then
   "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels --baseline \
     > "$out/bench_drafter_8k.json" 2> "$out/bench_drafter_8k.err"
   echo "bench drafter 8k rc=$?"
+  # The long-context setting (train.recompute_mlp: true): the MLP saves only its input.
+  "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels --recompute-mlp --baseline \
+    > "$out/bench_drafter_8k_recompute.json" 2> "$out/bench_drafter_8k_recompute.err"
+  echo "bench drafter 8k recompute-mlp rc=$?"
 fi
 if has mem-drafter; then
   # Peak allocated / reserved memory at steps 1, 10 and 1000 and the largest growth (creep).

@@ -169,6 +169,7 @@ void fields(V& v, TrainSection& s) {
   v("soft_labels", s.soft_labels);
   v("noise", s.noise);
   v("max_nonfinite_steps", s.max_nonfinite_steps);
+  v("recompute_mlp", s.recompute_mlp);
 }
 
 template <class V>

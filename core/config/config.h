@@ -98,6 +98,7 @@ struct TrainSection {
   SoftLabelsOptions soft_labels;
   NoiseOptions noise;
   int max_nonfinite_steps = 10;           // >= 0 consecutive skipped non-finite steps before failing
+  bool recompute_mlp = false;             // drafter MLP recomputes gate/up in backward (less memory)
 };
 
 struct DataSection {

@@ -201,7 +201,7 @@ torch::Tensor Drafter::attention(const torch::Tensor& q, const torch::Tensor& k_
 
 torch::Tensor Drafter::forward(const torch::Tensor& x_QH, const torch::Tensor& q_pos_Q, const torch::Tensor& ctx_TH,
                                const torch::Tensor& ctx_pos_T, const BlockAttention& attn,
-                               torch::ScalarType compute) const {
+                               torch::ScalarType compute, bool recompute_mlp) const {
   const int64_t Q = x_QH.size(0), T = ctx_TH.size(0), D = cfg_.head_dim;
   const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
   const double eps = cfg_.rms_norm_eps;
@@ -244,9 +244,10 @@ torch::Tensor Drafter::forward(const torch::Tensor& x_QH, const torch::Tensor& q
                  .reshape({Q, Hq * D});
     x = x + F::linear(a, w(p + "self_attn.o_proj.weight", compute));
     h = rms_norm_train(x, w(p + "post_attention_layernorm.weight", compute), eps);
-    auto g = F::linear(h, w(p + "mlp.gate_proj.weight", compute));
-    auto u = F::linear(h, w(p + "mlp.up_proj.weight", compute));
-    x = x + swiglu_down_train(g, u, w(p + "mlp.down_proj.weight", compute));
+    const auto wg = w(p + "mlp.gate_proj.weight", compute), wu = w(p + "mlp.up_proj.weight", compute);
+    const auto wd = w(p + "mlp.down_proj.weight", compute);
+    x = x + (recompute_mlp ? swiglu_mlp_recompute_train(h, wg, wu, wd)
+                           : swiglu_down_train(F::linear(h, wg), F::linear(h, wu), wd));
   }
   return rms_norm_train(x, w("norm.weight", compute), eps);
 }

@@ -85,7 +85,8 @@ class Drafter {
   // Draft layers + final norm. x_QH: embedded block tokens; q_pos_Q / ctx_pos_T: RoPE positions.
   // Returns the final-normed hidden states [Q, H] in `compute`.
   torch::Tensor forward(const torch::Tensor& x_QH, const torch::Tensor& q_pos_Q, const torch::Tensor& ctx_TH,
-                        const torch::Tensor& ctx_pos_T, const BlockAttention& attn, torch::ScalarType compute) const;
+                        const torch::Tensor& ctx_pos_T, const BlockAttention& attn, torch::ScalarType compute,
+                        bool recompute_mlp = false) const;
 
  private:
   torch::Tensor w(const std::string& name, torch::ScalarType compute) const;

@@ -58,7 +58,37 @@ struct SwigluDownFn : public torch::autograd::Function<SwigluDownFn> {
     return {dg, du, dw};
   }
 };
+// The whole SwiGLU MLP keeping only its input h: g = h wg^T and u = h wu^T are recomputed in
+// backward (two more GEMMs), so neither [rows, I] tensor is saved.
+struct SwigluMlpFn : public torch::autograd::Function<SwigluMlpFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& h, const torch::Tensor& wg, const torch::Tensor& wu,
+                               const torch::Tensor& wd) {
+    ctx->save_for_backward({h, wg, wu, wd});
+    namespace F = torch::nn::functional;
+    return F::linear(torch::silu(F::linear(h, wg)) * F::linear(h, wu), wd);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto &h = s[0], &wg = s[1], &wu = s[2], &wd = s[3];
+    const auto h2 = h.reshape({-1, h.size(-1)});
+    const auto dy = grads[0].reshape({-1, wd.size(0)});
+    auto g = h2.mm(wg.t()), u = h2.mm(wu.t());
+    auto sg = torch::sigmoid(g);
+    auto silu = g * sg;
+    auto dwd = dy.t().mm(silu * u);
+    auto da = dy.mm(wd);
+    auto du = da * silu;
+    auto dg = da * u * (sg * (1 + g * (1 - sg)));
+    auto dh = dg.mm(wg).add_(du.mm(wu));
+    return {dh.view(h.sizes()), dg.t().mm(h2), du.t().mm(h2), dwd};
+  }
+};
 }  // namespace
+
+torch::Tensor swiglu_mlp_recompute_train(const torch::Tensor& h, const torch::Tensor& wg, const torch::Tensor& wu,
+                                         const torch::Tensor& wd) {
+  return SwigluMlpFn::apply(h, wg, wu, wd);
+}
 
 torch::Tensor rms_norm_train(const torch::Tensor& x, const torch::Tensor& w, double eps) { return RmsNormFn::apply(x, w, eps); }
 torch::Tensor swiglu_down_train(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& w_down) {

@@ -16,6 +16,11 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 // and w_down (silu(g) * u, the largest activation, is recomputed in backward for w_down's gradient).
 torch::Tensor rms_norm_train(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor swiglu_down_train(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& w_down);
+// linear(silu(linear(h, wg)) * linear(h, wu), wd) saving only h (and the weights): g and u are
+// recomputed in backward. ~1/3 more MLP FLOPs for 2 x [rows, I] less activation memory per layer
+// (train.recompute_mlp).
+torch::Tensor swiglu_mlp_recompute_train(const torch::Tensor& h, const torch::Tensor& wg, const torch::Tensor& wu,
+                                         const torch::Tensor& wd);
 // Qwen3.5/Next zero-centred RMSNorm, all in fp32: (x32 * rsqrt(...) * (1 + w32)).to(x.dtype).
 torch::Tensor rms_norm_zero_centred(const torch::Tensor& x, const torch::Tensor& w, double eps);
 

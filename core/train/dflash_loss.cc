@@ -111,7 +111,7 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   auto ctx = drafter.fuse_context(feats, compute);
   auto ctx_pos = model::doc_positions(mb.doc_lens, dev);
   auto x = F::embedding(blocks.ids_Q, frozen.embed).to(compute);
-  auto hidden = drafter.forward(x, blocks.pos_Q, ctx, ctx_pos, blocks.attn, compute);       // [N*B, H]
+  auto hidden = drafter.forward(x, blocks.pos_Q, ctx, ctx_pos, blocks.attn, compute, opt.recompute_mlp);       // [N*B, H]
   auto rows_h = hidden.view({N, B, -1}).index({Slice(), Slice(1)}).reshape({N * (B - 1), -1});  // [R, H]
 
   // Chunked logits + loss with a hand-written gradient (no autograd graph per chunk): for chunk

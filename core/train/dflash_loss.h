@@ -22,7 +22,8 @@ struct LossOptions {
   bool soft_labels = false;
   double kl_weight = 0.15;
   double temperature = 2.0;
-  int64_t logits_chunk_rows = 1024;  // rows of [rows, V] fp32 logits alive at a time
+  int64_t logits_chunk_rows = 1024;
+  bool recompute_mlp = false;  // train.recompute_mlp: the drafter's MLP saves only its input  // rows of [rows, V] fp32 logits alive at a time
   int64_t attn_group_blocks = 64;  // blocks per masked attention call (see model::BlockAttention)
 };
 

@@ -145,6 +145,7 @@ json bench_ours(const Flags& f, const torch::Device& device) {
   train::TrainerOptions to;
   to.max_anchors = f.get_int("anchors", 512);
   to.loss.soft_labels = f.has("soft-labels");
+  to.loss.recompute_mlp = f.has("recompute-mlp");
   to.schedule.total_steps = std::max<int64_t>(1000, warmup + repeats + steps + 2);
   to.compute = compute;
   train::Trainer trainer(drafter, frozen, to);
@@ -249,6 +250,7 @@ json bench_ours(const Flags& f, const torch::Device& device) {
               {"anchors", to.max_anchors},
               {"block_size", cfg.block_size},
               {"soft_labels", to.loss.soft_labels},
+              {"recompute_mlp", to.loss.recompute_mlp},
               {"logits_chunk_rows", to.loss.logits_chunk_rows},
               {"trainable_params", drafter.num_parameters()},
               {"warmup", warmup},
@@ -314,9 +316,9 @@ int cmd_bench_drafter(int argc, char** argv) {
   Flags f(argc, argv,
           {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "context", "anchors",
            "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
-           "baseline-chunk-rows",
+           "baseline-chunk-rows", "recompute-mlp",
            "python"},
-          {"soft-labels", "profile", "baseline"});
+          {"soft-labels", "profile", "baseline", "recompute-mlp"});
   auto device = model::parse_device(f.get("device", "cuda"));
   json out = bench_ours(f, device);
 #ifdef DFLASH_WITH_CUDA

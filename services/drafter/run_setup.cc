@@ -29,6 +29,7 @@ train::TrainerOptions trainer_options_from_run(const config::RunConfig& cfg, int
   to.loss.soft_labels = cfg.train.soft_labels.enabled;
   to.loss.kl_weight = cfg.train.soft_labels.kl_weight;
   to.loss.temperature = cfg.train.soft_labels.temperature;
+  to.loss.recompute_mlp = cfg.train.recompute_mlp;
   to.schedule = {cfg.train.lr, cfg.train.warmup_ratio, schedule_steps};
   to.adamw.weight_decay = cfg.train.weight_decay;
   to.grad_clip = cfg.train.grad_clip;

@@ -125,6 +125,20 @@ TEST(LeanAutograd, RmsNormAndSwigluDownEqualPlainOps) {
     }
     EXPECT_TRUE(torch::equal(r[0][0], r[1][0]));
     EXPECT_TRUE(torch::equal(r[0][1], r[1][1]));
+    // The whole MLP with recomputation against plain linears.
+    auto h = torch::randn({37, 24}).to(dt).set_requires_grad(true);
+    auto wg = torch::randn({48, 24}).to(dt).set_requires_grad(true), wu = torch::randn({48, 24}).to(dt).set_requires_grad(true);
+    std::vector<Tensor> q[2];
+    for (int lean = 0; lean < 2; ++lean) {
+      for (auto* t : {&h, &wg, &wu, &wd}) t->mutable_grad() = Tensor();
+      namespace F = torch::nn::functional;
+      auto m = lean ? model::swiglu_mlp_recompute_train(h, wg, wu, wd)
+                    : F::linear(torch::silu(F::linear(h, wg)) * F::linear(h, wu), wd);
+      (m.to(torch::kFloat32) * up_m.to(torch::kFloat32)).sum().backward();
+      q[lean] = {m.detach(), h.grad().clone(), wg.grad().clone(), wu.grad().clone(), wd.grad().clone()};
+    }
+    EXPECT_TRUE(torch::equal(q[0][0], q[1][0]));
+    for (int i = 1; i < 5; ++i) EXPECT_LT(rel(q[1][i], q[0][i]), dt == torch::kFloat32 ? 1e-5 : 2e-2) << "recompute " << i;
     const double tol = dt == torch::kFloat32 ? 1e-5 : 2e-2;
     for (int i = 2; i < 7; ++i) EXPECT_LT(rel(r[1][i], r[0][i]), tol) << i << " " << dt;
   }
