@@ -60,15 +60,7 @@ class DenseTarget : public TargetModel {
       else
         lm_head_ = embed_;  // tied (or lm_head missing, as HF ties it)
     }
-    RopeOptions ro;
-    ro.theta = cfg.rope.theta;
-    ro.rotary_dim = D;
-    ro.type = cfg.rope.type;
-    ro.factor = cfg.rope.factor;
-    ro.low_freq_factor = cfg.rope.low_freq_factor;
-    ro.high_freq_factor = cfg.rope.high_freq_factor;
-    ro.original_max_position = cfg.rope.original_max_position;
-    inv_freq_ = rope_inv_freq(ro).to(opt.device);
+    inv_freq_ = rope_inv_freq(rope_options(cfg.rope, D)).to(opt.device);
   }
 
   const io::TargetConfig& config() const override { return cfg_; }
@@ -79,14 +71,7 @@ class DenseTarget : public TargetModel {
     torch::NoGradGuard no_grad;
     const int64_t T = ids_T.size(0), H = cfg_.hidden_size, D = cfg_.head_dim;
     const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, K = spec.layer_ids.size();
-    auto opts = torch::TensorOptions().device(opt_.device).dtype(opt_.dtype);
-    if (!out.features_TKH.defined() || out.features_TKH.sizes() != at::IntArrayRef({T, K * H}))
-      out.features_TKH = torch::empty({T, K * H}, opts);
-    if (spec.last_hidden && (!out.last_hidden_TH.defined() || out.last_hidden_TH.sizes() != at::IntArrayRef({T, H})))
-      out.last_hidden_TH = torch::empty({T, H}, opts);
-    // slot[l] = where layer l's output goes (-1: not captured)
-    std::vector<int64_t> slot(cfg_.num_layers, -1);
-    for (int64_t i = 0; i < K; ++i) slot[spec.layer_ids[i]] = i;
+    const auto slot = prepare_capture(out, spec, T, H, cfg_.num_layers, torch::TensorOptions().device(opt_.device).dtype(opt_.dtype));
 
     auto rope = rope_table(inv_freq_, doc_positions(doc_lens, opt_.device), opt_.dtype);
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));

@@ -8,6 +8,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
+#include "core/util/flags.h"
 
 namespace dflash::model {
 namespace F = torch::nn::functional;
@@ -33,13 +34,7 @@ DrafterConfig drafter_config_for_target(const io::TargetConfig& t, const Drafter
   c.intermediate_size = pick(o.intermediate_size, t.intermediate_size);
   c.vocab_size = t.vocab_size;
   c.rms_norm_eps = t.rms_norm_eps;
-  c.rope.theta = t.rope.theta;
-  c.rope.type = t.rope.type;
-  c.rope.factor = t.rope.factor;
-  c.rope.low_freq_factor = t.rope.low_freq_factor;
-  c.rope.high_freq_factor = t.rope.high_freq_factor;
-  c.rope.original_max_position = t.rope.original_max_position;
-  c.rope.rotary_dim = c.head_dim;
+  c.rope = rope_options(t.rope, c.head_dim);
   c.num_target_layers = t.num_layers;
   if (c.target_layer_ids.empty()) c.target_layer_ids = default_target_layer_ids(t.num_layers, c.num_layers);
   for (auto id : c.target_layer_ids)
@@ -210,10 +205,7 @@ torch::Tensor Drafter::forward(const torch::Tensor& x_QH, const torch::Tensor& q
   auto x = x_QH.to(compute);
   auto kernel = attn.kernel;
   if (kernel == BlockAttention::Kernel::kAuto) {
-    const char* env = std::getenv("DFLASH_DRAFTER_ATTENTION");
-    const std::string e = env ? env : "";
-    DFLASH_CHECK(e.empty() || e == "masked" || e == "block_sparse", ConfigError,
-                 "DFLASH_DRAFTER_ATTENTION: expected masked or block_sparse, got '" << e << "'");
+    const std::string e = env_choice("DFLASH_DRAFTER_ATTENTION", {"masked", "block_sparse"});
     const bool flash = x.is_cuda() && (compute == torch::kBFloat16 || compute == torch::kHalf) && D <= 256 && D % 8 == 0;
     kernel = e == "masked" || (e.empty() && !flash) ? BlockAttention::Kernel::kMasked : BlockAttention::Kernel::kBlockSparse;
   }

@@ -119,15 +119,7 @@ class HybridTarget : public TargetModel {
     const double rot = D * cfg.rope.partial_rotary_factor;
     DFLASH_CHECK(rot == std::floor(rot) && static_cast<int64_t>(rot) % 2 == 0 && rot > 0, ConfigError,
                  "qwen3_5: head_dim * partial_rotary_factor = " << rot << " is not a positive even integer");
-    RopeOptions ro;
-    ro.theta = cfg.rope.theta;
-    ro.rotary_dim = static_cast<int64_t>(rot);
-    ro.type = cfg.rope.type;
-    ro.factor = cfg.rope.factor;
-    ro.low_freq_factor = cfg.rope.low_freq_factor;
-    ro.high_freq_factor = cfg.rope.high_freq_factor;
-    ro.original_max_position = cfg.rope.original_max_position;
-    inv_freq_ = rope_inv_freq(ro).to(opt.device);
+    inv_freq_ = rope_inv_freq(rope_options(cfg.rope, static_cast<int64_t>(rot))).to(opt.device);
   }
 
   const io::TargetConfig& config() const override { return cfg_; }
@@ -137,14 +129,7 @@ class HybridTarget : public TargetModel {
                                 const CaptureSpec& spec, CaptureResult out) override {
     torch::NoGradGuard no_grad;
     const int64_t T = ids_T.size(0), H = cfg_.hidden_size, K = spec.layer_ids.size();
-    auto opts = torch::TensorOptions().device(opt_.device).dtype(opt_.dtype);
-    if (!out.features_TKH.defined() || out.features_TKH.sizes() != at::IntArrayRef({T, K * H}))
-      out.features_TKH = torch::empty({T, K * H}, opts);
-    if (spec.last_hidden && (!out.last_hidden_TH.defined() || out.last_hidden_TH.sizes() != at::IntArrayRef({T, H})))
-      out.last_hidden_TH = torch::empty({T, H}, opts);
-    // slot[l] = where layer l's output goes (-1: not captured)
-    std::vector<int64_t> slot(cfg_.num_layers, -1);
-    for (int64_t i = 0; i < K; ++i) slot[spec.layer_ids[i]] = i;
+    const auto slot = prepare_capture(out, spec, T, H, cfg_.num_layers, torch::TensorOptions().device(opt_.device).dtype(opt_.dtype));
 
     auto pos_T = doc_positions(doc_lens, opt_.device);
     auto rope = rope_table(inv_freq_, pos_T, opt_.dtype);

@@ -101,6 +101,18 @@ torch::Tensor rms_norm_zero_centred(const torch::Tensor& x, const torch::Tensor&
   return (y * (1.0 + w.to(torch::kFloat32))).to(x.scalar_type());
 }
 
+RopeOptions rope_options(const io::RopeConfig& rope, int64_t rotary_dim) {
+  RopeOptions ro;
+  ro.theta = rope.theta;
+  ro.rotary_dim = rotary_dim;
+  ro.type = rope.type;
+  ro.factor = rope.factor;
+  ro.low_freq_factor = rope.low_freq_factor;
+  ro.high_freq_factor = rope.high_freq_factor;
+  ro.original_max_position = rope.original_max_position;
+  return ro;
+}
+
 torch::Tensor rope_inv_freq(const RopeOptions& opt) {
   const int64_t dim = opt.rotary_dim;
   TORCH_CHECK(dim > 0 && dim % 2 == 0, "rotary_dim must be positive and even, got ", dim);

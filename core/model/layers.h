@@ -6,6 +6,8 @@
 
 #include <vector>
 
+#include "core/io/hf_config.h"
+
 namespace dflash::model {
 
 // Qwen3/Llama RMSNorm: w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype); the multiply in x's dtype.
@@ -31,6 +33,9 @@ struct RopeOptions {
   double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
   int64_t original_max_position = 8192;
 };
+
+// The RoPE settings of an HF config, rotating the first `rotary_dim` dims of each head.
+RopeOptions rope_options(const io::RopeConfig& rope, int64_t rotary_dim);
 
 // inv_freq [R/2] float32 as HF computes it (including llama3 frequency scaling).
 torch::Tensor rope_inv_freq(const RopeOptions& opt);

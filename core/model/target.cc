@@ -26,6 +26,18 @@ std::unique_ptr<TargetModel> build(const io::TargetConfig& cfg, WeightSource& w,
 
 }  // namespace
 
+std::vector<int64_t> prepare_capture(CaptureResult& out, const CaptureSpec& spec, int64_t T, int64_t H, int64_t num_layers,
+                                     const torch::TensorOptions& opts) {
+  const int64_t K = static_cast<int64_t>(spec.layer_ids.size());
+  if (!out.features_TKH.defined() || out.features_TKH.sizes() != at::IntArrayRef({T, K * H}))
+    out.features_TKH = torch::empty({T, K * H}, opts);
+  if (spec.last_hidden && (!out.last_hidden_TH.defined() || out.last_hidden_TH.sizes() != at::IntArrayRef({T, H})))
+    out.last_hidden_TH = torch::empty({T, H}, opts);
+  std::vector<int64_t> slot(num_layers, -1);
+  for (int64_t i = 0; i < K; ++i) slot[spec.layer_ids[i]] = i;
+  return slot;
+}
+
 std::unique_ptr<TargetModel> load_target(const std::string& dir, const LoadOptions& opt) {
   auto cfg = io::parse_hf_config(dir);
   auto w = file_weights(dir, opt.device, opt.dtype);

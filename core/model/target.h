@@ -31,6 +31,11 @@ struct CaptureResult {
   torch::Tensor last_hidden_TH;  // [T, H] or undefined
 };
 
+// Sizes `out`'s buffers for T tokens (reusing them when the shape matches) and returns, per
+// decoder layer, its slot in features_TKH (-1: not captured). Shared by every target family.
+std::vector<int64_t> prepare_capture(CaptureResult& out, const CaptureSpec& spec, int64_t T, int64_t H, int64_t num_layers,
+                                     const torch::TensorOptions& opts);
+
 struct LoadOptions {
   torch::Device device = torch::kCPU;
   torch::ScalarType dtype = torch::kFloat32;

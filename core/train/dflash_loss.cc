@@ -1,7 +1,5 @@
 #include "core/train/dflash_loss.h"
 
-#include <cstdlib>
-
 #ifdef DFLASH_WITH_CUDA
 #include "core/train/cuda/fused_loss.h"
 #endif
@@ -10,6 +8,7 @@
 
 #include "core/model/layers.h"
 #include "core/util/error.h"
+#include "core/util/flags.h"
 
 namespace dflash::train {
 namespace F = torch::nn::functional;
@@ -19,9 +18,7 @@ namespace {
 // The fused CUDA loss kernel for CUDA bf16 logits (DFLASH_LOSS=plain|fused overrides; fused needs
 // a CUDA build and bf16 on CUDA, else ConfigError).
 bool fused_loss_enabled(const torch::Tensor& lm_head) {
-  const char* e = std::getenv("DFLASH_LOSS");
-  const std::string env = e ? e : "";
-  DFLASH_CHECK(env.empty() || env == "plain" || env == "fused", ConfigError, "DFLASH_LOSS: expected plain or fused, got '" << env << "'");
+  const std::string env = env_choice("DFLASH_LOSS", {"plain", "fused"});
 #ifdef DFLASH_WITH_CUDA
   const bool ok = cuda_loss::supported(lm_head);
 #else

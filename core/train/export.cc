@@ -131,13 +131,7 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
   c.num_layers = t.num_layers;
   c.vocab_size = t.vocab_size;
   c.rms_norm_eps = t.rms_norm_eps;
-  c.rope.theta = t.rope.theta;
-  c.rope.type = t.rope.type;
-  c.rope.factor = t.rope.factor;
-  c.rope.low_freq_factor = t.rope.low_freq_factor;
-  c.rope.high_freq_factor = t.rope.high_freq_factor;
-  c.rope.original_max_position = t.rope.original_max_position;
-  c.rope.rotary_dim = static_cast<int64_t>(t.head_dim * t.rope.partial_rotary_factor);
+  c.rope = model::rope_options(t.rope, static_cast<int64_t>(t.head_dim * t.rope.partial_rotary_factor));
 
   auto nt = root.find("num_target_layers");
   DFLASH_CHECK(nt != root.end(), ConfigError, source << ": field 'num_target_layers' is required but missing");

@@ -3,10 +3,10 @@
 #include <ATen/ops/_fused_adamw.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <map>
 
 #include "core/util/error.h"
+#include "core/util/flags.h"
 
 namespace dflash::train {
 
@@ -18,10 +18,7 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>>* params, const A
   }
   auto impl = opt_.impl;
   if (impl == AdamWOptions::Impl::kAuto) {
-    const char* e = std::getenv("DFLASH_ADAMW");
-    const std::string env = e ? e : "";
-    DFLASH_CHECK(env.empty() || env == "plain" || env == "fused", ConfigError,
-                 "DFLASH_ADAMW: expected plain or fused, got '" << env << "'");
+    const std::string env = env_choice("DFLASH_ADAMW", {"plain", "fused"});
     const bool cuda = !params_->empty() && params_->front().second.is_cuda();
     impl = env == "fused" || (env.empty() && cuda) ? AdamWOptions::Impl::kFused : AdamWOptions::Impl::kPlain;
   }

@@ -1,8 +1,20 @@
 #include "core/util/flags.h"
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "core/util/error.h"
 
 namespace dflash {
+
+std::string env_choice(const char* name, const std::vector<std::string>& allowed) {
+  const char* e = std::getenv(name);
+  const std::string v = e ? e : "";
+  if (v.empty() || std::find(allowed.begin(), allowed.end(), v) != allowed.end()) return v;
+  std::string list;
+  for (const auto& a : allowed) list += (list.empty() ? "" : " | ") + a;
+  DFLASH_FAIL(ConfigError, name << ": expected " << list << ", got '" << v << "'");
+}
 
 Flags::Flags(int argc, char** argv, const std::set<std::string>& known, const std::set<std::string>& booleans) {
   for (int i = 0; i < argc; ++i) {

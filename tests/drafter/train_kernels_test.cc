@@ -60,6 +60,24 @@ Tensor dense_reference(const Tensor& q, const Tensor& kc, const Tensor& vc, cons
   return torch::einsum("hqk,khd->qhd", {torch::softmax(s, -1), v});
 }
 
+// 2 layers, 4 query / 2 KV heads of head_dim, 2 context layers; mask token = the last id.
+model::DrafterConfig small_drafter(int64_t hidden, int64_t head_dim, int64_t inter, int64_t block, int64_t vocab) {
+  model::DrafterConfig cfg;
+  cfg.hidden_size = hidden;
+  cfg.num_heads = 4;
+  cfg.num_kv_heads = 2;
+  cfg.head_dim = head_dim;
+  cfg.intermediate_size = inter;
+  cfg.num_layers = 2;
+  cfg.block_size = block;
+  cfg.vocab_size = vocab;
+  cfg.mask_token_id = vocab - 1;
+  cfg.rope.rotary_dim = head_dim;
+  cfg.target_layer_ids = {0, 1};
+  cfg.num_target_layers = 2;
+  return cfg;
+}
+
 double rel(const Tensor& a, const Tensor& b) {
   auto a64 = a.to(torch::kFloat64).cpu(), b64 = b.to(torch::kFloat64).cpu();
   return (a64 - b64).norm().item<double>() / std::max(b64.norm().item<double>(), 1e-300);
@@ -204,18 +222,7 @@ TEST(BlockSparseAttention, ReferenceKernelEqualsDenseFp64) {
 }
 
 TEST(BlockSparseAttention, DrafterForwardAndGradsEqualMaskedPath) {
-  model::DrafterConfig cfg;
-  cfg.hidden_size = 32;
-  cfg.num_heads = 4;
-  cfg.num_kv_heads = 2;
-  cfg.head_dim = 8;
-  cfg.intermediate_size = 48;
-  cfg.num_layers = 2;
-  cfg.block_size = 3;
-  cfg.vocab_size = 64;
-  cfg.rope.rotary_dim = 8;
-  cfg.target_layer_ids = {0, 1};
-  cfg.num_target_layers = 2;
+  const auto cfg = small_drafter(32, 8, 48, 3, 64);
   const auto c = small_case();
   const int64_t Q = int64_t(c.ctx_begin.size()) * c.B;
   std::vector<Tensor> results[2];
@@ -295,19 +302,7 @@ TEST(FusedLossGpu, EqualsPlainOps) {
 // CUDA bf16 with soft labels and several loss chunks.
 TEST(FusedLossGpu, MicroBatchEqualsPlainLoss) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  model::DrafterConfig cfg;
-  cfg.hidden_size = 256;
-  cfg.num_heads = 4;
-  cfg.num_kv_heads = 2;
-  cfg.head_dim = 64;
-  cfg.intermediate_size = 512;
-  cfg.num_layers = 2;
-  cfg.block_size = 8;
-  cfg.vocab_size = 3000;
-  cfg.mask_token_id = 2999;
-  cfg.rope.rotary_dim = 64;
-  cfg.target_layer_ids = {0, 1};
-  cfg.num_target_layers = 2;
+  const auto cfg = small_drafter(256, 64, 512, 8, 3000);
   auto o = torch::TensorOptions().device(torch::kCUDA);
   torch::manual_seed(4);
   model::FrozenTargetParts frozen;

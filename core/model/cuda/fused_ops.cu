@@ -4,31 +4,15 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 
+#include "core/model/cuda/device_common.cuh"
+
 #include "core/model/cuda/fused_ops.h"
 
 namespace dflash::model::fused {
 namespace {
+using namespace dflash::model::cuda_common;
 
-__device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
-template <int kThreads>
-__device__ float block_sum(float v) {
-  __shared__ float warp_sums[kThreads / 32];
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  float total = 0.f;
-  if (threadIdx.x < 32) {
-    total = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
-    if (threadIdx.x == 0) warp_sums[0] = total;
-  }
-  __syncthreads();
-  total = warp_sums[0];
-  __syncthreads();
-  return total;
-}
 
 template <int kThreads>
 __global__ void rms_norm_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,

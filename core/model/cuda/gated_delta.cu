@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 
+#include "core/model/cuda/device_common.cuh"
+
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
@@ -12,23 +14,12 @@
 
 namespace dflash::model::cuda_gdn {
 namespace {
+using namespace dflash::model::cuda_common;
 
 constexpr int kC = 64;  // chunk size (rows of a chunk)
 
 KernelTimes g_times;  // last timed call (Tuning::time_kernels)
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ float from_f<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
 
 // Operands of one (chunk, value head) in the fp32 work buffer, offsets in floats (all multiples of 4,
 // so every row below is float4-aligned).

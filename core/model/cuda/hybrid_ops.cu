@@ -4,23 +4,14 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 
+#include "core/model/cuda/device_common.cuh"
+
 #include "core/model/cuda/hybrid_ops.h"
 
 namespace dflash::model::hybrid_cuda {
 namespace {
+using namespace dflash::model::cuda_common;
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ float from_f<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // One thread per (token, channel); tap Kc-1 reads the token itself, tap Kc-1-s the token s back,
@@ -69,24 +60,6 @@ __global__ void gated_norm_kernel(const float* __restrict__ x, const Tz* __restr
   }
 }
 
-template <int kThreads>
-__device__ float block_sum(float v) {
-  __shared__ float warp_sums[kThreads / 32];
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  float total = 0.f;
-  if (threadIdx.x < 32) {
-    total = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-    if (threadIdx.x == 0) warp_sums[0] = total;
-  }
-  __syncthreads();
-  total = warp_sums[0];
-  __syncthreads();
-  return total;
-}
 
 template <int kThreads>
 __global__ void rms_norm_zc_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
