@@ -3,6 +3,7 @@
 #include <ATen/ops/_foreach_div.h>
 #include <ATen/ops/_foreach_norm.h>
 
+#include <chrono>
 #include <cmath>
 
 #include "core/train/anchors.h"
@@ -30,6 +31,37 @@ std::vector<int64_t> Trainer::micro_batch(const MicroBatch& mb) {
   NoiseOptions noise{opt_.noise_type, noise_amplitude(step), mix_seed(opt_.seed ^ 0x6e6f697365ull, step, micro, rank)};
   pending_.push_back(forward_backward(drafter_, frozen_, mb, anchors, opt_.loss, noise, opt_.compute, /*backward=*/true));
   return anchors;
+}
+
+double Trainer::warm_up(int64_t tokens, int64_t doc_len, int64_t feature_width, int64_t hidden, int64_t vocab) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t B = drafter_.config().block_size;
+  auto dev = drafter_.device();
+  auto gen = at::detail::createCPUGenerator(0x7761726d);  // its own generator: global RNG untouched
+  MicroBatch mb;
+  for (int64_t left = tokens; left > 0; left -= doc_len) mb.doc_lens.push_back(std::min(left, doc_len));
+  mb.input_ids_T = torch::randint(0, vocab - 1, {tokens}, gen, torch::kInt64).to(dev);
+  mb.loss_mask_T = torch::ones({tokens}, torch::kUInt8).to(dev);
+  mb.loss_mask_host.assign(tokens, 1);
+  mb.features_TKH = torch::randn({tokens, feature_width}, gen).to(dev, opt_.compute);
+  mb.h_last_TH = torch::randn({tokens, hidden}, gen).to(dev, opt_.compute);
+  // Anchors spread over every document, as many as max_anchors allows (each with a full block).
+  std::vector<int64_t> anchors;
+  int64_t start = 0, slots = 0;
+  for (auto n : mb.doc_lens) slots += std::max<int64_t>(0, n - B);
+  const int64_t want = std::min<int64_t>(opt_.max_anchors, slots);
+  for (auto n : mb.doc_lens) {
+    const int64_t room = std::max<int64_t>(0, n - B);
+    const int64_t k = slots ? want * room / slots : 0;
+    for (int64_t i = 0; i < k; ++i) anchors.push_back(start + 1 + i * room / std::max<int64_t>(k, 1));
+    start += n;
+  }
+  forward_backward(drafter_, frozen_, mb, anchors, opt_.loss, NoiseOptions{}, opt_.compute, /*backward=*/true);
+  torch::NoGradGuard g;
+  for (auto& [_, p] : drafter_.parameters())
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  if (dev.is_cuda()) torch::cuda::synchronize();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 StepMetrics Trainer::step() {

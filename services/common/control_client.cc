@@ -151,7 +151,8 @@ void ControlClient::heartbeat_loop() {
   while (!quit_) {
     pb::HeartbeatRequest req;
     req.set_worker_id(worker_id_);
-    req.set_step(step_.load());
+    const int64_t progress = step_.load();
+    req.set_step(progress);
     req.set_tokens_per_second(tps_.load());
     req.set_gpu_memory_bytes(mem_.load());
     pb::HeartbeatResponse resp;
@@ -161,7 +162,7 @@ void ControlClient::heartbeat_loop() {
     if (st.ok()) {
       last_ok = Clock::now();
       if (resp.stop()) stop_ = true;
-      if (resp.checkpoint_now()) checkpoint_ = true;
+      if (resp.checkpoint_now() && progress > acted_step_.load()) checkpoint_ = true;
     } else if (std::chrono::duration<double>(Clock::now() - last_ok).count() > opt_.lost_after_s) {
       LOG_ERROR("lost the coordinator at " << opt_.address << " (no heartbeat answer for " << opt_.lost_after_s
                                            << " s: " << st.error_message() << "); exiting so nothing runs unsupervised");

@@ -91,7 +91,13 @@ class ControlClient {
   void set_progress(int64_t step, double tokens_per_second, int64_t gpu_memory_bytes);
   bool stop_requested() const { return stop_.load(); }
   bool checkpoint_requested() const { return checkpoint_.load(); }
-  void clear_checkpoint_request() { checkpoint_.store(false); }
+  // The ranks acted on a checkpoint request after schedule step `step`. Heartbeat answers to
+  // requests sent at progress <= step may predate the coordinator seeing that commit and are
+  // ignored (else one `dflash checkpoint` could commit twice).
+  void clear_checkpoint_request(int64_t step) {
+    acted_step_.store(step);
+    checkpoint_.store(false);
+  }
   // Called (from the heartbeat thread) just before the process exits because the coordinator is lost.
   void set_on_lost(std::function<void()> f);
 
@@ -116,7 +122,7 @@ class ControlClient {
   ClientOptions opt_;
   LaunchPlan plan_;
   int64_t worker_id_ = -1;
-  std::atomic<int64_t> step_{0}, mem_{0};
+  std::atomic<int64_t> step_{0}, mem_{0}, acted_step_{-1};
   std::atomic<double> tps_{0};
   std::atomic<bool> stop_{false}, checkpoint_{false}, quit_{false};
   std::function<void()> on_lost_;

@@ -397,6 +397,17 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   }
   PeerWatchdog watchdog(peers, segment_names, pipeline::run_segment_prefix(opt.run_id), in_collective_since,
                         opt.peer_grace_s, rank);
+  // 4. Warm-up at the largest shape of this launch's packing (token_budget tokens of max_seq_len
+  //    documents, max_anchors anchors): an OOM shows now, before any batch is consumed.
+  if (start_step < total_steps) {
+    const auto& gen = sched.generations()[sched.segment_of(start_step).generation];
+    const int64_t T = gen.packing.token_budget;
+    const double s = trainer.warm_up(T, std::min<int64_t>(T, cfg.data.max_seq_len), int64_t(layer_ids.size()) * tcfg.hidden_size,
+                                     tcfg.hidden_size, tcfg.vocab_size);
+    LOG_INFO("drafter " << rank << ": warm-up at " << T << " tokens, up to " << cfg.train.max_anchors << " anchors in " << s
+                        << " s (peak GPU memory allocated " << pipeline::peak_gpu_bytes(opt.device).at("allocated") / double(1 << 30)
+                        << " GiB)");
+  }
   const uint64_t h0 = weight_hash(drafter);
   LOG_INFO("drafter " << rank << ": replicas identical at start (weights " << hex(h0) << "); " << total_steps << " steps of " << accum
                       << " micro-batches over " << cfg.run.epochs << " epochs");
@@ -623,7 +634,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
         stopped = true;
         LOG_INFO("drafter " << rank << ": stopping after step " << done << " (requested through the coordinator)");
       }
-      if (flags & 2) client->clear_checkpoint_request();
+      if (flags & 2) client->clear_checkpoint_request(done);
       if (rank == 0 && (done % cfg.run.save_interval_steps == 0 || done == total_steps || flags != 0)) {
         const auto tc = Clock::now();
         checkpoint(e, done);

@@ -80,10 +80,11 @@ config corrupt "[{kind: corrupt_checkpoint, role: drafter, rank: 0, step: 20}]"
 grep -q "fails verification" "$work/corrupt.log" || { echo "FAIL: no warning about the corrupted checkpoint"; exit 1; }
 check corrupt --reference "$work/ref" --expect-restarts 1 --expect-skipped-checkpoint
 
-# dflash checkpoint + dflash stop, then --resume latest (6 epochs: a run long enough to stop midway).
+# dflash checkpoint + dflash stop, then --resume latest (12 epochs: a run long enough to stop midway
+# even when the tiny model trains ~30 steps per second).
 config stop "[]"
 # Long enough to stop midway; no periodic checkpoints, so every commit before "stopped" is requested.
-sed -i -e "s/^  epochs: .*/  epochs: 6/" -e "s/^  save_interval_steps: .*/  save_interval_steps: 1000/" "$work/stop.yaml"
+sed -i -e "s/^  epochs: .*/  epochs: 12/" -e "s/^  save_interval_steps: .*/  save_interval_steps: 100000/" "$work/stop.yaml"
 "$bin/dflash" run "$work/stop.yaml" --quiet 2> "$work/stop.log" &
 coord=$!
 wait_ledger stop '"rank":0,.*"step":4,'

@@ -17,6 +17,7 @@
 #include "core/model/layers.h"
 #include "core/train/dflash_loss.h"
 #include "core/train/optimizer.h"
+#include "core/train/trainer.h"
 #ifdef DFLASH_WITH_CUDA
 #include "core/train/cuda/fused_loss.h"
 #endif
@@ -196,6 +197,42 @@ TEST(FusedAdamW, EqualsPlainLoopAcrossStepsAndAResume) {
   for (size_t i = 0; i < params[0].size(); ++i) EXPECT_LT(rel(params[1][i].second, params[0][i].second), 1e-6) << i;
   const auto a = plain.state(), b = fused->state();
   for (size_t i = 0; i < a.size(); ++i) EXPECT_LT(rel(b[i].second, a[i].second), 1e-6) << a[i].first;
+}
+
+// (5) The trainer's warm-up leaves the run bitwise as it was.
+TEST(TrainerWarmUp, NextStepIsBitwiseTheSame) {
+  const auto cfg = small_drafter(32, 8, 48, 3, 64);
+  torch::manual_seed(2);
+  model::FrozenTargetParts frozen;
+  frozen.embed = torch::randn({64, 32});
+  frozen.lm_head = torch::randn({64, 32});
+  frozen.norm = torch::ones({32});
+  train::MicroBatch mb;
+  mb.doc_lens = {30, 20};
+  mb.input_ids_T = torch::randint(63, {50}, torch::kInt64);
+  mb.loss_mask_T = torch::ones({50}, torch::kUInt8);
+  mb.loss_mask_host.assign(50, 1);
+  mb.features_TKH = torch::randn({50, 64});
+  mb.h_last_TH = torch::randn({50, 32});
+  train::TrainerOptions to;
+  to.max_anchors = 6;
+  to.loss.soft_labels = true;
+  to.noise_type = train::NoiseType::kUniform;
+  to.noise_start = 0.05;
+  to.schedule.total_steps = 10;
+  std::vector<Tensor> after[2];
+  double loss[2];
+  for (int warm = 0; warm < 2; ++warm) {
+    model::Drafter d(cfg, torch::kCPU, 5);
+    train::Trainer tr(d, frozen, to);
+    if (warm) EXPECT_GT(tr.warm_up(40, 16, 64, 32, 64), 0.0);
+    tr.micro_batch(mb);
+    loss[warm] = tr.step().loss;
+    for (auto& [_, p] : d.parameters()) after[warm].push_back(p.detach().clone());
+    EXPECT_EQ(tr.step_count(), 1);
+  }
+  EXPECT_EQ(loss[0], loss[1]);
+  for (size_t i = 0; i < after[0].size(); ++i) EXPECT_TRUE(torch::equal(after[0][i], after[1][i])) << i;
 }
 
 TEST(BlockSparseAttention, PlanSplitsFullTilesAndTails) {
