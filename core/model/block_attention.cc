@@ -136,7 +136,6 @@ using torch::autograd::variable_list;
 struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k_ctx, const Tensor& v_ctx, const Tensor& k_blk,
                         const Tensor& v_blk, const BlockSparsePlan& plan, double scale, bool use_flash) {
-    const int64_t Hq = q.size(1);
     // tail: gathered keys, one varlen call
     auto kt = torch::cat({k_ctx, k_blk}).index_select(0, plan.tail_index);
     auto vt = torch::cat({v_ctx, v_blk}).index_select(0, plan.tail_index);
@@ -155,7 +154,6 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       lse = l;
     }
     // full runs: merged into the rows they cover
-    std::vector<Tensor> full_lse_layouts;
     for (const auto& f : plan.full) {
       const auto qs = q.narrow(0, f.q_row0, f.q_rows);
       const auto kc = k_ctx.narrow(0, f.k_row0, f.k_rows), vc = v_ctx.narrow(0, f.k_row0, f.k_rows);
@@ -164,7 +162,6 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
         auto r = flash_forward(qs, kc, vc, full_seqs(f), scale);
         o = r.out;
         l = r.lse;
-        full_lse_layouts.push_back(r.lse_layout);
       } else {
         std::tie(o, l) = ref_forward(qs, kc, vc, full_seqs(f), scale);
       }
@@ -177,9 +174,9 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       lt.copy_(merged);
     }
     auto out = out32.to(q.scalar_type());
-    ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, plan.tail_index, plan.cu_q, plan.cu_k,
-                            rng.defined() ? rng : Tensor(), unused.defined() ? unused : Tensor(),
-                            tail_lse_layout.defined() ? tail_lse_layout : Tensor()});
+    // rng / unused / tail_lse_layout stay undefined on the reference kernel's path.
+    ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, plan.tail_index, plan.cu_q, plan.cu_k, rng, unused,
+                            tail_lse_layout});
     std::vector<int64_t> runs;
     for (const auto& f : plan.full) runs.insert(runs.end(), {f.q_row0, f.q_rows, f.k_row0, f.k_rows});
     ctx->saved_data["runs"] = runs;
@@ -187,7 +184,6 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     ctx->saved_data["dims"] = std::vector<int64_t>{plan.block, plan.blocks, plan.ctx_rows, plan.tile, plan.max_tail_keys};
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["flash"] = use_flash;
-    (void)Hq;
     return out;
   }
 
