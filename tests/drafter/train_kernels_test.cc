@@ -287,7 +287,7 @@ TEST(BlockSparseAttention, DrafterForwardAndGradsEqualMaskedPath) {
 }
 
 TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
   compare(small_case(), torch::kCUDA, torch::kFloat32, /*flash=*/false, 1e-5);  // reference kernel on the GPU
   // Drafter shape: 32/8 heads of 128, blocks of 16 over 3 documents of a 1024-row context.
   Case c{16, 1024, 32, 8, 128, 256, {}, {}};
@@ -304,7 +304,7 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
 #ifdef DFLASH_WITH_CUDA
 // (4) The fused loss kernel against the same quantities in plain LibTorch fp32 ops.
 TEST(FusedLossGpu, EqualsPlainOps) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
   torch::manual_seed(21);
   const int64_t n = 67, V = 151936;
   const double T = 2.0, kw = 0.15;
@@ -338,7 +338,7 @@ TEST(FusedLossGpu, EqualsPlainOps) {
 // The whole micro-batch (drafter forward, loss, backward) with the fused loss vs the plain one, on
 // CUDA bf16 with soft labels and several loss chunks.
 TEST(FusedLossGpu, MicroBatchEqualsPlainLoss) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
   const auto cfg = small_drafter(256, 64, 512, 8, 3000);
   auto o = torch::TensorOptions().device(torch::kCUDA);
   torch::manual_seed(4);
