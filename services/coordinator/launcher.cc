@@ -75,14 +75,6 @@ std::string command_line(const WorkerSpec& w, bool with_env) {
 
 }  // namespace
 
-std::string shell_quote(const std::string& s) {
-  if (!s.empty() && s.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789@%_+=:,./-") == std::string::npos)
-    return s;
-  std::string o = "'";
-  for (char c : s) o += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return o + "'";
-}
-
 std::string render_template(const std::string& tmpl, const WorkerSpec& w) {
   DFLASH_CHECK(tmpl.find("{cmd}") != std::string::npos || tmpl.find("{qcmd}") != std::string::npos, ConfigError,
                "launch template '" << tmpl << "' has no {cmd} or {qcmd} placeholder");

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/config/config.h"
+#include "core/util/process.h"
 
 namespace dflash::coordinator {
 
@@ -32,7 +33,7 @@ struct WorkerSpec {
   std::string log_path;
 };
 
-std::string shell_quote(const std::string& s);
+using ::dflash::shell_quote;  // core/util/process.h
 // The command a template launcher runs: the template with {host}, {ctid} and {cmd} substituted.
 // ConfigError naming the template when {cmd} is missing.
 std::string render_template(const std::string& tmpl, const WorkerSpec& w);

@@ -19,6 +19,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/process.h"
 
 #include <torch/csrc/autograd/profiler_kineto.h>
 
@@ -90,26 +91,6 @@ void reset_peak(const torch::Device& d) {
     std::fputs("5", f);
     std::fclose(f);
   }
-}
-
-std::string shell_quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-json run_baseline(const std::string& cmd) {
-  LOG_INFO("baseline: " << cmd);
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) throw Error(kExitFailure, "cannot start baseline: " + cmd);
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int rc = pclose(p);
-  if (rc != 0) throw Error(kExitFailure, "baseline failed (status " + std::to_string(rc) + "): " + cmd);
-  const auto brace = out.find('{');
-  if (brace == std::string::npos) throw Error(kExitFailure, "baseline printed no JSON: " + cmd);
-  return json::parse(out.substr(brace));
 }
 
 // Our measurement; every tensor it makes is freed when it returns (the baseline runs afterwards on
@@ -341,7 +322,7 @@ int cmd_bench_drafter(int argc, char** argv) {
     cmd += " --chunk-rows " + std::to_string(f.get_int("baseline-chunk-rows", 2048));
     cmd += " --peak-tflops " + std::to_string(f.get_double("peak-tflops", 790.0));
     if (out.at("soft_labels").get<bool>()) cmd += " --soft-labels";
-    auto base = run_baseline(cmd);
+    auto base = json::parse(run_for_json(cmd, "baseline"));
     const double base_s = base.at("median_step_s").get<double>(), base_peak = base.at("peak_gib").get<double>();
     out["baseline"] = base;
     out["baseline_median_step_ms"] = base_s * 1e3;

@@ -11,6 +11,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/process.h"
 
 #ifdef DFLASH_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -102,19 +103,6 @@ void reset_peak(const torch::Device& d) {
 #endif
 }
 
-json run_baseline(const std::string& python, const std::string& script, const std::string& args) {
-  std::string cmd = python + " " + script + " " + args;
-  LOG_INFO("baseline: " << cmd);
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) throw Error(kExitFailure, "cannot start baseline: " + cmd);
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  int rc = pclose(p);
-  DFLASH_CHECK(rc == 0, DataError, "baseline failed (rc " << rc << "): " << cmd);
-  return json::parse(out.substr(out.find('{')));
-}
-
 }  // namespace
 
 int cmd_bench_target(int argc, char** argv) {
@@ -180,10 +168,11 @@ int cmd_bench_target(int argc, char** argv) {
     std::string script = std::string(env_src ? env_src : ".") + "/scripts/reference/bench_hf_target.py";
     target.reset();
     sync(lo.device);
-    auto base = run_baseline(py, script,
-                             "--shape " + shape + " --device " + f.get("device", "cuda") + " --dtype " +
-                                 f.get("dtype", "bfloat16") + " --batches " + batches_s + " --layers " + layers_s +
-                                 " --warmup " + std::to_string(warmup) + " --repeats " + std::to_string(repeats));
+    const std::string cmd = shell_quote(py) + " " + shell_quote(script) + " --shape " + shell_quote(shape) + " --device " +
+                            shell_quote(f.get("device", "cuda")) + " --dtype " + shell_quote(f.get("dtype", "bfloat16")) +
+                            " --batches " + shell_quote(batches_s) + " --layers " + shell_quote(layers_s) + " --warmup " +
+                            std::to_string(warmup) + " --repeats " + std::to_string(repeats);
+    auto base = json::parse(run_for_json(cmd, "baseline"));
     report["baseline"] = base;
     json ratios = json::object();
     for (size_t i = 0; i < results.size() && i < base["results"].size(); ++i)

@@ -1,0 +1,32 @@
+#include "core/util/process.h"
+
+#include <cstdio>
+
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace dflash {
+
+std::string shell_quote(const std::string& s) {
+  if (!s.empty() && s.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789@%_+=:,./-") == std::string::npos)
+    return s;
+  std::string o = "'";
+  for (char c : s) o += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return o + "'";
+}
+
+std::string run_for_json(const std::string& cmd, const std::string& what) {
+  LOG_INFO(what << ": " << cmd);
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) throw Error(kExitFailure, "cannot start " + what + ": " + cmd);
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  const int rc = ::pclose(p);
+  if (rc != 0) throw Error(kExitFailure, what + " failed (status " + std::to_string(rc) + "): " + cmd);
+  const auto brace = out.find('{');
+  if (brace == std::string::npos) throw Error(kExitFailure, what + " printed no JSON: " + cmd);
+  return out.substr(brace);
+}
+
+}  // namespace dflash

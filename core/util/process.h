@@ -1,0 +1,15 @@
+// Running helper commands from the CLI (benchmark baselines, launch templates).
+#pragma once
+#include <string>
+
+namespace dflash {
+
+// `s` quoted for one POSIX shell word (left bare when it has only safe characters).
+std::string shell_quote(const std::string& s);
+
+// Runs `cmd` through /bin/sh and returns its standard output from the first '{' on (the JSON
+// object a tool prints after any log lines). Error (exit 1) naming `what` and the command when it
+// cannot start, exits non-zero, or prints no '{'.
+std::string run_for_json(const std::string& cmd, const std::string& what);
+
+}  // namespace dflash
