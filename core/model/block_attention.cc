@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/model/layers.h"
 #include "core/util/error.h"
 
 namespace dflash::model {
@@ -280,9 +281,9 @@ BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const s
   }
   std::vector<int32_t> cu_q;
   for (int64_t j = 0; j <= p.blocks; ++j) cu_q.push_back(static_cast<int32_t>(j * B));
-  p.tail_index = torch::tensor(index, torch::kInt64).to(device);
-  p.cu_q = torch::tensor(cu_q, torch::kInt32).to(device);
-  p.cu_k = torch::tensor(cu_k, torch::kInt32).to(device);
+  p.tail_index = to_device_async(torch::tensor(index, torch::kInt64), device);
+  p.cu_q = to_device_async(torch::tensor(cu_q, torch::kInt32), device);
+  p.cu_k = to_device_async(torch::tensor(cu_k, torch::kInt32), device);
   return p;
 }
 

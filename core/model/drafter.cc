@@ -154,8 +154,8 @@ std::vector<Drafter::AttnGroup> Drafter::plan_attention(const BlockAttention& at
     }
     if (!(g.count == 1 && uniform)) {
       // Row r (block r / B) sees context column c < ctx_len[block] and block columns of its own block.
-      auto lens = torch::tensor(std::vector<int64_t>(attn.ctx_len.begin() + j0, attn.ctx_len.begin() + j1),
-                                torch::kInt64).to(device);
+      auto lens = to_device_async(
+          torch::tensor(std::vector<int64_t>(attn.ctx_len.begin() + j0, attn.ctx_len.begin() + j1), torch::kInt64), device);
       auto row_block = torch::arange(g.count * B, i64).div(B, "floor");
       auto ctx_vis = torch::arange(g.ctx_keys, i64).unsqueeze(0) < lens.index({row_block}).unsqueeze(1);
       auto blk_vis = row_block.unsqueeze(1) == row_block.unsqueeze(0);

@@ -102,8 +102,8 @@ ChunkPlan plan_chunks(const std::vector<int64_t>& doc_lens, int64_t C, torch::De
       }
     }
   }
-  p.src_S = torch::tensor(src, torch::kInt64).to(device);
-  p.dst_T = torch::tensor(dst, torch::kInt64).to(device);
+  p.src_S = to_device_async(torch::tensor(src, torch::kInt64), device);
+  p.dst_T = to_device_async(torch::tensor(dst, torch::kInt64), device);
   return p;
 }
 

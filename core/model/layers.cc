@@ -101,6 +101,10 @@ torch::Tensor rms_norm_zero_centred(const torch::Tensor& x, const torch::Tensor&
   return (y * (1.0 + w.to(torch::kFloat32))).to(x.scalar_type());
 }
 
+torch::Tensor to_device_async(const torch::Tensor& host, torch::Device device) {
+  return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host.to(device);
+}
+
 RopeOptions rope_options(const io::RopeConfig& rope, int64_t rotary_dim) {
   RopeOptions ro;
   ro.theta = rope.theta;
@@ -160,7 +164,7 @@ torch::Tensor doc_positions(const std::vector<int64_t>& doc_lens, torch::Device 
   pos.reserve(total);
   for (auto n : doc_lens)
     for (int64_t i = 0; i < n; ++i) pos.push_back(i);
-  return torch::tensor(pos, torch::kInt64).to(device);
+  return to_device_async(torch::tensor(pos, torch::kInt64), device);
 }
 
 torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -173,7 +177,7 @@ torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tenso
       cu.push_back(cu.back() + static_cast<int32_t>(n));
       max_len = std::max(max_len, n);
     }
-    auto cu_t = torch::tensor(cu, torch::kInt32).pin_memory().to(q.device(), /*non_blocking=*/true);
+    auto cu_t = to_device_async(torch::tensor(cu, torch::kInt32), q.device());
     auto out = at::_flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_t, cu_t, max_len,
                                             max_len, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, scale);
     return std::get<0>(out);

@@ -49,6 +49,11 @@ RopeTable rope_table(const torch::Tensor& inv_freq, const torch::Tensor& positio
 // x: [T, heads, D]; rotates the first R = cos.size(-1) dims with the half-split (NeoX) convention.
 torch::Tensor apply_rope(const torch::Tensor& x, const RopeTable& rope);
 
+// A host tensor on `device`. CUDA: through pinned memory without blocking the host (a copy from
+// pageable memory would wait for all the GPU work queued before it); the pinned block is recycled
+// by PyTorch's caching host allocator once the copy has run.
+torch::Tensor to_device_async(const torch::Tensor& host, torch::Device device);
+
 // Positions [T] int64 restarting at 0 in every document.
 torch::Tensor doc_positions(const std::vector<int64_t>& doc_lens, torch::Device device);
 

@@ -48,11 +48,11 @@ BlockInputs make_blocks(const std::vector<int64_t>& anchors, const std::vector<i
     anchor_idx[j] = a;
   }
   auto dev = input_ids_T.device();
-  auto idx = torch::tensor(anchor_idx, torch::kInt64).to(dev);
+  auto idx = model::to_device_async(torch::tensor(anchor_idx, torch::kInt64), dev);
   auto ids = torch::full({N, B}, mask_token_id, torch::TensorOptions().dtype(torch::kInt64).device(dev));
   ids.index_put_({Slice(), 0}, input_ids_T.index({idx}));
   bi.ids_Q = ids.reshape({N * B});
-  bi.pos_Q = torch::tensor(pos, torch::kInt64).to(dev);
+  bi.pos_Q = model::to_device_async(torch::tensor(pos, torch::kInt64), dev);
   return bi;
 }
 
@@ -91,9 +91,9 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
       }
     }
   }
-  auto lidx = torch::tensor(label_idx, torch::kInt64).to(dev);
+  auto lidx = model::to_device_async(torch::tensor(label_idx, torch::kInt64), dev);
   auto labels = mb.input_ids_T.index({lidx});                                                  // [R]
-  auto weights = torch::tensor(base_w, torch::kFloat32).to(dev) * mb.loss_mask_T.index({lidx}).to(torch::kFloat32);
+  auto weights = model::to_device_async(torch::tensor(base_w, torch::kFloat32), dev) * mb.loss_mask_T.index({lidx}).to(torch::kFloat32);
 
   // Drafter forward up to the final norm (graph kept for the backward).
   auto feats = mb.features_TKH;
