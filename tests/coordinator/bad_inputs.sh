@@ -14,8 +14,7 @@ bin=$1 data=$2 work=$3
 py=${DFLASH_PYTHON:-python3}
 src=${DFLASH_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 source "$src/tests/pipeline/lib.sh"
-rm -rf "$work" && mkdir -p "$work"
-export DFLASH_TINY_TARGET_DIR=$data/qwen3 DFLASH_TINY_DATA_DIR=$work/shards
+fresh_tiny_work_dir
 make_pipeline_data 200
 base() {  # NAME -> config with output_dir work/NAME, 6 epochs, no periodic checkpoints
   sed -e "s|^  output_dir: .*|  output_dir: $work/$1|" -e "s/^  save_interval_steps: .*/  save_interval_steps: 1000/" \

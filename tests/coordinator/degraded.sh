@@ -12,8 +12,7 @@ bin=$1 data=$2 work=$3
 py=${DFLASH_PYTHON:-python3}
 src=${DFLASH_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 source "$src/tests/pipeline/lib.sh"
-rm -rf "$work" && mkdir -p "$work"
-export DFLASH_TINY_TARGET_DIR=$data/qwen3 DFLASH_TINY_DATA_DIR=$work/shards
+fresh_tiny_work_dir
 samples=300
 make_pipeline_data $samples
 faults="[{kind: crash, role: drafter, rank: 1, step: 14}, {kind: crash, role: drafter, rank: 1, step: 16}, \

@@ -17,8 +17,7 @@ py=${DFLASH_PYTHON:-python3}
 src=${DFLASH_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 here=$(cd "$(dirname "$0")" && pwd)
 source "$src/tests/pipeline/lib.sh"
-rm -rf "$work" && mkdir -p "$work"
-export DFLASH_TINY_TARGET_DIR=$data/qwen3 DFLASH_TINY_DATA_DIR=$work/shards
+fresh_tiny_work_dir
 samples=300
 make_pipeline_data $samples
 

@@ -11,8 +11,7 @@ bin=$1 data=$2 work=$3
 py=${DFLASH_PYTHON:-python3}
 src=${DFLASH_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 source "$src/tests/pipeline/lib.sh"
-rm -rf "$work" && mkdir -p "$work"
-export DFLASH_TINY_TARGET_DIR=$data/qwen3 DFLASH_TINY_DATA_DIR=$work/shards
+fresh_tiny_work_dir
 make_pipeline_data 200
 cfg() {  # OUT TARGET_GPUS DRAFTER_GPUS
   sed -e "s|^  output_dir: .*|  output_dir: $work/run|" -e "s/^  epochs: .*/  epochs: 8/" \

@@ -40,3 +40,9 @@ run_segments() {
   for f in /dev/shm/dflash-"$(printf '%016x' "$1")"-*; do [ -e "$f" ] && basename "$f"; done
   return 0
 }
+
+# An empty $work and the tiny target / data locations configs/tiny-cpu.yaml reads.
+fresh_tiny_work_dir() {
+  rm -rf "$work" && mkdir -p "$work"
+  export DFLASH_TINY_TARGET_DIR=$data/qwen3 DFLASH_TINY_DATA_DIR=$work/shards
+}

@@ -13,8 +13,7 @@ py=${DFLASH_PYTHON:-python3}
 src=${DFLASH_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/lib.sh"
-rm -rf "$work" && mkdir -p "$work"
-export DFLASH_TINY_TARGET_DIR=$data/qwen3 DFLASH_TINY_DATA_DIR=$work/shards
+fresh_tiny_work_dir
 make_pipeline_data 500
 make_config "$work/cfg.yaml" 200 2   # far more epochs than the test lets run
 limit=10                             # seconds allowed from the kill to the last exit

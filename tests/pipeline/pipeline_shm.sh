@@ -17,8 +17,7 @@ py=${DFLASH_PYTHON:-python3}
 src=${DFLASH_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/lib.sh"
-rm -rf "$work" && mkdir -p "$work"
-export DFLASH_TINY_TARGET_DIR=$data/qwen3 DFLASH_TINY_DATA_DIR=$work/shards
+fresh_tiny_work_dir
 
 make_pipeline_data 500   # 500 documents of 72 tokens -> 63 batches of <= 8 per epoch: 1 left over by round-robin
 make_config "$work/cfg.yaml" 6 2 1
