@@ -126,6 +126,11 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   auto grad_rows = backward ? torch::empty({R, rows_d.size(1)}, rows_d.options()) : torch::Tensor();
   const double Tt = opt.temperature;
   const bool fused = fused_loss_enabled(lm_head);
+  // The target's logits for chunk rows [r0, r0 + n): lm_head(final_norm(h_last of the token before
+  // each label)), in the compute dtype.
+  auto target_logits = [&](int64_t r0, int64_t n) {
+    return F::linear(frozen.final_norm(mb.h_last_TH.index({lidx.narrow(0, r0, n) - 1}).to(compute)), lm_head);
+  };
   for (int64_t r0 = 0; r0 < R; r0 += opt.logits_chunk_rows) {
     const int64_t n = std::min(opt.logits_chunk_rows, R - r0);
     auto wc = weights.narrow(0, r0, n);
@@ -133,8 +138,7 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
     if (fused) {  // one kernel per chunk (core/train/cuda/fused_loss.h), same quantities as below
       auto z = F::linear(rows_d.narrow(0, r0, n), lm_head).contiguous();
       torch::Tensor t;
-      if (opt.soft_labels)
-        t = F::linear(frozen.final_norm(mb.h_last_TH.index({lidx.narrow(0, r0, n) - 1}).to(compute)), lm_head).contiguous();
+      if (opt.soft_labels) t = target_logits(r0, n).contiguous();
       auto r = cuda_loss::loss_rows(z, t, labels.narrow(0, r0, n), wc, Tt, opt.kl_weight, backward);
       ce_sum += (wc * r.ce).sum();
       if (opt.soft_labels) kl_sum += (wc * r.kl).sum();
@@ -158,9 +162,7 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
       dz.mul_(wc.unsqueeze(1));
     }
     if (opt.soft_labels) {
-      auto src = lidx.narrow(0, r0, n) - 1;  // h_last of the token before the label
-      auto th = frozen.final_norm(mb.h_last_TH.index({src}).to(compute));
-      auto t_logp = torch::log_softmax(F::linear(th, lm_head).to(torch::kFloat32) / Tt, -1);
+      auto t_logp = torch::log_softmax(target_logits(r0, n).to(torch::kFloat32) / Tt, -1);
       auto d_logp = torch::log_softmax(logits / Tt, -1);
       auto p_t = t_logp.exp();
       kl_sum += (wc * (p_t * (t_logp - d_logp)).sum(-1)).sum();
