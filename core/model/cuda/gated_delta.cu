@@ -1,5 +1,7 @@
-// Chunked gated delta rule on CUDA (see gated_delta_cuda.h for the algorithm and the two launches).
-// Every product and sum is fp32 (CUDA cores, no TF32); inputs are read as fp32 or bf16.
+// Chunked gated delta rule on CUDA (see gated_delta_cuda.h for the algorithm and the three launches).
+// The intra-chunk products and the solve are fp32 on CUDA cores; the state recurrence and the output
+// products run on tensor cores (mma m16n8k8 TF32, fp32 accumulation): 3xTF32 (fp32-accurate) for fp32
+// inputs, 1xTF32 for bf16 inputs. Inputs are read as fp32 or bf16.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -20,18 +22,88 @@ constexpr int kC = 64;  // chunk size (rows of a chunk)
 
 KernelTimes g_times;  // last timed call (Tuning::time_kernels)
 
+// ---- Tensor-core operands (mma.sync m16n8k8, TF32 in, fp32 accumulate) ----
+// Lane l of a warp: gid = l / 4, tid = l % 4. Fragments (PTX ISA, m16n8k8 .tf32):
+//   A (16 x 8, row major): a0 (gid, tid), a1 (gid + 8, tid), a2 (gid, tid + 4), a3 (gid + 8, tid + 4)
+//   B (8 x 8):             b0 (tid, gid), b1 (tid + 4, gid)
+//   C (16 x 8):            c0 (gid, 2 tid), c1 (gid, 2 tid + 1), c2 (gid + 8, 2 tid), c3 (gid + 8, 2 tid + 1)
+// Operands in global memory are stored "fragment-major", so that a warp loads one fragment as 32
+// consecutive float4 (A) or float2 (B):
+//   A of an M x Kd matrix: float index ((m_tile * Kd / 8 + k_step) * 32 + lane) * 4 + slot
+//   B of a Kd x N matrix:  float index ((k_step * N / 8 + n_tile) * 32 + lane) * 2 + slot
+__host__ __device__ __forceinline__ int64_t a_frag_index(int r, int c, int Kd) {
+  const int rr = r & 15, cc = c & 7;
+  const int lane = (rr & 7) * 4 + (cc & 3), slot = (rr >> 3) + 2 * (cc >> 2);
+  return ((int64_t(r >> 4) * (Kd >> 3) + (c >> 3)) * 32 + lane) * 4 + slot;
+}
+// Inverse of a_frag_index: the (row, column) stored at float index e.
+__device__ __forceinline__ void a_frag_rc(int e, int Kd, int& r, int& c) {
+  const int slot = e & 3, lane = (e >> 2) & 31, tile = e >> 7, ksteps = Kd >> 3;
+  r = (tile / ksteps) * 16 + (lane >> 2) + 8 * (slot & 1);
+  c = (tile % ksteps) * 8 + (lane & 3) + 4 * (slot >> 1);
+}
+__host__ __device__ __forceinline__ int64_t b_frag_index(int r, int c, int N) {
+  const int rr = r & 7;
+  const int lane = (c & 7) * 4 + (rr & 3), slot = rr >> 2;
+  return ((int64_t(r >> 3) * (N >> 3) + (c >> 3)) * 32 + lane) * 2 + slot;
+}
 
-// Operands of one (chunk, value head) in the fp32 work buffer, offsets in floats (all multiples of 4,
-// so every row below is float4-aligned).
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// fp32 operands as TF32 (hi) and, with SPLIT, their remainders (lo): x = hi + lo to ~fp32 precision.
+template <bool SPLIT, int N>
+struct Tf32 {
+  uint32_t hi[N], lo[N];
+  __device__ __forceinline__ void set(int i, float x) {
+    hi[i] = to_tf32(x);
+    if (SPLIT) lo[i] = to_tf32(x - __uint_as_float(hi[i]));
+  }
+};
+template <bool SPLIT>
+__device__ __forceinline__ Tf32<SPLIT, 2> b_operand(float b0, float b1) {
+  Tf32<SPLIT, 2> b;
+  b.set(0, b0), b.set(1, b1);
+  return b;
+}
+// This lane's A fragment from a fragment-major operand (p: the fragment's first float).
+template <bool SPLIT>
+__device__ __forceinline__ Tf32<SPLIT, 4> a_operand(const float* p) {
+  const float4 v = __ldg(reinterpret_cast<const float4*>(p) + threadIdx.x % 32);
+  Tf32<SPLIT, 4> a;
+  a.set(0, v.x), a.set(1, v.y), a.set(2, v.z), a.set(3, v.w);
+  return a;
+}
+// d += a b; with SPLIT 3xTF32: a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo is below fp32 rounding).
+template <bool SPLIT>
+__device__ __forceinline__ void mma(float (&d)[4], const Tf32<SPLIT, 4>& a, const Tf32<SPLIT, 2>& b) {
+  if (SPLIT) {
+    mma_tf32(d, a.lo, b.hi);
+    mma_tf32(d, a.hi, b.lo);
+  }
+  mma_tf32(d, a.hi, b.hi);
+}
+
+// Operands of one (chunk, value head) in the fp32 work buffer, offsets in floats (multiples of 4).
+// The scan reads the first four (contiguous, so one L2 prefetch covers them), the output kernel the rest.
 struct Layout {
   int K, V;
-  __host__ __device__ int64_t U() const { return 0; }                          // [64][V]  pseudo-values
-  __host__ __device__ int64_t Wt() const { return int64_t(kC) * V; }           // [K][64]  W^T
-  __host__ __device__ int64_t Qt() const { return Wt() + int64_t(K) * kC; }    // [K][64]  (scale q exp G)^T
-  __host__ __device__ int64_t KD() const { return Qt() + int64_t(K) * kC; }    // [64][K]  k exp(G_last - G)
-  __host__ __device__ int64_t AT() const { return KD() + int64_t(kC) * K; }    // [64][64] (scale Q K^T * L)^T
-  __host__ __device__ int64_t dec() const { return AT() + int64_t(kC) * kC; }  // exp(G_last) (+3 pad)
-  __host__ __device__ int64_t size() const { return dec() + 4; }
+  __host__ __device__ int64_t U() const { return 0; }                        // B frags of U [64][V]; v_new after the scan
+  __host__ __device__ int64_t W() const { return int64_t(kC) * V; }          // A frags of W [64][K]
+  __host__ __device__ int64_t KD() const { return W() + int64_t(kC) * K; }   // A frags of (k exp(G_last - G))^T [K][64]
+  __host__ __device__ int64_t dec() const { return KD() + int64_t(K) * kC; } // exp(G_last) (+3 pad)
+  __host__ __device__ int64_t scan_part() const { return dec() + 4; }
+  __host__ __device__ int64_t Q() const { return dec() + 4; }                // A frags of scale q exp(G) [64][K]
+  __host__ __device__ int64_t A() const { return Q() + int64_t(kC) * K; }    // A frags of scale Q K^T * L (lower) [64][64]
+  __host__ __device__ int64_t size() const { return A() + int64_t(kC) * kC; }
 };
 
 // Shared memory of gdn_chunk_prep, in floats.
@@ -172,175 +244,240 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
     }
     if (is_v) {
 #pragma unroll
-      for (int i = 0; i < kC; ++i) out[lay.U() + int64_t(i) * V + c] = x[i];
+      for (int i = 0; i < kC; ++i) out[lay.U() + b_frag_index(i, c, V)] = x[i];
     } else {
-      float4* dst = reinterpret_cast<float4*>(out + lay.Wt() + int64_t(kc) * kC);
 #pragma unroll
-      for (int j4 = 0; j4 < kC / 4; ++j4)
-        dst[j4] = make_float4(x[4 * j4], x[4 * j4 + 1], x[4 * j4 + 2], x[4 * j4 + 3]);
+      for (int i = 0; i < kC; ++i) out[lay.W() + a_frag_index(i, kc, K)] = x[i];
     }
   }
 
-  // 7. The remaining operands of the recurrence.
+  // 7. The remaining operands, each written in fragment order (coalesced) from shared memory.
   const float glast = G[kC - 1];  // padded rows have g = 0: the last real row's G
-  for (int e = t; e < K * kC; e += NT) {  // Qt[kc][i]
-    const int kc = e / kC, i = e % kC;
-    out[lay.Qt() + e] = qs[i * LD + kc] * scale * expf(G[i]);
-  }
-  for (int e = t; e < kC * K; e += NT) {  // KD[i][kc]
-    const int i = e / K, kc = e % K;
+  for (int e = t; e < kC * K; e += NT) {
+    int i, kc;
+    a_frag_rc(e, K, i, kc);  // Q [64][K]
+    out[lay.Q() + e] = qs[i * LD + kc] * scale * expf(G[i]);
+    a_frag_rc(e, kC, kc, i);  // KD^T [K][64]
     out[lay.KD() + e] = ks[i * LD + kc] * expf(glast - G[i]);
   }
-  for (int e = t; e < kC * kC; e += NT) {  // AT[j][i] = Aqk[i][j]
-    const int j = e / kC, i = e % kC;
-    out[lay.AT() + e] = Aq[i * LA + j];
+  for (int e = t; e < kC * kC; e += NT) {
+    int i, j;
+    a_frag_rc(e, kC, i, j);
+    out[lay.A() + e] = Aq[i * LA + j];
   }
   if (t == 0) out[lay.dec()] = expf(glast);
 }
 
-// One block of NW warps per (document d, value head h, value tile of VT columns), VT = 32, 16 or 8.
-// Thread (warp w, lane l): value column l % VT of the tile, and group grp = w (32 / VT) + l / VT of
-// the NW (32 / VT) groups. Phases 1-2: group grp owns output rows [RPT grp, RPT (grp + 1)); the state
-// S [K][VT] fp32: group grp keeps rows [SRT grp, SRT (grp + 1)) in registers and mirrors them to
-// shared memory, where every thread reads all rows. VT = 32, NW = 8 is the original (verified) kernel.
-// PF: at the start of each chunk, prefetch the next chunk's operands into L2 (prefetch.global.L2,
-// ~4.6 lines of 128 B per thread), so that the chunk after reads L2 instead of HBM.
-template <typename Tout, int K, int VT, int NW, bool PF>
-__global__ void __launch_bounds__(NW * 32) gdn_chunk_scan(const float* __restrict__ work, const int* __restrict__ doc_info,
-                                                          int Hv, int V, Tout* __restrict__ out) {
-  static_assert(VT == 32 || VT == 16 || VT == 8, "value tile 32, 16 or 8");
-  constexpr int PARTS = 32 / VT;          // column groups per warp
-  constexpr int NG = NW * PARTS;          // row groups per block
-  constexpr int RPT = kC / NG;            // output rows per thread
-  constexpr int SRT = K / NG;             // state rows per thread
-  static_assert(RPT % 4 == 0 && RPT * NG == kC, "rows per thread must be a multiple of 4");
-  static_assert(SRT % 4 == 0 && SRT * NG == K, "state rows per thread must be a multiple of 4");
-  __shared__ float S[K][VT];
-  __shared__ float Vn[kC][VT];
+// The state recurrence, one block of NW warps per (document d, value head h, value tile of VT
+// columns), chunks in order:
+//   v_new = U - W S          (64 x VT, K-deep: warps on a 4 x NW/4 grid of 16 x 8 output tiles)
+//   S = exp(G_last) S + KD^T v_new   (K x VT, 64-deep: the state lives in the warps' accumulators)
+// S (before each chunk) and v_new go through shared memory as the next product's B operand and out
+// to global memory in B-fragment order: the state before chunk c to `states`, v_new over U.
+// PF: each chunk step prefetches the next chunk's scan operands into L2.
+template <int K, int VT, int NW, bool SPLIT, bool PF>
+__global__ void __launch_bounds__(NW * 32) gdn_chunk_scan(float* __restrict__ work, const int* __restrict__ doc_info,
+                                                          int Hv, int V, float* __restrict__ states) {
+  constexpr int NT = VT / 8;                       // n tiles of the value tile
+  constexpr int WNa = NW / 4, NTa = NT / WNa;      // v_new: 4 x WNa warps, NTa n tiles each
+  constexpr int MT = K / 16;                       // m tiles of the state
+  constexpr int WMb = NW < MT ? NW : MT, WNb = NW / WMb, MTb = MT / WMb, NTb = NT / WNb;
+  constexpr int LS = VT + 8;                       // row stride: conflict-free B-fragment reads
+  static_assert(NW == 4 || NW == 8, "4 or 8 warps");
+  static_assert(NTa >= 1 && NTa * WNa == NT && NTb >= 1 && NTb * WNb == NT && MTb * WMb == MT, "tile split");
+  __shared__ __align__(16) float Ss[K][LS];
+  __shared__ __align__(16) float Vs[kC][LS];
   const int d = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * VT;
-  const int t = threadIdx.x, w = t / 32, lane = t % 32;
-  const int col = lane % VT, grp = w * PARTS + lane / VT;
-  const int r0 = RPT * grp, s0 = SRT * grp;
-  const int chunk0 = doc_info[3 * d], tok0 = doc_info[3 * d + 1], len = doc_info[3 * d + 2];
-  const int nchunks = (len + kC - 1) / kC;
+  const int t = threadIdx.x, w = t / 32, lane = t % 32, gid = lane / 4, tid = lane % 4;
+  const int am = w % 4, an0 = (w / 4) * NTa;
+  const int bm0 = (w % WMb) * MTb, bn0 = (w / WMb) * NTb;
+  const int chunk0 = doc_info[3 * d], nchunks = (doc_info[3 * d + 2] + kC - 1) / kC;
   const Layout lay{K, V};
-  const int64_t row_stride = int64_t(Hv) * V;
 
-  float s[SRT];
+  float s[MTb][NTb][4];
 #pragma unroll
-  for (int b = 0; b < SRT; ++b) {
-    s[b] = 0.f;
-    S[s0 + b][col] = 0.f;
-  }
-  __syncthreads();
+  for (int mi = 0; mi < MTb; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NTb; ++ni)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) s[mi][ni][x] = 0.f;
 
   for (int c = 0; c < nchunks; ++c) {
-    const float* base = work + (int64_t(chunk0 + c) * Hv + h) * lay.size();
+    const int64_t ch = int64_t(chunk0 + c) * Hv + h;
+    float* base = work + ch * lay.size();
     if (PF && c + 1 < nchunks) {
       const char* next = reinterpret_cast<const char*>(base + int64_t(Hv) * lay.size());
-      const int64_t bytes = lay.size() * int64_t(sizeof(float));
+      const int64_t bytes = lay.scan_part() * int64_t(sizeof(float));
       for (int64_t off = int64_t(t) * 128; off < bytes; off += int64_t(NW) * 32 * 128)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(next + off));
     }
-    // Phase 1 (rows i = r0 + a): P_w = W S, P_q = (scale q exp G) S with the state before the chunk.
-    float pw[RPT], pq[RPT];
+    // 1. The state before the chunk into shared memory.
 #pragma unroll
-    for (int a = 0; a < RPT; ++a) pw[a] = pq[a] = 0.f;
-    const float* Wt = base + lay.Wt() + r0;
-    const float* Qt = base + lay.Qt() + r0;
-#pragma unroll 4
-    for (int kk = 0; kk < K; ++kk) {
-      const float sv = S[kk][col];
+    for (int mi = 0; mi < MTb; ++mi)
 #pragma unroll
-      for (int a4 = 0; a4 < RPT / 4; ++a4) {
-        const float4 w4 = __ldg(reinterpret_cast<const float4*>(Wt + kk * kC + 4 * a4));
-        const float4 q4 = __ldg(reinterpret_cast<const float4*>(Qt + kk * kC + 4 * a4));
-        pw[4 * a4] = fmaf(w4.x, sv, pw[4 * a4]), pw[4 * a4 + 1] = fmaf(w4.y, sv, pw[4 * a4 + 1]);
-        pw[4 * a4 + 2] = fmaf(w4.z, sv, pw[4 * a4 + 2]), pw[4 * a4 + 3] = fmaf(w4.w, sv, pw[4 * a4 + 3]);
-        pq[4 * a4] = fmaf(q4.x, sv, pq[4 * a4]), pq[4 * a4 + 1] = fmaf(q4.y, sv, pq[4 * a4 + 1]);
-        pq[4 * a4 + 2] = fmaf(q4.z, sv, pq[4 * a4 + 2]), pq[4 * a4 + 3] = fmaf(q4.w, sv, pq[4 * a4 + 3]);
+      for (int ni = 0; ni < NTb; ++ni) {
+        const int r = (bm0 + mi) * 16 + gid, col = (bn0 + ni) * 8 + 2 * tid;
+        *reinterpret_cast<float2*>(&Ss[r][col]) = make_float2(s[mi][ni][0], s[mi][ni][1]);
+        *reinterpret_cast<float2*>(&Ss[r + 8][col]) = make_float2(s[mi][ni][2], s[mi][ni][3]);
+      }
+    __syncthreads();
+    // ... and out, as B fragments of the [K][V] state of this (chunk, head).
+    {
+      float2* st = reinterpret_cast<float2*>(states + ch * K * V);
+      for (int p = t; p < K * VT / 2; p += NW * 32) {
+        const int l = p % 32, tile = p / 32, nt = tile % NT, kstep = tile / NT;
+        const int r = kstep * 8 + l % 4, col = nt * 8 + l / 4;
+        st[(int64_t(kstep) * (V / 8) + v0 / 8 + nt) * 32 + l] = make_float2(Ss[r][col], Ss[r + 4][col]);
       }
     }
-    const float* U = base + lay.U() + v0 + col;
+    // 2. v_new = U - W S for m tile am, n tiles an0 ..
+    {
+      float acc[NTa][4];
 #pragma unroll
-    for (int a = 0; a < RPT; ++a) {
-      const int i = r0 + a;
-      Vn[i][col] = __ldg(U + int64_t(i) * V) - pw[a];  // v_new = U - W S
+      for (int ni = 0; ni < NTa; ++ni)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) acc[ni][x] = 0.f;
+      const float* Wf = base + lay.W() + int64_t(am) * (K / 8) * 128;
+#pragma unroll 4
+      for (int kstep = 0; kstep < K / 8; ++kstep) {
+        const auto a = a_operand<SPLIT>(Wf + kstep * 128);
+#pragma unroll
+        for (int ni = 0; ni < NTa; ++ni) {
+          const int col = (an0 + ni) * 8 + gid;
+          const auto b = b_operand<SPLIT>(Ss[kstep * 8 + tid][col], Ss[kstep * 8 + tid + 4][col]);
+          mma<SPLIT>(acc[ni], a, b);
+        }
+      }
+      const float* U = base + lay.U();
+#pragma unroll
+      for (int ni = 0; ni < NTa; ++ni) {
+        const int r = am * 16 + gid, col = (an0 + ni) * 8 + 2 * tid;
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int rr = r + 8 * (x >> 1), cc = col + (x & 1);
+          Vs[rr][cc] = __ldg(U + b_frag_index(rr, v0 + cc, V)) - acc[ni][x];
+        }
+      }
     }
     __syncthreads();
-
-    // Phase 2: o_i = P_q,i + sum_{j <= i} Aqk_ij v_new_j (AT[j][i] = 0 for j > i).
-    const float* AT = base + lay.AT() + r0;
-    const int jend = r0 + RPT;  // a multiple of 4
-#pragma unroll 4
-    for (int j = 0; j < jend; ++j) {
-      const float vn = Vn[j][col];
-#pragma unroll
-      for (int a4 = 0; a4 < RPT / 4; ++a4) {
-        const float4 a = __ldg(reinterpret_cast<const float4*>(AT + j * kC + 4 * a4));
-        pq[4 * a4] = fmaf(a.x, vn, pq[4 * a4]), pq[4 * a4 + 1] = fmaf(a.y, vn, pq[4 * a4 + 1]);
-        pq[4 * a4 + 2] = fmaf(a.z, vn, pq[4 * a4 + 2]), pq[4 * a4 + 3] = fmaf(a.w, vn, pq[4 * a4 + 3]);
+    // v_new out over U (the same elements: this block read exactly these before the barrier).
+    {
+      float2* vn = reinterpret_cast<float2*>(base + lay.U());
+      for (int p = t; p < kC * VT / 2; p += NW * 32) {
+        const int l = p % 32, tile = p / 32, nt = tile % NT, kstep = tile / NT;
+        const int r = kstep * 8 + l % 4, col = nt * 8 + l / 4;
+        vn[(int64_t(kstep) * (V / 8) + v0 / 8 + nt) * 32 + l] = make_float2(Vs[r][col], Vs[r + 4][col]);
       }
     }
-#pragma unroll
-    for (int a = 0; a < RPT; ++a) {
-      const int pos = c * kC + r0 + a;
-      if (pos < len) out[(int64_t(tok0) + pos) * row_stride + int64_t(h) * V + v0 + col] = from_f<Tout>(pq[a]);
-    }
-
-    // Phase 3: S = exp(G_last) S + sum_i KD_i^T v_new_i (this group's rows, kept in registers).
+    // 3. S = exp(G_last) S + KD^T v_new. Nobody writes Ss or Vs before the next chunk's first barrier.
     const float dec = __ldg(base + lay.dec());
 #pragma unroll
-    for (int b = 0; b < SRT; ++b) s[b] *= dec;
-    const float* KD = base + lay.KD() + s0;
-#pragma unroll 4
-    for (int i = 0; i < kC; ++i) {
-      const float vn = Vn[i][col];
+    for (int mi = 0; mi < MTb; ++mi)
 #pragma unroll
-      for (int b4 = 0; b4 < SRT / 4; ++b4) {
-        const float4 kd = __ldg(reinterpret_cast<const float4*>(KD + int64_t(i) * K + 4 * b4));
-        s[4 * b4] = fmaf(kd.x, vn, s[4 * b4]);
-        s[4 * b4 + 1] = fmaf(kd.y, vn, s[4 * b4 + 1]);
-        s[4 * b4 + 2] = fmaf(kd.z, vn, s[4 * b4 + 2]);
-        s[4 * b4 + 3] = fmaf(kd.w, vn, s[4 * b4 + 3]);
+      for (int ni = 0; ni < NTb; ++ni)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) s[mi][ni][x] *= dec;
+    const float* KDf = base + lay.KD();
+#pragma unroll
+    for (int mi = 0; mi < MTb; ++mi) {
+#pragma unroll 4
+      for (int kstep = 0; kstep < kC / 8; ++kstep) {
+        const auto a = a_operand<SPLIT>(KDf + (int64_t(bm0 + mi) * (kC / 8) + kstep) * 128);
+#pragma unroll
+        for (int ni = 0; ni < NTb; ++ni) {
+          const int col = (bn0 + ni) * 8 + gid;
+          const auto b = b_operand<SPLIT>(Vs[kstep * 8 + tid][col], Vs[kstep * 8 + tid + 4][col]);
+          mma<SPLIT>(s[mi][ni], a, b);
+        }
       }
     }
-    // Nobody reads S between the barrier above and the one below (phase 1 is done everywhere).
-#pragma unroll
-    for (int b = 0; b < SRT; ++b) S[s0 + b][col] = s[b];
-    __syncthreads();
   }
 }
 
-template <typename Tout, int K, int VT, int NW>
-void launch_scan(bool pf, const float* work, const int* doc_info, int64_t num_docs, int Hv, int V, Tout* out,
-                 cudaStream_t stream) {
-  auto kernel = pf ? gdn_chunk_scan<Tout, K, VT, NW, true> : gdn_chunk_scan<Tout, K, VT, NW, false>;
-  kernel<<<dim3(num_docs, Hv, V / VT), NW * 32, 0, stream>>>(work, doc_info, Hv, V, out);
+// The outputs, all chunks in parallel: o = (scale q exp G) S_before + Aqk v_new, one block of 4 warps
+// per (chunk n, value head h, 32 value columns); warp w owns rows 16 w .. 16 w + 15 (Aqk is lower
+// triangular: its k steps stop at the warp's diagonal block).
+template <typename Tout, int K, bool SPLIT>
+__global__ void __launch_bounds__(128) gdn_chunk_out(const float* __restrict__ work, const float* __restrict__ states,
+                                                     const int* __restrict__ chunk_tok, const int* __restrict__ chunk_len,
+                                                     int Hv, int V, Tout* __restrict__ out) {
+  constexpr int NT = 4;  // 32 columns
+  const int n = blockIdx.x, h = blockIdx.y, nt0 = blockIdx.z * NT;
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tid = lane % 4;
+  const int64_t ch = int64_t(n) * Hv + h;
+  const Layout lay{K, V};
+  const float* base = work + ch * lay.size();
+  const float2* st = reinterpret_cast<const float2*>(states + ch * K * V);
+  const float2* vn = reinterpret_cast<const float2*>(base + lay.U());
+  float acc[NT][4];
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) acc[ni][x] = 0.f;
+  const float* Qf = base + lay.Q() + int64_t(w) * (K / 8) * 128;
+#pragma unroll 4
+  for (int kstep = 0; kstep < K / 8; ++kstep) {
+    const auto a = a_operand<SPLIT>(Qf + kstep * 128);
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni) {
+      const float2 bv = __ldg(st + (int64_t(kstep) * (V / 8) + nt0 + ni) * 32 + lane);
+      mma<SPLIT>(acc[ni], a, b_operand<SPLIT>(bv.x, bv.y));
+    }
+  }
+  const float* Af = base + lay.A() + int64_t(w) * (kC / 8) * 128;
+  for (int kstep = 0; kstep <= 2 * w + 1; ++kstep) {
+    const auto a = a_operand<SPLIT>(Af + kstep * 128);
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni) {
+      const float2 bv = __ldg(vn + (int64_t(kstep) * (V / 8) + nt0 + ni) * 32 + lane);
+      mma<SPLIT>(acc[ni], a, b_operand<SPLIT>(bv.x, bv.y));
+    }
+  }
+  const int tok0 = chunk_tok[n], len = chunk_len[n];
+  const int64_t row_stride = int64_t(Hv) * V;
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni) {
+    const int col = (nt0 + ni) * 8 + 2 * tid;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = w * 16 + gid + 8 * half;
+      if (i < len) {
+        Tout* o = out + (int64_t(tok0) + i) * row_stride + int64_t(h) * V + col;
+        o[0] = from_f<Tout>(acc[ni][2 * half]);
+        o[1] = from_f<Tout>(acc[ni][2 * half + 1]);
+      }
+    }
+  }
 }
 
-template <typename Tout, int K>
-void dispatch_scan(const Tuning& tu, const float* work, const int* doc_info, int64_t num_docs, int Hv, int V,
-                   Tout* out, cudaStream_t stream) {
-  if (tu.scan_vt == 8) {  // 4 warps only (8 would leave 2 output rows per thread)
-    launch_scan<Tout, K, 8, 4>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
-  } else if (tu.scan_vt == 16) {
+template <int K, int VT, int NW, bool SPLIT>
+void launch_scan(bool pf, float* work, const int* doc_info, int64_t num_docs, int Hv, int V, float* states,
+                 cudaStream_t stream) {
+  auto kernel = pf ? gdn_chunk_scan<K, VT, NW, SPLIT, true> : gdn_chunk_scan<K, VT, NW, SPLIT, false>;
+  kernel<<<dim3(num_docs, Hv, V / VT), NW * 32, 0, stream>>>(work, doc_info, Hv, V, states);
+}
+
+template <int K, bool SPLIT>
+void dispatch_scan(const Tuning& tu, float* work, const int* doc_info, int64_t num_docs, int Hv, int V, float* states,
+                   cudaStream_t stream) {
+  if (tu.scan_vt == 16) {
     if (tu.scan_warps == 4)
-      launch_scan<Tout, K, 16, 4>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
+      launch_scan<K, 16, 4, SPLIT>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, states, stream);
     else
-      launch_scan<Tout, K, 16, 8>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
+      launch_scan<K, 16, 8, SPLIT>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, states, stream);
   } else {
     if (tu.scan_warps == 4)
-      launch_scan<Tout, K, 32, 4>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
+      launch_scan<K, 32, 4, SPLIT>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, states, stream);
     else
-      launch_scan<Tout, K, 32, 8>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, out, stream);
+      launch_scan<K, 32, 8, SPLIT>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, states, stream);
   }
 }
 
 template <typename Tin, int K>
 void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
             const torch::Tensor& beta, const torch::Tensor& tables, int64_t num_chunks, int64_t num_docs, int Hv,
-            int r, int V, float scale, torch::Tensor& work, torch::Tensor& out) {
+            int r, int V, float scale, torch::Tensor& work, torch::Tensor& states, torch::Tensor& out) {
+  constexpr bool kSplit = std::is_same_v<Tin, float>;  // fp32 inputs: fp32-accurate products
   auto stream = at::cuda::getCurrentCUDAStream();
   const int* chunk_tok = tables.data_ptr<int>();
   const int* chunk_len = chunk_tok + num_chunks;
@@ -353,7 +490,7 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     tu.scan_vt = int64_t(num_docs) * Hv * (V / 32) < 2 * sms ? 16 : 32;
   }
-  cudaEvent_t ev[3];
+  cudaEvent_t ev[4];
   if (tu.time_kernels) {
     for (auto& e : ev) C10_CUDA_CHECK(cudaEventCreate(&e));
     C10_CUDA_CHECK(cudaEventRecord(ev[0], stream));
@@ -364,16 +501,21 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
       beta.data_ptr<float>(), chunk_tok, chunk_len, Hv, r, V, scale, work.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (tu.time_kernels) C10_CUDA_CHECK(cudaEventRecord(ev[1], stream));
-  dispatch_scan<Tin, K>(tu, work.data_ptr<float>(), doc_info, num_docs, Hv, V, reinterpret_cast<Tin*>(out.data_ptr()),
-                        stream);
+  dispatch_scan<K, kSplit>(tu, work.data_ptr<float>(), doc_info, num_docs, Hv, V, states.data_ptr<float>(), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (tu.time_kernels) C10_CUDA_CHECK(cudaEventRecord(ev[2], stream));
+  gdn_chunk_out<Tin, K, kSplit><<<dim3(num_chunks, Hv, V / 32), 128, 0, stream>>>(
+      work.data_ptr<float>(), states.data_ptr<float>(), chunk_tok, chunk_len, Hv, V,
+      reinterpret_cast<Tin*>(out.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (tu.time_kernels) {
-    C10_CUDA_CHECK(cudaEventRecord(ev[2], stream));
-    C10_CUDA_CHECK(cudaEventSynchronize(ev[2]));
-    float a = 0.f, b = 0.f;
+    C10_CUDA_CHECK(cudaEventRecord(ev[3], stream));
+    C10_CUDA_CHECK(cudaEventSynchronize(ev[3]));
+    float a = 0.f, b = 0.f, c = 0.f;
     C10_CUDA_CHECK(cudaEventElapsedTime(&a, ev[0], ev[1]));
     C10_CUDA_CHECK(cudaEventElapsedTime(&b, ev[1], ev[2]));
-    g_times = KernelTimes{a, b};
+    C10_CUDA_CHECK(cudaEventElapsedTime(&c, ev[2], ev[3]));
+    g_times = KernelTimes{a, b, c};
     for (auto& e : ev) C10_CUDA_CHECK(cudaEventDestroy(e));
   }
 }
@@ -392,7 +534,7 @@ Tuning& tuning() {
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_VT")) t.scan_vt = std::atoi(e);
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_WARPS")) t.scan_warps = std::atoi(e);
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_PREFETCH")) t.scan_prefetch = std::atoi(e) != 0;
-    if (t.scan_vt != 32 && t.scan_vt != 16 && t.scan_vt != 8) t.scan_vt = 0;  // auto
+    if (t.scan_vt != 32 && t.scan_vt != 16) t.scan_vt = 0;  // auto
     if (t.scan_warps != 4) t.scan_warps = 8;
     return t;
   }();
@@ -462,19 +604,20 @@ torch::Tensor chunk_gated_delta_rule(const GatedDeltaInputs& in, const std::vect
   auto tables = torch::tensor(host, torch::kInt32).to(q.device());
   const Layout lay{static_cast<int>(K), static_cast<int>(V)};
   auto work = torch::empty({num_chunks * Hv * lay.size()}, q.options().dtype(torch::kFloat32));
+  auto states = torch::empty({num_chunks * Hv * K * V}, q.options().dtype(torch::kFloat32));
   const int r = static_cast<int>(Hv / Hk);
   const float sc = static_cast<float>(scale);
   const bool bf = q.scalar_type() == torch::kBFloat16;
   if (K == 128) {
     if (bf)
-      launch<__nv_bfloat16, 128>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, out);
+      launch<__nv_bfloat16, 128>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, states, out);
     else
-      launch<float, 128>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, out);
+      launch<float, 128>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, states, out);
   } else {
     if (bf)
-      launch<__nv_bfloat16, 64>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, out);
+      launch<__nv_bfloat16, 64>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, states, out);
     else
-      launch<float, 64>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, out);
+      launch<float, 64>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, states, out);
   }
   return out;
 }

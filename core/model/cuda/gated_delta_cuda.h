@@ -3,16 +3,20 @@
 // algorithm, step for step, as the LibTorch composition in gated_delta.cc, which stays the CPU path
 // and the reference of tests/model/gated_delta_gpu_test.cc. Available only in CUDA builds.
 //
-// Two launches per call:
+// Three launches per call:
 //   1. gdn_chunk_prep, one block per (chunk, value head), all chunks of all documents in parallel:
 //      cumulative log decay G, the 64x64 products K K^T and Q K^T in shared memory, the unit-lower
 //      triangular solve (I + strict_lower(beta K K^T * L)) [U | W] = [v beta | k beta exp(G)] by
 //      forward substitution (one thread per right-hand-side column, the 64 rows in registers), and
-//      the per-chunk operands of the recurrence: U, W^T, (scale q exp(G))^T, k exp(G_last - G),
-//      (Q K^T * L)^T, exp(G_last). Value head h reads key head h / (Hv / Hk) by index (no copy).
-//   2. gdn_chunk_scan, one block per (document, value head, 32-wide value tile): the 128 x 32 fp32
-//      state tile on chip, chunks in order: v_new = U - W S, o = (q exp G) S + Aqk v_new,
-//      S = exp(G_last) S + (k exp(G_last - G))^T v_new; writes o in the input dtype.
+//      the per-chunk operands U, W, (k exp(G_last - G))^T, exp(G_last), scale q exp(G), scale Q K^T * L,
+//      written in tensor-core fragment order. Value head h reads key head h / (Hv / Hk) by index.
+//   2. gdn_chunk_scan, one block per (document, value head, 16/32-wide value tile), the only
+//      sequential part: chunks in order, v_new = U - W S and S = exp(G_last) S + KD^T v_new on tensor
+//      cores, the K x tile fp32 state in registers; writes the state before each chunk and v_new.
+//   3. gdn_chunk_out, all chunks in parallel: o = (scale q exp G) S_before + Aqk v_new (tensor cores),
+//      written in the input dtype.
+// Products on tensor cores: mma TF32 with fp32 accumulation, 3xTF32 (fp32-accurate) when the inputs
+// are fp32, 1xTF32 (10-bit mantissa operands) when they are bf16.
 #pragma once
 #include <torch/torch.h>
 
@@ -25,15 +29,13 @@ namespace dflash::model::cuda_gdn {
 
 // Runtime choice among the kernels' variants (one process-wide instance, read by every call; set it
 // from one thread while no call is running). Defaults from the environment:
-//   DFLASH_GDN_SCAN_VT     value-tile width of the scan, 32 (default), 16 or 8 (2x / 4x the blocks)
-//   DFLASH_GDN_SCAN_WARPS  warps per scan block, 8 (default) or 4 (value tile 8 always runs 4)
-//   DFLASH_GDN_SCAN_PREFETCH  1: each chunk step prefetches the next chunk's operands into L2 (default 0)
+//   DFLASH_GDN_SCAN_VT     value-tile width of the scan, 32 or 16 (2x the blocks); default auto
+//   DFLASH_GDN_SCAN_WARPS  warps per scan block, 8 (default) or 4
+//   DFLASH_GDN_SCAN_PREFETCH  0: no L2 prefetch of the next chunk's scan operands (default 1)
 // Other values fall back to the defaults.
 struct Tuning {
-  // Value-tile width of the scan: 32, 16, 8, or 0 = auto (16 when 32-wide tiles would give fewer
-  // than two blocks per SM, else 32). Measured on the H200 at the Qwen3.6-27B head shape
-  // (docs/perf.md): 1x4096 16/8/prefetch 3.50 ms vs 32/8/prefetch 4.31 ms vs the first kernel's
-  // 32/8/no-prefetch 5.69 ms; 2x8192 32/8/prefetch 11.8 ms vs 16/8/prefetch 18.3 ms.
+  // Value-tile width of the scan: 32, 16, or 0 = auto (16 when 32-wide tiles would give fewer than
+  // two blocks per SM, else 32). Timings per variant: docs/perf.md (GatedDeltaGpu.KernelSweep).
   int scan_vt = 0;
   int scan_warps = 8;
   bool scan_prefetch = true;
@@ -41,9 +43,9 @@ struct Tuning {
 };
 Tuning& tuning();
 
-// Milliseconds of the last call's two launches, when Tuning::time_kernels was set.
+// Milliseconds of the last call's three launches, when Tuning::time_kernels was set.
 struct KernelTimes {
-  float prep_ms = 0.f, scan_ms = 0.f;
+  float prep_ms = 0.f, scan_ms = 0.f, out_ms = 0.f;
 };
 KernelTimes last_kernel_times();
 
