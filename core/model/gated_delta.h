@@ -35,6 +35,10 @@ torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& z, con
 //   S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T (scale q_t).
 struct GatedDeltaInputs {
   torch::Tensor q_THK, k_THK, v_THV, g_TH, beta_TH;
+  // CUDA kernels only: fp32 inputs may be rounded to TF32 (10-bit mantissa, fp32 accumulation) in
+  // the tensor-core products, for models computing in bf16 whose fp32 activations came from bf16
+  // projections. Without it fp32 inputs get fp32-accurate products (3xTF32); bf16 inputs always TF32.
+  bool allow_tf32 = false;
 };
 
 // Which implementation of the chunked rule runs.

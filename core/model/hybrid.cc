@@ -221,6 +221,7 @@ class HybridTarget : public TargetModel {
     in.q_THK = l2norm(mixed_TC.narrow(1, 0, key_dim).view({T, Hk, dk}));
     in.k_THK = l2norm(mixed_TC.narrow(1, key_dim, key_dim).view({T, Hk, dk}));
     in.v_THV = mixed_TC.narrow(1, 2 * key_dim, value_dim).view({T, Hv, dv});
+    in.allow_tf32 = opt_.dtype != torch::kFloat32;
     auto z_THV = proj.narrow(1, conv_dim, value_dim).view({T, Hv, dv});
     auto b_TH = proj.narrow(1, conv_dim + value_dim, Hv).to(torch::kFloat32);
     auto a_TH = proj.narrow(1, conv_dim + value_dim + Hv, Hv).to(torch::kFloat32);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
+#include <type_traits>
 
 #include "core/model/cuda/gated_delta_cuda.h"
 
@@ -109,7 +110,7 @@ struct Layout {
 // Shared memory of gdn_chunk_prep, in floats.
 template <int K>
 struct PrepSmem {
-  static constexpr int LD = K + 1;   // q / k rows (odd stride: conflict-free column walks)
+  static constexpr int LD = K + 4;   // q / k rows (conflict-free fragment reads: 4 gid + tid banks)
   static constexpr int LM = kC + 4;  // M rows (float4 reads in the solve)
   static constexpr int LA = kC + 1;  // Aqk rows
   static constexpr int q = 0, k = q + kC * LD, M = k + kC * LD, A = M + kC * LM, G = A + kC * LA, B = G + kC;
@@ -118,9 +119,9 @@ struct PrepSmem {
 };
 
 // One block per (chunk n, value head h); blockDim = V + K (one thread per right-hand-side column of
-// the solve). Rows of the chunk past its length are zero (k = v = beta = g = 0), as in the reference's
+// the solve; a multiple of 32). Rows of the chunk past its length are zero (k = v = beta = g = 0), as in the reference's
 // padding, so they change neither the outputs nor the state.
-template <typename Tin, int K>
+template <typename Tin, int K, bool SPLIT>
 __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q, const Tin* __restrict__ k,
                                                       const Tin* __restrict__ v, int64_t sq, int64_t sk, int64_t sv,
                                                       const float* __restrict__ g, const float* __restrict__ beta,
@@ -175,41 +176,36 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   }
   __syncthreads();
 
-  // 3-4. M = strict_lower(beta_i k_i.k_j L_ij) and Aqk = lower(scale q_i.k_j L_ij), L_ij = exp(G_i - G_j).
-  // Thread tile: rows ti + 16a, columns tj + 16b (a, b < 4) of the 64 x 64 products.
-  for (int p = t; p < 256; p += NT) {
-    const int ti = p / 16, tj = p % 16;
-    float kk[4][4], qk[4][4];
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) kk[a][b] = qk[a][b] = 0.f;
+  // 3-4. M = strict_lower(beta_i k_i.k_j L_ij) and Aqk = lower(scale q_i.k_j L_ij), L_ij = exp(G_i - G_j):
+  // the 64 x 64 products Q K^T and K K^T on tensor cores, warps taking 16 x 8 output tiles in turn;
+  // tiles wholly above the diagonal are zero in both.
+  {
+    const int w = t / 32, lane = t % 32, gid = lane / 4, tid = lane % 4;
+    for (int tile = w; tile < 32; tile += NT / 32) {
+      const int mt = tile / 8, nt = tile % 8;
+      float kk[4] = {0.f, 0.f, 0.f, 0.f}, qk[4] = {0.f, 0.f, 0.f, 0.f};
+      if (nt * 8 <= mt * 16 + 15) {
+        const float* qa = qs + (mt * 16 + gid) * LD + tid;
+        const float* ka = ks + (mt * 16 + gid) * LD + tid;
+        const float* kb = ks + (nt * 8 + gid) * LD + tid;
 #pragma unroll 4
-    for (int d = 0; d < K; ++d) {
-      float ki[4], qi[4], kj[4];
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        ki[a] = ks[(ti + 16 * a) * LD + d];
-        qi[a] = qs[(ti + 16 * a) * LD + d];
-        kj[a] = ks[(tj + 16 * a) * LD + d];
-      }
-#pragma unroll
-      for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          kk[a][b] = fmaf(ki[a], kj[b], kk[a][b]);
-          qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
+        for (int d = 0; d < K; d += 8) {
+          const auto b = b_operand<SPLIT>(kb[d], kb[d + 4]);
+          Tf32<SPLIT, 4> ak, aq;
+          ak.set(0, ka[d]), ak.set(1, ka[d + 8 * LD]), ak.set(2, ka[d + 4]), ak.set(3, ka[d + 8 * LD + 4]);
+          aq.set(0, qa[d]), aq.set(1, qa[d + 8 * LD]), aq.set(2, qa[d + 4]), aq.set(3, qa[d + 8 * LD + 4]);
+          mma<SPLIT>(kk, ak, b);
+          mma<SPLIT>(qk, aq, b);
         }
-    }
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int i = ti + 16 * a, j = tj + 16 * b;
-        const float L = j <= i ? expf(G[i] - G[j]) : 0.f;  // G non-increasing: exponent <= 0
-        M[i * LM + j] = j < i ? B[i] * kk[a][b] * L : 0.f;
-        Aq[i * LA + j] = j <= i ? scale * qk[a][b] * L : 0.f;
       }
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int i = mt * 16 + gid + 8 * (x >> 1), j = nt * 8 + 2 * tid + (x & 1);
+        const float L = j <= i ? expf(G[i] - G[j]) : 0.f;  // G non-increasing: exponent <= 0
+        M[i * LM + j] = j < i ? B[i] * kk[x] * L : 0.f;
+        Aq[i * LA + j] = j <= i ? scale * qk[x] * L : 0.f;
+      }
+    }
   }
   __syncthreads();
 
@@ -473,17 +469,16 @@ void dispatch_scan(const Tuning& tu, float* work, const int* doc_info, int64_t n
   }
 }
 
-template <typename Tin, int K>
+template <typename Tin, int K, bool kSplit>
 void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
             const torch::Tensor& beta, const torch::Tensor& tables, int64_t num_chunks, int64_t num_docs, int Hv,
             int r, int V, float scale, torch::Tensor& work, torch::Tensor& states, torch::Tensor& out) {
-  constexpr bool kSplit = std::is_same_v<Tin, float>;  // fp32 inputs: fp32-accurate products
   auto stream = at::cuda::getCurrentCUDAStream();
   const int* chunk_tok = tables.data_ptr<int>();
   const int* chunk_len = chunk_tok + num_chunks;
   const int* doc_info = chunk_len + num_chunks;
   const size_t smem = PrepSmem<K>::floats * sizeof(float);
-  auto prep = gdn_chunk_prep<Tin, K>;
+  auto prep = gdn_chunk_prep<Tin, K, kSplit>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   Tuning tu = tuning();
   if (tu.scan_vt == 0) {
@@ -535,7 +530,7 @@ Tuning& tuning() {
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_WARPS")) t.scan_warps = std::atoi(e);
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_PREFETCH")) t.scan_prefetch = std::atoi(e) != 0;
     if (t.scan_vt != 32 && t.scan_vt != 16) t.scan_vt = 0;  // auto
-    if (t.scan_warps != 4) t.scan_warps = 8;
+    if (t.scan_warps != 8) t.scan_warps = 4;
     return t;
   }();
   return tu;
@@ -607,17 +602,24 @@ torch::Tensor chunk_gated_delta_rule(const GatedDeltaInputs& in, const std::vect
   auto states = torch::empty({num_chunks * Hv * K * V}, q.options().dtype(torch::kFloat32));
   const int r = static_cast<int>(Hv / Hk);
   const float sc = static_cast<float>(scale);
-  const bool bf = q.scalar_type() == torch::kBFloat16;
-  if (K == 128) {
-    if (bf)
-      launch<__nv_bfloat16, 128>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, states, out);
-    else
-      launch<float, 128>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, states, out);
+  auto run = [&](auto tin, auto k_dim, auto split) {
+    launch<decltype(tin), decltype(k_dim)::value, decltype(split)::value>(q, k, v, g, beta, tables, num_chunks, num_docs,
+                                                                          Hv, r, V, sc, work, states, out);
+  };
+  using B128 = std::integral_constant<int, 128>;
+  using B64 = std::integral_constant<int, 64>;
+  // bf16 inputs carry 8 mantissa bits: TF32 operands lose nothing more. fp32 inputs: 3xTF32 unless
+  // the caller allows TF32 (a bf16 model whose fp32 activations came from bf16 projections).
+  const bool bf = q.scalar_type() == torch::kBFloat16, split = !bf && !in.allow_tf32;
+  if (bf) {
+    if (K == 128) run(__nv_bfloat16{}, B128{}, std::false_type{});
+    else run(__nv_bfloat16{}, B64{}, std::false_type{});
+  } else if (split) {
+    if (K == 128) run(float{}, B128{}, std::true_type{});
+    else run(float{}, B64{}, std::true_type{});
   } else {
-    if (bf)
-      launch<__nv_bfloat16, 64>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, states, out);
-    else
-      launch<float, 64>(q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, states, out);
+    if (K == 128) run(float{}, B128{}, std::false_type{});
+    else run(float{}, B64{}, std::false_type{});
   }
   return out;
 }
