@@ -8,9 +8,8 @@
 #include "core/util/error.h"
 
 namespace dflash::model {
-namespace {
 
-std::unique_ptr<TargetModel> build(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt) {
+std::unique_ptr<TargetModel> make_target(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt) {
   switch (cfg.family) {
     case io::Family::kLlama:
     case io::Family::kQwen2:
@@ -23,8 +22,6 @@ std::unique_ptr<TargetModel> build(const io::TargetConfig& cfg, WeightSource& w,
   }
   DFLASH_FAIL(ConfigError, "model family '" << io::family_name(cfg.family) << "' has no forward pass in this build");
 }
-
-}  // namespace
 
 std::vector<int64_t> prepare_capture(CaptureResult& out, const CaptureSpec& spec, int64_t T, int64_t H, int64_t num_layers,
                                      const torch::TensorOptions& opts) {
@@ -41,12 +38,12 @@ std::vector<int64_t> prepare_capture(CaptureResult& out, const CaptureSpec& spec
 std::unique_ptr<TargetModel> load_target(const std::string& dir, const LoadOptions& opt) {
   auto cfg = io::parse_hf_config(dir);
   auto w = file_weights(dir, opt.device, opt.dtype);
-  return build(cfg, *w, opt);
+  return make_target(cfg, *w, opt);
 }
 
 std::unique_ptr<TargetModel> make_random_target(const io::TargetConfig& cfg, const LoadOptions& opt, uint64_t seed) {
   auto w = random_weights(seed, opt.device, opt.dtype);
-  return build(cfg, *w, opt);
+  return make_target(cfg, *w, opt);
 }
 
 void validate_capture(const io::TargetConfig& cfg, const CaptureSpec& spec) {

@@ -63,6 +63,11 @@ std::unique_ptr<TargetModel> load_target(const std::string& dir, const LoadOptio
 // A model of the given shape with random weights (for benchmarks; no files).
 std::unique_ptr<TargetModel> make_random_target(const io::TargetConfig& cfg, const LoadOptions& opt, uint64_t seed);
 
+class WeightSource;
+// A model of the given shape with weights from `w` (e.g. random_weights(..., per_name=true), whose
+// manifest then lists every tensor the model asked for). opt.device/dtype must match w's.
+std::unique_ptr<TargetModel> make_target(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt);
+
 // Validates layer ids against the model (range, uniqueness); throws ConfigError naming the id.
 void validate_capture(const io::TargetConfig& cfg, const CaptureSpec& spec);
 

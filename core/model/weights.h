@@ -26,7 +26,51 @@ class WeightSource {
 };
 
 std::unique_ptr<WeightSource> file_weights(const std::string& dir, torch::Device device, torch::ScalarType dtype);
-std::unique_ptr<WeightSource> random_weights(uint64_t seed, torch::Device device, torch::ScalarType dtype,
-                                             double std = 0.02);
+
+// One tensor a RandomWeights source handed out: enough to rebuild it elsewhere (per-name mode).
+struct RandomDraw {
+  std::string name;
+  std::vector<int64_t> shape;
+  Init init;
+  torch::ScalarType dtype;  // as returned (fp32 when keep_fp32)
+  double std;               // kNormal only
+  uint64_t seed;            // per-name mode: name_seed(source seed, name); else the source's seed
+};
+
+// The generator seed of tensor `name` in per-name mode: (seed XOR FNV-1a-64(name)) & (2^63 - 1)
+// (FNV-1a-64: offset basis 0xcbf29ce484222325, prime 0x100000001b3, over the name's bytes).
+uint64_t name_seed(uint64_t seed, const std::string& name);
+
+// Random weights of the requested shapes; has() is true for every name. kOnes / kZeros: constants.
+// kNormal:
+//  - per_name = false: one stream for the whole model (CPU: a CPU generator seeded with `seed`;
+//    other devices: the device's default generator, seeded once by the factory); values depend on
+//    the order of the requests.
+//  - per_name = true: each tensor on its own, independent of the order, reproducible from Python:
+//      g = torch.Generator(device=DEVICE); g.manual_seed(name_seed(seed, name))
+//      (torch.randn(shape, generator=g, device=DEVICE, dtype=torch.float32) * std).to(dtype)
+//    (a private clone of the device's default generator, reseeded; the global RNG is untouched).
+//    The same device kind is needed on both sides (CPU and CUDA draw different numbers).
+// Every get() is recorded in manifest(), in request order. Not thread-safe.
+class RandomWeights : public WeightSource {
+ public:
+  RandomWeights(uint64_t seed, torch::Device device, torch::ScalarType dtype, double std, bool per_name);
+  bool has(const std::string&) const override { return true; }
+  torch::Tensor get(const std::string& name, const std::vector<int64_t>& shape, Init init,
+                    bool keep_fp32 = false) override;
+  const std::vector<RandomDraw>& manifest() const { return manifest_; }
+
+ private:
+  uint64_t seed_;
+  at::Generator stream_;  // CPU, per_name = false only
+  torch::Device device_;
+  torch::ScalarType dtype_;
+  double std_;
+  bool per_name_;
+  std::vector<RandomDraw> manifest_;
+};
+
+std::unique_ptr<RandomWeights> random_weights(uint64_t seed, torch::Device device, torch::ScalarType dtype,
+                                              double std = 0.02, bool per_name = false);
 
 }  // namespace dflash::model

@@ -1,13 +1,20 @@
 #include "services/target/bench_target.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "core/io/hf_config.h"
+#include "core/io/safetensors.h"
 #include "core/model/target.h"
+#include "core/model/weights.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
@@ -21,6 +28,27 @@
 namespace dflash::target {
 namespace {
 using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+const char* kUsage =
+    "usage: dflash bench target [--shape qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid] [--device cuda|cpu]\n"
+    "         [--dtype bfloat16|float32] [--batches 1x4096,4x4096,16x1024] [--layers IDS] [--no-last-hidden]\n"
+    "         [--warmup 2] [--repeats 5] [--peak-tflops 790] [--baseline [--python PY] [--check-dir DIR]]\n"
+    "  Forward + capture of a random-weight target on batches DOCSxLEN (documents of LEN tokens);\n"
+    "  JSON on stdout: tokens/s, MFU, peak memory per batch. --layers defaults: 3,15,31,47,59\n"
+    "  (qwen3.6-27b), 1,3,5 (tiny), 0,3,5,7 (tiny-hybrid), 1,9,17,25,33 (qwen3-8b).\n"
+    "  --baseline: after our model is freed, runs scripts/reference/bench_hf_target.py (HF transformers;\n"
+    "  --python, else $DFLASH_PYTHON, else python3; the script under $DFLASH_SOURCE_DIR, else .) on the\n"
+    "  same batches (speedup_vs_baseline), and checks our output against it: the weights are drawn per\n"
+    "  tensor name from seeded generators (model::RandomWeights, per-name mode), HF rebuilds them from\n"
+    "  the manifest and runs the first batch's token ids; \"error_vs_hf\" lists per captured segment\n"
+    "  (each layer, then the last hidden state) rel_fro = ||ours - hf||_F / ||hf||_F and max_abs, in\n"
+    "  fp32 of the model-dtype values, and worst_rel_fro. The check's files (capture.safetensors,\n"
+    "  weights.json) go to a temp dir that is removed, or to --check-dir DIR, kept.\n";
+
+// Seed and std of the bench's random weights (the manifest records both per tensor).
+constexpr uint64_t kWeightSeed = 0;
+constexpr double kWeightStd = 0.02;
 
 io::TargetConfig shape_config(const std::string& shape) {
   io::TargetConfig c{};
@@ -39,21 +67,39 @@ io::TargetConfig shape_config(const std::string& shape) {
   } else if (shape == "tiny") {
     c.vocab_size = 512, c.hidden_size = 128, c.intermediate_size = 256, c.num_layers = 6;
     c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 32;
-  } else if (shape == "qwen3.6-27b") {  // hybrid: 48 Gated DeltaNet + 16 gated full-attention layers
+  } else if (shape == "qwen3.6-27b" || shape == "tiny-hybrid") {
+    // Qwen3.5 hybrid: 3 Gated DeltaNet layers + 1 gated full-attention layer, repeated (27B: 48 + 16).
     c.family = io::Family::kQwen3_5;
     c.model_type = "qwen3_5";
-    c.vocab_size = 248320, c.hidden_size = 5120, c.intermediate_size = 17408, c.num_layers = 64;
-    c.num_heads = 24, c.num_kv_heads = 4, c.head_dim = 256;
-    c.rope.theta = 1e7, c.rope.partial_rotary_factor = 0.25, c.max_position_embeddings = 262144;
+    c.rope.theta = 1e7, c.rope.partial_rotary_factor = 0.25;
     c.attn_output_gate = true;
-    c.linear_num_key_heads = 16, c.linear_num_value_heads = 48, c.linear_key_head_dim = 128;
-    c.linear_value_head_dim = 128, c.linear_conv_kernel_dim = 4;
+    c.linear_conv_kernel_dim = 4;
+    if (shape == "qwen3.6-27b") {
+      c.vocab_size = 248320, c.hidden_size = 5120, c.intermediate_size = 17408, c.num_layers = 64;
+      c.num_heads = 24, c.num_kv_heads = 4, c.head_dim = 256, c.max_position_embeddings = 262144;
+      c.linear_num_key_heads = 16, c.linear_num_value_heads = 48, c.linear_key_head_dim = 128;
+      c.linear_value_head_dim = 128;
+    } else {
+      c.vocab_size = 512, c.hidden_size = 128, c.intermediate_size = 256, c.num_layers = 8;
+      c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 32;
+      c.linear_num_key_heads = 4, c.linear_num_value_heads = 8, c.linear_key_head_dim = 32;
+      c.linear_value_head_dim = 32;
+    }
     for (int64_t i = 0; i < c.num_layers; ++i)
       c.layer_types.push_back((i + 1) % 4 == 0 ? "full_attention" : "linear_attention");
   } else {
-    DFLASH_FAIL(ConfigError, "--shape: expected qwen3-8b|qwen3.6-27b|tiny, got '" << shape << "'");
+    DFLASH_FAIL(ConfigError, "--shape: expected qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid, got '" << shape << "'");
   }
   return c;
+}
+
+// Capture layers when --layers is not given: the recipe's for the big shapes; for the tiny ones
+// both layer kinds and the last layer (whose HF hidden state comes after the final norm).
+std::string default_layers(const std::string& shape) {
+  if (shape == "qwen3.6-27b") return "3,15,31,47,59";
+  if (shape == "tiny") return "1,3,5";
+  if (shape == "tiny-hybrid") return "0,3,5,7";
+  return "1,9,17,25,33";
 }
 
 }  // namespace
@@ -87,13 +133,15 @@ void sync(const torch::Device& d) {
 #endif
 }
 
-double peak_gib(const torch::Device& d) {
+// GiB allocated on a CUDA device: now, or at the peak since the last reset_peak; 0 elsewhere.
+double allocated_gib(const torch::Device& d, bool peak) {
 #ifdef DFLASH_WITH_CUDA
   if (d.is_cuda()) {
     auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index() < 0 ? 0 : d.index());
-    return st.allocated_bytes[0].peak / double(1ull << 30);
+    return (peak ? st.allocated_bytes[0].peak : st.allocated_bytes[0].current) / double(1ull << 30);
   }
 #endif
+  (void)peak;
   return 0.0;
 }
 
@@ -103,18 +151,96 @@ void reset_peak(const torch::Device& d) {
 #endif
 }
 
+// Frees our model's memory for another process: waits for the device, empties the CUDA cache.
+void release_cached_memory(const torch::Device& d) {
+  sync(d);
+#ifdef DFLASH_WITH_CUDA
+  if (d.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
+struct BenchError : Error {
+  explicit BenchError(const std::string& m) : Error(kExitFailure, m) {}
+};
+
+// Where --baseline puts the HF check's files: --check-dir DIR (created, kept) or a fresh temp dir,
+// removed when the bench returns or throws.
+struct CheckDir {
+  fs::path path;
+  bool remove = false;
+  CheckDir(bool wanted, const std::string& dir) {
+    if (!wanted) return;
+    if (!dir.empty()) {
+      fs::create_directories(dir);
+      path = dir;
+      return;
+    }
+    std::string tmpl = (fs::temp_directory_path() / "dflash-bench-hf-XXXXXX").string();
+    DFLASH_CHECK(::mkdtemp(tmpl.data()) != nullptr, BenchError, "mkdtemp " << tmpl << ": " << std::strerror(errno));
+    path = tmpl;
+    remove = true;
+  }
+  ~CheckDir() {
+    std::error_code ec;
+    if (remove) fs::remove_all(path, ec);
+  }
+};
+
+const char* init_name(model::Init i) {
+  return i == model::Init::kNormal ? "randn" : i == model::Init::kOnes ? "ones" : "zeros";
+}
+
+// The HF check's inputs (scripts/reference/bench_hf_target.py --check DIR):
+//  capture.safetensors: input_ids [docs, len] int64, features [T, K*H] and last_hidden [T, H] (when
+//    captured) as our capture buffer holds them; metadata "batch" = DOCSxLEN.
+//  weights.json: {"format": "dflash-random-weights/1", "device", "prefix" (of every name: HF's
+//    `.model` parameters carry none), "tensors": [{"name", "shape", "init": randn|ones|zeros, "dtype",
+//    "std", "seed"}]} for every tensor the model asked for; randn = model::RandomWeights' per-name rule.
+void write_check_files(const fs::path& dir, const std::string& batch, const torch::Tensor& ids_BN,
+                       const model::CaptureResult& cap, const model::RandomWeights& w, const io::TargetConfig& cfg,
+                       const std::string& device) {
+  std::vector<std::pair<std::string, torch::Tensor>> t{{"input_ids", ids_BN}, {"features", cap.features_TKH}};
+  if (cap.last_hidden_TH.defined()) t.emplace_back("last_hidden", cap.last_hidden_TH);
+  io::save_safetensors((dir / "capture.safetensors").string(), t, {{"batch", batch}});
+  json tensors = json::array();
+  for (const auto& d : w.manifest())
+    tensors.push_back({{"name", d.name},
+                       {"shape", d.shape},
+                       {"init", init_name(d.init)},
+                       {"dtype", c10::toString(d.dtype)},
+                       {"std", d.std},
+                       {"seed", d.seed}});
+  json m = {{"format", "dflash-random-weights/1"},
+            {"device", device},
+            {"prefix", cfg.weight_prefix},
+            {"tensors", tensors}};
+  const auto path = dir / "weights.json";
+  std::ofstream out(path);
+  out << m.dump(1) << "\n";
+  DFLASH_CHECK(out.good(), BenchError, "could not write " << path.string());
+}
+
 }  // namespace
 
 int cmd_bench_target(int argc, char** argv) {
+  if (argc > 0 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
+    std::cout << kUsage;
+    return kExitOk;
+  }
   Flags f(argc, argv,
           {"shape", "device", "dtype", "batches", "layers", "warmup", "repeats", "baseline", "python", "peak-tflops",
-           "no-last-hidden"},
+           "no-last-hidden", "check-dir"},
           {"baseline", "no-last-hidden"});
+  DFLASH_CHECK(f.positional().empty(), ConfigError,
+               "bench target: unexpected argument '" << f.positional().front() << "'\n" << kUsage);
   const std::string shape = f.get("shape", "qwen3-8b");
   const std::string batches_s = f.get("batches", "1x4096,4x4096,16x1024");
-  const std::string layers_s = f.get("layers", shape == "qwen3.6-27b" ? "3,15,31,47,59" : "1,9,17,25,33");
+  const std::string layers_s = f.get("layers", default_layers(shape));
   const int64_t warmup = f.get_int("warmup", 2), repeats = f.get_int("repeats", 5);
+  DFLASH_CHECK(warmup >= 0 && repeats >= 1, ConfigError, "--warmup must be >= 0 and --repeats >= 1");
   const double peak_tflops = f.get_double("peak-tflops", 790.0);
+  const bool baseline = f.has("baseline");
+  DFLASH_CHECK(baseline || !f.has("check-dir"), ConfigError, "--check-dir needs --baseline");
   model::LoadOptions lo;
   lo.device = model::parse_device(f.get("device", "cuda"));
   lo.dtype = model::parse_dtype(f.get("dtype", "bfloat16"));
@@ -122,9 +248,13 @@ int cmd_bench_target(int argc, char** argv) {
   auto cfg = shape_config(shape);
   model::CaptureSpec spec{parse_int_list(layers_s, "--layers"), !f.has("no-last-hidden")};
   model::validate_capture(cfg, spec);
-  auto target = model::make_random_target(cfg, lo, 0);
+  // Per-name random weights: the HF baseline rebuilds the same values from the manifest.
+  auto weights = model::random_weights(kWeightSeed, lo.device, lo.dtype, kWeightStd, /*per_name=*/true);
+  auto target = model::make_target(cfg, *weights, lo);
   sync(lo.device);
-  const double weights_gib = peak_gib(lo.device);
+  const double weights_gib = allocated_gib(lo.device, false);  // resident weights, no load temporaries
+  // --baseline: files of the HF error check (the first batch), removed afterwards unless --check-dir.
+  CheckDir check(baseline, f.get("check-dir", ""));
 
   json results = json::array();
   for (auto b : parse_batches(batches_s)) {
@@ -146,12 +276,16 @@ int cmd_bench_target(int argc, char** argv) {
     const double med = times[times.size() / 2];
     const double tokens = double(b.docs * b.len);
     const double tflops = model::forward_flops(cfg, lens) / med / 1e12;
-    results.push_back({{"batch", std::to_string(b.docs) + "x" + std::to_string(b.len)},
+    const std::string name = std::to_string(b.docs) + "x" + std::to_string(b.len);
+    results.push_back({{"batch", name},
                        {"tokens_per_s", tokens / med},
                        {"median_s", med},
                        {"tflops", tflops},
                        {"mfu", tflops / peak_tflops},
-                       {"peak_gib", peak_gib(lo.device)}});
+                       {"peak_gib", allocated_gib(lo.device, true)}});
+    if (baseline && results.size() == 1)
+      write_check_files(check.path, name, ids.view({b.docs, b.len}), buf, *weights, target->config(),
+                        f.get("device", "cuda"));
   }
   json report = {{"bench", "target"},
                  {"shape", shape},
@@ -161,18 +295,24 @@ int cmd_bench_target(int argc, char** argv) {
                  {"last_hidden", spec.last_hidden},
                  {"weights_gib", weights_gib},
                  {"ours", results}};
-  if (f.has("baseline")) {
+  if (baseline) {
     const char* env_py = std::getenv("DFLASH_PYTHON");
     const char* env_src = std::getenv("DFLASH_SOURCE_DIR");
     std::string py = f.get("python", env_py ? env_py : "python3");
     std::string script = std::string(env_src ? env_src : ".") + "/scripts/reference/bench_hf_target.py";
     target.reset();
-    sync(lo.device);
+    weights.reset();
+    release_cached_memory(lo.device);  // the HF process needs it
     const std::string cmd = shell_quote(py) + " " + shell_quote(script) + " --shape " + shell_quote(shape) + " --device " +
                             shell_quote(f.get("device", "cuda")) + " --dtype " + shell_quote(f.get("dtype", "bfloat16")) +
                             " --batches " + shell_quote(batches_s) + " --layers " + shell_quote(layers_s) + " --warmup " +
-                            std::to_string(warmup) + " --repeats " + std::to_string(repeats);
+                            std::to_string(warmup) + " --repeats " + std::to_string(repeats) + " --check " +
+                            shell_quote(check.path.string());
     auto base = json::parse(run_for_json(cmd, "baseline"));
+    DFLASH_CHECK(base.contains("error_vs_hf"), BenchError,
+                 "baseline: " << script << " printed no error_vs_hf (an older script?)");
+    report["error_vs_hf"] = base["error_vs_hf"];
+    base.erase("error_vs_hf");
     report["baseline"] = base;
     json ratios = json::object();
     for (size_t i = 0; i < results.size() && i < base["results"].size(); ++i)

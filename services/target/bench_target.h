@@ -8,6 +8,6 @@
 
 namespace dflash::target {
 int cmd_bench_target(int argc, char** argv);
-// The named target shapes of the benches (qwen3-8b | qwen3.6-27b | tiny); ConfigError otherwise.
+// The named target shapes of the benches (qwen3-8b | qwen3.6-27b | tiny | tiny-hybrid); ConfigError otherwise.
 io::TargetConfig bench_shape_config(const std::string& shape);
 }
