@@ -138,7 +138,7 @@ class HybridTarget : public TargetModel {
     for (int64_t l = 0; l < cfg_.num_layers; ++l) {
       const auto& L = layers_[l];
       auto x = norm(h, L.ln1, fused);
-      h = h + (L.linear ? gated_delta_net(L.gdn, x, doc_lens, pos_T, fused) : gated_attention(L.attn, x, rope, doc_lens));
+      h = h + (L.linear ? gated_delta_net(L.gdn, x, doc_lens, pos_T, fused) : gated_attention(L.attn, x, rope, doc_lens, fused));
       x = norm(h, L.ln2, fused);
       h = h + mlp(x, L, fused);
       if (slot[l] >= 0) out.features_TKH.narrow(1, slot[l] * H, H).copy_(h);
@@ -185,20 +185,30 @@ class HybridTarget : public TargetModel {
 
   // Full attention with a sigmoid output gate: q_proj rows are per head [q (D) | gate (D)].
   torch::Tensor gated_attention(const GatedAttention& A, const torch::Tensor& x_TH, const RopeTable& rope,
-                                const std::vector<int64_t>& doc_lens) const {
+                                const std::vector<int64_t>& doc_lens, bool fused_ok) const {
     const int64_t T = x_TH.size(0), D = cfg_.head_dim, Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
     auto qkv = A.qkv_b.defined() ? F::linear(x_TH, A.qkv_w, A.qkv_b) : F::linear(x_TH, A.qkv_w);
     auto qg_THD2 = qkv.narrow(1, 0, Hq * 2 * D).view({T, Hq, 2 * D});
-    auto q_THD = rms_norm_zero_centred(qg_THD2.narrow(2, 0, D), A.q_norm, cfg_.rms_norm_eps);
-    auto gate_TQ = qg_THD2.narrow(2, D, D).reshape({T, Hq * D});
-    auto k_THD = rms_norm_zero_centred(qkv.narrow(1, Hq * 2 * D, Hkv * D).view({T, Hkv, D}), A.k_norm,
-                                       cfg_.rms_norm_eps);
+    auto q_raw = qg_THD2.narrow(2, 0, D), gate_THD = qg_THD2.narrow(2, D, D);
+    auto k_raw = qkv.narrow(1, Hq * 2 * D, Hkv * D).view({T, Hkv, D});
     auto v_THD = qkv.narrow(1, Hq * 2 * D + Hkv * D, Hkv * D).view({T, Hkv, D});
-    q_THD = apply_rope(q_THD, rope);
-    k_THD = apply_rope(k_THD, rope);
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-    auto a_TQ = causal_attention_varlen(q_THD, k_THD, v_THD, doc_lens, scale).reshape({T, Hq * D});
-    a_TQ = a_TQ * torch::sigmoid(gate_TQ);
+    torch::Tensor a_TQ;
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok && D % 32 == 0 && D <= 256) {  // norm + RoPE straight from the projection; gate read in place
+      const double eps = cfg_.rms_norm_eps;
+      auto q_THD = fused::head_norm_rope(q_raw, A.q_norm, eps, rope.cos, rope.sin, /*zero_centred=*/true);
+      auto k_THD = fused::head_norm_rope(k_raw, A.k_norm, eps, rope.cos, rope.sin, /*zero_centred=*/true);
+      a_TQ = fused::sigmoid_gate(causal_attention_varlen(q_THD, k_THD, v_THD, doc_lens, scale), gate_THD).view({T, Hq * D});
+    }
+#endif
+    (void)fused_ok;
+    if (!a_TQ.defined()) {
+      auto q_THD = apply_rope(rms_norm_zero_centred(q_raw, A.q_norm, cfg_.rms_norm_eps), rope);
+      auto k_THD = apply_rope(rms_norm_zero_centred(k_raw, A.k_norm, cfg_.rms_norm_eps), rope);
+      a_TQ = causal_attention_varlen(q_THD, k_THD, v_THD, doc_lens, scale).reshape({T, Hq * D});
+      a_TQ = a_TQ * torch::sigmoid(gate_THD.reshape({T, Hq * D}));
+    }
     return A.o_b.defined() ? F::linear(a_TQ, A.o_w, A.o_b) : F::linear(a_TQ, A.o_w);
   }
 

@@ -13,6 +13,7 @@
 
 #include "core/model/cuda/gated_delta_cuda.h"
 
+#include "core/model/cuda/fused_ops.h"
 #include "core/model/cuda/hybrid_ops.h"
 #include "core/model/gated_delta.h"
 #include "core/model/hybrid.h"
@@ -338,6 +339,31 @@ TEST(HybridOpsGpu, ZeroCentredRmsNormMatchesPlain) {
   auto y = model::hybrid_cuda::rms_norm_zero_centred(x, w, 1e-6);
   EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
   EXPECT_LT(rel_err(y, model::rms_norm_zero_centred(x, w, 1e-6)), kBf16Ulps2);
+}
+
+// The gated attention's fused q/k path: zero-centred per-head norm + partial RoPE (64 of 256 dims)
+// read from a strided view of the q|gate projection, and the sigmoid output gate, vs the plain ops.
+TEST(HybridOpsGpu, HeadNormRopeZeroCentredAndSigmoidGateMatchPlain) {
+  torch::manual_seed(29);
+  auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const int64_t T = 300, Hq = 4, D = 256, R = 64;
+  auto qg = torch::randn({T, Hq, 2 * D}, cuda.dtype(torch::kBFloat16)) * 2;
+  auto q_raw = qg.narrow(2, 0, D), gate = qg.narrow(2, D, D);
+  ASSERT_FALSE(q_raw.is_contiguous());
+  auto w = torch::randn({D}, cuda.dtype(torch::kFloat32)) * 0.1;
+  auto inv_freq = 1.0 / torch::pow(1e7, torch::arange(0, R, 2, cuda.dtype(torch::kFloat32)) / double(R));
+  auto pos = torch::cat({torch::arange(100, cuda.dtype(torch::kInt64)), torch::arange(200, cuda.dtype(torch::kInt64))});
+  auto rope = model::rope_table(inv_freq, pos, torch::kBFloat16);
+  auto fused_q = model::fused::head_norm_rope(q_raw, w, 1e-6, rope.cos, rope.sin, /*zero_centred=*/true);
+  auto plain_q = model::apply_rope(model::rms_norm_zero_centred(q_raw, w, 1e-6), rope);
+  const double e_q = rel_err(fused_q, plain_q);
+  std::cout << "zero-centred head norm + partial RoPE: fused vs plain relative error " << e_q << "\n";
+  EXPECT_LT(e_q, kBf16Ulps2);
+  EXPECT_GT(rel_err(fused_q, model::apply_rope(model::rms_norm_zero_centred(q_raw, w * 0, 1e-6), rope)), 1e-2);
+  auto a = torch::randn({T, Hq, D}, cuda.dtype(torch::kBFloat16));
+  auto fused_o = model::fused::sigmoid_gate(a, gate);
+  auto plain_o = a.reshape({T, Hq * D}) * torch::sigmoid(gate.reshape({T, Hq * D}));
+  EXPECT_EQ(rel_err(fused_o.view({T, Hq * D}), plain_o), 0.0);
 }
 
 // Same random weights on any device: drawn by the CPU generator (fp32), then moved and cast.

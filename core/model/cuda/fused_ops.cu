@@ -42,11 +42,12 @@ __global__ void silu_mul_kernel(const __nv_bfloat16* __restrict__ gu, __nv_bfloa
   out[idx] = __float2bfloat16(s * u);
 }
 
-// One warp per (token, head); D <= 256, R <= D.
+// One warp per (token, head); D <= 256, R <= D. Norm: 0 none, 1 Qwen3 (bf16 w * bf16(x r)),
+// 2 zero-centred (bf16(x r (1 + w)) with fp32 w, Qwen3.5).
 __global__ void head_norm_rope_kernel(const __nv_bfloat16* __restrict__ x, int64_t stride_t, int64_t stride_h,
-                                      const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ cos,
+                                      const void* __restrict__ w_any, const __nv_bfloat16* __restrict__ cos,
                                       const __nv_bfloat16* __restrict__ sin, __nv_bfloat16* __restrict__ out,
-                                      int64_t T, int heads, int D, int R, float eps, bool norm) {
+                                      int64_t T, int heads, int D, int R, float eps, int norm) {
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= T * heads) return;
@@ -63,7 +64,13 @@ __global__ void head_norm_rope_kernel(const __nv_bfloat16* __restrict__ x, int64
   if (norm) {
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
     const float r = rsqrtf(ss / D + eps);
-    for (int j = 0; j < per; ++j) v[j] = bf(__bfloat162float(w[lane + 32 * j]) * bf(v[j] * r));
+    if (norm == 1) {
+      const auto* w = static_cast<const __nv_bfloat16*>(w_any);
+      for (int j = 0; j < per; ++j) v[j] = bf(__bfloat162float(w[lane + 32 * j]) * bf(v[j] * r));
+    } else {
+      const auto* w = static_cast<const float*>(w_any);
+      for (int j = 0; j < per; ++j) v[j] = bf(v[j] * r * (1.f + w[lane + 32 * j]));
+    }
   }
   // Share the normalised head through shared memory for the rotate_half partner.
   extern __shared__ float smem[];
@@ -82,6 +89,18 @@ __global__ void head_norm_rope_kernel(const __nv_bfloat16* __restrict__ x, int64
     }
     o[i] = __float2bfloat16(y);
   }
+}
+
+// out = bf16(a * bf16(sigmoid(gate))), gate rows strided (a view of the q|gate projection).
+__global__ void sigmoid_gate_kernel(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ gate,
+                                    int64_t gate_stride_t, int64_t gate_stride_h, int heads, int D,
+                                    __nv_bfloat16* __restrict__ out, int64_t total) {
+  const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (idx >= total) return;
+  const int64_t t = idx / (int64_t(heads) * D);
+  const int h = (idx / D) % heads, d = idx % D;
+  const float g = __bfloat162float(gate[t * gate_stride_t + h * gate_stride_h + d]);
+  out[idx] = __float2bfloat16(__bfloat162float(a[idx]) * bf(1.f / (1.f + __expf(-g))));
 }
 
 }  // namespace
@@ -116,10 +135,12 @@ torch::Tensor silu_mul(const torch::Tensor& gu_in) {
 }
 
 torch::Tensor head_norm_rope(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, const torch::Tensor& cos,
-                             const torch::Tensor& sin) {
+                             const torch::Tensor& sin, bool zero_centred) {
   const int64_t T = x.size(0);
   const int heads = x.size(1), D = x.size(2), R = cos.size(1);
   TORCH_CHECK(D % 32 == 0 && D <= 256 && x.stride(2) == 1, "head_norm_rope: head_dim must be a multiple of 32, <= 256");
+  TORCH_CHECK(!norm_w.defined() || norm_w.scalar_type() == (zero_centred ? torch::kFloat32 : torch::kBFloat16),
+              "head_norm_rope: the norm weight must be ", zero_centred ? "float32 (zero-centred)" : "bfloat16");
   auto out = torch::empty({T, heads, D}, x.options());
   auto c = cos.contiguous(), s = sin.contiguous();
   c10::cuda::CUDAGuard guard(x.device());
@@ -128,9 +149,24 @@ torch::Tensor head_norm_rope(const torch::Tensor& x, const torch::Tensor& norm_w
   head_norm_rope_kernel<<<(warps + warps_per_block - 1) / warps_per_block, threads, warps_per_block * D * sizeof(float),
                           at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0), x.stride(1),
-      norm_w.defined() ? reinterpret_cast<const __nv_bfloat16*>(norm_w.data_ptr()) : nullptr,
+      norm_w.defined() ? norm_w.data_ptr() : nullptr,
       reinterpret_cast<const __nv_bfloat16*>(c.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(s.data_ptr()),
-      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), T, heads, D, R, static_cast<float>(eps), norm_w.defined());
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), T, heads, D, R, static_cast<float>(eps), norm_w.defined() ? (zero_centred ? 2 : 1) : 0);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+torch::Tensor sigmoid_gate(const torch::Tensor& a_in, const torch::Tensor& gate) {
+  auto a = a_in.contiguous();
+  const int64_t T = gate.size(0);
+  const int heads = gate.size(1), D = gate.size(2);
+  TORCH_CHECK(a.numel() == T * heads * D && gate.stride(2) == 1, "sigmoid_gate: a and gate shapes differ");
+  auto out = torch::empty_like(a);
+  c10::cuda::CUDAGuard guard(a.device());
+  const int64_t total = a.numel();
+  sigmoid_gate_kernel<<<(total + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(a.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()),
+      gate.stride(0), gate.stride(1), heads, D, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), total);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -17,8 +17,14 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
 // Optional per-head RMSNorm (norm_w defined) then half-split RoPE over the first R = cos.size(1)
 // dims. x: [T, heads, D] (may be a strided view of a fused qkv buffer); cos/sin [T, R] bf16.
+// Norm: Qwen3's (bf16 norm_w) or, with zero_centred, Qwen3.5's rms_norm_zero_centred (fp32 norm_w).
 // Returns a contiguous [T, heads, D].
 torch::Tensor head_norm_rope(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
-                             const torch::Tensor& cos, const torch::Tensor& sin);
+                             const torch::Tensor& cos, const torch::Tensor& sin, bool zero_centred = false);
+
+// Qwen3.5's gated attention output: a * sigmoid(gate) in bf16 (sigmoid rounded to bf16, as the plain
+// ops). a: [T, heads * D] (or any shape of that many elements), gate: [T, heads, D] with unit stride
+// over D (a strided view of the q|gate projection). Returns a's shape, contiguous.
+torch::Tensor sigmoid_gate(const torch::Tensor& a, const torch::Tensor& gate);
 
 }  // namespace dflash::model::fused

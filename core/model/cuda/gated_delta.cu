@@ -107,20 +107,25 @@ struct Layout {
   __host__ __device__ int64_t size() const { return A() + int64_t(kC) * kC; }
 };
 
-// Shared memory of gdn_chunk_prep, in floats.
+// Shared memory of gdn_chunk_prep, in floats. The q region holds v after the products (V <= 256 - K
+// columns), and q + k together hold the solve's 64 x (V + K) result before it is written out.
 template <int K>
 struct PrepSmem {
-  static constexpr int LD = K + 4;   // q / k rows (conflict-free fragment reads: 4 gid + tid banks)
-  static constexpr int LM = kC + 4;  // M rows (float4 reads in the solve)
-  static constexpr int LA = kC + 1;  // Aqk rows
-  static constexpr int q = 0, k = q + kC * LD, M = k + kC * LD, A = M + kC * LM, G = A + kC * LA, B = G + kC;
+  static constexpr int LD = K + 4;                     // q / k rows (conflict-free fragment reads)
+  static constexpr int LQ0 = LD > 256 - K ? LD : 256 - K;
+  static constexpr int LQ = LQ0 + (36 - LQ0 % 32) % 32;  // q rows, then v rows (= 4 mod 32, as LD)
+  static constexpr int LX = 257;                       // solve result rows (odd: few conflicts)
+  static constexpr int LM = kC + 4;                    // M rows (float4 reads in the solve)
+  static constexpr int LA = kC + 1;                    // Aqk rows
+  static constexpr int q = 0, k = q + kC * LQ, M = k + kC * LD, A = M + kC * LM, G = A + kC * LA, B = G + kC;
   static constexpr int floats = B + kC;
   static_assert(M % 4 == 0, "M must be float4-aligned");
+  static_assert(kC * LX <= M, "the solve result must fit in the q and k regions");
 };
 
 // One block per (chunk n, value head h); blockDim = V + K (one thread per right-hand-side column of
-// the solve; a multiple of 32). Rows of the chunk past its length are zero (k = v = beta = g = 0), as in the reference's
-// padding, so they change neither the outputs nor the state.
+// the solve; a multiple of 32). Rows of the chunk past its length are zero (k = v = beta = g = 0), as
+// in the reference's padding, so they change neither the outputs nor the state.
 template <typename Tin, int K, bool SPLIT>
 __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q, const Tin* __restrict__ k,
                                                       const Tin* __restrict__ v, int64_t sq, int64_t sk, int64_t sv,
@@ -128,7 +133,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
                                                       const int* __restrict__ chunk_tok, const int* __restrict__ chunk_len,
                                                       int Hv, int r, int V, float scale, float* __restrict__ work) {
   using P = PrepSmem<K>;
-  constexpr int LD = P::LD, LM = P::LM, LA = P::LA;
+  constexpr int LD = P::LD, LQ = P::LQ, LX = P::LX, LM = P::LM, LA = P::LA;
   extern __shared__ __align__(16) float smem[];
   float* qs = smem + P::q;
   float* ks = smem + P::k;
@@ -152,7 +157,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
       qv = to_f(q[tok * sq + hk * K + d]);
       kv = to_f(k[tok * sk + hk * K + d]);
     }
-    qs[i * LD + d] = qv;
+    qs[i * LQ + d] = qv;
     ks[i * LD + d] = kv;
   }
   if (t < kC) {
@@ -185,7 +190,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
       const int mt = tile / 8, nt = tile % 8;
       float kk[4] = {0.f, 0.f, 0.f, 0.f}, qk[4] = {0.f, 0.f, 0.f, 0.f};
       if (nt * 8 <= mt * 16 + 15) {
-        const float* qa = qs + (mt * 16 + gid) * LD + tid;
+        const float* qa = qs + (mt * 16 + gid) * LQ + tid;
         const float* ka = ks + (mt * 16 + gid) * LD + tid;
         const float* kb = ks + (nt * 8 + gid) * LD + tid;
 #pragma unroll 4
@@ -193,7 +198,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
           const auto b = b_operand<SPLIT>(kb[d], kb[d + 4]);
           Tf32<SPLIT, 4> ak, aq;
           ak.set(0, ka[d]), ak.set(1, ka[d + 8 * LD]), ak.set(2, ka[d + 4]), ak.set(3, ka[d + 8 * LD + 4]);
-          aq.set(0, qa[d]), aq.set(1, qa[d + 8 * LD]), aq.set(2, qa[d + 4]), aq.set(3, qa[d + 8 * LD + 4]);
+          aq.set(0, qa[d]), aq.set(1, qa[d + 8 * LQ]), aq.set(2, qa[d + 4]), aq.set(3, qa[d + 8 * LQ + 4]);
           mma<SPLIT>(kk, ak, b);
           mma<SPLIT>(qk, aq, b);
         }
@@ -209,23 +214,43 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   }
   __syncthreads();
 
-  // 5-6. Forward substitution (I + M) X = [v beta | k beta exp(G)], thread c owns column c:
+  // 5. The operands that need no solve, in fragment order (coalesced) from shared memory.
+  const float glast = G[kC - 1];  // padded rows have g = 0: the last real row's G
+  for (int e = t; e < kC * K; e += NT) {
+    int i, kc;
+    a_frag_rc(e, K, i, kc);  // Q [64][K]
+    out[lay.Q() + e] = qs[i * LQ + kc] * scale * expf(G[i]);
+    a_frag_rc(e, kC, kc, i);  // KD^T [K][64]
+    out[lay.KD() + e] = ks[i * LD + kc] * expf(glast - G[i]);
+  }
+  for (int e = t; e < kC * kC; e += NT) {
+    int i, j;
+    a_frag_rc(e, kC, i, j);
+    out[lay.A() + e] = Aq[i * LA + j];
+  }
+  if (t == 0) out[lay.dec()] = expf(glast);
+  __syncthreads();
+  // 6. v rows of the chunk over q (coalesced).
+  float* vs = qs;
+  for (int e = t; e < kC * V; e += NT) {
+    const int i = e / V, c = e % V;
+    vs[i * LQ + c] = i < len ? to_f(v[(int64_t(tok0) + i) * sv + int64_t(h) * V + c]) : 0.f;
+  }
+  __syncthreads();
+
+  // 7. Forward substitution (I + M) X = [v beta | k beta exp(G)], thread c owns column c:
   // X_i = rhs_i - sum_{j<i} M_ij X_j. M_ij = 0 for j >= i, and x[j >= i] is still 0, so whole
   // float4 groups of row i can be used.
+  const int c = t;
+  float x[kC];
   {
-    const int c = t;
-    float x[kC];
 #pragma unroll
     for (int i = 0; i < kC; ++i) x[i] = 0.f;
     const bool is_v = c < V;
     const int kc = c - V;
 #pragma unroll
     for (int i = 0; i < kC; ++i) {
-      float rhs;
-      if (is_v)
-        rhs = i < len ? to_f(v[(int64_t(tok0) + i) * sv + int64_t(h) * V + c]) * B[i] : 0.f;
-      else
-        rhs = ks[i * LD + kc] * B[i] * expf(G[i]);
+      const float rhs = is_v ? vs[i * LQ + c] * B[i] : ks[i * LD + kc] * B[i] * expf(G[i]);
       const float4* Mi = reinterpret_cast<const float4*>(M + i * LM);
       float acc = 0.f;
 #pragma unroll
@@ -238,30 +263,22 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
       }
       x[i] = rhs - acc;
     }
-    if (is_v) {
-#pragma unroll
-      for (int i = 0; i < kC; ++i) out[lay.U() + b_frag_index(i, c, V)] = x[i];
-    } else {
-#pragma unroll
-      for (int i = 0; i < kC; ++i) out[lay.W() + a_frag_index(i, kc, K)] = x[i];
-    }
   }
-
-  // 7. The remaining operands, each written in fragment order (coalesced) from shared memory.
-  const float glast = G[kC - 1];  // padded rows have g = 0: the last real row's G
+  __syncthreads();  // every read of v and k is done: X [64][V + K] goes over them
+  float* X = qs;
+#pragma unroll
+  for (int i = 0; i < kC; ++i) X[i * LX + c] = x[i];
+  __syncthreads();
+  // 8. U (B fragments of [64][V]) and W (A fragments of [64][K]), coalesced.
+  for (int e = t; e < kC * V; e += NT) {
+    const int slot = e & 1, l = (e >> 1) & 31, tile = e >> 6, nt = tile % (V / 8), kstep = tile / (V / 8);
+    out[lay.U() + e] = X[(kstep * 8 + (l & 3) + 4 * slot) * LX + nt * 8 + (l >> 2)];
+  }
   for (int e = t; e < kC * K; e += NT) {
     int i, kc;
-    a_frag_rc(e, K, i, kc);  // Q [64][K]
-    out[lay.Q() + e] = qs[i * LD + kc] * scale * expf(G[i]);
-    a_frag_rc(e, kC, kc, i);  // KD^T [K][64]
-    out[lay.KD() + e] = ks[i * LD + kc] * expf(glast - G[i]);
+    a_frag_rc(e, K, i, kc);
+    out[lay.W() + e] = X[i * LX + V + kc];
   }
-  for (int e = t; e < kC * kC; e += NT) {
-    int i, j;
-    a_frag_rc(e, kC, i, j);
-    out[lay.A() + e] = Aq[i * LA + j];
-  }
-  if (t == 0) out[lay.dec()] = expf(glast);
 }
 
 // The state recurrence, one block of NW warps per (document d, value head h, value tile of VT
