@@ -23,15 +23,15 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>>* params, const A
     impl = env == "fused" || (env.empty() && cuda) ? AdamWOptions::Impl::kFused : AdamWOptions::Impl::kPlain;
   }
   fused_ = impl == AdamWOptions::Impl::kFused && !params_->empty();
-  if (fused_) {
+  if (fused_)
     for (auto& [name, p] : *params_)
       DFLASH_CHECK(p.scalar_type() == torch::kFloat32 && p.device() == params_->front().second.device(), ConfigError,
                    "fused AdamW: parameter " << name << " must be fp32 on " << params_->front().second.device());
-    step_counts_ = torch::zeros({int64_t(params_->size())}, params_->front().second.options().dtype(torch::kFloat32));
-  }
+  const auto dev = params_->empty() ? torch::Device(torch::kCPU) : params_->front().second.device();
+  applied_ = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(dev));
 }
 
-void AdamW::step(double lr) {
+void AdamW::step(double lr, const torch::Tensor& found_inf) {
   torch::NoGradGuard g;
   ++steps_;
   if (fused_) {
@@ -43,15 +43,22 @@ void AdamW::step(double lr) {
       gs.push_back(p.grad());
       ms.push_back(m_[i]);
       vs.push_back(v_[i]);
-      ss.push_back(step_counts_[int64_t(i)]);
+      ss.push_back(applied_);
     }
-    step_counts_.fill_(double(steps_));  // the kernel's bias corrections use these (steps_ already counts this one)
+    // The kernel's bias corrections read the count including this step; it returns at once where
+    // found_inf is 1, and then the count stays (torch.optim's _fused_adamw order, in one place).
+    if (found_inf.defined()) applied_.sub_(found_inf);
+    applied_.add_(1);
     at::_fused_adamw_(ps, gs, ms, vs, {}, ss, lr, opt_.beta1, opt_.beta2, opt_.weight_decay, opt_.eps, /*amsgrad=*/false,
-                      /*maximize=*/false);
+                      /*maximize=*/false, /*grad_scale=*/std::nullopt,
+                      found_inf.defined() ? std::optional<torch::Tensor>(found_inf) : std::nullopt);
     return;
   }
-  const double bc1 = 1.0 - std::pow(opt_.beta1, double(steps_));
-  const double bc2 = 1.0 - std::pow(opt_.beta2, double(steps_));
+  if (found_inf.defined() && found_inf.item<float>() == 1) return;
+  applied_.add_(1);
+  const double n = applied_.item<double>();
+  const double bc1 = 1.0 - std::pow(opt_.beta1, n);
+  const double bc2 = 1.0 - std::pow(opt_.beta2, n);
   for (size_t i = 0; i < params_->size(); ++i) {
     auto& p = (*params_)[i].second;
     if (!p.grad().defined()) continue;
@@ -70,6 +77,7 @@ std::vector<std::pair<std::string, torch::Tensor>> AdamW::state() const {
     out.emplace_back("exp_avg." + (*params_)[i].first, m_[i]);
     out.emplace_back("exp_avg_sq." + (*params_)[i].first, v_[i]);
   }
+  out.emplace_back("step", applied_);
   return out;
 }
 
@@ -89,6 +97,13 @@ void AdamW::load_state(const std::vector<std::pair<std::string, torch::Tensor>>&
       pair.second->copy_(*it->second);
     }
   }
+  auto it = by.find("step");
+  DFLASH_CHECK(it != by.end(), DataError, source << ": optimizer state 'step' missing");
+  DFLASH_CHECK(it->second->numel() == 1, DataError, source << ": optimizer state 'step' must hold one value");
+  const double applied = it->second->item<double>();
+  DFLASH_CHECK(applied >= 0 && applied <= double(steps) && applied == std::floor(applied), DataError,
+               source << ": optimizer state 'step' is " << applied << ", not an update count in [0, " << steps << "]");
+  applied_.fill_(applied);
   steps_ = steps;
 }
 

@@ -20,11 +20,19 @@ struct AdamWOptions {
 class AdamW {
  public:
   AdamW(std::vector<std::pair<std::string, torch::Tensor>>* params, const AdamWOptions& opt);
-  // One update with learning rate `lr` from the params' current .grad(); step count increments.
-  void step(double lr);
-  int64_t steps() const { return steps_; }
-  // State as named tensors ("exp_avg.<param>", "exp_avg_sq.<param>") + the step counter.
+  // One optimizer step with learning rate `lr` from the params' current .grad(); steps() counts
+  // every call. `found_inf` (optional): an fp32 scalar tensor on the params' device holding 0 or 1.
+  // At 1 the step is skipped: weights and moments stay bitwise as they are and the bias-correction
+  // count (state "step") does not advance, as torch.optim's fused AdamW does under found_inf.
+  // Fused: decided on the device, the host never waits. Plain: reads found_inf and the count on the
+  // host (free on CPU; a synchronisation on CUDA, where the fused kernel is the default).
+  void step(double lr, const torch::Tensor& found_inf = {});
+  int64_t steps() const { return steps_; }  // calls of step(), skipped ones included
+  // State as named tensors: "exp_avg.<param>", "exp_avg_sq.<param>" and "step" ([1] fp32 on the
+  // params' device: the updates applied, i.e. steps() minus the skipped ones; exact below 2^24).
   std::vector<std::pair<std::string, torch::Tensor>> state() const;
+  // Restores state() and steps() (`steps`: steps() at the save). Throws DataError when a tensor is
+  // missing or misshapen, or "step" is not an integer in [0, steps].
   void load_state(const std::vector<std::pair<std::string, torch::Tensor>>& state, int64_t steps,
                   const std::string& source);
 
@@ -33,7 +41,7 @@ class AdamW {
   AdamWOptions opt_;
   bool fused_ = false;
   std::vector<torch::Tensor> m_, v_;
-  torch::Tensor step_counts_;  // fused: the kernel's per-parameter step (views of one fp32 tensor)
+  torch::Tensor applied_;  // "step": [1] fp32; the fused kernel reads it as every parameter's step
   int64_t steps_ = 0;
 };
 

@@ -1,10 +1,11 @@
 #include "core/train/trainer.h"
 
 #include <ATen/ops/_foreach_div.h>
+#include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_foreach_norm.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <chrono>
-#include <cmath>
 
 #include "core/train/anchors.h"
 #include "core/util/error.h"
@@ -64,8 +65,45 @@ double Trainer::warm_up(int64_t tokens, int64_t doc_len, int64_t feature_width, 
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-StepMetrics Trainer::step() {
-  if (pending_.empty()) throw Error(kExitFailure, "Trainer::step() called without micro-batches");
+HostCopy::HostCopy(const torch::Tensor& t) {
+  if (!t.is_cuda()) {
+    host_ = t.clone();
+    return;
+  }
+  host_ = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
+  host_.copy_(t, /*non_blocking=*/true);
+  copied_.emplace(t.device().type());
+  copied_->record(c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device()));
+}
+
+const torch::Tensor& HostCopy::wait() {
+  if (copied_) copied_->synchronize();
+  copied_.reset();
+  return host_;
+}
+
+StepMetrics PendingMetrics::wait() {
+  const auto& v = values_.wait();
+  const auto a = v.accessor<float, 1>();
+  const int64_t B = B_;
+  StepMetrics m = m_;
+  m.weight_sum = a[2];
+  const double denom = std::max(m.weight_sum, 1e-12);
+  const double T = loss_.temperature;
+  m.ce = a[0] / denom;
+  m.kl = a[1] / denom;
+  m.loss = m.ce + (loss_.soft_labels ? loss_.kl_weight * T * T * m.kl : 0.0);
+  m.anchors = static_cast<int64_t>(a[4]);
+  m.tokens = static_cast<int64_t>(a[5]);
+  m.accept_len = m.anchors > 0 ? a[3] / a[4] : 0.0;
+  for (int64_t k = 0; k < B; ++k) m.acc_k.push_back(a[6 + B + k] > 0 ? a[6 + k] / a[6 + B + k] : 0.0);
+  m.grad_norm = a[6 + 2 * B];
+  m.skipped_nonfinite = a[6 + 2 * B + 1] != 0;
+  return m;
+}
+
+PendingMetrics Trainer::end_step() {
+  if (pending_.empty()) throw Error(kExitFailure, "Trainer::end_step() called without micro-batches");
   auto& params = drafter_.parameters();
   const int64_t B = drafter_.config().block_size;
   auto dev = drafter_.device();
@@ -87,42 +125,35 @@ StepMetrics Trainer::step() {
   grads.push_back(sums);
   coll_->all_reduce_sum(grads);
 
-  auto s = sums.cpu();
-  auto a = s.accessor<float, 1>();
-  StepMetrics m;
-  m.weight_sum = a[2];
-  const double denom = std::max(m.weight_sum, 1e-12);
-  const double T = opt_.loss.temperature;
-  m.ce = a[0] / denom;
-  m.kl = a[1] / denom;
-  m.loss = m.ce + (opt_.loss.soft_labels ? opt_.loss.kl_weight * T * T * m.kl : 0.0);
-  m.anchors = static_cast<int64_t>(a[4]);
-  m.tokens = static_cast<int64_t>(a[5]);
-  m.accept_len = m.anchors > 0 ? a[3] / a[4] : 0.0;
-  for (int64_t k = 0; k < B; ++k) m.acc_k.push_back(a[6 + B + k] > 0 ? a[6 + k] / a[6 + B + k] : 0.0);
-  m.micro_batches = pending_.size();
-
-  // Normalise by the GLOBAL weight sum, clip by the global norm, step.
+  // Normalise by the GLOBAL weight sum, clip by the global norm, skip a non-finite step: all on the
+  // device, with the same arithmetic the host metrics use (fp64 from the fp32 sums, the divisor and
+  // the clip factor rounded to fp32 once), so the flag agrees with the metrics bit for bit.
   torch::NoGradGuard g;
   std::vector<torch::Tensor> gl;
   for (auto& [_, p] : params) gl.push_back(p.grad());
-  at::_foreach_div_(gl, denom);
+  auto s64 = sums.to(torch::kFloat64);
+  auto denom = s64[2].clamp_min(1e-12);
+  at::_foreach_div_(gl, denom.to(torch::kFloat32));
   // Per-tensor norms in one multi-tensor launch, then their norm (no flattened copy of all grads).
-  auto norm = torch::stack(at::_foreach_norm(gl, 2)).norm().item<double>();
-  m.grad_norm = norm;
-  m.lr = lr_at(opt_.schedule, optimizer_.steps());
-  if (!std::isfinite(norm) || !std::isfinite(m.loss)) {
-    m.skipped_nonfinite = true;  // identical on every rank (all-reduced values): no partial update
-  } else {
-    if (opt_.grad_clip > 0 && norm > opt_.grad_clip)
-      for (auto& [_, p] : params) p.mutable_grad().mul_(opt_.grad_clip / (norm + 1e-6));
-    optimizer_.step(m.lr);
-  }
+  auto norm = torch::stack(at::_foreach_norm(gl, 2)).norm();
+  auto norm64 = norm.to(torch::kFloat64);
+  if (opt_.grad_clip > 0)  // torch's rule: multiply by clip / (norm + 1e-6) when norm > clip
+    at::_foreach_mul_(gl, torch::where(norm64 > opt_.grad_clip, opt_.grad_clip / (norm64 + 1e-6), 1.0).to(torch::kFloat32));
+  const double T = opt_.loss.temperature;
+  auto loss = s64[0] / denom;
+  if (opt_.loss.soft_labels) loss = loss + s64[1] / denom * (opt_.loss.kl_weight * T * T);
+  // Identical on every rank (all-reduced values): no partial update.
+  auto found_inf = torch::logical_not(torch::isfinite(norm) & torch::isfinite(loss)).to(torch::kFloat32);
+
+  StepMetrics known;
+  known.lr = lr_at(opt_.schedule, optimizer_.steps());
+  known.micro_batches = static_cast<int64_t>(pending_.size());
+  optimizer_.step(known.lr, found_inf);
+  known.step = optimizer_.steps();
   for (auto& [_, p] : params) p.mutable_grad().zero_();
   pending_.clear();
   micro_in_step_ = 0;
-  m.step = optimizer_.steps();
-  return m;
+  return PendingMetrics(std::move(known), torch::cat({sums, norm.reshape({1}), found_inf.reshape({1})}), opt_.loss, B);
 }
 
 }  // namespace dflash::train
