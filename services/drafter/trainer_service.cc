@@ -17,6 +17,8 @@
 #include <thread>
 
 #ifdef DFLASH_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #endif
@@ -24,6 +26,7 @@
 #include "core/data/shards.h"
 #include "core/io/hf_config.h"
 #include "core/model/drafter.h"
+#include "core/model/layers.h"
 #include "core/model/target.h"
 #include "core/train/checkpoint.h"
 #include "core/train/collectives_factory.h"
@@ -56,6 +59,16 @@ bool pid_alive(pid_t pid) {
   return p == std::string::npos || p + 2 >= line.size() || line[p + 2] != 'Z';
 }
 
+// Tells the PeerWatchdog that this thread waits on its peers: in a collective, or for device work
+// that contains one (a dead peer leaves an NCCL all-reduce, and so that wait, blocked).
+struct BlockedOnPeers {
+  std::atomic<int64_t>& since;
+  explicit BlockedOnPeers(std::atomic<int64_t>& s) : since(s) {
+    since.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  }
+  ~BlockedOnPeers() { since.store(0, std::memory_order_relaxed); }
+};
+
 // Times the collectives (the all-reduce stage) and tells the watchdog when this rank is blocked in one.
 class TimedCollectives : public train::Collectives {
  public:
@@ -76,11 +89,7 @@ class TimedCollectives : public train::Collectives {
   template <class F>
   void timed(F&& f) {
     const auto t0 = Clock::now();
-    since_.store(t0.time_since_epoch().count(), std::memory_order_relaxed);
-    struct Clear {
-      std::atomic<int64_t>& s;
-      ~Clear() { s.store(0, std::memory_order_relaxed); }
-    } clear{since_};
+    BlockedOnPeers blocked(since_);
     f();
     const double d = pipeline::seconds_since(t0);
     h_.observe(d);
@@ -205,33 +214,79 @@ void check_against_plan(const stream::PackedBatchView& v, uint64_t run_id, int64
                        << " tokens), the plan says sample " << b.sample_ids[j] << " (" << b.lengths[j] << " tokens)");
 }
 
-// The micro-batch over the slot's memory: views, except input ids (int32 -> int64) and the host mask
-// copy the anchor sampler reads. On CUDA the features are copied to the device (async, from the
-// registered mapping); the caller synchronises before giving the slot back.
-train::MicroBatch make_micro_batch(const stream::PackedBatchView& v, torch::Device device, bool want_h_last) {
-  const auto& L = v.layout();
-  const int64_t T = static_cast<int64_t>(L.tokens), KH = int64_t(L.k) * L.h;
-  const auto dt = pipeline::torch_dtype(L.dtype);
-  const bool cuda = device.is_cuda();
-  train::MicroBatch mb;
-  auto ids = torch::from_blob(const_cast<int32_t*>(v.input_ids()), {T}, torch::kInt32);
-  mb.input_ids_T = ids.to(device, torch::kInt64);
-  const uint8_t* mask = v.loss_mask();
-  mb.loss_mask_host.assign(mask, mask + T);
-  auto mask_T = torch::from_blob(const_cast<uint8_t*>(mask), {T}, torch::kUInt8);
-  mb.loss_mask_T = cuda ? mask_T.to(device, /*non_blocking=*/true) : mask_T;
-  auto feats = torch::from_blob(const_cast<void*>(v.features()), {T, KH}, dt);
-  mb.features_TKH = cuda ? feats.to(device, /*non_blocking=*/true) : feats;
-  if (want_h_last) {
-    DFLASH_CHECK(v.h_last() != nullptr, DataError,
-                 "packed batch " << v.header().batch_id << " has no h_last but train.soft_labels.enabled needs it (target.ship_h_last)");
-    auto hl = torch::from_blob(const_cast<void*>(v.h_last()), {T, int64_t(L.h)}, dt);
-    mb.h_last_TH = cuda ? hl.to(device, /*non_blocking=*/true) : hl;
+// A received batch as a MicroBatch. CPU: views of the slot memory (input ids converted to int64,
+// the loss mask also copied for the anchor sampler), valid while the slot is held. CUDA:
+// non-blocking copies from the pinned slot (registered shm mapping or c10d's pinned slots) on a
+// stream of their own, so they do not queue behind the compute of earlier micro-batches; the
+// compute stream waits for them before using the tensors (allocated on the copy stream, marked as
+// used by the compute stream).
+class BatchUpload {
+ public:
+  explicit BatchUpload(torch::Device device) : device_(device) {
+#ifdef DFLASH_WITH_CUDA
+    if (device_.is_cuda()) copy_.emplace(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index()));
+#endif
   }
-  const auto* docs = v.docs();
-  for (uint32_t j = 0; j < L.num_docs; ++j) mb.doc_lens.push_back(docs[j].length);
-  return mb;
-}
+
+  train::MicroBatch start(const stream::PackedBatchView& v, bool want_h_last) {
+    const auto& L = v.layout();
+    const int64_t T = static_cast<int64_t>(L.tokens), KH = int64_t(L.k) * L.h;
+    const auto dt = pipeline::torch_dtype(L.dtype);
+    DFLASH_CHECK(!want_h_last || v.h_last() != nullptr, DataError,
+                 "packed batch " << v.header().batch_id << " has no h_last but train.soft_labels.enabled needs it (target.ship_h_last)");
+    train::MicroBatch mb;
+    const uint8_t* mask = v.loss_mask();
+    mb.loss_mask_host.assign(mask, mask + T);
+    const auto* docs = v.docs();
+    for (uint32_t j = 0; j < L.num_docs; ++j) mb.doc_lens.push_back(docs[j].length);
+    auto ids = torch::from_blob(const_cast<int32_t*>(v.input_ids()), {T}, torch::kInt32);
+    auto mask_T = torch::from_blob(const_cast<uint8_t*>(mask), {T}, torch::kUInt8);
+    auto feats = torch::from_blob(const_cast<void*>(v.features()), {T, KH}, dt);
+    auto hl = want_h_last ? torch::from_blob(const_cast<void*>(v.h_last()), {T, int64_t(L.h)}, dt) : torch::Tensor();
+#ifdef DFLASH_WITH_CUDA
+    if (copy_) {
+      const auto compute = c10::cuda::getCurrentCUDAStream(device_.index());
+      {
+        c10::cuda::CUDAStreamGuard on_copy(*copy_);
+        ids = ids.to(device_, torch::kInt32, /*non_blocking=*/true);
+        mask_T = mask_T.to(device_, torch::kUInt8, /*non_blocking=*/true);
+        feats = feats.to(device_, dt, /*non_blocking=*/true);
+        if (hl.defined()) hl = hl.to(device_, dt, /*non_blocking=*/true);
+        copied_.record(*copy_);
+      }
+      copied_.block(compute);
+      for (auto* t : {&ids, &mask_T, &feats, &hl})
+        if (t->defined()) t->record_stream(compute);
+    }
+#endif
+    mb.input_ids_T = ids.to(torch::kInt64);
+    mb.loss_mask_T = mask_T;
+    mb.features_TKH = feats;
+    mb.h_last_TH = hl;
+    return mb;
+  }
+
+  // Call once the micro-batch's work is enqueued; returns when its slot may go back to the sender.
+  // CUDA: once its copies have run and the micro-batch before it has been trained: the GPU has
+  // this one queued meanwhile, and the host runs at most one micro-batch ahead of it (which bounds
+  // the inputs alive on the copy stream to two batches). CPU: at once (it has been trained).
+  void finish() {
+#ifdef DFLASH_WITH_CUDA
+    if (!copy_) return;
+    trained_.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+    copied_.synchronize();
+    trained_before_.synchronize();  // a no-op before the first micro-batch
+    std::swap(trained_, trained_before_);
+#endif
+  }
+
+ private:
+  torch::Device device_;
+#ifdef DFLASH_WITH_CUDA
+  std::optional<c10::cuda::CUDAStream> copy_;
+  at::cuda::CUDAEvent copied_, trained_, trained_before_;
+#endif
+};
 
 }  // namespace
 
@@ -498,17 +553,101 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   std::vector<int64_t> step_batches;
   double wait_in_step = 0, train_in_step = 0;
   const bool want_h_last = cfg.train.soft_labels.enabled;
+  BatchUpload upload(device);
+
+  // No host wait per step: a step's metrics travel to the host while the next step's work is
+  // enqueued, and are reported after it (the GPU has that work queued while the host waits). What
+  // the log lines need besides the metrics is taken when the step is enqueued.
+  struct StepRecord {
+    train::PendingMetrics metrics;
+    int64_t done, epoch, rank_tokens, checksums_verified;
+    std::vector<uint64_t> samples;
+    std::vector<int64_t> batches;
+    double wait_s, train_s, allreduce_s, step_s, loop_s, wait_total_s;
+    std::string weight_hash;
+  };
+  std::optional<StepRecord> unreported;
+  auto report = [&] {
+    if (!unreported) return;
+    auto& r = *unreported;
+    train::StepMetrics m;
+    {
+      BlockedOnPeers blocked(in_collective_since);
+      m = r.metrics.wait();
+    }
+    double acc = 0;
+    for (size_t k = 1; k < m.acc_k.size(); ++k) acc += m.acc_k[k];
+    if (m.acc_k.size() > 1) acc /= double(m.acc_k.size() - 1);
+    const double loop_s = std::max(r.loop_s, 1e-9);
+    met.steps->inc();
+    met.loss->set(m.loss);
+    met.accuracy->set(acc);
+    met.accept_len->set(m.accept_len);
+    met.lr->set(m.lr);
+    met.grad_norm->set(m.grad_norm);
+    res.last_loss = m.loss;
+    res.last_accept_len = m.accept_len;
+    json line = {{"step", m.step}, {"epoch", r.epoch}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
+                 {"accuracy", acc}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tokens", m.tokens}, {"anchors", m.anchors},
+                 {"rank_tokens", r.rank_tokens}, {"batches", r.batches}, {"sample_ids", r.samples},
+                 {"checksums_verified", r.checksums_verified}, {"weight_hash", r.weight_hash}, {"wait_s", r.wait_s},
+                 {"train_s", r.train_s}, {"allreduce_s", r.allreduce_s}, {"step_s", r.step_s},
+                 {"skipped_nonfinite", m.skipped_nonfinite}};
+    steplog << line.dump() << "\n";
+    steplog.flush();
+    if (rank == 0) {
+      json ml = {{"step", m.step}, {"epoch", r.epoch}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
+                 {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tokens", m.tokens}, {"anchors", m.anchors},
+                 {"tokens_per_s", r.rank_tokens * M / loop_s}, {"skipped_nonfinite", m.skipped_nonfinite}};
+      metrics_log << ml.dump() << "\n";
+      metrics_log.flush();
+    }
+    if (r.done % 10 == 0 || r.done == total_steps)
+      LOG_INFO("drafter " << rank << ": step " << m.step << "/" << total_steps << " epoch " << r.epoch << " loss " << m.loss << " tau "
+                          << m.accept_len << " lr " << m.lr << " tok/s " << int(r.rank_tokens / loop_s) << " waiting "
+                          << int(100 * r.wait_total_s / loop_s) << "%");
+    if (client) {
+      control::ControlClient::StepInfo si;
+      si.rank = rank;
+      si.step = r.done;
+      si.optimizer_step = m.step;
+      si.epoch = static_cast<int>(r.epoch);
+      si.sample_ids = r.samples;
+      si.skipped_nonfinite = m.skipped_nonfinite;
+      si.loss = m.loss;
+      si.accept_len = m.accept_len;
+      si.tokens = m.tokens;
+      si.tokens_per_second = r.rank_tokens / loop_s;
+      client->report_step(si);
+      client->set_progress(r.done, si.tokens_per_second, 0);
+    }
+    unreported.reset();
+  };
+
   // Control requests (`dflash stop`, `dflash checkpoint`) reach every rank through heartbeats at
-  // different times; one tiny all-reduce per step makes every rank act after the same step.
+  // different times. M == 1 acts after the step that sees them. M > 1: the flags of step n are
+  // all-reduced without a host wait and read after step n+1's work is enqueued, so every rank acts
+  // after step n+1 (same reduced value, same loop position).
+  auto my_flags = [&] { return (client->stop_requested() ? 1 : 0) | (client->checkpoint_requested() ? 2 : 0); };
+  std::optional<train::HostCopy> flags_in_flight;
+  auto start_flags = [&] {
+    const int mine = my_flags();
+    std::vector<torch::Tensor> v{model::to_device_async(torch::tensor({float(mine & 1), float(mine >> 1)}), device)};
+    tcoll.all_reduce_sum(v);
+    flags_in_flight.emplace(v[0]);
+  };
   auto agreed_flags = [&]() -> int {
     if (!client) return 0;
-    const int mine = (client->stop_requested() ? 1 : 0) | (client->checkpoint_requested() ? 2 : 0);
-    if (M == 1) return mine;
-    std::vector<torch::Tensor> v{torch::tensor({double(mine & 1), double(mine >> 1)}, torch::TensorOptions().dtype(torch::kFloat32))
-                                     .to(device)};
-    tcoll.all_reduce_sum(v);
-    auto h = v[0].cpu();
-    return (h[0].item<float>() > 0 ? 1 : 0) | (h[1].item<float>() > 0 ? 2 : 0);
+    if (M == 1) return my_flags();
+    if (!flags_in_flight) return 0;  // the launch's first step
+    torch::Tensor h;
+    {
+      BlockedOnPeers blocked(in_collective_since);
+      h = flags_in_flight->wait();
+    }
+    flags_in_flight.reset();
+    const auto a = h.accessor<float, 1>();
+    return (a[0] > 0 ? 1 : 0) | (a[1] > 0 ? 2 : 0);
   };
   bool stopped = false;
   for (int64_t step = start_step; step < total_steps && !stopped; ++step) {
@@ -534,17 +673,14 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
       auto view = rb->view();
       check_against_plan(view, opt.run_id, e, i, batch, K, H, wire, where);
       if (cfg.data.checksum && view.has_checksum()) met.checksums->inc(), ++res.checksums_verified;
-      auto mb = make_micro_batch(view, device, want_h_last);
+      auto mb = upload.start(view, want_h_last);
       const int64_t T = mb.input_ids_T.size(0);
       trainer.micro_batch(mb);
-#ifdef DFLASH_WITH_CUDA
-      if (device.is_cuda()) c10::cuda::getCurrentCUDAStream().synchronize();  // the H2D copies read the slot
-#endif
       mb = train::MicroBatch();
+      upload.finish();
       const size_t bytes = rb->size();
       links[t]->release(std::move(*rb));
       const auto t2 = Clock::now();
-
       const double dw = std::chrono::duration<double>(t1 - t0).count(), dt = std::chrono::duration<double>(t2 - t1).count();
       met.wait->observe(dw);
       met.train->observe(dt);
@@ -570,81 +706,48 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
       step_batches.push_back(i);
       if (j + 1 < accum) continue;
 
-      // optimizer step (all-reduce inside)
+      // optimizer step (all-reduce inside), enqueued; then the previous step is reported
       const auto ts = Clock::now();
-      auto m = trainer.step();
+      auto pending = trainer.end_step();
       const int64_t done = step + 1;  // schedule steps done
       const double step_s = pipeline::seconds_since(ts), ar_s = tcoll.take_seconds();
       met.step->observe(step_s - ar_s);
       prof.add_seconds(s_ar, ar_s);
       prof.add_seconds(s_step, step_s - ar_s);
-      const bool hash_now = opt.hash_every > 0 && (done % opt.hash_every == 0 || done == total_steps);
-      const std::string wh = hash_now ? hex(weight_hash(drafter)) : "";
-      double acc = 0;
-      for (size_t j = 1; j < m.acc_k.size(); ++j) acc += m.acc_k[j];
-      if (m.acc_k.size() > 1) acc /= double(m.acc_k.size() - 1);
       const double loop_s = pipeline::seconds_since(t_loop);
-      met.steps->inc();
-      met.loss->set(m.loss);
-      met.accuracy->set(acc);
-      met.accept_len->set(m.accept_len);
-      met.lr->set(m.lr);
-      met.grad_norm->set(m.grad_norm);
       met.waiting->set(res.wait_seconds / std::max(loop_s, 1e-9));
       met.gpu.update(device);
       res.steps = done;
-      res.last_loss = m.loss;
-      res.last_accept_len = m.accept_len;
-      json line = {{"step", m.step}, {"epoch", e}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
-                   {"accuracy", acc}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tokens", m.tokens}, {"anchors", m.anchors},
-                   {"rank_tokens", res.tokens}, {"batches", step_batches}, {"sample_ids", step_samples},
-                   {"checksums_verified", res.checksums_verified}, {"weight_hash", wh}, {"wait_s", wait_in_step},
-                   {"train_s", train_in_step}, {"allreduce_s", ar_s}, {"step_s", step_s - ar_s},
-                   {"skipped_nonfinite", m.skipped_nonfinite}};
-      steplog << line.dump() << "\n";
-      steplog.flush();
-      if (rank == 0) {
-        json ml = {{"step", m.step}, {"epoch", e}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
-                   {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tokens", m.tokens}, {"anchors", m.anchors},
-                   {"tokens_per_s", res.tokens * M / std::max(loop_s, 1e-9)}, {"skipped_nonfinite", m.skipped_nonfinite}};
-        metrics_log << ml.dump() << "\n";
-        metrics_log.flush();
-      }
-      if (done % 10 == 0 || done == total_steps)
-        LOG_INFO("drafter " << rank << ": step " << m.step << "/" << total_steps << " epoch " << e << " loss " << m.loss << " tau "
-                            << m.accept_len << " lr " << m.lr << " tok/s " << int(res.tokens / std::max(loop_s, 1e-9)) << " waiting "
-                            << int(100 * res.wait_seconds / std::max(loop_s, 1e-9)) << "%");
-      if (client) {
-        control::ControlClient::StepInfo si;
-        si.rank = rank;
-        si.step = done;
-        si.optimizer_step = m.step;
-        si.epoch = static_cast<int>(e);
-        si.sample_ids = step_samples;
-        si.skipped_nonfinite = m.skipped_nonfinite;
-        si.loss = m.loss;
-        si.accept_len = m.accept_len;
-        si.tokens = m.tokens;
-        si.tokens_per_second = res.tokens / std::max(loop_s, 1e-9);
-        client->report_step(si);
-        client->set_progress(done, si.tokens_per_second, 0);
-      }
+      // The weight hash reads the weights after this step: a host wait, only every --hash-every steps.
+      const bool hash_now = opt.hash_every > 0 && (done % opt.hash_every == 0 || done == total_steps);
+      StepRecord cur{std::move(pending), done, e, res.tokens, res.checksums_verified, std::move(step_samples),
+                     std::move(step_batches), wait_in_step, train_in_step, ar_s, step_s - ar_s, loop_s, res.wait_seconds,
+                     hash_now ? hex(weight_hash(drafter)) : ""};
+      report();
+      unreported.emplace(std::move(cur));
+      step_samples.clear();
+      step_batches.clear();
+      wait_in_step = train_in_step = 0;
+
       const int flags = agreed_flags();
       if (flags & 1) {
         stopped = true;
         LOG_INFO("drafter " << rank << ": stopping after step " << done << " (requested through the coordinator)");
       }
       if (flags & 2) client->clear_checkpoint_request(done);
-      if (rank == 0 && (done % cfg.run.save_interval_steps == 0 || done == total_steps || flags != 0)) {
-        const auto tc = Clock::now();
-        checkpoint(e, done);
-        const double c = pipeline::seconds_since(tc);
-        met.checkpoint->observe(c);
-        prof.add_seconds(s_ckpt, c);
+      // The loop ends only after such a step (the last one, or a stop), so nothing stays unreported.
+      if (done % cfg.run.save_interval_steps == 0 || done == total_steps || flags != 0) {
+        report();
+        if (client && M > 1) tcoll.barrier();  // every rank has reported this step before rank 0 commits it
+        if (rank == 0) {
+          const auto tc = Clock::now();
+          checkpoint(e, done);
+          const double c = pipeline::seconds_since(tc);
+          met.checkpoint->observe(c);
+          prof.add_seconds(s_ckpt, c);
+        }
       }
-      step_samples.clear();
-      step_batches.clear();
-      wait_in_step = train_in_step = 0;
+      if (client && M > 1 && !stopped && done < total_steps) start_flags();
       if (const auto* f = plan.fault_at(config::Role::kDrafter, rank, done); f && f->kind != config::FaultKind::kCorruptCheckpoint)
         pipeline::inject_fault(*f, "drafter " + std::to_string(rank) + " after step " + std::to_string(done));
     }

@@ -10,16 +10,23 @@
 //   3. trains the micro-batches the run assignment (core/stream/assignment.h) gives it, in that
 //      order: its k-th comes from target k mod N. Every batch is validated (header, doc table against
 //      the plan: epoch, batch index, sample ids, lengths) and, with data.checksum, its payload
-//      checksum verified by the transport; the MicroBatch views the slot memory (only input ids are
-//      converted to int64; on CUDA features are copied host->device from the registered mapping),
-//      and the slot goes back to the target right after the micro-batch's backward;
-//   4. every grad_accum micro-batches: Trainer::step() (all-reduce of gradients and the loss
-//      denominator through the collectives), then one JSON line in
+//      checksum verified by the transport. CPU: the MicroBatch views the slot memory (only input ids
+//      are converted to int64) and the slot goes back to the target after the micro-batch's
+//      backward. CUDA: the slot is copied host->device (registered mapping) on a copy stream and
+//      goes back as soon as those copies have run, while the compute may still be queued;
+//   4. every grad_accum micro-batches: Trainer::end_step() (all-reduce of gradients and the loss
+//      denominator through the collectives; no host wait), then, once the NEXT step's work is
+//      enqueued (or at a checkpoint, a stop, the end), one JSON line per step in
 //      <output_dir>/pipeline/drafter-<D>.jsonl: step, epoch, loss, tau, accuracy, lr, the sample
 //      ids and batch indices consumed in the step, the checksums verified so far, and a hash of the
-//      fp32 weights (XXH64 over each parameter's bytes, combined in parameter order);
-//   5. rank 0 writes checkpoints (every run.save_interval_steps and at the end) and the final
-//      export like `dflash train`, and <output_dir>/metrics.jsonl with the same fields.
+//      fp32 weights (XXH64 over each parameter's bytes, combined in parameter order; every
+//      --hash-every steps, a host wait for the step's update);
+//   5. rank 0 writes checkpoints (every run.save_interval_steps, at the end, and on a `dflash
+//      checkpoint` / `dflash stop` request) and the final export like `dflash train`, and
+//      <output_dir>/metrics.jsonl with the same fields. Every rank has reported a step to the
+//      coordinator before rank 0 commits it. Requests act after the step whose heartbeat brought
+//      them (M = 1) or after the step following it on every rank (M > 1: the request flags are
+//      all-reduced without a host wait and read one step later).
 // With M = 1 the run trains exactly what `dflash train` trains (same plan order, same seeds, same
 // schedule); with M > 1 anchor/noise seeds include the rank and gradients are summed over ranks, so
 // it is a different (equally valid) run.
