@@ -9,7 +9,13 @@ attention), documents of 100 tokens (not a multiple of the GDN chunk 64):
   - the manifest's seeds follow the documented rule (seed XOR FNV-1a-64(name), 63 bits);
   - the check has teeth: one randn tensor drawn from another seed gives a large error from its layer
     on, and a manifest missing a parameter or naming one HF lacks makes the script fail;
-  - the temp dir of the check files is removed.
+  - the temp dir of the check files is removed;
+  - the fp32 reference is skipped there ("reference": "skipped: ...", no per-segment reference fields).
+On CPU in bf16, both tiny shapes, one document of 64 tokens: the fp32 reference (HF in float32 with
+the bf16-rounded weights, TF32 off) is there: every segment has ours_vs_fp32_* and hf_bf16_vs_fp32_*
+(rel_fro and max_abs), finite, rel_fro < 5e-2, not both zero, ours no further from fp32 than twice
+HF's bf16, and the worst_* fields are the max over the segments. --no-fp32-reference gives
+"reference": "skipped: --no-fp32-reference" (checked on the reseeded run).
 Usage: bench_target_hf_check.py DFLASH_BIN WORK_DIR. Env: DFLASH_PYTHON, DFLASH_SOURCE_DIR (ctest)."""
 import json
 import math
@@ -19,6 +25,8 @@ import subprocess
 import sys
 
 TOL = 1e-4
+REF_TOL = 5e-2  # bf16 vs the fp32 reference, 64 tokens of the tiny shapes (seen: <= 1.1e-2)
+REF_KEYS = ["ours_vs_fp32_rel_fro", "ours_vs_fp32_max_abs", "hf_bf16_vs_fp32_rel_fro", "hf_bf16_vs_fp32_max_abs"]
 dflash, work = sys.argv[1], sys.argv[2]
 src = os.environ.get("DFLASH_SOURCE_DIR", ".")
 py = os.environ.get("DFLASH_PYTHON", sys.executable)
@@ -58,6 +66,46 @@ def check_errors(shape, e, layers):
                                    for s in e["segments"]))
     if not e["worst_rel_fro"] < TOL:
         errors.append(f"{shape}: worst_rel_fro {e['worst_rel_fro']:.3g} >= {TOL}")
+    ref = e.get("reference", "")
+    if not ref.startswith("skipped: ") or any(k in s for s in e["segments"] for k in REF_KEYS):
+        errors.append(f"{shape}: an fp32 run should skip the fp32 reference, got reference {ref!r}")
+
+
+def fmt(v):
+    return f"{v:.3g}" if isinstance(v, (int, float)) else repr(v)
+
+
+def check_reference(shape, e):
+    """The bf16 run's fp32 reference fields."""
+    ref = e.get("reference")
+    print(f"{shape} bf16: reference {ref!r}, tf32 {e.get('reference_tf32')}, "
+          f"attention {e.get('reference_attention')!r}, linear attention {e.get('reference_linear_attention')!r}")
+    if ref != "hf float32 (bfloat16-rounded weights)":
+        errors.append(f"{shape} bf16: reference {ref!r}, expected 'hf float32 (bfloat16-rounded weights)'")
+        return
+    if e.get("reference_tf32") is not False:
+        errors.append(f"{shape} bf16: reference_tf32 = {e.get('reference_tf32')!r}, expected false")
+    if (shape == "tiny-hybrid") != ("reference_linear_attention" in e):
+        errors.append(f"{shape} bf16: reference_linear_attention {e.get('reference_linear_attention')!r}")
+    for s in e.get("segments", []):
+        vals = [s.get(k) for k in REF_KEYS]
+        print(f"  {s.get('name')}: ours vs hf bf16 rel_fro {fmt(s.get('rel_fro'))}; vs fp32 rel_fro: ours "
+              f"{fmt(vals[0])}, hf bf16 {fmt(vals[2])}; max_abs: ours {fmt(vals[1])}, hf bf16 {fmt(vals[3])}")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in vals):
+            errors.append(f"{shape} bf16 {s.get('name')}: reference fields missing or not finite: {vals}")
+            continue
+        if not (vals[0] < REF_TOL and vals[2] < REF_TOL):
+            errors.append(f"{shape} bf16 {s['name']}: rel_fro vs fp32 {vals[0]:.3g} (ours), {vals[2]:.3g} (hf) "
+                          f">= {REF_TOL}")
+        if vals[0] == 0 and vals[2] == 0:
+            errors.append(f"{shape} bf16 {s['name']}: ours and hf bf16 both equal the fp32 reference (not fp32?)")
+        if vals[0] > 2 * vals[2]:
+            errors.append(f"{shape} bf16 {s['name']}: ours is {vals[0]:.3g} from fp32, more than twice hf bf16's "
+                          f"{vals[2]:.3g}")
+    segs = e.get("segments", [])
+    for k in REF_KEYS:
+        if segs and all(k in s for s in segs) and e.get("worst_" + k) != max(s[k] for s in segs):
+            errors.append(f"{shape} bf16: worst_{k} = {e.get('worst_' + k)!r} is not the max over the segments")
 
 
 for shape in ["tiny", "tiny-hybrid"]:
@@ -77,6 +125,17 @@ for shape in ["tiny", "tiny-hybrid"]:
         errors.append(f"{shape}: error_vs_hf missing at the top level of the report")
         continue
     check_errors(shape, j["error_vs_hf"], LAYERS[shape])
+# bf16: the fp32 reference (tiny shapes, 64 tokens: CPU bf16 is slow).
+for shape in ["tiny", "tiny-hybrid"]:
+    cmd = [dflash, "bench", "target", "--shape", shape, "--device", "cpu", "--dtype", "bfloat16", "--batches",
+           "1x64", "--warmup", "0", "--repeats", "1", "--baseline"]
+    r, j = run(cmd, env=dict(os.environ, TMPDIR=os.path.join(work, "tmp")))
+    if j is None or "error_vs_hf" not in j:
+        sys.stderr.write(r.stderr[-4000:])
+        errors.append(f"{shape} bf16: bench exited {r.returncode} without error_vs_hf")
+        continue
+    check_reference(shape, j["error_vs_hf"])
+
 left = [n for n in os.listdir(os.path.join(work, "tmp")) if n.startswith("dflash-bench-hf-")]
 if left:
     errors.append(f"the check's temp dir was not removed: {left}")
@@ -94,7 +153,7 @@ if os.path.exists(manifest_path):
     if not any(t["init"] == "randn" for t in tensors) or not any(t["init"] == "zeros" for t in tensors):
         errors.append("manifest: expected randn and zeros tensors")
 
-    def tampered(tag, edit):
+    def tampered(tag, edit, extra=()):
         d = os.path.join(work, f"tampered-{tag}")
         shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(keep, d)
@@ -104,15 +163,18 @@ if os.path.exists(manifest_path):
             json.dump(m, f)
         return run([py, os.path.join(src, "scripts/reference/bench_hf_target.py"), "--shape", "tiny-hybrid",
                     "--device", "cpu", "--dtype", "float32", "--batches", "2x100", "--layers", "0,3,5,7",
-                    "--warmup", "0", "--repeats", "1", "--check", d])
+                    "--warmup", "0", "--repeats", "1", "--check", d, *extra])
 
     def reseed(m):  # layer 5's down projection drawn from another seed: layers 0 and 3 still agree
         for t in m["tensors"]:
             if t["name"].endswith("layers.5.mlp.down_proj.weight"):
                 t["seed"] += 1
 
-    r, j = tampered("seed", reseed)
-    seg = {s["name"]: s["rel_fro"] for s in (j or {}).get("error_vs_hf", {}).get("segments", [])}
+    r, j = tampered("seed", reseed, ["--no-fp32-reference"])  # the flag's reason wins over the fp32 one
+    e = (j or {}).get("error_vs_hf", {})
+    if e.get("reference") != "skipped: --no-fp32-reference":
+        errors.append(f"--no-fp32-reference: reference {e.get('reference')!r}")
+    seg = {s["name"]: s["rel_fro"] for s in e.get("segments", [])}
     print(f"reseeded layers.5.mlp.down_proj: {seg}")
     if not (seg and seg["layer 3"] < TOL and seg["layer 5"] > 1e-2 and seg["last hidden"] > 1e-2):
         errors.append(f"a reseeded tensor should leave layer 3 exact and break layer 5 on, got {seg} "
