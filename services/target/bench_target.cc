@@ -8,8 +8,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <map>
+#include <set>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include "core/io/hf_config.h"
 #include "core/io/safetensors.h"
@@ -34,6 +38,7 @@ const char* kUsage =
     "usage: dflash bench target [--shape qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid] [--device cuda|cpu]\n"
     "         [--dtype bfloat16|float32] [--batches 1x4096,4x4096,16x1024] [--layers IDS] [--no-last-hidden]\n"
     "         [--warmup 2] [--repeats 5] [--peak-tflops 790] [--baseline [--python PY] [--check-dir DIR]]\n"
+    "         [--profile [--profile-top 25]]\n"
     "  Forward + capture of a random-weight target on batches DOCSxLEN (documents of LEN tokens);\n"
     "  JSON on stdout: tokens/s, MFU, peak memory per batch. --layers defaults: 3,15,31,47,59\n"
     "  (qwen3.6-27b), 1,3,5 (tiny), 0,3,5,7 (tiny-hybrid), 1,9,17,25,33 (qwen3-8b).\n"
@@ -44,7 +49,36 @@ const char* kUsage =
     "  the manifest and runs the first batch's token ids; \"error_vs_hf\" lists per captured segment\n"
     "  (each layer, then the last hidden state) rel_fro = ||ours - hf||_F / ||hf||_F and max_abs, in\n"
     "  fp32 of the model-dtype values, and worst_rel_fro. The check's files (capture.safetensors,\n"
-    "  weights.json) go to a temp dir that is removed, or to --check-dir DIR, kept.\n";
+    "  weights.json) go to a temp dir that is removed, or to --check-dir DIR, kept.\n"
+    "  --profile: one more forward per batch under the Kineto profiler (after the timed ones, not in\n"
+    "  them): \"profile\" gives the GPU time per kernel name (the --profile-top largest) and their total.\n";
+
+// GPU time per kernel name of one call of `fn` (Kineto, CUDA activity only): the `top` largest
+// names (truncated to 160 characters) and the total, in ms.
+json profile_forward(int64_t top, const std::function<void()>& fn) {
+  namespace kp = torch::autograd::profiler;
+  using torch::profiler::impl::ActivityType;
+  const std::set<ActivityType> act{ActivityType::CUDA};
+  const torch::profiler::impl::ProfilerConfig pc(torch::profiler::impl::ProfilerState::KINETO);
+  kp::prepareProfiler(pc, act);
+  kp::enableProfiler(pc, act);
+  fn();
+  auto result = kp::disableProfiler();
+  std::map<std::string, std::pair<double, int64_t>> by_name;
+  double total = 0;
+  for (const auto& e : result->events()) {
+    if (e.deviceType() != c10::DeviceType::CUDA) continue;
+    const double ms = e.durationNs() / 1e6;
+    auto& slot = by_name[e.name().substr(0, 160)];
+    slot.first += ms, ++slot.second, total += ms;
+  }
+  std::vector<std::pair<std::string, std::pair<double, int64_t>>> rows(by_name.begin(), by_name.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+  json kernels = json::array();
+  for (size_t i = 0; i < rows.size() && int64_t(i) < top; ++i)
+    kernels.push_back({{"name", rows[i].first}, {"ms", rows[i].second.first}, {"calls", rows[i].second.second}});
+  return {{"gpu_ms_total", total}, {"kernels", kernels}};
+}
 
 // Seed and std of the bench's random weights (the manifest records both per tensor).
 constexpr uint64_t kWeightSeed = 0;
@@ -229,8 +263,8 @@ int cmd_bench_target(int argc, char** argv) {
   }
   Flags f(argc, argv,
           {"shape", "device", "dtype", "batches", "layers", "warmup", "repeats", "baseline", "python", "peak-tflops",
-           "no-last-hidden", "check-dir"},
-          {"baseline", "no-last-hidden"});
+           "no-last-hidden", "check-dir", "profile", "profile-top"},
+          {"baseline", "no-last-hidden", "profile"});
   DFLASH_CHECK(f.positional().empty(), ConfigError,
                "bench target: unexpected argument '" << f.positional().front() << "'\n" << kUsage);
   const std::string shape = f.get("shape", "qwen3-8b");
@@ -283,6 +317,10 @@ int cmd_bench_target(int argc, char** argv) {
                        {"tflops", tflops},
                        {"mfu", tflops / peak_tflops},
                        {"peak_gib", allocated_gib(lo.device, true)}});
+    if (f.has("profile")) results.back()["profile"] = profile_forward(f.get_int("profile-top", 25), [&] {
+      buf = target->forward_capture(ids, lens, spec, std::move(buf));
+      sync(lo.device);
+    });
     if (baseline && results.size() == 1)
       write_check_files(check.path, name, ids.view({b.docs, b.len}), buf, *weights, target->config(),
                         f.get("device", "cuda"));

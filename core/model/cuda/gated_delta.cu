@@ -49,16 +49,30 @@ __host__ __device__ __forceinline__ int64_t b_frag_index(int r, int c, int N) {
   return ((int64_t(r >> 3) * (N >> 3) + (c >> 3)) * 32 + lane) * 2 + slot;
 }
 
+// TF32 mma needs sm_80+; builds for older targets compile a trap (unsupported_reason() refuses such
+// devices at run time, so it is never reached).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define DFLASH_GDN_NO_TF32 1
+#endif
 __device__ __forceinline__ uint32_t to_tf32(float x) {
+#ifdef DFLASH_GDN_NO_TF32
+  __trap();
+  return 0;
+#else
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
+#endif
 }
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#ifdef DFLASH_GDN_NO_TF32
+  __trap();
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 // fp32 operands as TF32 (hi) and, with SPLIT, their remainders (lo): x = hi + lo to ~fp32 precision.
 template <bool SPLIT, int N>
@@ -559,6 +573,10 @@ std::string unsupported_reason(const GatedDeltaInputs& in, int64_t chunk) {
   std::ostringstream why;
   for (const auto* x : {&in.q_THK, &in.k_THK, &in.v_THV, &in.g_TH, &in.beta_TH})
     if (!x->is_cuda()) return "inputs are not all CUDA tensors";
+  if (const auto* prop = at::cuda::getDeviceProperties(in.q_THK.device().index()); prop->major < 8) {
+    why << "compute capability " << prop->major << "." << prop->minor << " (the kernels use TF32 tensor cores: 8.0+)";
+    return why.str();
+  }
   const auto dt = in.q_THK.scalar_type();
   if (dt != torch::kFloat32 && dt != torch::kBFloat16) {
     why << "q/k/v dtype " << c10::toString(dt) << " (the kernel reads float32 or bfloat16)";
