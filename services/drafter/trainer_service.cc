@@ -567,14 +567,15 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
     std::string weight_hash;
   };
   std::optional<StepRecord> unreported;
+  // Host waits for device work: queued behind the collectives, so a dead peer would block them.
+  auto waiting_on_peers = [&](auto&& wait) {
+    BlockedOnPeers blocked(in_collective_since);
+    return wait();
+  };
   auto report = [&] {
     if (!unreported) return;
     auto& r = *unreported;
-    train::StepMetrics m;
-    {
-      BlockedOnPeers blocked(in_collective_since);
-      m = r.metrics.wait();
-    }
+    const auto m = waiting_on_peers([&] { return r.metrics.wait(); });
     double acc = 0;
     for (size_t k = 1; k < m.acc_k.size(); ++k) acc += m.acc_k[k];
     if (m.acc_k.size() > 1) acc /= double(m.acc_k.size() - 1);
@@ -640,11 +641,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
     if (!client) return 0;
     if (M == 1) return my_flags();
     if (!flags_in_flight) return 0;  // the launch's first step
-    torch::Tensor h;
-    {
-      BlockedOnPeers blocked(in_collective_since);
-      h = flags_in_flight->wait();
-    }
+    const auto h = waiting_on_peers([&] { return flags_in_flight->wait(); });
     flags_in_flight.reset();
     const auto a = h.accessor<float, 1>();
     return (a[0] > 0 ? 1 : 0) | (a[1] > 0 ? 2 : 0);
@@ -677,7 +674,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
       const int64_t T = mb.input_ids_T.size(0);
       trainer.micro_batch(mb);
       mb = train::MicroBatch();
-      upload.finish();
+      waiting_on_peers([&] { upload.finish(); });
       const size_t bytes = rb->size();
       links[t]->release(std::move(*rb));
       const auto t2 = Clock::now();
@@ -722,7 +719,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
       const bool hash_now = opt.hash_every > 0 && (done % opt.hash_every == 0 || done == total_steps);
       StepRecord cur{std::move(pending), done, e, res.tokens, res.checksums_verified, std::move(step_samples),
                      std::move(step_batches), wait_in_step, train_in_step, ar_s, step_s - ar_s, loop_s, res.wait_seconds,
-                     hash_now ? hex(weight_hash(drafter)) : ""};
+                     hash_now ? waiting_on_peers([&] { return hex(weight_hash(drafter)); }) : ""};
       report();
       unreported.emplace(std::move(cur));
       step_samples.clear();
