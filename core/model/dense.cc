@@ -77,9 +77,10 @@ class DenseTarget : public TargetModel {
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     auto h = F::embedding(ids_T, embed_);  // [T, H]
     const bool fused = use_fused(h);
+    torch::Tensor delta;  // the last sublayer's output, added to h by the next add_norm
     for (int64_t l = 0; l < cfg_.num_layers; ++l) {
       const auto& L = layers_[l];
-      auto x = norm(h, L.ln1, fused);
+      auto x = add_norm(h, delta, L.ln1, fused);
       auto qkv = L.qkv_b.defined() ? F::linear(x, L.qkv_w, L.qkv_b) : F::linear(x, L.qkv_w);
       auto q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
       auto k = qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D});
@@ -87,11 +88,15 @@ class DenseTarget : public TargetModel {
       q = norm_rope(q, L.q_norm, rope, fused);
       k = norm_rope(k, L.k_norm, rope, fused);
       auto a = causal_attention_varlen(q, k, v, doc_lens, scale).reshape({T, Hq * D});
-      h = h + (L.o_b.defined() ? F::linear(a, L.o_w, L.o_b) : F::linear(a, L.o_w));
-      x = norm(h, L.ln2, fused);
-      h = h + mlp(x, L, fused);
-      if (slot[l] >= 0) out.features_TKH.narrow(1, slot[l] * H, H).copy_(h);
+      delta = L.o_b.defined() ? F::linear(a, L.o_w, L.o_b) : F::linear(a, L.o_w);
+      x = add_norm(h, delta, L.ln2, fused);
+      delta = mlp(x, L, fused);
+      if (slot[l] >= 0) {
+        h = h + std::exchange(delta, torch::Tensor());
+        out.features_TKH.narrow(1, slot[l] * H, H).copy_(h);
+      }
     }
+    if (delta.defined()) h = h + delta;
     if (spec.last_hidden) out.last_hidden_TH.copy_(h);
     return out;
   }
@@ -110,6 +115,19 @@ class DenseTarget : public TargetModel {
     if (fused_ok) return fused::rms_norm(x, w, cfg_.rms_norm_eps);
 #endif
     return rms_norm(x, w, cfg_.rms_norm_eps);
+  }
+  // h += delta (when defined; delta is then consumed), then norm(h): one fused pass on CUDA.
+  torch::Tensor add_norm(torch::Tensor& h, torch::Tensor& delta, const torch::Tensor& w, bool fused_ok) const {
+    if (!delta.defined()) return norm(h, w, fused_ok);
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok && h.is_contiguous()) {
+      auto x = fused::add_rms_norm(h, delta, w, cfg_.rms_norm_eps);
+      delta = torch::Tensor();
+      return x;
+    }
+#endif
+    h = h + std::exchange(delta, torch::Tensor());
+    return norm(h, w, fused_ok);
   }
   torch::Tensor norm_rope(const torch::Tensor& x, const torch::Tensor& norm_w, const RopeTable& rope,
                           bool fused_ok) const {

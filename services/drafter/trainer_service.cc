@@ -802,7 +802,7 @@ int cmd_train_service(int argc, char** argv) {
   o.recv_timeout_s = f.get_double("recv-timeout-s", 300);
   o.collective_timeout_s = f.get_double("collective-timeout-s", 300);
   o.peer_grace_s = f.get_double("peer-grace-s", 3);
-  o.hash_every = f.get_int("hash-every", 1);
+  o.hash_every = f.get_int("hash-every", 100);
   DFLASH_CHECK(o.recv_timeout_s > 0 && o.collective_timeout_s > 0 && o.peer_grace_s > 0, ConfigError,
                "--recv-timeout-s, --collective-timeout-s and --peer-grace-s must be > 0");
   std::unique_ptr<control::ControlClient> client;

@@ -20,7 +20,7 @@
 //      <output_dir>/pipeline/drafter-<D>.jsonl: step, epoch, loss, tau, accuracy, lr, the sample
 //      ids and batch indices consumed in the step, the checksums verified so far, and a hash of the
 //      fp32 weights (XXH64 over each parameter's bytes, combined in parameter order; every
-//      --hash-every steps, a host wait for the step's update);
+//      --hash-every steps (default 100) and at the last step, a host wait for the step's update);
 //   5. rank 0 writes checkpoints (every run.save_interval_steps, at the end, and on a `dflash
 //      checkpoint` / `dflash stop` request) and the final export like `dflash train`, and
 //      <output_dir>/metrics.jsonl with the same fields. Every rank has reported a step to the
@@ -59,7 +59,7 @@ struct TrainServiceOptions {
   double recv_timeout_s = 300;        // longest wait for one batch (target death is detected at once)
   double collective_timeout_s = 300;  // rendezvous and each collective
   double peer_grace_s = 3;            // a peer drafter dead while we wait this long in a collective -> exit 1
-  int64_t hash_every = 1;             // weight hash every N steps (0 = never)
+  int64_t hash_every = 100;           // weight hash every N steps and at the last (0 = never): a host wait
 };
 
 struct TrainServiceResult {

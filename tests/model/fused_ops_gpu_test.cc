@@ -20,10 +20,21 @@ TEST(FusedOps, RmsNormMatchesPlain) {
   EXPECT_LT(rel_err(fused::rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6)), kTol);
 }
 
+TEST(FusedOps, AddRmsNormMatchesPlain) {
+  auto h = torch::randn({777, 4096}, bf16()) * 3, d = torch::randn({777, 4096}, bf16());
+  auto w = torch::randn({4096}, bf16());
+  auto sum = h + d;
+  auto x = fused::add_rms_norm(h, d, w, 1e-6);  // h updated in place
+  EXPECT_EQ(rel_err(h, sum), 0.0);
+  EXPECT_LT(rel_err(x, rms_norm(sum, w, 1e-6)), kTol);
+}
+
 TEST(FusedOps, SiluMulMatchesPlain) {
-  auto gu = torch::randn({777, 2 * 1536}, bf16()) * 2;
-  auto chunks = gu.chunk(2, -1);
-  EXPECT_LT(rel_err(fused::silu_mul(gu), torch::silu(chunks[0]) * chunks[1]), kTol);
+  for (int64_t inter : {1536, 100}) {  // 16-byte vector path; scalar path (inter % 8 != 0)
+    auto gu = torch::randn({777, 2 * inter}, bf16()) * 2;
+    auto chunks = gu.chunk(2, -1);
+    EXPECT_LT(rel_err(fused::silu_mul(gu), torch::silu(chunks[0]) * chunks[1]), kTol) << "inter " << inter;
+  }
 }
 
 TEST(FusedOps, HeadNormRopeMatchesPlainFullAndPartial) {

@@ -32,7 +32,7 @@ t0=$(date +%s.%N)
 for d in 0 1; do
   port=$([ $d = 0 ] && echo $m2 || echo $m3)
   "$bin/dflash-drafter" train --config "$work/cfg.yaml" --rank $d --run-id $run_id --store-port $store \
-    --metrics-port $port > "$work/drafter$d.json" 2> "$work/drafter$d.log" &
+    --metrics-port $port --hash-every 1 > "$work/drafter$d.json" 2> "$work/drafter$d.log" &
   pids+=($!)
 done
 for t in 0 1; do

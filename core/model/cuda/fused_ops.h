@@ -12,6 +12,10 @@ bool supported(const torch::Tensor& x);
 // Qwen3/Llama RMSNorm over the last dim: w * bf16(x32 * rsqrt(mean(x32^2) + eps)). x: [rows, n].
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 
+// The residual add and the next RMSNorm in one pass: h += delta in place (bf16, as h + delta), then
+// returns rms_norm(h, w, eps). h: contiguous [rows, n], delta the same shape.
+torch::Tensor add_rms_norm(torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& w, double eps);
+
 // silu(gu[:, :I]) * gu[:, I:] for the fused gate|up projection output [rows, 2I] -> [rows, I].
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
