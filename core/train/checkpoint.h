@@ -3,7 +3,7 @@
 //
 // Layout of a checkpoint directory (conventionally PARENT/step-XXXXXXXX, see checkpoint_dir_name):
 //   drafter.safetensors    the drafter's parameters, fp32, named as the HF export (fc.weight, ...)
-//   optimizer.safetensors  AdamW state ("exp_avg.<param>", "exp_avg_sq.<param>"), fp32
+//   optimizer.safetensors  AdamW state ("exp_avg.<param>", "exp_avg_sq.<param>", "step"), fp32
 //   state.json             {"format": "dflash-checkpoint", "version": 1, "step", "optimizer_steps",
 //                           "scheduler", "rng", "seed", "data_position", "run_info", "drafter_config",
 //                           "files": [{"name", "bytes", "checksum"}], "checksum_algorithm"}
@@ -46,7 +46,8 @@ constexpr int kCheckpointVersion = 1;
 
 struct CheckpointState {
   int64_t step = 0;             // training steps done (what the run resumes from)
-  int64_t optimizer_steps = 0;  // AdamW's step counter (bias correction)
+  int64_t optimizer_steps = 0;  // optimizer steps attempted (lr schedule, seeds); AdamW's count of
+                                // applied updates (bias correction) is the optimizer tensor "step"
   nlohmann::json data_position = nlohmann::json::object();  // opaque caller record: epoch, cursor, ...
   uint64_t seed = 0;                                        // the run seed (counter-based RNG)
   nlohmann::json run_info = nlohmann::json::object();       // opaque: config hash etc.

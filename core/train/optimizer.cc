@@ -98,7 +98,13 @@ void AdamW::load_state(const std::vector<std::pair<std::string, torch::Tensor>>&
     }
   }
   auto it = by.find("step");
-  DFLASH_CHECK(it != by.end(), DataError, source << ": optimizer state 'step' missing");
+  if (it == by.end()) {
+    // Checkpoints written before the update count was state: their step counter counted applied
+    // updates only (a skipped step did not advance it), so both counts equal it.
+    applied_.fill_(double(steps));
+    steps_ = steps;
+    return;
+  }
   DFLASH_CHECK(it->second->numel() == 1, DataError, source << ": optimizer state 'step' must hold one value");
   const double applied = it->second->item<double>();
   DFLASH_CHECK(applied >= 0 && applied <= double(steps) && applied == std::floor(applied), DataError,

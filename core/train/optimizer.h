@@ -32,7 +32,8 @@ class AdamW {
   // params' device: the updates applied, i.e. steps() minus the skipped ones; exact below 2^24).
   std::vector<std::pair<std::string, torch::Tensor>> state() const;
   // Restores state() and steps() (`steps`: steps() at the save). Throws DataError when a tensor is
-  // missing or misshapen, or "step" is not an integer in [0, steps].
+  // missing or misshapen, or "step" is not an integer in [0, steps]. Without "step" (checkpoints
+  // from before it was state, whose counter counted applied updates only) it is set to `steps`.
   void load_state(const std::vector<std::pair<std::string, torch::Tensor>>& state, int64_t steps,
                   const std::string& source);
 
