@@ -50,8 +50,9 @@ struct KernelTimes {
 KernelTimes last_kernel_times();
 
 // Empty when the kernels accept these inputs; otherwise why not (for the caller's log or error).
-// Accepted: CUDA tensors; q/k/v float32 or bfloat16 (one dtype), g/beta float32 or q's dtype;
-// chunk == 64; key head dim 64 or 128; value head dim a multiple of 32 with K + V <= 256;
+// Accepted: CUDA tensors on a device of compute capability 8.0+ (TF32 tensor cores); q/k/v float32
+// or bfloat16 (one dtype), g/beta float32 or q's dtype; chunk == 64; key head dim 64 or 128; value
+// head dim a multiple of 32 with K + V <= 256;
 // q/k/v with unit stride over the head dim and heads packed ([T, H, D] rows may be strided).
 std::string unsupported_reason(const GatedDeltaInputs& in, int64_t chunk);
 
