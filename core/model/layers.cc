@@ -1,8 +1,11 @@
 #include "core/model/layers.h"
 
+#include <ATen/ops/_cudnn_attention_forward.h>
 #include <ATen/ops/_flash_attention_forward.h>
 
 #include <cmath>
+
+#include "core/util/flags.h"
 
 namespace dflash::model {
 namespace F = torch::nn::functional;
@@ -168,7 +171,7 @@ torch::Tensor doc_positions(const std::vector<int64_t>& doc_lens, torch::Device 
 }
 
 torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                      const std::vector<int64_t>& doc_lens, double scale) {
+                                      const std::vector<int64_t>& doc_lens, double scale, VarlenAttention backend) {
   const bool flash = q.is_cuda() && (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf);
   if (flash) {
     std::vector<int32_t> cu{0};
@@ -178,6 +181,15 @@ torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tenso
       max_len = std::max(max_len, n);
     }
     auto cu_t = to_device_async(torch::tensor(cu, torch::kInt32), q.device());
+    static const bool env_cudnn = env_choice("DFLASH_TARGET_ATTENTION", {"flash", "cudnn"}) == "cudnn";
+    if (backend == VarlenAttention::kCudnn || (backend == VarlenAttention::kFromEnv && env_cudnn)) {
+      const int64_t r = q.size(1) / k.size(1);  // cuDNN's varlen path takes as many k/v heads as q heads
+      auto kr = r == 1 ? k.contiguous() : k.repeat_interleave(r, 1);
+      auto vr = r == 1 ? v.contiguous() : v.repeat_interleave(r, 1);
+      return std::get<0>(at::_cudnn_attention_forward(q.contiguous(), kr, vr, std::nullopt, cu_t, cu_t, max_len, max_len,
+                                                      /*compute_log_sumexp=*/true, 0.0, /*is_causal=*/true,
+                                                      /*return_debug_mask=*/false, scale));
+    }
     auto out = at::_flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_t, cu_t, max_len,
                                             max_len, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, scale);
     return std::get<0>(out);

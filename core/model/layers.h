@@ -58,10 +58,14 @@ torch::Tensor to_device_async(const torch::Tensor& host, torch::Device device);
 torch::Tensor doc_positions(const std::vector<int64_t>& doc_lens, torch::Device device);
 
 // Causal attention inside each document of a packed batch (no cross-document attention), GQA.
-// q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. CUDA bf16/fp16 uses the varlen flash kernel; other
-// cases run SDPA per document.
+// q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. CUDA bf16/fp16: the varlen flash kernel, or cuDNN's
+// varlen SDPA (k/v heads repeated for GQA); kFromEnv reads DFLASH_TARGET_ATTENTION=flash|cudnn
+// (default flash; cuDNN is the lever measured next for issue 6, docs/perf.md). Other cases run SDPA
+// per document.
+enum class VarlenAttention { kFromEnv, kFlash, kCudnn };
 torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                      const std::vector<int64_t>& doc_lens, double scale);
+                                      const std::vector<int64_t>& doc_lens, double scale,
+                                      VarlenAttention backend = VarlenAttention::kFromEnv);
 
 // SwiGLU MLP with fused gate/up weight [2*I, H] (gate rows first): down(silu(gate(x)) * up(x)).
 torch::Tensor swiglu_mlp(const torch::Tensor& x, const torch::Tensor& gate_up_w, const torch::Tensor& down_w);

@@ -2,6 +2,9 @@
 // round to bf16 at the same points; allowed difference: 2 bf16 ulps relative to the value scale.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <iostream>
+
 #include "core/model/cuda/fused_ops.h"
 #include "core/model/layers.h"
 #include "tests/model/golden_util.h"
@@ -35,6 +38,26 @@ TEST(FusedOps, SiluMulMatchesPlain) {
     auto chunks = gu.chunk(2, -1);
     EXPECT_LT(rel_err(fused::silu_mul(gu), torch::silu(chunks[0]) * chunks[1]), kTol) << "inter " << inter;
   }
+}
+
+// cuDNN's varlen SDPA (DFLASH_TARGET_ATTENTION=cudnn) vs the varlen flash kernel: packed documents
+// of different lengths, GQA 32/8 heads of 128, bf16; and no attention across documents.
+TEST(VarlenAttention, CudnnMatchesFlash) {
+  torch::manual_seed(31);
+  const std::vector<int64_t> lens{700, 1, 64, 1331};
+  const int64_t T = 2096;
+  auto q = torch::randn({T, 32, 128}, bf16()), k = torch::randn({T, 8, 128}, bf16()), v = torch::randn({T, 8, 128}, bf16());
+  const double scale = 1.0 / std::sqrt(128.0);
+  auto flash = causal_attention_varlen(q, k, v, lens, scale, VarlenAttention::kFlash);
+  auto cudnn = causal_attention_varlen(q, k, v, lens, scale, VarlenAttention::kCudnn);
+  ASSERT_EQ(cudnn.sizes(), flash.sizes());
+  const double e = rel_err(cudnn, flash);
+  std::cout << "varlen attention: cuDNN vs flash relative error " << e << "\n";
+  EXPECT_LT(e, kTol);
+  // The last document alone gives the same rows: nothing leaks across documents.
+  auto last = causal_attention_varlen(q.narrow(0, T - 1331, 1331), k.narrow(0, T - 1331, 1331), v.narrow(0, T - 1331, 1331),
+                                      {1331}, scale, VarlenAttention::kCudnn);
+  EXPECT_LT(rel_err(cudnn.narrow(0, T - 1331, 1331), last), kTol);
 }
 
 TEST(FusedOps, HeadNormRopeMatchesPlainFullAndPartial) {
