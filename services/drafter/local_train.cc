@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "core/data/packing.h"
@@ -121,6 +122,32 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   std::ofstream metrics_log(out / "metrics.jsonl", std::ios::app);
   int64_t tokens_done = 0;
   auto t_loop = std::chrono::steady_clock::now();
+  // The last enqueued optimizer step, reported (waited for) once the next one is enqueued, before a
+  // checkpoint and at the end.
+  struct Pending {
+    train::PendingMetrics metrics;
+    int64_t epoch, tokens_done;
+  };
+  std::optional<Pending> pending;
+  auto report = [&] {
+    if (!pending) return;
+    const auto m = pending->metrics.wait();
+    const int64_t epoch_of_step = pending->epoch;
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_loop).count();
+    const double tok_s = pending->tokens_done / std::max(secs, 1e-9);
+    pending.reset();
+    res.last_loss = m.loss;
+    res.last_accept_len = m.accept_len;
+    json line = {{"step", m.step}, {"epoch", epoch_of_step}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl},
+                 {"accept_len", m.accept_len}, {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm},
+                 {"tokens", m.tokens}, {"anchors", m.anchors}, {"tokens_per_s", tok_s},
+                 {"skipped_nonfinite", m.skipped_nonfinite}};
+    metrics_log << line.dump() << "\n";
+    metrics_log.flush();
+    if (!opt.quiet && (m.step % 10 == 0 || m.step == total_steps))
+      LOG_INFO("step " << m.step << "/" << total_steps << " epoch " << epoch_of_step << " loss " << m.loss << " tau "
+                       << m.accept_len << " lr " << m.lr << " tok/s " << int(tok_s));
+  };
   bool stopped_early = false;
   for (; epoch < cfg.run.epochs && !stopped_early; ++epoch, batch_idx = 0) {
     const auto& batches = plans[epoch].batches;
@@ -132,29 +159,25 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
       tokens_done += mb.input_ids_T.size(0);
       trainer.micro_batch(mb);
       if ((batch_idx + 1) % accum != 0) continue;
-      auto m = trainer.step();
-      res.steps = m.step;
-      res.last_loss = m.loss;
-      res.last_accept_len = m.accept_len;
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_loop).count();
-      json line = {{"step", m.step}, {"epoch", epoch}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl},
-                   {"accept_len", m.accept_len}, {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm},
-                   {"tokens", m.tokens}, {"anchors", m.anchors}, {"tokens_per_s", tokens_done / std::max(secs, 1e-9)},
-                   {"skipped_nonfinite", m.skipped_nonfinite}};
-      metrics_log << line.dump() << "\n";
-      metrics_log.flush();
-      if (!opt.quiet && (m.step % 10 == 0 || m.step == total_steps))
-        LOG_INFO("step " << m.step << "/" << total_steps << " epoch " << epoch << " loss " << m.loss << " tau "
-                         << m.accept_len << " lr " << m.lr << " tok/s " << int(tokens_done / std::max(secs, 1e-9)));
-      const bool last = m.step == total_steps;
-      if (m.step % cfg.run.save_interval_steps == 0 || last) checkpoint(epoch, batch_idx + 1);
-      if (opt.max_steps >= 0 && m.step >= opt.max_steps) {
+      // The step is enqueued; the previous one is reported now: waiting for its values leaves this
+      // one queued on the GPU, so the loop never lets the GPU drain (issue 6).
+      auto enqueued = trainer.end_step();
+      report();
+      pending.emplace(Pending{std::move(enqueued), epoch, tokens_done});
+      const int64_t step = trainer.step_count();
+      res.steps = step;
+      const bool stop = opt.max_steps >= 0 && step >= opt.max_steps;
+      if (step % cfg.run.save_interval_steps == 0 || step == total_steps || stop) {
+        report();
         checkpoint(epoch, batch_idx + 1);
+      }
+      if (stop) {
         stopped_early = true;
         break;
       }
     }
   }
+  report();
   res.steps = trainer.step_count();
   if (!stopped_early) {
     res.export_dir = opt.export_dir.empty() ? (out / "export").string() : opt.export_dir;
