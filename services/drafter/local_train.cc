@@ -13,6 +13,7 @@
 #include "core/data/packing.h"
 #include "core/data/shards.h"
 #include "core/model/drafter.h"
+#include "core/model/layers.h"
 #include "core/model/target.h"
 #include "core/train/checkpoint.h"
 #include "core/train/export.h"
@@ -39,9 +40,12 @@ train::MicroBatch capture_batch(model::TargetModel& target, const data::ShardRea
     mb.loss_mask_host.insert(mb.loss_mask_host.end(), s.loss_mask.data, s.loss_mask.data + n);
     mb.doc_lens.push_back(n);
   }
-  mb.input_ids_T = torch::tensor(ids, torch::kInt64).to(device);
-  mb.loss_mask_T = torch::tensor(std::vector<int64_t>(mb.loss_mask_host.begin(), mb.loss_mask_host.end()), torch::kInt64)
-                       .to(torch::kUInt8).to(device);
+  // Through pinned memory without blocking: a pageable copy would wait for the queued GPU work.
+  mb.input_ids_T = model::to_device_async(torch::tensor(ids, torch::kInt64), device);
+  mb.loss_mask_T = model::to_device_async(
+      torch::tensor(std::vector<int64_t>(mb.loss_mask_host.begin(), mb.loss_mask_host.end()), torch::kInt64)
+          .to(torch::kUInt8),
+      device);
   auto cap = target.forward_capture(mb.input_ids_T, mb.doc_lens, spec);
   mb.features_TKH = cap.features_TKH;
   mb.h_last_TH = cap.last_hidden_TH;

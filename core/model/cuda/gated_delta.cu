@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "core/model/cuda/gated_delta_cuda.h"
+#include "core/model/layers.h"
 
 namespace dflash::model::cuda_gdn {
 namespace {
@@ -631,7 +632,7 @@ torch::Tensor chunk_gated_delta_rule(const GatedDeltaInputs& in, const std::vect
   host.insert(host.end(), chunk_len.begin(), chunk_len.end());
   host.insert(host.end(), doc_info.begin(), doc_info.end());
   c10::cuda::CUDAGuard guard(q.device());
-  auto tables = torch::tensor(host, torch::kInt32).to(q.device());
+  auto tables = to_device_async(torch::tensor(host, torch::kInt32), q.device());  // no wait for queued work
   const Layout lay{static_cast<int>(K), static_cast<int>(V)};
   auto work = torch::empty({num_chunks * Hv * lay.size()}, q.options().dtype(torch::kFloat32));
   auto states = torch::empty({num_chunks * Hv * K * V}, q.options().dtype(torch::kFloat32));
