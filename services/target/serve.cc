@@ -17,6 +17,7 @@
 
 #include "core/data/shards.h"
 #include "core/model/drafter.h"
+#include "core/model/layers.h"
 #include "core/model/target.h"
 #include "services/common/pipeline_common.h"
 #include "services/common/transport_factory.h"
@@ -312,7 +313,8 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
         const int bi = static_cast<int>(n_batches++ % bufs.size());
         // forward + capture into the reused buffers
         auto ids_T = torch::from_blob(ids_host.data(), {T}, torch::kInt64);
-        if (device.is_cuda()) ids_T = ids_T.to(device);
+        // Pinned and non-blocking: a pageable copy would wait for the previous batch's queued forward.
+        if (device.is_cuda()) ids_T = model::to_device_async(ids_T, device);
         stream::PackedBatchInfo info;
         info.run_id = opt.run_id;
         info.batch_id = static_cast<uint64_t>(i);
