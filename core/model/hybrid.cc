@@ -221,15 +221,20 @@ class HybridTarget : public TargetModel {
     const int64_t dk = cfg_.linear_key_head_dim, dv = cfg_.linear_value_head_dim;
     const int64_t key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
     auto proj = F::linear(x_TH, G.in_w);  // [T, conv_dim + value_dim + 2 Hv], model dtype
-    torch::Tensor mixed_TC;  // fp32
-#ifdef DFLASH_WITH_CUDA
-    if (fused_ok && cfg_.linear_conv_kernel_dim <= 8)
-      mixed_TC = hybrid_cuda::causal_conv1d_silu(proj.narrow(1, 0, conv_dim), G.conv_w, pos_T);
-#endif
-    if (!mixed_TC.defined()) mixed_TC = causal_conv1d_silu_varlen(proj.narrow(1, 0, conv_dim), G.conv_w, doc_lens);
     GatedDeltaInputs in;
-    in.q_THK = l2norm(mixed_TC.narrow(1, 0, key_dim).view({T, Hk, dk}));
-    in.k_THK = l2norm(mixed_TC.narrow(1, key_dim, key_dim).view({T, Hk, dk}));
+    torch::Tensor mixed_TC;  // fp32, conv + SiLU; q and k l2-normalised
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok && hybrid_cuda::conv_silu_l2norm_supported(conv_dim, 2 * key_dim, dk, cfg_.linear_conv_kernel_dim))
+      mixed_TC = hybrid_cuda::conv_silu_l2norm(proj.narrow(1, 0, conv_dim), G.conv_w, pos_T, 2 * key_dim, dk);
+#endif
+    if (mixed_TC.defined()) {
+      in.q_THK = mixed_TC.narrow(1, 0, key_dim).view({T, Hk, dk});
+      in.k_THK = mixed_TC.narrow(1, key_dim, key_dim).view({T, Hk, dk});
+    } else {
+      mixed_TC = causal_conv1d_silu_varlen(proj.narrow(1, 0, conv_dim), G.conv_w, doc_lens);
+      in.q_THK = l2norm(mixed_TC.narrow(1, 0, key_dim).view({T, Hk, dk}));
+      in.k_THK = l2norm(mixed_TC.narrow(1, key_dim, key_dim).view({T, Hk, dk}));
+    }
     in.v_THV = mixed_TC.narrow(1, 2 * key_dim, value_dim).view({T, Hv, dv});
     in.allow_tf32 = opt_.dtype != torch::kFloat32;
     auto z_THV = proj.narrow(1, conv_dim, value_dim).view({T, Hv, dv});

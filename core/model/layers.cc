@@ -170,29 +170,90 @@ torch::Tensor doc_positions(const std::vector<int64_t>& doc_lens, torch::Device 
   return to_device_async(torch::tensor(pos, torch::kInt64), device);
 }
 
+namespace {
+// The varlen flash kernel (FA2) over packed documents; q may hold only some rows of each document
+// (cu_q over q's rows, cu_k over k's): causal is then aligned to the bottom right, i.e. q's rows are
+// the last rows of their document.
+torch::Tensor flash_varlen(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const std::vector<int64_t>& q_lens, const std::vector<int64_t>& k_lens, double scale) {
+  std::vector<int32_t> cu(2 * (q_lens.size() + 1), 0);
+  const int64_t n = static_cast<int64_t>(q_lens.size()) + 1;
+  int64_t max_q = 0, max_k = 0;
+  for (size_t i = 0; i < q_lens.size(); ++i) {
+    cu[i + 1] = cu[i] + static_cast<int32_t>(q_lens[i]);
+    cu[n + i + 1] = cu[n + i] + static_cast<int32_t>(k_lens[i]);
+    max_q = std::max(max_q, q_lens[i]);
+    max_k = std::max(max_k, k_lens[i]);
+  }
+  auto cu_t = to_device_async(torch::tensor(cu, torch::kInt32), q.device());
+  return std::get<0>(at::_flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_t.narrow(0, 0, n),
+                                                  cu_t.narrow(0, n, n), max_q, max_k, 0.0, /*is_causal=*/true,
+                                                  /*return_debug_mask=*/false, scale));
+}
+
+// [B, H, s, D] view of rows [off, off + B*n) of a packed [T, H, D] tensor (any row stride): document j
+// starts at row off + j*n, and the view holds its first s <= n rows.
+torch::Tensor doc_view(const torch::Tensor& x, int64_t off, int64_t B, int64_t n, int64_t s) {
+  const int64_t row = x.stride(0);
+  return x.as_strided({B, x.size(1), s, x.size(2)}, {n * row, x.stride(1), row, x.stride(2)},
+                      x.storage_offset() + off * row);
+}
+
+// cuDNN's fused SDPA through its dense entry point, whose execution plans PyTorch caches per shape
+// (the varlen entry point builds a plan on every call: ~60 ms of host time per layer). Each run of
+// consecutive documents of equal length n is one call over a strided view of q/k/v (no copies), on
+// the first s = 128*floor(n/128) rows, so the plans are one per (run size, s): a bounded set. The
+// remaining < 128 rows of each document (and documents shorter than 128) attend to their whole
+// document in one varlen flash call. GQA is native (k/v keep their heads).
+torch::Tensor cudnn_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const std::vector<int64_t>& doc_lens, double scale) {
+  constexpr int64_t kTile = 128;
+  const int64_t T = q.size(0);
+  torch::Tensor out;
+  std::vector<int64_t> tail_rows;  // rows of q computed by the flash call (each document's last n % 128)
+  std::vector<int64_t> tail_lens;
+  int64_t off = 0;
+  for (size_t i = 0; i < doc_lens.size();) {
+    const int64_t n = doc_lens[i], s = n / kTile * kTile;
+    size_t j = i + 1;
+    while (j < doc_lens.size() && doc_lens[j] == n) ++j;
+    const int64_t B = static_cast<int64_t>(j - i);
+    if (s > 0) {
+      auto o = std::get<0>(at::_cudnn_attention_forward(doc_view(q, off, B, n, s), doc_view(k, off, B, n, s),
+                                                        doc_view(v, off, B, n, s), std::nullopt, std::nullopt,
+                                                        std::nullopt, s, s, /*compute_log_sumexp=*/false, 0.0,
+                                                        /*is_causal=*/true, /*return_debug_mask=*/false, scale));
+      auto o_BsHD = o.transpose(1, 2);  // cuDNN lays o out like q: [B, s, H, D] in memory
+      if (s == n && B * n == T && o_BsHD.is_contiguous()) return o_BsHD.reshape({T, q.size(1), q.size(2)});
+      if (!out.defined()) out = torch::empty({T, q.size(1), q.size(2)}, q.options());
+      out.narrow(0, off, B * n).view({B, n, q.size(1), q.size(2)}).narrow(1, 0, s).copy_(o_BsHD);
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t r = off + b * n + s; r < off + (b + 1) * n; ++r) tail_rows.push_back(r);
+      tail_lens.push_back(n - s);
+    }
+    off += B * n;
+    i = j;
+  }
+  if (!out.defined()) out = torch::empty({T, q.size(1), q.size(2)}, q.options());
+  if (!tail_rows.empty()) {
+    auto idx = to_device_async(torch::tensor(tail_rows, torch::kInt64), q.device());
+    out.index_copy_(0, idx, flash_varlen(q.index_select(0, idx), k, v, tail_lens, doc_lens, scale));
+  }
+  return out;
+}
+}  // namespace
+
 torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                       const std::vector<int64_t>& doc_lens, double scale, VarlenAttention backend) {
-  const bool flash = q.is_cuda() && (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf);
-  if (flash) {
-    std::vector<int32_t> cu{0};
-    int64_t max_len = 0;
-    for (auto n : doc_lens) {
-      cu.push_back(cu.back() + static_cast<int32_t>(n));
-      max_len = std::max(max_len, n);
+  const bool fused = q.is_cuda() && (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf);
+  if (fused) {
+    if (backend == VarlenAttention::kFromEnv) {
+      static const std::string env = env_choice("DFLASH_TARGET_ATTENTION", {"flash", "cudnn"});
+      backend = env == "flash" ? VarlenAttention::kFlash : VarlenAttention::kCudnn;
     }
-    auto cu_t = to_device_async(torch::tensor(cu, torch::kInt32), q.device());
-    static const bool env_cudnn = env_choice("DFLASH_TARGET_ATTENTION", {"flash", "cudnn"}) == "cudnn";
-    if (backend == VarlenAttention::kCudnn || (backend == VarlenAttention::kFromEnv && env_cudnn)) {
-      const int64_t r = q.size(1) / k.size(1);  // cuDNN's varlen path takes as many k/v heads as q heads
-      auto kr = r == 1 ? k.contiguous() : k.repeat_interleave(r, 1);
-      auto vr = r == 1 ? v.contiguous() : v.repeat_interleave(r, 1);
-      return std::get<0>(at::_cudnn_attention_forward(q.contiguous(), kr, vr, std::nullopt, cu_t, cu_t, max_len, max_len,
-                                                      /*compute_log_sumexp=*/true, 0.0, /*is_causal=*/true,
-                                                      /*return_debug_mask=*/false, scale));
-    }
-    auto out = at::_flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_t, cu_t, max_len,
-                                            max_len, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, scale);
-    return std::get<0>(out);
+    if (backend == VarlenAttention::kCudnn) return cudnn_attention(q, k, v, doc_lens, scale);
+    return flash_varlen(q, k, v, doc_lens, doc_lens, scale);
   }
   auto out = torch::empty_like(q);
   int64_t off = 0;

@@ -58,10 +58,11 @@ torch::Tensor to_device_async(const torch::Tensor& host, torch::Device device);
 torch::Tensor doc_positions(const std::vector<int64_t>& doc_lens, torch::Device device);
 
 // Causal attention inside each document of a packed batch (no cross-document attention), GQA.
-// q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. CUDA bf16/fp16: the varlen flash kernel, or cuDNN's
-// varlen SDPA (k/v heads repeated for GQA); kFromEnv reads DFLASH_TARGET_ATTENTION=flash|cudnn
-// (default flash; cuDNN is the lever measured next for issue 6, docs/perf.md). Other cases run SDPA
-// per document.
+// q [T, Hq, D], k/v [T, Hkv, D] (any row stride) -> [T, Hq, D]. CUDA bf16/fp16: kCudnn (default)
+// runs cuDNN's fused SDPA on each document's first 128*floor(n/128) rows (runs of equal-length
+// documents batched; plans cached per shape) and the varlen flash kernel on the remaining rows;
+// kFlash runs the varlen flash kernel on everything. kFromEnv reads DFLASH_TARGET_ATTENTION=
+// cudnn|flash (docs/perf.md has the A/B). Other devices/dtypes run SDPA per document.
 enum class VarlenAttention { kFromEnv, kFlash, kCudnn };
 torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                       const std::vector<int64_t>& doc_lens, double scale,

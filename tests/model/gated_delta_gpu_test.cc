@@ -3,7 +3,7 @@
 // lengths are not multiples of 64, with the GVA head mapping (Hv = 3 Hk) and the 27B head dims.
 // Metric: rel_err = max|a - b| / max|b| (golden_util.h). Limits: fp32 inputs 1e-4 (3xTF32 products),
 // fp32 inputs with TF32 products allowed 5e-3, bf16 q/k/v 2e-2.
-// Also the hybrid's fused conv + SiLU, gated RMSNorm and zero-centred RMSNorm (hybrid_ops.cu) vs
+// Also the hybrid's fused conv + SiLU + l2norm, gated RMSNorm and zero-centred RMSNorm (hybrid_ops.cu) vs
 // their LibTorch twins: fp32 results 1e-5, bf16 results 2 bf16 ulps of the value scale.
 #include <gtest/gtest.h>
 
@@ -294,24 +294,32 @@ TEST(GatedDeltaGpu, UnsupportedInputsFailLoudlyOrRunComposedDeliberately) {
 
 constexpr double kBf16Ulps2 = 2 * 0.0078125;
 
-TEST(HybridOpsGpu, CausalConvSiluMatchesComposed) {
+// The fused conv stage (conv + SiLU, then l2norm of the q/k heads) vs conv1d_silu_varlen + l2norm:
+// documents of 1..500 tokens (the window restarts per document), strided rows as in the layer,
+// q/k = the first 2 of 5 head groups, head dims 64/128/256, bf16 and fp32 input.
+TEST(HybridOpsGpu, ConvSiluL2normMatchesComposed) {
   const std::vector<int64_t> lens{1, 2, 3, 17, 500, 5, 64};
-  const int64_t T = total(lens), C = 320, Kc = 4;
+  const int64_t T = total(lens), Kc = 4;
   torch::manual_seed(21);
   auto cuda = torch::TensorOptions().device(torch::kCUDA);
-  auto fused_buf = torch::randn({T, C + 40}, cuda.dtype(torch::kBFloat16));  // strided rows, as in the layer
-  auto x = fused_buf.narrow(1, 0, C);
-  auto w = torch::randn({C, Kc}, cuda.dtype(torch::kBFloat16));
   auto pos = model::doc_positions(lens, torch::kCUDA);
-  auto ref = model::causal_conv1d_silu_varlen(x, w, lens);  // composed LibTorch, fp32
-  auto y = model::hybrid_cuda::causal_conv1d_silu(x, w, pos);
-  EXPECT_EQ(y.scalar_type(), torch::kFloat32);
-  const double e = rel_err(y, ref);
-  std::cout << "conv+silu bf16 in: fused vs composed " << e << "\n";
-  EXPECT_LT(e, 1e-5);
-  auto x32 = x.to(torch::kFloat32);
-  EXPECT_LT(rel_err(model::hybrid_cuda::causal_conv1d_silu(x32, w, pos), model::causal_conv1d_silu_varlen(x32, w, lens)),
-            1e-5);
+  for (int64_t dk : {64, 128, 256}) {
+    const int64_t C = 5 * dk, qk = 2 * dk;
+    auto fused_buf = torch::randn({T, C + 40}, cuda.dtype(torch::kBFloat16));  // strided rows, as in the layer
+    auto x = fused_buf.narrow(1, 0, C);
+    auto w = torch::randn({C, Kc}, cuda.dtype(torch::kBFloat16));
+    for (auto xin : {x, x.to(torch::kFloat32)}) {
+      auto conv = model::causal_conv1d_silu_varlen(xin, w, lens);  // composed LibTorch, fp32
+      auto ref = torch::cat({model::l2norm(conv.narrow(1, 0, qk).view({T, 2, dk})).view({T, qk}), conv.narrow(1, qk, C - qk)}, 1);
+      ASSERT_TRUE(model::hybrid_cuda::conv_silu_l2norm_supported(C, qk, dk, Kc));
+      auto y = model::hybrid_cuda::conv_silu_l2norm(xin, w, pos, qk, dk);
+      EXPECT_EQ(y.scalar_type(), torch::kFloat32);
+      const double e = rel_err(y, ref);
+      std::cout << "conv+silu+l2norm dk " << dk << " (" << xin.scalar_type() << " in): fused vs composed " << e << "\n";
+      EXPECT_LT(e, 1e-5);
+    }
+  }
+  EXPECT_FALSE(model::hybrid_cuda::conv_silu_l2norm_supported(320, 128, 96, 4));
 }
 
 TEST(HybridOpsGpu, GatedRmsNormMatchesComposed) {

@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "core/model/cuda/device_common.cuh"
 
 #include "core/model/cuda/hybrid_ops.h"
@@ -14,21 +16,57 @@ using namespace dflash::model::cuda_common;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
-// One thread per (token, channel); tap Kc-1 reads the token itself, tap Kc-1-s the token s back,
-// which exists when the token is at least s positions into its document.
-template <typename Tin>
-__global__ void conv_silu_kernel(const Tin* __restrict__ x, int64_t sx, const float* __restrict__ w,
-                                 const int64_t* __restrict__ pos, float* __restrict__ out, int64_t T, int C, int Kc) {
-  const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (idx >= T * C) return;
-  const int64_t t = idx / C;
-  const int c = static_cast<int>(idx % C);
-  const int64_t p = pos[t];
-  const float* wc = w + int64_t(c) * Kc;
-  float acc = __fmul_rn(to_f(x[t * sx + c]), wc[Kc - 1]);
-  for (int s = 1; s < Kc; ++s)
-    if (p >= s) acc = __fadd_rn(acc, __fmul_rn(to_f(x[(t - s) * sx + c]), wc[Kc - 1 - s]));
-  out[idx] = silu(acc);
+// The Gated DeltaNet's conv stage in one pass. One warp per (group of 32*VEC channels, TT tokens);
+// each lane owns VEC adjacent channels. Tap Kc-1 reads the token itself, tap Kc-1-s the token s
+// back, which exists when the token is at least s positions into its document. Groups below
+// l2_groups (the q and k heads, one head per group) are then l2-normalised over the group.
+// Replaces a one-thread-per-element conv (0.34 ms per 27B layer at 4096 tokens, H200) followed by
+// six LibTorch ops for l2norm.
+template <typename Tin, int VEC, int TT>
+__global__ void conv_silu_l2norm_kernel(const Tin* __restrict__ x, int64_t sx, const float* __restrict__ w,
+                                        const int64_t* __restrict__ pos, float* __restrict__ out, int64_t T, int C,
+                                        int Kc, int l2_groups, float eps) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int groups = C / (32 * VEC);
+  const int g = static_cast<int>(warp % groups);
+  const int64_t t0 = warp / groups * TT;
+  if (t0 >= T) return;  // whole warps leave together
+  const int c0 = g * 32 * VEC + lane * VEC;
+  float wr[VEC][8];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j)
+    for (int s = 0; s < Kc; ++s) wr[j][s] = w[int64_t(c0 + j) * Kc + s];
+  const bool l2 = g < l2_groups;
+  for (int64_t t = t0; t < t0 + TT && t < T; ++t) {
+    const int64_t p = pos[t];
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = __fmul_rn(to_f(x[t * sx + c0 + j]), wr[j][Kc - 1]);
+    for (int s = 1; s < Kc && s <= p; ++s)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(to_f(x[(t - s) * sx + c0 + j]), wr[j][Kc - 1 - s]));
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      acc[j] = silu(acc[j]);
+      ss = fmaf(acc[j], acc[j], ss);
+    }
+    if (l2) {
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      const float r = rsqrtf(ss + eps);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] = __fmul_rn(acc[j], r);
+    }
+    float* o = out + t * C + c0;
+    if constexpr (VEC % 4 == 0) {
+#pragma unroll
+      for (int j = 0; j < VEC; j += 4) *reinterpret_cast<float4*>(o + j) = make_float4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = acc[j];
+    }
+  }
 }
 
 // One warp per (token, head) row of D = 32 * PER values.
@@ -78,29 +116,47 @@ __global__ void rms_norm_zc_kernel(const __nv_bfloat16* __restrict__ x, const fl
 
 }  // namespace
 
-torch::Tensor causal_conv1d_silu(const torch::Tensor& x_TC, const torch::Tensor& w_CK, const torch::Tensor& pos_T) {
+bool conv_silu_l2norm_supported(int64_t C, int64_t qk_channels, int64_t head_dim, int64_t Kc) {
+  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && C % head_dim == 0 && qk_channels % head_dim == 0 &&
+         Kc >= 1 && Kc <= 8;
+}
+
+torch::Tensor conv_silu_l2norm(const torch::Tensor& x_TC, const torch::Tensor& w_CK, const torch::Tensor& pos_T,
+                               int64_t qk_channels, int64_t head_dim, double eps) {
   TORCH_CHECK(x_TC.is_cuda() && x_TC.dim() == 2 && x_TC.stride(1) == 1, "conv: x must be CUDA [T, C], unit channel stride");
   TORCH_CHECK(x_TC.scalar_type() == torch::kFloat32 || x_TC.scalar_type() == torch::kBFloat16, "conv: x float32|bfloat16");
   const int64_t T = x_TC.size(0);
   const int C = static_cast<int>(x_TC.size(1)), Kc = static_cast<int>(w_CK.size(1));
-  TORCH_CHECK(w_CK.size(0) == C && Kc >= 1 && Kc <= 8, "conv: w must be [C, Kc <= 8]");
+  TORCH_CHECK(w_CK.size(0) == C, "conv: w must be [C, Kc]");
+  TORCH_CHECK(conv_silu_l2norm_supported(C, qk_channels, head_dim, Kc),
+              "conv: needs head_dim 64|128|256 dividing C and the q/k channels, Kc <= 8");
   TORCH_CHECK(pos_T.scalar_type() == torch::kInt64 && pos_T.numel() == T, "conv: pos must be int64 [T]");
   c10::cuda::CUDAGuard guard(x_TC.device());
   auto w = w_CK.to(x_TC.device(), torch::kFloat32).contiguous();
   auto pos = pos_T.contiguous();
   auto out = torch::empty({T, C}, x_TC.options().dtype(torch::kFloat32));
-  const int64_t total = T * C;
-  if (total == 0) return out;
-  const int threads = 256;
-  const int64_t blocks = (total + threads - 1) / threads;
+  if (T == 0) return out;
+  constexpr int kTT = 4, kThreads = 256;
+  const int64_t warps = (C / head_dim) * ((T + kTT - 1) / kTT);
+  const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
+  const int l2_groups = static_cast<int>(qk_channels / head_dim);
   auto stream = at::cuda::getCurrentCUDAStream();
+  auto launch = [&](auto vec, const auto* xp) {
+    constexpr int VEC = decltype(vec)::value;
+    using Tin = std::remove_cv_t<std::remove_pointer_t<decltype(xp)>>;
+    conv_silu_l2norm_kernel<Tin, VEC, kTT><<<blocks, kThreads, 0, stream>>>(
+        xp, x_TC.stride(0), w.data_ptr<float>(), pos.data_ptr<int64_t>(), out.data_ptr<float>(), T, C, Kc, l2_groups,
+        static_cast<float>(eps));
+  };
+  auto dispatch = [&](const auto* xp) {
+    if (head_dim == 64) launch(std::integral_constant<int, 2>{}, xp);
+    else if (head_dim == 128) launch(std::integral_constant<int, 4>{}, xp);
+    else launch(std::integral_constant<int, 8>{}, xp);
+  };
   if (x_TC.scalar_type() == torch::kBFloat16)
-    conv_silu_kernel<<<blocks, threads, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(x_TC.data_ptr()),
-                                                     x_TC.stride(0), w.data_ptr<float>(), pos.data_ptr<int64_t>(),
-                                                     out.data_ptr<float>(), T, C, Kc);
+    dispatch(reinterpret_cast<const __nv_bfloat16*>(x_TC.data_ptr()));
   else
-    conv_silu_kernel<<<blocks, threads, 0, stream>>>(x_TC.data_ptr<float>(), x_TC.stride(0), w.data_ptr<float>(),
-                                                     pos.data_ptr<int64_t>(), out.data_ptr<float>(), T, C, Kc);
+    dispatch(x_TC.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -7,10 +7,14 @@
 
 namespace dflash::model::hybrid_cuda {
 
-// causal_conv1d_silu_varlen (gated_delta.h) for CUDA x_TC [T, C] float32 or bfloat16 (rows may be
-// strided, channels unit-stride), w_CK [C, Kc] (Kc <= 8) any float dtype; pos_T [T] int64 = position
-// of each token inside its document (layers.h doc_positions). Returns float32 [T, C].
-torch::Tensor causal_conv1d_silu(const torch::Tensor& x_TC, const torch::Tensor& w_CK, const torch::Tensor& pos_T);
+// The Gated DeltaNet's conv stage: causal_conv1d_silu_varlen (gated_delta.h) over CUDA x_TC [T, C]
+// float32 or bfloat16 (rows may be strided, channels unit-stride) with w_CK [C, Kc] any float dtype
+// and pos_T [T] int64 (layers.h doc_positions: each token's position in its document), then
+// l2norm (eps) over each head of head_dim channels among the first qk_channels (q and k). Returns
+// float32 [T, C]. Requires conv_silu_l2norm_supported.
+bool conv_silu_l2norm_supported(int64_t C, int64_t qk_channels, int64_t head_dim, int64_t Kc);
+torch::Tensor conv_silu_l2norm(const torch::Tensor& x_TC, const torch::Tensor& w_CK, const torch::Tensor& pos_T,
+                               int64_t qk_channels, int64_t head_dim, double eps = 1e-6);
 
 // gated_rms_norm (gated_delta.h) over the last dim D of x [T, H, D] float32 (contiguous), gate z
 // [T, H, D] any float dtype (rows may be strided, heads packed), w [D]; D a multiple of 32, <= 512.
