@@ -7,6 +7,7 @@
 #include "core/model/hybrid.h"
 
 #include <cmath>
+#include <utility>
 
 #include "core/model/gated_delta.h"
 #include "core/model/layers.h"
@@ -135,14 +136,19 @@ class HybridTarget : public TargetModel {
     auto rope = rope_table(inv_freq_, pos_T, opt_.dtype);
     auto h = F::embedding(ids_T, embed_);  // [T, H]
     const bool fused = use_fused(h);
+    torch::Tensor delta;  // the last sublayer's output, added to h by the next add_norm
     for (int64_t l = 0; l < cfg_.num_layers; ++l) {
       const auto& L = layers_[l];
-      auto x = norm(h, L.ln1, fused);
-      h = h + (L.linear ? gated_delta_net(L.gdn, x, doc_lens, pos_T, fused) : gated_attention(L.attn, x, rope, doc_lens, fused));
-      x = norm(h, L.ln2, fused);
-      h = h + mlp(x, L, fused);
-      if (slot[l] >= 0) out.features_TKH.narrow(1, slot[l] * H, H).copy_(h);
+      auto x = add_norm(h, delta, L.ln1, fused);
+      delta = L.linear ? gated_delta_net(L.gdn, x, doc_lens, pos_T, fused) : gated_attention(L.attn, x, rope, doc_lens, fused);
+      x = add_norm(h, delta, L.ln2, fused);
+      delta = mlp(x, L, fused);
+      if (slot[l] >= 0) {
+        h = h + std::exchange(delta, torch::Tensor());
+        out.features_TKH.narrow(1, slot[l] * H, H).copy_(h);
+      }
     }
+    if (delta.defined()) h = h + delta;
     if (spec.last_hidden) out.last_hidden_TH.copy_(h);
     return out;
   }
@@ -168,12 +174,17 @@ class HybridTarget : public TargetModel {
     return false;
 #endif
   }
-  torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, bool fused_ok) const {
+  // h += delta (when defined; in place on the fused path), then the zero-centred norm of h.
+  torch::Tensor add_norm(torch::Tensor& h, torch::Tensor& delta, const torch::Tensor& w, bool fused_ok) const {
+    auto d = std::exchange(delta, torch::Tensor());
 #ifdef DFLASH_WITH_CUDA
-    if (fused_ok) return hybrid_cuda::rms_norm_zero_centred(x, w, cfg_.rms_norm_eps);
+    if (fused_ok)
+      return d.defined() ? hybrid_cuda::add_rms_norm_zero_centred(h, d, w, cfg_.rms_norm_eps)
+                         : hybrid_cuda::rms_norm_zero_centred(h, w, cfg_.rms_norm_eps);
 #endif
     (void)fused_ok;
-    return rms_norm_zero_centred(x, w, cfg_.rms_norm_eps);
+    if (d.defined()) h = h + d;
+    return rms_norm_zero_centred(h, w, cfg_.rms_norm_eps);
   }
   torch::Tensor mlp(const torch::Tensor& x, const HybridLayer& L, bool fused_ok) const {
 #ifdef DFLASH_WITH_CUDA

@@ -303,9 +303,9 @@ TEST(HybridOpsGpu, ConvSiluL2normMatchesComposed) {
   torch::manual_seed(21);
   auto cuda = torch::TensorOptions().device(torch::kCUDA);
   auto pos = model::doc_positions(lens, torch::kCUDA);
-  for (int64_t dk : {64, 128, 256}) {
+  for (int64_t dk : {64, 128, 256}) for (int64_t pad : {40, 41}) {  // 8-byte aligned rows (vector loads), or not
     const int64_t C = 5 * dk, qk = 2 * dk;
-    auto fused_buf = torch::randn({T, C + 40}, cuda.dtype(torch::kBFloat16));  // strided rows, as in the layer
+    auto fused_buf = torch::randn({T, C + pad}, cuda.dtype(torch::kBFloat16));  // strided rows, as in the layer
     auto x = fused_buf.narrow(1, 0, C);
     auto w = torch::randn({C, Kc}, cuda.dtype(torch::kBFloat16));
     for (auto xin : {x, x.to(torch::kFloat32)}) {
@@ -315,7 +315,7 @@ TEST(HybridOpsGpu, ConvSiluL2normMatchesComposed) {
       auto y = model::hybrid_cuda::conv_silu_l2norm(xin, w, pos, qk, dk);
       EXPECT_EQ(y.scalar_type(), torch::kFloat32);
       const double e = rel_err(y, ref);
-      std::cout << "conv+silu+l2norm dk " << dk << " (" << xin.scalar_type() << " in): fused vs composed " << e << "\n";
+      std::cout << "conv+silu+l2norm dk " << dk << " row pad " << pad << " (" << xin.scalar_type() << " in): fused vs composed " << e << "\n";
       EXPECT_LT(e, 1e-5);
     }
   }
@@ -347,6 +347,15 @@ TEST(HybridOpsGpu, ZeroCentredRmsNormMatchesPlain) {
   auto y = model::hybrid_cuda::rms_norm_zero_centred(x, w, 1e-6);
   EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
   EXPECT_LT(rel_err(y, model::rms_norm_zero_centred(x, w, 1e-6)), kBf16Ulps2);
+  // With the residual add (h updated in place, as the plain bf16 add), vector and scalar widths.
+  for (int64_t n : {5120, 1001}) {
+    auto h = torch::randn({333, n}, cuda.dtype(torch::kBFloat16)) * 3, d = torch::randn({333, n}, cuda.dtype(torch::kBFloat16));
+    auto wn = torch::randn({n}, cuda.dtype(torch::kFloat32)) * 0.1;
+    auto sum = h + d;
+    auto z = model::hybrid_cuda::add_rms_norm_zero_centred(h, d, wn, 1e-6);
+    EXPECT_EQ(rel_err(h, sum), 0.0) << n;
+    EXPECT_LT(rel_err(z, model::rms_norm_zero_centred(sum, wn, 1e-6)), kBf16Ulps2) << n;
+  }
 }
 
 // The gated attention's fused q/k path: zero-centred per-head norm + partial RoPE (64 of 256 dims)
@@ -371,7 +380,11 @@ TEST(HybridOpsGpu, HeadNormRopeZeroCentredAndSigmoidGateMatchPlain) {
   auto a = torch::randn({T, Hq, D}, cuda.dtype(torch::kBFloat16));
   auto fused_o = model::fused::sigmoid_gate(a, gate);
   auto plain_o = a.reshape({T, Hq * D}) * torch::sigmoid(gate.reshape({T, Hq * D}));
-  EXPECT_EQ(rel_err(fused_o.view({T, Hq * D}), plain_o), 0.0);
+  EXPECT_EQ(rel_err(fused_o.view({T, Hq * D}), plain_o), 0.0);  // 16-byte vector path
+  auto gate_odd = torch::randn({T, Hq, 2 * D + 1}, cuda.dtype(torch::kBFloat16)).narrow(2, 1, D);  // scalar path
+  EXPECT_EQ(rel_err(model::fused::sigmoid_gate(a, gate_odd).view({T, Hq * D}),
+                    a.reshape({T, Hq * D}) * torch::sigmoid(gate_odd.reshape({T, Hq * D}))),
+            0.0);
 }
 
 // Same random weights on any device: drawn by the CPU generator (fp32), then moved and cast.

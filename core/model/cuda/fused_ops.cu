@@ -132,15 +132,36 @@ __global__ void head_norm_rope_kernel(const __nv_bfloat16* __restrict__ x, int64
 }
 
 // out = bf16(a * bf16(sigmoid(gate))), gate rows strided (a view of the q|gate projection).
+// VEC consecutive values of one head row per thread (VEC = 8: 16-byte loads and stores).
+template <int VEC>
 __global__ void sigmoid_gate_kernel(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ gate,
                                     int64_t gate_stride_t, int64_t gate_stride_h, int heads, int D,
                                     __nv_bfloat16* __restrict__ out, int64_t total) {
-  const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t idx = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * VEC;
   if (idx >= total) return;
-  const int64_t t = idx / (int64_t(heads) * D);
-  const int h = (idx / D) % heads, d = idx % D;
-  const float g = __bfloat162float(gate[t * gate_stride_t + h * gate_stride_h + d]);
-  out[idx] = __float2bfloat16(__bfloat162float(a[idx]) * bf(1.f / (1.f + __expf(-g))));
+  const int row = heads * D;
+  const int64_t t = idx / row;
+  const int hd = static_cast<int>(idx - t * row), h = hd / D, d = hd % D;
+  const __nv_bfloat16* gp = gate + t * gate_stride_t + h * gate_stride_h + d;
+  __nv_bfloat16 av[VEC], gv[VEC], ov[VEC];
+  if constexpr (VEC == 8) {
+    *reinterpret_cast<uint4*>(av) = *reinterpret_cast<const uint4*>(a + idx);
+    *reinterpret_cast<uint4*>(gv) = *reinterpret_cast<const uint4*>(gp);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) av[j] = a[idx + j], gv[j] = gp[j];
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const float g = __bfloat162float(gv[j]);
+    ov[j] = __float2bfloat16(__bfloat162float(av[j]) * bf(1.f / (1.f + __expf(-g))));
+  }
+  if constexpr (VEC == 8) {
+    *reinterpret_cast<uint4*>(out + idx) = *reinterpret_cast<const uint4*>(ov);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[idx + j] = ov[j];
+  }
 }
 
 }  // namespace
@@ -227,9 +248,19 @@ torch::Tensor sigmoid_gate(const torch::Tensor& a_in, const torch::Tensor& gate)
   auto out = torch::empty_like(a);
   c10::cuda::CUDAGuard guard(a.device());
   const int64_t total = a.numel();
-  sigmoid_gate_kernel<<<(total + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const __nv_bfloat16*>(a.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()),
-      gate.stride(0), gate.stride(1), heads, D, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), total);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const auto* ap = reinterpret_cast<const __nv_bfloat16*>(a.data_ptr());
+  const auto* gp = reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr());
+  auto* op = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  const bool vec8 = D % 8 == 0 && gate.stride(0) % 8 == 0 && gate.stride(1) % 8 == 0 &&
+                    reinterpret_cast<uintptr_t>(gp) % 16 == 0 && reinterpret_cast<uintptr_t>(ap) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(op) % 16 == 0;
+  if (vec8)
+    sigmoid_gate_kernel<8><<<(total / 8 + 255) / 256, 256, 0, stream>>>(ap, gp, gate.stride(0), gate.stride(1), heads, D,
+                                                                     op, total);
+  else
+    sigmoid_gate_kernel<1><<<(total + 255) / 256, 256, 0, stream>>>(ap, gp, gate.stride(0), gate.stride(1), heads, D,
+                                                                  op, total);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

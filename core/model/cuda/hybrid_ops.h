@@ -26,4 +26,9 @@ torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& z, con
 // bf16( x32 * rsqrt(mean(x32^2) + eps) * (1 + w) ).
 torch::Tensor rms_norm_zero_centred(const torch::Tensor& x, const torch::Tensor& w, double eps);
 
+// The residual add fused in: h = h + delta in place (bf16, as the plain add rounds), then
+// rms_norm_zero_centred(h). h contiguous, delta shaped like h.
+torch::Tensor add_rms_norm_zero_centred(torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& w,
+                                        double eps);
+
 }  // namespace dflash::model::hybrid_cuda
