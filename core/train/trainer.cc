@@ -1,6 +1,5 @@
 #include "core/train/trainer.h"
 
-#include <ATen/ops/_foreach_div.h>
 #include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_foreach_norm.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -133,12 +132,15 @@ PendingMetrics Trainer::end_step() {
   for (auto& [_, p] : params) gl.push_back(p.grad());
   auto s64 = sums.to(torch::kFloat64);
   auto denom = s64[2].clamp_min(1e-12);
-  at::_foreach_div_(gl, denom.to(torch::kFloat32));
-  // Per-tensor norms in one multi-tensor launch, then their norm (no flattened copy of all grads).
-  auto norm = torch::stack(at::_foreach_norm(gl, 2)).norm();
-  auto norm64 = norm.to(torch::kFloat64);
-  if (opt_.grad_clip > 0)  // torch's rule: multiply by clip / (norm + 1e-6) when norm > clip
-    at::_foreach_mul_(gl, torch::where(norm64 > opt_.grad_clip, opt_.grad_clip / (norm64 + 1e-6), 1.0).to(torch::kFloat32));
+  // Per-tensor norms of the summed gradients in one multi-tensor launch, then their norm (no
+  // flattened copy of all grads); divided by the denominator it is the normalised gradient's norm.
+  auto norm64 = torch::stack(at::_foreach_norm(gl, 2)).norm().to(torch::kFloat64) / denom;
+  auto norm = norm64.to(torch::kFloat32);
+  // One pass over the gradients: the division by the denominator and torch's clip rule (multiply
+  // by clip / (norm + 1e-6) when norm > clip) folded into a single fp32 factor.
+  auto factor = opt_.grad_clip > 0 ? torch::where(norm64 > opt_.grad_clip, opt_.grad_clip / (norm64 + 1e-6), 1.0) / denom
+                                   : 1.0 / denom;
+  at::_foreach_mul_(gl, factor.to(torch::kFloat32));
   const double T = opt_.loss.temperature;
   auto loss = s64[0] / denom;
   if (opt_.loss.soft_labels) loss = loss + s64[1] / denom * (opt_.loss.kl_weight * T * T);

@@ -156,6 +156,15 @@ TEST(GatedDeltaGpu, StridedValueViewAsInTheHybridLayer) {
   strided.v_THV = fused.narrow(1, 2 * Hk * K, Hv * V).view({T, Hv, V});
   ASSERT_FALSE(strided.v_THV.is_contiguous());
   EXPECT_EQ(rel_err(cuda_rule(strided, lens, 0.3), cuda_rule(in, lens, 0.3)), 0.0);
+  // Rows whose stride is not a multiple of 4 (the prep's scalar loads instead of 4-value loads):
+  // bitwise the same result.
+  auto odd = torch::cat({fused, torch::zeros({T, 1}, fused.options())}, 1);
+  auto unaligned = in;
+  unaligned.q_THK = odd.narrow(1, 0, Hk * K).view({T, Hk, K});
+  unaligned.k_THK = odd.narrow(1, Hk * K, Hk * K).view({T, Hk, K});
+  unaligned.v_THV = odd.narrow(1, 2 * Hk * K, Hv * V).view({T, Hv, V});
+  ASSERT_NE(odd.stride(0) % 4, 0);
+  EXPECT_EQ(rel_err(cuda_rule(unaligned, lens, 0.3), cuda_rule(in, lens, 0.3)), 0.0);
 }
 
 TEST(GatedDeltaGpu, Qwen36ShapeMatchesComposedAndTimes) {
@@ -299,11 +308,11 @@ constexpr double kBf16Ulps2 = 2 * 0.0078125;
 // q/k = the first 2 of 5 head groups, head dims 64/128/256, bf16 and fp32 input.
 TEST(HybridOpsGpu, ConvSiluL2normMatchesComposed) {
   const std::vector<int64_t> lens{1, 2, 3, 17, 500, 5, 64};
-  const int64_t T = total(lens), Kc = 4;
+  const int64_t T = total(lens);
   torch::manual_seed(21);
   auto cuda = torch::TensorOptions().device(torch::kCUDA);
   auto pos = model::doc_positions(lens, torch::kCUDA);
-  for (int64_t dk : {64, 128, 256}) for (int64_t pad : {40, 41}) {  // 8-byte aligned rows (vector loads), or not
+  for (int64_t Kc : {4, 6}) for (int64_t dk : {64, 128, 256}) for (int64_t pad : {40, 41}) {  // taps in registers: 4 or 8; 8-byte aligned rows (vector loads), or not
     const int64_t C = 5 * dk, qk = 2 * dk;
     auto fused_buf = torch::randn({T, C + pad}, cuda.dtype(torch::kBFloat16));  // strided rows, as in the layer
     auto x = fused_buf.narrow(1, 0, C);
@@ -315,7 +324,7 @@ TEST(HybridOpsGpu, ConvSiluL2normMatchesComposed) {
       auto y = model::hybrid_cuda::conv_silu_l2norm(xin, w, pos, qk, dk);
       EXPECT_EQ(y.scalar_type(), torch::kFloat32);
       const double e = rel_err(y, ref);
-      std::cout << "conv+silu+l2norm dk " << dk << " row pad " << pad << " (" << xin.scalar_type() << " in): fused vs composed " << e << "\n";
+      std::cout << "conv+silu+l2norm Kc " << Kc << " dk " << dk << " row pad " << pad << " (" << xin.scalar_type() << " in): fused vs composed " << e << "\n";
       EXPECT_LT(e, 1e-5);
     }
   }

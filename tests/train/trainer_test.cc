@@ -11,7 +11,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <ATen/ops/_foreach_div.h>
 #include <ATen/ops/_foreach_norm.h>
 
 #include <cmath>
@@ -145,16 +144,17 @@ class HostSideStep {
     torch::NoGradGuard g;
     std::vector<Tensor> gl;
     for (auto& [_, p] : params) gl.push_back(p.grad());
-    at::_foreach_div_(gl, denom);
-    const double norm = torch::stack(at::_foreach_norm(gl, 2)).norm().item<double>();
-    m.grad_norm = norm;
+    // The normalised gradient's norm: the summed gradients' norm over the denominator.
+    const double norm = torch::stack(at::_foreach_norm(gl, 2)).norm().item<double>() / denom;
+    m.grad_norm = static_cast<float>(norm);
     m.lr = train::lr_at(s_.opt.schedule, attempted_);
     if (!std::isfinite(norm) || !std::isfinite(m.loss)) {
       m.skipped_nonfinite = true;
     } else {
+      // Normalise and clip with one factor: (clip / (norm + 1e-6) when norm > clip, else 1) / denom.
       const double clip = s_.opt.grad_clip;
-      if (clip > 0 && norm > clip)
-        for (auto& [_, p] : params) p.mutable_grad().mul_(clip / (norm + 1e-6));
+      const double factor = (clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0) / denom;
+      for (auto& [_, p] : params) p.mutable_grad().mul_(factor);
       adamw(m.lr);
     }
     for (auto& [_, p] : params) p.mutable_grad().zero_();
