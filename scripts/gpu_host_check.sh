@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-cudnn|bench-hybrid|bench-drafter|mem-drafter|bench-pipeline|run-gpu|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-drafter|mem-drafter|bench-pipeline|run-gpu|all]...
 # (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps.)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -63,23 +63,23 @@ if has run-gpu; then
   cp "$w/run/ledger.jsonl" "$out/run_gpu_ledger.jsonl"; cp "$w"/run/logs/*.log "$out/" 2>/dev/null
 fi
 if has bench-target; then
-  "$build/bin/dflash" bench target --shape qwen3-8b --baseline > "$out/bench_target_qwen3_8b.json" 2> "$out/bench_target_qwen3_8b.err"
+  "$build/bin/dflash" bench target --shape qwen3-8b --baseline --profile > "$out/bench_target_qwen3_8b.json" 2> "$out/bench_target_qwen3_8b.err"
   echo "bench target qwen3-8b rc=$?"
 fi
-if has bench-target-cudnn; then
-  # The target attention on cuDNN's varlen SDPA instead of the flash kernel (issue 6's next lever).
-  DFLASH_TARGET_ATTENTION=cudnn "$build/bin/dflash" bench target --shape qwen3-8b --baseline --profile \
-    > "$out/bench_target_qwen3_8b_cudnn.json" 2> "$out/bench_target_qwen3_8b_cudnn.err"
-  echo "bench target qwen3-8b (cudnn attention) rc=$?"
+if has bench-target-flash; then
+  # A/B: the target attention on the varlen flash kernel instead of the default cuDNN (docs/perf.md).
+  DFLASH_TARGET_ATTENTION=flash "$build/bin/dflash" bench target --shape qwen3-8b --batches 1x4096,4x4096 --profile \
+    > "$out/bench_target_qwen3_8b_flash.json" 2> "$out/bench_target_qwen3_8b_flash.err"
+  echo "bench target qwen3-8b (flash attention) rc=$?"
 fi
 if has bench-hybrid; then
-  "$build/bin/dflash" bench target --shape qwen3.6-27b --batches 1x4096,2x8192 --baseline \
+  "$build/bin/dflash" bench target --shape qwen3.6-27b --batches 1x4096,2x8192 --baseline --profile \
     > "$out/bench_target_qwen36_27b.json" 2> "$out/bench_target_qwen36_27b.err"
   echo "bench target qwen3.6-27b rc=$?"
 fi
 if has bench-drafter; then
   # --baseline: scripts/reference/bench_drafter_baseline.py (eager PyTorch) in the same invocation.
-  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --soft-labels --repeats 3 --baseline \
+  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --soft-labels --repeats 10 --baseline \
     > "$out/bench_drafter_4k.json" 2> "$out/bench_drafter_4k.err"
   echo "bench drafter 4k rc=$?"
   "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels --baseline \

@@ -307,7 +307,7 @@ torch::Tensor launch_rms_norm_zc(torch::Tensor& h, const torch::Tensor& d, const
   const auto* dp = d.defined() ? reinterpret_cast<const __nv_bfloat16*>(d.data_ptr()) : nullptr;
   auto* op = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
   const bool vec = n % 8 == 0 && reinterpret_cast<uintptr_t>(hp) % 16 == 0 && reinterpret_cast<uintptr_t>(dp) % 16 == 0;
-  constexpr int kThreads = 128;
+  constexpr int kThreads = 256;  // 128 measured 0.5 ms slower over the 27B forward (H200)
   auto stream = at::cuda::getCurrentCUDAStream();
   auto* kernel = d.defined() ? (vec ? rms_norm_zc_kernel<kThreads, 8, true> : rms_norm_zc_kernel<kThreads, 1, true>)
                              : (vec ? rms_norm_zc_kernel<kThreads, 8, false> : rms_norm_zc_kernel<kThreads, 1, false>);
