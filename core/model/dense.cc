@@ -70,7 +70,7 @@ class DenseTarget : public TargetModel {
                                 const CaptureSpec& spec, CaptureResult out) override {
     torch::NoGradGuard no_grad;
     const int64_t T = ids_T.size(0), H = cfg_.hidden_size, D = cfg_.head_dim;
-    const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, K = spec.layer_ids.size();
+    const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
     const auto slot = prepare_capture(out, spec, T, H, cfg_.num_layers, torch::TensorOptions().device(opt_.device).dtype(opt_.dtype));
 
     auto rope = rope_table(inv_freq_, doc_positions(doc_lens, opt_.device), opt_.dtype);
@@ -91,13 +91,9 @@ class DenseTarget : public TargetModel {
       delta = L.o_b.defined() ? F::linear(a, L.o_w, L.o_b) : F::linear(a, L.o_w);
       x = add_norm(h, delta, L.ln2, fused);
       delta = mlp(x, L, fused);
-      if (slot[l] >= 0) {
-        h = h + std::exchange(delta, torch::Tensor());
-        out.features_TKH.narrow(1, slot[l] * H, H).copy_(h);
-      }
+      capture_layer(h, delta, slot[l], out);
     }
-    if (delta.defined()) h = h + delta;
-    if (spec.last_hidden) out.last_hidden_TH.copy_(h);
+    finish_capture(h, delta, spec, out);
     return out;
   }
 

@@ -129,7 +129,7 @@ class HybridTarget : public TargetModel {
   CaptureResult forward_capture(const torch::Tensor& ids_T, const std::vector<int64_t>& doc_lens,
                                 const CaptureSpec& spec, CaptureResult out) override {
     torch::NoGradGuard no_grad;
-    const int64_t T = ids_T.size(0), H = cfg_.hidden_size, K = spec.layer_ids.size();
+    const int64_t T = ids_T.size(0), H = cfg_.hidden_size;
     const auto slot = prepare_capture(out, spec, T, H, cfg_.num_layers, torch::TensorOptions().device(opt_.device).dtype(opt_.dtype));
 
     auto pos_T = doc_positions(doc_lens, opt_.device);
@@ -143,13 +143,9 @@ class HybridTarget : public TargetModel {
       delta = L.linear ? gated_delta_net(L.gdn, x, doc_lens, pos_T, fused) : gated_attention(L.attn, x, rope, doc_lens, fused);
       x = add_norm(h, delta, L.ln2, fused);
       delta = mlp(x, L, fused);
-      if (slot[l] >= 0) {
-        h = h + std::exchange(delta, torch::Tensor());
-        out.features_TKH.narrow(1, slot[l] * H, H).copy_(h);
-      }
+      capture_layer(h, delta, slot[l], out);
     }
-    if (delta.defined()) h = h + delta;
-    if (spec.last_hidden) out.last_hidden_TH.copy_(h);
+    finish_capture(h, delta, spec, out);
     return out;
   }
 

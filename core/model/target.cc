@@ -1,6 +1,7 @@
 #include "core/model/target.h"
 
 #include <set>
+#include <utility>
 
 #include "core/model/dense.h"
 #include "core/model/hybrid.h"
@@ -33,6 +34,18 @@ std::vector<int64_t> prepare_capture(CaptureResult& out, const CaptureSpec& spec
   std::vector<int64_t> slot(num_layers, -1);
   for (int64_t i = 0; i < K; ++i) slot[spec.layer_ids[i]] = i;
   return slot;
+}
+
+void capture_layer(torch::Tensor& h, torch::Tensor& delta, int64_t slot, CaptureResult& out) {
+  if (slot < 0) return;
+  if (delta.defined()) h = h + std::exchange(delta, torch::Tensor());
+  const int64_t H = h.size(1);
+  out.features_TKH.narrow(1, slot * H, H).copy_(h);
+}
+
+void finish_capture(torch::Tensor& h, torch::Tensor& delta, const CaptureSpec& spec, CaptureResult& out) {
+  if (delta.defined()) h = h + std::exchange(delta, torch::Tensor());
+  if (spec.last_hidden) out.last_hidden_TH.copy_(h);
 }
 
 std::unique_ptr<TargetModel> load_target(const std::string& dir, const LoadOptions& opt) {

@@ -36,6 +36,13 @@ struct CaptureResult {
 std::vector<int64_t> prepare_capture(CaptureResult& out, const CaptureSpec& spec, int64_t T, int64_t H, int64_t num_layers,
                                      const torch::TensorOptions& opts);
 
+// The residual stream after a decoder layer is h + delta, delta being the last sublayer's output
+// that the next layer's fused add+norm adds. capture_layer: for a captured layer (slot >= 0), add
+// delta now and copy h into its slot of features_TKH. finish_capture: after the last layer, add a
+// pending delta and copy the last hidden state when the spec asks for it.
+void capture_layer(torch::Tensor& h, torch::Tensor& delta, int64_t slot, CaptureResult& out);
+void finish_capture(torch::Tensor& h, torch::Tensor& delta, const CaptureSpec& spec, CaptureResult& out);
+
 struct LoadOptions {
   torch::Device device = torch::kCPU;
   torch::ScalarType dtype = torch::kFloat32;
