@@ -198,32 +198,23 @@ torch::Tensor doc_view(const torch::Tensor& x, int64_t off, int64_t B, int64_t n
   return x.as_strided({B, x.size(1), s, x.size(2)}, {n * row, x.stride(1), row, x.stride(2)},
                       x.storage_offset() + off * row);
 }
+}  // namespace
 
-// cuDNN's fused SDPA through its dense entry point, whose execution plans PyTorch caches per shape
-// (the varlen entry point builds a plan on every call: ~60 ms of host time per layer). Each run of
-// consecutive documents of equal length n is one call over a strided view of q/k/v (no copies), on
-// the first s = 128*floor(n/128) rows, so the plans are one per (run size, s): a bounded set. The
-// remaining < 128 rows of each document (and documents shorter than 128) attend to their whole
-// document in one varlen flash call. GQA is native (k/v keep their heads).
-torch::Tensor cudnn_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              const std::vector<int64_t>& doc_lens, double scale) {
-  constexpr int64_t kTile = 128;
+torch::Tensor split_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     const std::vector<int64_t>& doc_lens, const DenseCausalFn& dense,
+                                     const TailCausalFn& tail, int64_t tile) {
   const int64_t T = q.size(0);
   torch::Tensor out;
-  std::vector<int64_t> tail_rows;  // rows of q computed by the flash call (each document's last n % 128)
+  std::vector<int64_t> tail_rows;  // rows of q computed by `tail` (each document's last n % tile)
   std::vector<int64_t> tail_lens;
   int64_t off = 0;
   for (size_t i = 0; i < doc_lens.size();) {
-    const int64_t n = doc_lens[i], s = n / kTile * kTile;
+    const int64_t n = doc_lens[i], s = n / tile * tile;
     size_t j = i + 1;
     while (j < doc_lens.size() && doc_lens[j] == n) ++j;
     const int64_t B = static_cast<int64_t>(j - i);
     if (s > 0) {
-      auto o = std::get<0>(at::_cudnn_attention_forward(doc_view(q, off, B, n, s), doc_view(k, off, B, n, s),
-                                                        doc_view(v, off, B, n, s), std::nullopt, std::nullopt,
-                                                        std::nullopt, s, s, /*compute_log_sumexp=*/false, 0.0,
-                                                        /*is_causal=*/true, /*return_debug_mask=*/false, scale));
-      auto o_BsHD = o.transpose(1, 2);  // cuDNN lays o out like q: [B, s, H, D] in memory
+      auto o_BsHD = dense(doc_view(q, off, B, n, s), doc_view(k, off, B, n, s), doc_view(v, off, B, n, s)).transpose(1, 2);
       if (s == n && B * n == T && o_BsHD.is_contiguous()) return o_BsHD.reshape({T, q.size(1), q.size(2)});
       if (!out.defined()) out = torch::empty({T, q.size(1), q.size(2)}, q.options());
       out.narrow(0, off, B * n).view({B, n, q.size(1), q.size(2)}).narrow(1, 0, s).copy_(o_BsHD);
@@ -238,9 +229,29 @@ torch::Tensor cudnn_attention(const torch::Tensor& q, const torch::Tensor& k, co
   if (!out.defined()) out = torch::empty({T, q.size(1), q.size(2)}, q.options());
   if (!tail_rows.empty()) {
     auto idx = to_device_async(torch::tensor(tail_rows, torch::kInt64), q.device());
-    out.index_copy_(0, idx, flash_varlen(q.index_select(0, idx), k, v, tail_lens, doc_lens, scale));
+    out.index_copy_(0, idx, tail(q.index_select(0, idx), k, v, tail_lens, doc_lens));
   }
   return out;
+}
+
+namespace {
+// cuDNN's fused SDPA through its dense entry point, whose execution plans PyTorch caches per shape
+// (the varlen entry point builds a plan on every call: ~60 ms of host time per layer), in the
+// decomposition of split_causal_attention: plans are one per (run size, multiple of 128), a
+// bounded set; the rows past the multiple go to the varlen flash kernel. GQA is native.
+torch::Tensor cudnn_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const std::vector<int64_t>& doc_lens, double scale) {
+  auto dense = [scale](const torch::Tensor& qv, const torch::Tensor& kv, const torch::Tensor& vv) {
+    const int64_t s = qv.size(2);  // cuDNN lays o out like q: [B, s, H, D] in memory
+    return std::get<0>(at::_cudnn_attention_forward(qv, kv, vv, std::nullopt, std::nullopt, std::nullopt, s, s,
+                                                    /*compute_log_sumexp=*/false, 0.0, /*is_causal=*/true,
+                                                    /*return_debug_mask=*/false, scale));
+  };
+  auto tail = [scale](const torch::Tensor& qr, const torch::Tensor& kk, const torch::Tensor& vv,
+                      const std::vector<int64_t>& q_lens, const std::vector<int64_t>& k_lens) {
+    return flash_varlen(qr, kk, vv, q_lens, k_lens, scale);
+  };
+  return split_causal_attention(q, k, v, doc_lens, dense, tail);
 }
 }  // namespace
 

@@ -4,6 +4,7 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <functional>
 #include <vector>
 
 #include "core/io/hf_config.h"
@@ -67,6 +68,21 @@ enum class VarlenAttention { kFromEnv, kFlash, kCudnn };
 torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                       const std::vector<int64_t>& doc_lens, double scale,
                                       VarlenAttention backend = VarlenAttention::kFromEnv);
+
+// The decomposition behind VarlenAttention::kCudnn, its two kernels given as parameters (the CPU
+// tests run it with SDPA; on CUDA they are cuDNN and the varlen flash kernel):
+//   dense(q, k, v): causal attention over [B, H(kv), s, D] views of the packed tensors (any
+//     strides; fewer k/v heads for GQA), returning [B, H, s, D] in any layout. Called once per run
+//     of consecutive documents of equal length n, on their first s = tile * floor(n / tile) rows.
+//   tail(q_rows, k, v, q_lens, k_lens): for each document i, q_lens[i] rows of q_rows (in order)
+//     that are the LAST rows of the document, whose k/v are its k_lens[i] rows of k/v (documents
+//     in order); causal aligned to the bottom right. Called once for all documents' remaining rows.
+using DenseCausalFn = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
+using TailCausalFn = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                 const std::vector<int64_t>&, const std::vector<int64_t>&)>;
+torch::Tensor split_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     const std::vector<int64_t>& doc_lens, const DenseCausalFn& dense,
+                                     const TailCausalFn& tail, int64_t tile = 128);
 
 // SwiGLU MLP with fused gate/up weight [2*I, H] (gate rows first): down(silu(gate(x)) * up(x)).
 torch::Tensor swiglu_mlp(const torch::Tensor& x, const torch::Tensor& gate_up_w, const torch::Tensor& down_w);
