@@ -30,7 +30,7 @@ struct GatedAttention {
 
 struct GatedDeltaNet {
   torch::Tensor in_w;         // [conv_dim + value_dim + 2 Hv, H]: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a
-  torch::Tensor conv_w;       // [conv_dim, Kc]
+  torch::Tensor conv_w;       // [conv_dim, Kc], memory [Kc, conv_dim]
   torch::Tensor A_log, dt_bias;  // [Hv] fp32
   torch::Tensor norm_w;       // [dv] fp32, plain weight
   torch::Tensor out_w;        // [H, value_dim]
@@ -84,7 +84,9 @@ class HybridTarget : public TargetModel {
                              w.get(ap + "in_proj_z.weight", {value_dim, H}, Init::kNormal),
                              w.get(ap + "in_proj_b.weight", {Hv, H}, Init::kNormal),
                              w.get(ap + "in_proj_a.weight", {Hv, H}, Init::kNormal)});
-        G.conv_w = w.get(ap + "conv1d.weight", {conv_dim, 1, Kc}, Init::kNormal).view({conv_dim, Kc});
+        // Stored taps-outermost ([Kc, C] in memory, seen as [C, Kc]): the layout the CUDA conv kernel
+        // reads, so its launcher does not transpose the weights on every forward.
+        G.conv_w = w.get(ap + "conv1d.weight", {conv_dim, 1, Kc}, Init::kNormal).view({conv_dim, Kc}).t().contiguous().t();
         G.A_log = w.get(ap + "A_log", {Hv}, Init::kZeros, true);
         G.dt_bias = w.get(ap + "dt_bias", {Hv}, Init::kOnes, true);
         G.norm_w = w.get(ap + "norm.weight", {dv}, Init::kOnes, true);

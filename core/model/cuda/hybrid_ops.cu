@@ -208,6 +208,8 @@ torch::Tensor conv_silu_l2norm(const torch::Tensor& x_TC, const torch::Tensor& w
               "conv: needs head_dim 64|128|256 dividing C and the q/k channels, Kc <= 8");
   TORCH_CHECK(pos_T.scalar_type() == torch::kInt64 && pos_T.numel() == T, "conv: pos must be int64 [T]");
   c10::cuda::CUDAGuard guard(x_TC.device());
+  // [Kc, C] fp32 for the kernel: no copy when w_CK is already a transposed view of that (the hybrid
+  // target stores its weights so); .to() keeps the strides of such a view.
   auto w_KC = w_CK.to(x_TC.device(), torch::kFloat32).t().contiguous();
   auto pos = pos_T.contiguous();
   auto out = torch::empty({T, C}, x_TC.options().dtype(torch::kFloat32));

@@ -9,9 +9,10 @@ namespace dflash::model::hybrid_cuda {
 
 // The Gated DeltaNet's conv stage: causal_conv1d_silu_varlen (gated_delta.h) over CUDA x_TC [T, C]
 // float32 or bfloat16 (rows may be strided, channels unit-stride) with w_CK [C, Kc] any float dtype
-// and pos_T [T] int64 (layers.h doc_positions: each token's position in its document), then
-// l2norm (eps) over each head of head_dim channels among the first qk_channels (q and k). Returns
-// float32 [T, C]. Requires conv_silu_l2norm_supported.
+// (the kernel reads [Kc, C] fp32: a transposed view of such memory is used without a copy) and
+// pos_T [T] int64 (layers.h doc_positions: each token's position in its document), then l2norm
+// (eps) over each head of head_dim channels among the first qk_channels (q and k). Returns float32
+// [T, C]. Requires conv_silu_l2norm_supported.
 bool conv_silu_l2norm_supported(int64_t C, int64_t qk_channels, int64_t head_dim, int64_t Kc);
 torch::Tensor conv_silu_l2norm(const torch::Tensor& x_TC, const torch::Tensor& w_CK, const torch::Tensor& pos_T,
                                int64_t qk_channels, int64_t head_dim, double eps = 1e-6);
