@@ -3,7 +3,8 @@
 //   mixer = gated_delta_net (layer_types "linear_attention") or gated_attention ("full_attention").
 // Every RMSNorm except the GDN output norm is zero-centred: (1 + w) * norm(x), in fp32.
 // The GDN keeps conv, l2norm, g/beta, the delta rule and the gated norm in fp32 whatever the model
-// dtype; projections run in the model dtype.
+// dtype; projections run in the model dtype. (Storing q/k/v and the rule's output in bf16, as HF
+// does, was measured on the H200: no faster, and a larger error against fp32; docs/perf.md.)
 #include "core/model/hybrid.h"
 
 #include <cmath>
@@ -15,6 +16,7 @@
 #ifdef DFLASH_WITH_CUDA
 #include "core/model/cuda/fused_ops.h"
 #include "core/model/cuda/hybrid_ops.h"
+#include "core/model/cuda/tuned_gemm.h"
 #endif
 
 namespace dflash::model {
@@ -29,7 +31,8 @@ struct GatedAttention {
 };
 
 struct GatedDeltaNet {
-  torch::Tensor in_w;         // [conv_dim + value_dim + 2 Hv, H]: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a
+  torch::Tensor in_w;         // [conv_dim + value_dim, H]: in_proj_qkv | in_proj_z
+  torch::Tensor ba_w;         // [2 Hv, H]: in_proj_b | in_proj_a (apart, so in_w's GEMM has N a multiple of 128)
   torch::Tensor conv_w;       // [conv_dim, Kc], memory [Kc, conv_dim]
   torch::Tensor A_log, dt_bias;  // [Hv] fp32
   torch::Tensor norm_w;       // [dv] fp32, plain weight
@@ -81,8 +84,8 @@ class HybridTarget : public TargetModel {
         const std::string ap = lp + "linear_attn.";
         auto& G = L.gdn;
         G.in_w = torch::cat({w.get(ap + "in_proj_qkv.weight", {conv_dim, H}, Init::kNormal),
-                             w.get(ap + "in_proj_z.weight", {value_dim, H}, Init::kNormal),
-                             w.get(ap + "in_proj_b.weight", {Hv, H}, Init::kNormal),
+                             w.get(ap + "in_proj_z.weight", {value_dim, H}, Init::kNormal)});
+        G.ba_w = torch::cat({w.get(ap + "in_proj_b.weight", {Hv, H}, Init::kNormal),
                              w.get(ap + "in_proj_a.weight", {Hv, H}, Init::kNormal)});
         // Stored taps-outermost ([Kc, C] in memory, seen as [C, Kc]): the layout the CUDA conv kernel
         // reads, so its launcher does not transpose the weights on every forward.
@@ -142,9 +145,10 @@ class HybridTarget : public TargetModel {
     for (int64_t l = 0; l < cfg_.num_layers; ++l) {
       const auto& L = layers_[l];
       auto x = add_norm(h, delta, L.ln1, fused);
-      delta = L.linear ? gated_delta_net(L.gdn, x, doc_lens, pos_T, fused) : gated_attention(L.attn, x, rope, doc_lens, fused);
+      delta = L.linear ? gated_delta_net(L.gdn, x, h, doc_lens, pos_T, fused)
+                       : gated_attention(L.attn, x, h, rope, doc_lens, fused);
       x = add_norm(h, delta, L.ln2, fused);
-      delta = mlp(x, L, fused);
+      delta = mlp(x, h, L, fused);
       capture_layer(h, delta, slot[l], out);
     }
     finish_capture(h, delta, spec, out);
@@ -172,6 +176,27 @@ class HybridTarget : public TargetModel {
     return false;
 #endif
   }
+  // A projection x w^T: on the fused path cuBLASLt with the per-shape timed algorithm (tuned_gemm.h).
+  static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, bool fused_ok) {
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok && cuda_gemm::supported(x, w)) return cuda_gemm::linear(x, w);
+#endif
+    (void)fused_ok;
+    return F::linear(x, w);
+  }
+  // A sublayer's output projection. On the fused path it is added to the residual stream h inside the
+  // GEMM's epilogue (in fp32, x w^T not rounded to bf16 first) and the returned delta is undefined;
+  // otherwise it returns x w^T as the delta that the next add_norm adds.
+  static torch::Tensor project_residual(torch::Tensor& h, const torch::Tensor& x, const torch::Tensor& w, bool fused_ok) {
+#ifdef DFLASH_WITH_CUDA
+    if (fused_ok && cuda_gemm::supported(x, w) && h.is_contiguous()) {
+      cuda_gemm::linear_add_(h, x, w);
+      return {};
+    }
+#endif
+    (void)h, (void)fused_ok;
+    return F::linear(x, w);
+  }
   // h += delta (when defined; in place on the fused path), then the zero-centred norm of h.
   torch::Tensor add_norm(torch::Tensor& h, torch::Tensor& delta, const torch::Tensor& w, bool fused_ok) const {
     auto d = std::exchange(delta, torch::Tensor());
@@ -184,19 +209,19 @@ class HybridTarget : public TargetModel {
     if (d.defined()) h = h + d;
     return rms_norm_zero_centred(h, w, cfg_.rms_norm_eps);
   }
-  torch::Tensor mlp(const torch::Tensor& x, const HybridLayer& L, bool fused_ok) const {
+  torch::Tensor mlp(const torch::Tensor& x, torch::Tensor& h, const HybridLayer& L, bool fused_ok) const {
 #ifdef DFLASH_WITH_CUDA
-    if (fused_ok) return F::linear(fused::silu_mul(F::linear(x, L.gate_up_w)), L.down_w);
+    if (fused_ok) return project_residual(h, fused::silu_mul(project(x, L.gate_up_w, true)), L.down_w, true);
 #endif
     (void)fused_ok;
     return swiglu_mlp(x, L.gate_up_w, L.down_w);
   }
 
   // Full attention with a sigmoid output gate: q_proj rows are per head [q (D) | gate (D)].
-  torch::Tensor gated_attention(const GatedAttention& A, const torch::Tensor& x_TH, const RopeTable& rope,
-                                const std::vector<int64_t>& doc_lens, bool fused_ok) const {
+  torch::Tensor gated_attention(const GatedAttention& A, const torch::Tensor& x_TH, torch::Tensor& h,
+                                const RopeTable& rope, const std::vector<int64_t>& doc_lens, bool fused_ok) const {
     const int64_t T = x_TH.size(0), D = cfg_.head_dim, Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
-    auto qkv = A.qkv_b.defined() ? F::linear(x_TH, A.qkv_w, A.qkv_b) : F::linear(x_TH, A.qkv_w);
+    auto qkv = A.qkv_b.defined() ? F::linear(x_TH, A.qkv_w, A.qkv_b) : project(x_TH, A.qkv_w, fused_ok);
     auto qg_THD2 = qkv.narrow(1, 0, Hq * 2 * D).view({T, Hq, 2 * D});
     auto q_raw = qg_THD2.narrow(2, 0, D), gate_THD = qg_THD2.narrow(2, D, D);
     auto k_raw = qkv.narrow(1, Hq * 2 * D, Hkv * D).view({T, Hkv, D});
@@ -218,18 +243,19 @@ class HybridTarget : public TargetModel {
       a_TQ = causal_attention_varlen(q_THD, k_THD, v_THD, doc_lens, scale).reshape({T, Hq * D});
       a_TQ = a_TQ * torch::sigmoid(gate_THD.reshape({T, Hq * D}));
     }
-    return A.o_b.defined() ? F::linear(a_TQ, A.o_w, A.o_b) : F::linear(a_TQ, A.o_w);
+    return A.o_b.defined() ? F::linear(a_TQ, A.o_w, A.o_b) : project_residual(h, a_TQ, A.o_w, fused_ok);
   }
 
   // Gated DeltaNet: conv + SiLU, l2norm(q, k), g/beta, chunked gated delta rule, gated RMSNorm.
   // On CUDA the delta rule runs the kernels of core/model/cuda/gated_delta.cu (dispatched inside
   // chunk_gated_delta_rule); with `fused` (bf16 on CUDA) the conv + SiLU and the gated norm too.
-  torch::Tensor gated_delta_net(const GatedDeltaNet& G, const torch::Tensor& x_TH, const std::vector<int64_t>& doc_lens,
-                                const torch::Tensor& pos_T, bool fused_ok) const {
+  torch::Tensor gated_delta_net(const GatedDeltaNet& G, const torch::Tensor& x_TH, torch::Tensor& h,
+                                const std::vector<int64_t>& doc_lens, const torch::Tensor& pos_T, bool fused_ok) const {
     const int64_t T = x_TH.size(0), Hk = cfg_.linear_num_key_heads, Hv = cfg_.linear_num_value_heads;
     const int64_t dk = cfg_.linear_key_head_dim, dv = cfg_.linear_value_head_dim;
     const int64_t key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
-    auto proj = F::linear(x_TH, G.in_w);  // [T, conv_dim + value_dim + 2 Hv], model dtype
+    auto proj = project(x_TH, G.in_w, fused_ok);  // [T, conv_dim + value_dim], model dtype
+    auto ba = project(x_TH, G.ba_w, fused_ok);    // [T, 2 Hv]
     GatedDeltaInputs in;
     torch::Tensor mixed_TC;  // fp32, conv + SiLU; q and k l2-normalised
 #ifdef DFLASH_WITH_CUDA
@@ -247,8 +273,8 @@ class HybridTarget : public TargetModel {
     in.v_THV = mixed_TC.narrow(1, 2 * key_dim, value_dim).view({T, Hv, dv});
     in.allow_tf32 = opt_.dtype != torch::kFloat32;
     auto z_THV = proj.narrow(1, conv_dim, value_dim).view({T, Hv, dv});
-    auto b_TH = proj.narrow(1, conv_dim + value_dim, Hv).to(torch::kFloat32);
-    auto a_TH = proj.narrow(1, conv_dim + value_dim + Hv, Hv).to(torch::kFloat32);
+    auto b_TH = ba.narrow(1, 0, Hv).to(torch::kFloat32);
+    auto a_TH = ba.narrow(1, Hv, Hv).to(torch::kFloat32);
     in.beta_TH = torch::sigmoid(b_TH);
     in.g_TH = -G.A_log.exp() * torch::softplus(a_TH + G.dt_bias, /*beta=*/1, /*threshold=*/20);
     auto o_THV = chunk_gated_delta_rule(in, doc_lens, 1.0 / std::sqrt(static_cast<double>(dk)));
@@ -260,7 +286,7 @@ class HybridTarget : public TargetModel {
     if (!y_TV.defined())
       y_TV = gated_rms_norm(o_THV, z_THV, G.norm_w, cfg_.rms_norm_eps).to(opt_.dtype).reshape({T, value_dim});
     (void)pos_T;
-    return F::linear(y_TV, G.out_w);
+    return project_residual(h, y_TV, G.out_w, fused_ok);
   }
 
   io::TargetConfig cfg_;

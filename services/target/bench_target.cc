@@ -27,6 +27,8 @@
 #ifdef DFLASH_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+
+#include "core/model/cuda/tuned_gemm.h"
 #endif
 
 namespace dflash::target {
@@ -333,6 +335,10 @@ int cmd_bench_target(int argc, char** argv) {
                  {"last_hidden", spec.last_hidden},
                  {"weights_gib", weights_gib},
                  {"ours", results}};
+#ifdef DFLASH_WITH_CUDA
+  // The GEMM algorithms the hybrid target chose per shape (empty for targets that do not use them).
+  report["tuned_gemms"] = model::cuda_gemm::chosen();
+#endif
   if (baseline) {
     const char* env_py = std::getenv("DFLASH_PYTHON");
     const char* env_src = std::getenv("DFLASH_SOURCE_DIR");

@@ -98,13 +98,17 @@ __device__ __forceinline__ Tf32<SPLIT, 2> b_operand(float b0, float b1) {
   b.set(0, b0), b.set(1, b1);
   return b;
 }
-// This lane's A fragment from a fragment-major operand (p: the fragment's first float).
+// This lane's A fragment from its four loaded values, or from a fragment-major operand (p: the
+// fragment's first float).
 template <bool SPLIT>
-__device__ __forceinline__ Tf32<SPLIT, 4> a_operand(const float* p) {
-  const float4 v = __ldg(reinterpret_cast<const float4*>(p) + threadIdx.x % 32);
+__device__ __forceinline__ Tf32<SPLIT, 4> a_operand(const float4& v) {
   Tf32<SPLIT, 4> a;
   a.set(0, v.x), a.set(1, v.y), a.set(2, v.z), a.set(3, v.w);
   return a;
+}
+template <bool SPLIT>
+__device__ __forceinline__ Tf32<SPLIT, 4> a_operand(const float* p) {
+  return a_operand<SPLIT>(__ldg(reinterpret_cast<const float4*>(p) + threadIdx.x % 32));
 }
 // d += a b; with SPLIT 3xTF32: a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo is below fp32 rounding).
 template <bool SPLIT>
@@ -341,8 +345,10 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
 // S (before each chunk) and v_new go through shared memory as the next product's B operand and out
 // to global memory in B-fragment order: the state before chunk c to `states`, v_new over U.
 // PF: each chunk step prefetches the next chunk's scan operands into L2.
+// Registers capped for three 4-warp (two 8-warp) blocks per SM: 384 blocks of 4 warps (27B heads,
+// 2 x 8192 tokens, 32-wide tiles) then fit the H200's 132 SMs in one wave.
 template <int K, int VT, int NW, bool SPLIT, bool PF>
-__global__ void __launch_bounds__(NW * 32) gdn_chunk_scan(float* __restrict__ work, const int* __restrict__ doc_info,
+__global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2) gdn_chunk_scan(float* __restrict__ work, const int* __restrict__ doc_info,
                                                           int Hv, int V, float* __restrict__ states) {
   constexpr int NT = VT / 8;                       // n tiles of the value tile
   constexpr int WNa = NW / 4, NTa = NT / WNa;      // v_new: 4 x WNa warps, NTa n tiles each
@@ -397,16 +403,34 @@ __global__ void __launch_bounds__(NW * 32) gdn_chunk_scan(float* __restrict__ wo
       }
     }
     // 2. v_new = U - W S for m tile am, n tiles an0 ..
+    // The scan is bound by the latency of its dependent steps, so every global load of a phase is
+    // issued before the phase's first product: this warp's 16 W fragments and its U values here, the
+    // KD fragments and exp(G_last) right after the products (one L2 round trip per phase instead of
+    // one per few k steps).
+    float4 kd[MTb][kC / 8];
+    float dec;
     {
+      float4 wf[K / 8];
+      const float4* Wf = reinterpret_cast<const float4*>(base + lay.W() + int64_t(am) * (K / 8) * 128) + lane;
+#pragma unroll
+      for (int kstep = 0; kstep < K / 8; ++kstep) wf[kstep] = __ldg(Wf + kstep * 32);
+      float u[NTa][4];
+      const float* U = base + lay.U();
+#pragma unroll
+      for (int ni = 0; ni < NTa; ++ni)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int rr = am * 16 + gid + 8 * (x >> 1), cc = (an0 + ni) * 8 + 2 * tid + (x & 1);
+          u[ni][x] = __ldg(U + b_frag_index(rr, v0 + cc, V));
+        }
       float acc[NTa][4];
 #pragma unroll
       for (int ni = 0; ni < NTa; ++ni)
 #pragma unroll
         for (int x = 0; x < 4; ++x) acc[ni][x] = 0.f;
-      const float* Wf = base + lay.W() + int64_t(am) * (K / 8) * 128;
-#pragma unroll 4
+#pragma unroll
       for (int kstep = 0; kstep < K / 8; ++kstep) {
-        const auto a = a_operand<SPLIT>(Wf + kstep * 128);
+        const auto a = a_operand<SPLIT>(wf[kstep]);
 #pragma unroll
         for (int ni = 0; ni < NTa; ++ni) {
           const int col = (an0 + ni) * 8 + gid;
@@ -414,16 +438,19 @@ __global__ void __launch_bounds__(NW * 32) gdn_chunk_scan(float* __restrict__ wo
           mma<SPLIT>(acc[ni], a, b);
         }
       }
-      const float* U = base + lay.U();
+      const float4* KDf = reinterpret_cast<const float4*>(base + lay.KD()) + lane;
 #pragma unroll
-      for (int ni = 0; ni < NTa; ++ni) {
-        const int r = am * 16 + gid, col = (an0 + ni) * 8 + 2 * tid;
+      for (int mi = 0; mi < MTb; ++mi)
+#pragma unroll
+        for (int kstep = 0; kstep < kC / 8; ++kstep) kd[mi][kstep] = __ldg(KDf + ((bm0 + mi) * (kC / 8) + kstep) * 32);
+      dec = __ldg(base + lay.dec());
+#pragma unroll
+      for (int ni = 0; ni < NTa; ++ni)
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
-          const int rr = r + 8 * (x >> 1), cc = col + (x & 1);
-          Vs[rr][cc] = __ldg(U + b_frag_index(rr, v0 + cc, V)) - acc[ni][x];
+          const int rr = am * 16 + gid + 8 * (x >> 1), cc = (an0 + ni) * 8 + 2 * tid + (x & 1);
+          Vs[rr][cc] = u[ni][x] - acc[ni][x];
         }
-      }
     }
     __syncthreads();
     // v_new out over U (the same elements: this block read exactly these before the barrier).
@@ -436,19 +463,17 @@ __global__ void __launch_bounds__(NW * 32) gdn_chunk_scan(float* __restrict__ wo
       }
     }
     // 3. S = exp(G_last) S + KD^T v_new. Nobody writes Ss or Vs before the next chunk's first barrier.
-    const float dec = __ldg(base + lay.dec());
 #pragma unroll
     for (int mi = 0; mi < MTb; ++mi)
 #pragma unroll
       for (int ni = 0; ni < NTb; ++ni)
 #pragma unroll
         for (int x = 0; x < 4; ++x) s[mi][ni][x] *= dec;
-    const float* KDf = base + lay.KD();
 #pragma unroll
     for (int mi = 0; mi < MTb; ++mi) {
-#pragma unroll 4
+#pragma unroll
       for (int kstep = 0; kstep < kC / 8; ++kstep) {
-        const auto a = a_operand<SPLIT>(KDf + (int64_t(bm0 + mi) * (kC / 8) + kstep) * 128);
+        const auto a = a_operand<SPLIT>(kd[mi][kstep]);
 #pragma unroll
         for (int ni = 0; ni < NTb; ++ni) {
           const int col = (bn0 + ni) * 8 + gid;

@@ -31,14 +31,15 @@ namespace dflash::model::cuda_gdn {
 // from one thread while no call is running). Defaults from the environment:
 //   DFLASH_GDN_SCAN_VT     value-tile width of the scan, 32 or 16 (2x the blocks); default auto
 //   DFLASH_GDN_SCAN_WARPS  warps per scan block, 4 (default) or 8
-//   DFLASH_GDN_SCAN_PREFETCH  0: no L2 prefetch of the next chunk's scan operands (default 1)
+//   DFLASH_GDN_SCAN_PREFETCH  1: L2 prefetch of the next chunk's scan operands (default 0: slower
+//                          since the scan loads each phase's operands at once, docs/perf.md)
 // Other values fall back to the defaults.
 struct Tuning {
   // Value-tile width of the scan: 32, 16, or 0 = auto (16 when 32-wide tiles would give fewer than
   // two blocks per SM, else 32). Timings per variant: docs/perf.md (GatedDeltaGpu.KernelSweep).
   int scan_vt = 0;
   int scan_warps = 4;
-  bool scan_prefetch = true;
+  bool scan_prefetch = false;
   bool time_kernels = false;  // CUDA events around each launch; synchronises the stream after each call
 };
 Tuning& tuning();
