@@ -534,8 +534,12 @@ __global__ void __launch_bounds__(128) gdn_chunk_out(const float* __restrict__ w
       const int i = w * 16 + gid + 8 * half;
       if (i < len) {
         Tout* o = out + (int64_t(tok0) + i) * row_stride + int64_t(h) * V + col;
-        o[0] = from_f<Tout>(acc[ni][2 * half]);
-        o[1] = from_f<Tout>(acc[ni][2 * half + 1]);
+        if constexpr (std::is_same_v<Tout, float>) {  // one 8-byte store (col is even)
+          *reinterpret_cast<float2*>(o) = make_float2(acc[ni][2 * half], acc[ni][2 * half + 1]);
+        } else {
+          o[0] = from_f<Tout>(acc[ni][2 * half]);
+          o[1] = from_f<Tout>(acc[ni][2 * half + 1]);
+        }
       }
     }
   }
