@@ -145,7 +145,8 @@ struct PrepSmem {
   static constexpr int LM = kC + 4;                    // M rows (float4 reads in the solve)
   static constexpr int LA = kC + 1;                    // Aqk rows
   static constexpr int q = 0, k = q + kC * LQ, M = k + kC * LD, A = M + kC * LM, G = A + kC * LA, B = G + kC;
-  static constexpr int floats = B + kC;
+  static constexpr int EG = B + kC, EGL = EG + kC;  // exp(G_i), exp(G_last - G_i)
+  static constexpr int floats = EGL + kC;
   static_assert(M % 4 == 0, "M must be float4-aligned");
   static_assert(kC * LX <= M, "the solve result must fit in the q and k regions");
 };
@@ -169,6 +170,8 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   float* Aq = smem + P::A;
   float* G = smem + P::G;
   float* B = smem + P::B;
+  float* EG = smem + P::EG;
+  float* EGL = smem + P::EGL;
 
   const int n = blockIdx.x, h = blockIdx.y, t = threadIdx.x, NT = blockDim.x;
   const int tok0 = chunk_tok[n], len = chunk_len[n];
@@ -181,7 +184,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   // waiting on memory latency (with step 6's v loads: 0.64 -> 0.51 ms per 27B layer at 4096
   // tokens, H200).
   if (vec4) {
-#pragma unroll 4
+#pragma unroll 8
     for (int e = 4 * t; e < kC * K; e += 4 * NT) {
       const int i = e / K, d = e % K;
       float4 qv = make_float4(0.f, 0.f, 0.f, 0.f), kv = qv;
@@ -226,6 +229,11 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
     G[2 * t + 1] = (excl + a) + b;
   }
   __syncthreads();
+  // The decay factors every later step scales by, once per row (read after the next barrier).
+  if (t < kC) {
+    EG[t] = expf(G[t]);
+    EGL[t] = expf(G[kC - 1] - G[t]);  // padded rows have g = 0: G[kC - 1] is the last real row's G
+  }
 
   // 3-4. M = strict_lower(beta_i k_i.k_j L_ij) and Aqk = lower(scale q_i.k_j L_ij), L_ij = exp(G_i - G_j):
   // the 64 x 64 products Q K^T and K K^T on tensor cores, warps taking 16 x 8 output tiles in turn;
@@ -260,26 +268,33 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   }
   __syncthreads();
 
-  // 5. The operands that need no solve, in fragment order (coalesced) from shared memory.
-  const float glast = G[kC - 1];  // padded rows have g = 0: the last real row's G
-  for (int e = t; e < kC * K; e += NT) {
-    int i, kc;
-    a_frag_rc(e, K, i, kc);  // Q [64][K]
-    out[lay.Q() + e] = qs[i * LQ + kc] * scale * expf(G[i]);
-    a_frag_rc(e, kC, kc, i);  // KD^T [K][64]
-    out[lay.KD() + e] = ks[i * LD + kc] * expf(glast - G[i]);
+  // 5. The operands that need no solve, in fragment order from shared memory: each thread writes one
+  // lane's four values of a fragment, (r, c) (r + 8, c) (r, c + 4) (r + 8, c + 4), as one float4.
+  for (int e = 4 * t; e < kC * K; e += 4 * NT) {
+    int r, c;
+    a_frag_rc(e, K, r, c);  // Q [64][K]
+    const float* q0 = qs + r * LQ + c;
+    const float* q8 = q0 + 8 * LQ;
+    *reinterpret_cast<float4*>(out + lay.Q() + e) =
+        make_float4(q0[0] * scale * EG[r], q8[0] * scale * EG[r + 8], q0[4] * scale * EG[r], q8[4] * scale * EG[r + 8]);
+    a_frag_rc(e, kC, r, c);  // KD^T [K][64]: row r is a key dim, column c a token
+    const float* k0 = ks + c * LD + r;
+    const float* k4 = k0 + 4 * LD;
+    *reinterpret_cast<float4*>(out + lay.KD() + e) =
+        make_float4(k0[0] * EGL[c], k0[8] * EGL[c], k4[0] * EGL[c + 4], k4[8] * EGL[c + 4]);
   }
-  for (int e = t; e < kC * kC; e += NT) {
-    int i, j;
-    a_frag_rc(e, kC, i, j);
-    out[lay.A() + e] = Aq[i * LA + j];
+  for (int e = 4 * t; e < kC * kC; e += 4 * NT) {
+    int r, c;
+    a_frag_rc(e, kC, r, c);
+    const float* a0 = Aq + r * LA + c;
+    *reinterpret_cast<float4*>(out + lay.A() + e) = make_float4(a0[0], a0[8 * LA], a0[4], a0[8 * LA + 4]);
   }
-  if (t == 0) out[lay.dec()] = expf(glast);
+  if (t == 0) out[lay.dec()] = expf(G[kC - 1]);
   __syncthreads();
   // 6. v rows of the chunk over q (coalesced).
   float* vs = qs;
   if (vec4) {
-#pragma unroll 4
+#pragma unroll 8
     for (int e = 4 * t; e < kC * V; e += 4 * NT) {
       const int i = e / V, c = e % V;
       const float4 vv = i < len ? load4(v + (int64_t(tok0) + i) * sv + int64_t(h) * V + c) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -305,7 +320,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
     const int kc = c - V;
 #pragma unroll
     for (int i = 0; i < kC; ++i) {
-      const float rhs = is_v ? vs[i * LQ + c] * B[i] : ks[i * LD + kc] * B[i] * expf(G[i]);
+      const float rhs = is_v ? vs[i * LQ + c] * B[i] : ks[i * LD + kc] * B[i] * EG[i];
       const float4* Mi = reinterpret_cast<const float4*>(M + i * LM);
       // Four independent partial sums instead of one chain of i dependent FMAs (measured: no change
       // in the prep's time on the H200; its time was in load latency, see step 1).
@@ -326,15 +341,18 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
 #pragma unroll
   for (int i = 0; i < kC; ++i) X[i * LX + c] = x[i];
   __syncthreads();
-  // 8. U (B fragments of [64][V]) and W (A fragments of [64][K]), coalesced.
-  for (int e = t; e < kC * V; e += NT) {
-    const int slot = e & 1, l = (e >> 1) & 31, tile = e >> 6, nt = tile % (V / 8), kstep = tile / (V / 8);
-    out[lay.U() + e] = X[(kstep * 8 + (l & 3) + 4 * slot) * LX + nt * 8 + (l >> 2)];
+  // 8. U (B fragments of [64][V]: one lane's two values as a float2) and W (A fragments of [64][K]:
+  // one lane's four values as a float4).
+  for (int e = 2 * t; e < kC * V; e += 2 * NT) {
+    const int l = (e >> 1) & 31, tile = e >> 6, nt = tile % (V / 8), kstep = tile / (V / 8);
+    const float* x0 = X + (kstep * 8 + (l & 3)) * LX + nt * 8 + (l >> 2);
+    *reinterpret_cast<float2*>(out + lay.U() + e) = make_float2(x0[0], x0[4 * LX]);
   }
-  for (int e = t; e < kC * K; e += NT) {
-    int i, kc;
-    a_frag_rc(e, K, i, kc);
-    out[lay.W() + e] = X[i * LX + V + kc];
+  for (int e = 4 * t; e < kC * K; e += 4 * NT) {
+    int r, c;
+    a_frag_rc(e, K, r, c);
+    const float* x0 = X + r * LX + V + c;
+    *reinterpret_cast<float4*>(out + lay.W() + e) = make_float4(x0[0], x0[8 * LX], x0[4], x0[8 * LX + 4]);
   }
 }
 
@@ -487,7 +505,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2) gdn_chunk_scan(float
 
 // The outputs, all chunks in parallel: o = (scale q exp G) S_before + Aqk v_new, one block of 4 warps
 // per (chunk n, value head h, 32 value columns); warp w owns rows 16 w .. 16 w + 15 (Aqk is lower
-// triangular: its k steps stop at the warp's diagonal block).
+// triangular: its k steps stop at the warp's diagonal block). (128-column blocks, which read the
+// chunk's Q and Aqk fragments once instead of four times, were slower on the H200: docs/perf.md.)
 template <typename Tout, int K, bool SPLIT>
 __global__ void __launch_bounds__(128) gdn_chunk_out(const float* __restrict__ work, const float* __restrict__ states,
                                                      const int* __restrict__ chunk_tok, const int* __restrict__ chunk_len,
