@@ -41,12 +41,7 @@ __device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
 // consecutive float4 (A) or float2 (B):
 //   A of an M x Kd matrix: float index ((m_tile * Kd / 8 + k_step) * 32 + lane) * 4 + slot
 //   B of a Kd x N matrix:  float index ((k_step * N / 8 + n_tile) * 32 + lane) * 2 + slot
-__host__ __device__ __forceinline__ int64_t a_frag_index(int r, int c, int Kd) {
-  const int rr = r & 15, cc = c & 7;
-  const int lane = (rr & 7) * 4 + (cc & 3), slot = (rr >> 3) + 2 * (cc >> 2);
-  return ((int64_t(r >> 4) * (Kd >> 3) + (c >> 3)) * 32 + lane) * 4 + slot;
-}
-// Inverse of a_frag_index: the (row, column) stored at float index e.
+// The (row, column) of an A operand stored at float index e (the A layout above).
 __device__ __forceinline__ void a_frag_rc(int e, int Kd, int& r, int& c) {
   const int slot = e & 3, lane = (e >> 2) & 31, tile = e >> 7, ksteps = Kd >> 3;
   r = (tile / ksteps) * 16 + (lane >> 2) + 8 * (slot & 1);
