@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Baseline for `dflash bench target`: HF transformers (SDPA) forward with output_hidden_states, the
 chosen layers concatenated (plus the last hidden state before the final norm), random weights.
-Prints JSON {"results": [{"batch", "tokens_per_s", "median_s", "peak_gib"}...]}.
+Prints JSON {"results": [{"batch", "tokens_per_s", "median_s", "times_s" (each timed repeat), "peak_gib"}...]}.
 
 --check DIR (what `dflash bench target --baseline` passes): before the timings every parameter is
 overwritten from DIR/weights.json, the manifest of our per-name random weights (names carry its
@@ -353,7 +353,7 @@ def time_batches(model, cfg, layers, a):
             del r
         med = statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device.startswith("cuda") else 0.0
-        results.append({"batch": item, "tokens_per_s": b * n / med, "median_s": med, "peak_gib": peak})
+        results.append({"batch": item, "tokens_per_s": b * n / med, "median_s": med, "times_s": times, "peak_gib": peak})
     handle.remove()
     captured.clear()
     return results

@@ -308,6 +308,7 @@ int cmd_bench_target(int argc, char** argv) {
       sync(lo.device);
       times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
+    const std::vector<double> in_order = times;  // each timed repeat, reported (run-to-run spread)
     std::sort(times.begin(), times.end());
     const double med = times[times.size() / 2];
     const double tokens = double(b.docs * b.len);
@@ -316,6 +317,7 @@ int cmd_bench_target(int argc, char** argv) {
     results.push_back({{"batch", name},
                        {"tokens_per_s", tokens / med},
                        {"median_s", med},
+                       {"times_s", in_order},
                        {"tflops", tflops},
                        {"mfu", tflops / peak_tflops},
                        {"peak_gib", allocated_gib(lo.device, true)}});
