@@ -31,8 +31,7 @@ struct GatedAttention {
 };
 
 struct GatedDeltaNet {
-  torch::Tensor in_w;         // [conv_dim + value_dim, H]: in_proj_qkv | in_proj_z
-  torch::Tensor ba_w;         // [2 Hv, H]: in_proj_b | in_proj_a (apart, so in_w's GEMM has N a multiple of 128)
+  torch::Tensor in_w;         // [conv_dim + value_dim + 2 Hv, H]: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a
   torch::Tensor conv_w;       // [conv_dim, Kc], memory [Kc, conv_dim]
   torch::Tensor A_log, dt_bias;  // [Hv] fp32
   torch::Tensor norm_w;       // [dv] fp32, plain weight
@@ -84,8 +83,8 @@ class HybridTarget : public TargetModel {
         const std::string ap = lp + "linear_attn.";
         auto& G = L.gdn;
         G.in_w = torch::cat({w.get(ap + "in_proj_qkv.weight", {conv_dim, H}, Init::kNormal),
-                             w.get(ap + "in_proj_z.weight", {value_dim, H}, Init::kNormal)});
-        G.ba_w = torch::cat({w.get(ap + "in_proj_b.weight", {Hv, H}, Init::kNormal),
+                             w.get(ap + "in_proj_z.weight", {value_dim, H}, Init::kNormal),
+                             w.get(ap + "in_proj_b.weight", {Hv, H}, Init::kNormal),
                              w.get(ap + "in_proj_a.weight", {Hv, H}, Init::kNormal)});
         // Stored taps-outermost ([Kc, C] in memory, seen as [C, Kc]): the layout the CUDA conv kernel
         // reads, so its launcher does not transpose the weights on every forward.
@@ -254,8 +253,7 @@ class HybridTarget : public TargetModel {
     const int64_t T = x_TH.size(0), Hk = cfg_.linear_num_key_heads, Hv = cfg_.linear_num_value_heads;
     const int64_t dk = cfg_.linear_key_head_dim, dv = cfg_.linear_value_head_dim;
     const int64_t key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
-    auto proj = project(x_TH, G.in_w, fused_ok);  // [T, conv_dim + value_dim], model dtype
-    auto ba = project(x_TH, G.ba_w, fused_ok);    // [T, 2 Hv]
+    auto proj = project(x_TH, G.in_w, fused_ok);  // [T, conv_dim + value_dim + 2 Hv], model dtype
     GatedDeltaInputs in;
     torch::Tensor mixed_TC;  // fp32, conv + SiLU; q and k l2-normalised
 #ifdef DFLASH_WITH_CUDA
@@ -273,8 +271,8 @@ class HybridTarget : public TargetModel {
     in.v_THV = mixed_TC.narrow(1, 2 * key_dim, value_dim).view({T, Hv, dv});
     in.allow_tf32 = opt_.dtype != torch::kFloat32;
     auto z_THV = proj.narrow(1, conv_dim, value_dim).view({T, Hv, dv});
-    auto b_TH = ba.narrow(1, 0, Hv).to(torch::kFloat32);
-    auto a_TH = ba.narrow(1, Hv, Hv).to(torch::kFloat32);
+    auto b_TH = proj.narrow(1, conv_dim + value_dim, Hv).to(torch::kFloat32);
+    auto a_TH = proj.narrow(1, conv_dim + value_dim + Hv, Hv).to(torch::kFloat32);
     in.beta_TH = torch::sigmoid(b_TH);
     in.g_TH = -G.A_log.exp() * torch::softplus(a_TH + G.dt_bias, /*beta=*/1, /*threshold=*/20);
     auto o_THV = chunk_gated_delta_rule(in, doc_lens, 1.0 / std::sqrt(static_cast<double>(dk)));

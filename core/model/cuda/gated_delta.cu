@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
     const float* a0 = Aq + r * LA + c;
     *reinterpret_cast<float4*>(out + lay.A() + e) = make_float4(a0[0], a0[8 * LA], a0[4], a0[8 * LA + 4]);
   }
-  if (t == 0) out[lay.dec()] = expf(G[kC - 1]);
+  if (t == 0) out[lay.dec()] = EG[kC - 1];  // exp(G_last)
   __syncthreads();
   // 6. v rows of the chunk over q (coalesced).
   float* vs = qs;
@@ -427,15 +427,15 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2) gdn_chunk_scan(float
       const float4* Wf = reinterpret_cast<const float4*>(base + lay.W() + int64_t(am) * (K / 8) * 128) + lane;
 #pragma unroll
       for (int kstep = 0; kstep < K / 8; ++kstep) wf[kstep] = __ldg(Wf + kstep * 32);
+      // (row, column in the tile) of accumulator element x of n tile ni
+      auto acc_row = [&](int x) { return am * 16 + gid + 8 * (x >> 1); };
+      auto acc_col = [&](int ni, int x) { return (an0 + ni) * 8 + 2 * tid + (x & 1); };
       float u[NTa][4];
       const float* U = base + lay.U();
 #pragma unroll
       for (int ni = 0; ni < NTa; ++ni)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int rr = am * 16 + gid + 8 * (x >> 1), cc = (an0 + ni) * 8 + 2 * tid + (x & 1);
-          u[ni][x] = __ldg(U + b_frag_index(rr, v0 + cc, V));
-        }
+        for (int x = 0; x < 4; ++x) u[ni][x] = __ldg(U + b_frag_index(acc_row(x), v0 + acc_col(ni, x), V));
       float acc[NTa][4];
 #pragma unroll
       for (int ni = 0; ni < NTa; ++ni)
@@ -460,10 +460,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2) gdn_chunk_scan(float
 #pragma unroll
       for (int ni = 0; ni < NTa; ++ni)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int rr = am * 16 + gid + 8 * (x >> 1), cc = (an0 + ni) * 8 + 2 * tid + (x & 1);
-          Vs[rr][cc] = u[ni][x] - acc[ni][x];
-        }
+        for (int x = 0; x < 4; ++x) Vs[acc_row(x)][acc_col(ni, x)] = u[ni][x] - acc[ni][x];
     }
     __syncthreads();
     // v_new out over U (the same elements: this block read exactly these before the barrier).
