@@ -39,6 +39,11 @@ struct GatedDeltaInputs {
   // the tensor-core products, for models computing in bf16 whose fp32 activations came from bf16
   // projections. Without it fp32 inputs get fp32-accurate products (3xTF32); bf16 inputs always TF32.
   bool allow_tf32 = false;
+  // CUDA kernels only, with TF32 products (bf16 inputs or allow_tf32): the per-chunk operands and
+  // states passed between the kernels are stored as bf16 (the running state and all accumulation stay
+  // fp32). For bf16 models: it halves the kernels' memory traffic at the cost of bf16 rounding of
+  // those operands. Refused (error) with fp32-accurate products.
+  bool bf16_work = false;
 };
 
 // Which implementation of the chunked rule runs.

@@ -8,6 +8,8 @@
 #include "core/model/hybrid.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <utility>
 
 #include "core/model/gated_delta.h"
@@ -46,6 +48,16 @@ struct HybridLayer {
   torch::Tensor gate_up_w;    // [2 I, H]
   torch::Tensor down_w;       // [H, I]
 };
+
+// bf16 models pass the delta rule's per-chunk operands between its CUDA kernels in bf16
+// (GatedDeltaInputs::bf16_work); DFLASH_GDN_WORK=fp32 keeps them fp32 (speed and error A/B: docs/perf.md).
+bool gdn_bf16_work() {
+  static const bool on = [] {
+    const char* e = std::getenv("DFLASH_GDN_WORK");
+    return !(e && std::string(e) == "fp32");
+  }();
+  return on;
+}
 
 // "model.language_model." (VLM checkpoints) or "model." (text-only exports).
 std::string resolve_prefix(const WeightSource& w) {
@@ -270,6 +282,7 @@ class HybridTarget : public TargetModel {
     }
     in.v_THV = mixed_TC.narrow(1, 2 * key_dim, value_dim).view({T, Hv, dv});
     in.allow_tf32 = opt_.dtype != torch::kFloat32;
+    in.bf16_work = in.allow_tf32 && gdn_bf16_work();
     auto z_THV = proj.narrow(1, conv_dim, value_dim).view({T, Hv, dv});
     auto b_TH = proj.narrow(1, conv_dim + value_dim, Hv).to(torch::kFloat32);
     auto a_TH = proj.narrow(1, conv_dim + value_dim + Hv, Hv).to(torch::kFloat32);

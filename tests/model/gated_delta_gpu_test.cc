@@ -55,9 +55,11 @@ model::GatedDeltaInputs cast(const model::GatedDeltaInputs& in, torch::ScalarTyp
   return {in.q_THK.to(qkv), in.k_THK.to(qkv), in.v_THV.to(qkv), in.g_TH.to(gb), in.beta_TH.to(gb)};
 }
 
+// Tokens off .. off + n of every input (the flags kept).
 model::GatedDeltaInputs slice(const model::GatedDeltaInputs& in, int64_t off, int64_t n) {
-  return {in.q_THK.narrow(0, off, n), in.k_THK.narrow(0, off, n), in.v_THV.narrow(0, off, n),
-          in.g_TH.narrow(0, off, n), in.beta_TH.narrow(0, off, n)};
+  auto s = in;
+  for (auto* x : {&s.q_THK, &s.k_THK, &s.v_THV, &s.g_TH, &s.beta_TH}) *x = x->narrow(0, off, n);
+  return s;
 }
 
 torch::Tensor cuda_rule(const model::GatedDeltaInputs& in, const std::vector<int64_t>& lens, double scale) {
@@ -125,6 +127,41 @@ TEST(GatedDeltaGpu, Bf16InputsMatchComposedFp64) {
   const double e_in = rel_err(o, composed_rule(in64, kLens, scale));
   std::cout << "cuda bf16 inputs vs fp64 inputs relative error " << e_in << "\n";
   EXPECT_LT(e_in, kBf16Tol);
+}
+
+// The model's default for bf16 models: TF32 products and the work buffer between the kernels in bf16.
+// Its error against fp64 stays at bf16's order, above the fp32-work error (the flag reaches the
+// kernels); packing stays exact; with fp32-accurate products the flag is refused.
+TEST(GatedDeltaGpu, Bf16WorkBuffer) {
+  const int64_t K = 128, V = 128;
+  const double scale = 1.0 / std::sqrt(double(K));
+  auto in64 = random_inputs(total(kLens), 2, 6, K, V, 19);
+  auto ref = composed_rule(in64, kLens, scale);
+  auto in_tf = cast(in64, torch::kFloat32, torch::kFloat32);
+  in_tf.allow_tf32 = true;
+  auto in_w = in_tf;
+  in_w.bf16_work = true;
+  const double e_tf = rel_err(cuda_rule(in_tf, kLens, scale), ref);
+  auto o = cuda_rule(in_w, kLens, scale);
+  const double e_w = rel_err(o, ref);
+  std::cout << "fp32 inputs, TF32 products: fp32 work " << e_tf << ", bf16 work " << e_w << " (vs composed fp64)\n";
+  EXPECT_LT(e_w, kBf16Tol);
+  EXPECT_GT(e_w, e_tf);
+  // One more document shape: K 64, V 192, strong decays.
+  const std::vector<int64_t> lens64{129, 5, 64, 190};
+  auto in64b = random_inputs(total(lens64), 3, 3, 64, 192, 20, 8.0);
+  auto in_wb = cast(in64b, torch::kFloat32, torch::kFloat32);
+  in_wb.allow_tf32 = in_wb.bf16_work = true;
+  EXPECT_LT(rel_err(cuda_rule(in_wb, lens64, 0.125), composed_rule(in64b, lens64, 0.125)), kBf16Tol);
+  // Documents packed or alone: the same numbers.
+  int64_t off = 0;
+  for (auto n : kLens) {
+    EXPECT_EQ(rel_err(o.narrow(0, off, n), cuda_rule(slice(in_w, off, n), {n}, scale)), 0.0) << "document of length " << n;
+    off += n;
+  }
+  auto exact = cast(in64, torch::kFloat32, torch::kFloat32);
+  exact.bf16_work = true;
+  EXPECT_ANY_THROW(cuda_rule(exact, kLens, scale));
 }
 
 TEST(GatedDeltaGpu, DocumentsDoNotLeak) {
@@ -202,7 +239,7 @@ TEST(GatedDeltaGpu, Qwen36ShapeMatchesComposedAndTimes) {
 TEST(GatedDeltaGpu, KernelSweep) {
   struct Variant {
     int vt, warps;
-    bool pf;
+    bool bf16_work;
   };
   const std::vector<Variant> variants{{32, 8, false}, {32, 4, false}, {16, 8, false}, {16, 4, false},
                                       {32, 8, true},  {32, 4, true},  {16, 8, true},  {16, 4, true}};
@@ -220,6 +257,8 @@ TEST(GatedDeltaGpu, KernelSweep) {
     auto in_bf = cast(in32, torch::kBFloat16, torch::kFloat32);
     auto in_tf = in32;  // what the bf16 hybrid model passes: fp32 activations, TF32 products allowed
     in_tf.allow_tf32 = true;
+    auto in_tfw = in_tf;  // ... and the work buffer in bf16 (the model's default)
+    in_tfw.bf16_work = true;
     // The composed path on the same inputs, timed for the comparison (fp32).
     auto wall_ms = [](auto&& fn) {
       torch::cuda::synchronize();
@@ -234,27 +273,29 @@ TEST(GatedDeltaGpu, KernelSweep) {
     const double t_comp = median(comp);
     for (const auto& v : variants) {
       auto& tu = model::cuda_gdn::tuning();
-      tu.scan_vt = v.vt, tu.scan_warps = v.warps, tu.scan_prefetch = v.pf, tu.time_kernels = false;
+      tu.scan_vt = v.vt, tu.scan_warps = v.warps, tu.time_kernels = false;
+      const auto& timed = v.bf16_work ? in_tfw : in_tf;
       const double e = rel_err(cuda_rule(in32, lens, scale), ref);
       const double e_bf = rel_err(cuda_rule(in_bf, lens, scale).to(torch::kFloat32), ref);
-      const double e_tf = rel_err(cuda_rule(in_tf, lens, scale), ref);
+      const double e_tf = rel_err(cuda_rule(timed, lens, scale), ref);
       // Whole call, untimed launches.
       std::vector<double> whole, prep, scan, outk;
-      for (int i = 0; i < 3; ++i) cuda_rule(in_tf, lens, scale);
-      for (int i = 0; i < 20; ++i) whole.push_back(wall_ms([&] { cuda_rule(in_tf, lens, scale); }));
+      for (int i = 0; i < 3; ++i) cuda_rule(timed, lens, scale);
+      for (int i = 0; i < 20; ++i) whole.push_back(wall_ms([&] { cuda_rule(timed, lens, scale); }));
       tu.time_kernels = true;
       for (int i = 0; i < 20; ++i) {
-        cuda_rule(in_tf, lens, scale);
+        cuda_rule(timed, lens, scale);
         const auto kt = model::cuda_gdn::last_kernel_times();
         prep.push_back(kt.prep_ms), scan.push_back(kt.scan_ms), outk.push_back(kt.out_ms);
       }
       tu.time_kernels = false;
-      std::printf("GDN sweep T=%lld docs=%zu vt=%d warps=%d prefetch=%d: prep %.3f ms, scan %.3f ms, out %.3f ms, call %.3f ms "
-                  "(composed fp32 %.3f ms); rel_err fp32 %.2e, tf32 %.2e, bf16-in vs fp32 ref %.2e\n",
-                  static_cast<long long>(T), lens.size(), v.vt, v.warps, int(v.pf), median(prep), median(scan),
+      std::printf("GDN sweep T=%lld docs=%zu vt=%d warps=%d work=%s: prep %.3f ms, scan %.3f ms, out %.3f ms, call %.3f ms "
+                  "(composed fp32 %.3f ms); rel_err fp32 %.2e, tf32 (timed) %.2e, bf16-in vs fp32 ref %.2e\n",
+                  static_cast<long long>(T), lens.size(), v.vt, v.warps, v.bf16_work ? "bf16" : "fp32", median(prep), median(scan),
                   median(outk), median(whole), t_comp, e, e_tf, e_bf);
       std::fflush(stdout);
-      EXPECT_LT(e, kFp32Tol) << "vt " << v.vt << " warps " << v.warps << " prefetch " << v.pf;
+      EXPECT_LT(e, kFp32Tol) << "vt " << v.vt << " warps " << v.warps;
+      EXPECT_LT(e_tf, v.bf16_work ? kBf16Tol : kTf32Tol) << "vt " << v.vt << " warps " << v.warps;
     }
   }
   model::cuda_gdn::tuning() = saved;
@@ -273,17 +314,18 @@ TEST(GatedDeltaGpu, AllVariantsMatchComposed) {
   auto in32b = cast(in64b, torch::kFloat32, torch::kFloat32);
   auto in_bf = cast(in64, torch::kBFloat16, torch::kFloat32);
   auto ref_bf = composed_rule(cast(in_bf, torch::kFloat64, torch::kFloat64), kLens, scale);
+  auto in_bfw = in_bf;
+  in_bfw.bf16_work = true;
   for (int vt : {32, 16})
-    for (int warps : {8, 4})
-      for (bool pf : {false, true}) {
-        auto& tu = model::cuda_gdn::tuning();
-        tu.scan_vt = vt, tu.scan_warps = warps, tu.scan_prefetch = pf;
-        const std::string tag = "vt " + std::to_string(vt) + " warps " + std::to_string(warps) + " pf " +
-                                std::to_string(int(pf));
-        EXPECT_LT(rel_err(cuda_rule(in32, kLens, scale), ref), kFp32Tol) << tag;
-        EXPECT_LT(rel_err(cuda_rule(in32b, lens64, 0.125), ref64), kFp32Tol) << tag << " (K 64, V 192)";
-        EXPECT_LT(rel_err(cuda_rule(in_bf, kLens, scale), ref_bf), kBf16Tol) << tag << " (bf16)";
-      }
+    for (int warps : {8, 4}) {
+      auto& tu = model::cuda_gdn::tuning();
+      tu.scan_vt = vt, tu.scan_warps = warps;
+      const std::string tag = "vt " + std::to_string(vt) + " warps " + std::to_string(warps);
+      EXPECT_LT(rel_err(cuda_rule(in32, kLens, scale), ref), kFp32Tol) << tag;
+      EXPECT_LT(rel_err(cuda_rule(in32b, lens64, 0.125), ref64), kFp32Tol) << tag << " (K 64, V 192)";
+      EXPECT_LT(rel_err(cuda_rule(in_bf, kLens, scale), ref_bf), kBf16Tol) << tag << " (bf16)";
+      EXPECT_LT(rel_err(cuda_rule(in_bfw, kLens, scale), ref_bf), kBf16Tol) << tag << " (bf16, bf16 work)";
+    }
   model::cuda_gdn::tuning() = saved;
 }
 

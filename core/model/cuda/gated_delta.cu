@@ -1,7 +1,9 @@
 // Chunked gated delta rule on CUDA (see gated_delta_cuda.h for the algorithm and the three launches).
 // The intra-chunk products and the solve are fp32 on CUDA cores; the state recurrence and the output
 // products run on tensor cores (mma m16n8k8 TF32, fp32 accumulation): 3xTF32 (fp32-accurate) for fp32
-// inputs, 1xTF32 for bf16 inputs. Inputs are read as fp32 or bf16.
+// inputs, 1xTF32 for bf16 inputs. Inputs are read as fp32 or bf16. The per-chunk operands and
+// states between the launches (the work buffer) are fp32, or bf16 with GatedDeltaInputs::bf16_work
+// (TF32 products only): bf16 values are exact in TF32, so only their storage rounds.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -30,6 +32,33 @@ __device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
   const auto* b = reinterpret_cast<const __nv_bfloat16*>(&u);
   return make_float4(__bfloat162float(b[0]), __bfloat162float(b[1]), __bfloat162float(b[2]), __bfloat162float(b[3]));
+}
+
+// Work-buffer elements (TW: float or bf16): 4 or 2 consecutive values stored as one 16/8-byte (fp32)
+// or 8/4-byte (bf16) access, and read back through the read-only cache as fp32.
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
+  const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+  *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+}
+__device__ __forceinline__ void store2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float2 v) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v.x, v.y);
+}
+__device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ float4 ldg4(const __nv_bfloat16* p) {
+  const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xffff0000u));
+}
+__device__ __forceinline__ float2 ldg2(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
+__device__ __forceinline__ float2 ldg2(const __nv_bfloat16* p) {
+  const uint32_t u = __ldg(reinterpret_cast<const unsigned int*>(p));
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+__device__ __forceinline__ float ldg1(const float* p) { return __ldg(p); }
+__device__ __forceinline__ float ldg1(const __nv_bfloat16* p) {
+  return __uint_as_float(uint32_t(__ldg(reinterpret_cast<const unsigned short*>(p))) << 16);
 }
 
 // ---- Tensor-core operands (mma.sync m16n8k8, TF32 in, fp32 accumulate) ----
@@ -101,9 +130,9 @@ __device__ __forceinline__ Tf32<SPLIT, 4> a_operand(const float4& v) {
   a.set(0, v.x), a.set(1, v.y), a.set(2, v.z), a.set(3, v.w);
   return a;
 }
-template <bool SPLIT>
-__device__ __forceinline__ Tf32<SPLIT, 4> a_operand(const float* p) {
-  return a_operand<SPLIT>(__ldg(reinterpret_cast<const float4*>(p) + threadIdx.x % 32));
+template <bool SPLIT, typename TW>
+__device__ __forceinline__ Tf32<SPLIT, 4> a_operand(const TW* p) {
+  return a_operand<SPLIT>(ldg4(p + 4 * (threadIdx.x % 32)));
 }
 // d += a b; with SPLIT 3xTF32: a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo is below fp32 rounding).
 template <bool SPLIT>
@@ -115,16 +144,15 @@ __device__ __forceinline__ void mma(float (&d)[4], const Tf32<SPLIT, 4>& a, cons
   mma_tf32(d, a.hi, b.hi);
 }
 
-// Operands of one (chunk, value head) in the fp32 work buffer, offsets in floats (multiples of 4).
-// The scan reads the first four (contiguous, so one L2 prefetch covers them), the output kernel the rest.
+// Operands of one (chunk, value head) in the work buffer, offsets in elements (multiples of 4). The
+// scan reads the first three, the output kernel the rest. exp(G_last) of each (chunk, value head) is
+// kept apart, in fp32 (it scales the state at every chunk).
 struct Layout {
   int K, V;
   __host__ __device__ int64_t U() const { return 0; }                        // B frags of U [64][V]; v_new after the scan
   __host__ __device__ int64_t W() const { return int64_t(kC) * V; }          // A frags of W [64][K]
   __host__ __device__ int64_t KD() const { return W() + int64_t(kC) * K; }   // A frags of (k exp(G_last - G))^T [K][64]
-  __host__ __device__ int64_t dec() const { return KD() + int64_t(K) * kC; } // exp(G_last) (+3 pad)
-  __host__ __device__ int64_t scan_part() const { return dec() + 4; }
-  __host__ __device__ int64_t Q() const { return dec() + 4; }                // A frags of scale q exp(G) [64][K]
+  __host__ __device__ int64_t Q() const { return KD() + int64_t(K) * kC; }   // A frags of scale q exp(G) [64][K]
   __host__ __device__ int64_t A() const { return Q() + int64_t(kC) * K; }    // A frags of scale Q K^T * L (lower) [64][64]
   __host__ __device__ int64_t size() const { return A() + int64_t(kC) * kC; }
 };
@@ -149,13 +177,13 @@ struct PrepSmem {
 // One block per (chunk n, value head h); blockDim = V + K (one thread per right-hand-side column of
 // the solve; a multiple of 32). Rows of the chunk past its length are zero (k = v = beta = g = 0), as
 // in the reference's padding, so they change neither the outputs nor the state.
-template <typename Tin, int K, bool SPLIT>
+template <typename Tin, int K, bool SPLIT, typename TW>
 __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q, const Tin* __restrict__ k,
                                                       const Tin* __restrict__ v, int64_t sq, int64_t sk, int64_t sv,
                                                       const float* __restrict__ g, const float* __restrict__ beta,
                                                       const int* __restrict__ chunk_tok, const int* __restrict__ chunk_len,
                                                       int Hv, int r, int V, float scale, bool vec4,
-                                                      float* __restrict__ work) {
+                                                      TW* __restrict__ work, float* __restrict__ decay) {
   using P = PrepSmem<K>;
   constexpr int LD = P::LD, LQ = P::LQ, LX = P::LX, LM = P::LM, LA = P::LA;
   extern __shared__ __align__(16) float smem[];
@@ -172,7 +200,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   const int tok0 = chunk_tok[n], len = chunk_len[n];
   const int64_t hk = h / r;  // GVA: value head h reads key head h / (Hv / Hk)
   const Layout lay{K, V};
-  float* out = work + (int64_t(n) * Hv + h) * lay.size();
+  TW* out = work + (int64_t(n) * Hv + h) * lay.size();
 
   // 1. q, k rows of the chunk (fp32), raw g and beta. With vec4 (4-aligned rows) four values per
   // load, and several loads in flight per thread: one scalar load per iteration left the block
@@ -270,21 +298,20 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
     a_frag_rc(e, K, r, c);  // Q [64][K]
     const float* q0 = qs + r * LQ + c;
     const float* q8 = q0 + 8 * LQ;
-    *reinterpret_cast<float4*>(out + lay.Q() + e) =
-        make_float4(q0[0] * scale * EG[r], q8[0] * scale * EG[r + 8], q0[4] * scale * EG[r], q8[4] * scale * EG[r + 8]);
+    store4(out + lay.Q() + e,
+           make_float4(q0[0] * scale * EG[r], q8[0] * scale * EG[r + 8], q0[4] * scale * EG[r], q8[4] * scale * EG[r + 8]));
     a_frag_rc(e, kC, r, c);  // KD^T [K][64]: row r is a key dim, column c a token
     const float* k0 = ks + c * LD + r;
     const float* k4 = k0 + 4 * LD;
-    *reinterpret_cast<float4*>(out + lay.KD() + e) =
-        make_float4(k0[0] * EGL[c], k0[8] * EGL[c], k4[0] * EGL[c + 4], k4[8] * EGL[c + 4]);
+    store4(out + lay.KD() + e, make_float4(k0[0] * EGL[c], k0[8] * EGL[c], k4[0] * EGL[c + 4], k4[8] * EGL[c + 4]));
   }
   for (int e = 4 * t; e < kC * kC; e += 4 * NT) {
     int r, c;
     a_frag_rc(e, kC, r, c);
     const float* a0 = Aq + r * LA + c;
-    *reinterpret_cast<float4*>(out + lay.A() + e) = make_float4(a0[0], a0[8 * LA], a0[4], a0[8 * LA + 4]);
+    store4(out + lay.A() + e, make_float4(a0[0], a0[8 * LA], a0[4], a0[8 * LA + 4]));
   }
-  if (t == 0) out[lay.dec()] = EG[kC - 1];  // exp(G_last)
+  if (t == 0) decay[int64_t(n) * Hv + h] = EG[kC - 1];  // exp(G_last)
   __syncthreads();
   // 6. v rows of the chunk over q (coalesced).
   float* vs = qs;
@@ -341,13 +368,13 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   for (int e = 2 * t; e < kC * V; e += 2 * NT) {
     const int l = (e >> 1) & 31, tile = e >> 6, nt = tile % (V / 8), kstep = tile / (V / 8);
     const float* x0 = X + (kstep * 8 + (l & 3)) * LX + nt * 8 + (l >> 2);
-    *reinterpret_cast<float2*>(out + lay.U() + e) = make_float2(x0[0], x0[4 * LX]);
+    store2(out + lay.U() + e, make_float2(x0[0], x0[4 * LX]));
   }
   for (int e = 4 * t; e < kC * K; e += 4 * NT) {
     int r, c;
     a_frag_rc(e, K, r, c);
     const float* x0 = X + r * LX + V + c;
-    *reinterpret_cast<float4*>(out + lay.W() + e) = make_float4(x0[0], x0[8 * LX], x0[4], x0[8 * LX + 4]);
+    store4(out + lay.W() + e, make_float4(x0[0], x0[8 * LX], x0[4], x0[8 * LX + 4]));
   }
 }
 
@@ -356,13 +383,14 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
 //   v_new = U - W S          (64 x VT, K-deep: warps on a 4 x NW/4 grid of 16 x 8 output tiles)
 //   S = exp(G_last) S + KD^T v_new   (K x VT, 64-deep: the state lives in the warps' accumulators)
 // S (before each chunk) and v_new go through shared memory as the next product's B operand and out
-// to global memory in B-fragment order: the state before chunk c to `states`, v_new over U.
-// PF: each chunk step prefetches the next chunk's scan operands into L2.
+// to global memory in B-fragment order: the state before chunk c to `states`, v_new over U (both in
+// the work type TW; the running state stays fp32 in registers).
 // Registers capped for three 4-warp (two 8-warp) blocks per SM: 384 blocks of 4 warps (27B heads,
 // 2 x 8192 tokens, 32-wide tiles) then fit the H200's 132 SMs in one wave.
-template <int K, int VT, int NW, bool SPLIT, bool PF>
-__global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2) gdn_chunk_scan(float* __restrict__ work, const int* __restrict__ doc_info,
-                                                          int Hv, int V, float* __restrict__ states) {
+template <int K, int VT, int NW, bool SPLIT, typename TW>
+__global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2)
+    gdn_chunk_scan(TW* __restrict__ work, const float* __restrict__ decay, const int* __restrict__ doc_info, int Hv, int V,
+                   TW* __restrict__ states) {
   constexpr int NT = VT / 8;                       // n tiles of the value tile
   constexpr int WNa = NW / 4, NTa = NT / WNa;      // v_new: 4 x WNa warps, NTa n tiles each
   constexpr int MT = K / 16;                       // m tiles of the state
@@ -389,13 +417,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2) gdn_chunk_scan(float
 
   for (int c = 0; c < nchunks; ++c) {
     const int64_t ch = int64_t(chunk0 + c) * Hv + h;
-    float* base = work + ch * lay.size();
-    if (PF && c + 1 < nchunks) {
-      const char* next = reinterpret_cast<const char*>(base + int64_t(Hv) * lay.size());
-      const int64_t bytes = lay.scan_part() * int64_t(sizeof(float));
-      for (int64_t off = int64_t(t) * 128; off < bytes; off += int64_t(NW) * 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(next + off));
-    }
+    TW* base = work + ch * lay.size();
     // 1. The state before the chunk into shared memory.
 #pragma unroll
     for (int mi = 0; mi < MTb; ++mi)
@@ -408,11 +430,11 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2) gdn_chunk_scan(float
     __syncthreads();
     // ... and out, as B fragments of the [K][V] state of this (chunk, head).
     {
-      float2* st = reinterpret_cast<float2*>(states + ch * K * V);
+      TW* st = states + ch * K * V;
       for (int p = t; p < K * VT / 2; p += NW * 32) {
         const int l = p % 32, tile = p / 32, nt = tile % NT, kstep = tile / NT;
         const int r = kstep * 8 + l % 4, col = nt * 8 + l / 4;
-        st[(int64_t(kstep) * (V / 8) + v0 / 8 + nt) * 32 + l] = make_float2(Ss[r][col], Ss[r + 4][col]);
+        store2(st + 2 * ((int64_t(kstep) * (V / 8) + v0 / 8 + nt) * 32 + l), make_float2(Ss[r][col], Ss[r + 4][col]));
       }
     }
     // 2. v_new = U - W S for m tile am, n tiles an0 ..
@@ -424,18 +446,18 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2) gdn_chunk_scan(float
     float dec;
     {
       float4 wf[K / 8];
-      const float4* Wf = reinterpret_cast<const float4*>(base + lay.W() + int64_t(am) * (K / 8) * 128) + lane;
+      const TW* Wf = base + lay.W() + int64_t(am) * (K / 8) * 128 + 4 * lane;
 #pragma unroll
-      for (int kstep = 0; kstep < K / 8; ++kstep) wf[kstep] = __ldg(Wf + kstep * 32);
+      for (int kstep = 0; kstep < K / 8; ++kstep) wf[kstep] = ldg4(Wf + kstep * 128);
       // (row, column in the tile) of accumulator element x of n tile ni
       auto acc_row = [&](int x) { return am * 16 + gid + 8 * (x >> 1); };
       auto acc_col = [&](int ni, int x) { return (an0 + ni) * 8 + 2 * tid + (x & 1); };
       float u[NTa][4];
-      const float* U = base + lay.U();
+      const TW* U = base + lay.U();
 #pragma unroll
       for (int ni = 0; ni < NTa; ++ni)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) u[ni][x] = __ldg(U + b_frag_index(acc_row(x), v0 + acc_col(ni, x), V));
+        for (int x = 0; x < 4; ++x) u[ni][x] = ldg1(U + b_frag_index(acc_row(x), v0 + acc_col(ni, x), V));
       float acc[NTa][4];
 #pragma unroll
       for (int ni = 0; ni < NTa; ++ni)
@@ -451,12 +473,12 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2) gdn_chunk_scan(float
           mma<SPLIT>(acc[ni], a, b);
         }
       }
-      const float4* KDf = reinterpret_cast<const float4*>(base + lay.KD()) + lane;
+      const TW* KDf = base + lay.KD() + 4 * lane;
 #pragma unroll
       for (int mi = 0; mi < MTb; ++mi)
 #pragma unroll
-        for (int kstep = 0; kstep < kC / 8; ++kstep) kd[mi][kstep] = __ldg(KDf + ((bm0 + mi) * (kC / 8) + kstep) * 32);
-      dec = __ldg(base + lay.dec());
+        for (int kstep = 0; kstep < kC / 8; ++kstep) kd[mi][kstep] = ldg4(KDf + ((bm0 + mi) * (kC / 8) + kstep) * 128);
+      dec = __ldg(decay + ch);
 #pragma unroll
       for (int ni = 0; ni < NTa; ++ni)
 #pragma unroll
@@ -465,11 +487,11 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2) gdn_chunk_scan(float
     __syncthreads();
     // v_new out over U (the same elements: this block read exactly these before the barrier).
     {
-      float2* vn = reinterpret_cast<float2*>(base + lay.U());
+      TW* vn = base + lay.U();
       for (int p = t; p < kC * VT / 2; p += NW * 32) {
         const int l = p % 32, tile = p / 32, nt = tile % NT, kstep = tile / NT;
         const int r = kstep * 8 + l % 4, col = nt * 8 + l / 4;
-        vn[(int64_t(kstep) * (V / 8) + v0 / 8 + nt) * 32 + l] = make_float2(Vs[r][col], Vs[r + 4][col]);
+        store2(vn + 2 * ((int64_t(kstep) * (V / 8) + v0 / 8 + nt) * 32 + l), make_float2(Vs[r][col], Vs[r + 4][col]));
       }
     }
     // 3. S = exp(G_last) S + KD^T v_new. Nobody writes Ss or Vs before the next chunk's first barrier.
@@ -499,8 +521,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2) gdn_chunk_scan(float
 // per (chunk n, value head h, 32 value columns); warp w owns rows 16 w .. 16 w + 15 (Aqk is lower
 // triangular: its k steps stop at the warp's diagonal block). (128-column blocks, which read the
 // chunk's Q and Aqk fragments once instead of four times, were slower on the H200: docs/perf.md.)
-template <typename Tout, int K, bool SPLIT>
-__global__ void __launch_bounds__(128) gdn_chunk_out(const float* __restrict__ work, const float* __restrict__ states,
+template <typename Tout, int K, bool SPLIT, typename TW>
+__global__ void __launch_bounds__(128) gdn_chunk_out(const TW* __restrict__ work, const TW* __restrict__ states,
                                                      const int* __restrict__ chunk_tok, const int* __restrict__ chunk_len,
                                                      int Hv, int V, Tout* __restrict__ out) {
   constexpr int NT = 4;  // 32 columns
@@ -508,30 +530,30 @@ __global__ void __launch_bounds__(128) gdn_chunk_out(const float* __restrict__ w
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tid = lane % 4;
   const int64_t ch = int64_t(n) * Hv + h;
   const Layout lay{K, V};
-  const float* base = work + ch * lay.size();
-  const float2* st = reinterpret_cast<const float2*>(states + ch * K * V);
-  const float2* vn = reinterpret_cast<const float2*>(base + lay.U());
+  const TW* base = work + ch * lay.size();
+  const TW* st = states + ch * K * V;
+  const TW* vn = base + lay.U();
   float acc[NT][4];
 #pragma unroll
   for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
     for (int x = 0; x < 4; ++x) acc[ni][x] = 0.f;
-  const float* Qf = base + lay.Q() + int64_t(w) * (K / 8) * 128;
+  const TW* Qf = base + lay.Q() + int64_t(w) * (K / 8) * 128;
 #pragma unroll 4
   for (int kstep = 0; kstep < K / 8; ++kstep) {
     const auto a = a_operand<SPLIT>(Qf + kstep * 128);
 #pragma unroll
     for (int ni = 0; ni < NT; ++ni) {
-      const float2 bv = __ldg(st + (int64_t(kstep) * (V / 8) + nt0 + ni) * 32 + lane);
+      const float2 bv = ldg2(st + 2 * ((int64_t(kstep) * (V / 8) + nt0 + ni) * 32 + lane));
       mma<SPLIT>(acc[ni], a, b_operand<SPLIT>(bv.x, bv.y));
     }
   }
-  const float* Af = base + lay.A() + int64_t(w) * (kC / 8) * 128;
+  const TW* Af = base + lay.A() + int64_t(w) * (kC / 8) * 128;
   for (int kstep = 0; kstep <= 2 * w + 1; ++kstep) {
     const auto a = a_operand<SPLIT>(Af + kstep * 128);
 #pragma unroll
     for (int ni = 0; ni < NT; ++ni) {
-      const float2 bv = __ldg(vn + (int64_t(kstep) * (V / 8) + nt0 + ni) * 32 + lane);
+      const float2 bv = ldg2(vn + 2 * ((int64_t(kstep) * (V / 8) + nt0 + ni) * 32 + lane));
       mma<SPLIT>(acc[ni], a, b_operand<SPLIT>(bv.x, bv.y));
     }
   }
@@ -556,39 +578,42 @@ __global__ void __launch_bounds__(128) gdn_chunk_out(const float* __restrict__ w
   }
 }
 
-template <int K, int VT, int NW, bool SPLIT>
-void launch_scan(bool pf, float* work, const int* doc_info, int64_t num_docs, int Hv, int V, float* states,
+template <int K, int VT, int NW, bool SPLIT, typename TW>
+void launch_scan(TW* work, const float* decay, const int* doc_info, int64_t num_docs, int Hv, int V, TW* states,
                  cudaStream_t stream) {
-  auto kernel = pf ? gdn_chunk_scan<K, VT, NW, SPLIT, true> : gdn_chunk_scan<K, VT, NW, SPLIT, false>;
-  kernel<<<dim3(num_docs, Hv, V / VT), NW * 32, 0, stream>>>(work, doc_info, Hv, V, states);
+  gdn_chunk_scan<K, VT, NW, SPLIT, TW><<<dim3(num_docs, Hv, V / VT), NW * 32, 0, stream>>>(work, decay, doc_info, Hv, V,
+                                                                                           states);
 }
 
-template <int K, bool SPLIT>
-void dispatch_scan(const Tuning& tu, float* work, const int* doc_info, int64_t num_docs, int Hv, int V, float* states,
-                   cudaStream_t stream) {
+template <int K, bool SPLIT, typename TW>
+void dispatch_scan(const Tuning& tu, TW* work, const float* decay, const int* doc_info, int64_t num_docs, int Hv, int V,
+                   TW* states, cudaStream_t stream) {
   if (tu.scan_vt == 16) {
     if (tu.scan_warps == 4)
-      launch_scan<K, 16, 4, SPLIT>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, states, stream);
+      launch_scan<K, 16, 4, SPLIT>(work, decay, doc_info, num_docs, Hv, V, states, stream);
     else
-      launch_scan<K, 16, 8, SPLIT>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, states, stream);
+      launch_scan<K, 16, 8, SPLIT>(work, decay, doc_info, num_docs, Hv, V, states, stream);
   } else {
     if (tu.scan_warps == 4)
-      launch_scan<K, 32, 4, SPLIT>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, states, stream);
+      launch_scan<K, 32, 4, SPLIT>(work, decay, doc_info, num_docs, Hv, V, states, stream);
     else
-      launch_scan<K, 32, 8, SPLIT>(tu.scan_prefetch, work, doc_info, num_docs, Hv, V, states, stream);
+      launch_scan<K, 32, 8, SPLIT>(work, decay, doc_info, num_docs, Hv, V, states, stream);
   }
 }
 
-template <typename Tin, int K, bool kSplit>
+template <typename Tin, int K, bool kSplit, typename TW>
 void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
             const torch::Tensor& beta, const torch::Tensor& tables, int64_t num_chunks, int64_t num_docs, int Hv,
-            int r, int V, float scale, torch::Tensor& work, torch::Tensor& states, torch::Tensor& out) {
+            int r, int V, float scale, torch::Tensor& work, torch::Tensor& decay, torch::Tensor& states,
+            torch::Tensor& out) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const int* chunk_tok = tables.data_ptr<int>();
   const int* chunk_len = chunk_tok + num_chunks;
   const int* doc_info = chunk_len + num_chunks;
   const size_t smem = PrepSmem<K>::floats * sizeof(float);
-  auto prep = gdn_chunk_prep<Tin, K, kSplit>;
+  auto prep = gdn_chunk_prep<Tin, K, kSplit, TW>;
+  TW* wk = reinterpret_cast<TW*>(work.data_ptr());
+  TW* st = reinterpret_cast<TW*>(states.data_ptr());
   C10_CUDA_CHECK(cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   Tuning tu = tuning();
   if (tu.scan_vt == 0) {
@@ -607,14 +632,14 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   prep<<<dim3(num_chunks, Hv), K + V, smem, stream>>>(
       reinterpret_cast<const Tin*>(q.data_ptr()), reinterpret_cast<const Tin*>(k.data_ptr()),
       reinterpret_cast<const Tin*>(v.data_ptr()), q.stride(0), k.stride(0), v.stride(0), g.data_ptr<float>(),
-      beta.data_ptr<float>(), chunk_tok, chunk_len, Hv, r, V, scale, vec4, work.data_ptr<float>());
+      beta.data_ptr<float>(), chunk_tok, chunk_len, Hv, r, V, scale, vec4, wk, decay.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (tu.time_kernels) C10_CUDA_CHECK(cudaEventRecord(ev[1], stream));
-  dispatch_scan<K, kSplit>(tu, work.data_ptr<float>(), doc_info, num_docs, Hv, V, states.data_ptr<float>(), stream);
+  dispatch_scan<K, kSplit>(tu, wk, decay.data_ptr<float>(), doc_info, num_docs, Hv, V, st, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (tu.time_kernels) C10_CUDA_CHECK(cudaEventRecord(ev[2], stream));
-  gdn_chunk_out<Tin, K, kSplit><<<dim3(num_chunks, Hv, V / 32), 128, 0, stream>>>(
-      work.data_ptr<float>(), states.data_ptr<float>(), chunk_tok, chunk_len, Hv, V,
+  gdn_chunk_out<Tin, K, kSplit, TW><<<dim3(num_chunks, Hv, V / 32), 128, 0, stream>>>(
+      wk, st, chunk_tok, chunk_len, Hv, V,
       reinterpret_cast<Tin*>(out.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (tu.time_kernels) {
@@ -642,7 +667,6 @@ Tuning& tuning() {
     Tuning t;
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_VT")) t.scan_vt = std::atoi(e);
     if (const char* e = std::getenv("DFLASH_GDN_SCAN_WARPS")) t.scan_warps = std::atoi(e);
-    if (const char* e = std::getenv("DFLASH_GDN_SCAN_PREFETCH")) t.scan_prefetch = std::atoi(e) != 0;
     if (t.scan_vt != 32 && t.scan_vt != 16) t.scan_vt = 0;  // auto
     if (t.scan_warps != 8) t.scan_warps = 4;
     return t;
@@ -715,30 +739,34 @@ torch::Tensor chunk_gated_delta_rule(const GatedDeltaInputs& in, const std::vect
   host.insert(host.end(), doc_info.begin(), doc_info.end());
   c10::cuda::CUDAGuard guard(q.device());
   auto tables = to_device_async(torch::tensor(host, torch::kInt32), q.device());  // no wait for queued work
-  const Layout lay{static_cast<int>(K), static_cast<int>(V)};
-  auto work = torch::empty({num_chunks * Hv * lay.size()}, q.options().dtype(torch::kFloat32));
-  auto states = torch::empty({num_chunks * Hv * K * V}, q.options().dtype(torch::kFloat32));
-  const int r = static_cast<int>(Hv / Hk);
-  const float sc = static_cast<float>(scale);
-  auto run = [&](auto tin, auto k_dim, auto split) {
-    launch<decltype(tin), decltype(k_dim)::value, decltype(split)::value>(q, k, v, g, beta, tables, num_chunks, num_docs,
-                                                                          Hv, r, V, sc, work, states, out);
-  };
-  using B128 = std::integral_constant<int, 128>;
-  using B64 = std::integral_constant<int, 64>;
   // bf16 inputs carry 8 mantissa bits: TF32 operands lose nothing more. fp32 inputs: 3xTF32 unless
   // the caller allows TF32 (a bf16 model whose fp32 activations came from bf16 projections).
   const bool bf = q.scalar_type() == torch::kBFloat16, split = !bf && !in.allow_tf32;
-  if (bf) {
-    if (K == 128) run(__nv_bfloat16{}, B128{}, std::false_type{});
-    else run(__nv_bfloat16{}, B64{}, std::false_type{});
-  } else if (split) {
-    if (K == 128) run(float{}, B128{}, std::true_type{});
-    else run(float{}, B64{}, std::true_type{});
-  } else {
-    if (K == 128) run(float{}, B128{}, std::false_type{});
-    else run(float{}, B64{}, std::false_type{});
-  }
+  TORCH_CHECK(!(in.bf16_work && split),
+              "cuda gated delta rule: bf16_work needs TF32 products (bf16 inputs or allow_tf32); fp32-accurate "
+              "products keep an fp32 work buffer");
+  const Layout lay{static_cast<int>(K), static_cast<int>(V)};
+  const auto wdt = in.bf16_work ? torch::kBFloat16 : torch::kFloat32;
+  auto work = torch::empty({num_chunks * Hv * lay.size()}, q.options().dtype(wdt));
+  auto states = torch::empty({num_chunks * Hv * K * V}, q.options().dtype(wdt));
+  auto decay = torch::empty({num_chunks * Hv}, q.options().dtype(torch::kFloat32));
+  const int r = static_cast<int>(Hv / Hk);
+  const float sc = static_cast<float>(scale);
+  auto run = [&](auto tin, auto k_dim, auto split_c, auto tw) {
+    launch<decltype(tin), decltype(k_dim)::value, decltype(split_c)::value, decltype(tw)>(
+        q, k, v, g, beta, tables, num_chunks, num_docs, Hv, r, V, sc, work, decay, states, out);
+  };
+  auto by_k = [&](auto tin, auto split_c, auto tw) {
+    if (K == 128) run(tin, std::integral_constant<int, 128>{}, split_c, tw);
+    else run(tin, std::integral_constant<int, 64>{}, split_c, tw);
+  };
+  auto by_work = [&](auto tin) {
+    if (in.bf16_work) by_k(tin, std::false_type{}, __nv_bfloat16{});
+    else by_k(tin, std::false_type{}, float{});
+  };
+  if (split) by_k(float{}, std::true_type{}, float{});
+  else if (bf) by_work(__nv_bfloat16{});
+  else by_work(float{});
   return out;
 }
 

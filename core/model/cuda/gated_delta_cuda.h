@@ -13,10 +13,15 @@
 //   2. gdn_chunk_scan, one block per (document, value head, 16/32-wide value tile), the only
 //      sequential part: chunks in order, v_new = U - W S and S = exp(G_last) S + KD^T v_new on tensor
 //      cores, the K x tile fp32 state in registers; writes the state before each chunk and v_new.
+//      (An L2 prefetch of the next chunk's operands measured slower once each phase loaded its
+//      operands up front, and was removed: docs/perf.md.)
 //   3. gdn_chunk_out, all chunks in parallel: o = (scale q exp G) S_before + Aqk v_new (tensor cores),
 //      written in the input dtype.
 // Products on tensor cores: mma TF32 with fp32 accumulation, 3xTF32 (fp32-accurate) when the inputs
-// are fp32, 1xTF32 (10-bit mantissa operands) when they are bf16.
+// are fp32, 1xTF32 (10-bit mantissa operands) when they are bf16 or allow_tf32 is set.
+// The work buffer between the launches (U, W, KD, the q and Q K^T operands, v_new and the state before
+// each chunk) is fp32, or bf16 with GatedDeltaInputs::bf16_work (half the memory traffic, as FLA
+// stores them); exp(G_last) and the running state stay fp32 either way.
 #pragma once
 #include <torch/torch.h>
 
@@ -31,15 +36,12 @@ namespace dflash::model::cuda_gdn {
 // from one thread while no call is running). Defaults from the environment:
 //   DFLASH_GDN_SCAN_VT     value-tile width of the scan, 32 or 16 (2x the blocks); default auto
 //   DFLASH_GDN_SCAN_WARPS  warps per scan block, 4 (default) or 8
-//   DFLASH_GDN_SCAN_PREFETCH  1: L2 prefetch of the next chunk's scan operands (default 0: slower
-//                          since the scan loads each phase's operands at once, docs/perf.md)
 // Other values fall back to the defaults.
 struct Tuning {
   // Value-tile width of the scan: 32, 16, or 0 = auto (16 when 32-wide tiles would give fewer than
   // two blocks per SM, else 32). Timings per variant: docs/perf.md (GatedDeltaGpu.KernelSweep).
   int scan_vt = 0;
   int scan_warps = 4;
-  bool scan_prefetch = false;
   bool time_kernels = false;  // CUDA events around each launch; synchronises the stream after each call
 };
 Tuning& tuning();
