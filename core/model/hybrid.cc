@@ -49,12 +49,14 @@ struct HybridLayer {
   torch::Tensor down_w;       // [H, I]
 };
 
-// bf16 models pass the delta rule's per-chunk operands between its CUDA kernels in bf16
-// (GatedDeltaInputs::bf16_work); DFLASH_GDN_WORK=fp32 keeps them fp32 (speed and error A/B: docs/perf.md).
-bool gdn_bf16_work() {
+// bf16 models run the Gated DeltaNet's fused CUDA path in bf16 where HF's model rounds to bf16
+// (the conv output q/k/v and the delta rule's output) and pass the rule's per-chunk operands between
+// its kernels in bf16 (GatedDeltaInputs::bf16_work); every sum and the recurrent state stay fp32.
+// DFLASH_GDN_FP32=1 keeps all of them fp32 (speed and error A/B: docs/perf.md).
+bool gdn_bf16() {
   static const bool on = [] {
-    const char* e = std::getenv("DFLASH_GDN_WORK");
-    return !(e && std::string(e) == "fp32");
+    const char* e = std::getenv("DFLASH_GDN_FP32");
+    return !(e && std::string(e) == "1");
   }();
   return on;
 }
@@ -267,10 +269,11 @@ class HybridTarget : public TargetModel {
     const int64_t key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
     auto proj = project(x_TH, G.in_w, fused_ok);  // [T, conv_dim + value_dim + 2 Hv], model dtype
     GatedDeltaInputs in;
-    torch::Tensor mixed_TC;  // fp32, conv + SiLU; q and k l2-normalised
+    torch::Tensor mixed_TC;  // conv + SiLU (fp32; bf16 from the fused kernel, gdn_bf16); q and k l2-normalised
 #ifdef DFLASH_WITH_CUDA
     if (fused_ok && hybrid_cuda::conv_silu_l2norm_supported(conv_dim, 2 * key_dim, dk, cfg_.linear_conv_kernel_dim))
-      mixed_TC = hybrid_cuda::conv_silu_l2norm(proj.narrow(1, 0, conv_dim), G.conv_w, pos_T, 2 * key_dim, dk);
+      mixed_TC = hybrid_cuda::conv_silu_l2norm(proj.narrow(1, 0, conv_dim), G.conv_w, pos_T, 2 * key_dim, dk,
+                                               gdn_bf16() ? torch::kBFloat16 : torch::kFloat32);
 #endif
     if (mixed_TC.defined()) {
       in.q_THK = mixed_TC.narrow(1, 0, key_dim).view({T, Hk, dk});
@@ -282,7 +285,7 @@ class HybridTarget : public TargetModel {
     }
     in.v_THV = mixed_TC.narrow(1, 2 * key_dim, value_dim).view({T, Hv, dv});
     in.allow_tf32 = opt_.dtype != torch::kFloat32;
-    in.bf16_work = in.allow_tf32 && gdn_bf16_work();
+    in.bf16_work = in.allow_tf32 && gdn_bf16();
     auto z_THV = proj.narrow(1, conv_dim, value_dim).view({T, Hv, dv});
     auto b_TH = proj.narrow(1, conv_dim + value_dim, Hv).to(torch::kFloat32);
     auto a_TH = proj.narrow(1, conv_dim + value_dim + Hv, Hv).to(torch::kFloat32);
@@ -291,7 +294,7 @@ class HybridTarget : public TargetModel {
     auto o_THV = chunk_gated_delta_rule(in, doc_lens, 1.0 / std::sqrt(static_cast<double>(dk)));
     torch::Tensor y_TV;
 #ifdef DFLASH_WITH_CUDA
-    if (fused_ok && dv % 32 == 0 && dv <= 512 && o_THV.scalar_type() == torch::kFloat32)
+    if (fused_ok && dv % 32 == 0 && dv <= 512)
       y_TV = hybrid_cuda::gated_rms_norm(o_THV, z_THV, G.norm_w, cfg_.rms_norm_eps, opt_.dtype).reshape({T, value_dim});
 #endif
     if (!y_TV.defined())

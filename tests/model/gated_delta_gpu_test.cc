@@ -369,6 +369,11 @@ TEST(HybridOpsGpu, ConvSiluL2normMatchesComposed) {
       const double e = rel_err(y, ref);
       std::cout << "conv+silu+l2norm Kc " << Kc << " dk " << dk << " row pad " << pad << " (" << xin.scalar_type() << " in): fused vs composed " << e << "\n";
       EXPECT_LT(e, 1e-5);
+      // bf16 out (the bf16 model's q/k/v): the fp32 result rounded once.
+      auto yb = model::hybrid_cuda::conv_silu_l2norm(xin, w, pos, qk, dk, torch::kBFloat16);
+      EXPECT_EQ(yb.scalar_type(), torch::kBFloat16);
+      EXPECT_LT(rel_err(yb, ref.to(torch::kBFloat16)), kBf16Ulps2);
+      EXPECT_GT(rel_err(yb, ref), 1e-5);  // it did round
     }
   }
   EXPECT_FALSE(model::hybrid_cuda::conv_silu_l2norm_supported(320, 128, 96, 4));
@@ -389,6 +394,10 @@ TEST(HybridOpsGpu, GatedRmsNormMatchesComposed) {
   auto y = model::hybrid_cuda::gated_rms_norm(x, z, w, 1e-6, torch::kBFloat16);
   EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
   EXPECT_LT(rel_err(y, ref.to(torch::kBFloat16)), kBf16Ulps2);
+  // bf16 x (the delta rule's output in a bf16 model): same arithmetic on the rounded x.
+  auto xb = x.to(torch::kBFloat16);
+  auto yb = model::hybrid_cuda::gated_rms_norm(xb, z, w, 1e-6, torch::kBFloat16);
+  EXPECT_LT(rel_err(yb, model::gated_rms_norm(xb.to(torch::kFloat32), z, w, 1e-6).to(torch::kBFloat16)), kBf16Ulps2);
 }
 
 TEST(HybridOpsGpu, ZeroCentredRmsNormMatchesPlain) {

@@ -26,14 +26,6 @@ constexpr int kC = 64;  // chunk size (rows of a chunk)
 
 KernelTimes g_times;  // last timed call (Tuning::time_kernels)
 
-// Four consecutive values as fp32 (16-byte fp32 / 8-byte bf16 load; the caller checks alignment).
-__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const auto* b = reinterpret_cast<const __nv_bfloat16*>(&u);
-  return make_float4(__bfloat162float(b[0]), __bfloat162float(b[1]), __bfloat162float(b[2]), __bfloat162float(b[3]));
-}
-
 // Work-buffer elements (TW: float or bf16): 4 or 2 consecutive values stored as one 16/8-byte (fp32)
 // or 8/4-byte (bf16) access, and read back through the read-only cache as fp32.
 __device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
@@ -157,44 +149,60 @@ struct Layout {
   __host__ __device__ int64_t size() const { return A() + int64_t(kC) * kC; }
 };
 
-// Shared memory of gdn_chunk_prep, in floats. The q region holds v after the products (V <= 256 - K
-// columns), and q + k together hold the solve's 64 x (V + K) result before it is written out.
-template <int K>
+// Shared memory of gdn_chunk_prep, offsets in bytes. q, k and v rows are kept in the input type Ts
+// (bf16 inputs: half the bytes, so three blocks fit an SM); the q region holds v after the products
+// (V <= 256 - K columns), and q + k together hold the solve's 64 x (V + K) result X, in the work type
+// TW, before it is written out. Row strides are 4 words mod 32 (conflict-free fragment reads).
+template <int K, typename Ts, typename TW>
 struct PrepSmem {
-  static constexpr int LD = K + 4;                     // q / k rows (conflict-free fragment reads)
+  static constexpr int E = 4 / sizeof(Ts);                  // elements per 4-byte word
+  static constexpr int LD = K + 4 * E;                       // q / k rows, elements
   static constexpr int LQ0 = LD > 256 - K ? LD : 256 - K;
-  static constexpr int LQ = LQ0 + (36 - LQ0 % 32) % 32;  // q rows, then v rows (= 4 mod 32, as LD)
-  static constexpr int LX = 257;                       // solve result rows (odd: few conflicts)
-  static constexpr int LM = kC + 4;                    // M rows (float4 reads in the solve)
-  static constexpr int LA = kC + 1;                    // Aqk rows
-  static constexpr int q = 0, k = q + kC * LQ, M = k + kC * LD, A = M + kC * LM, G = A + kC * LA, B = G + kC;
-  static constexpr int EG = B + kC, EGL = EG + kC;  // exp(G_i), exp(G_last - G_i)
-  static constexpr int floats = EGL + kC;
-  static_assert(M % 4 == 0, "M must be float4-aligned");
-  static_assert(kC * LX <= M, "the solve result must fit in the q and k regions");
+  static constexpr int LQ = LQ0 + (36 * E - LQ0 % (32 * E)) % (32 * E);  // q rows, then v rows
+  static constexpr int LX = sizeof(TW) == 4 ? 257 : 264;    // X rows, elements (odd words / 4 mod 32)
+  static constexpr int LM = kC + 4;                          // M rows, floats (float4 reads in the solve)
+  static constexpr int LA = kC + 1;                          // Aqk rows, floats
+  static constexpr int qk_bytes = kC * (LQ + LD) * int(sizeof(Ts)), x_bytes = kC * LX * int(sizeof(TW));
+  static constexpr int q = 0, k = kC * LQ * int(sizeof(Ts));
+  static constexpr int M = ((qk_bytes > x_bytes ? qk_bytes : x_bytes) + 15) / 16 * 16;
+  static constexpr int A = M + kC * LM * 4, G = A + kC * LA * 4, B = G + kC * 4;
+  static constexpr int EG = B + kC * 4, EGL = EG + kC * 4;  // exp(G_i), exp(G_last - G_i)
+  static constexpr int bytes = EGL + kC * 4;
+  static_assert(LQ % (32 * E) == 4 * E && LD % (32 * E) == 4 * E, "row strides: 4 words mod 32");
 };
+
+// Four consecutive input values copied to shared memory as they are (16 bytes fp32, 8 bytes bf16).
+__device__ __forceinline__ void copy4(float* d, const float* s) { *reinterpret_cast<float4*>(d) = *reinterpret_cast<const float4*>(s); }
+__device__ __forceinline__ void copy4(__nv_bfloat16* d, const __nv_bfloat16* s) {
+  *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(s);
+}
+template <typename T>
+__device__ __forceinline__ void zero4(T* d) {
+  if constexpr (sizeof(T) == 4) *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
+  else *reinterpret_cast<uint2*>(d) = make_uint2(0u, 0u);
+}
 
 // One block per (chunk n, value head h); blockDim = V + K (one thread per right-hand-side column of
 // the solve; a multiple of 32). Rows of the chunk past its length are zero (k = v = beta = g = 0), as
 // in the reference's padding, so they change neither the outputs nor the state.
 template <typename Tin, int K, bool SPLIT, typename TW>
-__global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q, const Tin* __restrict__ k,
+__global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__ q, const Tin* __restrict__ k,
                                                       const Tin* __restrict__ v, int64_t sq, int64_t sk, int64_t sv,
                                                       const float* __restrict__ g, const float* __restrict__ beta,
                                                       const int* __restrict__ chunk_tok, const int* __restrict__ chunk_len,
                                                       int Hv, int r, int V, float scale, bool vec4,
                                                       TW* __restrict__ work, float* __restrict__ decay) {
-  using P = PrepSmem<K>;
+  using P = PrepSmem<K, Tin, TW>;
   constexpr int LD = P::LD, LQ = P::LQ, LX = P::LX, LM = P::LM, LA = P::LA;
-  extern __shared__ __align__(16) float smem[];
-  float* qs = smem + P::q;
-  float* ks = smem + P::k;
-  float* M = smem + P::M;
-  float* Aq = smem + P::A;
-  float* G = smem + P::G;
-  float* B = smem + P::B;
-  float* EG = smem + P::EG;
-  float* EGL = smem + P::EGL;
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  Tin* qs = reinterpret_cast<Tin*>(smem_bytes + P::q);
+  Tin* ks = reinterpret_cast<Tin*>(smem_bytes + P::k);
+  float* M = reinterpret_cast<float*>(smem_bytes + P::M);
+  float* Aq = reinterpret_cast<float*>(smem_bytes + P::A);
+  float* G = reinterpret_cast<float*>(smem_bytes + P::G);
+  float* B = reinterpret_cast<float*>(smem_bytes + P::B);
+  float* EG = reinterpret_cast<float*>(smem_bytes + P::EG);
+  float* EGL = reinterpret_cast<float*>(smem_bytes + P::EGL);
 
   const int n = blockIdx.x, h = blockIdx.y, t = threadIdx.x, NT = blockDim.x;
   const int tok0 = chunk_tok[n], len = chunk_len[n];
@@ -202,34 +210,28 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   const Layout lay{K, V};
   TW* out = work + (int64_t(n) * Hv + h) * lay.size();
 
-  // 1. q, k rows of the chunk (fp32), raw g and beta. With vec4 (4-aligned rows) four values per
-  // load, and several loads in flight per thread: one scalar load per iteration left the block
+  // 1. q, k rows of the chunk (input type), raw g and beta. With vec4 (4-aligned rows) four values
+  // per load, and several loads in flight per thread: one scalar load per iteration left the block
   // waiting on memory latency (with step 6's v loads: 0.64 -> 0.51 ms per 27B layer at 4096
   // tokens, H200).
   if (vec4) {
 #pragma unroll 8
     for (int e = 4 * t; e < kC * K; e += 4 * NT) {
       const int i = e / K, d = e % K;
-      float4 qv = make_float4(0.f, 0.f, 0.f, 0.f), kv = qv;
       if (i < len) {
         const int64_t tok = tok0 + i;
-        qv = load4(q + tok * sq + hk * K + d);
-        kv = load4(k + tok * sk + hk * K + d);
+        copy4(qs + i * LQ + d, q + tok * sq + hk * K + d);
+        copy4(ks + i * LD + d, k + tok * sk + hk * K + d);
+      } else {
+        zero4(qs + i * LQ + d), zero4(ks + i * LD + d);
       }
-      *reinterpret_cast<float4*>(qs + i * LQ + d) = qv;
-      *reinterpret_cast<float4*>(ks + i * LD + d) = kv;
     }
   } else {
     for (int e = t; e < kC * K; e += NT) {
       const int i = e / K, d = e % K;
-      float qv = 0.f, kv = 0.f;
-      if (i < len) {
-        const int64_t tok = tok0 + i;
-        qv = to_f(q[tok * sq + hk * K + d]);
-        kv = to_f(k[tok * sk + hk * K + d]);
-      }
-      qs[i * LQ + d] = qv;
-      ks[i * LD + d] = kv;
+      const int64_t tok = tok0 + i;
+      qs[i * LQ + d] = i < len ? q[tok * sq + hk * K + d] : from_f<Tin>(0.f);
+      ks[i * LD + d] = i < len ? k[tok * sk + hk * K + d] : from_f<Tin>(0.f);
     }
   }
   if (t < kC) {
@@ -267,15 +269,15 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
       const int mt = tile / 8, nt = tile % 8;
       float kk[4] = {0.f, 0.f, 0.f, 0.f}, qk[4] = {0.f, 0.f, 0.f, 0.f};
       if (nt * 8 <= mt * 16 + 15) {
-        const float* qa = qs + (mt * 16 + gid) * LQ + tid;
-        const float* ka = ks + (mt * 16 + gid) * LD + tid;
-        const float* kb = ks + (nt * 8 + gid) * LD + tid;
+        const Tin* qa = qs + (mt * 16 + gid) * LQ + tid;
+        const Tin* ka = ks + (mt * 16 + gid) * LD + tid;
+        const Tin* kb = ks + (nt * 8 + gid) * LD + tid;
 #pragma unroll 4
         for (int d = 0; d < K; d += 8) {
-          const auto b = b_operand<SPLIT>(kb[d], kb[d + 4]);
+          const auto b = b_operand<SPLIT>(to_f(kb[d]), to_f(kb[d + 4]));
           Tf32<SPLIT, 4> ak, aq;
-          ak.set(0, ka[d]), ak.set(1, ka[d + 8 * LD]), ak.set(2, ka[d + 4]), ak.set(3, ka[d + 8 * LD + 4]);
-          aq.set(0, qa[d]), aq.set(1, qa[d + 8 * LQ]), aq.set(2, qa[d + 4]), aq.set(3, qa[d + 8 * LQ + 4]);
+          ak.set(0, to_f(ka[d])), ak.set(1, to_f(ka[d + 8 * LD])), ak.set(2, to_f(ka[d + 4])), ak.set(3, to_f(ka[d + 8 * LD + 4]));
+          aq.set(0, to_f(qa[d])), aq.set(1, to_f(qa[d + 8 * LQ])), aq.set(2, to_f(qa[d + 4])), aq.set(3, to_f(qa[d + 8 * LQ + 4]));
           mma<SPLIT>(kk, ak, b);
           mma<SPLIT>(qk, aq, b);
         }
@@ -296,14 +298,15 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   for (int e = 4 * t; e < kC * K; e += 4 * NT) {
     int r, c;
     a_frag_rc(e, K, r, c);  // Q [64][K]
-    const float* q0 = qs + r * LQ + c;
-    const float* q8 = q0 + 8 * LQ;
-    store4(out + lay.Q() + e,
-           make_float4(q0[0] * scale * EG[r], q8[0] * scale * EG[r + 8], q0[4] * scale * EG[r], q8[4] * scale * EG[r + 8]));
+    const Tin* q0 = qs + r * LQ + c;
+    const Tin* q8 = q0 + 8 * LQ;
+    store4(out + lay.Q() + e, make_float4(to_f(q0[0]) * scale * EG[r], to_f(q8[0]) * scale * EG[r + 8],
+                                          to_f(q0[4]) * scale * EG[r], to_f(q8[4]) * scale * EG[r + 8]));
     a_frag_rc(e, kC, r, c);  // KD^T [K][64]: row r is a key dim, column c a token
-    const float* k0 = ks + c * LD + r;
-    const float* k4 = k0 + 4 * LD;
-    store4(out + lay.KD() + e, make_float4(k0[0] * EGL[c], k0[8] * EGL[c], k4[0] * EGL[c + 4], k4[8] * EGL[c + 4]));
+    const Tin* k0 = ks + c * LD + r;
+    const Tin* k4 = k0 + 4 * LD;
+    store4(out + lay.KD() + e, make_float4(to_f(k0[0]) * EGL[c], to_f(k0[8]) * EGL[c], to_f(k4[0]) * EGL[c + 4],
+                                           to_f(k4[8]) * EGL[c + 4]));
   }
   for (int e = 4 * t; e < kC * kC; e += 4 * NT) {
     int r, c;
@@ -314,18 +317,18 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
   if (t == 0) decay[int64_t(n) * Hv + h] = EG[kC - 1];  // exp(G_last)
   __syncthreads();
   // 6. v rows of the chunk over q (coalesced).
-  float* vs = qs;
+  Tin* vs = qs;
   if (vec4) {
 #pragma unroll 8
     for (int e = 4 * t; e < kC * V; e += 4 * NT) {
       const int i = e / V, c = e % V;
-      const float4 vv = i < len ? load4(v + (int64_t(tok0) + i) * sv + int64_t(h) * V + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-      *reinterpret_cast<float4*>(vs + i * LQ + c) = vv;
+      if (i < len) copy4(vs + i * LQ + c, v + (int64_t(tok0) + i) * sv + int64_t(h) * V + c);
+      else zero4(vs + i * LQ + c);
     }
   } else {
     for (int e = t; e < kC * V; e += NT) {
       const int i = e / V, c = e % V;
-      vs[i * LQ + c] = i < len ? to_f(v[(int64_t(tok0) + i) * sv + int64_t(h) * V + c]) : 0.f;
+      vs[i * LQ + c] = i < len ? v[(int64_t(tok0) + i) * sv + int64_t(h) * V + c] : from_f<Tin>(0.f);
     }
   }
   __syncthreads();
@@ -342,7 +345,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
     const int kc = c - V;
 #pragma unroll
     for (int i = 0; i < kC; ++i) {
-      const float rhs = is_v ? vs[i * LQ + c] * B[i] : ks[i * LD + kc] * B[i] * EG[i];
+      const float rhs = is_v ? to_f(vs[i * LQ + c]) * B[i] : to_f(ks[i * LD + kc]) * B[i] * EG[i];
       const float4* Mi = reinterpret_cast<const float4*>(M + i * LM);
       // Four independent partial sums instead of one chain of i dependent FMAs (measured: no change
       // in the prep's time on the H200; its time was in load latency, see step 1).
@@ -359,22 +362,22 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(const Tin* __restrict__ q,
     }
   }
   __syncthreads();  // every read of v and k is done: X [64][V + K] goes over them
-  float* X = qs;
+  TW* X = reinterpret_cast<TW*>(smem_bytes + P::q);  // rounded to the work type here, as in the store
 #pragma unroll
-  for (int i = 0; i < kC; ++i) X[i * LX + c] = x[i];
+  for (int i = 0; i < kC; ++i) X[i * LX + c] = from_f<TW>(x[i]);
   __syncthreads();
   // 8. U (B fragments of [64][V]: one lane's two values as a float2) and W (A fragments of [64][K]:
   // one lane's four values as a float4).
   for (int e = 2 * t; e < kC * V; e += 2 * NT) {
     const int l = (e >> 1) & 31, tile = e >> 6, nt = tile % (V / 8), kstep = tile / (V / 8);
-    const float* x0 = X + (kstep * 8 + (l & 3)) * LX + nt * 8 + (l >> 2);
-    store2(out + lay.U() + e, make_float2(x0[0], x0[4 * LX]));
+    const TW* x0 = X + (kstep * 8 + (l & 3)) * LX + nt * 8 + (l >> 2);
+    store2(out + lay.U() + e, make_float2(to_f(x0[0]), to_f(x0[4 * LX])));
   }
   for (int e = 4 * t; e < kC * K; e += 4 * NT) {
     int r, c;
     a_frag_rc(e, K, r, c);
-    const float* x0 = X + r * LX + V + c;
-    store4(out + lay.W() + e, make_float4(x0[0], x0[8 * LX], x0[4], x0[8 * LX + 4]));
+    const TW* x0 = X + r * LX + V + c;
+    store4(out + lay.W() + e, make_float4(to_f(x0[0]), to_f(x0[8 * LX]), to_f(x0[4]), to_f(x0[8 * LX + 4])));
   }
 }
 
@@ -567,12 +570,7 @@ __global__ void __launch_bounds__(128) gdn_chunk_out(const TW* __restrict__ work
       const int i = w * 16 + gid + 8 * half;
       if (i < len) {
         Tout* o = out + (int64_t(tok0) + i) * row_stride + int64_t(h) * V + col;
-        if constexpr (std::is_same_v<Tout, float>) {  // one 8-byte store (col is even)
-          *reinterpret_cast<float2*>(o) = make_float2(acc[ni][2 * half], acc[ni][2 * half + 1]);
-        } else {
-          o[0] = from_f<Tout>(acc[ni][2 * half]);
-          o[1] = from_f<Tout>(acc[ni][2 * half + 1]);
-        }
+        store2(o, make_float2(acc[ni][2 * half], acc[ni][2 * half + 1]));  // one 8 / 4-byte store (col is even)
       }
     }
   }
@@ -610,7 +608,7 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   const int* chunk_tok = tables.data_ptr<int>();
   const int* chunk_len = chunk_tok + num_chunks;
   const int* doc_info = chunk_len + num_chunks;
-  const size_t smem = PrepSmem<K>::floats * sizeof(float);
+  const size_t smem = PrepSmem<K, Tin, TW>::bytes;
   auto prep = gdn_chunk_prep<Tin, K, kSplit, TW>;
   TW* wk = reinterpret_cast<TW*>(work.data_ptr());
   TW* st = reinterpret_cast<TW*>(states.data_ptr());

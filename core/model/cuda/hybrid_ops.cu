@@ -40,9 +40,9 @@ __device__ __forceinline__ void load_row(const Tin* p, float (&v)[VEC]) {
   }
 }
 
-template <typename Tin, int VEC, int TT, bool V8, int kMaxK>
+template <typename Tin, typename Tout, int VEC, int TT, bool V8, int kMaxK>
 __global__ void conv_silu_l2norm_kernel(const Tin* __restrict__ x, int64_t sx, const float* __restrict__ w_KC,
-                                        const int64_t* __restrict__ pos, float* __restrict__ out, int64_t T, int C,
+                                        const int64_t* __restrict__ pos, Tout* __restrict__ out, int64_t T, int C,
                                         int Kc, int l2_groups, float eps) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
@@ -110,20 +110,27 @@ __global__ void conv_silu_l2norm_kernel(const Tin* __restrict__ x, int64_t sx, c
 #pragma unroll
       for (int j = 0; j < VEC; ++j) acc[j] = __fmul_rn(acc[j], r);
     }
-    float* o = out + t * C + c0;
-    if constexpr (VEC % 4 == 0) {
+    Tout* o = out + t * C + c0;
+    if constexpr (VEC % 4 == 0 && std::is_same_v<Tout, float>) {
 #pragma unroll
       for (int j = 0; j < VEC; j += 4) *reinterpret_cast<float4*>(o + j) = make_float4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]);
+    } else if constexpr (VEC % 4 == 0) {  // bf16: 8-byte stores (C % 4 == 0, so rows stay aligned)
+#pragma unroll
+      for (int j = 0; j < VEC; j += 4) {
+        const __nv_bfloat162 a = __floats2bfloat162_rn(acc[j], acc[j + 1]), b = __floats2bfloat162_rn(acc[j + 2], acc[j + 3]);
+        *reinterpret_cast<uint2*>(o + j) =
+            make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+      }
     } else {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = acc[j];
+      for (int j = 0; j < VEC; ++j) o[j] = from_f<Tout>(acc[j]);
     }
   }
 }
 
 // One warp per (token, head) row of D = 32 * PER values.
-template <typename Tz, typename Tout, int PER>
-__global__ void gated_norm_kernel(const float* __restrict__ x, const Tz* __restrict__ z, int64_t sz_t,
+template <typename Tx, typename Tz, typename Tout, int PER>
+__global__ void gated_norm_kernel(const Tx* __restrict__ x, const Tz* __restrict__ z, int64_t sz_t,
                                   const float* __restrict__ w, Tout* __restrict__ out, int64_t rows, int H, float eps) {
   constexpr int D = 32 * PER;
   const int64_t row = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
@@ -131,13 +138,13 @@ __global__ void gated_norm_kernel(const float* __restrict__ x, const Tz* __restr
   if (row >= rows) return;  // whole warps leave together
   const int64_t t = row / H;
   const int h = static_cast<int>(row % H);
-  const float* xr = x + row * D;
+  const Tx* xr = x + row * D;
   const Tz* zr = z + t * sz_t + int64_t(h) * D;
   float v[PER];
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
-    v[j] = xr[lane + 32 * j];
+    v[j] = to_f(xr[lane + 32 * j]);
     ss = fmaf(v[j], v[j], ss);
   }
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -199,7 +206,7 @@ bool conv_silu_l2norm_supported(int64_t C, int64_t qk_channels, int64_t head_dim
 }
 
 torch::Tensor conv_silu_l2norm(const torch::Tensor& x_TC, const torch::Tensor& w_CK, const torch::Tensor& pos_T,
-                               int64_t qk_channels, int64_t head_dim, double eps) {
+                               int64_t qk_channels, int64_t head_dim, torch::ScalarType out_dtype, double eps) {
   TORCH_CHECK(x_TC.is_cuda() && x_TC.dim() == 2 && x_TC.stride(1) == 1, "conv: x must be CUDA [T, C], unit channel stride");
   TORCH_CHECK(x_TC.scalar_type() == torch::kFloat32 || x_TC.scalar_type() == torch::kBFloat16, "conv: x float32|bfloat16");
   const int64_t T = x_TC.size(0);
@@ -208,46 +215,53 @@ torch::Tensor conv_silu_l2norm(const torch::Tensor& x_TC, const torch::Tensor& w
   TORCH_CHECK(conv_silu_l2norm_supported(C, qk_channels, head_dim, Kc),
               "conv: needs head_dim 64|128|256 dividing C and the q/k channels, Kc <= 8");
   TORCH_CHECK(pos_T.scalar_type() == torch::kInt64 && pos_T.numel() == T, "conv: pos must be int64 [T]");
+  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16, "conv: out float32|bfloat16");
   c10::cuda::CUDAGuard guard(x_TC.device());
   // [Kc, C] fp32 for the kernel: no copy when w_CK is already a transposed view of that (the hybrid
   // target stores its weights so); .to() keeps the strides of such a view.
   auto w_KC = w_CK.to(x_TC.device(), torch::kFloat32).t().contiguous();
   auto pos = pos_T.contiguous();
-  auto out = torch::empty({T, C}, x_TC.options().dtype(torch::kFloat32));
+  auto out = torch::empty({T, C}, x_TC.options().dtype(out_dtype));
   if (T == 0) return out;
   constexpr int kThreads = 128;
   const int l2_groups = static_cast<int>(qk_channels / head_dim);
   auto stream = at::cuda::getCurrentCUDAStream();
-  auto launch = [&](auto vec, const auto* xp) {
+  auto launch = [&](auto vec, const auto* xp, auto* op) {
     constexpr int VEC = decltype(vec)::value;
     constexpr int kTT = VEC <= 4 ? 8 : 4;  // tokens per warp (their rows are held in registers)
     const int64_t warps = (C / head_dim) * ((T + kTT - 1) / kTT);
     const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
     using Tin = std::remove_cv_t<std::remove_pointer_t<decltype(xp)>>;
+    using Tout = std::remove_pointer_t<decltype(op)>;
     constexpr bool kBf16x4 = std::is_same_v<Tin, __nv_bfloat16> && VEC % 4 == 0;
     const bool v8 = kBf16x4 && reinterpret_cast<uintptr_t>(xp) % 8 == 0 && x_TC.stride(0) % 4 == 0;
     // kMaxK: taps held in registers (4 for Qwen3.5's kernel size, else 8).
-    auto* kernel = Kc <= 4 ? (v8 ? conv_silu_l2norm_kernel<Tin, VEC, kTT, kBf16x4, 4> : conv_silu_l2norm_kernel<Tin, VEC, kTT, false, 4>)
-                           : (v8 ? conv_silu_l2norm_kernel<Tin, VEC, kTT, kBf16x4, 8> : conv_silu_l2norm_kernel<Tin, VEC, kTT, false, 8>);
-    kernel<<<blocks, kThreads, 0, stream>>>(
-        xp, x_TC.stride(0), w_KC.data_ptr<float>(), pos.data_ptr<int64_t>(), out.data_ptr<float>(), T, C, Kc, l2_groups,
-        static_cast<float>(eps));
+    auto* kernel = Kc <= 4 ? (v8 ? conv_silu_l2norm_kernel<Tin, Tout, VEC, kTT, kBf16x4, 4>
+                                 : conv_silu_l2norm_kernel<Tin, Tout, VEC, kTT, false, 4>)
+                           : (v8 ? conv_silu_l2norm_kernel<Tin, Tout, VEC, kTT, kBf16x4, 8>
+                                 : conv_silu_l2norm_kernel<Tin, Tout, VEC, kTT, false, 8>);
+    kernel<<<blocks, kThreads, 0, stream>>>(xp, x_TC.stride(0), w_KC.data_ptr<float>(), pos.data_ptr<int64_t>(), op, T,
+                                            C, Kc, l2_groups, static_cast<float>(eps));
   };
-  auto dispatch = [&](const auto* xp) {
-    if (head_dim == 64) launch(std::integral_constant<int, 2>{}, xp);
-    else if (head_dim == 128) launch(std::integral_constant<int, 4>{}, xp);
-    else launch(std::integral_constant<int, 8>{}, xp);
+  auto dispatch = [&](const auto* xp, auto* op) {
+    if (head_dim == 64) launch(std::integral_constant<int, 2>{}, xp, op);
+    else if (head_dim == 128) launch(std::integral_constant<int, 4>{}, xp, op);
+    else launch(std::integral_constant<int, 8>{}, xp, op);
+  };
+  auto by_out = [&](const auto* xp) {
+    if (out_dtype == torch::kBFloat16) dispatch(xp, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+    else dispatch(xp, out.data_ptr<float>());
   };
   if (x_TC.scalar_type() == torch::kBFloat16)
-    dispatch(reinterpret_cast<const __nv_bfloat16*>(x_TC.data_ptr()));
+    by_out(reinterpret_cast<const __nv_bfloat16*>(x_TC.data_ptr()));
   else
-    dispatch(x_TC.data_ptr<float>());
+    by_out(x_TC.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
 namespace {
-template <typename Tz, typename Tout>
+template <typename Tx, typename Tz, typename Tout>
 void launch_gated_norm(const torch::Tensor& x, const torch::Tensor& z, const torch::Tensor& w, float eps,
                        torch::Tensor& out) {
   const int64_t T = x.size(0), rows = T * x.size(1);
@@ -255,10 +269,11 @@ void launch_gated_norm(const torch::Tensor& x, const torch::Tensor& z, const tor
   const int warps_per_block = 8;
   const int64_t blocks = (rows + warps_per_block - 1) / warps_per_block;
   auto stream = at::cuda::getCurrentCUDAStream();
+  const Tx* xp = reinterpret_cast<const Tx*>(x.data_ptr());
   const Tz* zp = reinterpret_cast<const Tz*>(z.data_ptr());
   Tout* op = reinterpret_cast<Tout*>(out.data_ptr());
 #define DFLASH_GATED_NORM(PER)                                                                               \
-  gated_norm_kernel<Tz, Tout, PER><<<blocks, 32 * warps_per_block, 0, stream>>>(x.data_ptr<float>(), zp,     \
+  gated_norm_kernel<Tx, Tz, Tout, PER><<<blocks, 32 * warps_per_block, 0, stream>>>(xp, zp,                 \
                                                                                z.stride(0), w.data_ptr<float>(), \
                                                                                op, rows, H, eps)
   switch (D / 32) {
@@ -276,7 +291,9 @@ void launch_gated_norm(const torch::Tensor& x, const torch::Tensor& z, const tor
 
 torch::Tensor gated_rms_norm(const torch::Tensor& x_in, const torch::Tensor& z_in, const torch::Tensor& w, double eps,
                              torch::ScalarType out_dtype) {
-  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 3 && x_in.scalar_type() == torch::kFloat32, "gated norm: x CUDA fp32 [T, H, D]");
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 3 &&
+                  (x_in.scalar_type() == torch::kFloat32 || x_in.scalar_type() == torch::kBFloat16),
+              "gated norm: x CUDA float32|bfloat16 [T, H, D]");
   TORCH_CHECK(z_in.sizes() == x_in.sizes(), "gated norm: z must have x's shape");
   TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16, "gated norm: out float32|bfloat16");
   c10::cuda::CUDAGuard guard(x_in.device());
@@ -290,10 +307,16 @@ torch::Tensor gated_rms_norm(const torch::Tensor& x_in, const torch::Tensor& z_i
   if (x.numel() == 0) return out;
   const float e = static_cast<float>(eps);
   const bool zbf = z.scalar_type() == torch::kBFloat16, obf = out_dtype == torch::kBFloat16;
-  if (zbf && obf) launch_gated_norm<__nv_bfloat16, __nv_bfloat16>(x, z, wf, e, out);
-  else if (zbf) launch_gated_norm<__nv_bfloat16, float>(x, z, wf, e, out);
-  else if (obf) launch_gated_norm<float, __nv_bfloat16>(x, z, wf, e, out);
-  else launch_gated_norm<float, float>(x, z, wf, e, out);
+  auto by_x = [&](auto tz, auto tout) {
+    using Tz = decltype(tz);
+    using Tout = decltype(tout);
+    if (x.scalar_type() == torch::kBFloat16) launch_gated_norm<__nv_bfloat16, Tz, Tout>(x, z, wf, e, out);
+    else launch_gated_norm<float, Tz, Tout>(x, z, wf, e, out);
+  };
+  if (zbf && obf) by_x(__nv_bfloat16{}, __nv_bfloat16{});
+  else if (zbf) by_x(__nv_bfloat16{}, float{});
+  else if (obf) by_x(float{}, __nv_bfloat16{});
+  else by_x(float{}, float{});
   return out;
 }
 
