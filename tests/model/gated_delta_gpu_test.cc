@@ -398,6 +398,12 @@ TEST(HybridOpsGpu, GatedRmsNormMatchesComposed) {
   auto xb = x.to(torch::kBFloat16);
   auto yb = model::hybrid_cuda::gated_rms_norm(xb, z, w, 1e-6, torch::kBFloat16);
   EXPECT_LT(rel_err(yb, model::gated_rms_norm(xb.to(torch::kFloat32), z, w, 1e-6).to(torch::kBFloat16)), kBf16Ulps2);
+  // z rows not 4-aligned: the kernel's scalar path (its sum of squares in another order; measured
+  // 1.5e-7 from the vector path's result).
+  auto zbuf_odd = torch::cat({zbuf, zbuf.narrow(1, 0, 1)}, 1);
+  auto z_odd = zbuf_odd.narrow(1, 0, H * D).view({T, H, D});
+  ASSERT_NE(z_odd.stride(0) % 4, 0);
+  EXPECT_LT(rel_err(model::hybrid_cuda::gated_rms_norm(x, z_odd, w, 1e-6, torch::kFloat32), ref), 1e-5);
 }
 
 TEST(HybridOpsGpu, ZeroCentredRmsNormMatchesPlain) {

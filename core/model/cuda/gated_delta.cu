@@ -26,33 +26,6 @@ constexpr int kC = 64;  // chunk size (rows of a chunk)
 
 KernelTimes g_times;  // last timed call (Tuning::time_kernels)
 
-// Work-buffer elements (TW: float or bf16): 4 or 2 consecutive values stored as one 16/8-byte (fp32)
-// or 8/4-byte (bf16) access, and read back through the read-only cache as fp32.
-__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
-  const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
-  *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
-}
-__device__ __forceinline__ void store2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
-__device__ __forceinline__ void store2(__nv_bfloat16* p, float2 v) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v.x, v.y);
-}
-__device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
-__device__ __forceinline__ float4 ldg4(const __nv_bfloat16* p) {
-  const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
-                     __uint_as_float(u.y & 0xffff0000u));
-}
-__device__ __forceinline__ float2 ldg2(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
-__device__ __forceinline__ float2 ldg2(const __nv_bfloat16* p) {
-  const uint32_t u = __ldg(reinterpret_cast<const unsigned int*>(p));
-  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
-}
-__device__ __forceinline__ float ldg1(const float* p) { return __ldg(p); }
-__device__ __forceinline__ float ldg1(const __nv_bfloat16* p) {
-  return __uint_as_float(uint32_t(__ldg(reinterpret_cast<const unsigned short*>(p))) << 16);
-}
-
 // ---- Tensor-core operands (mma.sync m16n8k8, TF32 in, fp32 accumulate) ----
 // Lane l of a warp: gid = l / 4, tid = l % 4. Fragments (PTX ISA, m16n8k8 .tf32):
 //   A (16 x 8, row major): a0 (gid, tid), a1 (gid + 8, tid), a2 (gid, tid + 4), a3 (gid + 8, tid + 4)

@@ -1,5 +1,6 @@
 // Fused kernels of the hybrid target (see hybrid_ops.h). fp32 arithmetic in the order of the
-// LibTorch twins; explicit __fmul_rn / __fadd_rn where the twin multiplies and adds separately.
+// LibTorch twins; explicit __fmul_rn / __fadd_rn where the twin multiplies and adds separately. The
+// one exception: the conv stage's SiLU uses the fast exp and division (silu_fast).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -15,6 +16,9 @@ namespace {
 using namespace dflash::model::cuda_common;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+// The conv stage's SiLU with the fast exp and division (relative error ~1e-6, inside its tests' 1e-5):
+// the IEEE forms were about half of that kernel's instructions (ncu, 27B shape).
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }
 
 // The Gated DeltaNet's conv stage in one pass. One warp per (group of 32*VEC channels, TT tokens);
 // each lane owns VEC adjacent channels. Tap Kc-1 reads the token itself, tap Kc-1-s the token s
@@ -41,7 +45,7 @@ __device__ __forceinline__ void load_row(const Tin* p, float (&v)[VEC]) {
 }
 
 template <typename Tin, typename Tout, int VEC, int TT, bool V8, int kMaxK>
-__global__ void conv_silu_l2norm_kernel(const Tin* __restrict__ x, int64_t sx, const float* __restrict__ w_KC,
+__global__ void __launch_bounds__(128, 6) conv_silu_l2norm_kernel(const Tin* __restrict__ x, int64_t sx, const float* __restrict__ w_KC,
                                         const int64_t* __restrict__ pos, Tout* __restrict__ out, int64_t T, int C,
                                         int Kc, int l2_groups, float eps) {
   const int lane = threadIdx.x % 32;
@@ -55,9 +59,19 @@ __global__ void conv_silu_l2norm_kernel(const Tin* __restrict__ x, int64_t sx, c
   // w_KC is [Kc, C] (taps outermost), so a warp's loads of one tap are contiguous.
   float wr[kMaxK][VEC];
 #pragma unroll
-  for (int s = 0; s < kMaxK; ++s)
+  for (int s = 0; s < kMaxK; ++s) {
+    if constexpr (VEC % 4 == 0) {  // c0 is a multiple of 4: 16-byte loads
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) wr[s][j] = s < Kc ? w_KC[int64_t(Kc - 1 - s) * C + c0 + j] : 0.f;
+      for (int j = 0; j < VEC; j += 4) {
+        const float4 w4 = s < Kc ? __ldg(reinterpret_cast<const float4*>(w_KC + int64_t(Kc - 1 - s) * C + c0 + j))
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+        wr[s][j] = w4.x, wr[s][j + 1] = w4.y, wr[s][j + 2] = w4.z, wr[s][j + 3] = w4.w;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) wr[s][j] = s < Kc ? w_KC[int64_t(Kc - 1 - s) * C + c0 + j] : 0.f;
+    }
+  }
   const bool l2 = g < l2_groups;
   // prev[s-1]: the row s tokens back, loaded once and shifted along (each row is read once per warp).
   float prev[kMaxK - 1][VEC];
@@ -68,19 +82,19 @@ __global__ void conv_silu_l2norm_kernel(const Tin* __restrict__ x, int64_t sx, c
   // All TT rows (and their positions) are loaded before any is used: several loads in flight per
   // warp instead of one (memory latency bound before).
   float rows[TT][VEC];
-  int64_t ps[TT];
+  int ps[TT];  // positions in the document, clamped (only "at least s" matters, s < kMaxK)
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) {
     if (t0 + tt < T) {
       load_row<Tin, VEC, V8>(x + (t0 + tt) * sx + c0, rows[tt]);
-      ps[tt] = pos[t0 + tt];
+      ps[tt] = static_cast<int>(min(pos[t0 + tt], int64_t(kMaxK)));
     }
   }
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) {
     const int64_t t = t0 + tt;
     if (t >= T) break;
-    const int64_t p = ps[tt];
+    const int p = ps[tt];
     const float (&xv)[VEC] = rows[tt];
     float acc[VEC];
 #pragma unroll
@@ -101,7 +115,7 @@ __global__ void conv_silu_l2norm_kernel(const Tin* __restrict__ x, int64_t sx, c
     float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      acc[j] = silu(acc[j]);
+      acc[j] = silu_fast(acc[j]);
       ss = fmaf(acc[j], acc[j], ss);
     }
     if (l2) {
@@ -128,8 +142,10 @@ __global__ void conv_silu_l2norm_kernel(const Tin* __restrict__ x, int64_t sx, c
   }
 }
 
-// One warp per (token, head) row of D = 32 * PER values.
-template <typename Tx, typename Tz, typename Tout, int PER>
+// One warp per (token, head) row of D = 32 * PER values. V4 (PER % 4 == 0, z rows 4-aligned): lane l
+// owns the PER consecutive values from l * PER, read and written 4 at a time (scalar 2-byte accesses
+// left the kernel at 40% of DRAM bandwidth, ncu 27B shape); else values l, l + 32, ...
+template <typename Tx, typename Tz, typename Tout, int PER, bool V4>
 __global__ void gated_norm_kernel(const Tx* __restrict__ x, const Tz* __restrict__ z, int64_t sz_t,
                                   const float* __restrict__ w, Tout* __restrict__ out, int64_t rows, int H, float eps) {
   constexpr int D = 32 * PER;
@@ -140,23 +156,35 @@ __global__ void gated_norm_kernel(const Tx* __restrict__ x, const Tz* __restrict
   const int h = static_cast<int>(row % H);
   const Tx* xr = x + row * D;
   const Tz* zr = z + t * sz_t + int64_t(h) * D;
-  float v[PER];
+  auto col = [&](int j) { return V4 ? lane * PER + j : lane + 32 * j; };
+  float v[PER], zv[PER];
+  if constexpr (V4) {
+#pragma unroll
+    for (int j = 0; j < PER; j += 4) {
+      const float4 a = ldg4(xr + col(j)), b = ldg4(zr + col(j));
+      v[j] = a.x, v[j + 1] = a.y, v[j + 2] = a.z, v[j + 3] = a.w;
+      zv[j] = b.x, zv[j + 1] = b.y, zv[j + 2] = b.z, zv[j + 3] = b.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) v[j] = to_f(xr[col(j)]), zv[j] = to_f(zr[col(j)]);
+  }
   float ss = 0.f;
 #pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    v[j] = to_f(xr[lane + 32 * j]);
-    ss = fmaf(v[j], v[j], ss);
-  }
+  for (int j = 0; j < PER; ++j) ss = fmaf(v[j], v[j], ss);
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const float r = rsqrtf(ss / D + eps);
+  float y[PER];
 #pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int i = lane + 32 * j;
-    const float y = __fmul_rn(__fmul_rn(__fmul_rn(v[j], r), w[i]), silu(to_f(zr[i])));
-    out[row * D + i] = from_f<Tout>(y);
+  for (int j = 0; j < PER; ++j) y[j] = __fmul_rn(__fmul_rn(__fmul_rn(v[j], r), w[col(j)]), silu(zv[j]));
+  if constexpr (V4) {
+#pragma unroll
+    for (int j = 0; j < PER; j += 4) store4(out + row * D + col(j), make_float4(y[j], y[j + 1], y[j + 2], y[j + 3]));
+  } else {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) out[row * D + col(j)] = from_f<Tout>(y[j]);
   }
 }
-
 
 // One block per row. ADD: h = bf16(h + d) first (written back), then the norm of the sum.
 // VEC = 8: 16-byte loads and stores (n % 8 == 0, aligned rows); each thread re-reads only its own
@@ -272,16 +300,16 @@ void launch_gated_norm(const torch::Tensor& x, const torch::Tensor& z, const tor
   const Tx* xp = reinterpret_cast<const Tx*>(x.data_ptr());
   const Tz* zp = reinterpret_cast<const Tz*>(z.data_ptr());
   Tout* op = reinterpret_cast<Tout*>(out.data_ptr());
-#define DFLASH_GATED_NORM(PER)                                                                               \
-  gated_norm_kernel<Tx, Tz, Tout, PER><<<blocks, 32 * warps_per_block, 0, stream>>>(xp, zp,                 \
-                                                                               z.stride(0), w.data_ptr<float>(), \
-                                                                               op, rows, H, eps)
+  const bool v4 = D % 128 == 0 && z.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(zp) % (4 * sizeof(Tz)) == 0;
+#define DFLASH_GATED_NORM(PER, V4)                                                                          \
+  gated_norm_kernel<Tx, Tz, Tout, PER, V4><<<blocks, 32 * warps_per_block, 0, stream>>>(                  \
+      xp, zp, z.stride(0), w.data_ptr<float>(), op, rows, H, eps)
   switch (D / 32) {
-    case 1: DFLASH_GATED_NORM(1); break;
-    case 2: DFLASH_GATED_NORM(2); break;
-    case 4: DFLASH_GATED_NORM(4); break;
-    case 8: DFLASH_GATED_NORM(8); break;
-    case 16: DFLASH_GATED_NORM(16); break;
+    case 1: DFLASH_GATED_NORM(1, false); break;
+    case 2: DFLASH_GATED_NORM(2, false); break;
+    case 4: if (v4) DFLASH_GATED_NORM(4, true); else DFLASH_GATED_NORM(4, false); break;
+    case 8: if (v4) DFLASH_GATED_NORM(8, true); else DFLASH_GATED_NORM(8, false); break;
+    case 16: if (v4) DFLASH_GATED_NORM(16, true); else DFLASH_GATED_NORM(16, false); break;
     default: TORCH_CHECK(false, "gated norm: head dim ", D, " not in {32, 64, 128, 256, 512}");
   }
 #undef DFLASH_GATED_NORM

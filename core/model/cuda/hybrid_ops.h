@@ -1,6 +1,6 @@
 // Fused CUDA kernels around the Gated DeltaNet and the zero-centred RMSNorm of the hybrid target
 // (hybrid.cc). Each computes the same fp32 arithmetic as its LibTorch twin (gated_delta.h,
-// layers.h) and rounds at the same points; tests/model/gated_delta_gpu_test.cc compares them.
+// layers.h; the conv's SiLU with the fast exp and division, ~1e-6 relative) and rounds at the same points; tests/model/gated_delta_gpu_test.cc compares them.
 // Available only in CUDA builds (DFLASH_WITH_CUDA).
 #pragma once
 #include <torch/torch.h>
