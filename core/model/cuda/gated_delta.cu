@@ -110,8 +110,8 @@ __device__ __forceinline__ void mma(float (&d)[4], const Tf32<SPLIT, 4>& a, cons
 }
 
 // Operands of one (chunk, value head) in the work buffer, offsets in elements (multiples of 4). The
-// scan reads the first three, the output kernel the rest. exp(G_last) of each (chunk, value head) is
-// kept apart, in fp32 (it scales the state at every chunk).
+// scan reads the first three (and writes v_new over U), the output kernel v_new and the last two.
+// exp(G_last) of each (chunk, value head) is kept apart, in fp32 (it scales the state at every chunk).
 struct Layout {
   int K, V;
   __host__ __device__ int64_t U() const { return 0; }                        // B frags of U [64][V]; v_new after the scan
