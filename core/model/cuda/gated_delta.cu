@@ -149,11 +149,6 @@ __device__ __forceinline__ void copy4(float* d, const float* s) { *reinterpret_c
 __device__ __forceinline__ void copy4(__nv_bfloat16* d, const __nv_bfloat16* s) {
   *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(s);
 }
-template <typename T>
-__device__ __forceinline__ void zero4(T* d) {
-  if constexpr (sizeof(T) == 4) *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
-  else *reinterpret_cast<uint2*>(d) = make_uint2(0u, 0u);
-}
 
 // One block per (chunk n, value head h); blockDim = V + K (one thread per right-hand-side column of
 // the solve; a multiple of 32). Rows of the chunk past its length are zero (k = v = beta = g = 0), as
@@ -196,7 +191,8 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
         copy4(qs + i * LQ + d, q + tok * sq + hk * K + d);
         copy4(ks + i * LD + d, k + tok * sk + hk * K + d);
       } else {
-        zero4(qs + i * LQ + d), zero4(ks + i * LD + d);
+        const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+        store4(qs + i * LQ + d, zero), store4(ks + i * LD + d, zero);
       }
     }
   } else {
@@ -296,7 +292,7 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
     for (int e = 4 * t; e < kC * V; e += 4 * NT) {
       const int i = e / V, c = e % V;
       if (i < len) copy4(vs + i * LQ + c, v + (int64_t(tok0) + i) * sv + int64_t(h) * V + c);
-      else zero4(vs + i * LQ + c);
+      else store4(vs + i * LQ + c, make_float4(0.f, 0.f, 0.f, 0.f));
     }
   } else {
     for (int e = t; e < kC * V; e += NT) {

@@ -125,16 +125,9 @@ __global__ void __launch_bounds__(128, 6) conv_silu_l2norm_kernel(const Tin* __r
       for (int j = 0; j < VEC; ++j) acc[j] = __fmul_rn(acc[j], r);
     }
     Tout* o = out + t * C + c0;
-    if constexpr (VEC % 4 == 0 && std::is_same_v<Tout, float>) {
+    if constexpr (VEC % 4 == 0) {  // 16 / 8-byte stores (c0 and C are multiples of 4)
 #pragma unroll
-      for (int j = 0; j < VEC; j += 4) *reinterpret_cast<float4*>(o + j) = make_float4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]);
-    } else if constexpr (VEC % 4 == 0) {  // bf16: 8-byte stores (C % 4 == 0, so rows stay aligned)
-#pragma unroll
-      for (int j = 0; j < VEC; j += 4) {
-        const __nv_bfloat162 a = __floats2bfloat162_rn(acc[j], acc[j + 1]), b = __floats2bfloat162_rn(acc[j + 2], acc[j + 3]);
-        *reinterpret_cast<uint2*>(o + j) =
-            make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
-      }
+      for (int j = 0; j < VEC; j += 4) store4(o + j, make_float4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]));
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) o[j] = from_f<Tout>(acc[j]);
