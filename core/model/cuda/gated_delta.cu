@@ -72,32 +72,93 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #endif
 }
+// bf16 inputs: the prep's Q K^T and K K^T as m16n8k16 bf16 products (exact, fp32 sums: the same
+// values as TF32 products of the bf16 inputs), operands loaded by ldmatrix from row-major shared
+// memory (rows 16-byte aligned). Fragments (PTX ISA, m16n8k16 .bf16; two values per register):
+//   A (16 x 16): a0 (gid, 2 tid..+1), a1 (gid + 8, 2 tid..), a2 (gid, 2 tid + 8..), a3 (gid + 8, 2 tid + 8..)
+//   B (16 x 8):  b0 (k 2 tid..+1, n gid), b1 (k 2 tid + 8..+9, n gid)
+// ldmatrix .x4 gives lane l the (row l / 4, columns 2 (l % 4)..+1) pair of each of four 8 x 8
+// matrices whose rows lanes 8 m .. 8 m + 7 address.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+#ifdef DFLASH_GDN_NO_TF32
+  __trap();
+#else
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+#endif
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef DFLASH_GDN_NO_TF32
+  __trap();
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+// Asynchronous copy of 4 consecutive values (8 or 16 bytes) from global to shared memory, and the
+// wait for all of this thread's copies (sm_80+; a plain copy before).
+template <typename T>
+__device__ __forceinline__ void cp_async4(T* dst, const T* src) {
+#ifdef DFLASH_GDN_NO_TF32
+  for (int i = 0; i < 4; ++i) dst[i] = src[i];
+#else
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(d), "l"(src), "n"(int(4 * sizeof(T))));
+#endif
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+#ifndef DFLASH_GDN_NO_TF32
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
 // fp32 operands as TF32 (hi) and, with SPLIT, their remainders (lo): x = hi + lo to ~fp32 precision.
+// EXACT: x is known to be a TF32 value (read from bf16 storage, or rounded by tf32_round before it was
+// stored), so its bits are the operand as they are: no conversion (ptxas emulates cvt.rna.tf32 on
+// sm_90 with a compare and an add per value, which dominated the scan's instruction count).
 template <bool SPLIT, int N>
 struct Tf32 {
   uint32_t hi[N], lo[N];
+  template <bool EXACT = false>
   __device__ __forceinline__ void set(int i, float x) {
-    hi[i] = to_tf32(x);
-    if (SPLIT) lo[i] = to_tf32(x - __uint_as_float(hi[i]));
+    if (EXACT) {
+      hi[i] = __float_as_uint(x);
+      if (SPLIT) lo[i] = 0u;
+    } else {
+      hi[i] = to_tf32(x);
+      if (SPLIT) lo[i] = to_tf32(x - __uint_as_float(hi[i]));
+    }
   }
 };
+// x rounded to TF32 (as cvt.rna; the low 13 bits cleared), for values stored once and read as EXACT
+// operands many times. With SPLIT the full fp32 value is kept.
 template <bool SPLIT>
+__device__ __forceinline__ float tf32_round(float x) {
+  return SPLIT ? x : __uint_as_float(to_tf32(x) & 0xffffe000u);
+}
+// Values read from storage of type T are TF32 values (bf16: 8 significant bits of TF32's 11).
+template <typename T>
+constexpr bool kExactTf32 = std::is_same<T, __nv_bfloat16>::value;
+template <bool SPLIT, bool EXACT = false>
 __device__ __forceinline__ Tf32<SPLIT, 2> b_operand(float b0, float b1) {
   Tf32<SPLIT, 2> b;
-  b.set(0, b0), b.set(1, b1);
+  b.template set<EXACT>(0, b0), b.template set<EXACT>(1, b1);
   return b;
 }
 // This lane's A fragment from its four loaded values, or from a fragment-major operand (p: the
 // fragment's first float).
-template <bool SPLIT>
+template <bool SPLIT, bool EXACT = false>
 __device__ __forceinline__ Tf32<SPLIT, 4> a_operand(const float4& v) {
   Tf32<SPLIT, 4> a;
-  a.set(0, v.x), a.set(1, v.y), a.set(2, v.z), a.set(3, v.w);
+  a.template set<EXACT>(0, v.x), a.template set<EXACT>(1, v.y), a.template set<EXACT>(2, v.z), a.template set<EXACT>(3, v.w);
   return a;
 }
 template <bool SPLIT, typename TW>
 __device__ __forceinline__ Tf32<SPLIT, 4> a_operand(const TW* p) {
-  return a_operand<SPLIT>(ldg4(p + 4 * (threadIdx.x % 32)));
+  return a_operand<SPLIT, kExactTf32<TW>>(ldg4(p + 4 * (threadIdx.x % 32)));
 }
 // d += a b; with SPLIT 3xTF32: a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo is below fp32 rounding).
 template <bool SPLIT>
@@ -144,12 +205,6 @@ struct PrepSmem {
   static_assert(LQ % (32 * E) == 4 * E && LD % (32 * E) == 4 * E, "row strides: 4 words mod 32");
 };
 
-// Four consecutive input values copied to shared memory as they are (16 bytes fp32, 8 bytes bf16).
-__device__ __forceinline__ void copy4(float* d, const float* s) { *reinterpret_cast<float4*>(d) = *reinterpret_cast<const float4*>(s); }
-__device__ __forceinline__ void copy4(__nv_bfloat16* d, const __nv_bfloat16* s) {
-  *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(s);
-}
-
 // One block per (chunk n, value head h); blockDim = V + K (one thread per right-hand-side column of
 // the solve; a multiple of 32). Rows of the chunk past its length are zero (k = v = beta = g = 0), as
 // in the reference's padding, so they change neither the outputs nor the state.
@@ -179,17 +234,17 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
   TW* out = work + (int64_t(n) * Hv + h) * lay.size();
 
   // 1. q, k rows of the chunk (input type), raw g and beta. With vec4 (4-aligned rows) four values
-  // per load, and several loads in flight per thread: one scalar load per iteration left the block
-  // waiting on memory latency (with step 6's v loads: 0.64 -> 0.51 ms per 27B layer at 4096
-  // tokens, H200).
+  // per asynchronous copy, all in flight at once (through registers, each store waited on its load:
+  // ncu, 27B layer at 2 x 8192 tokens, H200: 13% of the prep's stall samples); waited for after the
+  // cumsum.
   if (vec4) {
 #pragma unroll 8
     for (int e = 4 * t; e < kC * K; e += 4 * NT) {
       const int i = e / K, d = e % K;
       if (i < len) {
         const int64_t tok = tok0 + i;
-        copy4(qs + i * LQ + d, q + tok * sq + hk * K + d);
-        copy4(ks + i * LD + d, k + tok * sk + hk * K + d);
+        cp_async4(qs + i * LQ + d, q + tok * sq + hk * K + d);
+        cp_async4(ks + i * LD + d, k + tok * sk + hk * K + d);
       } else {
         const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
         store4(qs + i * LQ + d, zero), store4(ks + i * LD + d, zero);
@@ -222,6 +277,7 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
     G[2 * t] = excl + a;
     G[2 * t + 1] = (excl + a) + b;
   }
+  cp_async_wait_all();
   __syncthreads();
   // The decay factors every later step scales by, once per row (read after the next barrier).
   if (t < kC) {
@@ -230,10 +286,47 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
   }
 
   // 3-4. M = strict_lower(beta_i k_i.k_j L_ij) and Aqk = lower(scale q_i.k_j L_ij), L_ij = exp(G_i - G_j):
-  // the 64 x 64 products Q K^T and K K^T on tensor cores, warps taking 16 x 8 output tiles in turn;
-  // tiles wholly above the diagonal are zero in both.
-  {
-    const int w = t / 32, lane = t % 32, gid = lane / 4, tid = lane % 4;
+  // the 64 x 64 products Q K^T and K K^T on tensor cores; entries above the diagonal are zero in both.
+  const int w = t / 32, lane = t % 32, gid = lane / 4, tid = lane % 4;
+  // Entry (i, j) of both from the products' accumulators.
+  auto put = [&](int i, int j, float kk, float qk) {
+    const float L = j <= i ? expf(G[i] - G[j]) : 0.f;  // G non-increasing: exponent <= 0
+    M[i * LM + j] = j < i ? B[i] * kk * L : 0.f;
+    Aq[i * LA + j] = j <= i ? scale * qk * L : 0.f;
+  };
+  if constexpr (std::is_same<Tin, __nv_bfloat16>::value) {
+    // bf16: 16 x 16 blocks (m16n8k16, ldmatrix). The 10 blocks on or below the diagonal come first
+    // in kBlocks (a nibble per block: 4 m + n), so warps 0-1 take two of them and warps 2-7 one each
+    // plus one of the 6 zero blocks above. (TF32 products of bf16 values cost ~80 instructions per
+    // k step in conversions and scalar loads: 40% of the prep's instructions, ncu, H200.)
+    constexpr uint64_t kBlocks = 0xb76321fedca98540ull;
+    for (int blk = w; blk < 16; blk += NT / 32) {
+      const int code = int(kBlocks >> (4 * blk)) & 15, mt = code / 4, nb = code % 4;
+      float kk[2][4] = {}, qk[2][4] = {};
+      if (nb <= mt) {
+        const int ar = mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), ac = 8 * (lane >> 4);
+        const int br = nb * 16 + (lane & 7) + 8 * (lane >> 4), bc = 8 * ((lane >> 3) & 1);
+#pragma unroll 4
+        for (int d = 0; d < K; d += 16) {
+          uint32_t aq[4], ak[4], bk[4];
+          ldsm_x4(aq, qs + ar * LQ + d + ac);
+          ldsm_x4(ak, ks + ar * LD + d + ac);
+          ldsm_x4(bk, ks + br * LD + d + bc);
+#pragma unroll
+          for (int s2 = 0; s2 < 2; ++s2) {
+            mma_bf16(kk[s2], ak, bk[2 * s2], bk[2 * s2 + 1]);
+            mma_bf16(qk[s2], aq, bk[2 * s2], bk[2 * s2 + 1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int s2 = 0; s2 < 2; ++s2)
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+          put(mt * 16 + gid + 8 * (x >> 1), nb * 16 + s2 * 8 + 2 * tid + (x & 1), kk[s2][x], qk[s2][x]);
+    }
+  } else {
+    // fp32: 16 x 8 tiles (m16n8k8 TF32), warps taking tiles in turn.
     for (int tile = w; tile < 32; tile += NT / 32) {
       const int mt = tile / 8, nt = tile % 8;
       float kk[4] = {0.f, 0.f, 0.f, 0.f}, qk[4] = {0.f, 0.f, 0.f, 0.f};
@@ -252,12 +345,7 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
         }
       }
 #pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const int i = mt * 16 + gid + 8 * (x >> 1), j = nt * 8 + 2 * tid + (x & 1);
-        const float L = j <= i ? expf(G[i] - G[j]) : 0.f;  // G non-increasing: exponent <= 0
-        M[i * LM + j] = j < i ? B[i] * kk[x] * L : 0.f;
-        Aq[i * LA + j] = j <= i ? scale * qk[x] * L : 0.f;
-      }
+      for (int x = 0; x < 4; ++x) put(mt * 16 + gid + 8 * (x >> 1), nt * 8 + 2 * tid + (x & 1), kk[x], qk[x]);
     }
   }
   __syncthreads();
@@ -291,7 +379,7 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
 #pragma unroll 8
     for (int e = 4 * t; e < kC * V; e += 4 * NT) {
       const int i = e / V, c = e % V;
-      if (i < len) copy4(vs + i * LQ + c, v + (int64_t(tok0) + i) * sv + int64_t(h) * V + c);
+      if (i < len) cp_async4(vs + i * LQ + c, v + (int64_t(tok0) + i) * sv + int64_t(h) * V + c);
       else store4(vs + i * LQ + c, make_float4(0.f, 0.f, 0.f, 0.f));
     }
   } else {
@@ -300,6 +388,7 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
       vs[i * LQ + c] = i < len ? v[(int64_t(tok0) + i) * sv + int64_t(h) * V + c] : from_f<Tin>(0.f);
     }
   }
+  cp_async_wait_all();
   __syncthreads();
 
   // 7. Forward substitution (I + M) X = [v beta | k beta exp(G)], thread c owns column c:
@@ -354,9 +443,9 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
 // columns), chunks in order:
 //   v_new = U - W S          (64 x VT, K-deep: warps on a 4 x NW/4 grid of 16 x 8 output tiles)
 //   S = exp(G_last) S + KD^T v_new   (K x VT, 64-deep: the state lives in the warps' accumulators)
-// S (before each chunk) and v_new go through shared memory as the next product's B operand and out
-// to global memory in B-fragment order: the state before chunk c to `states`, v_new over U (both in
-// the work type TW; the running state stays fp32 in registers).
+// S (before each chunk) and v_new go through shared memory as the next product's B operand (rounded
+// to TF32 once there, 1xTF32) and out to global memory in B-fragment order: the state before chunk c
+// to `states`, v_new over U (both in the work type TW; the running state stays fp32 in registers).
 // Registers capped for three 4-warp (two 8-warp) blocks per SM: 384 blocks of 4 warps (27B heads,
 // 2 x 8192 tokens, 32-wide tiles) then fit the H200's 132 SMs in one wave.
 template <int K, int VT, int NW, bool SPLIT, typename TW>
@@ -396,8 +485,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2)
 #pragma unroll
       for (int ni = 0; ni < NTb; ++ni) {
         const int r = (bm0 + mi) * 16 + gid, col = (bn0 + ni) * 8 + 2 * tid;
-        *reinterpret_cast<float2*>(&Ss[r][col]) = make_float2(s[mi][ni][0], s[mi][ni][1]);
-        *reinterpret_cast<float2*>(&Ss[r + 8][col]) = make_float2(s[mi][ni][2], s[mi][ni][3]);
+        *reinterpret_cast<float2*>(&Ss[r][col]) = make_float2(tf32_round<SPLIT>(s[mi][ni][0]), tf32_round<SPLIT>(s[mi][ni][1]));
+        *reinterpret_cast<float2*>(&Ss[r + 8][col]) = make_float2(tf32_round<SPLIT>(s[mi][ni][2]), tf32_round<SPLIT>(s[mi][ni][3]));
       }
     __syncthreads();
     // ... and out, as B fragments of the [K][V] state of this (chunk, head).
@@ -437,11 +526,11 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2)
         for (int x = 0; x < 4; ++x) acc[ni][x] = 0.f;
 #pragma unroll
       for (int kstep = 0; kstep < K / 8; ++kstep) {
-        const auto a = a_operand<SPLIT>(wf[kstep]);
+        const auto a = a_operand<SPLIT, kExactTf32<TW>>(wf[kstep]);
 #pragma unroll
         for (int ni = 0; ni < NTa; ++ni) {
           const int col = (an0 + ni) * 8 + gid;
-          const auto b = b_operand<SPLIT>(Ss[kstep * 8 + tid][col], Ss[kstep * 8 + tid + 4][col]);
+          const auto b = b_operand<SPLIT, !SPLIT>(Ss[kstep * 8 + tid][col], Ss[kstep * 8 + tid + 4][col]);
           mma<SPLIT>(acc[ni], a, b);
         }
       }
@@ -454,7 +543,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2)
 #pragma unroll
       for (int ni = 0; ni < NTa; ++ni)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) Vs[acc_row(x)][acc_col(ni, x)] = u[ni][x] - acc[ni][x];
+        for (int x = 0; x < 4; ++x) Vs[acc_row(x)][acc_col(ni, x)] = tf32_round<SPLIT>(u[ni][x] - acc[ni][x]);
     }
     __syncthreads();
     // v_new out over U (the same elements: this block read exactly these before the barrier).
@@ -477,11 +566,11 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2)
     for (int mi = 0; mi < MTb; ++mi) {
 #pragma unroll
       for (int kstep = 0; kstep < kC / 8; ++kstep) {
-        const auto a = a_operand<SPLIT>(kd[mi][kstep]);
+        const auto a = a_operand<SPLIT, kExactTf32<TW>>(kd[mi][kstep]);
 #pragma unroll
         for (int ni = 0; ni < NTb; ++ni) {
           const int col = (bn0 + ni) * 8 + gid;
-          const auto b = b_operand<SPLIT>(Vs[kstep * 8 + tid][col], Vs[kstep * 8 + tid + 4][col]);
+          const auto b = b_operand<SPLIT, !SPLIT>(Vs[kstep * 8 + tid][col], Vs[kstep * 8 + tid + 4][col]);
           mma<SPLIT>(s[mi][ni], a, b);
         }
       }
@@ -517,7 +606,7 @@ __global__ void __launch_bounds__(128) gdn_chunk_out(const TW* __restrict__ work
 #pragma unroll
     for (int ni = 0; ni < NT; ++ni) {
       const float2 bv = ldg2(st + 2 * ((int64_t(kstep) * (V / 8) + nt0 + ni) * 32 + lane));
-      mma<SPLIT>(acc[ni], a, b_operand<SPLIT>(bv.x, bv.y));
+      mma<SPLIT>(acc[ni], a, b_operand<SPLIT, kExactTf32<TW>>(bv.x, bv.y));
     }
   }
   const TW* Af = base + lay.A() + int64_t(w) * (kC / 8) * 128;
@@ -526,7 +615,7 @@ __global__ void __launch_bounds__(128) gdn_chunk_out(const TW* __restrict__ work
 #pragma unroll
     for (int ni = 0; ni < NT; ++ni) {
       const float2 bv = ldg2(vn + 2 * ((int64_t(kstep) * (V / 8) + nt0 + ni) * 32 + lane));
-      mma<SPLIT>(acc[ni], a, b_operand<SPLIT>(bv.x, bv.y));
+      mma<SPLIT>(acc[ni], a, b_operand<SPLIT, kExactTf32<TW>>(bv.x, bv.y));
     }
   }
   const int tok0 = chunk_tok[n], len = chunk_len[n];

@@ -212,9 +212,16 @@ __global__ void rms_norm_zc_kernel(__nv_bfloat16* __restrict__ h, const __nv_bfl
     Vec hv = hr[i], ov;
     const auto* hb = reinterpret_cast<const __nv_bfloat16*>(&hv);
     auto* ob = reinterpret_cast<__nv_bfloat16*>(&ov);
+    float wv[VEC];
+    if constexpr (VEC == 8) {  // two 16-byte weight loads instead of eight 4-byte ones
+      const float4 w0 = __ldg(reinterpret_cast<const float4*>(w) + 2 * i), w1 = __ldg(reinterpret_cast<const float4*>(w) + 2 * i + 1);
+      wv[0] = w0.x, wv[1] = w0.y, wv[2] = w0.z, wv[3] = w0.w, wv[4] = w1.x, wv[5] = w1.y, wv[6] = w1.z, wv[7] = w1.w;
+    } else {
+      wv[0] = w[i];
+    }
 #pragma unroll
     for (int j = 0; j < VEC; ++j)
-      ob[j] = __float2bfloat16(__fmul_rn(__fmul_rn(__bfloat162float(hb[j]), r), __fadd_rn(1.f, w[i * VEC + j])));
+      ob[j] = __float2bfloat16(__fmul_rn(__fmul_rn(__bfloat162float(hb[j]), r), __fadd_rn(1.f, wv[j])));
     orow[i] = ov;
   }
 }
@@ -353,12 +360,14 @@ torch::Tensor launch_rms_norm_zc(torch::Tensor& h, const torch::Tensor& d, const
   auto* hp = reinterpret_cast<__nv_bfloat16*>(h.data_ptr());
   const auto* dp = d.defined() ? reinterpret_cast<const __nv_bfloat16*>(d.data_ptr()) : nullptr;
   auto* op = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
-  const bool vec = n % 8 == 0 && reinterpret_cast<uintptr_t>(hp) % 16 == 0 && reinterpret_cast<uintptr_t>(dp) % 16 == 0;
+  const auto wc = w.contiguous();
+  const bool vec = n % 8 == 0 && reinterpret_cast<uintptr_t>(hp) % 16 == 0 && reinterpret_cast<uintptr_t>(dp) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(wc.data_ptr()) % 16 == 0;
   constexpr int kThreads = 256;  // 128 measured 0.5 ms slower over the 27B forward (H200)
   auto stream = at::cuda::getCurrentCUDAStream();
   auto* kernel = d.defined() ? (vec ? rms_norm_zc_kernel<kThreads, 8, true> : rms_norm_zc_kernel<kThreads, 1, true>)
                              : (vec ? rms_norm_zc_kernel<kThreads, 8, false> : rms_norm_zc_kernel<kThreads, 1, false>);
-  kernel<<<rows, kThreads, 0, stream>>>(hp, dp, w.data_ptr<float>(), op, n, static_cast<float>(eps));
+  kernel<<<rows, kThreads, 0, stream>>>(hp, dp, wc.data_ptr<float>(), op, n, static_cast<float>(eps));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
