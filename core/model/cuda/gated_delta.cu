@@ -41,11 +41,6 @@ __device__ __forceinline__ void a_frag_rc(int e, int Kd, int& r, int& c) {
   r = (tile / ksteps) * 16 + (lane >> 2) + 8 * (slot & 1);
   c = (tile % ksteps) * 8 + (lane & 3) + 4 * (slot >> 1);
 }
-__host__ __device__ __forceinline__ int64_t b_frag_index(int r, int c, int N) {
-  const int rr = r & 7;
-  const int lane = (c & 7) * 4 + (rr & 3), slot = rr >> 2;
-  return ((int64_t(r >> 3) * (N >> 3) + (c >> 3)) * 32 + lane) * 2 + slot;
-}
 
 // TF32 mma needs sm_80+; builds for older targets compile a trap (unsupported_reason() refuses such
 // devices at run time, so it is never reached).
@@ -185,20 +180,18 @@ struct Layout {
 
 // Shared memory of gdn_chunk_prep, offsets in bytes. q, k and v rows are kept in the input type Ts
 // (bf16 inputs: half the bytes, so three blocks fit an SM); the q region holds v after the products
-// (V <= 256 - K columns), and q + k together hold the solve's 64 x (V + K) result X, in the work type
-// TW, before it is written out. Row strides are 4 words mod 32 (conflict-free fragment reads).
-template <int K, typename Ts, typename TW>
+// (V <= 256 - K columns). Row strides are 4 words mod 32 (conflict-free fragment reads; bf16 rows
+// also 16-byte aligned for ldmatrix).
+template <int K, typename Ts>
 struct PrepSmem {
   static constexpr int E = 4 / sizeof(Ts);                  // elements per 4-byte word
   static constexpr int LD = K + 4 * E;                       // q / k rows, elements
   static constexpr int LQ0 = LD > 256 - K ? LD : 256 - K;
   static constexpr int LQ = LQ0 + (36 * E - LQ0 % (32 * E)) % (32 * E);  // q rows, then v rows
-  static constexpr int LX = sizeof(TW) == 4 ? 257 : 264;    // X rows, elements (odd words / 4 mod 32)
   static constexpr int LM = kC + 4;                          // M rows, floats (float4 reads in the solve)
   static constexpr int LA = kC + 1;                          // Aqk rows, floats
-  static constexpr int qk_bytes = kC * (LQ + LD) * int(sizeof(Ts)), x_bytes = kC * LX * int(sizeof(TW));
   static constexpr int q = 0, k = kC * LQ * int(sizeof(Ts));
-  static constexpr int M = ((qk_bytes > x_bytes ? qk_bytes : x_bytes) + 15) / 16 * 16;
+  static constexpr int M = (kC * (LQ + LD) * int(sizeof(Ts)) + 15) / 16 * 16;
   static constexpr int A = M + kC * LM * 4, G = A + kC * LA * 4, B = G + kC * 4;
   static constexpr int EG = B + kC * 4, EGL = EG + kC * 4;  // exp(G_i), exp(G_last - G_i)
   static constexpr int bytes = EGL + kC * 4;
@@ -215,8 +208,8 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
                                                       const int* __restrict__ chunk_tok, const int* __restrict__ chunk_len,
                                                       int Hv, int r, int V, float scale, bool vec4,
                                                       TW* __restrict__ work, float* __restrict__ decay) {
-  using P = PrepSmem<K, Tin, TW>;
-  constexpr int LD = P::LD, LQ = P::LQ, LX = P::LX, LM = P::LM, LA = P::LA;
+  using P = PrepSmem<K, Tin>;
+  constexpr int LD = P::LD, LQ = P::LQ, LM = P::LM, LA = P::LA;
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   Tin* qs = reinterpret_cast<Tin*>(smem_bytes + P::q);
   Tin* ks = reinterpret_cast<Tin*>(smem_bytes + P::k);
@@ -289,8 +282,11 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
   // the 64 x 64 products Q K^T and K K^T on tensor cores; entries above the diagonal are zero in both.
   const int w = t / 32, lane = t % 32, gid = lane / 4, tid = lane % 4;
   // Entry (i, j) of both from the products' accumulators.
+  // bf16 inputs: the fast exp (ex2.approx; relative error ~1e-6 for exponents down to -20, far
+  // below the bf16 rounding of the operands). It was 17% of the prep's stall samples with expf.
   auto put = [&](int i, int j, float kk, float qk) {
-    const float L = j <= i ? expf(G[i] - G[j]) : 0.f;  // G non-increasing: exponent <= 0
+    const float e = G[i] - G[j];  // G non-increasing: e <= 0 for j <= i
+    const float L = j <= i ? (std::is_same<Tin, __nv_bfloat16>::value ? __expf(e) : expf(e)) : 0.f;
     M[i * LM + j] = j < i ? B[i] * kk * L : 0.f;
     Aq[i * LA + j] = j <= i ? scale * qk * L : 0.f;
   };
@@ -376,9 +372,13 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
   // 6. v rows of the chunk over q (coalesced).
   Tin* vs = qs;
   if (vec4) {
+    // Row i = e / V by a float product: exact here (e < 2^14, V <= 256: the product stays over
+    // 0.5 / V away from the next integer), where the integer division by the run-time V took ~15
+    // instructions per copy.
+    const float inv_v = 1.f / float(V);
 #pragma unroll 8
     for (int e = 4 * t; e < kC * V; e += 4 * NT) {
-      const int i = e / V, c = e % V;
+      const int i = static_cast<int>((float(e) + 0.5f) * inv_v), c = e - i * V;
       if (i < len) cp_async4(vs + i * LQ + c, v + (int64_t(tok0) + i) * sv + int64_t(h) * V + c);
       else store4(vs + i * LQ + c, make_float4(0.f, 0.f, 0.f, 0.f));
     }
@@ -419,23 +419,26 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
       x[i] = rhs - ((a0 + a1) + (a2 + a3));
     }
   }
-  __syncthreads();  // every read of v and k is done: X [64][V + K] goes over them
-  TW* X = reinterpret_cast<TW*>(smem_bytes + P::q);  // rounded to the work type here, as in the store
+  // 8. Out from registers, rounded once to the work type: U as B fragments of [64][V] (lane
+  // (c % 8) * 4 + r % 4 of a fragment holds rows r and r + 4 of column c: one pair per store) and W
+  // as A fragments of [64][K] (rows r and r + 8 of column kc are a lane's adjacent slots 0-1, or
+  // 2-3 when kc % 8 >= 4). (Through shared memory, with a barrier and scalar reads: 12% of the
+  // prep's stall samples, ncu.)
+  if (c < V) {
+    TW* u = out + lay.U() + 2 * ((c / 8) * 32 + (c % 8) * 4);
 #pragma unroll
-  for (int i = 0; i < kC; ++i) X[i * LX + c] = from_f<TW>(x[i]);
-  __syncthreads();
-  // 8. U (B fragments of [64][V]: one lane's two values as a float2) and W (A fragments of [64][K]:
-  // one lane's four values as a float4).
-  for (int e = 2 * t; e < kC * V; e += 2 * NT) {
-    const int l = (e >> 1) & 31, tile = e >> 6, nt = tile % (V / 8), kstep = tile / (V / 8);
-    const TW* x0 = X + (kstep * 8 + (l & 3)) * LX + nt * 8 + (l >> 2);
-    store2(out + lay.U() + e, make_float2(to_f(x0[0]), to_f(x0[4 * LX])));
-  }
-  for (int e = 4 * t; e < kC * K; e += 4 * NT) {
-    int r, c;
-    a_frag_rc(e, K, r, c);
-    const TW* x0 = X + r * LX + V + c;
-    store4(out + lay.W() + e, make_float4(to_f(x0[0]), to_f(x0[8 * LX]), to_f(x0[4]), to_f(x0[8 * LX + 4])));
+    for (int kstep = 0; kstep < kC / 8; ++kstep)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        store2(u + 2 * (int64_t(kstep) * (V / 8) * 32 + q), make_float2(x[kstep * 8 + q], x[kstep * 8 + q + 4]));
+  } else {
+    const int kc = c - V;
+    TW* wo = out + lay.W() + 4 * ((kc / 8) * 32 + kc % 4) + 2 * ((kc % 8) / 4);
+#pragma unroll
+    for (int mt = 0; mt < kC / 16; ++mt)
+#pragma unroll
+      for (int q = 0; q < 8; ++q)
+        store2(wo + 4 * ((mt * (K / 8)) * 32 + q * 4), make_float2(x[mt * 16 + q], x[mt * 16 + q + 8]));
   }
 }
 
@@ -467,6 +470,14 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2)
   const int bm0 = (w % WMb) * MTb, bn0 = (w / WMb) * NTb;
   const int chunk0 = doc_info[3 * d], nchunks = (doc_info[3 * d + 2] + kC - 1) / kC;
   const Layout lay{K, V};
+  // Chunk-independent offsets, so that the loop does no fragment index arithmetic per element (it
+  // was most of the scan's instructions, ncu): the B-fragment element of U holding this lane's
+  // accumulator (row am 16 + gid, column v0 + an0 8 + 2 tid); offsets (x / 2) 8 V + ni 64 + (x % 2) 8
+  // give the others. Writing S and v_new out, warp w takes n tile nt_out (NW % NT == 0) and every
+  // (NW / NT)-th k step; its lane writes rows (lane % 4, + 4) of column lane / 4 there.
+  const int64_t u_lane = ((2 * am * (V / 8) + v0 / 8 + an0) * 32 + 8 * tid + gid % 4) * 2 + gid / 4;
+  const int nt_out = w % NT;
+  static_assert(NW % NT == 0, "whole n tiles per warp when writing S and v_new");
 
   float s[MTb][NTb][4];
 #pragma unroll
@@ -491,11 +502,10 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2)
     __syncthreads();
     // ... and out, as B fragments of the [K][V] state of this (chunk, head).
     {
-      TW* st = states + ch * K * V;
-      for (int p = t; p < K * VT / 2; p += NW * 32) {
-        const int l = p % 32, tile = p / 32, nt = tile % NT, kstep = tile / NT;
-        const int r = kstep * 8 + l % 4, col = nt * 8 + l / 4;
-        store2(st + 2 * ((int64_t(kstep) * (V / 8) + v0 / 8 + nt) * 32 + l), make_float2(Ss[r][col], Ss[r + 4][col]));
+      TW* st = states + ch * K * V + 2 * ((v0 / 8 + nt_out) * 32 + lane);
+      for (int kstep = w / NT; kstep < K / 8; kstep += NW / NT) {
+        const int r = kstep * 8 + lane % 4, col = nt_out * 8 + lane / 4;
+        store2(st + 64 * int64_t(kstep) * (V / 8), make_float2(Ss[r][col], Ss[r + 4][col]));
       }
     }
     // 2. v_new = U - W S for m tile am, n tiles an0 ..
@@ -518,7 +528,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2)
 #pragma unroll
       for (int ni = 0; ni < NTa; ++ni)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) u[ni][x] = ldg1(U + b_frag_index(acc_row(x), v0 + acc_col(ni, x), V));
+        for (int x = 0; x < 4; ++x) u[ni][x] = ldg1(U + u_lane + (x >> 1) * 8 * V + ni * 64 + (x & 1) * 8);
       float acc[NTa][4];
 #pragma unroll
       for (int ni = 0; ni < NTa; ++ni)
@@ -548,11 +558,10 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 2)
     __syncthreads();
     // v_new out over U (the same elements: this block read exactly these before the barrier).
     {
-      TW* vn = base + lay.U();
-      for (int p = t; p < kC * VT / 2; p += NW * 32) {
-        const int l = p % 32, tile = p / 32, nt = tile % NT, kstep = tile / NT;
-        const int r = kstep * 8 + l % 4, col = nt * 8 + l / 4;
-        store2(vn + 2 * ((int64_t(kstep) * (V / 8) + v0 / 8 + nt) * 32 + l), make_float2(Vs[r][col], Vs[r + 4][col]));
+      TW* vn = base + lay.U() + 2 * ((v0 / 8 + nt_out) * 32 + lane);
+      for (int kstep = w / NT; kstep < kC / 8; kstep += NW / NT) {
+        const int r = kstep * 8 + lane % 4, col = nt_out * 8 + lane / 4;
+        store2(vn + 64 * kstep * (V / 8), make_float2(Vs[r][col], Vs[r + 4][col]));
       }
     }
     // 3. S = exp(G_last) S + KD^T v_new. Nobody writes Ss or Vs before the next chunk's first barrier.
@@ -666,7 +675,7 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   const int* chunk_tok = tables.data_ptr<int>();
   const int* chunk_len = chunk_tok + num_chunks;
   const int* doc_info = chunk_len + num_chunks;
-  const size_t smem = PrepSmem<K, Tin, TW>::bytes;
+  const size_t smem = PrepSmem<K, Tin>::bytes;
   auto prep = gdn_chunk_prep<Tin, K, kSplit, TW>;
   TW* wk = reinterpret_cast<TW*>(work.data_ptr());
   TW* st = reinterpret_cast<TW*>(states.data_ptr());
