@@ -1,7 +1,7 @@
 // The target's bf16 projections through cuBLASLt with the algorithm chosen per GEMM shape by timing:
 // on the first call of a shape, the heuristic's top candidates (up to Tuning::candidates, the
-// heuristic's own first choice among them, which is what F::linear runs) are each timed on the real
-// operands, and the fastest is kept for every later call of that shape (like cudnn.benchmark). Only
+// heuristic's own first choice among them, which is what F::linear runs) are timed on the real
+// operands in interleaved rounds, and the fastest is kept for every later call of that shape (like cudnn.benchmark). Only
 // that first call synchronises the stream. Deterministic reductions only (no atomics-based split-K).
 // Arithmetic: bf16 operands, fp32 accumulation, the result rounded to bf16 (the accumulating form
 // adds C in the epilogue: within 1 bf16 ulp of the fp32 sum C + x w^T, tests/model/gated_delta_gpu_test.cc).
