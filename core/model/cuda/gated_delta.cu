@@ -198,6 +198,30 @@ struct PrepSmem {
   static_assert(LQ % (32 * E) == 4 * E && LD % (32 * E) == 4 * E, "row strides: 4 words mod 32");
 };
 
+// Forward substitution (I + M) x = rhs for one column, M strictly lower (row stride LM floats, 16-byte
+// aligned rows): x_i = rhs(i) - sum_{j<i} M_ij x_j. M_ij = 0 for j >= i and x[j >= i] is still 0, so
+// whole float4 groups of row i can be used.
+template <int LM, typename Rhs>
+__device__ __forceinline__ void forward_substitute(const float* __restrict__ M, Rhs rhs, float (&x)[kC]) {
+#pragma unroll
+  for (int i = 0; i < kC; ++i) x[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kC; ++i) {
+    const float4* Mi = reinterpret_cast<const float4*>(M + i * LM);
+    // Four independent partial sums instead of one chain of i dependent FMAs.
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+    for (int j4 = 0; j4 < (i + 3) / 4; ++j4) {
+      const float4 m = Mi[j4];
+      a0 = fmaf(m.x, x[4 * j4], a0);
+      a1 = fmaf(m.y, x[4 * j4 + 1], a1);
+      a2 = fmaf(m.z, x[4 * j4 + 2], a2);
+      a3 = fmaf(m.w, x[4 * j4 + 3], a3);
+    }
+    x[i] = rhs(i) - ((a0 + a1) + (a2 + a3));
+  }
+}
+
 // One block per (chunk n, value head h); blockDim = V + K (one thread per right-hand-side column of
 // the solve; a multiple of 32). Rows of the chunk past its length are zero (k = v = beta = g = 0), as
 // in the reference's padding, so they change neither the outputs nor the state.
@@ -388,36 +412,70 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
       vs[i * LQ + c] = i < len ? v[(int64_t(tok0) + i) * sv + int64_t(h) * V + c] : from_f<Tin>(0.f);
     }
   }
+  // bf16 inputs (and at least 4 warps): 7. T = (I + M)^-1, column j by thread j < 64 (the forward
+  // substitution of e_j, while the v rows arrive), written over M; then X = T [v beta | k beta
+  // exp(G)] as TF32 products (T beta rounded to TF32, v and k exact), the form of the reference
+  // (HF computes the same T and multiplies). Substituting all V + K columns took 4x the FMAs: 38% of
+  // the prep's instructions (ncu, H200).
+  constexpr bool kInverse = std::is_same<Tin, __nv_bfloat16>::value;
+  const bool inverse = kInverse && NT >= 128;
+  float x[kC];
+  if (inverse && t < kC) forward_substitute<LM>(M, [&](int i) { return i == t ? 1.f : 0.f; }, x);
   cp_async_wait_all();
   __syncthreads();
-
-  // 7. Forward substitution (I + M) X = [v beta | k beta exp(G)], thread c owns column c:
-  // X_i = rhs_i - sum_{j<i} M_ij X_j. M_ij = 0 for j >= i, and x[j >= i] is still 0, so whole
-  // float4 groups of row i can be used.
-  const int c = t;
-  float x[kC];
-  {
+  if (inverse) {
+    if (t < kC) {
 #pragma unroll
-    for (int i = 0; i < kC; ++i) x[i] = 0.f;
+      for (int i = 0; i < kC; ++i) M[i * LM + t] = x[i];
+    }
+    __syncthreads();
+    // Warp w: m tile w % 4 and a contiguous run of the (V + K) / 8 n tiles, shared with the other
+    // warps of that m tile; the A fragments (T beta, or T beta exp(G) for the k columns) are built
+    // when the run enters the v or the k columns.
+    const int NW = NT / 32, mt = w % 4, cm = (NW - mt + 3) / 4, qw = w / 4, ntot = (V + K) / 8;
+    const int nt_end = (qw + 1) * ntot / cm;
+    Tf32<false, 4> a[kC / 8];
+    int a_kind = -1;
+    for (int nt = qw * ntot / cm; nt < nt_end; ++nt) {
+      const int is_v = nt * 8 < V;
+      if (is_v != a_kind) {
+        a_kind = is_v;
+#pragma unroll
+        for (int kstep = 0; kstep < kC / 8; ++kstep) {
+          const int r0 = mt * 16 + gid, c0 = kstep * 8 + tid;
+          const float s0 = is_v ? B[c0] : B[c0] * EG[c0], s1 = is_v ? B[c0 + 4] : B[c0 + 4] * EG[c0 + 4];
+          a[kstep].set(0, M[r0 * LM + c0] * s0), a[kstep].set(1, M[(r0 + 8) * LM + c0] * s0);
+          a[kstep].set(2, M[r0 * LM + c0 + 4] * s1), a[kstep].set(3, M[(r0 + 8) * LM + c0 + 4] * s1);
+        }
+      }
+      const Tin* src = is_v ? vs + nt * 8 + gid : ks + (nt * 8 - V) + gid;
+      const int ld = is_v ? LQ : LD;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kstep = 0; kstep < kC / 8; ++kstep)
+        mma<false>(acc, a[kstep],
+                   b_operand<false, true>(to_f(src[(kstep * 8 + tid) * ld]), to_f(src[(kstep * 8 + tid + 4) * ld])));
+      // acc x: row mt 16 + gid + 8 (x / 2), column nt 8 + 2 tid + x % 2.
+      if (is_v) {  // U, B fragments of [64][V]: (r, c) at ((r / 8) (V / 8) + c / 8) 64 + ((c % 8) 4 + r % 4) 2 + (r / 4) % 2
+        TW* u = out + lay.U() + int64_t(2 * mt * (V / 8) + nt) * 64 + (8 * tid + gid % 4) * 2 + gid / 4;
+#pragma unroll
+        for (int x2 = 0; x2 < 4; ++x2) u[(x2 >> 1) * 8 * V + (x2 & 1) * 8] = from_f<TW>(acc[x2]);
+      } else {  // W, A fragments of [64][K]: rows r and r + 8 of column kc are adjacent slots
+        TW* wo = out + lay.W() + int64_t((mt * (K / 8) + nt - V / 8) * 32 + gid * 4) * 4 + 2 * (tid >> 1);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) store2(wo + ((2 * tid + e) % 4) * 4, make_float2(acc[e], acc[e + 2]));
+      }
+    }
+    return;
+  }
+
+  // 7. Forward substitution (I + M) X = [v beta | k beta exp(G)], thread c owns column c.
+  const int c = t;
+  {
     const bool is_v = c < V;
     const int kc = c - V;
-#pragma unroll
-    for (int i = 0; i < kC; ++i) {
-      const float rhs = is_v ? to_f(vs[i * LQ + c]) * B[i] : to_f(ks[i * LD + kc]) * B[i] * EG[i];
-      const float4* Mi = reinterpret_cast<const float4*>(M + i * LM);
-      // Four independent partial sums instead of one chain of i dependent FMAs (measured: no change
-      // in the prep's time on the H200; its time was in load latency, see step 1).
-      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma unroll
-      for (int j4 = 0; j4 < (i + 3) / 4; ++j4) {
-        const float4 m = Mi[j4];
-        a0 = fmaf(m.x, x[4 * j4], a0);
-        a1 = fmaf(m.y, x[4 * j4 + 1], a1);
-        a2 = fmaf(m.z, x[4 * j4 + 2], a2);
-        a3 = fmaf(m.w, x[4 * j4 + 3], a3);
-      }
-      x[i] = rhs - ((a0 + a1) + (a2 + a3));
-    }
+    forward_substitute<LM>(
+        M, [&](int i) { return is_v ? to_f(vs[i * LQ + c]) * B[i] : to_f(ks[i * LD + kc]) * B[i] * EG[i]; }, x);
   }
   // 8. Out from registers, rounded once to the work type: U as B fragments of [64][V] (lane
   // (c % 8) * 4 + r % 4 of a fragment holds rows r and r + 4 of column c: one pair per store) and W
