@@ -1,7 +1,9 @@
 // Chunked gated delta rule on CUDA (see gated_delta_cuda.h for the algorithm and the three launches).
-// The intra-chunk products and the solve are fp32 on CUDA cores; the state recurrence and the output
-// products run on tensor cores (mma m16n8k8 TF32, fp32 accumulation): 3xTF32 (fp32-accurate) for fp32
-// inputs, 1xTF32 for bf16 inputs. Inputs are read as fp32 or bf16. The per-chunk operands and
+// Products run on tensor cores with fp32 accumulation: mma m16n8k8 TF32, 3xTF32 (fp32-accurate) for
+// fp32 inputs and 1xTF32 for bf16 inputs, except the prep's Q K^T and K K^T of bf16 inputs (m16n8k16
+// bf16: exact products). The prep's triangular solve is fp32 on CUDA cores (for bf16 inputs only the
+// 64 columns of the inverse T; T times the right-hand sides is a TF32 product). Inputs are read as
+// fp32 or bf16. The per-chunk operands and
 // states between the launches (the work buffer) are fp32, or bf16 with GatedDeltaInputs::bf16_work
 // (TF32 products only): bf16 values are exact in TF32, so only their storage rounds.
 #include <ATen/cuda/CUDAContext.h>

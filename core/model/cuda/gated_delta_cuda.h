@@ -5,11 +5,15 @@
 //
 // Three launches per call:
 //   1. gdn_chunk_prep, one block per (chunk, value head), all chunks of all documents in parallel:
-//      cumulative log decay G, the 64x64 products K K^T and Q K^T in shared memory, the unit-lower
-//      triangular solve (I + strict_lower(beta K K^T * L)) [U | W] = [v beta | k beta exp(G)] by
-//      forward substitution (one thread per right-hand-side column, the 64 rows in registers), and
-//      the per-chunk operands U, W, (k exp(G_last - G))^T, exp(G_last), scale q exp(G), scale Q K^T * L,
-//      written in tensor-core fragment order. Value head h reads key head h / (Hv / Hk) by index.
+//      cumulative log decay G, the 64x64 products K K^T and Q K^T on tensor cores (bf16 inputs:
+//      m16n8k16 bf16, exact products; fp32 inputs: TF32), the unit-lower triangular solve
+//      (I + strict_lower(beta K K^T * L)) [U | W] = [v beta | k beta exp(G)], and the per-chunk
+//      operands U, W, (k exp(G_last - G))^T, exp(G_last), scale q exp(G), scale Q K^T * L, written in
+//      tensor-core fragment order. Value head h reads key head h / (Hv / Hk) by index. The solve:
+//      fp32 inputs, forward substitution of every right-hand-side column (one thread per column,
+//      the 64 rows in registers); bf16 inputs, T = (I + strict_lower(...))^-1 by forward substitution
+//      of the 64 unit columns, then [U | W] = T [v beta | k beta exp(G)] as 1xTF32 products (HF's own
+//      form: it builds the same T and multiplies).
 //   2. gdn_chunk_scan, one block per (document, value head, 16/32-wide value tile), the only
 //      sequential part: chunks in order, v_new = U - W S and S = exp(G_last) S + KD^T v_new on tensor
 //      cores, the K x tile fp32 state in registers; writes the state before each chunk and v_new.
