@@ -224,8 +224,9 @@ __device__ __forceinline__ void forward_substitute(const float* __restrict__ M, 
   }
 }
 
-// One block per (chunk n, value head h); blockDim = V + K (one thread per right-hand-side column of
-// the solve; a multiple of 32). Rows of the chunk past its length are zero (k = v = beta = g = 0), as
+// One block per (chunk n, value head h); blockDim = V + K (a multiple of 32: one thread per
+// right-hand-side column of the fp32 solve; with bf16 inputs 64 threads substitute T's columns and
+// every warp takes output tiles of T times the right-hand sides). Rows of the chunk past its length are zero (k = v = beta = g = 0), as
 // in the reference's padding, so they change neither the outputs nor the state.
 template <typename Tin, int K, bool SPLIT, typename TW>
 __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__ q, const Tin* __restrict__ k,
