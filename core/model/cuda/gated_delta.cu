@@ -237,6 +237,8 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
                                                       TW* __restrict__ work, float* __restrict__ decay) {
   using P = PrepSmem<K, Tin>;
   constexpr int LD = P::LD, LQ = P::LQ, LM = P::LM, LA = P::LA;
+  // bf16 inputs: bf16 products, the fast exp and the inverse-based solve (steps 3-4 and 7).
+  constexpr bool kBf16In = std::is_same<Tin, __nv_bfloat16>::value;
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   Tin* qs = reinterpret_cast<Tin*>(smem_bytes + P::q);
   Tin* ks = reinterpret_cast<Tin*>(smem_bytes + P::k);
@@ -313,11 +315,11 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
   // below the bf16 rounding of the operands). It was 17% of the prep's stall samples with expf.
   auto put = [&](int i, int j, float kk, float qk) {
     const float e = G[i] - G[j];  // G non-increasing: e <= 0 for j <= i
-    const float L = j <= i ? (std::is_same<Tin, __nv_bfloat16>::value ? __expf(e) : expf(e)) : 0.f;
+    const float L = j <= i ? (kBf16In ? __expf(e) : expf(e)) : 0.f;
     M[i * LM + j] = j < i ? B[i] * kk * L : 0.f;
     Aq[i * LA + j] = j <= i ? scale * qk * L : 0.f;
   };
-  if constexpr (std::is_same<Tin, __nv_bfloat16>::value) {
+  if constexpr (kBf16In) {
     // bf16: 16 x 16 blocks (m16n8k16, ldmatrix). The 10 blocks on or below the diagonal come first
     // in kBlocks (a nibble per block: 4 m + n), so warps 0-1 take two of them and warps 2-7 one each
     // plus one of the 6 zero blocks above. (TF32 products of bf16 values cost ~80 instructions per
@@ -420,8 +422,7 @@ __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const Tin* __restrict__
   // exp(G)] as TF32 products (T beta rounded to TF32, v and k exact), the form of the reference
   // (HF computes the same T and multiplies). Substituting all V + K columns took 4x the FMAs: 38% of
   // the prep's instructions (ncu, H200).
-  constexpr bool kInverse = std::is_same<Tin, __nv_bfloat16>::value;
-  const bool inverse = kInverse && NT >= 128;
+  const bool inverse = kBf16In && NT >= 128;
   float x[kC];
   if (inverse && t < kC) forward_substitute<LM>(M, [&](int i) { return i == t ? 1.f : 0.f; }, x);
   cp_async_wait_all();

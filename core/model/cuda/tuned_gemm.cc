@@ -128,23 +128,21 @@ Plan tune(const Shape& s, const torch::Tensor& x, const torch::Tensor& w, const 
   // summed times: timed one after the other, the first candidates ran on a cool GPU at higher
   // clocks and won on that alone (gate_up of the 27B shape: candidate 0 tuned at 7.3 ms, then ran at
   // 8.4 ms in the model, where another candidate that tuned slower ran at 8.2 ms).
+  auto run = [&](int i) {
+    return matmul(p, res[i].algo, res[i].workspaceSize, x.data_ptr(), w.data_ptr(), scratch.data_ptr(), s.acc,
+                  ws.data_ptr(), stream);
+  };
   std::vector<int> runnable;
   for (int i = 0; i < n; ++i) {
     if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize > kMaxWorkspace) continue;
-    // warm-up; a candidate that cannot run is skipped
-    if (matmul(p, res[i].algo, res[i].workspaceSize, x.data_ptr(), w.data_ptr(), scratch.data_ptr(), s.acc,
-               ws.data_ptr(), stream) == CUBLAS_STATUS_SUCCESS)
-      runnable.push_back(i);
+    if (run(i) == CUBLAS_STATUS_SUCCESS) runnable.push_back(i);  // warm-up; one that cannot run is skipped
   }
   TORCH_CHECK(!runnable.empty(), "cuBLASLt: none of ", n, " candidate algorithms ran for M=", s.M, " N=", s.N, " K=", s.K);
   std::vector<float> total(runnable.size(), 0.f);
   for (int r = 0; r < kTimedRounds; ++r) {
     for (size_t j = 0; j < runnable.size(); ++j) {
-      const int i = runnable[j];
       C10_CUDA_CHECK(cudaEventRecord(e0, stream));
-      check(matmul(p, res[i].algo, res[i].workspaceSize, x.data_ptr(), w.data_ptr(), scratch.data_ptr(), s.acc,
-                   ws.data_ptr(), stream),
-            "Matmul (tuning)");
+      check(run(runnable[j]), "Matmul (tuning)");
       C10_CUDA_CHECK(cudaEventRecord(e1, stream));
       C10_CUDA_CHECK(cudaEventSynchronize(e1));
       float ms = 0.f;
