@@ -46,6 +46,8 @@ dflash_configure_build() {
   export CCACHE_DIR=${CCACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash/ccache}
   export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
   export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-5G}
+  # Paths relative to the checkout in the cache keys: clones and worktrees elsewhere share hits.
+  export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$DFLASH_ROOT}
   if [ ! -f "$build/build.ninja" ]; then
     cmake -S "$DFLASH_ROOT" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=${DFLASH_BUILD_TYPE:-Release} \
       -DDFLASH_PYTHON="$DFLASH_PYTHON" "$@"
