@@ -1,5 +1,5 @@
-// The run config: one YAML file, parsed once at the edge into typed structs (DESIGN.md
-// "The run config"). Every process reads the same file.
+// The run config: one YAML file, parsed once at the edge into typed structs
+// (docs/design.md#run-config). Every process reads the same file.
 //
 // Contract:
 //   - parse_config_string / parse_config_file never throw for bad input: they collect EVERY
@@ -7,7 +7,7 @@
 //     values, cross-field constraints) as a Problem naming the dotted field path
 //     ("train.lr", "topology.hosts[1].drafter_gpus[0]") and what was expected.
 //   - A key absent from the file keeps the default written in the struct below (the production
-//     values from DESIGN.md where it gives them). `section:` with no value is an empty section.
+//     values, docs/design.md#run-config). `section:` with no value is an empty section.
 //   - Unknown keys are errors (with a "did you mean" suggestion when a known key is close).
 //   - Path-like strings (run.output_dir, target.model_dir, drafter.init_from, data.shard_dir,
 //     coordinator.token_file) expand `${NAME}` and `${NAME:-default}` from the environment at
@@ -65,7 +65,7 @@ struct TargetSection {
 struct DrafterSection {
   int num_layers = 5;                     // >= 1
   int block_size = 32;                    // >= 2
-  int64_t mask_token_id = -1;             // -1 = unset (taken from the target's tokenizer config)
+  int64_t mask_token_id = -1;             // -1 = unset: the target's last vocabulary id (warned)
   // Layer shapes: 0 = the target's value.
   int hidden_size = 0;
   int num_heads = 0;

@@ -1,7 +1,7 @@
-// Epoch planning: which samples go together in a batch, in which order (DESIGN.md "The data path",
-// step 1). Pure functions of (lengths, seed, epoch, options): no I/O, no global state, no
-// dependence on the standard library's shuffle or distributions (their results differ across
-// standard libraries), so every process and every platform computes the same plan.
+// Epoch planning: which samples go together in a batch, in which order
+// (docs/design.md#epoch-planning). Pure functions of (lengths, seed, epoch, options): no I/O, no
+// global state, no dependence on the standard library's shuffle or distributions (their results
+// differ across standard libraries), so every process and every platform computes the same plan.
 //
 // plan_epoch, step by step:
 //   1. order = 0..N-1, Fisher-Yates shuffled with Rng(seed, epoch) (xoshiro256**, seeded through

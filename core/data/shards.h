@@ -1,6 +1,6 @@
-// Token shards: the on-disk dataset the planner and the target servers read (DESIGN.md "The data
-// path", step 1). Written by `dflash data import` (core/data/import.h) through ShardWriter, read
-// through ShardReader with memory mapping.
+// Token shards: the on-disk dataset the planner and the target servers read
+// (docs/design.md#token-shards). Written by `dflash data import` (core/data/import.h) through
+// ShardWriter, read through ShardReader with memory mapping.
 //
 // ---------------------------------------------------------------------------------------------
 // Format, version 1 (all integers little-endian; readers refuse any other version with a hint)

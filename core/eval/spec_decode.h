@@ -1,7 +1,8 @@
-// Greedy speculative decoding with a DFlash drafter (dflash.md section 2), round for round the same
-// as z-lab's `dflash_generate` at temperature 0, so output ids AND per-round acceptance lengths can
-// be compared exactly. Legend: S = accepted sequence length (prompt + generated), V = verify size
-// (tokens of one block, <= B), H = hidden size, K = captured target layers, B = block size.
+// Greedy speculative decoding with a DFlash drafter (docs/recipe.md#speculative-decoding), round
+// for round the same as z-lab's `dflash_generate` at temperature 0, so output ids AND per-round
+// acceptance lengths can be compared exactly. Legend: S = accepted sequence length (prompt +
+// generated), V = verify size (tokens of one block, <= B), H = hidden size, K = captured target
+// layers, B = block size.
 //
 // One prompt (max_length = prompt + max_new_tokens):
 //   prefill: the target runs over the prompt; first token = argmax lm_head(final_norm(h_last[-1]));

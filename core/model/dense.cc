@@ -1,4 +1,4 @@
-// Forward pass of dense decoders (target-models.md section 1), read top to bottom:
+// Forward pass of dense decoders (docs/models.md#dense-decoders), read top to bottom:
 //   h = embed(ids); per layer: h += o(attn(rope(qk_norm(qkv(norm(h)))))); h += mlp(norm(h)); capture.
 #include "core/model/dense.h"
 

@@ -1,6 +1,6 @@
-// The DFlash drafter (dflash.md section 1): fc + hidden_norm fusion of K target layers, Qwen3-style
-// draft layers with KV injection, final norm. The TARGET's embedding and lm_head are frozen and
-// live in FrozenTargetParts, never in the drafter.
+// The DFlash drafter (docs/models.md#drafter): fc + hidden_norm fusion of K target layers,
+// Qwen3-style draft layers with KV injection, final norm. The TARGET's embedding and lm_head are
+// frozen and live in FrozenTargetParts, never in the drafter.
 // Legend: T = packed context tokens, K = captured target layers, H = hidden, N = blocks (anchors),
 // B = block size, Q = N*B query rows, D = head_dim.
 //
@@ -32,7 +32,7 @@ struct DrafterConfig {
   int64_t num_context_layers() const { return static_cast<int64_t>(target_layer_ids.size()); }
 };
 
-// dflash.md: [L_t // 2] if L_d == 1 else round(1 + i * (L_t - 4) / (L_d - 1)).
+// docs/recipe.md#target-layers: [L_t // 2] if L_d == 1 else round(1 + i * (L_t - 4) / (L_d - 1)).
 std::vector<int64_t> default_target_layer_ids(int64_t num_target_layers, int64_t num_draft_layers);
 
 // Shapes default to the target's; 0 / empty fields in `overrides` mean "take the target's / default".

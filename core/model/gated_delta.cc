@@ -1,4 +1,4 @@
-// Gated DeltaNet pieces over packed documents (target-models.md 2.4 and 2.5); see gated_delta.h.
+// Gated DeltaNet pieces over packed documents (docs/models.md#gated-deltanet); see gated_delta.h.
 #include "core/model/gated_delta.h"
 
 #include <algorithm>
@@ -156,7 +156,8 @@ GatedDeltaInputs in_compute_dtype(const GatedDeltaInputs& in) {
   return {in.q_THK.to(dt), in.k_THK.to(dt), in.v_THV.to(dt), in.g_TH.to(dt), in.beta_TH.to(dt)};
 }
 
-// Steps 1-8 of target-models.md 2.5 in batched LibTorch ops (inputs already in the compute dtype).
+// Steps 1-8 of docs/models.md#chunked-delta-rule in batched LibTorch ops (inputs already in the
+// compute dtype).
 torch::Tensor composed_chunk_rule(const GatedDeltaInputs& in, const std::vector<int64_t>& doc_lens, double scale,
                                   int64_t C, int64_t r) {
   const int64_t T = in.q_THK.size(0), K = in.q_THK.size(2), Hv = in.v_THV.size(1), V = in.v_THV.size(2);

@@ -1,4 +1,4 @@
-// Gated DeltaNet building blocks (target-models.md sections 2.4 and 2.5) over a packed batch of
+// Gated DeltaNet building blocks (docs/models.md#gated-deltanet) over a packed batch of
 // documents, LibTorch, CPU and CUDA.
 // Legend: T = tokens of the packed batch (documents back to back, doc_lens sums to T), Hk / Hv = key /
 // value heads (Hv a multiple of Hk; value head h reads key head h / (Hv / Hk), the repeat_interleave

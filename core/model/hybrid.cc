@@ -1,4 +1,5 @@
-// Forward pass of Qwen3.5 / Qwen3.6 hybrid decoders (target-models.md section 2), read top to bottom:
+// Forward pass of Qwen3.5 / Qwen3.6 hybrid decoders (docs/models.md#hybrid-decoders), read top to
+// bottom:
 //   h = embed(ids); per layer: h += mixer(norm(h)); h += mlp(norm(h)); capture.
 //   mixer = gated_delta_net (layer_types "linear_attention") or gated_attention ("full_attention").
 // Every RMSNorm except the GDN output norm is zero-centred: (1 + w) * norm(x), in fp32.

@@ -1,8 +1,8 @@
-// Qwen3.5 / Qwen3.6 hybrid decoders (target-models.md section 2): Gated DeltaNet layers and gated
-// full-attention layers (config layer_types), zero-centred RMSNorms, partial RoPE. Same TargetModel
-// contract as the dense targets (target.h): packed documents, capture of decoder-layer outputs.
-// Weights under `model.language_model.` (VLM checkpoints) or `model.` (text-only exports), resolved
-// from the names present; `mtp.*` and `model.visual.*` are never read.
+// Qwen3.5 / Qwen3.6 hybrid decoders (docs/models.md#hybrid-decoders): Gated DeltaNet layers and
+// gated full-attention layers (config layer_types), zero-centred RMSNorms, partial RoPE. Same
+// TargetModel contract as the dense targets (target.h): packed documents, capture of decoder-layer
+// outputs. Weights under `model.language_model.` (VLM checkpoints) or `model.` (text-only exports),
+// resolved from the names present; `mtp.*` and `model.visual.*` are never read.
 #pragma once
 #include <memory>
 

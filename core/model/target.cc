@@ -84,7 +84,7 @@ double forward_flops(const io::TargetConfig& c, const std::vector<int64_t>& doc_
     const double per_token_params = H * (Hq + 2 * Hkv) * D + Hq * D * H + mlp;
     return c.num_layers * (2.0 * tokens * per_token_params + attn);
   }
-  // Hybrid (target-models.md 2.3-2.5). Gated attention: q_proj has 2 Hq D rows (q | gate).
+  // Hybrid (docs/models.md#hybrid-decoders). Gated attention: q_proj has 2 Hq D rows (q | gate).
   const double attn_params = H * (2 * Hq + 2 * Hkv) * D + Hq * D * H + mlp;
   // Gated DeltaNet: in_proj qkv | z | b | a, out_proj, causal conv (Kc taps over conv_dim channels),
   // and the chunked delta rule (C = 64) per chunk and value head:

@@ -1,4 +1,4 @@
-// Deterministic batch assignment of the data-parallel pipeline (DESIGN.md "The data path"):
+// Deterministic batch assignment of the data-parallel pipeline (docs/design.md#schedule):
 // every target server and every drafter trainer computes the same assignment from the same
 // inputs (shard lengths, packing settings, seed, N targets, M drafters, grad_accum), so no process
 // has to be told who sends what to whom, and the order in which each drafter trains its

@@ -1,6 +1,6 @@
-// The packed batch: the wire payload from a target server to a drafter trainer (DESIGN.md
-// "Packed batch"). One contiguous buffer, little-endian, every section 256-byte aligned so a GPU
-// can DMA straight into or out of it:
+// The packed batch: the wire payload from a target server to a drafter trainer
+// (docs/design.md#wire-format). One contiguous buffer, little-endian, every section 256-byte
+// aligned so a GPU can DMA straight into or out of it:
 //
 //   offset 0                 PackedBatchHeader (kHeaderBytes = 128 bytes, zero padded to 256)
 //   doc_table_offset         DocEntry [num_docs]          (24 bytes each)

@@ -1,4 +1,5 @@
-// Anchor sampling and per-block labels/weights for DFlash training (dflash.md section 3, steps 1-4).
+// Anchor sampling for DFlash training (docs/recipe.md#anchors; the per-block labels and weights
+// that follow from the anchors: #labels-and-weights there, computed in dflash_loss.cc).
 // Host-side and deterministic: a counter-based PRNG keyed by (seed, step, micro-batch, rank), so a
 // resumed run samples exactly the anchors the uninterrupted run would have.
 #pragma once

@@ -1,5 +1,5 @@
 // One DFlash micro-batch: blocks at the anchors, drafter forward, chunked CE (+ soft-label KL) and
-// backward (dflash.md section 3). Legend: T tokens, N anchors/blocks, B block size, V vocab.
+// backward (docs/recipe.md#loss). Legend: T tokens, N anchors/blocks, B block size, V vocab.
 //
 // Gradients of the UNNORMALISED loss  sum(w*CE) + kl_weight*T^2*sum(w*KL)  accumulate into the
 // drafter's fp32 parameters; the caller divides by the GLOBAL weight sum of the optimizer step

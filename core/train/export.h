@@ -1,5 +1,5 @@
-// The HF DFlash drafter format (dflash.md section 1): what z-lab's DFlashDraftModel (PyPI `dflash`),
-// SGLang and vLLM load, and what z-lab's released drafters look like.
+// The HF DFlash drafter format (docs/recipe.md#export): what z-lab's DFlashDraftModel (PyPI
+// `dflash`), SGLang and vLLM load, and what z-lab's released drafters look like.
 //
 //   OUT/config.json        a Qwen3 config: architectures ["DFlashDraftModel"], model_type "qwen3",
 //                          num_hidden_layers = draft layers, num_target_layers, block_size,

@@ -1,4 +1,4 @@
-// The drafter's optimizer step (dflash.md section 3, steps 5-8): grad_accum micro-batches, global
+// The drafter's optimizer step (docs/recipe.md#optimizer): grad_accum micro-batches, global
 // loss denominator, all-reduce over data-parallel ranks, global-norm clipping, AdamW, schedule.
 // Anchor sampling and feature noise use seeds derived from (seed, step, micro-batch, rank), so the
 // whole run is a pure function of the config, the data order and the step: resume is exact.

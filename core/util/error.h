@@ -1,4 +1,4 @@
-// Typed errors and exit codes shared by every process (DESIGN.md "Exit codes and failures").
+// Typed errors and exit codes shared by every process (docs/design.md#exit-codes).
 // Internals throw these; every main() and gRPC handler converts them at the boundary.
 #pragma once
 #include <sstream>

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Baseline for `dflash bench drafter --baseline`: one DFlash drafter training step in eager PyTorch,
-the way users run it today (issue 6), written from /work/shared/reference/dflash.md; it does not
-read or call the C++ code.
+the way users run it today (issue 6), written from the training recipe (docs/recipe.md); it does
+not read or call the C++ code.
 
 Per step (random weights and inputs with the shapes of `dflash bench drafter`):
   anchors  : min(anchors, #valid) positions with loss_mask[p] & loss_mask[p+1] (same document),

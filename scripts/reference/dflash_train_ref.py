@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Independent reference for the DFlash training loss and its parameter gradients.
 
-Written from /work/shared/reference/dflash.md (sections 1-3) only; it does not read or call the
-C++ code. For a FIXED set of anchors (no sampling) and noise off it recomputes, in float64 with
-torch autograd, one block at a time (a plain loop over anchors, no batched attention mask):
+Written from the DFlash drafter and training recipe only (docs/models.md#drafter, docs/recipe.md);
+it does not read or call the C++ code. For a FIXED set of anchors (no sampling) and noise off it
+recomputes, in float64 with torch autograd, one block at a time (a plain loop over anchors, no
+batched attention mask):
 
   ctx      = RMSNorm_hidden_norm(fc(features))                      for every packed token
   block j  = [ids[a], MASK x (B-1)] embedded with target.embed, positions p..p+B-1

@@ -286,7 +286,7 @@ def train_drafter(drafter_dir, target, g, steps):
 
 @torch.no_grad()
 def uncached_spec_decode(target, drafter, prompt, max_new, block):
-    """Greedy DFlash speculative decoding without any KV cache (spec section 2)."""
+    """Greedy DFlash speculative decoding without any KV cache (docs/recipe.md#speculative-decoding)."""
     seq = list(prompt)
     L = len(prompt)
     max_len = L + max_new

@@ -1,5 +1,6 @@
 // Loss and parameter gradients of the C++ training step vs an independent Python computation of
-// dflash.md section 3 (scripts/reference/dflash_train_ref.py, written from the spec, per-block loop).
+// docs/recipe.md#loss (scripts/reference/dflash_train_ref.py, written from the recipe, one block at
+// a time).
 // Tolerances: loss 1e-5 relative, gradients 1e-4 (max|diff| / max|ref| per parameter), fp32.
 #include <gtest/gtest.h>
 

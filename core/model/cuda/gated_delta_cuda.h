@@ -1,7 +1,7 @@
-// CUDA kernels of the chunked gated delta rule (target-models.md 2.5, chunk 64), fp32 state and
-// accumulation, over packed documents (the state restarts at every document boundary). The same
-// algorithm, step for step, as the LibTorch composition in gated_delta.cc, which stays the CPU path
-// and the reference of tests/model/gated_delta_gpu_test.cc. Available only in CUDA builds.
+// CUDA kernels of the chunked gated delta rule (docs/models.md#chunked-delta-rule, chunk 64), fp32
+// state and accumulation, over packed documents (the state restarts at every document boundary).
+// The same algorithm, step for step, as the LibTorch composition in gated_delta.cc, which stays the
+// CPU path and the reference of tests/model/gated_delta_gpu_test.cc. Available only in CUDA builds.
 //
 // Three launches per call:
 //   1. gdn_chunk_prep, one block per (chunk, value head), all chunks of all documents in parallel:
