@@ -8,15 +8,17 @@ out=${OUT:-$root/out/gpu}
 mkdir -p "$out"
 build=${DFLASH_GPU_BUILD:-$root/build-gpu}
 export PYTHONUNBUFFERED=1 DFLASH_SOURCE_DIR=$root DFLASH_PYTHON=${DFLASH_PYTHON:-python3}
-export LD_LIBRARY_PATH=/tmp/dflash-deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+# The private prefix of Debian libraries that scripts/gpu-host/build.sh unpacks .gpu-deps/debs into.
+export DFLASH_GPU_DEBS=${DFLASH_GPU_DEBS:-$root/.gpu-deps/debs} DFLASH_DEPS_PREFIX=${DFLASH_DEPS_PREFIX:-/tmp/dflash-deps}
+export LD_LIBRARY_PATH=$DFLASH_DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
 has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ]; } && return 0; done; return 1; }
 t0=$(date +%s)
-# Always through build.sh: an incremental build is a no-op when nothing changed, and a binary left
-# by an earlier call must not hide changed sources.
+# Always through scripts/gpu-host/build.sh: an incremental build is a no-op when nothing changed, and
+# a binary left by an earlier call must not hide changed sources.
 if has build; then
   nvidia-smi -L > "$out/gpu.txt" 2>&1
-  bash "$root/.gpu-deps/build.sh" "$root" "$build" -DDFLASH_CUDA=ON -DDFLASH_PYTHON=python3 \
+  bash "$root/scripts/gpu-host/build.sh" "$root" "$build" -DDFLASH_CUDA=ON \
     -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;train;collectives;stream}" > "$out/build.log" 2>&1 \
     || { tail -50 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
