@@ -21,11 +21,11 @@ namespace dflash::model {
 
 struct DrafterConfig {
   int64_t hidden_size = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, intermediate_size = 0;
-  int64_t num_layers = 1;
+  int64_t num_layers = 5;  // num_layers and block_size: the run config's defaults
   int64_t vocab_size = 0;
   double rms_norm_eps = 1e-6;
   RopeOptions rope;  // theta / type of the target; rotary_dim = head_dim
-  int64_t block_size = 16;
+  int64_t block_size = 32;
   int64_t mask_token_id = -1;
   std::vector<int64_t> target_layer_ids;
   int64_t num_target_layers = 0;

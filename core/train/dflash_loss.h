@@ -17,9 +17,10 @@ namespace dflash::train {
 
 enum class NoiseType { kNone, kUniform, kGaussian };
 
+// Defaults: the run config's (core/config/config.h); the services take every value from the run plan.
 struct LossOptions {
-  double gamma = 7.0;
-  bool soft_labels = false;
+  double gamma = 10.0;
+  bool soft_labels = true;
   double kl_weight = 0.15;
   double temperature = 2.0;
   int64_t logits_chunk_rows = 1024;

@@ -139,7 +139,8 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
   DFLASH_CHECK(c.num_target_layers > 0, ConfigError, source << ": field 'num_target_layers' must be positive");
 
   std::string path;
-  if (const json* v = draft_value("block_size", &path)) c.block_size = as_int(*v, path);  // else z-lab's 16
+  c.block_size = 16;  // z-lab's default when the export does not say
+  if (const json* v = draft_value("block_size", &path)) c.block_size = as_int(*v, path);
   DFLASH_CHECK(c.block_size >= 2, ConfigError, source << ": field 'block_size' must be >= 2, got " << c.block_size);
 
   const json* mask = draft_value("mask_token_id", &path);

@@ -22,15 +22,16 @@
 
 namespace dflash::train {
 
+// Defaults: the run config's (core/config/config.h); the services take every value from the run plan.
 struct TrainerOptions {
   LossOptions loss;
   ScheduleOptions schedule;
   AdamWOptions adamw;
   double grad_clip = 1.0;  // <= 0: no clipping
-  int64_t grad_accum = 1;
-  int64_t max_anchors = 512;
-  NoiseType noise_type = NoiseType::kNone;
-  double noise_start = 0.0, noise_end = 0.0;
+  int64_t grad_accum = 4;
+  int64_t max_anchors = 1024;
+  NoiseType noise_type = NoiseType::kUniform;
+  double noise_start = 0.05, noise_end = 0.01;
   uint64_t seed = 0;
   torch::ScalarType compute = torch::kFloat32;
 };

@@ -1,6 +1,7 @@
 // Helpers shared by the two pipeline processes (dflash-target serve, dflash-drafter train): the
-// settings both sides must derive identically from the run config (packing, shape, run id, link
-// names, wire dtype), the periodic stage-profile log line, and GPU memory gauges.
+// run schedule, run id and link names both sides derive identically from the run config (the
+// rest of what they must agree on is the run plan, services/common/run_plan.h), the connection to
+// the coordinator, fault injection, the periodic stage-profile log line, and GPU memory gauges.
 // Header-only (the target and drafter libraries do not link each other).
 #pragma once
 #include <torch/torch.h>
@@ -29,50 +30,12 @@
 #include "core/stream/schedule.h"
 #include "core/stream/shm_transport.h"
 #include "services/common/control_client.h"
+#include "services/common/run_plan.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
 
 namespace dflash::pipeline {
-
-inline torch::ScalarType torch_dtype(config::Dtype d) {
-  switch (d) {
-    case config::Dtype::kFloat32: return torch::kFloat32;
-    case config::Dtype::kFloat16: return torch::kFloat16;
-    default: return torch::kBFloat16;
-  }
-}
-inline stream::DType wire_dtype(torch::ScalarType t) {
-  switch (t) {
-    case torch::kFloat32: return stream::DType::kF32;
-    case torch::kFloat16: return stream::DType::kF16;
-    case torch::kBFloat16: return stream::DType::kBF16;
-    default: DFLASH_FAIL(ConfigError, "no packed-batch dtype for torch dtype " << t);
-  }
-}
-inline torch::ScalarType torch_dtype(stream::DType d) {
-  switch (d) {
-    case stream::DType::kF32: return torch::kFloat32;
-    case stream::DType::kF16: return torch::kFloat16;
-    default: return torch::kBFloat16;
-  }
-}
-
-// Same as services/drafter/local_train.cc (the single-process reference).
-inline data::PackingOptions packing_options(const config::RunConfig& c) {
-  data::PackingOptions p;
-  p.token_budget = c.data.token_budget;
-  p.max_batch_size = c.data.max_batch_size;
-  p.max_seq_len = c.data.max_seq_len;
-  p.bucketing = c.data.bucketing;
-  p.overlong = c.data.overlong == config::Overlong::kDrop ? data::PackingOptions::kDrop : data::PackingOptions::kTruncate;
-  p.seed = static_cast<uint64_t>(c.data.shuffle_seed);
-  return p;
-}
-
-inline stream::PipelineShape pipeline_shape(const config::RunConfig& c) {
-  return {c.num_targets(), c.num_drafters(), c.train.grad_accum};
-}
 
 // The run schedule of packing generations: the config's packing with each generation's limits.
 inline stream::RunSchedule build_schedule(const config::RunConfig& c, const std::vector<uint32_t>& lengths,
@@ -90,6 +53,46 @@ inline stream::RunSchedule build_schedule(const config::RunConfig& c, const std:
                                           const control::LaunchPlan& plan) {
   return build_schedule(c, lengths, plan.generations);
 }
+
+// The coordinator's client when --coordinator ADDR is given (started by `dflash run`: register and
+// fetch the launch plan, see control_client.h), else nullptr (started by hand).
+inline std::unique_ptr<control::ControlClient> connect_coordinator(const Flags& f, const config::RunConfig& cfg,
+                                                                   config::Role role, int rank, int metrics_port) {
+  if (!f.has("coordinator")) return nullptr;
+  return control::ControlClient::connect(control::ControlClient::options_from_env(
+      f.get("coordinator"), role, rank, static_cast<int>(f.get_int("attempt", 0)), metrics_port,
+      cfg.coordinator.heartbeat_timeout_s));
+}
+
+// `rank` (the --rank flag) when in [0, n), else ConfigError naming the config's n `workers`.
+inline int checked_rank(int rank, int n, const char* workers) {
+  DFLASH_CHECK(rank >= 0 && rank < n, ConfigError, "--rank " << rank << " outside [0, " << n << "): the config has " << n << " " << workers);
+  return rank;
+}
+
+// What every pipeline worker (TargetServer, DrafterRank) starts with: its config (the launch's
+// topology), launch plan, coordinator client (null when started by hand), start time, N targets,
+// M drafters, and its metrics registry.
+class WorkerBase {
+ protected:
+  WorkerBase(const config::RunConfig& cfg, const control::LaunchPlan& launch, control::ControlClient* client)
+      : cfg_(cfg), launch_(launch), client_(client), t_start_(std::chrono::steady_clock::now()), N_(cfg.num_targets()),
+        M_(cfg.num_drafters()), registry_(std::make_shared<metrics::Registry>()) {}
+  // Serves the registry on http://0.0.0.0:port/metrics (port 0: an ephemeral one, logged); none when port < 0.
+  void serve_metrics(int port) {
+    if (port < 0) return;
+    server_ = std::make_unique<metrics::MetricsServer>(port, "0.0.0.0", registry_);
+    LOG_INFO("metrics on http://0.0.0.0:" << server_->bound_port() << "/metrics");
+  }
+
+  const config::RunConfig& cfg_;
+  const control::LaunchPlan& launch_;
+  control::ControlClient* client_;
+  const std::chrono::steady_clock::time_point t_start_;
+  const int N_, M_;
+  std::shared_ptr<metrics::Registry> registry_;
+  std::unique_ptr<metrics::MetricsServer> server_;
+};
 
 // Fault injection (tests only; resilience.fault_injection reaches workers through the coordinator's
 // assignment). crash: SIGKILL (nothing is reported, like a real crash); hang: SIGSTOP (heartbeats

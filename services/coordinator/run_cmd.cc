@@ -104,7 +104,8 @@ std::string gib(double bytes) {
 
 // ---------------------------------------------------------------------------------------------
 // The plan (`--plan` and the header of every run).
-json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& lengths, const stream::RunSchedule& sched) {
+json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& lengths, const stream::RunSchedule& sched,
+               const std::string& device) {
   json p;
   json hosts = json::array();
   for (const auto& h : cfg.topology.hosts)
@@ -133,18 +134,14 @@ json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& length
   } catch (const Error& e) {
     throw ConfigError(std::string("target.model_dir: ") + e.what());
   }
-  const int64_t H = tc.hidden_size, V = tc.vocab_size;
-  const int64_t K = cfg.target.target_layer_ids.empty() ? cfg.drafter.num_layers : int64_t(cfg.target.target_layer_ids.size());
+  const auto run_plan = pipeline::RunPlan::build(cfg, tc, device);  // what the workers derive
+  const int64_t H = tc.hidden_size, V = tc.vocab_size, K = run_plan.num_context_layers();
   const double elt = cfg.target.dtype == config::Dtype::kFloat32 ? 4 : 2;
   const int64_t T = cfg.data.token_budget;
   double weights = 0;
   for (const auto& e : fs::directory_iterator(cfg.target.model_dir))
     if (e.path().extension() == ".safetensors") weights += double(e.file_size());
-  const double slot = double(stream::BatchLayout::compute(static_cast<uint32_t>(cfg.data.max_batch_size), T,
-                                                          static_cast<uint32_t>(K), static_cast<uint32_t>(H),
-                                                          elt == 4 ? stream::DType::kF32 : stream::DType::kBF16,
-                                                          cfg.target.ship_h_last)
-                                 .total_bytes);
+  const double slot = double(run_plan.slot_bytes);
   const int64_t dh = cfg.drafter.hidden_size ? cfg.drafter.hidden_size : H;
   const int64_t di = cfg.drafter.intermediate_size ? cfg.drafter.intermediate_size : tc.intermediate_size;
   const double drafter_params = double(cfg.drafter.num_layers) * (4.0 * dh * dh + 3.0 * dh * di) + double(K) * H * dh;
@@ -843,12 +840,6 @@ int cmd_run(int argc, char** argv) {
   DFLASH_CHECK(sched0.total_steps() > 0, ConfigError,
                "the data gives no whole optimizer step (" << lengths.size() << " samples, " << cfg.num_drafters()
                                                           << " drafters, train.grad_accum=" << cfg.train.grad_accum << ")");
-  const auto plan = make_plan(cfg, lengths, sched0);
-  print_plan(plan, std::cerr);
-  if (f.has("plan")) {
-    std::cout << plan.dump(2) << std::endl;
-    return kExitOk;
-  }
 #ifdef DFLASH_WITH_CUDA
   // Workers run on CUDA when this host has an NVIDIA GPU (the config's GPU ids then index them).
   const bool gpus = fs::exists("/dev/nvidia0") || (fs::exists("/proc/driver/nvidia/gpus") && !fs::is_empty("/proc/driver/nvidia/gpus"));
@@ -857,6 +848,12 @@ int cmd_run(int argc, char** argv) {
   const std::string device = f.get("device", "cpu");
 #endif
   DFLASH_CHECK(device == "cpu" || device == "cuda", ConfigError, "--device: expected cpu or cuda, got '" << device << "'");
+  const auto plan = make_plan(cfg, lengths, sched0, device);
+  print_plan(plan, std::cerr);
+  if (f.has("plan")) {
+    std::cout << plan.dump(2) << std::endl;
+    return kExitOk;
+  }
 
   // Ledger: new run, or resume.
   const fs::path out = cfg.run.output_dir;

@@ -1,16 +1,11 @@
 #include "services/drafter/local_train.h"
 
-#include "services/common/pipeline_common.h"
-#include "services/drafter/run_setup.h"
-
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <optional>
 #include <nlohmann/json.hpp>
 
-#include "core/data/packing.h"
 #include "core/data/shards.h"
 #include "core/model/drafter.h"
 #include "core/model/layers.h"
@@ -21,175 +16,197 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "services/common/run_plan.h"
+#include "services/drafter/train_loop.h"
 
 namespace dflash::drafter {
 namespace fs = std::filesystem;
 using nlohmann::json;
+using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Target forward + capture of one planned batch -> a drafter micro-batch on `device`.
-train::MicroBatch capture_batch(model::TargetModel& target, const data::ShardReader& shards, const data::Batch& b,
-                                const model::CaptureSpec& spec, torch::Device device) {
-  std::vector<int64_t> ids;
-  train::MicroBatch mb;
-  for (size_t i = 0; i < b.sample_ids.size(); ++i) {
-    auto s = shards.sample(b.sample_ids[i]);
-    const int64_t n = b.lengths[i];
-    ids.insert(ids.end(), s.input_ids.data, s.input_ids.data + n);
-    mb.loss_mask_host.insert(mb.loss_mask_host.end(), s.loss_mask.data, s.loss_mask.data + n);
-    mb.doc_lens.push_back(n);
+// The train loop's data source: target forward + capture of each planned batch, in this process.
+class CaptureSource final : public MicroBatchSource {
+ public:
+  CaptureSource(model::TargetModel& target, const data::ShardReader& shards, model::CaptureSpec spec, torch::Device device)
+      : target_(target), shards_(shards), spec_(std::move(spec)), device_(device) {}
+
+  Fetched fetch(const PlannedMicroBatch& p) override {
+    const data::Batch& b = *p.batch;
+    std::vector<int64_t> ids;
+    Fetched f;
+    train::MicroBatch& mb = f.mb;
+    for (size_t i = 0; i < b.sample_ids.size(); ++i) {
+      auto s = shards_.sample(b.sample_ids[i]);
+      const int64_t n = b.lengths[i];
+      ids.insert(ids.end(), s.input_ids.data, s.input_ids.data + n);
+      mb.loss_mask_host.insert(mb.loss_mask_host.end(), s.loss_mask.data, s.loss_mask.data + n);
+      mb.doc_lens.push_back(n);
+    }
+    // Through pinned memory without blocking: a pageable copy would wait for the queued GPU work.
+    mb.input_ids_T = model::to_device_async(torch::tensor(ids, torch::kInt64), device_);
+    mb.loss_mask_T = model::to_device_async(
+        torch::tensor(std::vector<int64_t>(mb.loss_mask_host.begin(), mb.loss_mask_host.end()), torch::kInt64)
+            .to(torch::kUInt8),
+        device_);
+    auto cap = target_.forward_capture(mb.input_ids_T, mb.doc_lens, spec_);
+    mb.features_TKH = cap.features_TKH;
+    mb.h_last_TH = cap.last_hidden_TH;
+    return f;
   }
-  // Through pinned memory without blocking: a pageable copy would wait for the queued GPU work.
-  mb.input_ids_T = model::to_device_async(torch::tensor(ids, torch::kInt64), device);
-  mb.loss_mask_T = model::to_device_async(
-      torch::tensor(std::vector<int64_t>(mb.loss_mask_host.begin(), mb.loss_mask_host.end()), torch::kInt64)
-          .to(torch::kUInt8),
-      device);
-  auto cap = target.forward_capture(mb.input_ids_T, mb.doc_lens, spec);
-  mb.features_TKH = cap.features_TKH;
-  mb.h_last_TH = cap.last_hidden_TH;
-  return mb;
+  void release(const PlannedMicroBatch&) override {}
+
+ private:
+  model::TargetModel& target_;
+  const data::ShardReader& shards_;
+  const model::CaptureSpec spec_;
+  const torch::Device device_;
+};
+
+// --max-steps: a stop request once that many optimizer steps are done.
+class StepLimit final : public StepRequests {
+ public:
+  explicit StepLimit(int64_t max_steps) : max_(max_steps) {}
+  int poll(int64_t steps_done) override { return steps_done >= max_ ? kStop : 0; }
+  void acting_on(int, int64_t) override {}
+
+ private:
+  int64_t max_;
+};
+
+// metrics.jsonl, the progress log and the checkpoints of `dflash train`.
+class LocalSteps final : public StepHooks {
+ public:
+  LocalSteps(const config::RunConfig& cfg, const LocalTrainOptions& opt, model::Drafter& drafter, train::Trainer& trainer,
+             int64_t total_steps, LocalTrainResult& res)
+      : cfg_(cfg), opt_(opt), drafter_(drafter), trainer_(trainer), total_steps_(total_steps), res_(res),
+        ckpt_root_(fs::path(cfg.run.output_dir) / "checkpoints"),
+        metrics_log_(fs::path(cfg.run.output_dir) / "metrics.jsonl", std::ios::app),
+        t_loop_(Clock::now()) {}
+
+  void report(const train::StepMetrics& m, const StepRecord& r) override {
+    const double secs = std::chrono::duration<double>(Clock::now() - t_loop_).count();
+    const double tok_s = r.tokens_total / std::max(secs, 1e-9);
+    res_.last_loss = m.loss;
+    res_.last_accept_len = m.accept_len;
+    json line = {{"step", m.step}, {"epoch", r.epoch}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl},
+                 {"accept_len", m.accept_len}, {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm},
+                 {"tokens", m.tokens}, {"anchors", m.anchors}, {"tokens_per_s", tok_s},
+                 {"skipped_nonfinite", m.skipped_nonfinite}};
+    metrics_log_ << line.dump() << "\n";
+    metrics_log_.flush();
+    if (!opt_.quiet && (m.step % 10 == 0 || m.step == total_steps_))
+      LOG_INFO("step " << m.step << "/" << total_steps_ << " epoch " << r.epoch << " loss " << m.loss << " tau "
+                       << m.accept_len << " lr " << m.lr << " tok/s " << int(tok_s));
+  }
+
+  // The data position is (epoch, index of the next batch to train in its plan).
+  void checkpoint(const StepRecord& r) override {
+    const std::string dir = (ckpt_root_ / train::checkpoint_dir_name(trainer_.step_count())).string();
+    if (fs::exists(dir)) return;
+    const auto& to = trainer_.options();
+    train::CheckpointState st;
+    st.step = trainer_.step_count();
+    st.optimizer_steps = trainer_.optimizer().steps();
+    st.data_position = {{"epoch", r.epoch}, {"batch", r.last_batch_index + 1}};
+    st.seed = to.seed;
+    st.scheduler = {{"lr", to.schedule.lr}, {"warmup_ratio", to.schedule.warmup_ratio}, {"total_steps", total_steps_}};
+    train::save_checkpoint(dir, drafter_, trainer_.optimizer(), st);
+    train::apply_retention(ckpt_root_.string(), cfg_.run.keep_last, cfg_.run.keep_every);
+    res_.last_checkpoint = dir;
+  }
+
+ private:
+  const config::RunConfig& cfg_;
+  const LocalTrainOptions& opt_;
+  model::Drafter& drafter_;
+  train::Trainer& trainer_;
+  const int64_t total_steps_;
+  LocalTrainResult& res_;
+  const fs::path ckpt_root_;
+  std::ofstream metrics_log_;
+  const Clock::time_point t_loop_;
+};
+
+// The schedule step a checkpoint's data position (epoch, next batch) resumes at; the schedule's
+// end when the epoch is past the config's epochs.
+int64_t resume_step(const stream::RunSchedule& sched, int64_t epoch, int64_t batch, const std::string& source) {
+  const int A = sched.shape().grad_accum;
+  for (const auto& sg : sched.segments()) {
+    if (sg.epoch != epoch) continue;
+    DFLASH_CHECK(batch >= 0 && batch % A == 0, ConfigError,
+                 source << ": data_position.batch " << batch << " is not a whole number of steps of train.grad_accum=" << A);
+    return sg.first_step + std::min<int64_t>(batch / A, sg.steps);
+  }
+  return sched.total_steps();
 }
 
 }  // namespace
 
 LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTrainOptions& opt) {
-  const auto t_start = std::chrono::steady_clock::now();
+  const auto t_start = Clock::now();
+  const auto plan = pipeline::RunPlan::load(cfg, opt.device);
   auto device = model::parse_device(opt.device);
-  const auto target_dtype = pipeline::torch_dtype(cfg.target.dtype);
-  const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
-
   model::LoadOptions lo;
   lo.device = device;
-  lo.dtype = target_dtype;
+  lo.dtype = plan.target_dtype;
   lo.load_lm_head = false;
   auto target = model::load_target(cfg.target.model_dir, lo);
-  auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, compute);
-  const auto& tcfg = target->config();
-
-  auto dcfg = drafter_config_from_run(cfg, tcfg);
-  model::Drafter drafter(dcfg, device, static_cast<uint64_t>(cfg.run.seed));
+  auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, plan.compute_dtype);
+  model::Drafter drafter(plan.drafter, device, static_cast<uint64_t>(cfg.run.seed));
   if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
-  model::CaptureSpec spec{dcfg.target_layer_ids, cfg.train.soft_labels.enabled};
 
+  // One target, one drafter: the schedule is the epoch plans in order, cut to whole steps per epoch.
   auto shards = data::ShardReader::open(cfg.data.shard_dir);
-  const auto lengths = shards.lengths();
-  const auto packing = pipeline::packing_options(cfg);
-  std::vector<data::EpochPlan> plans;
+  const auto sched = stream::RunSchedule::build(shards.lengths(), cfg.run.epochs, {1, 1, cfg.train.grad_accum},
+                                                {stream::Generation{0, plan.packing, 1}});
   int64_t micro_total = 0;
-  for (int e = 0; e < cfg.run.epochs; ++e) {
-    plans.push_back(data::plan_epoch(lengths, e, packing));
-    micro_total += plans.back().batches.size();
-  }
-  const int64_t accum = cfg.train.grad_accum;
-  const int64_t total_steps = micro_total / accum;
+  for (const auto& sg : sched.segments()) micro_total += sg.assignment.batches;
+  // The learning-rate schedule's length: every batch of every epoch over grad_accum.
+  const int64_t total_steps = sched.lr_schedule_steps();
   DFLASH_CHECK(total_steps > 0, ConfigError,
-               "the data gives " << micro_total << " batches, fewer than train.grad_accum=" << accum << ": nothing to train");
-
-  auto to = trainer_options_from_run(cfg, total_steps, compute);
-  train::Trainer trainer(drafter, frozen, to);
+               "the data gives " << micro_total << " batches, fewer than train.grad_accum=" << cfg.train.grad_accum
+                                 << ": nothing to train");
+  train::Trainer trainer(drafter, frozen, plan.trainer_options(total_steps));
 
   const fs::path out = cfg.run.output_dir;
   const fs::path ckpt_root = out / "checkpoints";
   fs::create_directories(ckpt_root);
   train::remove_stale_checkpoint_tmp(ckpt_root.string());
-
-  // Resume: the data position is (epoch, batch index of the next micro-batch to train).
-  int64_t epoch = 0, batch_idx = 0;
+  int64_t start_step = 0;
   std::string resume_from;
   if (cfg.run.resume == "auto") resume_from = train::latest_valid_checkpoint(ckpt_root.string());
   else if (cfg.run.resume != "never") resume_from = cfg.run.resume;
   if (!resume_from.empty()) {
     auto loaded = train::load_checkpoint(resume_from, &drafter, &trainer.optimizer());
-    epoch = loaded.state.data_position.at("epoch").get<int64_t>();
-    batch_idx = loaded.state.data_position.at("batch").get<int64_t>();
-    LOG_INFO("resumed from " << resume_from << " at step " << trainer.step_count() << " (epoch " << epoch
-                             << ", batch " << batch_idx << ")");
+    const int64_t epoch = loaded.state.data_position.at("epoch").get<int64_t>();
+    const int64_t batch = loaded.state.data_position.at("batch").get<int64_t>();
+    start_step = resume_step(sched, epoch, batch, resume_from);
+    LOG_INFO("resumed from " << resume_from << " at step " << trainer.step_count() << " (epoch " << epoch << ", batch " << batch << ")");
   }
 
   LocalTrainResult res;
-  auto checkpoint = [&](int64_t e, int64_t b) {
-    const std::string dir = (ckpt_root / train::checkpoint_dir_name(trainer.step_count())).string();
-    if (fs::exists(dir)) return;
-    train::CheckpointState st;
-    st.step = trainer.step_count();
-    st.optimizer_steps = trainer.optimizer().steps();
-    st.data_position = {{"epoch", e}, {"batch", b}};
-    st.seed = to.seed;
-    st.scheduler = {{"lr", to.schedule.lr}, {"warmup_ratio", to.schedule.warmup_ratio}, {"total_steps", total_steps}};
-    train::save_checkpoint(dir, drafter, trainer.optimizer(), st);
-    train::apply_retention(ckpt_root.string(), cfg.run.keep_last, cfg.run.keep_every);
-    res.last_checkpoint = dir;
-  };
-
-  std::ofstream metrics_log(out / "metrics.jsonl", std::ios::app);
-  int64_t tokens_done = 0;
-  auto t_loop = std::chrono::steady_clock::now();
-  // The last enqueued optimizer step, reported (waited for) once the next one is enqueued, before a
-  // checkpoint and at the end.
-  struct Pending {
-    train::PendingMetrics metrics;
-    int64_t epoch, tokens_done;
-  };
-  std::optional<Pending> pending;
-  auto report = [&] {
-    if (!pending) return;
-    const auto m = pending->metrics.wait();
-    const int64_t epoch_of_step = pending->epoch;
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_loop).count();
-    const double tok_s = pending->tokens_done / std::max(secs, 1e-9);
-    pending.reset();
-    res.last_loss = m.loss;
-    res.last_accept_len = m.accept_len;
-    json line = {{"step", m.step}, {"epoch", epoch_of_step}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl},
-                 {"accept_len", m.accept_len}, {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm},
-                 {"tokens", m.tokens}, {"anchors", m.anchors}, {"tokens_per_s", tok_s},
-                 {"skipped_nonfinite", m.skipped_nonfinite}};
-    metrics_log << line.dump() << "\n";
-    metrics_log.flush();
-    if (!opt.quiet && (m.step % 10 == 0 || m.step == total_steps))
-      LOG_INFO("step " << m.step << "/" << total_steps << " epoch " << epoch_of_step << " loss " << m.loss << " tau "
-                       << m.accept_len << " lr " << m.lr << " tok/s " << int(tok_s));
-  };
-  bool stopped_early = false;
-  for (; epoch < cfg.run.epochs && !stopped_early; ++epoch, batch_idx = 0) {
-    const auto& batches = plans[epoch].batches;
-    // Only whole optimizer steps: the last (batches % accum) batches of an epoch are carried by
-    // nobody; total_steps counts the same way.
-    const int64_t usable = static_cast<int64_t>(batches.size()) / accum * accum;
-    for (; batch_idx < usable; ++batch_idx) {
-      auto mb = capture_batch(*target, shards, batches[batch_idx], spec, device);
-      tokens_done += mb.input_ids_T.size(0);
-      trainer.micro_batch(mb);
-      if ((batch_idx + 1) % accum != 0) continue;
-      // The step is enqueued; the previous one is reported now: waiting for its values leaves this
-      // one queued on the GPU, so the loop never lets the GPU drain (issue 6).
-      auto enqueued = trainer.end_step();
-      report();
-      pending.emplace(Pending{std::move(enqueued), epoch, tokens_done});
-      const int64_t step = trainer.step_count();
-      res.steps = step;
-      const bool stop = opt.max_steps >= 0 && step >= opt.max_steps;
-      if (step % cfg.run.save_interval_steps == 0 || step == total_steps || stop) {
-        report();
-        checkpoint(epoch, batch_idx + 1);
-      }
-      if (stop) {
-        stopped_early = true;
-        break;
-      }
-    }
-  }
-  report();
+  CaptureSource source(*target, shards, {plan.target_layer_ids, cfg.train.soft_labels.enabled}, device);
+  SingleRankGroup single;
+  LocalSteps hooks(cfg, opt, drafter, trainer, total_steps, res);
+  StepLimit limit(opt.max_steps);
+  TrainLoopOptions lopt;
+  lopt.device = device;
+  lopt.first_step = start_step;
+  lopt.last_step = sched.total_steps();
+  lopt.save_interval_steps = cfg.run.save_interval_steps;
+  // The learning-rate schedule's length, as `dflash train` always had it: when an epoch's batches do
+  // not fill whole steps it exceeds the steps run, and the last checkpoint is the interval's.
+  lopt.final_step = total_steps;
+  const auto r = TrainLoop(trainer, drafter, sched, source, single, hooks, opt.max_steps >= 0 ? &limit : nullptr, lopt).run();
   res.steps = trainer.step_count();
-  if (!stopped_early) {
+  if (!r.stopped) {
     res.export_dir = opt.export_dir.empty() ? (out / "export").string() : opt.export_dir;
     if (fs::exists(res.export_dir)) fs::remove_all(res.export_dir);
-    train::export_hf(drafter, res.export_dir, device.is_cuda() ? torch::kBFloat16 : torch::kFloat32);
+    train::export_hf(drafter, res.export_dir, plan.export_dtype);
   }
-  LOG_INFO("trained " << res.steps << " steps in "
-                      << std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count() << " s"
+  LOG_INFO("trained " << res.steps << " steps in " << std::chrono::duration<double>(Clock::now() - t_start).count() << " s"
                       << (res.export_dir.empty() ? "" : ", exported to " + res.export_dir));
   return res;
 }

@@ -1,8 +1,6 @@
 // Legend: T = tokens of one packed batch, K = captured layers, H = hidden size, N targets, M drafters.
 #include "services/drafter/trainer_service.h"
 
-#include "services/drafter/run_setup.h"
-
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -33,7 +31,9 @@
 #include "core/train/export.h"
 #include "core/train/trainer.h"
 #include "services/common/pipeline_common.h"
+#include "services/common/run_plan.h"
 #include "services/common/transport_factory.h"
+#include "services/drafter/train_loop.h"
 
 namespace dflash::drafter {
 namespace fs = std::filesystem;
@@ -59,8 +59,7 @@ bool pid_alive(pid_t pid) {
   return p == std::string::npos || p + 2 >= line.size() || line[p + 2] != 'Z';
 }
 
-// Tells the PeerWatchdog that this thread waits on its peers: in a collective, or for device work
-// that contains one (a dead peer leaves an NCCL all-reduce, and so that wait, blocked).
+// Tells the PeerWatchdog that this thread waits on its peers (see TimedCollectives).
 struct BlockedOnPeers {
   std::atomic<int64_t>& since;
   explicit BlockedOnPeers(std::atomic<int64_t>& s) : since(s) {
@@ -69,8 +68,10 @@ struct BlockedOnPeers {
   ~BlockedOnPeers() { since.store(0, std::memory_order_relaxed); }
 };
 
-// Times the collectives (the all-reduce stage) and tells the watchdog when this rank is blocked in one.
-class TimedCollectives : public train::Collectives {
+// Times the collectives (the all-reduce stage) and tells the watchdog when this rank is blocked in
+// one, or in a host wait for device work that contains one (a dead peer leaves an NCCL all-reduce,
+// and so that wait, blocked).
+class TimedCollectives final : public train::Collectives, public RankGroup {
  public:
   TimedCollectives(train::Collectives& inner, metrics::Histogram& h, std::atomic<int64_t>& since_ns)
       : inner_(inner), h_(h), since_(since_ns) {}
@@ -79,10 +80,15 @@ class TimedCollectives : public train::Collectives {
   void all_reduce_sum(std::vector<torch::Tensor>& t) override { timed([&] { inner_.all_reduce_sum(t); }); }
   void broadcast(std::vector<torch::Tensor>& t, int root) override { timed([&] { inner_.broadcast(t, root); }); }
   void barrier() override { timed([&] { inner_.barrier(); }); }
-  double take_seconds() {
+  train::Collectives& collectives() override { return *this; }
+  double take_seconds() override {
     const double s = acc_;
     acc_ = 0;
     return s;
+  }
+  void host_wait(const std::function<void()>& wait) override {
+    BlockedOnPeers blocked(since_);
+    wait();
   }
 
  private:
@@ -179,22 +185,6 @@ struct DrafterMetrics {
   }
 };
 
-// Weight hash: XXH64 of each parameter's fp32 bytes, then XXH64 of those hashes in parameter order.
-uint64_t weight_hash(const model::Drafter& d) {
-  std::vector<uint64_t> hs;
-  for (const auto& [_, p] : d.parameters()) {
-    auto c = p.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-    hs.push_back(stream::xxhash64(c.data_ptr(), c.numel() * sizeof(float)));
-  }
-  return stream::xxhash64(hs.data(), hs.size() * sizeof(uint64_t));
-}
-
-std::string hex(uint64_t v) {
-  char b[17];
-  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
-  return b;
-}
-
 // The k-th micro-batch of drafter `d` must be exactly batch `i` of the epoch plan: checked field by field.
 void check_against_plan(const stream::PackedBatchView& v, uint64_t run_id, int64_t epoch, int64_t i, const data::Batch& b,
                         uint32_t K, uint32_t H, stream::DType dt, const std::string& where) {
@@ -288,77 +278,234 @@ class BatchUpload {
 #endif
 };
 
-}  // namespace
+struct LinkTotals {
+  uint32_t ready = 0, free_slots = 0;
+};
+LinkTotals link_totals(const std::vector<std::unique_ptr<stream::Receiver>>& links) {
+  LinkTotals t;
+  for (const auto& l : links) {
+    const auto s = l->stats();
+    t.ready += s.ready;
+    t.free_slots += s.free_slots;
+  }
+  return t;
+}
 
-TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainServiceOptions& opt,
-                                     const control::LaunchPlan& plan, control::ControlClient* client) {
-  const auto t_start = Clock::now();
-  const auto shape = pipeline::pipeline_shape(cfg);
-  const int N = shape.targets, M = shape.drafters, rank = opt.rank;
-  DFLASH_CHECK(rank >= 0 && rank < M, ConfigError, "--rank " << rank << " outside [0, " << M << "): the config has " << M << " drafter trainers");
-  const fs::path out = cfg.run.output_dir;
-  const fs::path ckpt_root = out / "checkpoints";
-  if (!plan.from_coordinator && cfg.run.resume != "never") {
-    const std::string found = cfg.run.resume == "auto" ? train::latest_valid_checkpoint(ckpt_root.string()) : cfg.run.resume;
+// The train loop's data source: micro-batch c of the launch is received from target c mod N,
+// checked against the plan, and uploaded; its slot goes back once its work is enqueued.
+class LinkSource final : public MicroBatchSource {
+ public:
+  LinkSource(std::vector<std::unique_ptr<stream::Receiver>>& links, const pipeline::RunPlan& plan, const TrainServiceOptions& opt,
+             bool want_h_last, torch::Device device, RankGroup& group, DrafterMetrics& met, metrics::StageProfiler& prof)
+      : links_(links), plan_(plan), opt_(opt), want_h_last_(want_h_last), group_(group), met_(met), prof_(prof), upload_(device) {}
+
+  Fetched fetch(const PlannedMicroBatch& p) override {
+    const int t = static_cast<int>(p.counter % static_cast<int64_t>(links_.size()));
+    const std::string where = "drafter " + std::to_string(opt_.rank) + ": batch " + std::to_string(p.batch_index) + " of epoch " +
+                              std::to_string(p.epoch) + " from target " + std::to_string(t) + " (" + links_[t]->name() + ")";
+    const auto t0 = Clock::now();
+    std::optional<stream::ReceivedBatch> rb;
+    try {
+      rb = links_[t]->receive(ms_of(opt_.recv_timeout_s));
+    } catch (const TransportError& err) {
+      throw TransportError(where + ": " + err.what());
+    } catch (const DataError& err) {
+      throw DataError(where + ": " + err.what());
+    }
+    DFLASH_CHECK(rb.has_value(), TransportError, where << ": the target closed its link before sending it");
+    Fetched f;
+    f.wait_seconds = pipeline::seconds_since(t0);
+    auto view = rb->view();
+    check_against_plan(view, opt_.run_id, p.epoch, p.batch_index, *p.batch, static_cast<uint32_t>(plan_.num_context_layers()),
+                       static_cast<uint32_t>(plan_.hidden_size), plan_.wire_dtype, where);
+    f.checksum_verified = plan_.checksum && view.has_checksum();
+    if (f.checksum_verified) met_.checksums->inc();
+    f.mb = upload_.start(view, want_h_last_);
+    held_ = std::move(rb);
+    held_link_ = t;
+    return f;
+  }
+
+  void release(const PlannedMicroBatch&) override {
+    group_.host_wait([&] { upload_.finish(); });
+    const size_t bytes = held_->size();
+    links_[held_link_]->release(std::move(*held_));
+    held_.reset();
+    met_.bytes->inc(double(bytes));
+    const auto l = link_totals(links_);
+    met_.queue_depth->set(l.ready);
+    met_.free_credits->set(l.free_slots);
+    prof_.set_inflight(l.ready);
+  }
+
+ private:
+  std::vector<std::unique_ptr<stream::Receiver>>& links_;
+  const pipeline::RunPlan& plan_;
+  const TrainServiceOptions& opt_;
+  const bool want_h_last_;
+  RankGroup& group_;
+  DrafterMetrics& met_;
+  metrics::StageProfiler& prof_;
+  BatchUpload upload_;
+  std::optional<stream::ReceivedBatch> held_;
+  int held_link_ = 0;
+};
+
+// `dflash stop` / `dflash checkpoint`, reaching every rank through the coordinator's heartbeats.
+class CoordinatorRequests final : public StepRequests {
+ public:
+  CoordinatorRequests(control::ControlClient& client, int rank) : client_(client), rank_(rank) {}
+  int poll(int64_t) override {
+    return (client_.stop_requested() ? kStop : 0) | (client_.checkpoint_requested() ? kCheckpoint : 0);
+  }
+  void acting_on(int flags, int64_t steps_done) override {
+    if (flags & kStop)
+      LOG_INFO("drafter " << rank_ << ": stopping after step " << steps_done << " (requested through the coordinator)");
+    if (flags & kCheckpoint) client_.clear_checkpoint_request(steps_done);
+  }
+
+ private:
+  control::ControlClient& client_;
+  int rank_;
+};
+
+// Failing (unwinding through its owner) once armed: give our segments back now, sweep those of
+// dead peers, and leave the collectives undestroyed: rank 0's destructor would wait for peers that
+// may be dead or blocked, while this process is about to exit anyway.
+struct FailureGuard {
+  std::unique_ptr<train::Collectives>& coll;
+  std::vector<std::unique_ptr<stream::Receiver>>& links;
+  std::string prefix;
+  bool armed = false;
+  ~FailureGuard() {
+    if (!armed || std::uncaught_exceptions() == 0) return;
+    links.clear();
+    try {
+      stream::remove_stale_segments(prefix);
+    } catch (...) {
+    }
+    (void)coll.release();
+  }
+};
+
+// One drafter trainer: run() = the steps of trainer_service.h, in order. It is the train loop's
+// StepHooks: metrics, the step logs, reports to the coordinator and rank 0's checkpoints.
+class DrafterRank final : private pipeline::WorkerBase, private StepHooks {
+ public:
+  DrafterRank(const config::RunConfig& cfg, const TrainServiceOptions& opt, const control::LaunchPlan& launch,
+              control::ControlClient* client);
+  TrainServiceResult run();
+
+ private:
+  void create_links();
+  void join_collectives();
+  void build();
+  void verify_replicas();
+  void warm_up();
+  void open_logs();
+  void train();
+  void expect_end_of_links();
+  void export_drafter();
+  void finish();
+
+  // StepHooks (called by the train loop).
+  void micro_batch_done(const PlannedMicroBatch& p, int64_t tokens, double wait_s, double train_s) override;
+  void step_enqueued(const StepRecord& r) override;
+  void report(const train::StepMetrics& m, const StepRecord& r) override;
+  void checkpoint(const StepRecord& r) override;
+  void step_done(const StepRecord& r) override;
+  void commit_checkpoint(int64_t epoch, int64_t steps_done);
+  void corrupt_checkpoint(const std::string& dir);
+  nlohmann::json plan_line() const;
+
+  const TrainServiceOptions& opt_;
+  const int rank_;
+  const fs::path out_, ckpt_root_;
+  DrafterMetrics met_;
+  metrics::StageProfiler prof_;
+  const size_t s_wait_, s_train_, s_ar_, s_step_, s_ckpt_;
+  std::optional<pipeline::RunPlan> plan_;
+  std::vector<std::unique_ptr<stream::Receiver>> links_;
+  std::vector<std::string> segment_names_;
+  std::unique_ptr<pipeline::ProfileLogger> plog_;
+  torch::Device device_ = torch::kCPU;
+  std::unique_ptr<train::Collectives> coll_;
+  FailureGuard failure_guard_;
+  std::atomic<int64_t> in_collective_since_{0};
+  std::unique_ptr<TimedCollectives> tcoll_;
+  model::FrozenTargetParts frozen_;
+  std::unique_ptr<model::Drafter> drafter_;
+  std::optional<stream::RunSchedule> sched_;
+  int64_t schedule_steps_ = 0, total_steps_ = 0, start_step_ = 0;
+  train::TrainerOptions to_;
+  std::unique_ptr<train::Trainer> trainer_;
+  std::unique_ptr<PeerWatchdog> watchdog_;
+  uint64_t h0_ = 0;
+  std::ofstream steplog_, metrics_log_;
+  TrainServiceResult res_;
+  bool stopped_ = false;
+};
+
+DrafterRank::DrafterRank(const config::RunConfig& cfg, const TrainServiceOptions& opt, const control::LaunchPlan& launch,
+                         control::ControlClient* client)
+    : WorkerBase(cfg, launch, client),
+      opt_(opt),
+      rank_(pipeline::checked_rank(opt.rank, M_, "drafter trainers")),
+      out_(cfg.run.output_dir),
+      ckpt_root_(out_ / "checkpoints"),
+      met_(*registry_),
+      prof_({"wait", "train", "allreduce", "step", "checkpoint"}),
+      s_wait_(prof_.stage("wait")),
+      s_train_(prof_.stage("train")),
+      s_ar_(prof_.stage("allreduce")),
+      s_step_(prof_.stage("step")),
+      s_ckpt_(prof_.stage("checkpoint")),
+      failure_guard_{coll_, links_, pipeline::run_segment_prefix(opt.run_id)} {}
+
+TrainServiceResult DrafterRank::run() {
+  if (!launch_.from_coordinator && cfg_.run.resume != "never") {
+    const std::string found = cfg_.run.resume == "auto" ? train::latest_valid_checkpoint(ckpt_root_.string()) : cfg_.run.resume;
     DFLASH_CHECK(found.empty(), ConfigError,
                  "run.resume: a distributed run resumes through its coordinator's ledger (`dflash run CONFIG --resume latest`); "
                  "started by hand it must start fresh (found " << found << "): use a fresh run.output_dir or run.resume: never");
   }
+  serve_metrics(opt_.metrics_port);
+  create_links();
+  join_collectives();
+  build();
+  verify_replicas();
+  warm_up();
+  open_logs();
+  train();
+  expect_end_of_links();
+  export_drafter();
+  finish();
+  return res_;
+}
 
-  auto registry = std::make_shared<metrics::Registry>();
-  DrafterMetrics met(*registry);
-  std::unique_ptr<metrics::MetricsServer> server;
-  if (opt.metrics_port >= 0) {
-    server = std::make_unique<metrics::MetricsServer>(opt.metrics_port, "0.0.0.0", registry);
-    LOG_INFO("metrics on http://0.0.0.0:" << server->bound_port() << "/metrics");
+// Receiving links, sized by the run plan for the largest batch the packing allows.
+void DrafterRank::create_links() {
+  plan_.emplace(pipeline::RunPlan::load(cfg_, opt_.device));
+  const auto lopt = plan_->link_options();
+  const size_t stale = stream::remove_stale_segments(pipeline::run_segment_prefix(opt_.run_id));
+  if (stale) LOG_WARN("removed " << stale << " stale shm segment(s) of run " << hex64(opt_.run_id));
+  for (int t = 0; t < N_; ++t) {
+    segment_names_.push_back(pipeline::link_name(opt_.run_id, t, rank_, M_));
+    links_.push_back(pipeline::make_receiver_link(cfg_, opt_.run_id, t, rank_, lopt, opt_.device));
   }
-  metrics::StageProfiler prof({"wait", "train", "allreduce", "step", "checkpoint"});
-  const size_t s_wait = prof.stage("wait"), s_train = prof.stage("train"), s_ar = prof.stage("allreduce"),
-               s_step = prof.stage("step"), s_ckpt = prof.stage("checkpoint");
-
-  // 1. Receiving links, sized for the largest batch the packing allows.
-  const auto tcfg = io::parse_hf_config(cfg.target.model_dir);
-  std::vector<int64_t> layer_ids;
-  for (int id : cfg.target.target_layer_ids) layer_ids.push_back(id);
-  if (layer_ids.empty()) layer_ids = model::default_target_layer_ids(tcfg.num_layers, cfg.drafter.num_layers);
-  const uint32_t K = static_cast<uint32_t>(layer_ids.size()), H = static_cast<uint32_t>(tcfg.hidden_size);
-  const auto wire = pipeline::wire_dtype(pipeline::torch_dtype(cfg.target.dtype));
-  stream::ShmLinkOptions lopt;
-  lopt.slots = static_cast<uint32_t>(cfg.topology.shm_slots);
-  lopt.verify_checksum = cfg.data.checksum;
-  lopt.slot_bytes = stream::BatchLayout::compute(static_cast<uint32_t>(cfg.data.max_batch_size), cfg.data.token_budget, K, H, wire,
-                                                 cfg.target.ship_h_last)
-                        .total_bytes;
-  const size_t stale = stream::remove_stale_segments(pipeline::run_segment_prefix(opt.run_id));
-  if (stale) LOG_WARN("removed " << stale << " stale shm segment(s) of run " << hex(opt.run_id));
-  std::vector<std::unique_ptr<stream::Receiver>> links;
-  std::vector<std::string> segment_names;
-  for (int t = 0; t < N; ++t) {
-    segment_names.push_back(pipeline::link_name(opt.run_id, t, rank, M));
-    links.push_back(pipeline::make_receiver_link(cfg, opt.run_id, t, rank, lopt, opt.device));
-  }
-  LOG_INFO("drafter " << rank << "/" << M << ": " << N << " links of " << lopt.slots << " slots x " << lopt.slot_bytes << " bytes ("
-                      << segment_names.front() << " ...)");
-  auto link_totals = [&](uint32_t* ready, uint32_t* free_slots) {
-    *ready = *free_slots = 0;
-    for (auto& l : links) {
-      const auto s = l->stats();
-      *ready += s.ready;
-      *free_slots += s.free_slots;
-    }
-  };
-  pipeline::ProfileLogger plog(prof, cfg.coordinator.profile_interval_s, [&] {
-    uint32_t r, f;
-    link_totals(&r, &f);
-    return "queued " + std::to_string(r) + " free credits " + std::to_string(f);
+  LOG_INFO("drafter " << rank_ << "/" << M_ << ": " << N_ << " links of " << lopt.slots << " slots x " << lopt.slot_bytes << " bytes ("
+                      << segment_names_.front() << " ...)");
+  plog_ = std::make_unique<pipeline::ProfileLogger>(prof_, cfg_.coordinator.profile_interval_s, [this] {
+    const auto l = link_totals(links_);
+    return "queued " + std::to_string(l.ready) + " free credits " + std::to_string(l.free_slots);
   });
+}
 
-  // 2. Collectives, drafter, trainer (the same construction as local_train.cc).
-  const auto device = model::parse_device(opt.device);
-  const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+void DrafterRank::join_collectives() {
+  device_ = model::parse_device(opt_.device);
 #ifdef DFLASH_WITH_CUDA
-  if (device.is_cuda())
-    for (auto& l : links) {
+  if (device_.is_cuda())
+    for (auto& l : links_) {
       const auto region = pipeline::host_region(*l);
       if (!region.first) continue;
       cudaError_t err = cudaHostRegister(region.first, region.second, cudaHostRegisterDefault);
@@ -366,424 +513,334 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
     }
 #endif
   train::CollectivesOptions co;
-  co.backend = device.is_cuda() ? "nccl" : "cpu";
-  co.rank = rank;
-  co.world_size = M;
-  co.store_host = opt.store_host;
-  co.store_port = plan.store_port > 0 ? plan.store_port : opt.store_port;
-  co.timeout = ms_of(opt.collective_timeout_s);
-  auto coll = train::make_collectives(co);
-  // Failing (unwinding through here): give our segments back now, sweep those of dead peers, and
-  // leave the collectives undestroyed: rank 0's destructor would wait for peers that may be dead or
-  // blocked, while this process is about to exit anyway.
-  struct FailureGuard {
-    std::unique_ptr<train::Collectives>& coll;
-    std::vector<std::unique_ptr<stream::Receiver>>& links;
-    std::string prefix;
-    ~FailureGuard() {
-      if (std::uncaught_exceptions() == 0) return;
-      links.clear();
-      try {
-        stream::remove_stale_segments(prefix);
-      } catch (...) {
-      }
-      (void)coll.release();
-    }
-  } failure_guard{coll, links, pipeline::run_segment_prefix(opt.run_id)};
-  std::atomic<int64_t> in_collective_since{0};
-  TimedCollectives tcoll(*coll, *met.allreduce, in_collective_since);
+  co.backend = device_.is_cuda() ? "nccl" : "cpu";
+  co.rank = rank_;
+  co.world_size = M_;
+  co.store_host = opt_.store_host;
+  co.store_port = launch_.store_port > 0 ? launch_.store_port : opt_.store_port;
+  co.timeout = ms_of(opt_.collective_timeout_s);
+  coll_ = train::make_collectives(co);
+  failure_guard_.armed = true;
+  tcoll_ = std::make_unique<TimedCollectives>(*coll_, *met_.allreduce, in_collective_since_);
+}
 
-  auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, compute);
-  auto dcfg = drafter_config_from_run(cfg, tcfg);
-  DFLASH_CHECK(dcfg.target_layer_ids == layer_ids, ConfigError, "drafter and wire disagree on target_layer_ids");
-  model::Drafter drafter(dcfg, device, static_cast<uint64_t>(cfg.run.seed));
-  if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
+// Drafter, schedule and trainer from the run plan (as `dflash train` builds them); the launch's
+// checkpoint when it resumes.
+void DrafterRank::build() {
+  frozen_ = model::load_frozen_target_parts(cfg_.target.model_dir, device_, plan_->compute_dtype);
+  drafter_ = std::make_unique<model::Drafter>(plan_->drafter, device_, static_cast<uint64_t>(cfg_.run.seed));
+  if (!cfg_.drafter.init_from.empty()) train::init_from_export(*drafter_, cfg_.drafter.init_from);
 
-  auto shards = data::ShardReader::open(cfg.data.shard_dir);
-  const auto sched = pipeline::build_schedule(cfg, shards.lengths(), plan);
-  // Learning-rate schedule length as local_train computes it; fixed by the coordinator at run start
-  // (packing changes never change it). The steps actually run drop each epoch's tail that does not
-  // fill a whole step.
-  const int64_t accum = cfg.train.grad_accum;
-  const int64_t schedule_steps = plan.schedule_steps >= 0 ? plan.schedule_steps : sched.lr_schedule_steps();
-  const int64_t total_steps = sched.total_steps(), start_step = plan.start_step;
-  DFLASH_CHECK(total_steps > 0, ConfigError,
-               "the data gives fewer batches per drafter than train.grad_accum=" << accum << ": nothing to train");
-  DFLASH_CHECK(start_step >= 0 && start_step <= total_steps, ConfigError,
-               "the launch starts at step " << start_step << " outside the schedule's [0, " << total_steps << "]");
-  DFLASH_CHECK(start_step == total_steps || sched.segment_of(start_step).drafters == M, ConfigError,
-               "the schedule has " << sched.segment_of(start_step).drafters << " drafter ranks at step " << start_step
-                                   << " but the config has " << M);
+  auto shards = data::ShardReader::open(cfg_.data.shard_dir);
+  sched_.emplace(pipeline::build_schedule(cfg_, shards.lengths(), launch_));
+  // Learning-rate schedule length as `dflash train` computes it; fixed by the coordinator at run
+  // start (packing changes never change it). The steps actually run drop each epoch's tail that
+  // does not fill a whole step.
+  schedule_steps_ = launch_.schedule_steps >= 0 ? launch_.schedule_steps : sched_->lr_schedule_steps();
+  total_steps_ = sched_->total_steps(), start_step_ = launch_.start_step;
+  DFLASH_CHECK(total_steps_ > 0, ConfigError,
+               "the data gives fewer batches per drafter than train.grad_accum=" << cfg_.train.grad_accum << ": nothing to train");
+  DFLASH_CHECK(start_step_ >= 0 && start_step_ <= total_steps_, ConfigError,
+               "the launch starts at step " << start_step_ << " outside the schedule's [0, " << total_steps_ << "]");
+  DFLASH_CHECK(start_step_ == total_steps_ || sched_->segment_of(start_step_).drafters == M_, ConfigError,
+               "the schedule has " << sched_->segment_of(start_step_).drafters << " drafter ranks at step " << start_step_
+                                   << " but the config has " << M_);
 
-  auto to = trainer_options_from_run(cfg, schedule_steps, compute);
-  train::Trainer trainer(drafter, frozen, to, &tcoll);
-  if (!plan.resume_checkpoint.empty()) {
-    // Every rank loads the committed checkpoint (the drafter state is replicated: any rank count).
-    auto ck = train::load_checkpoint(plan.resume_checkpoint, &drafter, &trainer.optimizer());
-    const int64_t at = ck.state.data_position.value("schedule_step", int64_t(-1));
-    DFLASH_CHECK(at == start_step, DataError,
-                 plan.resume_checkpoint << ": data_position.schedule_step is " << at << " but the coordinator resumes at step "
-                                        << start_step);
-    LOG_INFO("drafter " << rank << ": resumed from " << plan.resume_checkpoint << " (schedule step " << at << ", optimizer step "
-                        << ck.state.optimizer_steps << ")");
-  }
+  to_ = plan_->trainer_options(schedule_steps_);
+  trainer_ = std::make_unique<train::Trainer>(*drafter_, frozen_, to_, tcoll_.get());
+  if (launch_.resume_checkpoint.empty()) return;
+  // Every rank loads the committed checkpoint (the drafter state is replicated: any rank count).
+  auto ck = train::load_checkpoint(launch_.resume_checkpoint, drafter_.get(), &trainer_->optimizer());
+  const int64_t at = ck.state.data_position.value("schedule_step", int64_t(-1));
+  DFLASH_CHECK(at == start_step_, DataError,
+               launch_.resume_checkpoint << ": data_position.schedule_step is " << at << " but the coordinator resumes at step "
+                                         << start_step_);
+  LOG_INFO("drafter " << rank_ << ": resumed from " << launch_.resume_checkpoint << " (schedule step " << at << ", optimizer step "
+                      << ck.state.optimizer_steps << ")");
+}
 
-  // 3. Replicas start identical (checked against rank 0's weights), and everyone learns the peers' pids.
+// Replicas start identical (checked against rank 0's weights), and everyone learns the peers' pids
+// for the watchdog.
+void DrafterRank::verify_replicas() {
   {
     torch::NoGradGuard ng;
     std::vector<torch::Tensor> mine;
-    for (const auto& [_, p] : drafter.parameters()) mine.push_back(p.detach().clone());
-    tcoll.broadcast(mine, 0);
+    for (const auto& [_, p] : drafter_->parameters()) mine.push_back(p.detach().clone());
+    tcoll_->broadcast(mine, 0);
     size_t j = 0;
-    for (const auto& [name, p] : drafter.parameters()) {
+    for (const auto& [name, p] : drafter_->parameters()) {
       DFLASH_CHECK(torch::equal(mine[j], p.detach()), ReplicaError,
-                   "drafter " << rank << ": parameter " << name << " differs from rank 0's at start (different seed or init?)");
+                   "drafter " << rank_ << ": parameter " << name << " differs from rank 0's at start (different seed or init?)");
       ++j;
     }
   }
-  std::vector<pid_t> peers(M, 0);
-  {
-    auto pids = torch::zeros({M}, torch::kInt64);
-    pids[rank] = static_cast<int64_t>(::getpid());
-    std::vector<torch::Tensor> v{pids.to(device)};  // NCCL reduces device tensors only
-    tcoll.all_reduce_sum(v);
-    pids = v[0].cpu();
-    for (int r = 0; r < M; ++r) peers[r] = static_cast<pid_t>(pids[r].item<int64_t>());
-  }
-  PeerWatchdog watchdog(peers, segment_names, pipeline::run_segment_prefix(opt.run_id), in_collective_since,
-                        opt.peer_grace_s, rank);
-  // 4. Warm-up at the largest shape of this launch's packing (token_budget tokens of max_seq_len
-  //    documents, max_anchors anchors): an OOM shows now, before any batch is consumed.
-  if (start_step < total_steps) {
-    const auto& gen = sched.generations()[sched.segment_of(start_step).generation];
-    const int64_t T = gen.packing.token_budget;
-    const double s = trainer.warm_up(T, std::min<int64_t>(T, cfg.data.max_seq_len), int64_t(layer_ids.size()) * tcfg.hidden_size,
-                                     tcfg.hidden_size, tcfg.vocab_size);
-    LOG_INFO("drafter " << rank << ": warm-up at " << T << " tokens, up to " << cfg.train.max_anchors << " anchors in " << s
-                        << " s (peak GPU memory allocated " << pipeline::peak_gpu_bytes(opt.device).at("allocated") / double(1 << 30)
+  std::vector<pid_t> peers(M_, 0);
+  auto pids = torch::zeros({M_}, torch::kInt64);
+  pids[rank_] = static_cast<int64_t>(::getpid());
+  std::vector<torch::Tensor> v{pids.to(device_)};  // NCCL reduces device tensors only
+  tcoll_->all_reduce_sum(v);
+  pids = v[0].cpu();
+  for (int r = 0; r < M_; ++r) peers[r] = static_cast<pid_t>(pids[r].item<int64_t>());
+  watchdog_ = std::make_unique<PeerWatchdog>(peers, segment_names_, pipeline::run_segment_prefix(opt_.run_id),
+                                             in_collective_since_, opt_.peer_grace_s, rank_);
+}
+
+// At the largest shape of this launch's packing (token_budget tokens of max_seq_len documents,
+// max_anchors anchors): an OOM shows now, before any batch is consumed.
+void DrafterRank::warm_up() {
+  if (start_step_ < total_steps_) {
+    const auto& gen = sched_->generations()[sched_->segment_of(start_step_).generation];
+    const int64_t T = gen.packing.token_budget, H = plan_->hidden_size;
+    const double s = trainer_->warm_up(T, std::min<int64_t>(T, cfg_.data.max_seq_len), plan_->num_context_layers() * H, H,
+                                       plan_->vocab_size);
+    LOG_INFO("drafter " << rank_ << ": warm-up at " << T << " tokens, up to " << cfg_.train.max_anchors << " anchors in " << s
+                        << " s (peak GPU memory allocated " << pipeline::peak_gpu_bytes(opt_.device).at("allocated") / double(1 << 30)
                         << " GiB)");
   }
-  const uint64_t h0 = weight_hash(drafter);
-  LOG_INFO("drafter " << rank << ": replicas identical at start (weights " << hex(h0) << "); " << total_steps << " steps of " << accum
-                      << " micro-batches over " << cfg.run.epochs << " epochs");
+  h0_ = weight_hash(*drafter_);
+  LOG_INFO("drafter " << rank_ << ": replicas identical at start (weights " << hex64(h0_) << "); " << total_steps_ << " steps of "
+                      << cfg_.train.grad_accum << " micro-batches over " << cfg_.run.epochs << " epochs");
+}
 
-  if (rank == 0) {
-    fs::create_directories(ckpt_root);
-    train::remove_stale_checkpoint_tmp(ckpt_root.string());
+// The step log starts with the plan of this launch; rank 0 also writes metrics.jsonl.
+void DrafterRank::open_logs() {
+  if (rank_ == 0) {
+    fs::create_directories(ckpt_root_);
+    train::remove_stale_checkpoint_tmp(ckpt_root_.string());
   }
-  fs::create_directories(out / "pipeline");
+  fs::create_directories(out_ / "pipeline");
   // A resumed launch appends: the log then holds the rolled-back steps too, the last record of a
   // step is the one that counts (the ledger says which steps are committed).
-  std::ofstream steplog(out / "pipeline" / ("drafter-" + std::to_string(rank) + ".jsonl"),
-                        start_step > 0 ? std::ios::app : std::ios::trunc);
-  std::ofstream metrics_log;
-  if (rank == 0) metrics_log.open(out / "metrics.jsonl", std::ios::app);
-  {
-    json plan_line = {{"event", "plan"}, {"rank", rank}, {"drafters", M}, {"targets", N}, {"grad_accum", accum},
-                      {"total_steps", total_steps}, {"schedule_steps", schedule_steps}, {"start_step", start_step},
-                      {"attempt", plan.attempt}, {"initial_weight_hash", hex(h0)}};
-    json ep = json::array();
-    for (const auto& sg : sched.segments()) {
-      const auto& a = sg.assignment;
-      ep.push_back({{"epoch", sg.epoch}, {"generation", sg.generation}, {"first_step", sg.first_step}, {"steps", sg.steps},
-                    {"drafters", sg.drafters},
-                    {"batches", a.batches}, {"per_drafter", a.per_drafter}, {"remainder_batches", a.remainder_batches},
-                    {"accum_cut_batches", a.accum_cut_batches}, {"dropped_samples", sg.plan.dropped},
-                    {"truncated_samples", sg.plan.truncated}, {"excluded_samples", sg.excluded_samples}});
-      // The batches of the epoch nobody trains (round-robin remainder + cut to whole steps), by sample
-      // id. A segment cut short by a packing change leaves its rest to the next generation's re-plan.
-      json unassigned = json::array();
-      if (sg.steps == a.steps())
-        for (int64_t i = a.per_drafter * sg.drafters; i < a.batches; ++i)
+  steplog_.open(out_ / "pipeline" / ("drafter-" + std::to_string(rank_) + ".jsonl"),
+                start_step_ > 0 ? std::ios::app : std::ios::trunc);
+  if (rank_ == 0) metrics_log_.open(out_ / "metrics.jsonl", std::ios::app);
+  steplog_ << plan_line().dump() << "\n";
+  steplog_.flush();
+}
+
+json DrafterRank::plan_line() const {
+  json line = {{"event", "plan"}, {"rank", rank_}, {"drafters", M_}, {"targets", N_}, {"grad_accum", cfg_.train.grad_accum},
+               {"total_steps", total_steps_}, {"schedule_steps", schedule_steps_}, {"start_step", start_step_},
+               {"attempt", launch_.attempt}, {"initial_weight_hash", hex64(h0_)}};
+  json ep = json::array();
+  for (const auto& sg : sched_->segments()) {
+    const auto& a = sg.assignment;
+    ep.push_back({{"epoch", sg.epoch}, {"generation", sg.generation}, {"first_step", sg.first_step}, {"steps", sg.steps},
+                  {"drafters", sg.drafters},
+                  {"batches", a.batches}, {"per_drafter", a.per_drafter}, {"remainder_batches", a.remainder_batches},
+                  {"accum_cut_batches", a.accum_cut_batches}, {"dropped_samples", sg.plan.dropped},
+                  {"truncated_samples", sg.plan.truncated}, {"excluded_samples", sg.excluded_samples}});
+    // The batches of the epoch nobody trains (round-robin remainder + cut to whole steps), by sample
+    // id. A segment cut short by a packing change leaves its rest to the next generation's re-plan.
+    json unassigned = json::array();
+    if (sg.steps == a.steps())
+      for (int64_t i = a.per_drafter * sg.drafters; i < a.batches; ++i)
         for (auto id : sg.plan.batches[i].sample_ids) unassigned.push_back(id);
-      ep.back()["unassigned_sample_ids"] = unassigned;
-    }
-    plan_line["epochs"] = ep;
-    steplog << plan_line.dump() << "\n";
-    steplog.flush();
+    ep.back()["unassigned_sample_ids"] = unassigned;
   }
+  line["epochs"] = ep;
+  return line;
+}
 
-  TrainServiceResult res;
-  // Checkpoints are named by schedule step (= optimizer steps unless a non-finite step was skipped);
-  // with a coordinator, the commit is recorded in its ledger before training goes on.
-  auto checkpoint = [&](int64_t e, int64_t steps_done) {
-    const std::string dir = (ckpt_root / train::checkpoint_dir_name(steps_done)).string();
-    if (fs::exists(dir)) {
-      // Only a checkpoint a resumed launch started from can already exist here.
-      DFLASH_CHECK(fs::path(dir) == fs::path(plan.resume_checkpoint) || !client, ConfigError,
-                   dir << " exists but is not the checkpoint this launch resumed from");
-      return;
-    }
-    train::CheckpointState st;
-    st.step = steps_done;
-    st.optimizer_steps = trainer.optimizer().steps();
-    st.data_position = {{"schedule_step", steps_done}, {"epoch", e}, {"drafters", M}, {"targets", N},
-                        {"generations", static_cast<int64_t>(plan.generations.size())}};
-    st.seed = to.seed;
-    st.scheduler = {{"lr", to.schedule.lr}, {"warmup_ratio", to.schedule.warmup_ratio}, {"total_steps", schedule_steps}};
-    train::save_checkpoint(dir, drafter, trainer.optimizer(), st);
-    if (client) client->commit_checkpoint(steps_done, dir, st.optimizer_steps);
-    train::apply_retention(ckpt_root.string(), cfg.run.keep_last, cfg.run.keep_every);
-    res.last_checkpoint = dir;
-    if (const auto* f = plan.fault_at(config::Role::kDrafter, rank, steps_done);
-        f && f->kind == config::FaultKind::kCorruptCheckpoint) {
-      // Flip one byte in the middle of the weights, then die: the restart must skip this one.
-      const auto w = fs::path(dir) / "drafter.safetensors";
-      std::fstream fw(w, std::ios::in | std::ios::out | std::ios::binary);
-      fw.seekg(static_cast<std::streamoff>(fs::file_size(w) / 2));
-      char b = 0;
-      fw.read(&b, 1);
-      fw.seekp(static_cast<std::streamoff>(fs::file_size(w) / 2));
-      b = static_cast<char>(~b);
-      fw.write(&b, 1);
-      fw.close();
-      LOG_WARN("drafter " << rank << ": corrupted " << w << " (injected), crashing");
-      ::raise(SIGKILL);
-    }
-  };
-
-  if (client) client->set_on_lost([names = segment_names] {
+// The schedule from the launch's start step, through the shared train loop.
+void DrafterRank::train() {
+  if (client_) client_->set_on_lost([names = segment_names_] {
     for (const auto& n : names) ::shm_unlink(n.c_str());
   });
+  LinkSource source(links_, *plan_, opt_, cfg_.train.soft_labels.enabled, device_, *tcoll_, met_, prof_);
+  std::optional<CoordinatorRequests> requests;
+  if (client_) requests.emplace(*client_, rank_);
+  TrainLoopOptions lo;
+  lo.rank = rank_;
+  lo.device = device_;
+  lo.first_step = start_step_;
+  lo.last_step = total_steps_;
+  lo.save_interval_steps = cfg_.run.save_interval_steps;
+  lo.final_step = total_steps_;
+  lo.hash_every = opt_.hash_every;
+  TrainLoop loop(*trainer_, *drafter_, *sched_, source, *tcoll_, *this, requests ? &*requests : nullptr, lo);
+  const auto r = loop.run();
+  if (r.steps_done > start_step_) res_.steps = r.steps_done;
+  res_.micro_batches = r.micro_batches;
+  res_.tokens = r.tokens;
+  res_.samples = r.samples;
+  res_.checksums_verified = r.checksums_verified;
+  res_.wait_seconds = r.wait_seconds;
+  res_.loop_seconds = r.loop_seconds;
+  stopped_ = r.stopped;
+}
 
-  // 4. The loop over the schedule from the launch's start step: this drafter's c-th micro-batch of
-  //    the launch comes from target c mod N (core/stream/schedule.h).
-  const auto t_loop = Clock::now();
-  std::vector<uint64_t> step_samples;
-  std::vector<int64_t> step_batches;
-  double wait_in_step = 0, train_in_step = 0;
-  const bool want_h_last = cfg.train.soft_labels.enabled;
-  BatchUpload upload(device);
+void DrafterRank::micro_batch_done(const PlannedMicroBatch& p, int64_t tokens, double wait_s, double train_s) {
+  met_.wait->observe(wait_s);
+  met_.train->observe(train_s);
+  prof_.add_seconds(s_wait_, wait_s);
+  prof_.add_seconds(s_train_, train_s);
+  prof_.add_tokens(tokens);
+  met_.tokens->inc(double(tokens));
+  met_.batches->inc();
+  met_.samples->inc(double(p.batch->sample_ids.size()));
+}
 
-  // No host wait per step: a step's metrics travel to the host while the next step's work is
-  // enqueued, and are reported after it (the GPU has that work queued while the host waits). What
-  // the log lines need besides the metrics is taken when the step is enqueued.
-  struct StepRecord {
-    train::PendingMetrics metrics;
-    int64_t done, epoch, rank_tokens, checksums_verified;
-    std::vector<uint64_t> samples;
-    std::vector<int64_t> batches;
-    double wait_s, train_s, allreduce_s, step_s, loop_s, wait_total_s;
-    std::string weight_hash;
-  };
-  std::optional<StepRecord> unreported;
-  // Host waits for device work: queued behind the collectives, so a dead peer would block them.
-  auto waiting_on_peers = [&](auto&& wait) {
-    BlockedOnPeers blocked(in_collective_since);
-    return wait();
-  };
-  auto report = [&] {
-    if (!unreported) return;
-    auto& r = *unreported;
-    const auto m = waiting_on_peers([&] { return r.metrics.wait(); });
-    double acc = 0;
-    for (size_t k = 1; k < m.acc_k.size(); ++k) acc += m.acc_k[k];
-    if (m.acc_k.size() > 1) acc /= double(m.acc_k.size() - 1);
-    const double loop_s = std::max(r.loop_s, 1e-9);
-    met.steps->inc();
-    met.loss->set(m.loss);
-    met.accuracy->set(acc);
-    met.accept_len->set(m.accept_len);
-    met.lr->set(m.lr);
-    met.grad_norm->set(m.grad_norm);
-    res.last_loss = m.loss;
-    res.last_accept_len = m.accept_len;
-    json line = {{"step", m.step}, {"epoch", r.epoch}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
-                 {"accuracy", acc}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tokens", m.tokens}, {"anchors", m.anchors},
-                 {"rank_tokens", r.rank_tokens}, {"batches", r.batches}, {"sample_ids", r.samples},
-                 {"checksums_verified", r.checksums_verified}, {"weight_hash", r.weight_hash}, {"wait_s", r.wait_s},
-                 {"train_s", r.train_s}, {"allreduce_s", r.allreduce_s}, {"step_s", r.step_s},
-                 {"skipped_nonfinite", m.skipped_nonfinite}};
-    steplog << line.dump() << "\n";
-    steplog.flush();
-    if (rank == 0) {
-      json ml = {{"step", m.step}, {"epoch", r.epoch}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
-                 {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tokens", m.tokens}, {"anchors", m.anchors},
-                 {"tokens_per_s", r.rank_tokens * M / loop_s}, {"skipped_nonfinite", m.skipped_nonfinite}};
-      metrics_log << ml.dump() << "\n";
-      metrics_log.flush();
-    }
-    if (r.done % 10 == 0 || r.done == total_steps)
-      LOG_INFO("drafter " << rank << ": step " << m.step << "/" << total_steps << " epoch " << r.epoch << " loss " << m.loss << " tau "
-                          << m.accept_len << " lr " << m.lr << " tok/s " << int(r.rank_tokens / loop_s) << " waiting "
-                          << int(100 * r.wait_total_s / loop_s) << "%");
-    if (client) {
-      control::ControlClient::StepInfo si;
-      si.rank = rank;
-      si.step = r.done;
-      si.optimizer_step = m.step;
-      si.epoch = static_cast<int>(r.epoch);
-      si.sample_ids = r.samples;
-      si.skipped_nonfinite = m.skipped_nonfinite;
-      si.loss = m.loss;
-      si.accept_len = m.accept_len;
-      si.tokens = m.tokens;
-      si.tokens_per_second = r.rank_tokens / loop_s;
-      client->report_step(si);
-      client->set_progress(r.done, si.tokens_per_second, 0);
-    }
-    unreported.reset();
-  };
+void DrafterRank::step_enqueued(const StepRecord& r) {
+  met_.step->observe(r.step_s);
+  prof_.add_seconds(s_ar_, r.allreduce_s);
+  prof_.add_seconds(s_step_, r.step_s);
+  met_.waiting->set(r.wait_total_s / std::max(r.loop_s, 1e-9));
+  met_.gpu.update(device_);
+}
 
-  // Control requests (`dflash stop`, `dflash checkpoint`) reach every rank through heartbeats at
-  // different times. M == 1 acts after the step that sees them. M > 1: the flags of step n are
-  // all-reduced without a host wait and read after step n+1's work is enqueued, so every rank acts
-  // after step n+1 (same reduced value, same loop position).
-  auto my_flags = [&] { return (client->stop_requested() ? 1 : 0) | (client->checkpoint_requested() ? 2 : 0); };
-  std::optional<train::HostCopy> flags_in_flight;
-  auto start_flags = [&] {
-    const int mine = my_flags();
-    std::vector<torch::Tensor> v{model::to_device_async(torch::tensor({float(mine & 1), float(mine >> 1)}), device)};
-    tcoll.all_reduce_sum(v);
-    flags_in_flight.emplace(v[0]);
-  };
-  auto agreed_flags = [&]() -> int {
-    if (!client) return 0;
-    if (M == 1) return my_flags();
-    if (!flags_in_flight) return 0;  // the launch's first step
-    const auto h = waiting_on_peers([&] { return flags_in_flight->wait(); });
-    flags_in_flight.reset();
-    const auto a = h.accessor<float, 1>();
-    return (a[0] > 0 ? 1 : 0) | (a[1] > 0 ? 2 : 0);
-  };
-  bool stopped = false;
-  for (int64_t step = start_step; step < total_steps && !stopped; ++step) {
-    for (int j = 0; j < accum; ++j) {
-      const int64_t c = (step - start_step) * accum + j;
-      const int t = static_cast<int>(c % N);
-      const auto ref = sched.micro_batch(step, rank, j);
-      const int64_t e = ref.segment->epoch, i = ref.batch_index;
-      const auto& batch = ref.batch();
-      const std::string where = "drafter " + std::to_string(rank) + ": batch " + std::to_string(i) + " of epoch " + std::to_string(e) +
-                                " from target " + std::to_string(t) + " (" + links[t]->name() + ")";
-      const auto t0 = Clock::now();
-      std::optional<stream::ReceivedBatch> rb;
-      try {
-        rb = links[t]->receive(ms_of(opt.recv_timeout_s));
-      } catch (const TransportError& err) {
-        throw TransportError(where + ": " + err.what());
-      } catch (const DataError& err) {
-        throw DataError(where + ": " + err.what());
-      }
-      DFLASH_CHECK(rb.has_value(), TransportError, where << ": the target closed its link before sending it");
-      const auto t1 = Clock::now();
-      auto view = rb->view();
-      check_against_plan(view, opt.run_id, e, i, batch, K, H, wire, where);
-      if (cfg.data.checksum && view.has_checksum()) met.checksums->inc(), ++res.checksums_verified;
-      auto mb = upload.start(view, want_h_last);
-      const int64_t T = mb.input_ids_T.size(0);
-      trainer.micro_batch(mb);
-      mb = train::MicroBatch();
-      waiting_on_peers([&] { upload.finish(); });
-      const size_t bytes = rb->size();
-      links[t]->release(std::move(*rb));
-      const auto t2 = Clock::now();
-      const double dw = std::chrono::duration<double>(t1 - t0).count(), dt = std::chrono::duration<double>(t2 - t1).count();
-      met.wait->observe(dw);
-      met.train->observe(dt);
-      prof.add_seconds(s_wait, dw);
-      prof.add_seconds(s_train, dt);
-      prof.add_tokens(T);
-      wait_in_step += dw;
-      train_in_step += dt;
-      res.wait_seconds += dw;
-      met.tokens->inc(double(T));
-      met.batches->inc();
-      met.samples->inc(double(batch.sample_ids.size()));
-      met.bytes->inc(double(bytes));
-      uint32_t ready, free_slots;
-      link_totals(&ready, &free_slots);
-      met.queue_depth->set(ready);
-      met.free_credits->set(free_slots);
-      prof.set_inflight(ready);
-      res.micro_batches += 1;
-      res.tokens += T;
-      res.samples += static_cast<int64_t>(batch.sample_ids.size());
-      step_samples.insert(step_samples.end(), batch.sample_ids.begin(), batch.sample_ids.end());
-      step_batches.push_back(i);
-      if (j + 1 < accum) continue;
-
-      // optimizer step (all-reduce inside), enqueued; then the previous step is reported
-      const auto ts = Clock::now();
-      auto pending = trainer.end_step();
-      const int64_t done = step + 1;  // schedule steps done
-      const double step_s = pipeline::seconds_since(ts), ar_s = tcoll.take_seconds();
-      met.step->observe(step_s - ar_s);
-      prof.add_seconds(s_ar, ar_s);
-      prof.add_seconds(s_step, step_s - ar_s);
-      const double loop_s = pipeline::seconds_since(t_loop);
-      met.waiting->set(res.wait_seconds / std::max(loop_s, 1e-9));
-      met.gpu.update(device);
-      res.steps = done;
-      // The weight hash reads the weights after this step: a host wait, only every --hash-every steps.
-      const bool hash_now = opt.hash_every > 0 && (done % opt.hash_every == 0 || done == total_steps);
-      StepRecord cur{std::move(pending), done, e, res.tokens, res.checksums_verified, std::move(step_samples),
-                     std::move(step_batches), wait_in_step, train_in_step, ar_s, step_s - ar_s, loop_s, res.wait_seconds,
-                     hash_now ? waiting_on_peers([&] { return hex(weight_hash(drafter)); }) : ""};
-      report();
-      unreported.emplace(std::move(cur));
-      step_samples.clear();
-      step_batches.clear();
-      wait_in_step = train_in_step = 0;
-
-      const int flags = agreed_flags();
-      if (flags & 1) {
-        stopped = true;
-        LOG_INFO("drafter " << rank << ": stopping after step " << done << " (requested through the coordinator)");
-      }
-      if (flags & 2) client->clear_checkpoint_request(done);
-      // The loop ends only after such a step (the last one, or a stop), so nothing stays unreported.
-      if (done % cfg.run.save_interval_steps == 0 || done == total_steps || flags != 0) {
-        report();
-        if (client && M > 1) tcoll.barrier();  // every rank has reported this step before rank 0 commits it
-        if (rank == 0) {
-          const auto tc = Clock::now();
-          checkpoint(e, done);
-          const double c = pipeline::seconds_since(tc);
-          met.checkpoint->observe(c);
-          prof.add_seconds(s_ckpt, c);
-        }
-      }
-      if (client && M > 1 && !stopped && done < total_steps) start_flags();
-      if (const auto* f = plan.fault_at(config::Role::kDrafter, rank, done); f && f->kind != config::FaultKind::kCorruptCheckpoint)
-        pipeline::inject_fault(*f, "drafter " + std::to_string(rank) + " after step " + std::to_string(done));
-    }
+// The step log line, metrics.jsonl (rank 0), the progress log and the coordinator's step report.
+void DrafterRank::report(const train::StepMetrics& m, const StepRecord& r) {
+  double acc = 0;
+  for (size_t k = 1; k < m.acc_k.size(); ++k) acc += m.acc_k[k];
+  if (m.acc_k.size() > 1) acc /= double(m.acc_k.size() - 1);
+  const double loop_s = std::max(r.loop_s, 1e-9);
+  met_.steps->inc();
+  met_.loss->set(m.loss);
+  met_.accuracy->set(acc);
+  met_.accept_len->set(m.accept_len);
+  met_.lr->set(m.lr);
+  met_.grad_norm->set(m.grad_norm);
+  res_.last_loss = m.loss;
+  res_.last_accept_len = m.accept_len;
+  json line = {{"step", m.step}, {"epoch", r.epoch}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
+               {"accuracy", acc}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tokens", m.tokens}, {"anchors", m.anchors},
+               {"rank_tokens", r.tokens_total}, {"batches", r.batch_indices}, {"sample_ids", r.sample_ids},
+               {"checksums_verified", r.checksums_verified}, {"weight_hash", r.weight_hash}, {"wait_s", r.wait_s},
+               {"train_s", r.train_s}, {"allreduce_s", r.allreduce_s}, {"step_s", r.step_s},
+               {"skipped_nonfinite", m.skipped_nonfinite}};
+  steplog_ << line.dump() << "\n";
+  steplog_.flush();
+  if (rank_ == 0) {
+    json ml = {{"step", m.step}, {"epoch", r.epoch}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
+               {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tokens", m.tokens}, {"anchors", m.anchors},
+               {"tokens_per_s", r.tokens_total * M_ / loop_s}, {"skipped_nonfinite", m.skipped_nonfinite}};
+    metrics_log_ << ml.dump() << "\n";
+    metrics_log_.flush();
   }
-  res.loop_seconds = pipeline::seconds_since(t_loop);
+  if (r.steps_done % 10 == 0 || r.steps_done == total_steps_)
+    LOG_INFO("drafter " << rank_ << ": step " << m.step << "/" << total_steps_ << " epoch " << r.epoch << " loss " << m.loss << " tau "
+                        << m.accept_len << " lr " << m.lr << " tok/s " << int(r.tokens_total / loop_s) << " waiting "
+                        << int(100 * r.wait_total_s / loop_s) << "%");
+  if (!client_) return;
+  control::ControlClient::StepInfo si;
+  si.rank = rank_;
+  si.step = r.steps_done;
+  si.optimizer_step = m.step;
+  si.epoch = static_cast<int>(r.epoch);
+  si.sample_ids = r.sample_ids;
+  si.skipped_nonfinite = m.skipped_nonfinite;
+  si.loss = m.loss;
+  si.accept_len = m.accept_len;
+  si.tokens = m.tokens;
+  si.tokens_per_second = r.tokens_total / loop_s;
+  client_->report_step(si);
+  client_->set_progress(r.steps_done, si.tokens_per_second, 0);
+}
 
-  // 5. Every link must now end cleanly: the targets sent exactly what the plan assigned.
-  for (int t = 0; t < N && !stopped; ++t) {
+void DrafterRank::checkpoint(const StepRecord& r) {
+  if (client_ && M_ > 1) tcoll_->barrier();  // every rank has reported this step before rank 0 commits it
+  if (rank_ != 0) return;
+  const auto tc = Clock::now();
+  commit_checkpoint(r.epoch, r.steps_done);
+  const double c = pipeline::seconds_since(tc);
+  met_.checkpoint->observe(c);
+  prof_.add_seconds(s_ckpt_, c);
+}
+
+// Checkpoints are named by schedule step (= optimizer steps unless a non-finite step was skipped);
+// with a coordinator, the commit is recorded in its ledger before training goes on.
+void DrafterRank::commit_checkpoint(int64_t epoch, int64_t steps_done) {
+  const std::string dir = (ckpt_root_ / train::checkpoint_dir_name(steps_done)).string();
+  if (fs::exists(dir)) {
+    // Only a checkpoint a resumed launch started from can already exist here.
+    DFLASH_CHECK(fs::path(dir) == fs::path(launch_.resume_checkpoint) || !client_, ConfigError,
+                 dir << " exists but is not the checkpoint this launch resumed from");
+    return;
+  }
+  train::CheckpointState st;
+  st.step = steps_done;
+  st.optimizer_steps = trainer_->optimizer().steps();
+  st.data_position = {{"schedule_step", steps_done}, {"epoch", epoch}, {"drafters", M_}, {"targets", N_},
+                      {"generations", static_cast<int64_t>(launch_.generations.size())}};
+  st.seed = to_.seed;
+  st.scheduler = {{"lr", to_.schedule.lr}, {"warmup_ratio", to_.schedule.warmup_ratio}, {"total_steps", schedule_steps_}};
+  train::save_checkpoint(dir, *drafter_, trainer_->optimizer(), st);
+  if (client_) client_->commit_checkpoint(steps_done, dir, st.optimizer_steps);
+  train::apply_retention(ckpt_root_.string(), cfg_.run.keep_last, cfg_.run.keep_every);
+  res_.last_checkpoint = dir;
+  if (const auto* f = launch_.fault_at(config::Role::kDrafter, rank_, steps_done);
+      f && f->kind == config::FaultKind::kCorruptCheckpoint)
+    corrupt_checkpoint(dir);
+}
+
+// Fault injection: flip one byte in the middle of the weights, then die: the restart must skip it.
+void DrafterRank::corrupt_checkpoint(const std::string& dir) {
+  const auto w = fs::path(dir) / "drafter.safetensors";
+  std::fstream fw(w, std::ios::in | std::ios::out | std::ios::binary);
+  fw.seekg(static_cast<std::streamoff>(fs::file_size(w) / 2));
+  char b = 0;
+  fw.read(&b, 1);
+  fw.seekp(static_cast<std::streamoff>(fs::file_size(w) / 2));
+  b = static_cast<char>(~b);
+  fw.write(&b, 1);
+  fw.close();
+  LOG_WARN("drafter " << rank_ << ": corrupted " << w << " (injected), crashing");
+  ::raise(SIGKILL);
+}
+
+void DrafterRank::step_done(const StepRecord& r) {
+  const int64_t done = r.steps_done;
+  if (const auto* f = launch_.fault_at(config::Role::kDrafter, rank_, done); f && f->kind != config::FaultKind::kCorruptCheckpoint)
+    pipeline::inject_fault(*f, "drafter " + std::to_string(rank_) + " after step " + std::to_string(done));
+}
+
+// Every link must now end cleanly: the targets sent exactly what the plan assigned.
+void DrafterRank::expect_end_of_links() {
+  for (int t = 0; t < N_ && !stopped_; ++t) {
     std::optional<stream::ReceivedBatch> extra;
     try {
-      extra = links[t]->receive(ms_of(opt.recv_timeout_s));
+      extra = links_[t]->receive(ms_of(opt_.recv_timeout_s));
     } catch (const TransportError& err) {
-      throw TransportError("drafter " + std::to_string(rank) + ": waiting for target " + std::to_string(t) + " to close " +
-                           links[t]->name() + ": " + err.what());
+      throw TransportError("drafter " + std::to_string(rank_) + ": waiting for target " + std::to_string(t) + " to close " +
+                           links_[t]->name() + ": " + err.what());
     }
     DFLASH_CHECK(!extra.has_value(), DataError,
-                 "drafter " << rank << ": target " << t << " sent a batch beyond the plan (batch " << extra->view().header().batch_id << ")");
+                 "drafter " << rank_ << ": target " << t << " sent a batch beyond the plan (batch " << extra->view().header().batch_id << ")");
   }
-  if (rank == 0 && !stopped) {
-    res.export_dir = (out / "export").string();
-    if (fs::exists(res.export_dir)) fs::remove_all(res.export_dir);
-    train::export_hf(drafter, res.export_dir, device.is_cuda() ? torch::kBFloat16 : torch::kFloat32);
-  }
-  tcoll.barrier();  // nobody tears the store down while a peer still needs it
+}
+
+void DrafterRank::export_drafter() {
+  if (rank_ != 0 || stopped_) return;
+  res_.export_dir = (out_ / "export").string();
+  if (fs::exists(res_.export_dir)) fs::remove_all(res_.export_dir);
+  train::export_hf(*drafter_, res_.export_dir, plan_->export_dtype);
+}
+
+void DrafterRank::finish() {
+  tcoll_->barrier();  // nobody tears the store down while a peer still needs it
 #ifdef DFLASH_WITH_CUDA
-  if (device.is_cuda())
-    for (auto& l : links)
+  if (device_.is_cuda())
+    for (auto& l : links_)
       if (auto region = pipeline::host_region(*l); region.first) cudaHostUnregister(region.first);
 #endif
-  res.seconds = pipeline::seconds_since(t_start);
-  json done = {{"event", "done"}, {"rank", rank}, {"steps", res.steps}, {"micro_batches", res.micro_batches}, {"tokens", res.tokens},
-               {"samples", res.samples}, {"checksums_verified", res.checksums_verified}, {"loop_s", res.loop_seconds},
-               {"wait_s", res.wait_seconds}, {"final_weight_hash", hex(weight_hash(drafter))}};
-  steplog << done.dump() << "\n";
-  LOG_INFO("drafter " << rank << ": trained " << res.steps << " steps, " << res.micro_batches << " micro-batches, " << res.tokens
-                      << " tokens in " << res.loop_seconds << " s (" << int(res.tokens / std::max(res.loop_seconds, 1e-9))
-                      << " tok/s, waiting " << int(100 * res.wait_seconds / std::max(res.loop_seconds, 1e-9)) << "%)"
-                      << (res.export_dir.empty() ? "" : ", exported to " + res.export_dir));
-  return res;
+  res_.seconds = pipeline::seconds_since(t_start_);
+  json done = {{"event", "done"}, {"rank", rank_}, {"steps", res_.steps}, {"micro_batches", res_.micro_batches}, {"tokens", res_.tokens},
+               {"samples", res_.samples}, {"checksums_verified", res_.checksums_verified}, {"loop_s", res_.loop_seconds},
+               {"wait_s", res_.wait_seconds}, {"final_weight_hash", hex64(weight_hash(*drafter_))}};
+  steplog_ << done.dump() << "\n";
+  LOG_INFO("drafter " << rank_ << ": trained " << res_.steps << " steps, " << res_.micro_batches << " micro-batches, " << res_.tokens
+                      << " tokens in " << res_.loop_seconds << " s (" << int(res_.tokens / std::max(res_.loop_seconds, 1e-9))
+                      << " tok/s, waiting " << int(100 * res_.wait_seconds / std::max(res_.loop_seconds, 1e-9)) << "%)"
+                      << (res_.export_dir.empty() ? "" : ", exported to " + res_.export_dir));
+}
+
+}  // namespace
+
+TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainServiceOptions& opt,
+                                     const control::LaunchPlan& plan, control::ControlClient* client) {
+  DrafterRank rank(cfg, opt, plan, client);
+  return rank.run();
 }
 
 int cmd_train_service(int argc, char** argv) {
@@ -805,11 +862,7 @@ int cmd_train_service(int argc, char** argv) {
   o.hash_every = f.get_int("hash-every", 100);
   DFLASH_CHECK(o.recv_timeout_s > 0 && o.collective_timeout_s > 0 && o.peer_grace_s > 0, ConfigError,
                "--recv-timeout-s, --collective-timeout-s and --peer-grace-s must be > 0");
-  std::unique_ptr<control::ControlClient> client;
-  if (f.has("coordinator"))
-    client = control::ControlClient::connect(control::ControlClient::options_from_env(
-        f.get("coordinator"), config::Role::kDrafter, o.rank, static_cast<int>(f.get_int("attempt", 0)), o.metrics_port,
-        cfg.coordinator.heartbeat_timeout_s));
+  const auto client = pipeline::connect_coordinator(f, cfg, config::Role::kDrafter, o.rank, o.metrics_port);
   const auto plan = client ? client->plan() : control::LaunchPlan::standalone(cfg, o.run_id);
   if (client) o.run_id = plan.run_id;
   cfg = plan.topology(cfg);  // without the workers a degraded run left out

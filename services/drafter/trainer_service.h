@@ -1,32 +1,42 @@
-// `dflash-drafter train`: one data-parallel drafter trainer of the pipeline (DESIGN.md "The data
-// path", step 3). Rank D of M:
-//   1. creates its N receiving shm links (one per target server, "/dflash-<run id>-<t*M+D>";
-//      stale segments of dead processes of this run are swept first), so targets can attach while
-//      it loads;
-//   2. joins the drafter collectives (make_collectives: "cpu" over the TCPStore rank 0 hosts at
-//      127.0.0.1:--store-port, "nccl" on CUDA), builds the Drafter and Trainer exactly as
-//      `dflash train` (services/drafter/local_train.cc) does, and checks with a broadcast from
-//      rank 0 that every replica starts with identical weights;
-//   3. trains the micro-batches the run assignment (core/stream/assignment.h) gives it, in that
-//      order: its k-th comes from target k mod N. Every batch is validated (header, doc table against
-//      the plan: epoch, batch index, sample ids, lengths) and, with data.checksum, its payload
-//      checksum verified by the transport. CPU: the MicroBatch views the slot memory (only input ids
-//      are converted to int64) and the slot goes back to the target after the micro-batch's
-//      backward. CUDA: the slot is copied host->device (registered mapping) on a copy stream and
-//      goes back as soon as those copies have run, while the compute may still be queued;
-//   4. every grad_accum micro-batches: Trainer::end_step() (all-reduce of gradients and the loss
-//      denominator through the collectives; no host wait), then, once the NEXT step's work is
-//      enqueued (or at a checkpoint, a stop, the end), one JSON line per step in
-//      <output_dir>/pipeline/drafter-<D>.jsonl: step, epoch, loss, tau, accuracy, lr, the sample
-//      ids and batch indices consumed in the step, the checksums verified so far, and a hash of the
-//      fp32 weights (XXH64 over each parameter's bytes, combined in parameter order; every
-//      --hash-every steps (default 100) and at the last step, a host wait for the step's update);
-//   5. rank 0 writes checkpoints (every run.save_interval_steps, at the end, and on a `dflash
-//      checkpoint` / `dflash stop` request) and the final export like `dflash train`, and
-//      <output_dir>/metrics.jsonl with the same fields. Every rank has reported a step to the
-//      coordinator before rank 0 commits it. Requests act after the step whose heartbeat brought
-//      them (M = 1) or after the step following it on every rank (M > 1: the request flags are
-//      all-reduced without a host wait and read one step later).
+// `dflash-drafter train`: one data-parallel drafter trainer of the pipeline
+// (docs/design.md#data-path, #checkpoints). A DrafterRank D of M runs these steps, in order:
+//   create links       its N receiving shm links (one per target server,
+//                      "/dflash-<run id>-<t*M+D>", slots sized by the run plan,
+//                      services/common/run_plan.h; stale segments of dead processes of this run are
+//                      swept first), so targets can attach while it loads;
+//   join collectives   make_collectives: "cpu" over the TCPStore rank 0 hosts at
+//                      127.0.0.1:--store-port, "nccl" on CUDA;
+//   build              the Drafter and Trainer from the run plan (as `dflash train` does), and the
+//                      launch's checkpoint when it resumes;
+//   verify replicas    a broadcast from rank 0 checks every replica starts with identical weights;
+//                      the peers' pids for the watchdog; a warm-up at the launch's largest shape;
+//   train loop         services/drafter/train_loop.h over the micro-batches the run schedule
+//                      (core/stream/schedule.h) gives it, in that order: its k-th comes from
+//                      target k mod N. Every batch is validated (header, doc table against the
+//                      plan: epoch, batch index, sample ids, lengths) and, with data.checksum, its
+//                      payload checksum verified by the transport. CPU: the MicroBatch views the
+//                      slot memory (only input ids are converted to int64) and the slot goes back to
+//                      the target after the micro-batch's backward. CUDA: the slot is copied
+//                      host->device (registered mapping) on a copy stream and goes back as soon as
+//                      those copies have run, while the compute may still be queued. Every
+//                      grad_accum micro-batches: Trainer::end_step() (all-reduce of gradients and the
+//                      loss denominator through the collectives; no host wait), then, once the NEXT
+//                      step's work is enqueued (or at a checkpoint, a stop, the end), one JSON line
+//                      per step in <output_dir>/pipeline/drafter-<D>.jsonl: step, epoch, loss, tau,
+//                      accuracy, lr, the sample ids and batch indices consumed in the step, the
+//                      checksums verified so far, and a hash of the fp32 weights (XXH64 over each
+//                      parameter's bytes, combined in parameter order; every --hash-every steps
+//                      (default 100) and at the last step, a host wait for the step's update);
+//   commit/checkpoint  rank 0 writes checkpoints (every run.save_interval_steps, at the end, and on
+//                      a `dflash checkpoint` / `dflash stop` request) and <output_dir>/metrics.jsonl
+//                      with the same fields as `dflash train`. Every rank has reported a step to the
+//                      coordinator before rank 0 commits it. Requests act after the step whose
+//                      heartbeat brought them (M = 1) or after the step following it on every rank
+//                      (M > 1: the request flags are all-reduced without a host wait and read one
+//                      step later);
+//   export             every link must end cleanly (the targets sent exactly what the plan
+//                      assigned); rank 0 exports like `dflash train`;
+//   finish             a barrier (nobody tears the store down while a peer needs it), the summary.
 // With M = 1 the run trains exactly what `dflash train` trains (same plan order, same seeds, same
 // schedule); with M > 1 anchor/noise seeds include the rank and gradients are summed over ranks, so
 // it is a different (equally valid) run.

@@ -1,10 +1,16 @@
-// `dflash-target serve`: one target server of the data-parallel pipeline (DESIGN.md "The data
-// path", steps 1-2). Loads the frozen target once, computes the run's batch assignment itself
-// (core/stream/assignment.h: every process derives the same one from the config), and for each
-// batch assigned to its rank: reads the samples from the shards, runs forward + capture into a
-// reused CaptureResult, packs ONE packed batch (core/stream/packed_batch.h) straight into a slot of
-// the shm link to the batch's drafter (credit-based: acquire blocks while that drafter has no free
-// slot) and commits it. Links are closed (clean end of stream) once every batch was sent.
+// `dflash-target serve`: one target server of the data-parallel pipeline (docs/design.md#data-path,
+// #wire-format). A TargetServer runs these steps, in order:
+//   connect  the links to every drafter (see Links below), the /metrics endpoint;
+//   load     the run plan (services/common/run_plan.h: captured layers, wire dtype) and the frozen
+//            target, once, with its capture buffers;
+//   plan     the run schedule (core/stream/schedule.h: every process derives the same one from the
+//            config and the launch plan) and this rank's micro-batch counters; a warm-up forward at
+//            the largest shape the packing allows;
+//   loop     for each batch assigned to its rank: read the samples from the shards, run forward +
+//            capture into the reused buffers, pack ONE packed batch (core/stream/packed_batch.h)
+//            straight into a slot of the link to the batch's drafter (credit-based: acquire blocks
+//            while that drafter has no free slot) and commit it;
+//   finish   close the links (clean end of stream) once every batch was sent; the summary.
 //
 // Links: one per drafter, "/dflash-<run id>-<t*M+d>"; the drafter creates the segment, the target
 // attaches (waiting up to --attach-timeout-s for it to appear).
