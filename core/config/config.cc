@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "core/util/error.h"
+#include "core/util/utf8.h"
 
 namespace dflash::config {
 
@@ -414,11 +415,22 @@ void type_error(Ctx& ctx, const std::string& path, const YAML::Node& n, const st
   ctx.add(path, "expected " + expected + ", got " + describe(n), pos_of(n));
 }
 
+// Strings are recorded as JSON, which holds UTF-8 text only. False after reporting at `path`.
+bool check_utf8(Ctx& ctx, const std::string& path, const std::string& text, Pos pos = {}) {
+  const size_t bad = utf8_error_at(text);
+  if (bad == std::string::npos) return true;
+  char byte[8];
+  std::snprintf(byte, sizeof byte, "0x%02x", static_cast<unsigned char>(text[bad]));
+  ctx.add(path, "expected UTF-8 text (the config is recorded as JSON), got \"" + utf8_printable(text) + "\" with byte " +
+                    byte + " at position " + std::to_string(bad + 1), pos);
+  return false;
+}
+
 void read_value(const YAML::Node& n, const std::string& path, std::string& out, Ctx& ctx) {
   if (n.IsNull()) {
     out.clear();
   } else if (n.IsScalar()) {
-    out = n.Scalar();
+    if (check_utf8(ctx, path, n.Scalar(), pos_of(n))) out = n.Scalar();
   } else {
     type_error(ctx, path, n, "a string");
   }
@@ -548,6 +560,7 @@ class Reader {
         continue;
       }
       const std::string name = key.Scalar();
+      if (!check_utf8(*ctx_, prefix_, name, pos_of(key))) continue;
       const std::string path = join_key(prefix_, name);
       if (!seen.insert(name).second) {
         ctx_->add(path, "duplicate key", pos_of(key));
@@ -618,6 +631,7 @@ void read_value(const YAML::Node& n, const std::string& path, std::map<std::stri
       continue;
     }
     const std::string name = it->first.Scalar();
+    if (!check_utf8(ctx, path, name, pos_of(it->first))) continue;
     const std::string item_path = join_key(path, name);
     if (out.count(name)) {
       ctx.add(item_path, "duplicate key", pos_of(it->first));
@@ -867,6 +881,9 @@ void validate(RunConfig& c, Ctx& ctx) {
   if (c.data.token_budget < c.data.max_seq_len) {
     ctx.check("data.token_budget", "expected a value >= " + num(c.data.max_seq_len) +
                                        " (data.max_seq_len), got " + num(c.data.token_budget));
+  } else if (c.data.token_budget > kMaxTokenBudget) {
+    ctx.check("data.token_budget", "expected a value <= " + num(kMaxTokenBudget) +
+                                       " (token offsets inside a batch are 32-bit), got " + num(c.data.token_budget));
   }
 
   // topology
@@ -911,7 +928,7 @@ void validate(RunConfig& c, Ctx& ctx) {
     ctx.check("topology.transport", "shm needs every target and drafter on one host, but " +
                                         num(hosts_with_workers) + " hosts have workers (use c10d)");
   }
-  at_least(ctx, "topology.inflight_depth", topo.inflight_depth, 1);
+  in_range(ctx, "topology.inflight_depth", topo.inflight_depth, 1, kMaxSlots);
   if (topo.transport == Transport::kC10d) {
     const int links = c.num_targets() * c.num_drafters();
     in_range(ctx, "topology.c10d_port_base", topo.c10d_port_base, 1, 65535 - std::max(links - 1, 0));
@@ -919,6 +936,10 @@ void validate(RunConfig& c, Ctx& ctx) {
   if (topo.shm_slots < topo.inflight_depth) {
     ctx.check("topology.shm_slots", "expected a value >= " + num(topo.inflight_depth) +
                                         " (topology.inflight_depth), got " + num(topo.shm_slots));
+  } else if (topo.shm_slots > kMaxSlots) {
+    ctx.check("topology.shm_slots", "expected a value <= " + num(kMaxSlots) +
+                                        " (the shm ring's slot table holds at most that many), got " +
+                                        num(topo.shm_slots));
   }
 
   // coordinator
@@ -942,14 +963,22 @@ void validate(RunConfig& c, Ctx& ctx) {
       }
     }
   }
-  positive(ctx, "coordinator.heartbeat_timeout_s", co.heartbeat_timeout_s);
+  if (co.heartbeat_timeout_s < kMinHeartbeatTimeoutS || co.heartbeat_timeout_s > kMaxTimeoutS) {
+    ctx.check("coordinator.heartbeat_timeout_s",
+              "expected a value in [" + num(kMinHeartbeatTimeoutS) + ", " + num(static_cast<int64_t>(kMaxTimeoutS)) +
+                  "] seconds (workers heartbeat every 0.5 s; at most a day), got " + num(co.heartbeat_timeout_s));
+  }
   in_range(ctx, "coordinator.metrics_port", co.metrics_port, 0, 65535);
   in_range(ctx, "coordinator.worker_metrics_port_base", co.worker_metrics_port_base, 0, 65535);
   if (co.metrics_port > 0 && co.metrics_port == listen_port) {
     ctx.check("coordinator.metrics_port", "expected a port other than coordinator.listen's (" +
                                               num(listen_port) + ")");
   }
-  at_least(ctx, "coordinator.profile_interval_s", co.profile_interval_s, 0.0);
+  if (co.profile_interval_s < 0 || co.profile_interval_s > kMaxTimeoutS) {
+    ctx.check("coordinator.profile_interval_s", "expected a value in [0, " + num(static_cast<int64_t>(kMaxTimeoutS)) +
+                                                    "] seconds (0 = off; at most a day), got " +
+                                                    num(co.profile_interval_s));
+  }
 
   // resilience
   const OomPolicy& oom = c.resilience.oom;
@@ -990,7 +1019,11 @@ void validate(RunConfig& c, Ctx& ctx) {
     }
   }
   at_least(ctx, "resilience.max_restarts", c.resilience.max_restarts, 0);
-  at_least(ctx, "resilience.backoff_s", c.resilience.backoff_s, 0.0);
+  if (c.resilience.backoff_s < 0 || c.resilience.backoff_s > kMaxBackoffS) {
+    ctx.check("resilience.backoff_s", "expected a value in [0, " + num(static_cast<int64_t>(kMaxBackoffS)) +
+                                          "] seconds (restarts wait up to 64 times this), got " +
+                                          num(c.resilience.backoff_s));
+  }
   for (size_t i = 0; i < c.resilience.fault_injection.size(); ++i) {
     const FaultSpec& f = c.resilience.fault_injection[i];
     const std::string fp = join_index("resilience.fault_injection", i);
@@ -1090,7 +1123,10 @@ ParseResult parse_config_string(const std::string& yaml, const std::string& sour
       {&c.run.output_dir, "run.output_dir"},   {&c.target.model_dir, "target.model_dir"},
       {&c.drafter.init_from, "drafter.init_from"}, {&c.data.shard_dir, "data.shard_dir"},
       {&c.coordinator.token_file, "coordinator.token_file"}};
-  for (const auto& [field, path] : path_fields) expand_env(*field, path, ctx);
+  for (const auto& [field, path] : path_fields) {
+    expand_env(*field, path, ctx);
+    check_utf8(ctx, path, *field);  // an environment variable may hold any bytes
+  }
   validate(result.config, ctx);
   result.problems = ctx.sorted_problems();
   return result;

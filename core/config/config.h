@@ -9,6 +9,8 @@
 //   - A key absent from the file keeps the default written in the struct below (the production
 //     values, docs/design.md#run-config). `section:` with no value is an empty section.
 //   - Unknown keys are errors (with a "did you mean" suggestion when a known key is close).
+//   - Every string (values, mapping keys, expanded environment references) must be UTF-8 text:
+//     the config is recorded as JSON (the run ledger), which holds nothing else.
 //   - Path-like strings (run.output_dir, target.model_dir, drafter.init_from, data.shard_dir,
 //     coordinator.token_file) expand `${NAME}` and `${NAME:-default}` from the environment at
 //     parse time; an unset NAME without a default is a problem.
@@ -22,6 +24,20 @@
 #include <vector>
 
 namespace dflash::config {
+
+// ---- limits of what a run can use (validate() refuses values outside them, with the reason) ----
+
+// Receive slots of one link: the shm ring's slot table and the channel transport's credits hold at
+// most this many (core/stream: kMaxShmSlots, ChannelLinkOptions::slots).
+constexpr int kMaxSlots = 256;
+// Token offsets inside one packed batch are 32-bit (the attention kernels' cumulative lengths).
+constexpr int64_t kMaxTokenBudget = 2147483647;
+// Workers heartbeat every 0.5 s: a shorter timeout declares healthy workers hung.
+constexpr double kMinHeartbeatTimeoutS = 2.0;
+// Waits and timeouts are at most a day (a longer one would never fire within a run).
+constexpr double kMaxTimeoutS = 86400.0;
+// The wait before restart n is backoff_s * 2^min(n-1, 6): at most 64 hours.
+constexpr double kMaxBackoffS = 3600.0;
 
 // ---- enums (YAML spelling in comments) ----
 
@@ -103,7 +119,7 @@ struct TrainSection {
 
 struct DataSection {
   std::string shard_dir;                  // REQUIRED: token shards
-  int64_t token_budget = 49152;           // >= max_seq_len, tokens per packed batch
+  int64_t token_budget = 49152;           // [max_seq_len, kMaxTokenBudget], tokens per packed batch
   int max_seq_len = 8192;                 // >= 2 * drafter.block_size
   int max_batch_size = 64;                // >= 1 documents per packed batch
   bool bucketing = true;                  // length-bucketed epoch order
@@ -124,8 +140,8 @@ struct TopologySection {
   // Default: the production single-host layout (targets on GPUs 0-4, drafters on 5-7).
   std::vector<HostSpec> hosts = {HostSpec{"localhost", "local", 0, {0, 1, 2, 3, 4}, {5, 6, 7}}};
   Transport transport = Transport::kShm;  // shm requires every worker on one host
-  int inflight_depth = 2;                 // >= 1 batches in flight per sender
-  int shm_slots = 4;                      // >= inflight_depth receive slots per shm ring
+  int inflight_depth = 2;                 // [1, kMaxSlots] batches in flight per sender
+  int shm_slots = 4;                      // [inflight_depth, kMaxSlots] receive slots per shm ring
   int c10d_port_base = 29700;             // c10d: link t*M+d's TCPStore listens on base + t*M+d (drafter d's host)
 };
 
@@ -133,10 +149,10 @@ struct CoordinatorSection {
   std::string listen = "127.0.0.1:50051";  // HOST:PORT of the control plane (port 0 = ephemeral)
   std::string token;                       // control-plane token (at most one of token/token_file);
   std::string token_file;                  // one is required when listen is not loopback
-  double heartbeat_timeout_s = 30.0;       // > 0
+  double heartbeat_timeout_s = 30.0;       // [kMinHeartbeatTimeoutS, kMaxTimeoutS]
   int metrics_port = 9400;                 // [0, 65535], 0 = off (coordinator's /metrics)
   int worker_metrics_port_base = 9401;     // [0, 65535], worker i serves base + i, 0 = off
-  double profile_interval_s = 0.0;         // >= 0 (0 = off)
+  double profile_interval_s = 0.0;         // [0, kMaxTimeoutS] (0 = off)
 };
 
 struct FaultSpec {                         // tests only
@@ -158,7 +174,7 @@ struct OomPolicy {
 struct ResilienceSection {
   OomPolicy oom;
   int max_restarts = 5;                    // >= 0 per worker
-  double backoff_s = 5.0;                  // >= 0 before a restart
+  double backoff_s = 5.0;                  // [0, kMaxBackoffS] before a restart
   bool allow_degraded = false;             // continue with fewer workers when one cannot restart
   std::vector<FaultSpec> fault_injection;  // tests only; entry k is armed in launch attempt k only
 };

@@ -16,6 +16,7 @@
 #include "core/data/shards.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/utf8.h"
 
 namespace dflash::data {
 namespace {
@@ -81,7 +82,12 @@ ImportSummary import_jsonl(const ImportOptions& o) {
                "data import: --max-seq-len must be 0 (none) or at least 2 * block_size = "
                    << 2 * o.block_size << ", got " << o.max_seq_len);
   DFLASH_CHECK(o.shard_tokens >= 1, ConfigError, "data import: --shard-tokens must be >= 1, got " << o.shard_tokens);
+  // The manifest and the summary are JSON, which holds UTF-8 text only.
+  DFLASH_CHECK(utf8_error_at(o.out_dir) == std::string::npos, ConfigError,
+               "data import: --out " << utf8_printable(o.out_dir) << " is not UTF-8 text (it is recorded as JSON)");
   for (const std::string& in : o.inputs) {
+    DFLASH_CHECK(utf8_error_at(in) == std::string::npos, ConfigError,
+                 "data import: --input " << utf8_printable(in) << " is not UTF-8 text (it is recorded as JSON)");
     std::ifstream probe(in);
     DFLASH_CHECK(probe, ConfigError, "data import: cannot open input " << in);
   }

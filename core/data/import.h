@@ -6,7 +6,7 @@
 //   {"input_ids": [int, ...]}                            every token trained
 // When both "loss_mask" and "labels" are present, "loss_mask" wins (as in core/io/jsonl.h, whose
 // rules this parser follows; it is re-implemented here so dflash_data needs no LibTorch).
-// A bad line (not JSON, not an object, missing/empty input_ids, a non-integer or negative id or one
+// A bad line (not UTF-8 text, not JSON, not an object, missing/empty input_ids, a non-integer or negative id or one
 // >= 2^31, a mask/labels array of another length, a mask value other than 0/1) is reported as
 // FILE:LINE (1-based).
 //
@@ -19,7 +19,7 @@
 // then renamed to OUT. On any failure the temporary directory is removed and OUT is untouched.
 // Errors (all thrown; the CLI maps them to exit codes):
 //   ConfigError (2): bad options, an input file that cannot be opened, OUT exists and is not an
-//                    empty directory.
+//                    empty directory, an input or OUT path that is not UTF-8 text.
 //   DataError (4):   a bad line without skip_bad (names FILE:LINE), no document left to write,
 //                    an I/O failure while writing.
 #pragma once

@@ -11,6 +11,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/io/json_file.h"
+#include "core/util/checked.h"
 #include "core/util/error.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token shards are little-endian on disk");
@@ -200,7 +202,7 @@ json ShardWriter::finish(const json& extra) {
                    {"shards", shard_list_}};
   if (!extra.is_null()) manifest["import"] = extra;
   const std::string mpath = dir_ + "/" + kManifestFile;
-  const std::string text = manifest.dump(2) + "\n";
+  const std::string text = io::dump_json(manifest, mpath, 2) + "\n";
   int fd = create_file(mpath);
   try {
     write_all(fd, text.data(), text.size(), mpath);
@@ -260,32 +262,19 @@ ShardReader ShardReader::open(const std::string& dir) {
 
   // manifest.json: format, version, shard list.
   const std::string mpath = dir + "/" + kManifestFile;
-  {
-    std::ifstream in(mpath);
-    DFLASH_CHECK(in, DataError,
-                 mpath << ": cannot open; is " << dir
-                       << " a token-shard dataset? (create one with `dflash data import`)");
-    try {
-      r.manifest_ = json::parse(in);
-    } catch (const json::exception& e) {
-      DFLASH_FAIL(DataError, mpath << ": not valid JSON: " << e.what());
-    }
-  }
-  const json& m = r.manifest_;
-  uint64_t m_docs = 0;
-  try {
-    DFLASH_CHECK(m.is_object() && m.value("format", "") == "dflash-token-shards", DataError,
-                 mpath << ": not a token-shard manifest (\"format\" is not \"dflash-token-shards\")");
-    DFLASH_CHECK(m.contains("version") && m["version"].is_number_unsigned(), DataError,
-                 mpath << ": missing integer \"version\"");
-    const uint32_t v = m["version"].get<uint32_t>();
-    DFLASH_CHECK(v == kShardFormatVersion, DataError, mpath << ": " << version_hint(v));
-    DFLASH_CHECK(m.contains("shards") && m["shards"].is_array(), DataError,
-                 mpath << ": missing array \"shards\"");
-    m_docs = m.at("documents").get<uint64_t>();
-  } catch (const json::exception& e) {
-    DFLASH_FAIL(DataError, mpath << ": malformed manifest: " << e.what());
-  }
+  DFLASH_CHECK(std::ifstream(mpath).good(), DataError,
+               mpath << ": cannot open; is " << dir
+                     << " a token-shard dataset? (create one with `dflash data import`)");
+  const io::JsonDocument mdoc = io::JsonDocument::parse_file(mpath);
+  const io::JsonValue m = mdoc.root();
+  DFLASH_CHECK(m.raw().is_object() && m.has("format") && m.raw().at("format") == "dflash-token-shards", DataError,
+               mpath << ": not a token-shard manifest (\"format\" is not \"dflash-token-shards\")");
+  const uint32_t v = m.get<uint32_t>("version");
+  DFLASH_CHECK(v == kShardFormatVersion, DataError, mpath << ": " << version_hint(v));
+  const io::JsonValue m_shards = m.at("shards");
+  const size_t m_num_shards = m_shards.size();
+  const uint64_t m_docs = m.get<uint64_t>("documents");
+  r.manifest_ = mdoc.json();
 
   // index.bin: header, exact size. Records are checked lazily by record().
   const std::string ipath = dir + "/" + kIndexFile;
@@ -304,7 +293,10 @@ ShardReader ShardReader::open(const std::string& dir) {
                ipath << ": header says header_bytes=" << ih.header_bytes << " record_bytes="
                      << ih.record_bytes << ", expected " << sizeof(IndexHeader) << " and "
                      << sizeof(IndexRecord));
-  const uint64_t want = sizeof(IndexHeader) + ih.num_samples * sizeof(IndexRecord);
+  const std::string records_field =
+      ipath + ": header field num_samples (records of " + std::to_string(sizeof(IndexRecord)) + " bytes)";
+  const uint64_t want = checked_add<uint64_t>(
+      sizeof(IndexHeader), checked_mul<uint64_t>(ih.num_samples, sizeof(IndexRecord), records_field), records_field);
   if (idx.size < want) {
     DFLASH_FAIL(DataError, ipath << ": truncated at byte offset " << idx.size << ": header says "
                                  << ih.num_samples << " samples (" << want
@@ -316,9 +308,8 @@ ShardReader ShardReader::open(const std::string& dir) {
                ipath << ": " << (idx.size - want) << " trailing bytes after byte offset " << want);
   DFLASH_CHECK(ih.num_samples == m_docs, DataError,
                ipath << ": holds " << ih.num_samples << " samples but " << mpath << " says " << m_docs);
-  DFLASH_CHECK(ih.num_shards == m["shards"].size(), DataError,
-               ipath << ": names " << ih.num_shards << " shards but " << mpath << " lists "
-                     << m["shards"].size());
+  DFLASH_CHECK(ih.num_shards == m_num_shards, DataError,
+               ipath << ": names " << ih.num_shards << " shards but " << mpath << " lists " << m_num_shards);
   r.records_ = reinterpret_cast<const IndexRecord*>(idx.data + sizeof(IndexHeader));
   r.num_samples_ = ih.num_samples;
   r.block_size_ = ih.block_size;
@@ -326,12 +317,10 @@ ShardReader ShardReader::open(const std::string& dir) {
   // Shards: header and exact size each; O(number of shards).
   uint64_t next_first = 0;
   for (uint32_t k = 0; k < ih.num_shards; ++k) {
-    std::string name;
-    try {
-      name = m["shards"][k].at("file").get<std::string>();
-    } catch (const json::exception& e) {
-      DFLASH_FAIL(DataError, mpath << ": shards[" << k << "]: " << e.what());
-    }
+    const io::JsonValue file = m_shards.at(k).at("file");
+    const std::string name = file.get<std::string>();
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+      file.fail("must name a file inside the dataset directory, got \"" + name + "\"");
     const std::string spath = dir + "/" + name;
     auto map = std::make_unique<Mapping>(spath);
     DFLASH_CHECK(map->size >= sizeof(ShardHeader), DataError,
@@ -348,11 +337,14 @@ ShardReader ShardReader::open(const std::string& dir) {
                  spath << ": header says shard " << sh.shard_index << " starting at sample "
                        << sh.first_sample_id << ", expected shard " << k << " starting at sample "
                        << next_first);
-    DFLASH_CHECK(sh.num_samples > 0 && next_first + sh.num_samples <= r.num_samples_, DataError,
+    const uint64_t shard_end = checked_add(next_first, sh.num_samples, spath + ": header field num_samples");
+    DFLASH_CHECK(sh.num_samples > 0 && shard_end <= r.num_samples_, DataError,
                  spath << ": header says " << sh.num_samples << " samples from " << sh.first_sample_id
                        << ", but the index holds " << r.num_samples_);
     const uint64_t T = sh.num_tokens;
-    const uint64_t size_want = sizeof(ShardHeader) + 5 * T;
+    const std::string tokens_field = spath + ": header field num_tokens (5 bytes each)";
+    const uint64_t size_want =
+        checked_add<uint64_t>(sizeof(ShardHeader), checked_mul<uint64_t>(5, T, tokens_field), tokens_field);
     if (map->size < size_want) {
       // Name the first sample whose bytes are missing: binary search this shard's records by offset.
       const bool in_ids = map->size < sizeof(ShardHeader) + 4 * T;
@@ -398,11 +390,10 @@ SampleView ShardReader::sample(uint64_t id) const {
   const IndexRecord& rec = record(id);
   const Mapping& s = *shards_[rec.shard];
   const uint64_t T = (s.size - sizeof(ShardHeader)) / 5;
-  DFLASH_CHECK(rec.length > 0 && rec.offset + rec.length <= T, DataError,
+  DFLASH_CHECK(rec.length > 0 && range_within(rec.offset, rec.length, T), DataError,
                index_->path << ": record for sample " << id << " (byte offset "
-                            << sizeof(IndexHeader) + id * sizeof(IndexRecord) << ") points at tokens ["
-                            << rec.offset << ", " << rec.offset + rec.length << ") outside "
-                            << s.path << " (" << T << " tokens)");
+                            << sizeof(IndexHeader) + id * sizeof(IndexRecord) << "): fields offset " << rec.offset
+                            << " and length " << rec.length << " point outside " << s.path << " (" << T << " tokens)");
   SampleView v;
   v.id = id;
   v.length = rec.length;

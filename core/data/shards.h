@@ -34,8 +34,12 @@
 //    from many threads; returned views stay valid while the reader lives (it owns the mappings).
 //    Dataset files must not be modified while mapped (a file truncated under a live reader turns
 //    into SIGBUS on access, as with any mmap); datasets are written once and never edited.
+//  - Every size and offset read from the files goes through overflow-checked arithmetic
+//    (core/util/checked.h), so a crafted header or record (one whose offset + length wraps 2^64)
+//    is refused before it is used as an address or a size. manifest.json is read through
+//    core/io/json_file.h (a missing or mistyped field names the field).
 //  - Every failure is dflash::DataError (exit code 4) naming the file and the byte offset or the
-//    sample id; an unknown version carries a hint to re-import or upgrade.
+//    sample id, and the field; an unknown version carries a hint to re-import or upgrade.
 #pragma once
 
 #include <cstddef>

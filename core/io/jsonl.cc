@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_file.h"
 #include "core/util/error.h"
 
 namespace dflash::io {
@@ -21,12 +22,8 @@ bool is_blank(const std::string& s) {
 }  // namespace
 
 TokenDoc parse_token_json_line(const std::string& line, const std::string& where) {
-  json j;
-  try {
-    j = json::parse(line);
-  } catch (const json::exception& e) {
-    DFLASH_FAIL(DataError, where << ": not valid JSON: " << e.what());
-  }
+  const JsonDocument parsed = JsonDocument::parse_text(line, JsonSource{where});  // UTF-8, then JSON
+  const json& j = parsed.json();
   DFLASH_CHECK(j.is_object(), DataError, where << ": line is not a JSON object");
   auto ids = j.find("input_ids");
   DFLASH_CHECK(ids != j.end() && ids->is_array(), DataError,

@@ -5,9 +5,10 @@
 // (mask 0) and anything else means trained (mask 1). When both are present "loss_mask" wins.
 // Other keys are ignored; blank lines are skipped.
 //
-// Contracts: token ids must lie in [0, 2^31); input_ids must be non-empty; a mask or labels
-// array must have the same length as input_ids. Every failure throws dflash::DataError naming
-// FILE:LINE (1-based line number).
+// Contracts: a line must be UTF-8 text (a line with other bytes is refused naming the column of
+// the first bad byte); token ids must lie in [0, 2^31); input_ids must be non-empty; a mask or
+// labels array must have the same length as input_ids. Every failure throws dflash::DataError
+// naming FILE:LINE (1-based line number).
 #pragma once
 
 #include <cstdint>

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "core/util/checked.h"
 #include "core/util/error.h"
 
 namespace dflash::stream {
@@ -29,18 +30,9 @@ const char* dtype_name(DType d) {
 
 namespace {
 
-size_t mul_checked(size_t a, size_t b, const char* what) {
-  size_t r;
-  DFLASH_CHECK(!__builtin_mul_overflow(a, b, &r), DataError, "packed batch: " << what << " overflows (" << a << " * " << b << ")");
-  return r;
-}
-size_t add_checked(size_t a, size_t b, const char* what) {
-  size_t r;
-  DFLASH_CHECK(!__builtin_add_overflow(a, b, &r), DataError, "packed batch: " << what << " overflows");
-  return r;
-}
-size_t align_up(size_t x, const char* what) {
-  return add_checked(x, kSectionAlign - 1, what) & ~(kSectionAlign - 1);
+size_t align_up(size_t x) {
+  return checked_add<size_t>(x, kSectionAlign - 1, "packed batch: section end rounded up to 256 bytes") &
+         ~(kSectionAlign - 1);
 }
 
 // ---- XXH64 (public algorithm by Yann Collet) ----
@@ -138,20 +130,29 @@ BatchLayout BatchLayout::compute(uint32_t num_docs, uint64_t tokens, uint32_t k,
   const size_t eb = dtype_bytes(dtype);
   size_t T = static_cast<size_t>(tokens);
 
-  size_t off = align_up(kHeaderBytes, "header");
+  // Every product and sum of header fields is checked: a header that wraps 2^64 is refused here,
+  // before anything is compared with the buffer size or addressed.
+  const char* kOffsets = "packed batch: section offsets";
+  size_t off = align_up(kHeaderBytes);
   L.doc_table_offset = off;
-  off = align_up(add_checked(off, mul_checked(num_docs, sizeof(DocEntry), "doc table size"), "doc table"), "doc table");
+  const size_t doc_table_bytes =
+      checked_mul<size_t>(num_docs, sizeof(DocEntry), "packed batch: num_docs * 24 (doc table bytes)");
+  off = align_up(checked_add(off, doc_table_bytes, kOffsets));
   L.input_ids_offset = off;
-  off = align_up(add_checked(off, mul_checked(T, sizeof(int32_t), "input_ids size"), "input_ids"), "input_ids");
+  const size_t ids_bytes = checked_mul<size_t>(T, sizeof(int32_t), "packed batch: total_tokens * 4 (input_ids bytes)");
+  off = align_up(checked_add(off, ids_bytes, kOffsets));
   L.loss_mask_offset = off;
-  off = align_up(add_checked(off, T, "loss_mask"), "loss_mask");
+  off = align_up(checked_add(off, T, kOffsets));
   L.features_offset = off;
-  L.features_bytes = mul_checked(mul_checked(T, mul_checked(k, h, "K*H"), "features elements"), eb, "features bytes");
-  off = align_up(add_checked(off, L.features_bytes, "features"), "features");
+  const size_t kh = checked_mul<size_t>(k, h, "packed batch: K * H");
+  L.features_bytes = checked_mul(checked_mul(T, kh, "packed batch: total_tokens * K * H (feature elements)"), eb,
+                                 "packed batch: feature bytes");
+  off = align_up(checked_add(off, L.features_bytes, kOffsets));
   if (has_h_last) {
     L.h_last_offset = off;
-    L.h_last_bytes = mul_checked(mul_checked(T, h, "h_last elements"), eb, "h_last bytes");
-    off = align_up(add_checked(off, L.h_last_bytes, "h_last"), "h_last");
+    L.h_last_bytes = checked_mul(checked_mul<size_t>(T, h, "packed batch: total_tokens * H (h_last elements)"), eb,
+                                 "packed batch: h_last bytes");
+    off = align_up(checked_add(off, L.h_last_bytes, kOffsets));
   }
   L.total_bytes = off;
   return L;
@@ -195,7 +196,7 @@ void PackedBatchView::validate() {
                  "packed batch: doc[" << i << "].token_offset " << docs[i].token_offset << " (expected " << expect
                                       << ": documents are packed back to back)");
     DFLASH_CHECK(docs[i].length >= 1, DataError, "packed batch: doc[" << i << "].length 0");
-    expect += docs[i].length;
+    expect = checked_add<uint64_t>(expect, docs[i].length, "packed batch: doc table lengths");
     DFLASH_CHECK(expect <= hd.total_tokens, DataError,
                  "packed batch: doc[" << i << "] ends at token " << expect << " past total_tokens " << hd.total_tokens);
   }

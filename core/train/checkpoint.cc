@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "core/io/json_file.h"
 #include "core/io/safetensors.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
@@ -59,14 +60,6 @@ void write_file_synced(const std::string& path, const std::string& bytes) {
   DFLASH_CHECK(synced, DataError, path << ": fsync failed: " << std::strerror(e));
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DFLASH_CHECK(in, DataError, path << ": cannot open");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 // Step parsed from "step-<digits>", -1 when the name does not have that form.
 int64_t step_of_name(const std::string& name) {
   if (name.rfind("step-", 0) != 0 || name.size() == 5 || name.size() > 5 + 18) return -1;
@@ -104,88 +97,45 @@ Named load_all(const io::SafetensorsFile& file) {
   return out;
 }
 
-// Typed field access for state.json / drafter_config with DataError naming source and field.
-struct Reader {
-  const json& j;
-  std::string source, prefix;
-  const json& at(const std::string& key) const {
-    DFLASH_CHECK(j.is_object(), DataError, source << ": '" << prefix << "' is not a JSON object");
-    auto it = j.find(key);
-    DFLASH_CHECK(it != j.end(), DataError, source << ": field '" << prefix << key << "' is missing");
-    return *it;
-  }
-  int64_t i64(const std::string& key) const {
-    const json& v = at(key);
-    DFLASH_CHECK(v.is_number_integer(), DataError, source << ": field '" << prefix << key << "' must be an integer");
-    return v.get<int64_t>();
-  }
-  uint64_t u64(const std::string& key) const {
-    const json& v = at(key);
-    DFLASH_CHECK(v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0), DataError,
-                 source << ": field '" << prefix << key << "' must be a non-negative integer");
-    return v.get<uint64_t>();
-  }
-  double f64(const std::string& key) const {
-    const json& v = at(key);
-    DFLASH_CHECK(v.is_number(), DataError, source << ": field '" << prefix << key << "' must be a number");
-    return v.get<double>();
-  }
-  std::string str(const std::string& key) const {
-    const json& v = at(key);
-    DFLASH_CHECK(v.is_string(), DataError, source << ": field '" << prefix << key << "' must be a string");
-    return v.get<std::string>();
-  }
-  std::vector<int64_t> ints(const std::string& key) const {
-    const json& v = at(key);
-    DFLASH_CHECK(v.is_array(), DataError, source << ": field '" << prefix << key << "' must be an array");
-    std::vector<int64_t> out;
-    for (auto& e : v) {
-      DFLASH_CHECK(e.is_number_integer(), DataError,
-                   source << ": field '" << prefix << key << "' must hold integers only");
-      out.push_back(e.get<int64_t>());
-    }
-    return out;
-  }
-};
-
 // Parses DIR/state.json and checks format + version.
-json read_state_json(const std::string& dir) {
+io::JsonDocument read_state_json(const std::string& dir) {
   const std::string path = dir + "/" + kStateFile;
   DFLASH_CHECK(fs::is_directory(dir), DataError, dir << ": checkpoint directory does not exist");
   DFLASH_CHECK(fs::exists(path), DataError, dir << ": not a checkpoint (no " << kStateFile << ")");
-  json j;
-  try {
-    j = json::parse(read_text(path));
-  } catch (const json::exception& e) {
-    DFLASH_FAIL(DataError, path << ": not valid JSON: " << e.what());
-  }
-  DFLASH_CHECK(j.is_object(), DataError, path << ": not a JSON object");
-  Reader r{j, path, ""};
-  const auto* fmt = j.contains("format") && j["format"].is_string() ? j["format"].get_ptr<const std::string*>() : nullptr;
-  DFLASH_CHECK(fmt != nullptr && *fmt == kCheckpointFormat, DataError,
-               path << ": not a dflash checkpoint (format is " << (j.contains("format") ? j["format"].dump() : "missing")
-                    << ", expected \"" << kCheckpointFormat << "\")");
-  const int64_t version = r.i64("version");
+  io::JsonDocument doc = io::JsonDocument::parse_file(path);
+  const io::JsonValue r = doc.root();
+  DFLASH_CHECK(r.raw().is_object(), DataError, path << ": not a JSON object");
+  DFLASH_CHECK(r.has("format") && r.raw().at("format") == kCheckpointFormat, DataError,
+               path << ": not a dflash checkpoint (format is "
+                    << (r.has("format") ? r.raw().at("format").dump() : "missing") << ", expected \"" << kCheckpointFormat << "\")");
+  const int64_t version = r.get<int64_t>("version");
   DFLASH_CHECK(version == kCheckpointVersion, DataError,
                path << ": checkpoint format version " << version << " is not supported by this build (supports "
                     << kCheckpointVersion << "); load it with the dflash version that wrote it, or re-export it "
                     << "there (dflash export) and start from the export (init_from_export)");
-  return j;
+  return doc;
 }
 
-LoadedCheckpoint parse_state(const std::string& dir, const json& j) {
-  const std::string path = dir + "/" + kStateFile;
-  Reader r{j, path, ""};
+LoadedCheckpoint parse_state(const std::string& dir, const io::JsonValue& r) {
   LoadedCheckpoint out;
   out.dir = dir;
-  out.state.step = r.i64("step");
-  out.state.optimizer_steps = r.i64("optimizer_steps");
-  out.state.seed = r.u64("seed");
-  out.state.data_position = r.at("data_position");
-  out.state.run_info = r.at("run_info");
-  const json& sched = r.at("scheduler");
+  out.state.step = r.get<int64_t>("step");
+  out.state.optimizer_steps = r.get<int64_t>("optimizer_steps");
+  out.state.seed = r.get<uint64_t>("seed");
+  out.state.data_position = r.get<json>("data_position");
+  out.state.run_info = r.get<json>("run_info");
+  const json& sched = r.at("scheduler").raw();
   out.state.scheduler = sched.is_object() && sched.contains("options") ? sched["options"] : json::object();
-  out.config = drafter_config_from_json(r.at("drafter_config"), path);
+  out.config = drafter_config_from_json(r.at("drafter_config"));
+  // Before anyone allocates a drafter of that shape: its fp32 weights must be in drafter.safetensors.
+  const std::string weights = dir + "/" + kDrafterFile;
+  DFLASH_CHECK(fs::is_regular_file(weights), DataError, weights << ": checkpoint file is missing");
+  const uint64_t need = 4 * static_cast<uint64_t>(drafter_parameter_count(out.config));
+  const uint64_t have = fs::file_size(weights);
+  if (have < need)
+    r.at("drafter_config").fail("describes " + std::to_string(need / 4) + " parameters (" + std::to_string(need) +
+                                " bytes in fp32) but " + weights + " holds only " + std::to_string(have) +
+                                " bytes (a corrupt config or a truncated file)");
   return out;
 }
 
@@ -294,30 +244,66 @@ json drafter_config_to_json(const model::DrafterConfig& c) {
               {"num_target_layers", c.num_target_layers}};
 }
 
-model::DrafterConfig drafter_config_from_json(const json& j, const std::string& source) {
-  Reader r{j, source, "drafter_config."};
+model::DrafterConfig drafter_config_from_json(const io::JsonValue& r) {
   model::DrafterConfig c;
-  c.hidden_size = r.i64("hidden_size");
-  c.num_heads = r.i64("num_heads");
-  c.num_kv_heads = r.i64("num_kv_heads");
-  c.head_dim = r.i64("head_dim");
-  c.intermediate_size = r.i64("intermediate_size");
-  c.num_layers = r.i64("num_layers");
-  c.vocab_size = r.i64("vocab_size");
-  c.rms_norm_eps = r.f64("rms_norm_eps");
-  Reader rr{r.at("rope"), source, "drafter_config.rope."};
-  c.rope.theta = rr.f64("theta");
-  c.rope.rotary_dim = rr.i64("rotary_dim");
-  c.rope.type = rr.str("type");
-  c.rope.factor = rr.f64("factor");
-  c.rope.low_freq_factor = rr.f64("low_freq_factor");
-  c.rope.high_freq_factor = rr.f64("high_freq_factor");
-  c.rope.original_max_position = rr.i64("original_max_position");
-  c.block_size = r.i64("block_size");
-  c.mask_token_id = r.i64("mask_token_id");
-  c.target_layer_ids = r.ints("target_layer_ids");
-  c.num_target_layers = r.i64("num_target_layers");
+  c.hidden_size = r.get<int64_t>("hidden_size");
+  c.num_heads = r.get<int64_t>("num_heads");
+  c.num_kv_heads = r.get<int64_t>("num_kv_heads");
+  c.head_dim = r.get<int64_t>("head_dim");
+  c.intermediate_size = r.get<int64_t>("intermediate_size");
+  c.num_layers = r.get<int64_t>("num_layers");
+  c.vocab_size = r.get<int64_t>("vocab_size");
+  c.rms_norm_eps = r.get<double>("rms_norm_eps");
+  const io::JsonValue rope = r.at("rope");
+  c.rope.theta = rope.get<double>("theta");
+  c.rope.rotary_dim = rope.get<int64_t>("rotary_dim");
+  c.rope.type = rope.get<std::string>("type");
+  c.rope.factor = rope.get<double>("factor");
+  c.rope.low_freq_factor = rope.get<double>("low_freq_factor");
+  c.rope.high_freq_factor = rope.get<double>("high_freq_factor");
+  c.rope.original_max_position = rope.get<int64_t>("original_max_position");
+  c.block_size = r.get<int64_t>("block_size");
+  c.mask_token_id = r.get<int64_t>("mask_token_id");
+  c.target_layer_ids = r.get<std::vector<int64_t>>("target_layer_ids");
+  c.num_target_layers = r.get<int64_t>("num_target_layers");
+  const std::string problem = drafter_config_bounds_problem(c);
+  if (!problem.empty()) r.fail("is implausible: " + problem);
   return c;
+}
+
+model::DrafterConfig drafter_config_from_json(const json& j, const std::string& source) {
+  const io::JsonSource src{source};
+  return drafter_config_from_json(io::JsonValue(j, src, "drafter_config"));
+}
+
+std::string drafter_config_bounds_problem(const model::DrafterConfig& c) {
+  std::ostringstream p;
+  auto range = [&](const char* field, int64_t v, int64_t lo, int64_t hi) {
+    if (p.tellp() == 0 && (v < lo || v > hi)) p << field << " must be in [" << lo << ", " << hi << "], got " << v;
+  };
+  const DrafterBounds b;
+  range("hidden_size", c.hidden_size, 1, b.max_hidden_size);
+  range("num_heads", c.num_heads, 1, b.max_heads);
+  range("num_kv_heads", c.num_kv_heads, 1, c.num_heads);
+  range("head_dim", c.head_dim, 1, b.max_head_dim);
+  range("intermediate_size", c.intermediate_size, 1, b.max_intermediate_size);
+  range("num_layers", c.num_layers, 1, b.max_layers);
+  range("vocab_size", c.vocab_size, 1, b.max_vocab_size);
+  range("rope.rotary_dim", c.rope.rotary_dim, 0, c.head_dim);
+  range("block_size", c.block_size, 2, b.max_block_size);
+  range("mask_token_id", c.mask_token_id, 0, c.vocab_size - 1);
+  range("num_target_layers", c.num_target_layers, 1, b.max_layers);
+  range("target_layer_ids (count)", static_cast<int64_t>(c.target_layer_ids.size()), 1, b.max_layers);
+  for (size_t i = 0; i < c.target_layer_ids.size(); ++i)
+    range(("target_layer_ids[" + std::to_string(i) + "]").c_str(), c.target_layer_ids[i], 0, c.num_target_layers - 1);
+  return p.str();
+}
+
+int64_t drafter_parameter_count(const model::DrafterConfig& c) {
+  // Mirrors model::Drafter's constructor. Within DrafterBounds every term stays far below 2^63.
+  const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_heads, Hkv = c.num_kv_heads, I = c.intermediate_size;
+  const int64_t per_layer = H + Hq * D * H + 2 * Hkv * D * H + H * Hq * D + 2 * D + H + 3 * I * H;
+  return H * c.num_context_layers() * H + H + c.num_layers * per_layer + H;
 }
 
 std::string drafter_config_difference(const model::DrafterConfig& a, const model::DrafterConfig& b) {
@@ -404,36 +390,37 @@ void save_checkpoint(const std::string& dir, const model::Drafter& drafter, cons
   fsync_path(parent.string());
 }
 
-LoadedCheckpoint inspect_checkpoint(const std::string& dir) { return parse_state(dir, read_state_json(dir)); }
+LoadedCheckpoint inspect_checkpoint(const std::string& dir) { return parse_state(dir, read_state_json(dir).root()); }
 
 LoadedCheckpoint load_checkpoint(const std::string& dir, model::Drafter* drafter, AdamW* opt) {
-  const json j = read_state_json(dir);
-  const std::string state_path = dir + "/" + kStateFile;
-  LoadedCheckpoint out = parse_state(dir, j);
+  const io::JsonDocument doc = read_state_json(dir);
+  const io::JsonValue r = doc.root();
+  LoadedCheckpoint out = parse_state(dir, r);
 
   // Files: sizes first (truncation), then checksums (corruption).
-  Reader r{j, state_path, ""};
-  DFLASH_CHECK(r.str("checksum_algorithm") == kChecksumAlgorithm, DataError,
-               state_path << ": unknown checksum_algorithm '" << r.str("checksum_algorithm") << "'");
-  const json& files = r.at("files");
-  DFLASH_CHECK(files.is_array(), DataError, state_path << ": field 'files' must be an array");
+  const std::string state_path = dir + "/" + kStateFile;
+  const std::string algorithm = r.get<std::string>("checksum_algorithm");
+  DFLASH_CHECK(algorithm == kChecksumAlgorithm, DataError,
+               state_path << ": unknown checksum_algorithm '" << algorithm << "'");
+  const io::JsonValue files = r.at("files");
   std::set<std::string> listed;
-  for (const json& f : files) {
-    Reader fr{f, state_path, "files[]."};
-    const std::string name = fr.str("name");
+  for (size_t i = 0; i < files.size(); ++i) {
+    const io::JsonValue f = files.at(i);
+    const std::string name = f.get<std::string>("name");
     DFLASH_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..", DataError,
                  state_path << ": bad file name '" << name << "' in 'files'");
     const std::string path = dir + "/" + name;
     DFLASH_CHECK(fs::is_regular_file(path), DataError, path << ": checkpoint file is missing");
-    const uint64_t want_size = fr.u64("bytes");
+    const uint64_t want_size = f.get<uint64_t>("bytes");
     const uint64_t have_size = fs::file_size(path);
     DFLASH_CHECK(have_size == want_size, DataError,
                  path << ": size " << have_size << " bytes differs from the recorded " << want_size
                       << " (truncated or overwritten checkpoint file)");
     uint64_t size = 0;
     const std::string sum = hex64(file_checksum(path, &size));
-    DFLASH_CHECK(sum == fr.str("checksum"), DataError,
-                 path << ": checksum " << sum << " differs from the recorded " << fr.str("checksum")
+    const std::string recorded = f.get<std::string>("checksum");
+    DFLASH_CHECK(sum == recorded, DataError,
+                 path << ": checksum " << sum << " differs from the recorded " << recorded
                       << " (corrupt checkpoint file)");
     listed.insert(name);
   }

@@ -23,11 +23,17 @@
 //   last partial word zero-padded), XORed with the byte length, then mixed by MurmurHash3's fmix64
 //   finalizer; hex in state.json. Every step is a bijection, so any change of a single word is always
 //   detected; sizes are checked first.
+// - state.json is read through core/io/json_file.h: a missing field or one of the wrong type is a
+//   DataError naming state.json and the field. Before anything is allocated, the drafter config
+//   must lie within DrafterBounds and drafter.safetensors must be at least as large as the fp32
+//   parameters that config describes (DataError naming the file and field), so a corrupt size such
+//   as num_layers: 1000000 is refused instead of allocated.
 // - load_checkpoint verifies, in this order: state.json parses; format name; version (other ->
-//   DataError with a hint); every listed file exists with the recorded size and checksum (DataError
-//   naming the file); the drafter config equals the given drafter's (ConfigError naming the field);
-//   then copies weights and optimizer state in (bit-exact for fp32). Nothing is modified unless
-//   every check passed. With both pointers null it only verifies and returns the metadata.
+//   DataError with a hint); the fields and bounds above; every listed file exists with the recorded
+//   size and checksum (DataError naming the file); the drafter config equals the given drafter's
+//   (ConfigError naming the field); then copies weights and optimizer state in (bit-exact for
+//   fp32). Nothing is modified unless every check passed. With both pointers null it only verifies
+//   and returns the metadata.
 // - Saving then loading restores every fp32 tensor bit for bit.
 #pragma once
 #include <cstdint>
@@ -36,6 +42,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_file.h"
 #include "core/model/drafter.h"
 #include "core/train/optimizer.h"
 
@@ -72,8 +79,9 @@ void save_checkpoint(const std::string& dir, const model::Drafter& drafter, cons
 // corrupt, truncated or foreign-version checkpoint, ConfigError when the drafter's config differs.
 LoadedCheckpoint load_checkpoint(const std::string& dir, model::Drafter* drafter_or_null, AdamW* opt_or_null);
 
-// Reads state.json only (format + version checked, files NOT verified): cheap metadata access, e.g.
-// to build a Drafter of the right shape before load_checkpoint.
+// Reads state.json (format, version, fields and bounds checked) and checks that drafter.safetensors
+// is large enough for the config; no checksum is computed: cheap metadata access, e.g. to build a
+// Drafter of the right shape before load_checkpoint.
 LoadedCheckpoint inspect_checkpoint(const std::string& dir);
 
 // Checkpoint directories in `parent` named step-<digits> that contain a state.json, sorted by step
@@ -95,9 +103,29 @@ int remove_stale_checkpoint_tmp(const std::string& parent);
 // Returns the deleted paths.
 std::vector<std::string> apply_retention(const std::string& parent, int64_t keep_last, int64_t keep_every);
 
-// DrafterConfig <-> JSON (every field). from_json throws DataError naming `source` and the field.
+// Plausible drafter shapes. A stored config outside them is refused before anything is allocated.
+struct DrafterBounds {
+  int64_t max_hidden_size = int64_t{1} << 16;
+  int64_t max_heads = 1024;  // num_kv_heads: 1..num_heads
+  int64_t max_head_dim = 1024;
+  int64_t max_intermediate_size = int64_t{1} << 20;
+  int64_t max_layers = 1024;  // draft layers, and the target's layers (num_target_layers)
+  int64_t max_vocab_size = int64_t{1} << 24;
+  int64_t max_block_size = int64_t{1} << 16;
+};
+// "" when `c` lies within DrafterBounds (and mask_token_id < vocab_size, rotary_dim <= head_dim,
+// target_layer_ids: 1..max_layers ids inside the target's layers); else the first problem, e.g.
+// "num_layers must be in [1, 1024], got 1000000".
+std::string drafter_config_bounds_problem(const model::DrafterConfig& c);
+// Parameters of a model::Drafter of config `c` (what Drafter::num_parameters() returns), computed
+// without building one. `c` must lie within DrafterBounds (then nothing overflows).
+int64_t drafter_parameter_count(const model::DrafterConfig& c);
+
+// DrafterConfig <-> JSON (every field). from_json throws DataError naming `source` (or the value's
+// source) and the field, for a missing or mistyped field and for a config outside DrafterBounds.
 nlohmann::json drafter_config_to_json(const model::DrafterConfig& c);
 model::DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::string& source);
+model::DrafterConfig drafter_config_from_json(const io::JsonValue& drafter_config);
 // "" when equal, else "<field>: <a> vs <b>" for the first differing field (rope scaling fields
 // count only for rope type llama3; rotary_dim counts as head_dim when 0).
 std::string drafter_config_difference(const model::DrafterConfig& a, const model::DrafterConfig& b);

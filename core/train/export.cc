@@ -6,10 +6,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 
 #include "core/io/hf_config.h"
+#include "core/io/json_file.h"
 #include "core/io/safetensors.h"
 #include "core/train/checkpoint.h"
 #include "core/util/error.h"
@@ -77,15 +79,11 @@ json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dty
 }
 
 model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const std::string& source) {
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const json::exception& e) {
-    DFLASH_FAIL(ConfigError, source << ": not valid JSON: " << e.what());
-  }
-  DFLASH_CHECK(root.is_object(), ConfigError, source << ": config is not a JSON object");
+  const io::JsonDocument doc = io::JsonDocument::parse_text(text, io::JsonSource{source, 0, /*config=*/true});
+  const io::JsonValue root = doc.root();
+  DFLASH_CHECK(root.raw().is_object(), ConfigError, source << ": config is not a JSON object");
   bool is_dflash = false;
-  if (auto a = root.find("architectures"); a != root.end() && a->is_array())
+  if (auto a = root.raw().find("architectures"); a != root.raw().end() && a->is_array())
     for (auto& e : *a) is_dflash |= e.is_string() && e.get<std::string>() == "DFlashDraftModel";
   DFLASH_CHECK(is_dflash, ConfigError,
                source << ": field 'architectures' must contain \"DFlashDraftModel\" (not a DFlash drafter export)");
@@ -95,31 +93,13 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
   DFLASH_CHECK(!t.qkv_bias && !t.o_bias, ConfigError,
                source << ": field 'attention_bias' is true; DFlash drafters have no attention bias");
 
-  // dflash_config first, then the top level (z-lab's _draft_value).
-  const json* dcfg = nullptr;
-  if (auto d = root.find("dflash_config"); d != root.end() && !d->is_null()) {
-    DFLASH_CHECK(d->is_object(), ConfigError, source << ": field 'dflash_config' must be an object");
-    dcfg = &*d;
-  }
-  auto draft_value = [&](const std::string& key, std::string* path) -> const json* {
-    if (dcfg) {
-      auto it = dcfg->find(key);
-      if (it != dcfg->end() && !it->is_null()) {
-        *path = "dflash_config." + key;
-        return &*it;
-      }
-    }
-    auto it = root.find(key);
-    if (it != root.end() && !it->is_null()) {
-      *path = key;
-      return &*it;
-    }
-    return nullptr;
-  };
-  auto as_int = [&](const json& v, const std::string& path) {
-    DFLASH_CHECK(v.is_number_integer(), ConfigError, source << ": field '" << path << "' must be an integer, got "
-                                                            << v.dump());
-    return v.get<int64_t>();
+  // dflash_config first, then the top level (z-lab's _draft_value); null counts as absent.
+  const bool has_dcfg = root.has("dflash_config");
+  if (has_dcfg && !root.at("dflash_config").raw().is_object()) root.at("dflash_config").fail("must be an object");
+  auto draft_value = [&](const std::string& key) -> std::optional<io::JsonValue> {
+    if (has_dcfg && root.at("dflash_config").has(key)) return root.at("dflash_config").at(key);
+    if (root.has(key)) return root.at(key);
+    return std::nullopt;
   };
 
   model::DrafterConfig c;
@@ -133,36 +113,40 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
   c.rms_norm_eps = t.rms_norm_eps;
   c.rope = model::rope_options(t.rope, static_cast<int64_t>(t.head_dim * t.rope.partial_rotary_factor));
 
-  auto nt = root.find("num_target_layers");
-  DFLASH_CHECK(nt != root.end(), ConfigError, source << ": field 'num_target_layers' is required but missing");
-  c.num_target_layers = as_int(*nt, "num_target_layers");
+  DFLASH_CHECK(root.has("num_target_layers"), ConfigError,
+               source << ": field 'num_target_layers' is required but missing");
+  c.num_target_layers = root.get<int64_t>("num_target_layers");
   DFLASH_CHECK(c.num_target_layers > 0, ConfigError, source << ": field 'num_target_layers' must be positive");
 
-  std::string path;
   c.block_size = 16;  // z-lab's default when the export does not say
-  if (const json* v = draft_value("block_size", &path)) c.block_size = as_int(*v, path);
+  if (const auto v = draft_value("block_size")) c.block_size = v->get<int64_t>();
   DFLASH_CHECK(c.block_size >= 2, ConfigError, source << ": field 'block_size' must be >= 2, got " << c.block_size);
 
-  const json* mask = draft_value("mask_token_id", &path);
-  DFLASH_CHECK(mask != nullptr, ConfigError, source << ": field 'dflash_config.mask_token_id' is required but missing");
-  c.mask_token_id = as_int(*mask, path);
-  DFLASH_CHECK(c.mask_token_id >= 0 && c.mask_token_id < c.vocab_size, ConfigError,
-               source << ": field '" << path << "' must be in [0, vocab_size " << c.vocab_size << "), got "
-                      << c.mask_token_id);
+  const auto mask = draft_value("mask_token_id");
+  DFLASH_CHECK(mask.has_value(), ConfigError, source << ": field 'dflash_config.mask_token_id' is required but missing");
+  c.mask_token_id = mask->get<int64_t>();
+  if (c.mask_token_id < 0 || c.mask_token_id >= c.vocab_size)
+    mask->fail("must be in [0, vocab_size " + std::to_string(c.vocab_size) + "), got " +
+               std::to_string(c.mask_token_id));
 
-  if (const json* ids = draft_value("target_layer_ids", &path)) {
-    DFLASH_CHECK(ids->is_array() && !ids->empty(), ConfigError,
-                 source << ": field '" << path << "' must be a non-empty array of integers");
+  if (const auto ids = draft_value("target_layer_ids")) {
+    if (ids->size() == 0) ids->fail("must be a non-empty array of integers");
     for (size_t i = 0; i < ids->size(); ++i) {
-      const int64_t id = as_int((*ids)[i], path + "[" + std::to_string(i) + "]");
-      DFLASH_CHECK(id >= 0 && id < c.num_target_layers, ConfigError,
-                   source << ": field '" << path << "[" << i << "]' is " << id << ", outside the target's layers 0.."
-                          << c.num_target_layers - 1);
+      const int64_t id = ids->at(i).get<int64_t>();
+      if (id < 0 || id >= c.num_target_layers)
+        ids->at(i).fail("is " + std::to_string(id) + ", outside the target's layers 0.." +
+                        std::to_string(c.num_target_layers - 1));
       c.target_layer_ids.push_back(id);
     }
   } else {
+    // The formula gives one id per draft layer: bound the layer count before it runs.
+    const int64_t max_layers = DrafterBounds{}.max_layers;
+    DFLASH_CHECK(c.num_layers <= max_layers, ConfigError,
+                 source << ": field 'num_hidden_layers' must be at most " << max_layers << ", got " << c.num_layers);
     c.target_layer_ids = model::default_target_layer_ids(c.num_target_layers, c.num_layers);
   }
+  const std::string problem = drafter_config_bounds_problem(c);
+  DFLASH_CHECK(problem.empty(), ConfigError, source << ": implausible drafter shape: " << problem);
   return c;
 }
 
@@ -218,7 +202,15 @@ ImportedDrafter import_hf(const std::string& dir) {
   const auto st = io::SafetensorsModel::open_dir(dir);
   const std::string where =
       fs::exists(dir + "/model.safetensors") ? dir + "/model.safetensors" : dir + "/model.safetensors.index.json";
-  // The reference layout: a Drafter of this config on the meta device (no memory, no data).
+  // Before the reference layout is built: the files must be able to hold the config's parameters
+  // (at least 2 bytes each), so a corrupt shape is refused instead of allocated.
+  uint64_t data_bytes = 0;
+  for (const auto& name : st.names()) data_bytes += st.info(name).end - st.info(name).begin;
+  const uint64_t params = static_cast<uint64_t>(drafter_parameter_count(out.config));
+  DFLASH_CHECK(data_bytes >= 2 * params, DataError,
+               where << ": holds " << data_bytes << " bytes of tensors, but the config in " << cfg_path << " describes "
+                     << params << " parameters (at least " << 2 * params << " bytes)");
+  // The reference layout: a Drafter of this config on the meta device (no data).
   const model::Drafter ref(out.config, torch::Device(torch::kMeta), 0);
   std::set<std::string> expected;
   for (auto& [name, p] : ref.parameters()) {

@@ -12,9 +12,11 @@
 //   OUT: a crash never leaves a half-written OUT. OUT must not exist or be an empty directory
 //   (ConfigError otherwise). Weights are cast from the fp32 masters to `dtype` (bf16: round to
 //   nearest even, as torch .to()); float32 export is bit-exact. Only the drafter is read.
-// - import_hf reads config.json (ConfigError naming the file and field) and the safetensors
-//   (single file or sharded index), checks that the names and shapes are exactly those a Drafter of
-//   that config has (DataError naming the file and tensor) and returns fp32 CPU tensors.
+// - import_hf reads config.json (ConfigError naming the file and field, also for a shape outside
+//   DrafterBounds, core/train/checkpoint.h) and the safetensors (single file or sharded index),
+//   checks that the files can hold that many parameters before building anything of that shape,
+//   that the names and shapes are exactly those a Drafter of that config has (DataError naming the
+//   file and tensor) and returns fp32 CPU tensors.
 //   `block_size` and `mask_token_id`/`target_layer_ids` are read from dflash_config first, then the
 //   top level (as z-lab does); missing target_layer_ids default to the paper's formula.
 // - init_from_export loads an export into an existing drafter after checking that the configs agree

@@ -1,155 +1,145 @@
 #include "services/coordinator/ledger.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <chrono>
-#include <cstring>
-#include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <optional>
 
 #include "core/util/error.h"
 #include "core/util/log.h"
 
 namespace dflash::coordinator {
-namespace fs = std::filesystem;
 using nlohmann::json;
 
-namespace {
-template <class T>
-T field(const json& r, const char* k) {
-  DFLASH_CHECK(r.contains(k), DataError, "ledger record '" << r.value("type", "?") << "' has no field '" << k << "'");
-  return r.at(k).get<T>();
+void StepRanges::add(int64_t step) {
+  auto next = ranges_.upper_bound(step);  // the first range starting after `step`
+  if (next != ranges_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->second >= step) return;  // already in
+    if (prev->second + 1 == step) {
+      prev->second = step;
+      if (next != ranges_.end() && next->first == step + 1) {
+        prev->second = next->second;
+        ranges_.erase(next);
+      }
+      return;
+    }
+  }
+  if (next != ranges_.end() && next->first == step + 1) {
+    const int64_t last = next->second;
+    ranges_.erase(next);
+    ranges_[step] = last;
+    return;
+  }
+  ranges_[step] = step;
 }
-}  // namespace
 
-void Ledger::apply(LedgerState& s, const json& r) {
-  DFLASH_CHECK(r.is_object() && r.contains("type"), DataError, "ledger record without a type: " << r.dump().substr(0, 200));
-  const auto type = r.at("type").get<std::string>();
+void StepRanges::drop_above(int64_t step) {
+  ranges_.erase(ranges_.upper_bound(step), ranges_.end());
+  if (!ranges_.empty() && ranges_.rbegin()->second > step) ranges_.rbegin()->second = step;
+}
+
+int64_t StepRanges::count() const {
+  int64_t n = 0;
+  for (const auto& [first, last] : ranges_) n += last - first + 1;
+  return n;
+}
+
+void Ledger::apply(LedgerState& s, const io::JsonValue& r) {
+  if (!r.raw().is_object()) r.fail("is not a JSON object (a ledger record)");
+  const auto type = r.get<std::string>("type");
   ++s.records;
   if (type == "run") {
-    s.run = r;
-    s.schedule_steps = field<int64_t>(r, "schedule_steps");
-    s.generations = {{0, field<int64_t>(r, "token_budget"), field<int64_t>(r, "max_batch_size"), r.value("drafters", 0)}};
+    s.run = r.raw();
+    s.schedule_steps = r.get<int64_t>("schedule_steps");
+    s.generations = {{0, r.get<int64_t>("token_budget"), r.get<int64_t>("max_batch_size"), r.get_or<int>("drafters", 0)}};
   } else if (type == "launch") {
-    s.attempts = field<int>(r, "attempt") + 1;
+    s.attempts = r.get<int>("attempt") + 1;
     s.stopped_reason.clear();
   } else if (type == "step") {
-    auto& st = s.steps[field<int64_t>(r, "step")];
-    st.epoch = field<int>(r, "epoch");
-    st.optimizer_step = field<int64_t>(r, "optimizer_step");
-    st.skipped_nonfinite = r.value("skipped_nonfinite", false);
-    st.loss = r.value("loss", 0.0);
-    st.samples_by_rank[field<int>(r, "rank")] = field<std::vector<uint64_t>>(r, "samples");
+    LedgerStep st;
+    st.step = r.get<int64_t>("step");
+    st.epoch = r.get<int>("epoch");
+    st.optimizer_step = r.get<int64_t>("optimizer_step");
+    st.skipped_nonfinite = r.get_or<bool>("skipped_nonfinite", false);
+    st.loss = r.get_or<double>("loss", 0.0);  // a non-finite loss is written as null
+    st.samples = r.get<std::vector<uint64_t>>("samples");
+    const int rank = r.get<int>("rank");
+    s.reported_steps.add(st.step);
+    auto it = s.latest_by_rank.find(rank);
+    if (it == s.latest_by_rank.end() || it->second.step <= st.step) s.latest_by_rank[rank] = std::move(st);
   } else if (type == "checkpoint") {
-    s.checkpoints.push_back({field<int64_t>(r, "step"), r.value("optimizer_step", int64_t(0)), field<std::string>(r, "dir")});
+    s.checkpoints.push_back({r.get<int64_t>("step"), r.get_or<int64_t>("optimizer_step", 0), r.get<std::string>("dir")});
   } else if (type == "packing") {
-    DFLASH_CHECK(!s.generations.empty(), DataError, "ledger: packing record before the run record");
-    control::GenerationSpec g{field<int64_t>(r, "start_step"), field<int64_t>(r, "token_budget"), field<int64_t>(r, "max_batch_size"),
-                              r.value("drafters", s.generations.back().drafters)};
+    if (s.generations.empty()) r.fail("is a packing record before the run record");
+    control::GenerationSpec g{r.get<int64_t>("start_step"), r.get<int64_t>("token_budget"), r.get<int64_t>("max_batch_size"),
+                              r.get_or<int>("drafters", s.generations.back().drafters)};
     if (g.start_step == s.generations.back().start_step)
       s.generations.back() = g;
     else
       s.generations.push_back(g);
-    s.packing_log.push_back(r);
+    s.packing_log.push_back(r.raw());
   } else if (type == "restart") {
-    ++s.restarts[field<std::string>(r, "role")];
-    s.restart_log.push_back(r);
+    ++s.restarts[r.get<std::string>("role")];
+    s.restart_log.push_back(r.raw());
   } else if (type == "degraded") {
-    const auto role = field<std::string>(r, "role");
+    const auto role = r.get<std::string>("role");
     s.restarts_at_degrade[role] = s.restarts[role];
-    s.degraded_log.push_back(r);
+    s.degraded_log.push_back(r.raw());
   } else if (type == "rollback") {
-    const int64_t to = field<int64_t>(r, "to_step");
-    s.steps.erase(s.steps.upper_bound(to), s.steps.end());
+    const int64_t to = r.get<int64_t>("to_step");
+    s.reported_steps.drop_above(to);
+    for (auto it = s.latest_by_rank.begin(); it != s.latest_by_rank.end();)
+      it = it->second.step > to ? s.latest_by_rank.erase(it) : std::next(it);
     while (!s.checkpoints.empty() && s.checkpoints.back().step > to) s.checkpoints.pop_back();
   } else if (type == "finished") {
     s.finished = true;
   } else if (type == "stopped") {
-    s.stopped_reason = field<std::string>(r, "reason");
+    s.stopped_reason = r.get<std::string>("reason");
   } else {
-    DFLASH_FAIL(DataError, "ledger: unknown record type '" << type << "'");
+    r.at("type").fail("names an unknown ledger record type '" + type + "'");
   }
 }
 
 Ledger Ledger::open(const std::string& path) {
-  Ledger l;
-  l.path_ = path;
-  const auto parent = fs::path(path).parent_path();
-  if (!parent.empty()) fs::create_directories(parent);
-  int64_t good_bytes = 0;
+  LedgerState state;
+  int64_t lines = 0;
+  uint64_t keep = 0;  // bytes of complete records (the last one possibly without its newline)
   {
     std::ifstream in(path, std::ios::binary);
     std::string line;
-    int64_t lineno = 0, offset = 0;
-    std::vector<std::pair<int64_t, std::string>> bad;
+    uint64_t offset = 0;
     while (std::getline(in, line)) {
-      ++lineno;
-      const bool complete = !in.eof();  // the last line without '\n' is torn
-      const int64_t next = offset + static_cast<int64_t>(line.size()) + (complete ? 1 : 0);
-      json r;
+      const bool complete = !in.eof();  // the last line without '\n' is torn (or lost only its newline)
+      std::optional<io::JsonDocument> doc;
       try {
-        r = json::parse(line);
-      } catch (const std::exception&) {
+        doc = io::JsonDocument::parse_text(line, io::JsonSource{path, lines + 1});
+      } catch (const DataError& e) {
         DFLASH_CHECK(in.peek() == EOF, DataError,
-                     path << ":" << lineno << ": unreadable ledger record in the middle of the file (not a torn last write)");
-        LOG_WARN(path << ":" << lineno << ": dropping a torn last record (" << line.size() << " bytes) left by a crash");
+                     e.what() << " (an unreadable ledger record in the middle of the file, not a torn last write)");
+        LOG_WARN(path << ":" << lines + 1 << ": dropping a torn last record (" << line.size() << " bytes) left by a crash");
         break;
       }
-      try {
-        apply(l.state_, r);
-      } catch (const DataError& e) {
-        throw DataError(path + ":" + std::to_string(lineno) + ": " + e.what());
-      }
-      offset = next;
-      good_bytes = offset;
-      if (!complete) {
-        // A complete JSON record whose newline was lost: keep it, add the newline below.
-        good_bytes = -offset;
-      }
+      apply(state, doc->root());
+      ++lines;
+      offset += line.size() + (complete ? 1 : 0);
+      keep = offset;  // a complete JSON record whose newline was lost is kept: open_at adds the newline
     }
+    DFLASH_CHECK(!in.bad(), DataError, path << ": read error after line " << lines);
   }
-  l.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  DFLASH_CHECK(l.fd_ >= 0, DataError, "cannot open the run ledger " << path << ": " << std::strerror(errno));
-  const int64_t keep = good_bytes < 0 ? -good_bytes : good_bytes;
-  DFLASH_CHECK(::ftruncate(l.fd_, keep) == 0, DataError, "cannot truncate " << path << ": " << std::strerror(errno));
-  ::lseek(l.fd_, 0, SEEK_END);
-  if (good_bytes < 0) {
-    DFLASH_CHECK(::write(l.fd_, "\n", 1) == 1, DataError, "cannot write " << path);
-    ::fsync(l.fd_);
-  }
-  return l;
-}
-
-Ledger::Ledger(Ledger&& o) noexcept : path_(std::move(o.path_)), fd_(o.fd_), state_(std::move(o.state_)) { o.fd_ = -1; }
-Ledger& Ledger::operator=(Ledger&& o) noexcept {
-  if (this != &o) {
-    if (fd_ >= 0) ::close(fd_);
-    path_ = std::move(o.path_);
-    fd_ = o.fd_;
-    state_ = std::move(o.state_);
-    o.fd_ = -1;
-  }
-  return *this;
-}
-Ledger::~Ledger() {
-  if (fd_ >= 0) ::close(fd_);
+  return Ledger(io::JsonlLog::open_at(path, keep), std::move(state), lines);
 }
 
 void Ledger::append(json r) {
   r["time"] = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  // Records come from this process; apply first so a malformed one is never written (a failing
-  // apply leaves the coordinator to exit; the file stays a valid prefix).
-  apply(state_, r);
-  const std::string line = r.dump() + "\n";
-  size_t done = 0;
-  while (done < line.size()) {
-    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
-    DFLASH_CHECK(n > 0 || errno == EINTR, DataError, "cannot append to the run ledger " << path_ << ": " << std::strerror(errno));
-    if (n > 0) done += static_cast<size_t>(n);
-  }
-  DFLASH_CHECK(::fsync(fd_) == 0, DataError, "fsync of the run ledger " << path_ << ": " << std::strerror(errno));
+  // Records come from this process; applying to a copy first means a malformed one is never
+  // written, and a failed write leaves the state as the file is.
+  LedgerState next = state_;
+  const io::JsonSource source{log_.path(), lines_ + 1};
+  apply(next, io::JsonValue(r, source));
+  log_.append(r);
+  ++lines_;
+  state_ = std::move(next);
 }
 
 }  // namespace dflash::coordinator

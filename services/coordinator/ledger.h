@@ -1,8 +1,11 @@
 // The run ledger (DESIGN.md "The data path" step 4): an append-only JSON-lines file
-// <run.output_dir>/ledger.jsonl, the coordinator's crash-safe memory of the run. Every record is
-// written with one write(2) and fsync'ed before the call returns, so after a crash the file is a
-// prefix of what was appended, possibly with a torn last line, which open() drops (warned) and
-// truncates away.
+// <run.output_dir>/ledger.jsonl, the coordinator's crash-safe memory of the run. It is written
+// through io::JsonlLog (core/io/jsonl_log.h): every record with one write(2), fsync'ed before the
+// call returns, so after a crash the file is a prefix of what was appended, possibly with a torn
+// last line, which open() drops (warned) and truncates away. A failed append (disk full, ...)
+// cuts the file back to its last complete record and throws DataError (exit 4) naming the file.
+// It is read through io::JsonValue (core/io/json_file.h): a record with a missing field or a field
+// of the wrong type is a DataError naming the file, the line and the field.
 //
 // Records ("type"):
 //   run         first record: config hash, lr schedule length, generation 0 packing, shape
@@ -23,7 +26,9 @@
 //
 // Replaying gives LedgerState: what is committed, which generations exist, how often each role
 // restarted. Samples of steps after the last checkpoint are "pending": a restart rolls them back and
-// they are trained again, so each sample of an epoch is committed exactly once.
+// they are trained again, so each sample of an epoch is committed exactly once. The state's memory
+// does not grow with the number of steps: it keeps which steps were reported (as ranges) and each
+// rank's latest step record; the file keeps every record.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -32,6 +37,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_file.h"
+#include "core/io/jsonl_log.h"
 #include "services/common/control_client.h"
 
 namespace dflash::coordinator {
@@ -42,12 +49,28 @@ struct LedgerCheckpoint {
   std::string dir;
 };
 
+// One drafter rank's report of one schedule step.
 struct LedgerStep {
+  int64_t step = 0;
   int epoch = 0;
   int64_t optimizer_step = 0;
   bool skipped_nonfinite = false;
   double loss = 0;
-  std::map<int, std::vector<uint64_t>> samples_by_rank;
+  std::vector<uint64_t> samples;
+};
+
+// A set of schedule steps stored as disjoint ranges: steps are reported in order, so a whole run is
+// one range (a few after rollbacks), whatever its length.
+class StepRanges {
+ public:
+  void add(int64_t step);
+  void drop_above(int64_t step);  // forgets every step > `step`
+  bool empty() const { return ranges_.empty(); }
+  int64_t last() const { return ranges_.empty() ? 0 : ranges_.rbegin()->second; }  // 0 when empty
+  int64_t count() const;
+
+ private:
+  std::map<int64_t, int64_t> ranges_;  // first step -> last step, inclusive
 };
 
 struct LedgerState {
@@ -55,7 +78,8 @@ struct LedgerState {
   int64_t schedule_steps = 0;
   std::vector<control::GenerationSpec> generations;
   std::vector<LedgerCheckpoint> checkpoints;          // committed, in step order
-  std::map<int64_t, LedgerStep> steps;                // reported steps not rolled back
+  StepRanges reported_steps;                          // steps some rank reported, not rolled back
+  std::map<int, LedgerStep> latest_by_rank;           // each rank's latest step record not rolled back
   int attempts = 0;                                   // launches so far
   std::map<std::string, int> restarts;                // role -> restarts
   std::vector<nlohmann::json> restart_log;
@@ -67,6 +91,8 @@ struct LedgerState {
   int64_t records = 0;
 
   int64_t committed_step() const { return checkpoints.empty() ? 0 : checkpoints.back().step; }
+  // The highest reported step not rolled back (0 when none).
+  int64_t last_step() const { return reported_steps.last(); }
   // Restarts of `role` counted against resilience.max_restarts (since it last went degraded).
   int restart_budget_used(const std::string& role) const {
     auto r = restarts.find(role), d = restarts_at_degrade.find(role);
@@ -78,25 +104,27 @@ class Ledger {
  public:
   // Opens (creating it and its directory when missing) and replays `path`. A line that does not
   // parse is accepted only as the torn last line (truncated, LOG_WARN); anywhere else -> DataError
-  // naming the file and line.
+  // naming the file and line. A record that parses but has a missing or mistyped field -> DataError
+  // naming the file, line and field.
   static Ledger open(const std::string& path);
-  Ledger(Ledger&&) noexcept;
-  Ledger& operator=(Ledger&&) noexcept;
-  ~Ledger();
 
-  // Adds "time" (unix seconds), writes the line, fsyncs, then applies it to state().
+  // Adds "time" (unix seconds), checks the record against the state (DataError when malformed:
+  // nothing is written), writes the line and fsyncs, then applies it to state(). When the write
+  // fails, DataError (exit 4) naming the file and the problem; the file ends with the last complete
+  // record and state() is unchanged.
   void append(nlohmann::json record);
   const LedgerState& state() const { return state_; }
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return log_.path(); }
 
-  // Applies one record to a state (pure; used by replay and append; DataError on a malformed record).
-  static void apply(LedgerState& s, const nlohmann::json& r);
+  // Applies one record to a state (pure; used by replay and append). DataError naming the record's
+  // source (file and line) and the field on a malformed record.
+  static void apply(LedgerState& s, const io::JsonValue& r);
 
  private:
-  Ledger() = default;
-  std::string path_;
-  int fd_ = -1;
+  Ledger(io::JsonlLog log, LedgerState state, int64_t lines) : log_(std::move(log)), state_(std::move(state)), lines_(lines) {}
+  io::JsonlLog log_;
   LedgerState state_;
+  int64_t lines_ = 0;  // records in the file
 };
 
 }  // namespace dflash::coordinator

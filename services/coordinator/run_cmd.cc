@@ -503,8 +503,8 @@ class Coordinator final : public pb::Coordinator::Service {
         fs::rename(d, dst);
         LOG_WARN("moved " << d << " (above the commit at step " << step << ") to " << dst.string());
       }
-    if ((!st.steps.empty() && st.steps.rbegin()->first > step) || (!st.checkpoints.empty() && st.checkpoints.back().step > step)) {
-      const int64_t discarded = st.steps.empty() ? 0 : std::max<int64_t>(0, st.steps.rbegin()->first - step);
+    if (st.last_step() > step || (!st.checkpoints.empty() && st.checkpoints.back().step > step)) {
+      const int64_t discarded = std::max<int64_t>(0, st.last_step() - step);
       ledger_.append({{"type", "rollback"}, {"to_step", step}, {"discarded_steps", discarded}});
       if (discarded) LOG_INFO("rolling back " << discarded << " uncommitted step(s) to the commit at step " << step);
     }

@@ -11,6 +11,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "core/stream/shm_transport.h"
 #include "core/util/error.h"
 #include "services/coordinator/config_check_cmd.h"
 
@@ -408,6 +409,64 @@ TEST(Config, EnvironmentExpansion) {
   EXPECT_EQ(r.problems[0].message,
             "environment variable DFLASH_TEST_UNSET is not set (use ${DFLASH_TEST_UNSET:-default} "
             "for a fallback)");
+}
+
+// The limits in config.h are those of the code that uses the values.
+static_assert(kMaxSlots == static_cast<int>(stream::kMaxShmSlots), "config::kMaxSlots is the shm ring's slot table");
+
+// Values a run cannot use are refused with the reason, naming the field.
+TEST(Config, ValuesTheRunCannotUseAreRefused) {
+  ParseResult r = parse(
+      "target: {model_dir: /m}\n"
+      "data: {shard_dir: /d, token_budget: 4611686018427387904}\n"
+      "topology: {shm_slots: 300}\n"
+      "coordinator: {heartbeat_timeout_s: 1e-9, profile_interval_s: 1e300}\n"
+      "resilience: {backoff_s: 1e300}\n");
+  EXPECT_EQ(paths_of(r), (std::vector<std::string>{"data.token_budget", "topology.shm_slots",
+                                                   "coordinator.heartbeat_timeout_s",
+                                                   "coordinator.profile_interval_s", "resilience.backoff_s"}))
+      << dump(r);
+  ASSERT_EQ(r.problems.size(), 5u);
+  EXPECT_EQ(r.problems[0].message,
+            "expected a value <= 2147483647 (token offsets inside a batch are 32-bit), got 4611686018427387904");
+  EXPECT_EQ(r.problems[1].message,
+            "expected a value <= 256 (the shm ring's slot table holds at most that many), got 300");
+  EXPECT_EQ(r.problems[2].message,
+            "expected a value in [2, 86400] seconds (workers heartbeat every 0.5 s; at most a day), got 1e-09");
+  EXPECT_EQ(r.problems[3].message, "expected a value in [0, 86400] seconds (0 = off; at most a day), got 1e+300");
+  EXPECT_EQ(r.problems[4].message, "expected a value in [0, 3600] seconds (restarts wait up to 64 times this), got 1e+300");
+
+  r = parse(kMinimal + "topology: {inflight_depth: 300, shm_slots: 300}\n");
+  EXPECT_EQ(paths_of(r), (std::vector<std::string>{"topology.inflight_depth", "topology.shm_slots"})) << dump(r);
+  ASSERT_EQ(r.problems.size(), 2u);
+  EXPECT_EQ(r.problems[0].message, "expected a value in [1, 256], got 300");
+  // The limits themselves are usable.
+  r = parse("target: {model_dir: /m}\n"
+            "data: {shard_dir: /d, token_budget: 2147483647}\n"
+            "topology: {inflight_depth: 256, shm_slots: 256}\n"
+            "coordinator: {heartbeat_timeout_s: 2, profile_interval_s: 86400}\n"
+            "resilience: {backoff_s: 3600}\n");
+  EXPECT_TRUE(r.ok()) << dump(r);
+}
+
+// Every string goes into JSON records (the ledger), so it must be UTF-8 text: a name, a path, a
+// mapping key or an expanded environment variable with other bytes is refused naming the field.
+TEST(Config, NonUtf8TextIsRefusedNamingTheField) {
+  setenv("DFLASH_TEST_LATIN1", "/runs/caf\xe9", 1);
+  ParseResult r = parse(kMinimal +
+                        "run: {name: \"caf\xe9\", output_dir: '${DFLASH_TEST_LATIN1}'}\n"
+                        "launch: {\"n\xff\": {kind: local}}\n"
+                        "resilience: {oom: {allow_changing: [\"token_budget\", \"\xfe\"]}}\n");
+  EXPECT_EQ(paths_of(r), (std::vector<std::string>{"run.name", "run.output_dir", "launch",
+                                                   "resilience.oom.allow_changing[1]"}))
+      << dump(r);
+  ASSERT_EQ(r.problems.size(), 4u);
+  EXPECT_EQ(r.problems[0].message,
+            "expected UTF-8 text (the config is recorded as JSON), got \"caf\\xe9\" with byte 0xe9 at position 4");
+  EXPECT_EQ(r.problems[1].message,
+            "expected UTF-8 text (the config is recorded as JSON), got \"/runs/caf\\xe9\" with byte 0xe9 at position 10");
+  for (const auto& p : r.problems) EXPECT_EQ(p.message.find('\xe9'), std::string::npos) << "raw byte echoed";
+  unsetenv("DFLASH_TEST_LATIN1");
 }
 
 TEST(Config, EveryFileInConfigsIsValidAndRoundTrips) {

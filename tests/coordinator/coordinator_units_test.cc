@@ -9,6 +9,7 @@
 #include "core/util/error.h"
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
+#include "tests/io/file_size_limit.h"
 
 using namespace dflash;
 using namespace dflash::coordinator;
@@ -37,7 +38,10 @@ TEST(Ledger, ReplayEqualsLiveStateAndRollbackDiscardsUncommitted) {
   {
     auto l = Ledger::open(p);
     run_records(l);
-    EXPECT_EQ(l.state().steps.size(), 12u);
+    EXPECT_EQ(l.state().reported_steps.count(), 12);
+    EXPECT_EQ(l.state().last_step(), 12);
+    EXPECT_EQ(l.state().latest_by_rank.at(1).step, 12);
+    EXPECT_EQ(l.state().latest_by_rank.at(1).samples, std::vector<uint64_t>{121});
     EXPECT_EQ(l.state().committed_step(), 10);
     l.append({{"type", "restart"}, {"role", "drafter"}, {"rank", 1}, {"reason", "killed"}});
     l.append({{"type", "rollback"}, {"to_step", 10}});
@@ -46,9 +50,9 @@ TEST(Ledger, ReplayEqualsLiveStateAndRollbackDiscardsUncommitted) {
   }
   auto l = Ledger::open(p);
   const auto& s = l.state();
-  EXPECT_EQ(s.steps.size(), 10u);
-  EXPECT_EQ(s.steps.rbegin()->first, 10);
-  EXPECT_EQ(s.steps.at(3).samples_by_rank.at(1), std::vector<uint64_t>{31});
+  EXPECT_EQ(s.reported_steps.count(), 10);
+  EXPECT_EQ(s.last_step(), 10);
+  EXPECT_TRUE(s.latest_by_rank.empty());  // both ranks' latest records (step 12) were rolled back
   EXPECT_EQ(s.restarts.at("drafter"), 1);
   ASSERT_EQ(s.generations.size(), 2u);
   EXPECT_EQ(s.generations[1].start_step, 10);
@@ -108,7 +112,7 @@ TEST(Ledger, TornLastRecordIsDroppedAndTruncated) {
   std::ofstream(p, std::ios::app) << R"({"type":"step","step":13,"ra)";  // crash mid-write
   {
     auto l = Ledger::open(p);
-    EXPECT_EQ(l.state().steps.size(), 12u);
+    EXPECT_EQ(l.state().reported_steps.count(), 12);
     EXPECT_EQ(fs::file_size(p), good);
     l.append({{"type", "checkpoint"}, {"step", 12}, {"dir", "/x/step-12"}});
   }
@@ -140,6 +144,94 @@ TEST(Ledger, CorruptRecordInTheMiddleIsAnErrorNamingTheLine) {
   broken[0] = '<';  // the first record unreadable: not a torn last write
   std::ofstream(p, std::ios::trunc) << broken;
   EXPECT_THROW(Ledger::open(p), DataError);
+}
+
+// A record that parses but has a field of the wrong type: exit-4 DataError naming the file, the line
+// and the field (not the JSON library's own exception).
+TEST(Ledger, WrongTypedFieldNamesFileLineAndField) {
+  const auto p = tmp_path("e.jsonl");
+  auto open_error = [&] {  // the message of the exit-4 error Ledger::open throws
+    try {
+      Ledger::open(p);
+    } catch (const DataError& e) {
+      EXPECT_EQ(e.code(), kExitData);
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "expected DataError";
+    return std::string();
+  };
+  fs::remove(p);
+  {
+    auto l = Ledger::open(p);
+    run_records(l);
+  }
+  std::ofstream(p, std::ios::app) << R"({"type":"restart","role":"drafter","rank":1})" << "\n"
+                                  << R"({"type":"launch","attempt":"one","start_step":10})" << "\n";
+  std::string msg = open_error();
+  EXPECT_NE(msg.find(p + ":29: field 'attempt' must be an integer"), std::string::npos) << msg;
+  std::ofstream(p, std::ios::trunc) << R"({"type":"run","schedule_steps":100,"token_budget":"576","max_batch_size":8})"
+                                    << "\n";
+  msg = open_error();
+  EXPECT_NE(msg.find(p + ":1: field 'token_budget' must be an integer"), std::string::npos) << msg;
+  std::ofstream(p, std::ios::trunc)
+      << R"({"type":"step","step":1,"rank":0,"epoch":0,"optimizer_step":1,"samples":[1,-2]})" << "\n";
+  msg = open_error();
+  EXPECT_NE(msg.find(p + ":1: field 'samples[1]' must be an integer in [0, "), std::string::npos) << msg;
+}
+
+// A write that fails (here a real file size limit: a short write, then EFBIG) leaves the ledger
+// ending with its last complete record, throws DataError naming the file, and leaves the state as
+// the file is; the ledger goes on once there is room again.
+TEST(Ledger, FailedAppendLeavesTheLastCompleteRecord) {
+  const auto p = tmp_path("f.jsonl");
+  fs::remove(p);
+  auto l = Ledger::open(p);
+  run_records(l);
+  const auto good = fs::file_size(p);
+  const int64_t records = l.state().records;
+  for (const uint64_t room : {good + 20, good}) {
+    test_faults::FileSizeLimit full(room);
+    try {
+      l.append({{"type", "checkpoint"}, {"step", 12}, {"dir", "/x/step-12"}});
+      FAIL() << "expected DataError";
+    } catch (const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find(p + ": cannot append a record: "), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(room == good ? "File too large" : "short write"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(fs::file_size(p), good);
+    EXPECT_EQ(l.state().committed_step(), 10);
+    EXPECT_EQ(l.state().records, records);
+  }
+  l.append({{"type", "checkpoint"}, {"step", 12}, {"dir", "/x/step-12"}});
+  EXPECT_EQ(Ledger::open(p).state().committed_step(), 12);
+}
+
+// The state does not keep every step record: a long run is a few ranges and one record per rank.
+TEST(Ledger, StateKeepsRangesAndTheLatestRecordPerRank) {
+  const auto p = tmp_path("g.jsonl");
+  fs::remove(p);
+  {
+    auto l = Ledger::open(p);
+    l.append({{"type", "run"}, {"schedule_steps", 100000}, {"token_budget", 576}, {"max_batch_size", 8}});
+    for (int s = 1; s <= 300; ++s)
+      for (int r = 0; r < 2; ++r)
+        l.append({{"type", "step"}, {"step", s}, {"rank", r}, {"epoch", 0}, {"optimizer_step", s}, {"samples", {s * 10 + r}}});
+    l.append({{"type", "rollback"}, {"to_step", 200}});
+    for (int s = 201; s <= 250; ++s)
+      l.append({{"type", "step"}, {"step", s}, {"rank", 0}, {"epoch", 0}, {"optimizer_step", s}, {"samples", {s}}});
+  }
+  const auto l = Ledger::open(p);
+  EXPECT_EQ(l.state().last_step(), 250);
+  EXPECT_EQ(l.state().reported_steps.count(), 250);
+  ASSERT_EQ(l.state().latest_by_rank.size(), 1u);  // rank 1's latest (300) was rolled back
+  EXPECT_EQ(l.state().latest_by_rank.at(0).samples, std::vector<uint64_t>{250});
+  StepRanges r;
+  for (int64_t s : {5, 3, 4, 9, 1, 10, 2}) r.add(s);
+  EXPECT_EQ(r.count(), 7);
+  EXPECT_EQ(r.last(), 10);
+  r.drop_above(4);
+  EXPECT_EQ(r.count(), 4);
+  EXPECT_EQ(r.last(), 4);
 }
 
 TEST(Launcher, TemplatesQuoteTheCommandAndCarryTheEnvironment) {

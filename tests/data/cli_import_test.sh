@@ -28,4 +28,13 @@ for f in "$W"/ds_bad.tmp-*; do if [ -e "$f" ]; then fail "temporary directory le
 "$DFLASH" data import --input "$W/good.jsonl,$W/bad.jsonl" --out "$W/ds_skip" --block-size 2 --skip-bad > "$W/skip.json"
 [ $? -eq 0 ] || fail "--skip-bad import did not exit 0"
 grep -q '"skipped_bad": 1' "$W/skip.json" || fail "summary lacks skipped_bad=1: $(cat "$W/skip.json")"
+
+# A line that is not UTF-8: named as FILE:LINE (exit 4), or counted and skipped with --skip-bad.
+printf '{"input_ids": [1,2,3,4,5,6,7,8,9], "note": "\377"}\n' > "$W/latin1.jsonl"
+"$DFLASH" data import --input "$W/good.jsonl,$W/latin1.jsonl" --out "$W/ds_u8" --block-size 2 2> "$W/err_u8.txt"
+rc=$?; [ $rc -eq 4 ] || fail "a non-UTF-8 line exited $rc, expected 4"
+grep -q "latin1.jsonl:1: not UTF-8 text" "$W/err_u8.txt" || fail "error does not name latin1.jsonl:1: $(cat "$W/err_u8.txt")"
+"$DFLASH" data import --input "$W/good.jsonl,$W/latin1.jsonl" --out "$W/ds_u8" --block-size 2 --skip-bad > "$W/skip_u8.json"
+rc=$?; [ $rc -eq 0 ] || fail "--skip-bad with a non-UTF-8 line exited $rc, expected 0"
+grep -q '"skipped_bad": 1' "$W/skip_u8.json" || fail "summary lacks skipped_bad=1: $(cat "$W/skip_u8.json")"
 echo "ok"

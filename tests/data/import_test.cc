@@ -142,6 +142,37 @@ TEST(Import, SkipBadCountsAndReports) {
   EXPECT_EQ(ids_of(r.sample(1)), (std::vector<int32_t>{5, 6, 7, 8}));
 }
 
+TEST(Import, NonUtf8LineIsNamedOrSkipped) {
+  ScratchDir d;
+  write_file(d.file("in.jsonl"),
+             "{\"input_ids\": [1, 2, 3, 4]}\n"
+             "{\"input_ids\": [5, 6, 7, 8], \"note\": \"caf\xe9\"}\n"  // Latin-1, not UTF-8
+             "{\"input_ids\": [9, 10, 11, 12]}\n");
+  const std::string msg = error_of<DataError>([&] { import_jsonl(opts(d, {d.file("in.jsonl")})); });
+  EXPECT_TRUE(contains(msg, d.file("in.jsonl") + ":2: not UTF-8 text: byte 0xe9 at column 41")) << msg;
+  EXPECT_FALSE(std::filesystem::exists(d.file("ds")));
+
+  ImportOptions o = opts(d, {d.file("in.jsonl")});
+  o.skip_bad = true;
+  const ImportSummary s = import_jsonl(o);
+  EXPECT_EQ(s.documents, 2u);
+  EXPECT_EQ(s.skipped_bad, 1u);
+  ASSERT_EQ(s.bad_examples.size(), 1u);
+  EXPECT_TRUE(contains(s.bad_examples[0], d.file("in.jsonl") + ":2:"));
+  EXPECT_NO_THROW(s.to_json().dump());  // the summary the CLI prints is valid JSON
+  EXPECT_EQ(ShardReader::open(d.file("ds")).num_samples(), 2u);
+}
+
+TEST(Import, NonUtf8PathsAreRefused) {
+  ScratchDir d;
+  write_file(d.file("in.jsonl"), "{\"input_ids\": [1, 2, 3, 4]}\n");
+  ImportOptions o = opts(d, {d.file("in.jsonl")});
+  o.out_dir = d.file("ds-\xff");
+  EXPECT_TRUE(contains(error_of<ConfigError>([&] { import_jsonl(o); }), "--out")) << "out";
+  o = opts(d, {d.file("in-\xff.jsonl")});
+  EXPECT_TRUE(contains(error_of<ConfigError>([&] { import_jsonl(o); }), "is not UTF-8 text"));
+}
+
 TEST(Import, ShortDocumentsDroppedAndLongOnesTruncated) {
   ScratchDir d;
   // block_size 4: a document needs >= 8 trainable tokens.

@@ -2,6 +2,7 @@
 #include "core/data/shards.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "core/data/packing.h"
 #include "tests/data/test_util.h"
@@ -51,6 +53,20 @@ std::string write_dataset(const std::string& dir, const std::vector<Doc>& docs, 
 }
 
 void truncate_file(const std::string& path, off_t size) { ASSERT_EQ(::truncate(path.c_str(), size), 0); }
+
+void patch_u64(const std::string& path, size_t at, uint64_t v) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(static_cast<std::streamoff>(at));
+  f.write(reinterpret_cast<const char*>(&v), 8);
+  ASSERT_TRUE(f.good());
+}
+
+// Peak resident memory of this process so far, in MiB.
+double peak_rss_mib() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss / 1024.0;
+}
 
 void patch_u32(const std::string& path, size_t at, uint32_t v) {
   std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
@@ -172,6 +188,83 @@ TEST(Shards, CorruptRecordNamedOnAccess) {
   EXPECT_NO_THROW(r.sample(3));
   const std::string msg = error_of<DataError>([&] { r.sample(4); });
   EXPECT_TRUE(contains(msg, "record for sample 4 (byte offset 192)")) << msg;
+}
+
+// Sizes and offsets read from the files are checked without wrapping 2^64: a crafted record or
+// header gives a DataError naming the file and field, quickly and without a large allocation.
+TEST(Shards, RecordOffsetThatWrapsIsRefused) {
+  ScratchDir tmp;
+  const std::string dir = write_dataset(tmp.file("ds"), make_docs(10, 20, 7), 1 << 20);
+  const ShardReader r = ShardReader::open(dir);
+  const uint64_t T = r.num_tokens();
+  // Record 4: offset 2^64 - 1 with its length >= 1, so offset + length wraps to a small number.
+  patch_u64(dir + "/index.bin", 64 + 32 * 4 + 8, ~uint64_t{0});
+  std::string msg = error_of<DataError>([&] { r.sample(4); });
+  EXPECT_TRUE(contains(msg, "index.bin: record for sample 4 (byte offset 192): fields offset 18446744073709551615")) << msg;
+  EXPECT_TRUE(contains(msg, "shard-00000.bin (" + std::to_string(T) + " tokens)")) << msg;
+  // Record 5: offset at the end of the shard, so offset + length runs past it.
+  patch_u64(dir + "/index.bin", 64 + 32 * 5 + 8, T);
+  msg = error_of<DataError>([&] { r.sample(5); });
+  EXPECT_TRUE(contains(msg, "record for sample 5")) << msg;
+  EXPECT_TRUE(contains(msg, "point outside")) << msg;
+  EXPECT_NO_THROW(r.sample(6));
+}
+
+TEST(Shards, HeaderCountsThatWrapAreRefused) {
+  ScratchDir tmp;
+  const double rss0 = peak_rss_mib();
+  // index.bin: num_samples = 2^59 + 1, so 64 + 32 * num_samples wraps to 96 = a file of one record.
+  {
+    const std::string dir = write_dataset(tmp.file("a"), make_docs(1, 20, 8), 1 << 20);
+    const uint64_t n = (uint64_t{1} << 59) + 1;
+    patch_u64(dir + "/index.bin", 16, n);
+    nlohmann::json m;
+    std::ifstream(dir + "/manifest.json") >> m;
+    m["documents"] = n;
+    testing::write_file(dir + "/manifest.json", m.dump());
+    const std::string msg = error_of<DataError>([&] { ShardReader::open(dir); });
+    EXPECT_TRUE(contains(msg, "index.bin: header field num_samples")) << msg;
+    EXPECT_TRUE(contains(msg, "overflows 64 bits")) << msg;
+  }
+  // shard: num_tokens = 0x3333333333333334, so 64 + 5 * num_tokens wraps to 68.
+  {
+    const std::string dir = write_dataset(tmp.file("b"), make_docs(1, 20, 9), 1 << 20);
+    const std::string shard = dir + "/shard-00000.bin";
+    patch_u64(shard, 24, 0x3333333333333334ULL);
+    truncate_file(shard, 68);
+    const std::string msg = error_of<DataError>([&] { ShardReader::open(dir); });
+    EXPECT_TRUE(contains(msg, "shard-00000.bin: header field num_tokens")) << msg;
+    EXPECT_TRUE(contains(msg, "overflows 64 bits")) << msg;
+  }
+  // shard: first sample id fine, num_samples so large that first + num_samples wraps.
+  {
+    const std::string dir = write_dataset(tmp.file("c"), make_docs(3, 20, 10), 1);  // one sample per shard
+    patch_u64(dir + "/shard-00001.bin", 16, ~uint64_t{0});
+    const std::string msg = error_of<DataError>([&] { ShardReader::open(dir); });
+    EXPECT_TRUE(contains(msg, "shard-00001.bin: header field num_samples")) << msg;
+  }
+  EXPECT_LT(peak_rss_mib() - rss0, 100.0);
+}
+
+TEST(Shards, ManifestFieldsOfTheWrongTypeNameTheField) {
+  ScratchDir tmp;
+  const std::string dir = write_dataset(tmp.file("ds"), make_docs(3, 20, 11), 1 << 20);
+  nlohmann::json m;
+  std::ifstream(dir + "/manifest.json") >> m;
+  auto with = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = m;
+    edit(j);
+    testing::write_file(dir + "/manifest.json", j.dump());
+    return error_of<DataError>([&] { ShardReader::open(dir); });
+  };
+  std::string msg = with([](nlohmann::json& j) { j["documents"] = "3"; });
+  EXPECT_TRUE(contains(msg, "manifest.json: field 'documents' must be an integer")) << msg;
+  msg = with([](nlohmann::json& j) { j["shards"][0]["file"] = 7; });
+  EXPECT_TRUE(contains(msg, "manifest.json: field 'shards[0].file' must be a string, got 7")) << msg;
+  msg = with([](nlohmann::json& j) { j["shards"][0]["file"] = "../x.bin"; });
+  EXPECT_TRUE(contains(msg, "field 'shards[0].file' must name a file inside the dataset directory")) << msg;
+  msg = with([](nlohmann::json& j) { j["version"] = -1; });
+  EXPECT_TRUE(contains(msg, "manifest.json: field 'version' must be an integer in [0, 4294967295], got -1")) << msg;
 }
 
 // The index is what open() could be tempted to scan, so this builds 1M samples of tiny documents

@@ -63,6 +63,7 @@ TEST(TokenJsonl, BadLinesNameFileAndLine) {
       {"{\"input_ids\": [1, 2], \"loss_mask\": [1, 2]}", "loss_mask[1] must be 0 or 1, got 2"},
       {"{\"input_ids\": [1, 2], \"labels\": [1, 2, 3]}", "'labels' must be an array of the same length"},
       {"{\"input_ids\": [1, 2], \"labels\": [1, \"x\"]}", "labels[1] is not an integer"},
+      {"{\"input_ids\": [1], \"note\": \"\xff\"}", "not UTF-8 text: byte 0xff at column 29"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.line);

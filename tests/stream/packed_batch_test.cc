@@ -212,6 +212,32 @@ TEST(PackedBatch, ChecksumDetectsOneFlippedByteInEverySection) {
   }
 }
 
+// Header sizes whose products or sums wrap 2^64 are refused by the overflow-checked layout, before
+// anything is compared with the buffer or addressed, naming the header fields.
+TEST(PackedBatch, HeaderSizesThatWrapAreRefused) {
+  const std::vector<DocSpec> docs = {{1, 4}, {2, 6}};
+  struct Case {
+    uint64_t total_tokens;
+    uint32_t k, h;
+    std::string expect;
+  } cases[] = {
+      {uint64_t{1} << 62, 2, 4, "total_tokens * 4 (input_ids bytes)"},
+      {uint64_t{1} << 61, 2, 4, "total_tokens * K * H (feature elements)"},
+      {10, 0xffffffffu, 0xffffffffu, "total_tokens * K * H (feature elements)"},
+      {(uint64_t{1} << 62) - 1, 1, 1, "section offsets"},
+  };
+  for (const auto& c : cases) {
+    auto b = make_batch(9, docs, 2, 4, DType::kBF16, true, true);
+    auto* hd = reinterpret_cast<PackedBatchHeader*>(b.data());
+    hd->total_tokens = c.total_tokens;
+    hd->k = c.k;
+    hd->h = c.h;
+    const std::string err = data_error_of(b.data(), b.size);
+    EXPECT_NE(err.find("packed batch: " + c.expect), std::string::npos) << err;
+    EXPECT_NE(err.find("overflows 64 bits"), std::string::npos) << err;
+  }
+}
+
 TEST(PackedBatch, WriterRejectsSmallBufferAndEmptyDocs) {
   std::vector<uint64_t> buf(128);
   PackedBatchInfo info;

@@ -3,10 +3,12 @@
 #include "core/train/checkpoint.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "tests/io/test_util.h"
 
@@ -246,6 +248,57 @@ TEST(Checkpoint, DrafterConfigJsonRoundTrip) {
   auto d = c;
   d.rope.factor = 4;
   EXPECT_TRUE(contains(drafter_config_difference(c, d), "rope.factor"));
+}
+
+// Peak resident memory of this process so far, in MiB.
+double peak_rss_mib() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss / 1024.0;
+}
+
+// A checkpoint's sizes are checked before anything of that shape is allocated: out of the
+// plausible ranges, or more parameters than drafter.safetensors holds -> DataError naming the file
+// and field (fast, in little memory), and a wrong-typed field names the field too.
+TEST(Checkpoint, ImplausibleSizesAreRefusedBeforeAllocating) {
+  ScratchDir tmp;
+  const std::string dir = save_step(tmp.path(), 1);
+  const std::string state = dir + "/state.json";
+  const auto j = nlohmann::json::parse(read_file(state));
+  auto with = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json k = j;
+    edit(k);
+    write_file(state, k.dump());
+    return error_of<DataError>([&] { inspect_checkpoint(dir); });
+  };
+  const double rss0 = peak_rss_mib();
+  std::string msg = with([](nlohmann::json& k) { k["drafter_config"]["num_layers"] = 1000000; });
+  EXPECT_TRUE(contains(msg, state + ": field 'drafter_config' is implausible: num_layers must be in [1, 1024], got 1000000"))
+      << msg;
+  msg = with([](nlohmann::json& k) { k["drafter_config"]["vocab_size"] = int64_t{1} << 40; });
+  EXPECT_TRUE(contains(msg, "vocab_size must be in [1, 16777216]")) << msg;
+  msg = with([](nlohmann::json& k) { k["drafter_config"]["num_kv_heads"] = 8; });  // > num_heads 4
+  EXPECT_TRUE(contains(msg, "num_kv_heads must be in [1, 4], got 8")) << msg;
+  msg = with([](nlohmann::json& k) { k["drafter_config"]["target_layer_ids"] = {0, 4}; });  // 4 target layers
+  EXPECT_TRUE(contains(msg, "target_layer_ids[1] must be in [0, 3], got 4")) << msg;
+  // Plausible, but more parameters than the weights file holds.
+  msg = with([](nlohmann::json& k) { k["drafter_config"]["num_layers"] = 1000; });
+  EXPECT_TRUE(contains(msg, state + ": field 'drafter_config' describes ")) << msg;
+  EXPECT_TRUE(contains(msg, dir + "/drafter.safetensors holds only")) << msg;
+  // Wrong types and negative values name the field instead of converting.
+  msg = with([](nlohmann::json& k) { k["drafter_config"]["num_layers"] = "2"; });
+  EXPECT_TRUE(contains(msg, state + ": field 'drafter_config.num_layers' must be an integer")) << msg;
+  msg = with([](nlohmann::json& k) { k["seed"] = -1; });
+  EXPECT_TRUE(contains(msg, state + ": field 'seed' must be an integer in [0, 18446744073709551615], got -1")) << msg;
+  msg = with([](nlohmann::json& k) { k["drafter_config"]["rope"]["theta"] = "big"; });
+  EXPECT_TRUE(contains(msg, "field 'drafter_config.rope.theta' must be a number")) << msg;
+  EXPECT_LT(peak_rss_mib() - rss0, 200.0);
+  // drafter_parameter_count is what a Drafter of that config has.
+  for (int64_t layers : {1, 3}) {
+    auto c = tiny_config();
+    c.num_layers = layers;
+    EXPECT_EQ(drafter_parameter_count(c), model::Drafter(c, torch::kCPU, 0).num_parameters());
+  }
 }
 
 TEST(Checkpoint, TmpDirsAreIgnoredAndCleanedUp) {

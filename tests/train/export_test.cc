@@ -3,6 +3,7 @@
 #include "core/train/export.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -349,6 +350,43 @@ TEST(Export, CliFromCheckpoint) {
   write_file(ckpt + "/drafter.safetensors", bytes);
   EXPECT_EQ(cli({"--checkpoint", ckpt, "--out", tmp.file("x")}), 4);
   EXPECT_FALSE(fs::exists(tmp.file("x")));
+}
+
+// `dflash export` of a checkpoint whose state.json claims a huge drafter: exit 4 before anything of
+// that shape is allocated (a million layers of the tiny config would be ~120 GB of fp32).
+TEST(Export, CliRefusesImplausibleCheckpointSizes) {
+  ScratchDir tmp;
+  model::Drafter d(tiny_config(), torch::kCPU, 1);
+  AdamW opt(&d.parameters(), AdamWOptions{});
+  const std::string ckpt = tmp.file(checkpoint_dir_name(3));
+  save_checkpoint(ckpt, d, opt, CheckpointState{});
+  json j = json::parse(read_file(ckpt + "/state.json"));
+  j["drafter_config"]["num_layers"] = 1000000;
+  write_file(ckpt + "/state.json", j.dump());
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  const long rss0_kib = u.ru_maxrss;
+  EXPECT_EQ(cli({"--checkpoint", ckpt, "--out", tmp.file("x")}), 4);
+  ::getrusage(RUSAGE_SELF, &u);
+  EXPECT_LT(u.ru_maxrss - rss0_kib, 200 * 1024) << "KiB";
+  EXPECT_FALSE(fs::exists(tmp.file("x")));
+  // The same for an export whose config.json claims it: ConfigError naming the file, before the
+  // reference layout is built; and a shape the weights cannot hold is a DataError.
+  const std::string hf = tmp.file("hf");
+  export_hf(d, hf);
+  const json cfg = json::parse(read_file(hf + "/config.json"));
+  json big = cfg;
+  big["num_hidden_layers"] = 1000000;
+  write_file(hf + "/config.json", big.dump());
+  EXPECT_TRUE(contains(error_of<ConfigError>([&] { import_hf(hf); }), "implausible drafter shape: num_layers must be in [1, 1024], got 1000000"));
+  big = cfg;
+  big["num_hidden_layers"] = 1000;
+  write_file(hf + "/config.json", big.dump());
+  EXPECT_TRUE(contains(error_of<DataError>([&] { import_hf(hf); }), "holds " )) << "a shape the files cannot hold";
+  big = cfg;
+  big["num_target_layers"] = "4";
+  write_file(hf + "/config.json", big.dump());
+  EXPECT_TRUE(contains(error_of<ConfigError>([&] { import_hf(hf); }), "field 'num_target_layers' must be an integer"));
 }
 
 }  // namespace
