@@ -1,12 +1,14 @@
 // `dflash train CONFIG`: a whole training run in ONE process (target capture + drafter training on
-// one device), driven by the same run config, shards, packing, trainer and checkpoints as the
-// distributed run. It is the embedded default job of scripts/demo.sh and the reference the
-// multi-process pipeline must reproduce.
+// one device), driven by the same run plan (services/common/run_plan.h), shards, packing, train
+// loop (services/drafter/train_loop.h: here the target's capture is its data source) and
+// checkpoints as the distributed run. It is the embedded default job of scripts/demo.sh and the
+// reference the multi-process pipeline must reproduce.
 //
 // Resume: checkpoints go to <run.output_dir>/checkpoints/step-N with the data position
 // (epoch, batch index); run.resume "auto" continues from the newest valid one. Because the epoch
 // plan and every random draw are pure functions of (seed, epoch, step, micro-batch), a resumed run
-// computes exactly what the uninterrupted run would have (bitwise on CPU fp32).
+// computes exactly what the uninterrupted run would have (bitwise on CPU fp32). A checkpoint whose
+// position is not a whole number of steps (train.grad_accum changed since) is refused: ConfigError.
 #pragma once
 #include <cstdint>
 #include <string>

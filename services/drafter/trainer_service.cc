@@ -22,9 +22,7 @@
 #endif
 
 #include "core/data/shards.h"
-#include "core/io/hf_config.h"
 #include "core/model/drafter.h"
-#include "core/model/layers.h"
 #include "core/model/target.h"
 #include "core/train/checkpoint.h"
 #include "core/train/collectives_factory.h"
