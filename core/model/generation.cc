@@ -53,10 +53,12 @@ torch::Tensor sample_next(const torch::Tensor& logits_BV, const SamplingOptions&
     drop.narrow(-1, V - 1, 1).fill_(false);
     x = x.scatter(-1, order, sorted.masked_fill(drop, -inf));
   }
+  // One draw per row: argmax(p / E), E ~ Exp(1) per token from the row's generator (how
+  // torch::multinomial draws one sample, without its validity check that reads a value back).
   auto probs = x.softmax(-1);
-  std::vector<torch::Tensor> picks;
-  for (int64_t i = 0; i < B; ++i) picks.push_back(torch::multinomial(probs[i], 1, /*replacement=*/false, gens[i]));
-  return torch::cat(picks);
+  std::vector<torch::Tensor> noise;
+  for (int64_t i = 0; i < B; ++i) noise.push_back(torch::empty_like(probs[i]).exponential_(1.0, gens[i]));
+  return (probs / torch::stack(noise)).argmax(-1);
 }
 
 const char* finish_reason_name(FinishReason r) { return r == FinishReason::kStop ? "stop" : "length"; }

@@ -47,8 +47,9 @@ void validate_sampling(const SamplingOptions& o);
 at::Generator make_generator(torch::Device device, uint64_t seed);
 
 // Next tokens for the logits rows [B, V] (any floating dtype, computed in fp32): argmax when
-// temperature is 0 (gens unused), else one draw per row i with gens[i] (gens.size() == B).
-// Returns int64 [B] on the logits' device; no host sync.
+// temperature is 0 (gens unused), else one draw per row i with gens[i] (gens.size() == B; each
+// draw consumes V exponential variates of its generator). Returns int64 [B] on the logits' device;
+// no host sync.
 torch::Tensor sample_next(const torch::Tensor& logits_BV, const SamplingOptions& o, std::vector<at::Generator>& gens);
 
 struct GenerationOptions {
