@@ -5,31 +5,22 @@
 // and without stop tokens. Also: resuming a killed run (a torn last line included), seeded sampling
 // independent of the batch size, and exit codes.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "tests/eval/cli_test_util.h"
+
 namespace {
 namespace fs = std::filesystem;
 
-std::string env(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? v : "";
-}
-
-int run(const std::string& cmd) {
-  std::cout << "+ " << cmd << std::endl;
-  const int rc = std::system(cmd.c_str());
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-}
+using dflash::testing::env;
+using dflash::testing::run;
 
 std::vector<std::string> read_lines(const std::string& path) {
   std::ifstream in(path);
