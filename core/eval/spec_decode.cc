@@ -65,11 +65,11 @@ const model::Drafter& SpeculativeDecoder::drafter_for(int64_t V) {
   return *by_block_size_.emplace(V, std::move(d)).first->second;
 }
 
-std::pair<std::vector<int64_t>, torch::Tensor> SpeculativeDecoder::verify(const std::vector<int64_t>& seq_S,
-                                                                          int64_t from) {
-  const int64_t S = seq_S.size();
-  auto cap = target_.forward_capture(ids_tensor(seq_S, target_.options().device), {S}, capture_);
-  return {target_argmax(target_, cap.last_hidden_TH.narrow(0, from, S - from)), cap.features_TKH};
+model::CaptureResult SpeculativeDecoder::extend(model::SequenceCache& cache, const std::vector<int64_t>& tokens,
+                                               bool rollback) {
+  model::ExtendBatch batch{{0}, {static_cast<int64_t>(tokens.size())}, ids_tensor(tokens, target_.options().device),
+                           rollback};
+  return target_.extend(cache, batch, capture_);
 }
 
 SpecDecodeResult SpeculativeDecoder::generate(const std::vector<int64_t>& prompt, const SpecDecodeOptions& opt) {
@@ -81,13 +81,15 @@ SpecDecodeResult SpeculativeDecoder::generate(const std::vector<int64_t>& prompt
   DFLASH_CHECK(B >= 1, ConfigError, "block_size must be >= 1, got " << B);
   check_prompt(prompt, target_.config().vocab_size);
   const int64_t n = prompt.size(), max_length = n + opt.max_new_tokens;
+  // The cache holds seq[0, start): every accepted token but the last, which opens the next block.
+  model::SequenceCache cache(target_.config(), 1, max_length, dev, compute);
 
   // Prefill: first token and the context features of every prompt position.
   std::vector<int64_t> seq = prompt;  // accepted tokens; seq.size() == start + 1 after the prefill
-  auto [first, prompt_features] = verify(seq, n - 1);
-  seq.push_back(first[0]);
+  auto prefill = extend(cache, prompt, /*rollback=*/false);
+  seq.push_back(target_argmax(target_, prefill.last_hidden_TH.narrow(0, n - 1, 1))[0]);
   torch::Tensor ctx_TH;  // fused drafter context of positions 0..start-1
-  if (B > 1) ctx_TH = drafter_for(B).fuse_context(prompt_features, compute);
+  if (B > 1) ctx_TH = drafter_for(B).fuse_context(prefill.features_TKH, compute);
 
   SpecDecodeResult res;
   int64_t start = n;
@@ -95,22 +97,22 @@ SpecDecodeResult SpeculativeDecoder::generate(const std::vector<int64_t>& prompt
   while (start + 1 < max_length && !stopped) {
     const int64_t V = std::min(B, max_length - start);
     // Draft V-1 tokens after seq[start].
+    std::vector<int64_t> block(V, cfg_.mask_token_id);
+    block[0] = seq[start];
     std::vector<int64_t> drafts;
     if (V > 1) {
       const auto& drafter = drafter_for(V);
-      std::vector<int64_t> block(V, cfg_.mask_token_id);
-      block[0] = seq[start];
       auto x_VH = target_.embed_tokens(ids_tensor(block, dev));
       auto q_pos = torch::arange(start, start + V, torch::TensorOptions().dtype(torch::kInt64).device(dev));
       auto ctx_pos = torch::arange(0, start, torch::TensorOptions().dtype(torch::kInt64).device(dev));
       model::BlockAttention attn{{0}, {start}};
       auto h_VH = drafter.forward(x_VH, q_pos, ctx_TH, ctx_pos, attn, compute);
       drafts = to_vector(F::linear(h_VH.narrow(0, 1, V - 1), target_.lm_head_weight()).argmax(-1));
+      std::copy(drafts.begin(), drafts.end(), block.begin() + 1);
     }
-    // Verify: the target over the accepted sequence plus the drafts; posterior of the V block rows.
-    std::vector<int64_t> verify_seq = seq;
-    verify_seq.insert(verify_seq.end(), drafts.begin(), drafts.end());
-    auto [posterior, features] = verify(verify_seq, start);
+    // Verify: the target appends the block to the cache; posterior of its V rows.
+    auto verified = extend(cache, block, /*rollback=*/true);
+    const auto posterior = target_argmax(target_, verified.last_hidden_TH);
     int64_t accepted = 0;
     while (accepted < V - 1 && drafts[accepted] == posterior[accepted]) ++accepted;
     const int64_t bonus = posterior[accepted];
@@ -124,8 +126,9 @@ SpecDecodeResult SpeculativeDecoder::generate(const std::vector<int64_t>& prompt
         break;
       }
     }
-    if (V > 1)
-      ctx_TH = torch::cat({ctx_TH, drafter_for(V).fuse_context(features.narrow(0, start, produced), compute)}, 0);
+    // Block rows 0..produced-1 are seq[start, start + produced): keep them, drop the rejected drafts.
+    cache.truncate({0}, {start + produced});
+    if (V > 1) ctx_TH = torch::cat({ctx_TH, drafter_for(V).fuse_context(verified.features_TKH.narrow(0, 0, produced), compute)}, 0);
     start += produced;
     res.acceptance_lengths.push_back(produced);
   }

@@ -12,18 +12,20 @@
 //     V = min(B, max_length - start); block = [seq[start], MASK x (V-1)] at positions start..start+V-1;
 //     the drafter sees the fused context of positions 0..start-1 and the block; drafts = argmax of
 //     lm_head(drafter hidden) at block rows 1..V-1;
-//     the target verifies seq[0..start] + drafts; posterior[i] = target argmax at block row i;
+//     the target verifies the block [seq[start], drafts] (appended to its cache, which holds
+//     seq[0..start-1]); posterior[i] = target argmax at block row i;
 //     acceptance a = longest prefix with drafts[i] == posterior[i]; bonus = posterior[a];
 //     produced = min(a + 1, max_length - start - 1), cut after the first stop token among the
 //     produced tokens (which then ends decoding); acceptance_lengths gets `produced`;
+//     the target's cache is truncated to seq[0..start+produced-1] (rejected drafts dropped);
 //     the context grows by the target features of block rows 0..produced-1; start += produced.
 //   output = generated tokens seq[prompt .. min(start + 1, max_length)) (a stop token is included).
 // With B == 1 there is no drafting (the target emits one token per round), as in z-lab.
 //
-// Cost (no KV cache yet, correctness first): every round the target re-runs over the WHOLE accepted
-// sequence plus the block (O(S) tokens, O(S^2) attention per round) and the drafter re-projects the
-// K/V of the whole context (the fused context itself is appended per round, not recomputed). The
-// per-token values equal the cached ones of z-lab; only the speed differs.
+// Cost: the target runs incrementally (model::SequenceCache, one slot sized prompt +
+// max_new_tokens): V tokens per round over its KV / recurrent cache, rolled back to the accepted
+// prefix after each round. The drafter still re-projects the K/V of the whole context every round
+// (the fused context itself is appended per round, not recomputed).
 //
 // Contracts: the drafter must fit the target (hidden size, target_layer_ids within the target's
 // layers, mask_token_id and prompt ids within the vocabulary): ConfigError / DataError otherwise.
@@ -62,8 +64,8 @@ class SpeculativeDecoder {
   // Drafter::forward treats its rows as blocks of config().block_size, so each verify size V gets a
   // drafter whose block_size is V; all of them share the same weight tensors (built once per V).
   const model::Drafter& drafter_for(int64_t V);
-  // Target forward over seq_S; returns (posterior argmax of rows [from, S), features [S, K*H]).
-  std::pair<std::vector<int64_t>, torch::Tensor> verify(const std::vector<int64_t>& seq_S, int64_t from);
+  // Appends `tokens` to slot 0 of the target's cache; their captures (drafter layers, last hidden).
+  model::CaptureResult extend(model::SequenceCache& cache, const std::vector<int64_t>& tokens, bool rollback);
 
   model::TargetModel& target_;
   model::DrafterConfig cfg_;

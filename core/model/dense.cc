@@ -2,6 +2,8 @@
 //   h = embed(ids); per layer: h += o(attn(rope(qk_norm(qkv(norm(h)))))); h += mlp(norm(h)); capture.
 #include "core/model/dense.h"
 
+#include <functional>
+
 #include "core/model/layers.h"
 #include "core/util/error.h"
 #ifdef DFLASH_WITH_CUDA
@@ -69,12 +71,33 @@ class DenseTarget : public TargetModel {
   CaptureResult forward_capture(const torch::Tensor& ids_T, const std::vector<int64_t>& doc_lens,
                                 const CaptureSpec& spec, CaptureResult out) override {
     torch::NoGradGuard no_grad;
+    return run(ids_T, doc_positions(doc_lens, opt_.device), spec, std::move(out),
+               [&](int64_t, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+                 return causal_attention_varlen(q, k, v, doc_lens, scale());
+               });
+  }
+
+  CaptureResult extend(SequenceCache& cache, const ExtendBatch& batch, const CaptureSpec& spec,
+                       CaptureResult out) override {
+    torch::NoGradGuard no_grad;
+    auto step = cache.begin(batch);
+    out = run(batch.input_ids_T, step.positions_T, spec, std::move(out),
+              [&](int64_t l, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+                return cache.attend(l, step, q, k, v, scale());
+              });
+    cache.commit(step);
+    return out;
+  }
+
+  // The forward of tokens at the given positions; attend(layer, q, k, v) is their attention.
+  using AttendFn = std::function<torch::Tensor(int64_t, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
+  CaptureResult run(const torch::Tensor& ids_T, const torch::Tensor& pos_T, const CaptureSpec& spec, CaptureResult out,
+                    const AttendFn& attend) const {
     const int64_t T = ids_T.size(0), H = cfg_.hidden_size, D = cfg_.head_dim;
     const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
     const auto slot = prepare_capture(out, spec, T, H, cfg_.num_layers, torch::TensorOptions().device(opt_.device).dtype(opt_.dtype));
 
-    auto rope = rope_table(inv_freq_, doc_positions(doc_lens, opt_.device), opt_.dtype);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    auto rope = rope_table(inv_freq_, pos_T, opt_.dtype);
     auto h = F::embedding(ids_T, embed_);  // [T, H]
     const bool fused = use_fused(h);
     torch::Tensor delta;  // the last sublayer's output, added to h by the next add_norm
@@ -87,7 +110,7 @@ class DenseTarget : public TargetModel {
       auto v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D});
       q = norm_rope(q, L.q_norm, rope, fused);
       k = norm_rope(k, L.k_norm, rope, fused);
-      auto a = causal_attention_varlen(q, k, v, doc_lens, scale).reshape({T, Hq * D});
+      auto a = attend(l, q, k, v).reshape({T, Hq * D});
       delta = L.o_b.defined() ? F::linear(a, L.o_w, L.o_b) : F::linear(a, L.o_w);
       x = add_norm(h, delta, L.ln2, fused);
       delta = mlp(x, L, fused);
@@ -96,6 +119,8 @@ class DenseTarget : public TargetModel {
     finish_capture(h, delta, spec, out);
     return out;
   }
+
+  double scale() const { return 1.0 / std::sqrt(static_cast<double>(cfg_.head_dim)); }
 
   // The fused CUDA kernels (bf16) and the plain LibTorch ops round at the same points.
   static bool use_fused(const torch::Tensor& h) {

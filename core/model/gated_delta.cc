@@ -64,6 +64,7 @@ int64_t check_inputs(const GatedDeltaInputs& in, const std::vector<int64_t>& doc
 // Where every token goes in the wave-major chunk layout.
 struct ChunkPlan {
   int64_t num_chunks = 0;            // N: chunk slots over all documents
+  std::vector<int64_t> order;        // documents by chunk count, most first (wave rows in this order)
   std::vector<int64_t> wave_active;  // documents still running in wave j (non-increasing)
   torch::Tensor src_S;               // [N*C] int64: token feeding each slot position (T = zero row)
   torch::Tensor dst_T;               // [T] int64: slot position of every token
@@ -82,6 +83,7 @@ ChunkPlan plan_chunks(const std::vector<int64_t>& doc_lens, int64_t C, torch::De
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return chunks[a] > chunks[b]; });
   ChunkPlan p;
+  p.order = order;
   const int64_t waves = D > 0 ? chunks[order[0]] : 0;
   for (int64_t j = 0; j < waves; ++j) {
     int64_t a = 0;
@@ -157,9 +159,10 @@ GatedDeltaInputs in_compute_dtype(const GatedDeltaInputs& in) {
 }
 
 // Steps 1-8 of docs/models.md#chunked-delta-rule in batched LibTorch ops (inputs already in the
-// compute dtype).
+// compute dtype). With `state` defined ([D, Hv, K, V] in the compute dtype), document d starts from
+// state[d] and `state` is replaced by the final states; otherwise every document starts from zeros.
 torch::Tensor composed_chunk_rule(const GatedDeltaInputs& in, const std::vector<int64_t>& doc_lens, double scale,
-                                  int64_t C, int64_t r) {
+                                  int64_t C, int64_t r, torch::Tensor* state = nullptr) {
   const int64_t T = in.q_THK.size(0), K = in.q_THK.size(2), Hv = in.v_THV.size(1), V = in.v_THV.size(2);
   if (T == 0) return torch::zeros_like(in.v_THV);
   const auto dev = in.q_THK.device();
@@ -200,11 +203,20 @@ torch::Tensor composed_chunk_rule(const GatedDeltaInputs& in, const std::vector<
   L = torch::Tensor();
   kb = torch::Tensor();
 
-  // 7. Inter-chunk recurrence, wave by wave; the documents still running are a prefix of the wave.
+  // 7. Inter-chunk recurrence, wave by wave; the documents still running are a prefix of the wave
+  // (wave row i is document plan.order[i]). A document's state is final once it leaves the waves.
   auto o = torch::empty({N, Hv, C, V}, U.options());
-  auto S = torch::zeros({plan.wave_active.empty() ? 0 : plan.wave_active[0], Hv, K, V}, U.options());
+  const int64_t running = plan.wave_active.empty() ? 0 : plan.wave_active[0];
+  torch::Tensor order;  // wave row -> document (only with `state`)
+  if (state) order = to_device_async(torch::tensor(plan.order, torch::kInt64), dev);
+  auto S = state ? state->index_select(0, order.narrow(0, 0, running))
+                 : torch::zeros({running, Hv, K, V}, U.options());
+  auto finish = [&](int64_t from, int64_t to) {  // wave rows [from, to) are done: their states are final
+    if (state && to > from) state->index_copy_(0, order.narrow(0, from, to - from), S.narrow(0, from, to - from));
+  };
   int64_t off = 0;
   for (int64_t a : plan.wave_active) {
+    finish(a, S.size(0));
     S = S.narrow(0, 0, a);
     auto P = torch::matmul(WQ.narrow(0, off, a), S);                  // [a, Hv, 2C, V]
     auto v_new = U.narrow(0, off, a) - P.narrow(2, 0, C);
@@ -214,6 +226,7 @@ torch::Tensor composed_chunk_rule(const GatedDeltaInputs& in, const std::vector<
     S = torch::matmul(kd_T.narrow(0, off, a), v_new).add_(S * decay.narrow(0, off, a));
     off += a;
   }
+  finish(0, S.size(0));
   // 8. Back to token order.
   return o.permute({0, 2, 1, 3}).reshape({N * C, Hv, V}).index_select(0, plan.dst_T);
 }
@@ -256,6 +269,22 @@ torch::Tensor chunk_gated_delta_rule(const GatedDeltaInputs& in, const std::vect
 #endif
   }
   return composed_chunk_rule(in_compute_dtype(in), doc_lens, scale, C, r).to(in.q_THK.scalar_type());
+}
+
+GatedDeltaResult chunk_gated_delta_rule_from(const GatedDeltaInputs& in_raw, const std::vector<int64_t>& doc_lens,
+                                             double scale, const torch::Tensor& state0_DHKV, int64_t C) {
+  const int64_t r = check_inputs(in_raw, doc_lens);
+  DFLASH_CHECK(C > 0, ConfigError, "gated delta rule: chunk size must be positive");
+  const int64_t D = doc_lens.size(), Hv = in_raw.v_THV.size(1), K = in_raw.q_THK.size(2), V = in_raw.v_THV.size(2);
+  DFLASH_CHECK(state0_DHKV.dim() == 4 && state0_DHKV.size(0) == D && state0_DHKV.size(1) == Hv &&
+                   state0_DHKV.size(2) == K && state0_DHKV.size(3) == V,
+               DataError, "gated delta rule: initial states must be [" << D << ", " << Hv << ", " << K << ", " << V
+                                                                       << "], got " << state0_DHKV.sizes());
+  const GatedDeltaInputs in = in_compute_dtype(in_raw);
+  // A copy: the rule replaces the rows of `state` in place.
+  auto state = state0_DHKV.to(in.q_THK.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  auto o = composed_chunk_rule(in, doc_lens, scale, C, r, &state);
+  return {o.to(in_raw.q_THK.scalar_type()), state};
 }
 
 torch::Tensor recurrent_gated_delta_rule(const GatedDeltaInputs& in_raw, const std::vector<int64_t>& doc_lens,

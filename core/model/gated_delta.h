@@ -63,6 +63,18 @@ enum class GdnBackend { kAuto, kComposed, kCuda };
 torch::Tensor chunk_gated_delta_rule(const GatedDeltaInputs& in, const std::vector<int64_t>& doc_lens, double scale,
                                      int64_t chunk = 64, GdnBackend backend = GdnBackend::kAuto);
 
+// The same rule continuing from given states (incremental decoding, core/model/sequence_cache.h):
+// document d starts from state0_DHKV[d] ([D, Hv, K, V], any floating dtype; zeros = a fresh
+// document) instead of zeros, and the final state of every document is returned (a document of
+// length 0 keeps its state0). Always the composed LibTorch ops, on any device (the CUDA kernels take
+// no initial state); `allow_tf32` / `bf16_work` are ignored. o_THV in q's dtype, state_DHKV in the
+// compute dtype (fp32, fp64 for fp64 inputs).
+struct GatedDeltaResult {
+  torch::Tensor o_THV, state_DHKV;
+};
+GatedDeltaResult chunk_gated_delta_rule_from(const GatedDeltaInputs& in, const std::vector<int64_t>& doc_lens,
+                                             double scale, const torch::Tensor& state0_DHKV, int64_t chunk = 64);
+
 // True when kAuto would run the CUDA kernels for these inputs (false on CPU builds).
 bool gated_delta_uses_cuda_kernel(const GatedDeltaInputs& in, int64_t chunk = 64);
 

@@ -148,24 +148,15 @@ class HybridTarget : public TargetModel {
   CaptureResult forward_capture(const torch::Tensor& ids_T, const std::vector<int64_t>& doc_lens,
                                 const CaptureSpec& spec, CaptureResult out) override {
     torch::NoGradGuard no_grad;
-    const int64_t T = ids_T.size(0), H = cfg_.hidden_size;
-    const auto slot = prepare_capture(out, spec, T, H, cfg_.num_layers, torch::TensorOptions().device(opt_.device).dtype(opt_.dtype));
+    return run(ids_T, doc_lens, doc_positions(doc_lens, opt_.device), spec, std::move(out), nullptr);
+  }
 
-    auto pos_T = doc_positions(doc_lens, opt_.device);
-    auto rope = rope_table(inv_freq_, pos_T, opt_.dtype);
-    auto h = F::embedding(ids_T, embed_);  // [T, H]
-    const bool fused = use_fused(h);
-    torch::Tensor delta;  // the last sublayer's output, added to h by the next add_norm
-    for (int64_t l = 0; l < cfg_.num_layers; ++l) {
-      const auto& L = layers_[l];
-      auto x = add_norm(h, delta, L.ln1, fused);
-      delta = L.linear ? gated_delta_net(L.gdn, x, h, doc_lens, pos_T, fused)
-                       : gated_attention(L.attn, x, h, rope, doc_lens, fused);
-      x = add_norm(h, delta, L.ln2, fused);
-      delta = mlp(x, h, L, fused);
-      capture_layer(h, delta, slot[l], out);
-    }
-    finish_capture(h, delta, spec, out);
+  CaptureResult extend(SequenceCache& cache, const ExtendBatch& batch, const CaptureSpec& spec,
+                       CaptureResult out) override {
+    torch::NoGradGuard no_grad;
+    Cached cached{&cache, cache.begin(batch)};
+    out = run(batch.input_ids_T, batch.lengths, cached.step.positions_T, spec, std::move(out), &cached);
+    cache.commit(cached.step);
     return out;
   }
 
@@ -180,6 +171,36 @@ class HybridTarget : public TargetModel {
   }
 
  private:
+  // Incremental decoding: the mixers read and update the cache instead of restarting per document.
+  struct Cached {
+    SequenceCache* cache;
+    SequenceCache::Step step;
+  };
+
+  // The forward of documents doc_lens (with `cached`: the tokens appended to each sequence) at
+  // positions pos_T.
+  CaptureResult run(const torch::Tensor& ids_T, const std::vector<int64_t>& doc_lens, const torch::Tensor& pos_T,
+                    const CaptureSpec& spec, CaptureResult out, Cached* cached) const {
+    const int64_t T = ids_T.size(0), H = cfg_.hidden_size;
+    const auto slot = prepare_capture(out, spec, T, H, cfg_.num_layers, torch::TensorOptions().device(opt_.device).dtype(opt_.dtype));
+
+    auto rope = rope_table(inv_freq_, pos_T, opt_.dtype);
+    auto h = F::embedding(ids_T, embed_);  // [T, H]
+    const bool fused = use_fused(h);
+    torch::Tensor delta;  // the last sublayer's output, added to h by the next add_norm
+    for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+      const auto& L = layers_[l];
+      auto x = add_norm(h, delta, L.ln1, fused);
+      delta = L.linear ? gated_delta_net(l, L.gdn, x, h, doc_lens, pos_T, fused, cached)
+                       : gated_attention(l, L.attn, x, h, rope, doc_lens, fused, cached);
+      x = add_norm(h, delta, L.ln2, fused);
+      delta = mlp(x, h, L, fused);
+      capture_layer(h, delta, slot[l], out);
+    }
+    finish_capture(h, delta, spec, out);
+    return out;
+  }
+
   // Fused CUDA kernels (bf16 model on CUDA) with the same fp32 arithmetic and bf16 rounding points
   // as the plain ops; tests/model/gated_delta_gpu_test.cc compares each pair.
   static bool use_fused(const torch::Tensor& h) {
@@ -232,8 +253,9 @@ class HybridTarget : public TargetModel {
   }
 
   // Full attention with a sigmoid output gate: q_proj rows are per head [q (D) | gate (D)].
-  torch::Tensor gated_attention(const GatedAttention& A, const torch::Tensor& x_TH, torch::Tensor& h,
-                                const RopeTable& rope, const std::vector<int64_t>& doc_lens, bool fused_ok) const {
+  torch::Tensor gated_attention(int64_t layer, const GatedAttention& A, const torch::Tensor& x_TH, torch::Tensor& h,
+                                const RopeTable& rope, const std::vector<int64_t>& doc_lens, bool fused_ok,
+                                Cached* cached) const {
     const int64_t T = x_TH.size(0), D = cfg_.head_dim, Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
     auto qkv = A.qkv_b.defined() ? F::linear(x_TH, A.qkv_w, A.qkv_b) : project(x_TH, A.qkv_w, fused_ok);
     auto qg_THD2 = qkv.narrow(1, 0, Hq * 2 * D).view({T, Hq, 2 * D});
@@ -241,20 +263,24 @@ class HybridTarget : public TargetModel {
     auto k_raw = qkv.narrow(1, Hq * 2 * D, Hkv * D).view({T, Hkv, D});
     auto v_THD = qkv.narrow(1, Hq * 2 * D + Hkv * D, Hkv * D).view({T, Hkv, D});
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    auto attend = [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+      return cached ? cached->cache->attend(layer, cached->step, q, k, v, scale)
+                    : causal_attention_varlen(q, k, v, doc_lens, scale);
+    };
     torch::Tensor a_TQ;
 #ifdef DFLASH_WITH_CUDA
     if (fused_ok && D % 32 == 0 && D <= 256) {  // norm + RoPE straight from the projection; gate read in place
       const double eps = cfg_.rms_norm_eps;
       auto q_THD = fused::head_norm_rope(q_raw, A.q_norm, eps, rope.cos, rope.sin, /*zero_centred=*/true);
       auto k_THD = fused::head_norm_rope(k_raw, A.k_norm, eps, rope.cos, rope.sin, /*zero_centred=*/true);
-      a_TQ = fused::sigmoid_gate(causal_attention_varlen(q_THD, k_THD, v_THD, doc_lens, scale), gate_THD).view({T, Hq * D});
+      a_TQ = fused::sigmoid_gate(attend(q_THD, k_THD, v_THD), gate_THD).view({T, Hq * D});
     }
 #endif
     (void)fused_ok;
     if (!a_TQ.defined()) {
       auto q_THD = apply_rope(rms_norm_zero_centred(q_raw, A.q_norm, cfg_.rms_norm_eps), rope);
       auto k_THD = apply_rope(rms_norm_zero_centred(k_raw, A.k_norm, cfg_.rms_norm_eps), rope);
-      a_TQ = causal_attention_varlen(q_THD, k_THD, v_THD, doc_lens, scale).reshape({T, Hq * D});
+      a_TQ = attend(q_THD, k_THD, v_THD).reshape({T, Hq * D});
       a_TQ = a_TQ * torch::sigmoid(gate_THD.reshape({T, Hq * D}));
     }
     return A.o_b.defined() ? F::linear(a_TQ, A.o_w, A.o_b) : project_residual(h, a_TQ, A.o_w, fused_ok);
@@ -263,8 +289,12 @@ class HybridTarget : public TargetModel {
   // Gated DeltaNet: conv + SiLU, l2norm(q, k), g/beta, chunked gated delta rule, gated RMSNorm.
   // On CUDA the delta rule runs the kernels of core/model/cuda/gated_delta.cu (dispatched inside
   // chunk_gated_delta_rule); with `fused` (bf16 on CUDA) the conv + SiLU and the gated norm too.
-  torch::Tensor gated_delta_net(const GatedDeltaNet& G, const torch::Tensor& x_TH, torch::Tensor& h,
-                                const std::vector<int64_t>& doc_lens, const torch::Tensor& pos_T, bool fused_ok) const {
+  // Cached (incremental decoding): the conv continues each sequence's window and the rule its state,
+  // both as LibTorch ops in fp32 on any device (not the fused conv kernel; so on CUDA with bf16
+  // q/k/v are not rounded to bf16 as forward_capture's fused path does).
+  torch::Tensor gated_delta_net(int64_t layer, const GatedDeltaNet& G, const torch::Tensor& x_TH, torch::Tensor& h,
+                                const std::vector<int64_t>& doc_lens, const torch::Tensor& pos_T, bool fused_ok,
+                                Cached* cached) const {
     const int64_t T = x_TH.size(0), Hk = cfg_.linear_num_key_heads, Hv = cfg_.linear_num_value_heads;
     const int64_t dk = cfg_.linear_key_head_dim, dv = cfg_.linear_value_head_dim;
     const int64_t key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
@@ -272,7 +302,8 @@ class HybridTarget : public TargetModel {
     GatedDeltaInputs in;
     torch::Tensor mixed_TC;  // conv + SiLU (fp32; bf16 from the fused kernel, gdn_bf16); q and k l2-normalised
 #ifdef DFLASH_WITH_CUDA
-    if (fused_ok && hybrid_cuda::conv_silu_l2norm_supported(conv_dim, 2 * key_dim, dk, cfg_.linear_conv_kernel_dim))
+    if (!cached && fused_ok &&
+        hybrid_cuda::conv_silu_l2norm_supported(conv_dim, 2 * key_dim, dk, cfg_.linear_conv_kernel_dim))
       mixed_TC = hybrid_cuda::conv_silu_l2norm(proj.narrow(1, 0, conv_dim), G.conv_w, pos_T, 2 * key_dim, dk,
                                                gdn_bf16() ? torch::kBFloat16 : torch::kFloat32);
 #endif
@@ -280,7 +311,8 @@ class HybridTarget : public TargetModel {
       in.q_THK = mixed_TC.narrow(1, 0, key_dim).view({T, Hk, dk});
       in.k_THK = mixed_TC.narrow(1, key_dim, key_dim).view({T, Hk, dk});
     } else {
-      mixed_TC = causal_conv1d_silu_varlen(proj.narrow(1, 0, conv_dim), G.conv_w, doc_lens);
+      mixed_TC = cached ? cached->cache->conv(layer, cached->step, proj.narrow(1, 0, conv_dim), G.conv_w)
+                        : causal_conv1d_silu_varlen(proj.narrow(1, 0, conv_dim), G.conv_w, doc_lens);
       in.q_THK = l2norm(mixed_TC.narrow(1, 0, key_dim).view({T, Hk, dk}));
       in.k_THK = l2norm(mixed_TC.narrow(1, key_dim, key_dim).view({T, Hk, dk}));
     }
@@ -292,7 +324,9 @@ class HybridTarget : public TargetModel {
     auto a_TH = proj.narrow(1, conv_dim + value_dim + Hv, Hv).to(torch::kFloat32);
     in.beta_TH = torch::sigmoid(b_TH);
     in.g_TH = -G.A_log.exp() * torch::softplus(a_TH + G.dt_bias, /*beta=*/1, /*threshold=*/20);
-    auto o_THV = chunk_gated_delta_rule(in, doc_lens, 1.0 / std::sqrt(static_cast<double>(dk)));
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+    auto o_THV = cached ? cached->cache->delta_rule(layer, cached->step, in, scale)
+                        : chunk_gated_delta_rule(in, doc_lens, scale);
     torch::Tensor y_TV;
 #ifdef DFLASH_WITH_CUDA
     if (fused_ok && dv % 32 == 0 && dv <= 512)

@@ -10,6 +10,11 @@
 //    per-layer copies outlive the forward.
 //  - last_hidden_TH (when requested) = output of the LAST decoder layer BEFORE the final norm.
 //  - Not thread-safe; one forward at a time per model.
+//
+// Incremental decoding (extend): the same forward over only the tokens appended to sequences held
+// in a SequenceCache (core/model/sequence_cache.h), earlier tokens read from the cache. The captures
+// have one row per appended token, in the batch's order; layer ids and last_hidden_TH as above.
+// The prefill of new sequences (every slot empty) runs the same kernels as forward_capture.
 #pragma once
 #include <torch/torch.h>
 
@@ -18,6 +23,7 @@
 #include <vector>
 
 #include "core/io/hf_config.h"
+#include "core/model/sequence_cache.h"
 
 namespace dflash::model {
 
@@ -57,6 +63,11 @@ class TargetModel {
   // Forward + capture. `out` may hold preallocated buffers of the right shape (reused when given).
   virtual CaptureResult forward_capture(const torch::Tensor& input_ids_T, const std::vector<int64_t>& doc_lens,
                                         const CaptureSpec& spec, CaptureResult out = {}) = 0;
+  // Runs the appended tokens of `batch` through the model, continuing the cached sequences, and
+  // updates `cache` (made for this model's config, device and dtype). Errors: those of
+  // SequenceCache::begin, before anything changes. On the host it reads nothing back from the device.
+  virtual CaptureResult extend(SequenceCache& cache, const ExtendBatch& batch, const CaptureSpec& spec,
+                               CaptureResult out = {}) = 0;
   // Frozen pieces the drafter reuses.
   virtual torch::Tensor embed_tokens(const torch::Tensor& ids) const = 0;
   virtual torch::Tensor final_norm(const torch::Tensor& h) const = 0;

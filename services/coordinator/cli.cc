@@ -13,6 +13,7 @@
 #include "services/coordinator/run_cmd.h"
 #include "services/drafter/eval_cmd.h"
 #include "services/drafter/export_cmd.h"
+#include "services/drafter/generate_cmd.h"
 #include "services/drafter/bench_drafter.h"
 #include "services/drafter/local_train.h"
 #include "services/target/bench_target.h"
@@ -37,6 +38,8 @@ const char* kUsage =
     "  export --checkpoint DIR --out DIR [--dtype bfloat16|float32]  checkpoint -> HF DFlash drafter folder\n"
     "  eval --target DIR --drafter DIR --input F.jsonl [--max-new-tokens 64] [--block-size B] [--device cpu|cuda]\n"
     "       [--dtype float32|bfloat16] [--stop-token-ids a,b]  greedy speculative decoding; JSON with tau\n"
+    "  generate --model DIR --input F.jsonl --out OUT.jsonl [--max-new-tokens N] [--temperature T --top-p P\n"
+    "       --top-k K --seed S] [--batch-size B] [--device cpu|cuda] [--stop-token-ids a,b]  resumable generation\n"
     "  bench drafter [flags]    one drafter training step as JSON (--layers 5 --hidden 4096 --context 4096\n"
     "                           --anchors 512 --block-size 16 [--soft-labels] [--baseline] [--steps N])\n"
     "  deploy prometheus CONFIG [--out FILE] [--address NAME=ADDR,...]  Prometheus scrape config for a run\n"
@@ -63,6 +66,7 @@ int run_cli(int argc, char** argv) {
     if (is(cmd, "deploy")) return cmd_deploy(argc - 2, argv + 2);
     if (is(cmd, "export")) return cmd_export(argc - 2, argv + 2);
     if (is(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
+    if (is(cmd, "generate")) return cmd_generate(argc - 2, argv + 2);
     if (is(cmd, "train")) return drafter::cmd_train(argc - 2, argv + 2);
     if (is(cmd, "run")) return coordinator::cmd_run(argc - 2, argv + 2);
     if (is(cmd, "status")) return coordinator::cmd_status(argc - 2, argv + 2);

@@ -5,7 +5,6 @@
 // token of the target's longest greedy repeat (whole blocks accepted), at block sizes 4 and 8.
 // Stop tokens (zlab_generate.py runs without them) are checked against our own no-stop output.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 #include <torch/torch.h>
 
@@ -21,23 +20,15 @@
 
 #include "core/eval/spec_decode.h"
 #include "core/train/export.h"
+#include "tests/eval/cli_test_util.h"
 #include "tests/eval/eval_test_util.h"
 
 namespace dflash::eval {
 namespace {
 namespace fs = std::filesystem;
 
-std::string env(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? v : "";
-}
-
-// Runs a shell command; returns its exit status.
-int run(const std::string& cmd) {
-  std::cout << "+ " << cmd << std::endl;
-  const int rc = std::system(cmd.c_str());
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-}
+using testing::env;
+using testing::run;
 
 nlohmann::json read_json(const std::string& path) {
   std::ifstream in(path);

@@ -157,6 +157,29 @@ TEST(SpecDecode, FirstTokenStopAndSingleToken) {
   EXPECT_TRUE(r.acceptance_lengths.empty());
 }
 
+// A hybrid target: each round appends the block to the Gated DeltaNet states and rolls them back to
+// the accepted prefix (core/model/sequence_cache.h); the output must still be the target's greedy one.
+TEST(SpecDecode, HybridTargetEqualsItsGreedy) {
+  auto target = model::load_target(eval_data_dir() + "/hybrid/qwen3_5_text", {});
+  auto drafter = testing::random_drafter(*target, 2, 4, 17);
+  SpeculativeDecoder dec(*target, *drafter);
+  const int64_t max_new = 21;
+  auto docs = io::read_token_jsonl(eval_data_dir() + "/hybrid/docs.jsonl");
+  ASSERT_GE(docs.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    std::vector<int64_t> p(docs[i].input_ids.begin(), docs[i].input_ids.end());
+    auto greedy = greedy_generate(*target, p, max_new);
+    for (int64_t B : {2, 4, 16}) {
+      SpecDecodeOptions o;
+      o.max_new_tokens = max_new;
+      o.block_size = B;
+      auto r = dec.generate(p, o);
+      EXPECT_EQ(r.output_ids, greedy) << "prompt " << i << " block " << B;
+      check_rounds(r, B, max_new);
+    }
+  }
+}
+
 TEST(SpecDecode, RejectsBadInputs) {
   auto f = make(1, 4, 5);
   SpeculativeDecoder dec(*f.target, *f.drafter);

@@ -5,6 +5,7 @@
 #include "core/io/hf_config.h"
 #include "core/model/gated_delta.h"
 #include "core/model/target.h"
+#include "core/util/error.h"
 #include "tests/model/golden_util.h"
 
 using namespace dflash;
@@ -55,6 +56,49 @@ TEST(GatedDelta, ChunkedEqualsRecurrent_fp64) {
   auto one = slice(in, 0, 150);
   EXPECT_LT(rel_err(model::chunk_gated_delta_rule(one, {150}, scale), model::recurrent_gated_delta_rule(one, {150}, scale)),
             1e-10);
+}
+
+// The rule continued from states (incremental decoding): each document split in two, the second
+// parts run from the states the first parts end in, equals the whole run; zero-length documents keep
+// their state; the final states equal the recurrence's.
+TEST(GatedDelta, ContinuedFromStatesEqualsOneRun_fp64) {
+  const std::vector<int64_t> lens{70, 1, 130, 9};
+  const std::vector<int64_t> first{64, 0, 33, 9}, second{6, 1, 97, 0};
+  const int64_t T = total(lens), Hv = 6, K = 16, V = 12;
+  auto in = random_inputs(T, 2, Hv, K, V, torch::kFloat64, 3);
+  const double scale = 1.0 / std::sqrt(double(K));
+  auto whole = model::recurrent_gated_delta_rule(in, lens, scale);
+  // Rows of the first / second parts of every document, packed in document order.
+  std::vector<int64_t> rows1, rows2;
+  for (int64_t d = 0, off = 0; d < 4; off += lens[d], ++d) {
+    for (int64_t i = 0; i < first[d]; ++i) rows1.push_back(off + i);
+    for (int64_t i = first[d]; i < lens[d]; ++i) rows2.push_back(off + i);
+  }
+  auto pick = [&](const std::vector<int64_t>& rows) {
+    auto idx = torch::tensor(rows, torch::kInt64);
+    return model::GatedDeltaInputs{in.q_THK.index_select(0, idx), in.k_THK.index_select(0, idx),
+                                   in.v_THV.index_select(0, idx), in.g_TH.index_select(0, idx),
+                                   in.beta_TH.index_select(0, idx)};
+  };
+  auto zeros = torch::zeros({4, Hv, K, V}, torch::kFloat64);
+  for (int64_t chunk : {64, 5, 1}) {
+    auto a = model::chunk_gated_delta_rule_from(pick(rows1), first, scale, zeros, chunk);
+    auto b = model::chunk_gated_delta_rule_from(pick(rows2), second, scale, a.state_DHKV, chunk);
+    EXPECT_LT(rel_err(a.o_THV, whole.index_select(0, torch::tensor(rows1, torch::kInt64))), 1e-10) << chunk;
+    EXPECT_LT(rel_err(b.o_THV, whole.index_select(0, torch::tensor(rows2, torch::kInt64))), 1e-10) << chunk;
+    EXPECT_TRUE(torch::equal(a.state_DHKV[1], zeros[1])) << "an empty document keeps its state";
+    EXPECT_TRUE(torch::equal(b.state_DHKV[3], a.state_DHKV[3])) << "an empty document keeps its state";
+    // Final states against the recurrence written out for document 2.
+    auto S = torch::zeros({Hv, K, V}, torch::kFloat64);
+    auto k = in.k_THK.repeat_interleave(Hv / 2, 1);
+    for (int64_t t = 71; t < 201; ++t) {
+      S = S * in.g_TH[t].exp().view({Hv, 1, 1});
+      auto u = (in.v_THV[t] - (S * k[t].unsqueeze(-1)).sum(1)) * in.beta_TH[t].unsqueeze(-1);
+      S = S + k[t].unsqueeze(-1) * u.unsqueeze(1);
+    }
+    EXPECT_LT(rel_err(b.state_DHKV[2], S), 1e-10) << chunk;
+  }
+  EXPECT_THROW(model::chunk_gated_delta_rule_from(pick(rows1), first, scale, torch::zeros({3, Hv, K, V})), DataError);
 }
 
 TEST(GatedDelta, GvaMapsValueHeadToKeyHeadDivR) {

@@ -1,0 +1,108 @@
+// Batched autoregressive generation with a target model's KV / recurrent cache
+// (TargetModel::extend, core/model/sequence_cache.h): prefill of prompts of different lengths,
+// one-token decode steps, greedy or seeded temperature / top-k / top-p sampling, stop tokens,
+// max_new_tokens, and optional capture of chosen layers' hidden states.
+// Legend: B = sequences of a step, V = vocabulary, K = captured layers, H = hidden size.
+//
+// Semantics (those of HF transformers `generate` on one prompt at a time):
+//  - greedy (temperature 0): next = argmax of the logits lm_head(final_norm(h)) of the last token;
+//  - sampling (temperature > 0): logits / temperature, then top-k (keep the k largest; 0 = off),
+//    then top-p (keep the smallest set of most probable tokens whose probability reaches top_p, at
+//    least one), then one draw from the softmax with the request's own generator (seeded with
+//    GenerationRequest::seed), so a request's output does not depend on the other requests of
+//    its batch, the batch size, or the order requests run in;
+//  - a request finishes after its first stop token (included in the output; finish kStop) or
+//    after max_new_tokens tokens (kLength; kStop when that last token is a stop token).
+//
+// Scheduling: up to batch_size requests run at once, one cache slot each; a finished request
+// hands its slot to the next waiting one (continuous batching). Each iteration prefills the newly
+// admitted prompts in one extend, then runs one decode step over every running request.
+//
+// Device work: a step's only host sync is reading the sampled ids (one device-to-host copy of
+// [B] int64); index tensors go up without blocking. (CUDA graphs and a sync-free host loop are a
+// later step.) Not thread-safe: one run at a time per Generator, and the target must not be used
+// by anything else meanwhile.
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "core/model/target.h"
+
+namespace dflash::model {
+
+struct SamplingOptions {
+  double temperature = 0.0;  // 0: greedy; > 0: sampling
+  double top_p = 1.0;        // (0, 1]; 1 = off
+  int64_t top_k = 0;         // >= 0; 0 = off
+};
+
+// ConfigError naming the field when a value is out of range (temperature < 0 or not finite,
+// top_p outside (0, 1], top_k < 0).
+void validate_sampling(const SamplingOptions& o);
+
+// One generator per row, seeded on the given device (CPU or CUDA).
+at::Generator make_generator(torch::Device device, uint64_t seed);
+
+// Next tokens for the logits rows [B, V] (any floating dtype, computed in fp32): argmax when
+// temperature is 0 (gens unused), else one draw per row i with gens[i] (gens.size() == B; each
+// draw consumes V exponential variates of its generator). Returns int64 [B] on the logits' device;
+// no host sync.
+torch::Tensor sample_next(const torch::Tensor& logits_BV, const SamplingOptions& o, std::vector<at::Generator>& gens);
+
+struct GenerationOptions {
+  int64_t max_new_tokens = 128;         // >= 1
+  int64_t batch_size = 8;               // >= 1: requests decoded at once (cache slots)
+  std::vector<int64_t> stop_token_ids;  // empty: stop only at max_new_tokens
+  SamplingOptions sampling;
+  std::vector<int64_t> capture_layers;  // decoder layer outputs to return (CaptureSpec ids); empty: none
+};
+
+struct GenerationRequest {
+  std::vector<int64_t> prompt;  // >= 1 token, each in [0, vocab)
+  uint64_t seed = 0;            // sampling only
+};
+
+enum class FinishReason { kStop, kLength };
+const char* finish_reason_name(FinishReason r);  // "stop" | "length"
+
+struct GenerationResult {
+  size_t index = 0;                 // the request's index in run()'s list
+  std::vector<int64_t> output_ids;  // generated tokens only
+  FinishReason finish = FinishReason::kLength;
+  // With capture_layers: [prompt + generated - 1, K*H] in the model dtype on the model's device, the
+  // layers of every token the model read (the last generated token is never read), in
+  // capture_layers order; undefined otherwise.
+  torch::Tensor features_TKH;
+};
+
+class Generator {
+ public:
+  // Validates the options against the target (ConfigError naming the field; capture layer ids as
+  // validate_capture does). Needs the target's lm_head (LoadOptions.load_lm_head).
+  Generator(TargetModel& target, GenerationOptions opt);
+
+  // Generates every request; on_done(result) is called once per request as soon as it finishes
+  // (finish order, not request order). DataError for an empty prompt or a token outside the
+  // vocabulary (checked for all requests before any work). The cache is sized for the longest
+  // prompt + max_new_tokens - 1 tokens per slot. An exception from on_done ends the run.
+  void run(const std::vector<GenerationRequest>& requests, const std::function<void(GenerationResult&&)>& on_done);
+
+ private:
+  struct Running;  // one request in a slot
+  void admit(SequenceCache& cache, std::vector<Running>& slots, const std::vector<GenerationRequest>& requests,
+             size_t& next);
+  void decode_step(SequenceCache& cache, std::vector<Running>& slots);
+  // Runs the extend, samples one token per listed slot and appends it.
+  void extend_and_sample(SequenceCache& cache, std::vector<Running>& slots, const std::vector<int64_t>& which,
+                         const std::vector<int64_t>& lengths, const torch::Tensor& ids);
+  void retire(std::vector<Running>& slots, const std::function<void(GenerationResult&&)>& on_done);
+
+  TargetModel& target_;
+  GenerationOptions opt_;
+  CaptureSpec capture_;
+};
+
+}  // namespace dflash::model

@@ -1,0 +1,130 @@
+// The decoding state of a target model for a fixed number of sequence slots: what incremental
+// decoding (TargetModel::extend, core/model/generation.h) keeps between forward passes so that
+// each pass runs only over the tokens it appends.
+// Legend: S = slots, M = max_len (tokens a slot can hold), B = sequences of one extend, T = tokens
+// appended by one extend (all sequences back to back), Hkv / D = KV heads / head dim, C = conv
+// channels of a Gated DeltaNet layer (2 Hk dk + Hv dv), Kc = its conv kernel, Hv / dk / dv = its
+// value heads and key / value head dims.
+//
+// What is cached, per decoder layer, allocated once (zeros) at construction on the model's device:
+//   attention layers (dense targets; the gated-attention layers of a hybrid):
+//     K and V after q/k norm and RoPE: 2 x [S, M, Hkv, D] in the model dtype; row p of a slot is
+//     the token at position p;
+//   Gated DeltaNet layers (hybrids):
+//     conv window: [S, Kc-1, C] in the model dtype, the conv inputs (the projection's first C
+//       channels) of the slot's last Kc-1 tokens (zeros before the first token);
+//     recurrent state: [S, Hv, dk, dv] fp32 (fp64 for fp64 models), the delta-rule state after
+//       the slot's last token.
+//   bytes() gives the total. A slot's length (tokens held) is host-side bookkeeping: no call reads
+//   anything back from the device.
+//
+// Rollback (speculative decoding drops rejected draft tokens): truncate(slot, n) keeps the first
+// n tokens. Attention rows past n are simply ignored (and overwritten by later tokens), so a
+// dense cache can go back to any n. A recurrent state cannot be rewound, and we chose to
+// RECOMPUTE rather than store a state per appended position: an extend with `rollback` set keeps,
+// per Gated DeltaNet layer, the states and conv windows from BEFORE it plus the delta-rule inputs
+// (l2-normalised k, v, g, beta, fp32) and conv inputs of its tokens; truncating into that extend
+// replays the delta rule from the kept state over the first tokens still held (the same chunked
+// rule, its output discarded) and takes the conv window from the kept rows. That costs one
+// extra state per slot and a few vectors per token, instead of one [Hv, dk, dv] state per token
+// (for a 27B hybrid, ~150 MB per token per sequence in fp32), at the price of a replay of at most
+// the extend's own length. So a hybrid slot can be truncated down to rollback_floor(slot): its
+// length before its last extend when that extend kept rollback data, else its current length.
+// The data of an extend is dropped by the slot's next extend or reset.
+//
+// Thread-safety: none; one extend at a time per cache, and a cache belongs to one model.
+#pragma once
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+#include "core/io/hf_config.h"
+#include "core/model/gated_delta.h"
+
+namespace dflash::model {
+
+// One TargetModel::extend: tokens appended to some of a cache's slots.
+struct ExtendBatch {
+  std::vector<int64_t> slots;    // distinct slots of the cache, any order
+  std::vector<int64_t> lengths;  // tokens appended to each (>= 1), in `slots` order
+  torch::Tensor input_ids_T;     // int64 [sum(lengths)] on the model's device, sequences back to back
+  bool rollback = false;         // keep what truncate needs to go back into this extend (hybrids)
+};
+
+class SequenceCache {
+ public:
+  // Sized for `cfg` (dense: every layer attention; qwen3_5: per layer_types). ConfigError when
+  // slots < 1 or max_len < 1.
+  SequenceCache(const io::TargetConfig& cfg, int64_t slots, int64_t max_len, torch::Device device,
+                torch::ScalarType dtype);
+  ~SequenceCache();
+  SequenceCache(const SequenceCache&) = delete;
+  SequenceCache& operator=(const SequenceCache&) = delete;
+
+  int64_t slots() const { return static_cast<int64_t>(length_.size()); }
+  int64_t max_len() const { return max_len_; }
+  int64_t length(int64_t slot) const;          // tokens the slot holds
+  int64_t rollback_floor(int64_t slot) const;  // the smallest length truncate accepts (see above)
+  int64_t bytes() const;                       // device memory of the cache buffers
+
+  // Empties the slot (length 0; recurrent state and conv window zeroed) for a new sequence.
+  void reset(int64_t slot);
+  // Keeps the first lengths[i] tokens of slots[i]. ConfigError when a slot is out of range or
+  // listed twice, or lengths[i] is outside [rollback_floor, length]; nothing changes then.
+  void truncate(const std::vector<int64_t>& slots, const std::vector<int64_t>& lengths);
+
+  // ---- For TargetModel::extend implementations (dense.cc, hybrid.cc) ----
+  struct Pending;  // rollback data of one extend, per Gated DeltaNet layer
+  // The host-built plan of one extend; its index tensors are uploaded without blocking.
+  struct Step {
+    ExtendBatch batch;
+    std::vector<int64_t> start;   // the slots' lengths before the extend
+    std::vector<int64_t> offset;  // first row of each sequence in the T appended tokens
+    int64_t tokens = 0, max_new = 0, max_end = 0;  // T, max lengths[i], max(start[i] + lengths[i])
+    bool fresh = false;           // every start is 0 (a prefill of new sequences)
+    torch::Tensor slot_B;         // int64 [B]
+    torch::Tensor positions_T;    // int64 [T]: start[i] + r for the r-th token of sequence i
+    torch::Tensor kv_rows_T;      // int64 [T]: slot * M + position, rows of a [S * M, ...] view
+    torch::Tensor mask_B1NL;      // bool [B, 1, max_new, max_end]: row r of sequence i sees keys <= start + r
+    torch::Tensor pad_BN, unpad_T;  // int64: packed row -> [B, max_new] and back (when lengths differ)
+    torch::Tensor conv_src_E, conv_keep_T, conv_tail_BW;  // int64: conv layout (hybrids, see conv())
+    std::vector<int64_t> conv_lens;  // lengths[i] + Kc - 1
+    std::shared_ptr<Pending> pending;
+  };
+  // Checks the batch against the cache (slots, lengths >= 1, room up to max_len, ids int64 on the
+  // cache's device with sum(lengths) entries; ConfigError / DataError naming the entry) and plans it.
+  Step begin(const ExtendBatch& batch) const;
+  // Attention layer `layer`: writes the appended k/v ([T, Hkv, D], any row stride) at their
+  // positions, then attends q [T, Hq, D] over each sequence's keys 0..position (GQA). Returns
+  // [T, Hq, D]. A fresh step attends over the new keys only (the varlen kernel of forward_capture);
+  // otherwise one SDPA over [B, max_new] query rows and [B, max_end] cached keys with a mask.
+  torch::Tensor attend(int64_t layer, const Step& step, const torch::Tensor& q, const torch::Tensor& k,
+                       const torch::Tensor& v, double scale);
+  // Gated DeltaNet layer `layer`: causal conv + SiLU (fp32) of the appended conv inputs x_TC
+  // [T, C] continuing each slot's conv window; updates the window. Returns [T, C] fp32.
+  torch::Tensor conv(int64_t layer, Step& step, const torch::Tensor& x_TC, const torch::Tensor& w_CK);
+  // Gated DeltaNet layer `layer`: the chunked delta rule over the appended tokens continuing each
+  // slot's recurrent state (chunk min(64, max_new)); updates the state. Returns o_THV as
+  // chunk_gated_delta_rule_from does.
+  torch::Tensor delta_rule(int64_t layer, Step& step, const GatedDeltaInputs& in, double scale);
+  // After the forward: the slots' lengths grow by the appended tokens, rollback data is installed.
+  // If the forward threw instead, the content of the batch's slots is undefined: reset them.
+  void commit(const Step& step);
+
+ private:
+  struct Kept;  // per slot: the extend whose rollback data it may use
+
+  const io::TargetConfig cfg_;
+  const int64_t max_len_;
+  const torch::TensorOptions opts_;
+  std::vector<int64_t> length_;
+  std::vector<bool> attention_;         // per layer: attention (else Gated DeltaNet)
+  std::vector<torch::Tensor> k_, v_;    // attention layers: [S, M, Hkv, D]
+  std::vector<torch::Tensor> window_;   // Gated DeltaNet layers: [S, Kc-1, C]
+  std::vector<torch::Tensor> state_;    // Gated DeltaNet layers: [S, Hv, dk, dv] fp32
+  std::vector<std::unique_ptr<Kept>> kept_;  // per slot
+  bool has_delta_ = false;
+};
+
+}  // namespace dflash::model

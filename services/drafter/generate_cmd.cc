@@ -1,0 +1,213 @@
+#include "services/drafter/generate_cmd.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/io/jsonl.h"
+#include "core/model/generation.h"
+#include "core/model/target.h"
+#include "core/model/weights.h"
+#include "core/util/error.h"
+#include "core/util/flags.h"
+#include "core/util/log.h"
+
+namespace dflash::cli {
+namespace {
+
+const char* kGenerateUsage =
+    "usage: dflash generate --model DIR --input FILE.jsonl --out OUT.jsonl [--max-new-tokens N (256)]\n"
+    "                       [--temperature T (0 = greedy)] [--top-p P (1)] [--top-k K (0 = off)] [--seed S (0)]\n"
+    "                       [--batch-size B (8)] [--device cpu|cuda] [--dtype float32|bfloat16]\n"
+    "                       [--stop-token-ids a,b]\n"
+    "  generates for each line {\"id\": ..., \"input_ids\": [...]}; appends the line plus \"output_ids\" and\n"
+    "  \"finish_reason\" (stop|length) to OUT as each request finishes; ids already in OUT are skipped\n";
+
+struct Prompt {
+  nlohmann::json line;  // the input object
+  std::string key;      // its "id" as JSON text
+  std::vector<int64_t> ids;
+};
+
+// One `dflash generate` run, in its steps: read_input, read_done, open_out, generate.
+class GenerateJob {
+ public:
+  explicit GenerateJob(const Flags& flags);
+  void read_input();
+  void read_done();
+  void open_out();
+  void generate();
+  ~GenerateJob() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+ private:
+  void write_line(const std::string& text);
+
+  std::string model_dir_, input_, out_;
+  model::LoadOptions load_;
+  model::GenerationOptions opt_;
+  uint64_t seed_ = 0;
+  std::vector<Prompt> prompts_;
+  std::set<std::string> done_;  // keys already in OUT
+  int fd_ = -1;
+};
+
+GenerateJob::GenerateJob(const Flags& flags)
+    : model_dir_(flags.get("model")), input_(flags.get("input")), out_(flags.get("out")) {
+  DFLASH_CHECK(flags.positional().empty(), ConfigError,
+               "generate: unexpected argument '" << flags.positional().front() << "'");
+  opt_.max_new_tokens = flags.get_int("max-new-tokens", 256);
+  opt_.batch_size = flags.get_int("batch-size", 8);
+  opt_.sampling.temperature = flags.get_double("temperature", 0.0);
+  opt_.sampling.top_p = flags.get_double("top-p", 1.0);
+  opt_.sampling.top_k = flags.get_int("top-k", 0);
+  const int64_t seed = flags.get_int("seed", 0);
+  DFLASH_CHECK(seed >= 0, ConfigError, "--seed must be >= 0, got " << seed);
+  seed_ = static_cast<uint64_t>(seed);
+  DFLASH_CHECK(opt_.max_new_tokens >= 1, ConfigError, "--max-new-tokens must be >= 1, got " << opt_.max_new_tokens);
+  DFLASH_CHECK(opt_.batch_size >= 1, ConfigError, "--batch-size must be >= 1, got " << opt_.batch_size);
+  model::validate_sampling(opt_.sampling);
+  if (flags.has("stop-token-ids")) opt_.stop_token_ids = flags.get_int_list("stop-token-ids");
+  load_.device = model::parse_device(flags.get("device", "cpu"));
+  load_.dtype = model::parse_dtype(flags.get("dtype", "float32"));
+}
+
+void GenerateJob::read_input() {
+  std::ifstream in(input_);
+  DFLASH_CHECK(in, DataError, input_ << ": cannot open");
+  std::set<std::string> keys;
+  std::string text;
+  for (int64_t ln = 1; std::getline(in, text); ++ln) {
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = input_ + ":" + std::to_string(ln);
+    Prompt p;
+    const auto doc = io::parse_token_json_line(text, where);
+    p.ids.assign(doc.input_ids.begin(), doc.input_ids.end());
+    p.line = nlohmann::json::parse(text);
+    DFLASH_CHECK(p.line.contains("id") && (p.line["id"].is_string() || p.line["id"].is_number_integer()), DataError,
+                 where << ": \"id\" (a string or an integer) is missing");
+    p.key = p.line["id"].dump();
+    DFLASH_CHECK(keys.insert(p.key).second, DataError, where << ": id " << p.key << " appears twice");
+    prompts_.push_back(std::move(p));
+  }
+  DFLASH_CHECK(!prompts_.empty(), DataError, input_ << ": no prompts");
+}
+
+void GenerateJob::read_done() {
+  if (!std::filesystem::exists(out_)) return;
+  std::ifstream in(out_, std::ios::binary);
+  DFLASH_CHECK(in, DataError, out_ << ": cannot open");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string all = ss.str();
+  const size_t complete = all.rfind('\n') == std::string::npos ? 0 : all.rfind('\n') + 1;
+  if (complete < all.size()) {  // a line cut by a killed run: regenerate it
+    LOG_WARN("generate: " << out_ << " ends in an incomplete line (" << all.size() - complete
+                          << " bytes); cutting it off and generating that request again");
+    std::filesystem::resize_file(out_, complete);
+  }
+  std::istringstream lines(all.substr(0, complete));
+  std::string text;
+  for (int64_t ln = 1; std::getline(lines, text); ++ln) {
+    if (text.empty()) continue;
+    nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    DFLASH_CHECK(j.is_object() && j.contains("id") && j.contains("output_ids"), DataError,
+                 out_ << ":" << ln << ": not an output line (a JSON object with \"id\" and \"output_ids\")");
+    done_.insert(j["id"].dump());
+  }
+}
+
+void GenerateJob::open_out() {
+  fd_ = ::open(out_.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  DFLASH_CHECK(fd_ >= 0, DataError, out_ << ": cannot open for appending: " << std::strerror(errno));
+}
+
+void GenerateJob::write_line(const std::string& text) {
+  for (size_t off = 0; off < text.size();) {
+    const ssize_t n = ::write(fd_, text.data() + off, text.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    DFLASH_CHECK(n > 0, DataError, out_ << ": write failed: " << std::strerror(errno));
+    off += static_cast<size_t>(n);
+  }
+}
+
+void GenerateJob::generate() {
+  std::vector<const Prompt*> todo;
+  std::vector<model::GenerationRequest> requests;
+  for (const auto& p : prompts_) {
+    if (done_.count(p.key)) continue;
+    todo.push_back(&p);
+    requests.push_back({p.ids, model::name_seed(seed_, p.key)});
+  }
+  const size_t total = prompts_.size(), skipped = total - todo.size();
+  LOG_INFO("generate: " << total << " prompts, " << skipped << " already in " << out_ << ", batch size "
+                        << opt_.batch_size << ", max new tokens " << opt_.max_new_tokens);
+  if (todo.empty()) return;
+  auto target = model::load_target(model_dir_, load_);
+  model::Generator gen(*target, opt_);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto last_report = t0;
+  size_t done = skipped;
+  int64_t tokens = 0;
+  auto report = [&](bool final) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!final && now - last_report < std::chrono::seconds(1)) return;
+    last_report = now;
+    const double s = std::chrono::duration<double>(now - t0).count();
+    LOG_INFO("generate: " << done << "/" << total << " done, " << tokens << " tokens, "
+                          << (s > 0 ? tokens / s : 0.0) << " tokens/s");
+  };
+  gen.run(requests, [&](model::GenerationResult&& r) {
+    nlohmann::json line = todo[r.index]->line;
+    line["output_ids"] = r.output_ids;
+    line["finish_reason"] = model::finish_reason_name(r.finish);
+    write_line(line.dump() + "\n");
+    ++done;
+    tokens += r.output_ids.size();
+    report(false);
+  });
+  report(true);
+}
+
+int run_generate(int argc, char** argv) {
+  Flags flags(argc, argv,
+              {"model", "input", "out", "max-new-tokens", "temperature", "top-p", "top-k", "seed", "batch-size",
+               "device", "dtype", "stop-token-ids", "help"},
+              {"help"});
+  if (flags.has("help")) {
+    std::cout << kGenerateUsage;
+    return kExitOk;
+  }
+  GenerateJob job(flags);
+  job.read_input();
+  job.read_done();
+  job.open_out();
+  job.generate();
+  return kExitOk;
+}
+
+}  // namespace
+
+int cmd_generate(int argc, char** argv) {
+  try {
+    return run_generate(argc, argv);
+  } catch (const std::exception& e) {
+    LOG_ERROR(e.what());
+    return exit_code_for(e);
+  }
+}
+
+}  // namespace dflash::cli
