@@ -1,10 +1,8 @@
 #include "services/coordinator/bench_pipeline.h"
 
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -31,6 +29,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "services/coordinator/launcher.h"
 #include "services/target/bench_target.h"
 
 namespace dflash::cli {
@@ -48,7 +47,7 @@ const char* kUsage =
     "  --shape writes a random-weight HF dir (config.json + model.safetensors) under --work once and\n"
     "  reuses it; --model uses an existing one (e.g. the tiny test model).\n";
 
-// System-level failures of the bench itself (fork, sockets, a failed process): exit 1.
+// System-level failures of the bench itself (fork, a failed process): exit 1.
 struct BenchError : Error {
   explicit BenchError(const std::string& m) : Error(kExitFailure, m) {}
 };
@@ -65,22 +64,6 @@ std::string read_file(const fs::path& p) {
 std::string tail_of(const fs::path& p, size_t n = 3000) {
   const std::string s = read_file(p);
   return s.size() <= n ? s : s.substr(s.size() - n);
-}
-
-// A TCP port that was free a moment ago (bind to 0, read it back, close).
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  DFLASH_CHECK(fd >= 0, BenchError, "socket(): " << std::strerror(errno));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  ::close(fd);
-  DFLASH_CHECK(ok, BenchError, "could not find a free TCP port");
-  return ntohs(a.sin_port);
 }
 
 // A random-weight Qwen3 (dense) HF folder at `shape`, written once (".complete" marks it done).
@@ -272,105 +255,106 @@ std::string exit_str(int status) {
   return "status " + std::to_string(status);
 }
 
-}  // namespace
+// The flags, checked (ConfigError), with their shape-dependent defaults.
+struct BenchOptions {
+  std::string transport, device, shape;
+  bool cuda = false, keep_run = false;
+  int tgpu = 0, dgpu = 0;
+  int64_t seq_len = 0, token_budget = 0, max_batch = 0, samples = 0, epochs = 0, drafter_layers = 0, block = 0, anchors = 0,
+          inflight = 0;
+  double timeout_s = 0, grace_s = 0;
+  fs::path work, bin;  // from prepare_dirs()
+};
 
-int cmd_bench_pipeline(int argc, char** argv) {
-  if (argc > 0 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
-    std::cerr << kUsage;
-    return kExitOk;
-  }
-  Flags f(argc, argv,
-          {"transport", "shape", "model", "device", "target-gpu", "drafter-gpu", "samples", "seq-len", "token-budget",
-           "max-batch-size", "epochs", "drafter-layers", "block-size", "max-anchors", "inflight-depth", "work", "bin-dir",
-           "timeout-s", "grace-s", "keep-run"}, {"keep-run"});
+BenchOptions parse_options(const Flags& f) {
   DFLASH_CHECK(f.positional().empty(), ConfigError, kUsage);
-  const auto t_setup = Clock::now();
-  const std::string transport = f.get("transport", "shm");
-  DFLASH_CHECK(transport == "shm" || transport == "c10d", ConfigError, "--transport: expected shm|c10d, got '" << transport << "'");
-  const std::string device = f.get("device", "cpu");
-  DFLASH_CHECK(device == "cpu" || device == "cuda", ConfigError, "--device: expected cpu|cuda, got '" << device << "'");
-  const bool cuda = device == "cuda";
-  DFLASH_CHECK(cuda || transport == "shm", ConfigError, "--transport c10d needs --device cuda (NCCL)");
-  DFLASH_CHECK(!cuda || torch::cuda::is_available(), ConfigError, "--device cuda but no CUDA device is available");
+  BenchOptions o;
+  o.transport = f.get("transport", "shm");
+  DFLASH_CHECK(o.transport == "shm" || o.transport == "c10d", ConfigError,
+               "--transport: expected shm|c10d, got '" << o.transport << "'");
+  o.device = f.get("device", "cpu");
+  DFLASH_CHECK(o.device == "cpu" || o.device == "cuda", ConfigError, "--device: expected cpu|cuda, got '" << o.device << "'");
+  o.cuda = o.device == "cuda";
+  DFLASH_CHECK(o.cuda || o.transport == "shm", ConfigError, "--transport c10d needs --device cuda (NCCL)");
+  DFLASH_CHECK(!o.cuda || torch::cuda::is_available(), ConfigError, "--device cuda but no CUDA device is available");
   DFLASH_CHECK(f.has("shape") != f.has("model"), ConfigError, "give exactly one of --shape NAME and --model DIR\n" << kUsage);
-  const int tgpu = static_cast<int>(f.get_int("target-gpu", 0)), dgpu = static_cast<int>(f.get_int("drafter-gpu", 0));
-  const bool big = f.get("shape", "") == "qwen3-8b";
-  const int64_t seq_len = f.get_int("seq-len", big ? 4096 : 64);
-  const int64_t token_budget = f.get_int("token-budget", big ? 16384 : 4 * seq_len);
-  const int64_t max_batch = f.get_int("max-batch-size", std::max<int64_t>(1, token_budget / seq_len));
-  const int64_t samples = f.get_int("samples", big ? 64 : 48);
-  const int64_t epochs = f.get_int("epochs", 1);
-  const int64_t drafter_layers = f.get_int("drafter-layers", big ? 5 : 1);
-  const int64_t block = f.get_int("block-size", big ? 16 : 8);
-  const int64_t anchors = f.get_int("max-anchors", big ? 512 : 32);
-  const int64_t inflight = f.get_int("inflight-depth", 2);
-  const double timeout_s = f.get_double("timeout-s", 3000), grace_s = f.get_double("grace-s", 60);
-  DFLASH_CHECK(seq_len >= 2 * block && token_budget >= seq_len && max_batch >= 1 && samples >= 1 && epochs >= 1 &&
-                   drafter_layers >= 1 && anchors >= 1 && inflight >= 1 && timeout_s > 0,
+  o.tgpu = static_cast<int>(f.get_int("target-gpu", 0)), o.dgpu = static_cast<int>(f.get_int("drafter-gpu", 0));
+  o.shape = f.get("shape", "");
+  const bool big = o.shape == "qwen3-8b";
+  o.seq_len = f.get_int("seq-len", big ? 4096 : 64);
+  o.token_budget = f.get_int("token-budget", big ? 16384 : 4 * o.seq_len);
+  o.max_batch = f.get_int("max-batch-size", std::max<int64_t>(1, o.token_budget / o.seq_len));
+  o.samples = f.get_int("samples", big ? 64 : 48);
+  o.epochs = f.get_int("epochs", 1);
+  o.drafter_layers = f.get_int("drafter-layers", big ? 5 : 1);
+  o.block = f.get_int("block-size", big ? 16 : 8);
+  o.anchors = f.get_int("max-anchors", big ? 512 : 32);
+  o.inflight = f.get_int("inflight-depth", 2);
+  o.timeout_s = f.get_double("timeout-s", 3000), o.grace_s = f.get_double("grace-s", 60);
+  o.keep_run = f.has("keep-run");
+  DFLASH_CHECK(o.seq_len >= 2 * o.block && o.token_budget >= o.seq_len && o.max_batch >= 1 && o.samples >= 1 && o.epochs >= 1 &&
+                   o.drafter_layers >= 1 && o.anchors >= 1 && o.inflight >= 1 && o.timeout_s > 0,
                ConfigError, "bench pipeline: flags out of range (need seq-len >= 2*block-size, token-budget >= seq-len, others >= 1)");
+  return o;
+}
 
+// --work (default a fresh temp dir), created; --bin-dir (default this binary's dir) with both workers.
+void prepare_dirs(const Flags& f, BenchOptions& o) {
   fs::path work = f.has("work") ? fs::path(f.get("work")) : fs::temp_directory_path() / ("dflash-bench-pipeline-" + std::to_string(::getpid()));
   fs::create_directories(work);
-  work = fs::absolute(work);
+  o.work = fs::absolute(work);
   char self[4096];
   const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
   DFLASH_CHECK(n > 0, BenchError, "readlink /proc/self/exe: " << std::strerror(errno));
   self[n] = 0;
-  const fs::path bin = f.has("bin-dir") ? fs::path(f.get("bin-dir")) : fs::path(self).parent_path();
+  o.bin = f.has("bin-dir") ? fs::path(f.get("bin-dir")) : fs::path(self).parent_path();
   for (const char* b : {"dflash-target", "dflash-drafter"})
-    DFLASH_CHECK(fs::exists(bin / b), ConfigError, (bin / b).string() << " not found (--bin-dir)");
+    DFLASH_CHECK(fs::exists(o.bin / b), ConfigError, (o.bin / b).string() << " not found (--bin-dir)");
+}
 
-  // Target, data, config.
-  const std::string shape = f.get("shape", "");
-  const std::string model_dir =
-      f.has("model") ? f.get("model")
-                     : make_random_hf_target(shape, work / ("target-" + shape), cuda ? torch::Device(torch::kCUDA, tgpu) : torch::kCPU);
-  const auto hf = json::parse(read_file(fs::path(model_dir) / "config.json"));
-  const int64_t vocab = hf.at("vocab_size").get<int64_t>();
-  make_data(work, vocab, samples, seq_len, block);
-  const int store_port = free_port(), c10d_port = free_port();
-  const fs::path run_dir = work / ("run-" + transport);
-  fs::remove_all(run_dir);
+// The run config both processes read: one target GPU and one drafter GPU on localhost.
+std::string bench_config_yaml(const BenchOptions& o, const std::string& model_dir, int64_t vocab, int c10d_port,
+                              const fs::path& run_dir) {
   std::ostringstream y;
-  y << "run:\n  name: bench-pipeline-" << transport << "\n  output_dir: " << run_dir.string()
-    << "\n  seed: 0\n  epochs: " << epochs << "\n  save_interval_steps: 100000000\n  keep_last: 1\n  keep_every: 0\n  resume: never\n"
-    << "target:\n  model_dir: " << model_dir << "\n  dtype: " << (cuda ? "bfloat16" : "float32")
+  y << "run:\n  name: bench-pipeline-" << o.transport << "\n  output_dir: " << run_dir.string()
+    << "\n  seed: 0\n  epochs: " << o.epochs << "\n  save_interval_steps: 100000000\n  keep_last: 1\n  keep_every: 0\n  resume: never\n"
+    << "target:\n  model_dir: " << model_dir << "\n  dtype: " << (o.cuda ? "bfloat16" : "float32")
     << "\n  target_layer_ids: []\n  ship_h_last: true\n"
-    << "drafter:\n  num_layers: " << drafter_layers << "\n  block_size: " << block << "\n  mask_token_id: " << vocab - 1 << "\n"
-    << "train:\n  lr: 6.0e-4\n  warmup_ratio: 0.04\n  weight_decay: 0.01\n  grad_accum: 1\n  grad_clip: 1.0\n  max_anchors: " << anchors
+    << "drafter:\n  num_layers: " << o.drafter_layers << "\n  block_size: " << o.block << "\n  mask_token_id: " << vocab - 1 << "\n"
+    << "train:\n  lr: 6.0e-4\n  warmup_ratio: 0.04\n  weight_decay: 0.01\n  grad_accum: 1\n  grad_clip: 1.0\n  max_anchors: " << o.anchors
     << "\n  gamma: 7\n  soft_labels: {enabled: true, kl_weight: 0.15, temperature: 2.0}\n"
     << "  noise: {type: uniform, start: 0.05, end: 0.01}\n  max_nonfinite_steps: 10\n"
-    << "data:\n  shard_dir: " << (work / "shards").string() << "\n  token_budget: " << token_budget << "\n  max_seq_len: " << seq_len
-    << "\n  max_batch_size: " << max_batch << "\n  bucketing: true\n  overlong: truncate\n  shuffle_seed: 0\n  checksum: true\n"
+    << "data:\n  shard_dir: " << (o.work / "shards").string() << "\n  token_budget: " << o.token_budget
+    << "\n  max_seq_len: " << o.seq_len << "\n  max_batch_size: " << o.max_batch
+    << "\n  bucketing: true\n  overlong: truncate\n  shuffle_seed: 0\n  checksum: true\n"
     << "topology:\n  hosts:\n    - name: localhost\n      launch: local\n      target_gpus: [0]\n      drafter_gpus: [1]\n"
-    << "  transport: " << transport << "\n  inflight_depth: " << inflight << "\n  shm_slots: " << inflight
+    << "  transport: " << o.transport << "\n  inflight_depth: " << o.inflight << "\n  shm_slots: " << o.inflight
     << "\n  c10d_port_base: " << c10d_port << "\n"
     << "coordinator:\n  listen: 127.0.0.1:0\n  heartbeat_timeout_s: 60\n  metrics_port: 0\n  worker_metrics_port_base: 0\n"
     << "  profile_interval_s: 0\n"
-    << "resilience:\n  oom:\n    token_budget_floor: " << seq_len << "\n    max_batch_size_floor: 1\n";
-  const fs::path cfg_path = work / ("bench-" + transport + ".yaml");
-  std::ofstream(cfg_path) << y.str();
-  const double setup_s = secs(Clock::now() - t_setup);
+    << "resilience:\n  oom:\n    token_budget_floor: " << o.seq_len << "\n    max_batch_size_floor: 1\n";
+  return y.str();
+}
 
-  // The two processes (each sees its GPU as cuda:0).
+// The drafter (ps[0]) and the target (ps[1]) as processes, each seeing its GPU as cuda:0; waits for
+// both. BenchError with both logs' ends when either fails.
+std::vector<Proc> run_pair(const BenchOptions& o, const fs::path& cfg_path, int store_port) {
   const std::string run_id = std::to_string(0x6e00 + (::getpid() & 0xffff));
   auto env_for = [&](int gpu) {
     std::vector<std::string> e = {"OMP_NUM_THREADS=" + std::string(std::getenv("OMP_NUM_THREADS") ? std::getenv("OMP_NUM_THREADS") : "1")};
-    if (cuda) e.push_back("CUDA_VISIBLE_DEVICES=" + std::to_string(gpu));
+    if (o.cuda) e.push_back("CUDA_VISIBLE_DEVICES=" + std::to_string(gpu));
     return e;
   };
-  const auto t0 = Clock::now();
   std::vector<Proc> ps;
   ps.push_back(spawn("drafter",
-                     {(bin / "dflash-drafter").string(), "train", "--config", cfg_path.string(), "--rank", "0", "--run-id", run_id,
-                      "--store-port", std::to_string(store_port), "--device", device, "--hash-every", "0"},
-                     env_for(dgpu), work));
+                     {(o.bin / "dflash-drafter").string(), "train", "--config", cfg_path.string(), "--rank", "0", "--run-id", run_id,
+                      "--store-port", std::to_string(store_port), "--device", o.device, "--hash-every", "0"},
+                     env_for(o.dgpu), o.work));
   ps.push_back(spawn("target",
-                     {(bin / "dflash-target").string(), "serve", "--config", cfg_path.string(), "--rank", "0", "--run-id", run_id,
-                      "--device", device},
-                     env_for(tgpu), work));
-  wait_all(ps, timeout_s, grace_s);
-  const double wall_s = secs(Clock::now() - t0);
+                     {(o.bin / "dflash-target").string(), "serve", "--config", cfg_path.string(), "--rank", "0", "--run-id", run_id,
+                      "--device", o.device},
+                     env_for(o.tgpu), o.work));
+  wait_all(ps, o.timeout_s, o.grace_s);
   for (const auto& p : ps) {
     if (WIFEXITED(p.status) && WEXITSTATUS(p.status) == 0) continue;
     std::string msg = "bench pipeline: " + p.role + " (pid " + std::to_string(p.pid) + ") " + exit_str(p.status) + "; its log " +
@@ -379,6 +363,12 @@ int cmd_bench_pipeline(int argc, char** argv) {
       if (&q != &p) msg += "\n" + q.role + " " + exit_str(q.status) + "; log ends:\n" + tail_of(q.err, 1500);
     throw BenchError(msg);
   }
+  return ps;
+}
+
+// The bench's JSON result from both processes' result lines.
+json result_json(const BenchOptions& o, const std::vector<Proc>& ps, const std::string& model_dir, const fs::path& cfg_path,
+                 double setup_s, double wall_s) {
   const json tj = last_json_line(ps[1].out), dj = last_json_line(ps[0].out);
   auto proc_json = [&](const Proc& p, const json& j) {
     return json{{"pid", p.pid},
@@ -391,18 +381,18 @@ int cmd_bench_pipeline(int argc, char** argv) {
   const double loop_s = dj.at("loop_seconds").get<double>(), fwd_s = tj.at("forward_seconds").get<double>();
   const int64_t tokens = dj.at("tokens").get<int64_t>(), mbs = dj.at("micro_batches").get<int64_t>();
   const int64_t verified = dj.at("checksums_verified").get<int64_t>(), sent = tj.at("batches").get<int64_t>();
-  json out = {
+  return {
       {"bench", "pipeline"},
-      {"transport", transport},
-      {"shape", shape.empty() ? json(nullptr) : json(shape)},
+      {"transport", o.transport},
+      {"shape", o.shape.empty() ? json(nullptr) : json(o.shape)},
       {"model_dir", model_dir},
-      {"device", device},
-      {"target_gpu", cuda ? json(tgpu) : json(nullptr)},
-      {"drafter_gpu", cuda ? json(dgpu) : json(nullptr)},
+      {"device", o.device},
+      {"target_gpu", o.cuda ? json(o.tgpu) : json(nullptr)},
+      {"drafter_gpu", o.cuda ? json(o.dgpu) : json(nullptr)},
       {"config",
-       {{"samples", samples}, {"seq_len", seq_len}, {"token_budget", token_budget}, {"max_batch_size", max_batch}, {"epochs", epochs},
-        {"drafter_layers", drafter_layers}, {"block_size", block}, {"max_anchors", anchors}, {"inflight_depth", inflight},
-        {"file", cfg_path.string()}}},
+       {{"samples", o.samples}, {"seq_len", o.seq_len}, {"token_budget", o.token_budget}, {"max_batch_size", o.max_batch},
+        {"epochs", o.epochs}, {"drafter_layers", o.drafter_layers}, {"block_size", o.block}, {"max_anchors", o.anchors},
+        {"inflight_depth", o.inflight}, {"file", cfg_path.string()}}},
       {"setup_s", setup_s},
       {"wall_s", wall_s},
       {"batches", mbs},
@@ -416,9 +406,44 @@ int cmd_bench_pipeline(int argc, char** argv) {
       {"checksums_verified", verified},
       {"checksums_all_verified", verified == mbs && mbs == sent && mbs > 0},
       {"processes", {{"target", proc_json(ps[1], tj)}, {"drafter", proc_json(ps[0], dj)}}},
-      {"work_dir", work.string()}};
-  std::cout << out.dump(2) << std::endl;
-  if (!f.has("keep-run")) fs::remove_all(run_dir);  // drafter checkpoint + export (GBs at qwen3-8b shapes)
+      {"work_dir", o.work.string()}};
+}
+
+}  // namespace
+
+int cmd_bench_pipeline(int argc, char** argv) {
+  if (argc > 0 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
+    std::cerr << kUsage;
+    return kExitOk;
+  }
+  Flags f(argc, argv,
+          {"transport", "shape", "model", "device", "target-gpu", "drafter-gpu", "samples", "seq-len", "token-budget",
+           "max-batch-size", "epochs", "drafter-layers", "block-size", "max-anchors", "inflight-depth", "work", "bin-dir",
+           "timeout-s", "grace-s", "keep-run"}, {"keep-run"});
+  const auto t_setup = Clock::now();
+  BenchOptions o = parse_options(f);
+  prepare_dirs(f, o);
+
+  // Target, data, config.
+  const std::string model_dir =
+      f.has("model") ? f.get("model")
+                     : make_random_hf_target(o.shape, o.work / ("target-" + o.shape),
+                                             o.cuda ? torch::Device(torch::kCUDA, o.tgpu) : torch::kCPU);
+  const auto hf = json::parse(read_file(fs::path(model_dir) / "config.json"));
+  const int64_t vocab = hf.at("vocab_size").get<int64_t>();
+  make_data(o.work, vocab, o.samples, o.seq_len, o.block);
+  const int store_port = coordinator::free_loopback_port(), c10d_port = coordinator::free_loopback_port();
+  const fs::path run_dir = o.work / ("run-" + o.transport);
+  fs::remove_all(run_dir);
+  const fs::path cfg_path = o.work / ("bench-" + o.transport + ".yaml");
+  std::ofstream(cfg_path) << bench_config_yaml(o, model_dir, vocab, c10d_port, run_dir);
+  const double setup_s = secs(Clock::now() - t_setup);
+
+  const auto t0 = Clock::now();
+  const auto ps = run_pair(o, cfg_path, store_port);
+  const double wall_s = secs(Clock::now() - t0);
+  std::cout << result_json(o, ps, model_dir, cfg_path, setup_s, wall_s).dump(2) << std::endl;
+  if (!o.keep_run) fs::remove_all(run_dir);  // drafter checkpoint + export (GBs at qwen3-8b shapes)
   return kExitOk;
 }
 

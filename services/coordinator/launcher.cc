@@ -1,8 +1,11 @@
 #include "services/coordinator/launcher.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -122,6 +125,22 @@ std::string ExitInfo::describe() const {
   if (!exited) return "running";
   if (signal) return std::string("killed by signal ") + std::to_string(signal) + " (" + strsignal(signal) + ")";
   return "exit " + std::to_string(code);
+}
+
+int free_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  DFLASH_CHECK(fd >= 0, TransportError, "socket(): cannot pick a free TCP port: " << std::strerror(errno));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  const int err = errno;
+  ::close(fd);
+  DFLASH_CHECK(ok, TransportError, "cannot pick a free TCP port on 127.0.0.1: " << std::strerror(err));
+  return ntohs(a.sin_port);
 }
 
 void stop_process_groups(const std::vector<pid_t>& pids, double grace_s) {

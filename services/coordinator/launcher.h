@@ -1,4 +1,4 @@
-// Starting and stopping worker processes (DESIGN.md "Roles"; config `launch`, topology.hosts[].launch).
+// Starting and stopping worker processes (docs/design.md#roles; config `launch`, topology.hosts[].launch).
 //
 //   local     fork/exec of the worker binary, in its own process group, stdout+stderr appended to
 //             <run dir>/logs/<role>-<rank>.log, the environment extended by the worker's variables
@@ -72,5 +72,9 @@ struct ExitInfo {
 };
 // Non-blocking: the child's exit when it has ended, else exited == false.
 ExitInfo poll_child(pid_t pid);
+
+// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, read back, closed).
+// TransportError when no socket can be bound.
+int free_loopback_port();
 
 }  // namespace dflash::coordinator
