@@ -11,6 +11,7 @@
 #include "services/coordinator/data_cmd.h"
 #include "services/coordinator/deploy_cmd.h"
 #include "services/coordinator/run_cmd.h"
+#include "services/coordinator/status_cmd.h"
 #include "services/drafter/eval_cmd.h"
 #include "services/drafter/export_cmd.h"
 #include "services/drafter/generate_cmd.h"

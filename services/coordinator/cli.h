@@ -1,4 +1,4 @@
-// The `dflash` command line: dispatches subcommands; returns the process exit code (DESIGN.md).
+// The `dflash` command line: dispatches subcommands; returns the process exit code (docs/design.md#roles).
 #pragma once
 
 namespace dflash::cli {

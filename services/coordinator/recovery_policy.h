@@ -97,23 +97,23 @@ struct OomLimits {
 
 struct FailureSituation {
   FailureKind kind = FailureKind::kCrash;
-  std::string role;           // "target" | "drafter"
+  std::string role;  // "target" | "drafter"
   int rank = 0;
-  std::string reason;         // what happened ("exit 1: ...", "no heartbeat for 12 s (hung)")
-  int restarts_used = 0;      // restarts of this role counted against max_restarts, this one included
-  int max_restarts = 0;       // resilience.max_restarts
-  double backoff_s = 0;       // resilience.backoff_s
+  std::string reason;     // what happened ("exit 1: ...", "no heartbeat for 12 s (hung)")
+  int restarts_used = 0;  // restarts of this role counted against max_restarts, this one included
+  int max_restarts = 0;   // resilience.max_restarts
+  double backoff_s = 0;   // resilience.backoff_s
   bool allow_degraded = false;
-  int workers_of_role = 1;    // workers of this role in the running topology (this one included)
-  Packing packing;            // the current packing generation
+  int workers_of_role = 1;  // workers of this role in the running topology (this one included)
+  Packing packing;          // the current packing generation
   OomLimits oom;
 };
 
 enum class RecoveryAction {
-  kRestart,  // relaunch every worker from the commit after backoff_s
-  kRepack,   // open a packing generation `packing` from the commit, then as kRestart
-  kLeaveOut, // go on degraded without the failed worker, from the commit, after backoff_s
-  kStop,     // end the run with exit_code; the last commit stays valid for --resume
+  kRestart,   // relaunch every worker from the commit after backoff_s
+  kRepack,    // open a packing generation `packing` from the commit, then as kRestart
+  kLeaveOut,  // go on degraded without the failed worker, from the commit, after backoff_s
+  kStop,      // end the run with exit_code; the last commit stays valid for --resume
 };
 const char* to_string(RecoveryAction a);
 
@@ -130,8 +130,8 @@ struct RecoveryDecision {
   Packing packing;             // kRepack: the new generation's packing (else the current one)
   std::string packing_change;  // kRepack: "token_budget 4096 -> 3584" / "max_batch_size 8 -> 4"
   StopCause stop_cause = StopCause::kNone;
-  int exit_code = 0;           // kStop: the run's exit code (1, 2, 3 or 4)
-  std::string reason;          // kStop: why the run stops; kLeaveOut: why the worker is left out
+  int exit_code = 0;   // kStop: the run's exit code (1, 2, 3 or 4)
+  std::string reason;  // kStop: why the run stops; kLeaveOut: why the worker is left out
 };
 
 // The decision for one failed attempt (order and rules in the file comment). Pure and total: any

@@ -1,0 +1,664 @@
+#include "services/coordinator/coordinator.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#include "core/data/shards.h"
+#include "core/train/checkpoint.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+#include "services/common/pipeline_common.h"
+#include "services/coordinator/control_token.h"
+#include "services/coordinator/plan_report.h"
+
+extern char** environ;
+
+namespace dflash::coordinator {
+namespace fs = std::filesystem;
+namespace pb = dflash::control;
+using nlohmann::json;
+
+namespace {
+
+std::atomic<bool> g_stop_signal{false};
+
+extern "C" void on_sigint(int) {
+  // Graceful stop on the first Ctrl-C / SIGTERM (as `dflash stop`); a second one kills.
+  g_stop_signal = true;
+  std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
+}
+
+std::string self_dir() {
+  std::error_code ec;
+  auto p = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : p.parent_path().string();
+}
+
+std::string fmt_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const int64_t t = static_cast<int64_t>(s);
+  std::ostringstream os;
+  os << t / 3600 << ":" << std::setw(2) << std::setfill('0') << (t / 60) % 60 << ":" << std::setw(2) << t % 60;
+  return os.str();
+}
+
+// --device, else cuda on a CUDA build whose host has an NVIDIA GPU (the config's GPU ids then
+// index them), else cpu. ConfigError for anything but cpu or cuda.
+std::string resolve_device(const std::optional<std::string>& flag) {
+#ifdef DFLASH_WITH_CUDA
+  const bool gpus = fs::exists("/dev/nvidia0") || (fs::exists("/proc/driver/nvidia/gpus") && !fs::is_empty("/proc/driver/nvidia/gpus"));
+  const std::string device = flag.value_or(gpus ? "cuda" : "cpu");
+#else
+  const std::string device = flag.value_or("cpu");
+#endif
+  DFLASH_CHECK(device == "cpu" || device == "cuda", ConfigError, "--device: expected cpu or cuda, got '" << device << "'");
+  return device;
+}
+
+bool ran_out_of_memory(int exit_code, int reported_code) { return exit_code == kExitOom || reported_code == kExitOom; }
+
+pb::Role wire_role(config::Role r) { return r == config::Role::kTarget ? pb::ROLE_TARGET : pb::ROLE_DRAFTER; }
+
+}  // namespace
+
+Coordinator::Coordinator(config::RunConfig cfg, RunOptions opts)
+    : base_cfg_(cfg), cfg_(std::move(cfg)), opts_(std::move(opts)) {}
+
+Coordinator::~Coordinator() = default;
+
+int Coordinator::run() {
+  const json p = plan();
+  if (opts_.plan_only) {
+    std::cout << p.dump(2) << std::endl;
+    return kExitOk;
+  }
+  if (!open_ledger()) return kExitOk;
+  serve_control();
+  std::signal(SIGINT, on_sigint);
+  std::signal(SIGTERM, on_sigint);
+  const int rc = supervise();
+  finish();
+  return rc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step 1: the plan.
+
+json Coordinator::plan() {
+  auto shards = data::ShardReader::open(cfg_.data.shard_dir);
+  lengths_ = shards.lengths();
+  const auto sched0 = pipeline::build_schedule(
+      cfg_, lengths_, std::vector<control::GenerationSpec>{{0, cfg_.data.token_budget, cfg_.data.max_batch_size, cfg_.num_drafters()}});
+  DFLASH_CHECK(sched0.total_steps() > 0, ConfigError,
+               "the data gives no whole optimizer step (" << lengths_.size() << " samples, " << cfg_.num_drafters()
+                                                          << " drafters, train.grad_accum=" << cfg_.train.grad_accum << ")");
+  first_lr_schedule_steps_ = sched0.lr_schedule_steps();
+  first_total_steps_ = sched0.total_steps();
+  device_ = resolve_device(opts_.device);
+  const auto p = make_plan(cfg_, lengths_, sched0, device_);
+  print_plan(p, std::cerr);
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step 2: the ledger, new or resumed.
+
+bool Coordinator::open_ledger() {
+  const fs::path out = cfg_.run.output_dir;
+  fs::create_directories(out);
+  const std::string ledger_path = (out / "ledger.jsonl").string();
+  const bool existed = fs::exists(ledger_path) && fs::file_size(ledger_path) > 0;
+  const std::string& resume = opts_.resume;
+  DFLASH_CHECK(resume.empty() || existed, ConfigError,
+               "--resume " << resume << ": " << ledger_path << " does not exist: there is no run to resume in run.output_dir");
+  DFLASH_CHECK(!existed || !resume.empty() || cfg_.run.resume != "never", ConfigError,
+               ledger_path << " exists and run.resume is never: resume with --resume latest or use a fresh run.output_dir");
+  ledger_.emplace(Ledger::open(ledger_path));
+  if (!existed || ledger_->state().run.is_null()) {
+    ledger_->append({{"type", "run"}, {"name", cfg_.run.name}, {"schedule_steps", first_lr_schedule_steps_},
+                     {"total_steps", first_total_steps_}, {"token_budget", cfg_.data.token_budget},
+                     {"max_batch_size", cfg_.data.max_batch_size}, {"max_anchors", cfg_.train.max_anchors},
+                     {"block_size", cfg_.drafter.block_size}, {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()},
+                     {"epochs", cfg_.run.epochs}, {"samples", lengths_.size()}, {"config", config::to_yaml(cfg_)}});
+  } else {
+    resume_ledger();
+  }
+  if (ledger_->state().finished) {
+    LOG_INFO("the run in " << out << " is already finished");
+    return false;
+  }
+  return true;
+}
+
+void Coordinator::resume_ledger() {
+  const auto& st = ledger_->state();
+  LOG_INFO("resuming " << ledger_->path() << ": committed step " << st.committed_step() << ", " << st.attempts
+                       << " launch(es) so far");
+  const std::string& resume = opts_.resume;
+  if (resume.empty() || resume == "latest") return;
+  // Resume from a given committed checkpoint: forget newer commits and steps.
+  const auto& cks = st.checkpoints;
+  auto it = std::find_if(cks.begin(), cks.end(), [&](const LedgerCheckpoint& c) {
+    return fs::weakly_canonical(c.dir) == fs::weakly_canonical(resume);
+  });
+  DFLASH_CHECK(it != cks.end(), ConfigError, "--resume " << resume << ": not a checkpoint committed in " << ledger_->path());
+  ledger_->append({{"type", "rollback"}, {"to_step", it->step}, {"reason", "--resume " + resume}});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step 3: the control plane.
+
+void Coordinator::serve_control() {
+  token_ = run_token(cfg_.coordinator);
+  start_server();
+  write_run_files();
+  start_metrics();
+  LOG_INFO("control plane on " << address_ << " (token in " << (fs::path(cfg_.run.output_dir) / "control-token").string() << ")");
+}
+
+void Coordinator::start_server() {
+  const std::string& listen = cfg_.coordinator.listen;
+  grpc::ServerBuilder b;
+  int port = 0;
+  b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(this);
+  server_ = b.BuildAndStart();
+  DFLASH_CHECK(server_ && port > 0, TransportError, "coordinator.listen: cannot listen on " << listen);
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  // Listening on all interfaces: workers on other nodes reach us by this host's name.
+  char hostname[256] = {0};
+  ::gethostname(hostname, sizeof hostname - 1);
+  bool remote = false;
+  for (const auto& h : cfg_.topology.hosts) remote = remote || h.launch != "local";
+  const bool any = host == "0.0.0.0" || host == "[::]";
+  std::lock_guard<std::mutex> lk(mu_);
+  address_ = (any ? (remote ? std::string(hostname) : "127.0.0.1") : host) + ":" + std::to_string(port);
+}
+
+// <output_dir>/control-token (0600) and coordinator.json, for `dflash status|stop|checkpoint`.
+void Coordinator::write_run_files() {
+  const fs::path out = cfg_.run.output_dir;
+  const auto tok = out / "control-token";
+  std::ofstream(tok, std::ios::trunc) << token_ << "\n";
+  ::chmod(tok.c_str(), 0600);
+  std::ofstream(out / "coordinator.json", std::ios::trunc)
+      << json{{"address", address_}, {"pid", ::getpid()}, {"token_file", fs::absolute(tok).string()}}.dump() << "\n";
+}
+
+void Coordinator::start_metrics() {
+  const int mport = opts_.metrics_port.value_or(cfg_.coordinator.metrics_port);
+  registry_ = std::make_shared<metrics::Registry>();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    declare_metrics(*registry_);
+  }
+  if (mport > 0) {
+    metrics_server_ = std::make_unique<metrics::MetricsServer>(mport, "0.0.0.0", registry_);
+    LOG_INFO("coordinator metrics on http://0.0.0.0:" << metrics_server_->bound_port() << "/metrics");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step 4: attempts until the run ends.
+
+int Coordinator::supervise() {
+  for (;;) {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (ledger_->state().finished) {
+      LOG_INFO("the run is finished (ledger " << ledger_->path() << ")");
+      return kExitOk;
+    }
+    launch_attempt(restart_point());
+    lk.unlock();
+    const auto outcome = monitor();
+    lk.lock();
+    if (outcome.kind != Outcome::kFailed) return end_run(outcome);
+    const RecoveryDecision d = handle_failure(outcome);
+    if (d.action == RecoveryAction::kStop) return d.exit_code;
+    lk.unlock();
+    if (d.backoff_s > 0) std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(d.backoff_s * 1000)));
+  }
+}
+
+// The commit the next attempt starts from (recovery_policy.h's choose_commit), carried out:
+// skipped commits warned, checkpoint directories above it moved aside, a "rollback" record.
+CommitChoice Coordinator::restart_point() {
+  const auto& st = ledger_->state();
+  std::vector<CommitCandidate> commits;
+  for (const auto& c : st.checkpoints) commits.push_back({c.step, c.dir, CommitCheck::kNotChecked, ""});
+  for (auto it = commits.rbegin(); it != commits.rend(); ++it) {  // newest first, until one verifies
+    try {
+      train::load_checkpoint(it->dir, nullptr, nullptr);
+      it->check = CommitCheck::kVerified;
+      break;
+    } catch (const std::exception& e) {
+      it->check = CommitCheck::kFailed;
+      it->error = e.what();
+    }
+  }
+  const CommitChoice choice = choose_commit(commits, st.last_step());
+  for (const auto& s : choice.skipped)
+    LOG_WARN("skipping committed checkpoint " << s.dir << " (step " << s.step << "): it fails verification: " << s.error);
+  move_checkpoints_above(choice.step);
+  if (choice.rollback) {
+    ledger_->append({{"type", "rollback"}, {"to_step", choice.step}, {"discarded_steps", choice.discarded_steps}});
+    if (choice.discarded_steps)
+      LOG_INFO("rolling back " << choice.discarded_steps << " uncommitted step(s) to the commit at step " << choice.step);
+  }
+  return choice;
+}
+
+// Checkpoint directories above the commit (failed verification, or rolled back by --resume DIR)
+// move aside to <output_dir>/rolled-back/, so the relaunch can write those steps afresh.
+void Coordinator::move_checkpoints_above(int64_t step) {
+  const fs::path ckroot = fs::path(cfg_.run.output_dir) / "checkpoints";
+  for (const auto& d : train::list_checkpoints(ckroot.string()))
+    if (std::stoll(fs::path(d).filename().string().substr(5)) > step) {  // list_checkpoints: step-<digits> only
+      const fs::path dst = fs::path(cfg_.run.output_dir) / "rolled-back" /
+                           (fs::path(d).filename().string() + "-attempt-" + std::to_string(ledger_->state().attempts));
+      fs::create_directories(dst.parent_path());
+      fs::rename(d, dst);
+      LOG_WARN("moved " << d << " (above the commit at step " << step << ") to " << dst.string());
+    }
+}
+
+// Resumed with another number of drafter ranks, or one left out (running degraded): the drafter
+// state is replicated (it loads on any count); the rest of the epoch is re-planned for the new
+// count from the commit.
+void Coordinator::match_generation_to_topology(int64_t start_step) {
+  auto g = ledger_->state().generations.back();
+  if (cfg_.num_drafters() == g.drafters) return;
+  const int before = g.drafters;
+  g.drafters = cfg_.num_drafters();
+  g.start_step = start_step;
+  append_packing(g, (left_out_.empty() ? "resumed with " : "running degraded with ") + std::to_string(g.drafters) +
+                        " drafter ranks instead of " + std::to_string(before));
+  LOG_WARN("drafter ranks " << before << " -> " << g.drafters << " from step " << start_step);
+}
+
+// A "packing" record: generation `g` from g.start_step; the training signal stays as configured.
+void Coordinator::append_packing(const control::GenerationSpec& g, const std::string& reason) {
+  ledger_->append({{"type", "packing"}, {"start_step", g.start_step}, {"token_budget", g.token_budget},
+                   {"max_batch_size", g.max_batch_size}, {"drafters", g.drafters}, {"reason", reason},
+                   {"max_anchors", cfg_.train.max_anchors}, {"block_size", cfg_.drafter.block_size}});
+}
+
+void Coordinator::launch_attempt(const CommitChoice& from) {
+  const int64_t start_step = from.step;
+  match_generation_to_topology(start_step);
+  const auto& st = ledger_->state();
+  const auto sched = pipeline::build_schedule(cfg_, lengths_, st.generations);
+  total_steps_ = sched.total_steps();
+  attempt_ = st.attempts;
+  stop_requested_ = checkpoint_requested_ = false;
+  ledger_->append({{"type", "launch"}, {"attempt", attempt_}, {"start_step", start_step}, {"resume", from.dir},
+                   {"generations", static_cast<int64_t>(st.generations.size())}, {"targets", cfg_.num_targets()},
+                   {"drafters", cfg_.num_drafters()}, {"left_out", slots_json()}});
+  build_assignment(start_step, from.dir);
+  step_ = start_step;
+  start_step_ = start_step;
+  launch_all();
+  LOG_INFO("attempt " << attempt_ << ": " << workers_.size() << " workers from step " << start_step << "/" << total_steps_
+                      << (from.dir.empty() ? "" : " (resumed from " + from.dir + ")"));
+}
+
+void Coordinator::build_assignment(int64_t start_step, const std::string& resume_dir) {
+  const auto& st = ledger_->state();
+  assignment_.Clear();
+  assignment_.set_run_id(pipeline::run_id_of(cfg_));
+  assignment_.set_attempt(attempt_);
+  assignment_.set_start_step(start_step);
+  assignment_.set_schedule_steps(st.schedule_steps);
+  for (const auto& g : st.generations) {
+    auto* x = assignment_.add_generations();
+    x->set_start_step(g.start_step);
+    x->set_token_budget(g.token_budget);
+    x->set_max_batch_size(g.max_batch_size);
+    x->set_drafters(g.drafters);
+  }
+  assignment_.set_resume_checkpoint(resume_dir);
+  // Injected faults (tests): entry k of resilience.fault_injection is armed in launch attempt k
+  // only, so a sequence of faults fires one after another and every restart can get past its own.
+  if (attempt_ < static_cast<int>(cfg_.resilience.fault_injection.size())) {
+    const auto& f = cfg_.resilience.fault_injection[attempt_];
+    auto* x = assignment_.add_faults();
+    x->set_kind(config::to_string(f.kind));
+    x->set_role(wire_role(f.role));
+    x->set_rank(f.rank);
+    x->set_step(f.step);
+  }
+  assignment_.set_store_port(free_loopback_port());
+  for (const auto& s : left_out_) {
+    auto* x = assignment_.add_left_out();
+    x->set_role(wire_role(s.role));
+    x->set_host(s.host);
+    x->set_gpu(s.gpu);
+  }
+  if (m_budget_) m_budget_->set(double(st.generations.back().token_budget));
+}
+
+// Worker `index` of the attempt: its command line, environment and log.
+Coordinator::WorkerState Coordinator::make_worker(const config::HostSpec& h, config::Role role, int rank, int gpu,
+                                                  int index) const {
+  WorkerState w;
+  w.spec.role = role;
+  w.spec.rank = rank;
+  w.spec.host = h.name;
+  w.spec.ctid = h.ctid;
+  w.spec.gpu = gpu;
+  w.launch_key = h.launch;
+  const bool target = role == config::Role::kTarget;
+  const int port = cfg_.coordinator.worker_metrics_port_base > 0 ? cfg_.coordinator.worker_metrics_port_base + index : -1;
+  w.spec.argv = {(fs::path(self_dir()) / (target ? "dflash-target" : "dflash-drafter")).string(), target ? "serve" : "train",
+                 "--config", fs::absolute(opts_.config_path).string(), "--rank", std::to_string(rank),
+                 "--coordinator", address_, "--attempt", std::to_string(attempt_), "--device", device_,
+                 "--metrics-port", std::to_string(port)};
+  if (h.launch != "local" && !cfg_.coordinator.token_file.empty())
+    w.spec.env["DFLASH_CONTROL_TOKEN_FILE"] = cfg_.coordinator.token_file;  // not in remote argv
+  else
+    w.spec.env["DFLASH_CONTROL_TOKEN"] = token_;
+  if (h.launch != "local")  // ssh / pct forward no environment: carry what the config may reference
+    for (char** e = environ; *e; ++e) {
+      const std::string kv = *e;
+      const auto k = kv.substr(0, kv.find('='));
+      if ((k.rfind("DFLASH_", 0) == 0 && k != "DFLASH_CONTROL_TOKEN") || k == "OMP_NUM_THREADS" || k == "MKL_NUM_THREADS" ||
+          k.rfind("NCCL_", 0) == 0)
+        w.spec.env.emplace(k, kv.substr(k.size() + 1));
+    }
+  if (device_ == "cuda") w.spec.env["CUDA_VISIBLE_DEVICES"] = std::to_string(gpu);
+  if (cfg_.resilience.oom.expandable_segments) w.spec.env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True";
+  const fs::path logs = fs::path(cfg_.run.output_dir) / "logs";
+  w.spec.log_path = (logs / (std::string(config::to_string(role)) + "-" + std::to_string(rank) + ".log")).string();
+  return w;
+}
+
+void Coordinator::launch_all() {
+  workers_.clear();
+  int t = 0, d = 0;
+  for (const auto& h : cfg_.topology.hosts)
+    for (int g : h.target_gpus) workers_.push_back(make_worker(h, config::Role::kTarget, t++, g, int(workers_.size())));
+  for (const auto& h : cfg_.topology.hosts)
+    for (int g : h.drafter_gpus) workers_.push_back(make_worker(h, config::Role::kDrafter, d++, g, int(workers_.size())));
+  // Drafters first: they create the links the targets attach to.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (workers_[i].spec.role == config::Role::kDrafter) order.push_back(i);
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (workers_[i].spec.role == config::Role::kTarget) order.push_back(i);
+  for (size_t i : order) {
+    auto& w = workers_[i];
+    std::unique_ptr<Launcher> l;
+    if (w.launch_key == "local") {
+      l = std::make_unique<LocalLauncher>();
+    } else {
+      auto it = cfg_.launch.find(w.launch_key);
+      DFLASH_CHECK(it != cfg_.launch.end(), ConfigError,
+                   "topology host " << w.spec.host << ": launch '" << w.launch_key << "' is not a key of the launch section");
+      if (it->second.kind == config::LaunchKind::kLocal)
+        l = std::make_unique<LocalLauncher>();
+      else
+        l = std::make_unique<TemplateLauncher>(it->second);
+    }
+    w.started = Clock::now();
+    w.pid = l->start(w.spec);
+    if (!opts_.quiet)
+      LOG_INFO("started " << config::to_string(w.spec.role) << " " << w.spec.rank << " (pid " << w.pid << "): " << l->describe(w.spec));
+  }
+}
+
+Coordinator::Outcome Coordinator::monitor() {
+  auto last_print = Clock::now();
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::lock_guard<std::mutex> lk(mu_);
+    if (g_stop_signal && !stop_requested_) {
+      LOG_INFO("signal: stopping gracefully (the drafters commit a checkpoint); send it again to kill");
+      stop_requested_ = true;
+    }
+    Outcome out;
+    int alive = 0, drafters = 0, drafters_done = 0;
+    poll_workers(out, alive, drafters, drafters_done);
+    if (m_alive_) m_alive_->set(alive);
+    if (m_step_) m_step_->set(double(step_));
+    if (m_committed_) m_committed_->set(double(ledger_->state().committed_step()));
+    if (out.worker >= 0 && !out.hang) blame_root_cause(out);
+    if (out.worker >= 0) {
+      count_failure(out);
+      stop_all();
+      out.kind = Outcome::kFailed;
+      return out;
+    }
+    if (drafters_done == drafters) {
+      stop_all();  // targets have closed their links by now; anything left is stopped
+      out.kind = stop_requested_ && ledger_->state().committed_step() < total_steps_ ? Outcome::kStopped : Outcome::kFinished;
+      return out;
+    }
+    if (!opts_.quiet && seconds_since(last_print) > 2.0) {
+      print_progress(false);
+      last_print = Clock::now();
+    }
+  }
+}
+
+// One look at every worker: exits (the first failure goes into `out`), hangs, counts.
+void Coordinator::poll_workers(Outcome& out, int& alive, int& drafters, int& drafters_done) {
+  const double hb_timeout = cfg_.coordinator.heartbeat_timeout_s;
+  const double startup_timeout = std::max(120.0, 4 * hb_timeout);
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    auto& w = workers_[i];
+    if (w.spec.role == config::Role::kDrafter) ++drafters;
+    if (!w.exit.exited) {
+      w.exit = poll_child(w.pid);
+      if (w.exit.exited) {
+        w.state = w.exit.code == 0 ? "done" : "failed";
+        if (w.exit.code != 0 && out.worker < 0 && !(stop_requested_ && w.spec.role == config::Role::kTarget)) {
+          out.worker = static_cast<int>(i);
+          out.reason = w.exit.describe() + (w.reported_message.empty() ? "" : ": " + w.reported_message);
+          if (ran_out_of_memory(w.exit.code, w.reported_code)) out.reason = "CUDA out of memory (" + out.reason + ")";
+        }
+      }
+    }
+    if (!w.exit.exited) {
+      ++alive;
+      const bool hung = w.registered ? seconds_since(w.last_heartbeat) > hb_timeout : seconds_since(w.started) > startup_timeout;
+      if (hung && out.worker < 0) {
+        out.worker = static_cast<int>(i);
+        out.hang = true;
+        out.reason = w.registered ? "no heartbeat for " + std::to_string(int(seconds_since(w.last_heartbeat))) + " s (hung)"
+                                  : "did not register within " + std::to_string(int(startup_timeout)) + " s";
+      }
+    } else if (w.spec.role == config::Role::kDrafter && w.exit.code == 0) {
+      ++drafters_done;
+    }
+  }
+}
+
+// Peers of a failing worker fail right after it (a closed link, a dead peer in a collective). Give
+// them a moment, then blame the root cause: an OOM first, then a worker killed by a signal, then a
+// reported config/data error, then anything else.
+void Coordinator::blame_root_cause(Outcome& out) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  auto rank_of = [](const WorkerState& w) {
+    if (ran_out_of_memory(w.exit.code, w.reported_code)) return 0;
+    if (w.exit.signal) return 1;
+    if (w.reported_code == kExitConfig || w.reported_code == kExitData) return 2;
+    return 3;
+  };
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    auto& w = workers_[i];
+    if (!w.exit.exited) w.exit = poll_child(w.pid);
+    if (!w.exit.exited || w.exit.code == 0 || w.state == "stopped") continue;
+    w.state = "failed";
+    if (rank_of(w) < rank_of(workers_[out.worker])) {
+      out.worker = static_cast<int>(i);
+      out.reason = w.exit.describe() + (w.reported_message.empty() ? "" : ": " + w.reported_message);
+      if (rank_of(w) == 0) out.reason = "CUDA out of memory (" + out.reason + ")";
+    }
+  }
+}
+
+void Coordinator::count_failure(const Outcome& out) {
+  const auto& w = workers_[out.worker];
+  const bool oom = ran_out_of_memory(w.exit.code, w.reported_code);
+  if (m_oom_ && oom) m_oom_->inc();
+  const std::string key = std::string(config::to_string(w.spec.role)) + "/" + (oom ? "oom" : out.hang ? "hang" : "crash");
+  if (m_restart_.count(key)) m_restart_[key]->inc();
+}
+
+void Coordinator::stop_all() {
+  std::vector<pid_t> pids;
+  for (auto& w : workers_)
+    if (!w.exit.exited) pids.push_back(w.pid), w.state = "stopped", w.exit.exited = true, w.exit.code = 143;
+  stop_process_groups(pids, 3.0);
+}
+
+void Coordinator::print_progress(bool final_line) {
+  double tps = 0;
+  for (const auto& [_, v] : tokens_per_s_) tps += v;
+  const double frac = total_steps_ ? double(step_) / double(total_steps_) : 0;
+  const double elapsed = seconds_since(t0_);
+  const double rate = step_ > start_step_ ? (step_ - start_step_) / std::max(elapsed, 1e-9) : 0;
+  const double eta = rate > 0 ? (total_steps_ - step_) / rate : NAN;
+  std::ostringstream os;
+  os << "[dflash] step " << step_ << "/" << total_steps_ << " (" << int(100 * frac) << "%) epoch " << last_epoch_ << " | "
+     << int64_t(tps) << " tok/s | loss " << std::setprecision(4) << last_loss_ << " | tau " << std::setprecision(3) << last_tau_
+     << " | ETA " << (final_line ? "0:00:00" : fmt_duration(eta)) << " | attempt " << attempt_;
+  std::cerr << os.str() << std::endl;
+}
+
+// The attempt ended without a failure: every drafter finished, or `dflash stop` / a signal.
+int Coordinator::end_run(const Outcome& outcome) {
+  if (outcome.kind == Outcome::kFinished) {
+    ledger_->append({{"type", "finished"}, {"step", total_steps_}});
+    print_progress(true);
+    LOG_INFO("run finished: " << total_steps_ << " steps; export in " << (fs::path(cfg_.run.output_dir) / "export").string());
+    return kExitOk;
+  }
+  const int64_t committed = ledger_->state().committed_step();
+  ledger_->append({{"type", "stopped"}, {"reason", "dflash stop"}, {"step", committed}});
+  LOG_INFO("run stopped at the committed step " << committed << "; continue with dflash run " << opts_.config_path
+                                                << " --resume latest");
+  return kExitOk;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A failed attempt: record it, ask the recovery policy, carry out its decision (all but the
+// backoff, which supervise() sleeps without the lock).
+
+RecoveryDecision Coordinator::handle_failure(const Outcome& outcome) {
+  const auto& w = workers_[outcome.worker];
+  const std::string role = config::to_string(w.spec.role);
+  ledger_->append({{"type", "restart"}, {"attempt", attempt_}, {"role", role}, {"rank", w.spec.rank},
+                   {"reason", outcome.reason}, {"exit_code", w.exit.code}, {"oom", ran_out_of_memory(w.exit.code, w.reported_code)}});
+  const int n = ledger_->state().restart_budget_used(role);
+  LOG_WARN(role << " " << w.spec.rank << " failed: " << outcome.reason << " (restart " << n << " of at most "
+                << cfg_.resilience.max_restarts << " for the " << role << "s)");
+  const RecoveryDecision d = decide_recovery(situation_of(w, outcome, n));
+  switch (d.action) {
+    case RecoveryAction::kStop: stop_run(d, w); break;
+    case RecoveryAction::kLeaveOut: go_degraded(w, d.reason); break;
+    case RecoveryAction::kRepack: open_oom_generation(w, d); break;
+    case RecoveryAction::kRestart: break;
+  }
+  return d;
+}
+
+FailureSituation Coordinator::situation_of(const WorkerState& w, const Outcome& outcome, int restarts_used) const {
+  const auto& res = cfg_.resilience;
+  auto allowed = [&](const std::string& k) {
+    return std::find(res.oom.allow_changing.begin(), res.oom.allow_changing.end(), k) != res.oom.allow_changing.end();
+  };
+  const auto& g = ledger_->state().generations.back();
+  FailureSituation s;
+  s.kind = classify_failure(w.exit.code, w.reported_code, outcome.hang);
+  s.role = config::to_string(w.spec.role);
+  s.rank = w.spec.rank;
+  s.reason = outcome.reason;
+  s.restarts_used = restarts_used;
+  s.max_restarts = res.max_restarts;
+  s.backoff_s = res.backoff_s;
+  s.allow_degraded = res.allow_degraded;
+  s.workers_of_role = w.spec.role == config::Role::kTarget ? cfg_.num_targets() : cfg_.num_drafters();
+  s.packing = {g.token_budget, g.max_batch_size};
+  s.oom.token_budget_step = res.oom.token_budget_step;
+  s.oom.token_budget_floor = res.oom.token_budget_floor;
+  s.oom.max_batch_size_floor = res.oom.max_batch_size_floor;
+  s.oom.may_change_token_budget = allowed("token_budget");
+  s.oom.may_change_max_batch_size = allowed("max_batch_size");
+  s.oom.max_seq_len = cfg_.data.max_seq_len;
+  return s;
+}
+
+// A "stopped" record with the decision's reason; the last commit stays valid for --resume.
+void Coordinator::stop_run(const RecoveryDecision& d, const WorkerState& w) {
+  const int64_t committed = ledger_->state().committed_step();
+  ledger_->append({{"type", "stopped"}, {"reason", d.reason}, {"step", committed}});
+  switch (d.stop_cause) {
+    case StopCause::kNotRetriable:  // a bad config or bad data fails the same way on every restart
+      LOG_ERROR("run stopped (not restarted: " << (d.exit_code == kExitConfig ? "config" : "data") << " error): " << d.reason
+                                               << "; log: " << w.spec.log_path);
+      break;
+    case StopCause::kRestartsExhausted:
+      LOG_ERROR("run stopped: " << d.reason << ". The last committed checkpoint (step " << committed
+                                << ") is kept; resume with dflash run " << opts_.config_path << " --resume latest");
+      break;
+    case StopCause::kOomAtFloors:
+    case StopCause::kNone:
+      LOG_ERROR("run stopped: " << d.reason);
+      break;
+  }
+}
+
+// Restarts of a role are exhausted and resilience.allow_degraded is set: leave the failing worker
+// out and go on with the others from the last commit (targets: any count; drafters: a schedule
+// generation for the new count, opened by match_generation_to_topology()). Lasts for this
+// `dflash run`: a later --resume starts every configured worker again.
+void Coordinator::go_degraded(const WorkerState& w, const std::string& why) {
+  left_out_.push_back({w.spec.role, w.spec.host, w.spec.gpu});
+  cfg_ = config::without_workers(base_cfg_, left_out_);
+  const int64_t step = ledger_->state().committed_step();
+  const char* role = config::to_string(w.spec.role);
+  ledger_->append({{"type", "degraded"}, {"role", role}, {"rank", w.spec.rank}, {"host", w.spec.host}, {"gpu", w.spec.gpu},
+                   {"reason", why}, {"step", step}, {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()}});
+  if (m_left_out_) m_left_out_->set(double(left_out_.size()));
+  LOG_WARN("running degraded (resilience.allow_degraded): " << why << "; going on without " << role << " " << w.spec.rank
+                                                            << " (host " << w.spec.host << " GPU " << w.spec.gpu
+                                                            << ") from the commit at step " << step << " with "
+                                                            << cfg_.num_targets() << " target(s) + " << cfg_.num_drafters()
+                                                            << " drafter(s)");
+}
+
+// OOM response: the decision's packing as a new generation from the commit step (never the
+// training signal).
+void Coordinator::open_oom_generation(const WorkerState& w, const RecoveryDecision& d) {
+  auto g = ledger_->state().generations.back();
+  g.token_budget = d.packing.token_budget;
+  g.max_batch_size = d.packing.max_batch_size;
+  g.start_step = ledger_->state().committed_step();
+  append_packing(g, "CUDA OOM in " + std::string(config::to_string(w.spec.role)) + " " + std::to_string(w.spec.rank));
+  if (m_packing_) m_packing_->inc();
+  LOG_WARN("OOM response: " << d.packing_change << " from step " << g.start_step
+                            << " (max_anchors, block_size, loss and learning-rate schedule unchanged)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step 5.
+
+void Coordinator::finish() {
+  if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  fs::remove(fs::path(cfg_.run.output_dir) / "coordinator.json");
+}
+
+}  // namespace dflash::coordinator

@@ -1,0 +1,197 @@
+// The coordinator of `dflash run` (docs/design.md#roles, #ledger, #recovery): one object per run,
+// whose run() goes through these steps (each a method below):
+//
+// 1. plan(): opens the token shards (DataError, exit 4), checks that the data gives at least one
+//    optimizer step (ConfigError, exit 2), resolves the device (--device; ConfigError unless cpu or
+//    cuda) and prints the plan: topology, GPUs per role, batches per epoch, tokens per step, steps,
+//    a memory estimate per role (services/coordinator/plan_report.h). `--plan` stops there.
+// 2. open_ledger(): <output_dir>/ledger.jsonl (services/coordinator/ledger.h). A new run records
+//    its "run" record; an existing ledger is resumed (--resume latest, or run.resume: auto);
+//    --resume DIR resumes from that committed checkpoint (a "rollback" record). A finished run
+//    exits 0 at once. ConfigError for --resume without a ledger, or a ledger with run.resume never.
+// 3. serve_control(): the control plane (proto/control.proto) on coordinator.listen with the run's
+//    token (services/coordinator/control_token.h), written with the address to
+//    <output_dir>/coordinator.json and <output_dir>/control-token (0600) for `dflash status|stop|
+//    checkpoint` (services/coordinator/status_cmd.h). Calls without the token are refused
+//    (UNAUTHENTICATED). Prometheus metrics on coordinator.metrics_port (or --metrics-port).
+// 4. supervise(): attempt after attempt until the run ends:
+//    launch_attempt(): the start step is the commit recovery_policy.h's choose_commit picks (the
+//      newest committed checkpoint that verifies; newer ones that do not are skipped with a
+//      warning, moved to <output_dir>/rolled-back/ and forgotten by a "rollback" record); a
+//      packing record when the number of drafter ranks differs from the last generation (a resume
+//      with another count, or running degraded); then every target server and drafter trainer is
+//      started (services/coordinator/launcher.h), drafters first. A progress line every 2 s
+//      (step, epoch, tokens/s, loss, tau, ETA) unless --quiet.
+//    monitor(): a worker that exits non-zero, dies, or misses heartbeats for
+//      coordinator.heartbeat_timeout_s (hung; 4x that, at least 120 s, to register) ends the
+//      attempt: every worker is stopped, and the root cause is blamed (an OOM first, then a worker
+//      killed by a signal, then a reported config/data error, then anything else).
+//    handle_failure(): records the "restart" and carries out recovery_policy.h's decide_recovery:
+//      restart from the commit after the backoff, a new packing generation after an OOM, leave the
+//      worker out (degraded; ledger "degraded", dflash_coordinator_left_out_workers, `dflash
+//      status`), or stop with its exit code (1 restarts exhausted, 2 config, 3 OOM at the floors,
+//      4 data) and a "stopped" record; the last commit stays valid for --resume.
+// 5. finish(): the run ended: exit 0 when every drafter finished (rank 0 committed the final
+//    checkpoint and exported; a "finished" record), or after `dflash stop` / SIGINT / SIGTERM once
+//    the drafters stopped with a checkpoint (a "stopped" record). The server stops and
+//    coordinator.json is removed.
+// Worker ids are attempt * kAttemptStride + the worker's index; calls from workers of an earlier
+// attempt are refused (FAILED_PRECONDITION).
+#pragma once
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "control.grpc.pb.h"
+#include "core/config/config.h"
+#include "core/metrics/metrics.h"
+#include "services/coordinator/launcher.h"
+#include "services/coordinator/ledger.h"
+#include "services/coordinator/recovery_policy.h"
+
+namespace dflash::coordinator {
+
+// The flags of `dflash run`.
+struct RunOptions {
+  std::string config_path;
+  std::string resume;                 // --resume: "" | "latest" | a committed checkpoint dir
+  bool plan_only = false;             // --plan
+  std::optional<std::string> device;  // --device cpu|cuda (default: cuda on a CUDA build whose host has an NVIDIA GPU)
+  bool quiet = false;                 // --quiet: no progress lines, no per-worker start lines
+  std::optional<int> metrics_port;    // --metrics-port (default coordinator.metrics_port; <= 0: none)
+};
+
+class Coordinator final : public control::Coordinator::Service {
+ public:
+  // `cfg`: the validated config (config::load_config_or_throw). Starts nothing.
+  Coordinator(config::RunConfig cfg, RunOptions opts);
+  ~Coordinator() override;
+
+  // Steps 1-5 above; returns the process exit code. Typed errors (core/util/error.h) from the steps
+  // propagate (the CLI maps them to exit codes).
+  int run();
+
+  nlohmann::json plan();  // step 1: returns the plan as JSON (also printed to stderr)
+  bool open_ledger();     // step 2: false when the run is already finished
+  void serve_control();   // step 3: TransportError when coordinator.listen cannot be bound
+  int supervise();        // step 4: the run's exit code
+  void finish();          // step 5
+
+  // Control plane (proto/control.proto); every call needs the run's token.
+  grpc::Status Register(grpc::ServerContext* ctx, const control::RegisterRequest* req,
+                        control::RegisterResponse* resp) override;
+  grpc::Status GetAssignment(grpc::ServerContext* ctx, const control::AssignmentRequest* req,
+                             control::Assignment* a) override;
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const control::HeartbeatRequest* req,
+                         control::HeartbeatResponse* resp) override;
+  grpc::Status ReportStep(grpc::ServerContext* ctx, const control::StepReport* r, control::Ack*) override;
+  grpc::Status CommitCheckpoint(grpc::ServerContext* ctx, const control::CheckpointCommit* r, control::Ack*) override;
+  grpc::Status ReportFailure(grpc::ServerContext* ctx, const control::FailureReport* r, control::Ack*) override;
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const control::StatusRequest*, control::StatusResponse* resp) override;
+  grpc::Status Control(grpc::ServerContext* ctx, const control::ControlRequest* req, control::ControlResponse* resp) override;
+
+  static constexpr int kAttemptStride = 100000;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  static double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+  struct WorkerState {
+    WorkerSpec spec;
+    std::string launch_key;
+    pid_t pid = -1;
+    Clock::time_point started;
+    bool registered = false;
+    Clock::time_point last_heartbeat;
+    int64_t step = 0;
+    double tokens_per_s = 0;
+    int metrics_port = -1;
+    std::string state = "starting";  // starting | running | done | failed | stopped
+    ExitInfo exit;
+    int reported_code = -1;
+    std::string reported_kind, reported_message;
+  };
+
+  // How an attempt ended.
+  struct Outcome {
+    enum Kind { kFinished, kStopped, kFailed } kind = kFailed;
+    int worker = -1;  // kFailed: the index of the worker blamed
+    std::string reason;
+    bool hang = false;
+  };
+
+  // Step 2 and 3 helpers.
+  void resume_ledger();
+  void resolve_token();
+  void start_server();
+  void write_run_files();
+  void start_metrics();
+  void declare_metrics(metrics::Registry& r);
+
+  // Step 4, mu_ held unless noted.
+  CommitChoice restart_point();
+  void move_checkpoints_above(int64_t step);
+  void match_generation_to_topology(int64_t start_step);
+  void append_packing(const control::GenerationSpec& g, const std::string& reason);
+  void launch_attempt(const CommitChoice& from);
+  void build_assignment(int64_t start_step, const std::string& resume_dir);
+  WorkerState make_worker(const config::HostSpec& h, config::Role role, int rank, int gpu, int index) const;
+  void launch_all();
+  Outcome monitor();  // mu_ not held: takes it every 100 ms
+  void poll_workers(Outcome& out, int& alive, int& drafters, int& drafters_done);
+  void blame_root_cause(Outcome& out);
+  void count_failure(const Outcome& out);
+  void stop_all();
+  int end_run(const Outcome& outcome);
+  RecoveryDecision handle_failure(const Outcome& outcome);
+  FailureSituation situation_of(const WorkerState& w, const Outcome& outcome, int restarts_used) const;
+  void stop_run(const RecoveryDecision& d, const WorkerState& w);
+  void go_degraded(const WorkerState& w, const std::string& why);
+  void open_oom_generation(const WorkerState& w, const RecoveryDecision& d);
+  void print_progress(bool final_line);
+
+  // Control-plane helpers (mu_ held where they read state).
+  grpc::Status auth(grpc::ServerContext* ctx) const;
+  grpc::Status stale(int64_t id) const;
+  WorkerState* worker(int64_t id);
+  int index_of(config::Role role, int rank) const;
+  nlohmann::json status_json() const;
+  nlohmann::json slots_json() const;
+
+  const config::RunConfig base_cfg_;  // the config as given
+  config::RunConfig cfg_;             // the topology running now (base_cfg_ without left_out_)
+  const RunOptions opts_;
+  std::string device_;
+  std::vector<config::WorkerSlot> left_out_;
+  mutable std::mutex mu_;
+  std::optional<Ledger> ledger_;  // from open_ledger()
+  std::vector<uint32_t> lengths_;
+  int64_t first_lr_schedule_steps_ = 0, first_total_steps_ = 0;  // generation 0, from plan()
+  std::string token_, address_;
+  control::Assignment assignment_;
+  int attempt_ = 0;
+  std::vector<WorkerState> workers_;
+  bool stop_requested_ = false, checkpoint_requested_ = false;
+  int64_t step_ = 0, start_step_ = 0, total_steps_ = 0, nonfinite_ = 0;
+  int last_epoch_ = 0;
+  double last_loss_ = 0, last_tau_ = 0;
+  std::map<int, double> tokens_per_s_;
+  Clock::time_point t0_ = Clock::now();
+  std::shared_ptr<metrics::Registry> registry_;
+  metrics::Gauge *m_alive_ = nullptr, *m_budget_ = nullptr, *m_step_ = nullptr, *m_committed_ = nullptr, *m_left_out_ = nullptr;
+  metrics::Counter *m_oom_ = nullptr, *m_packing_ = nullptr;
+  std::map<std::string, metrics::Counter*> m_restart_;
+  // Last: destroyed first, so no call arrives while the state above is torn down.
+  std::unique_ptr<metrics::MetricsServer> metrics_server_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+}  // namespace dflash::coordinator

@@ -1,0 +1,30 @@
+// The plan report of a run: what `dflash run CONFIG --plan` prints as JSON and every run prints
+// first (the workers' own derivation of the run is services/common/run_plan.h).
+#pragma once
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config/config.h"
+#include "core/stream/schedule.h"
+
+namespace dflash::coordinator {
+
+// topology (hosts, targets, drafters, transport), samples, epochs (batches, steps, untrained
+// batches, dropped and truncated samples), total_steps, tokens_per_step and memory_estimate (upper
+// bounds of the big items per process, not measured: target weights, capture buffers, activations
+// per layer; drafter parameters with gradients and Adam state, frozen embedding and LM head, the
+// batch in flight; shared memory per link; K and the slot size as the workers derive them on
+// `device`, pipeline::RunPlan). `lengths`: the samples' token counts; `sched`: the schedule of
+// generation 0. Reads target.model_dir's config.json (a failure -> ConfigError naming
+// target.model_dir) and the sizes of its *.safetensors files.
+nlohmann::json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& lengths, const stream::RunSchedule& sched,
+                         const std::string& device);
+
+// The plan as readable lines.
+void print_plan(const nlohmann::json& plan, std::ostream& os);
+
+}  // namespace dflash::coordinator

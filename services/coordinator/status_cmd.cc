@@ -1,0 +1,126 @@
+#include "services/coordinator/status_cmd.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "control.grpc.pb.h"
+#include "core/config/config.h"
+#include "core/util/error.h"
+#include "core/util/flags.h"
+#include "services/coordinator/control_token.h"
+
+namespace dflash::coordinator {
+namespace fs = std::filesystem;
+namespace pb = dflash::control;
+using nlohmann::json;
+
+namespace {
+
+// Where the coordinator listens and the token it wants.
+struct ClientTarget {
+  std::string address, token;
+};
+ClientTarget client_target(const Flags& f) {
+  ClientTarget c;
+  std::string token_file;
+  if (f.has("coordinator")) c.address = f.get("coordinator");
+  if (f.has("token-file")) token_file = f.get("token-file");
+  if (f.has("run-dir") || f.has("config")) {
+    std::string dir = f.get("run-dir", "");
+    if (dir.empty()) dir = config::load_config_or_throw(f.get("config")).run.output_dir;
+    const auto p = fs::path(dir) / "coordinator.json";
+    std::ifstream in(p);
+    DFLASH_CHECK(in, ConfigError, p << " not found: is a coordinator running for " << dir << "?");
+    json j = json::parse(in);
+    if (c.address.empty()) c.address = j.at("address").get<std::string>();
+    if (token_file.empty()) token_file = j.at("token_file").get<std::string>();
+  }
+  if (!token_file.empty()) c.token = read_token_file(token_file);
+  if (c.token.empty() && std::getenv("DFLASH_CONTROL_TOKEN")) c.token = std::getenv("DFLASH_CONTROL_TOKEN");
+  DFLASH_CHECK(!c.address.empty(), ConfigError, "give --coordinator HOST:PORT, --run-dir DIR or --config CONFIG");
+  return c;
+}
+std::unique_ptr<pb::Coordinator::Stub> stub_for(const ClientTarget& c) {
+  return pb::Coordinator::NewStub(grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials()));
+}
+// The run's token and a 10 s deadline.
+void prepare(grpc::ClientContext& ctx, const ClientTarget& c) {
+  if (!c.token.empty()) ctx.AddMetadata("x-dflash-token", c.token);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+}
+void check_status(const grpc::Status& st, const ClientTarget& c) {
+  DFLASH_CHECK(st.error_code() != grpc::StatusCode::UNAUTHENTICATED, ConfigError,
+               "the coordinator at " << c.address << " refused the call: " << st.error_message());
+  DFLASH_CHECK(st.ok(), TransportError, "coordinator at " << c.address << ": " << st.error_message());
+}
+// The status JSON (Coordinator::GetStatus) as a table.
+void print_status(const json& s, std::ostream& os) {
+  os << "run " << s["run"].get<std::string>() << " at " << s["address"].get<std::string>() << ": step " << s["step"] << "/"
+     << s["total_steps"] << ", epoch " << s["epoch"] << ", loss " << s["loss"] << ", tau " << s["tau"] << ", "
+     << int64_t(s["tokens_per_s"].get<double>()) << " tok/s, attempt " << s["attempt"] << ", committed step "
+     << s["committed_step"] << "\n";
+  os << "packing: " << s["packing"].dump() << "\n";
+  os << "role     rank host        gpu  pid      state     step   tok/s      heartbeat\n";
+  for (const auto& w : s["workers"]) {
+    std::ostringstream hb;
+    const double ago = w["last_heartbeat_s_ago"].get<double>();
+    if (ago >= 0) hb << std::fixed << std::setprecision(1) << ago << " s ago";
+    os << std::left << std::setw(9) << w["role"].get<std::string>() << std::setw(5) << w["rank"].get<int>() << std::setw(12)
+       << w["host"].get<std::string>() << std::setw(5) << w["gpu"].get<int>() << std::setw(9) << w["pid"].get<int>()
+       << std::setw(10) << w["state"].get<std::string>() << std::setw(7) << w["step"].get<int64_t>() << std::setw(11)
+       << int64_t(w["tokens_per_s"].get<double>()) << hb.str() << "\n";
+  }
+  for (const auto& x : s["degraded"])
+    os << "degraded: left out " << x.value("role", "?") << " " << x.value("rank", -1) << " (host " << x.value("host", "?")
+       << " GPU " << x.value("gpu", -1) << ") from step " << x.value("step", int64_t(-1)) << ": " << x.value("reason", "")
+       << "\n";
+  if (!s["left_out"].empty())
+    os << "running degraded: " << s["targets"] << " target(s) + " << s["drafters"] << " drafter(s), left out "
+       << s["left_out"].dump() << "\n";
+  for (const auto& r : s["restarts"])
+    os << "restart: " << r.value("role", "?") << " " << r.value("rank", -1) << " attempt " << r.value("attempt", -1) << ": "
+       << r.value("reason", "") << "\n";
+}
+}  // namespace
+
+int cmd_status(int argc, char** argv) {
+  Flags f(argc, argv, {"coordinator", "run-dir", "config", "token-file", "json"}, {"json"});
+  const auto c = client_target(f);
+  auto stub = stub_for(c);
+  grpc::ClientContext ctx;
+  prepare(ctx, c);
+  pb::StatusResponse resp;
+  check_status(stub->GetStatus(&ctx, pb::StatusRequest(), &resp), c);
+  const json s = json::parse(resp.json());
+  if (f.has("json")) {
+    std::cout << s.dump(2) << std::endl;
+    return kExitOk;
+  }
+  print_status(s, std::cout);
+  return kExitOk;
+}
+
+int cmd_control(const char* action, int argc, char** argv) {
+  Flags f(argc, argv, {"coordinator", "run-dir", "config", "token-file"});
+  const auto c = client_target(f);
+  auto stub = stub_for(c);
+  grpc::ClientContext ctx;
+  prepare(ctx, c);
+  pb::ControlRequest req;
+  req.set_action(action);
+  pb::ControlResponse resp;
+  check_status(stub->Control(&ctx, req, &resp), c);
+  std::cout << resp.message() << std::endl;
+  return kExitOk;
+}
+
+}  // namespace dflash::coordinator

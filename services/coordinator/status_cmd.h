@@ -1,0 +1,24 @@
+// `dflash status|stop|checkpoint`: clients of a running coordinator's control plane
+// (proto/control.proto; services/coordinator/coordinator.h).
+//
+// The coordinator is found by --coordinator HOST:PORT, or through --run-dir DIR / --config CONFIG
+// (run.output_dir) whose coordinator.json gives the address and the token file. The token: the
+// --token-file, else coordinator.json's token_file, else $DFLASH_CONTROL_TOKEN.
+// Exit codes: 0 ok; 2 (ConfigError) on a usage error, no coordinator.json, an unreadable token
+// file, or a call the coordinator refused for its token; 1 (TransportError) when the coordinator
+// cannot be reached or the call fails otherwise (10 s deadline).
+#pragma once
+
+namespace dflash::coordinator {
+
+// `dflash status [--coordinator ADDR | --run-dir DIR | --config CONFIG] [--token-file F] [--json]`:
+// the run's step, loss, tau, tokens/s, packing generations, workers, restarts and left-out
+// workers as a table, or the coordinator's status JSON with --json. argv: the args after "status".
+int cmd_status(int argc, char** argv);
+
+// `dflash stop|checkpoint [...]`: `action` is "stop" (the drafters finish their step, commit a
+// checkpoint and exit) or "checkpoint" (commit after the current step); prints the coordinator's
+// answer. argv: the args after the action.
+int cmd_control(const char* action, int argc, char** argv);
+
+}  // namespace dflash::coordinator
