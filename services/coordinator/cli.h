@@ -1,4 +1,4 @@
-// The `dflash` command line: dispatches subcommands; returns the process exit code (docs/design.md#roles).
+// The `dflash` command line: dispatches subcommands; returns the process exit code (docs/design.md#exit-codes).
 #pragma once
 
 namespace dflash::cli {

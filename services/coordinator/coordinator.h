@@ -1,4 +1,4 @@
-// The coordinator of `dflash run` (docs/design.md#roles, #ledger, #recovery): one object per run,
+// The coordinator of `dflash run` (docs/design.md#roles, #run-ledger, #recovery): one object per run,
 // whose run() goes through these steps (each a method below):
 //
 // 1. plan(): opens the token shards (DataError, exit 4), checks that the data gives at least one

@@ -1,4 +1,4 @@
-// The run ledger (docs/design.md#ledger): an append-only JSON-lines file
+// The run ledger (docs/design.md#run-ledger): an append-only JSON-lines file
 // <run.output_dir>/ledger.jsonl, the coordinator's crash-safe memory of the run. It is written
 // through io::JsonlLog (core/io/jsonl_log.h): every record with one write(2), fsync'ed before the
 // call returns, so after a crash the file is a prefix of what was appended, possibly with a torn
