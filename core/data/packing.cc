@@ -4,17 +4,11 @@
 #include <numeric>
 
 #include "core/util/error.h"
+#include "core/util/rng.h"
 
 namespace dflash::data {
 
 // ------------------------------------------------------------------------------------ Rng
-
-uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 Rng::Rng(uint64_t seed) {
   uint64_t st = seed;

@@ -26,7 +26,7 @@
 
 namespace dflash::data {
 
-// Deterministic PRNG: xoshiro256** seeded by splitmix64. Same sequence on every platform.
+// Deterministic PRNG: xoshiro256** seeded by splitmix64 (core/util/rng.h). Same sequence on every platform.
 class Rng {
  public:
   explicit Rng(uint64_t seed);
@@ -37,8 +37,6 @@ class Rng {
  private:
   uint64_t s_[4];
 };
-
-uint64_t splitmix64(uint64_t& state);
 
 struct PackingOptions {
   int64_t token_budget = 49152;  // max tokens per batch (sum of possibly truncated lengths)

@@ -4,24 +4,6 @@
 
 namespace dflash::train {
 
-uint64_t SplitMix64::next() {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-uint64_t SplitMix64::below(uint64_t n) {
-  // Lemire-style rejection to avoid modulo bias.
-  const uint64_t limit = UINT64_MAX - UINT64_MAX % n;
-  uint64_t r;
-  do r = next();
-  while (r >= limit);
-  return r % n;
-}
-
-double SplitMix64::uniform() { return (next() >> 11) * (1.0 / 9007199254740992.0); }
-
 uint64_t mix_seed(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
   SplitMix64 g(seed ^ 0xD1B54A32D192ED03ull);
   uint64_t h = g.next();

@@ -6,17 +6,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/util/rng.h"
+
 namespace dflash::train {
 
-// splitmix64: the project's portable PRNG (std:: distributions differ across standard libraries).
-struct SplitMix64 {
-  uint64_t state;
-  explicit SplitMix64(uint64_t seed) : state(seed) {}
-  uint64_t next();
-  uint64_t below(uint64_t n);  // uniform in [0, n), n > 0
-  double uniform();            // [0, 1)
-};
-
+// A seed for the draws of (a, b, c) under the run seed: splitmix64 chained over the three counters.
 uint64_t mix_seed(uint64_t seed, uint64_t a, uint64_t b = 0, uint64_t c = 0);
 
 // Valid anchors: packed index i with loss_mask[i] and loss_mask[i+1] set, i+1 in the same document.

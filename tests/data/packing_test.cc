@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "core/util/error.h"
+#include "core/util/rng.h"
 
 namespace dflash::data {
 namespace {
