@@ -24,12 +24,43 @@ constexpr int64_t kChannelVersion = 1;
 constexpr uint32_t kMaxChannelSlots = 256;
 constexpr const char* kEnd = "end";
 
-Clock::time_point deadline_after(milliseconds t) {
-  if (t == kWaitForever || t > std::chrono::hours(24 * 365)) return Clock::time_point::max();
-  return Clock::now() + t;
-}
+using detail::deadline_after;
 
 std::string meta_key(uint64_t seq) { return "m/" + std::to_string(seq); }
+
+// One slot of host memory (from LinkData::alloc_host) and its state in the end's own enum.
+template <class State>
+struct HostSlot {
+  void* mem = nullptr;
+  State state = State::kFree;
+  uint64_t ticket = 0;
+};
+
+// A batch moving through an end: its slot, commit number and byte count.
+struct Transfer {
+  uint32_t slot;
+  uint64_t seq;
+  size_t size;
+};
+
+// Gives every slot's memory back to `data` (slots never allocated are skipped).
+template <class State>
+void free_host_slots(std::vector<HostSlot<State>>& slots, LinkData& data) noexcept {
+  for (auto& s : slots)
+    if (s.mem) data.free_host(s.mem), s.mem = nullptr;
+}
+
+// `n` slots of `bytes` each; when an allocation throws, the ones made are freed first.
+template <class State>
+void alloc_host_slots(std::vector<HostSlot<State>>& slots, size_t n, size_t bytes, LinkData& data) {
+  slots.resize(n);
+  try {
+    for (auto& s : slots) s.mem = data.alloc_host(bytes);
+  } catch (...) {
+    free_host_slots(slots, data);
+    throw;
+  }
+}
 
 // ---------------------------------------------------------------- receiver
 
@@ -42,13 +73,7 @@ class ChannelReceiver final : public Receiver {
                  "link " << name_ << ": slots " << opts.slots << " out of range [1, " << kMaxChannelSlots << "]");
     DFLASH_CHECK(opts.slot_bytes >= kHeaderBytes, TransportError,
                  "link " << name_ << ": slot_bytes " << opts.slot_bytes << " is smaller than a packed batch header");
-    slots_.resize(opts.slots);
-    try {
-      for (auto& s : slots_) s.mem = data_->alloc_host(opts.slot_bytes);
-    } catch (...) {
-      free_slots();
-      throw;
-    }
+    alloc_host_slots(slots_, opts.slots, opts.slot_bytes, *data_);
     control_->set("r/slots", std::to_string(opts.slots));
     control_->set("r/slot_bytes", std::to_string(opts.slot_bytes));
     control_->set("r/version", std::to_string(kChannelVersion));
@@ -60,7 +85,7 @@ class ChannelReceiver final : public Receiver {
     close();
     if (worker_.joinable()) worker_.join();
     if (!eos_ || !error_.empty()) data_->abort();
-    free_slots();
+    free_host_slots(slots_, *data_);
   }
 
   std::optional<ReceivedBatch> receive(milliseconds timeout) override {
@@ -78,7 +103,7 @@ class ChannelReceiver final : public Receiver {
       if (!error_.empty()) throw TransportError(error_);
       return std::nullopt;  // eos_
     }
-    const Ready r = ready_.front();
+    const Transfer r = ready_.front();
     ready_.pop_front();
     Slot& s = slots_[r.slot];
     s.state = kHeld;
@@ -94,8 +119,8 @@ class ChannelReceiver final : public Receiver {
   void release(ReceivedBatch&& b) override {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      DFLASH_CHECK(b.valid() && b.slot() < slots_.size() && slots_[b.slot()].state == kHeld && slots_[b.slot()].ticket == b.ticket(),
-                   TransportError, "link " << name_ << ": release of a batch this receiver does not hold");
+      DFLASH_CHECK(b.valid() && detail::slot_held(slots_, b.slot(), b.ticket(), kHeld), TransportError,
+                   "link " << name_ << ": release of a batch this receiver does not hold");
     }
     b.disarm();
     give_back(b.slot());
@@ -134,28 +159,14 @@ class ChannelReceiver final : public Receiver {
   void return_slot(uint32_t slot, uint64_t ticket) noexcept override {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (slot >= slots_.size() || slots_[slot].state != kHeld || slots_[slot].ticket != ticket) return;
+      if (!detail::slot_held(slots_, slot, ticket, kHeld)) return;
     }
     give_back(slot);
   }
 
  private:
   enum State { kFree, kFilling, kReady, kHeld };
-  struct Slot {
-    void* mem = nullptr;
-    State state = kFree;
-    uint64_t ticket = 0;
-  };
-  struct Ready {
-    uint32_t slot;
-    uint64_t seq;
-    size_t size;
-  };
-
-  void free_slots() {
-    for (auto& s : slots_)
-      if (s.mem) data_->free_host(s.mem), s.mem = nullptr;
-  }
+  using Slot = HostSlot<State>;
 
   void give_back(uint32_t slot) noexcept {
     {
@@ -270,7 +281,7 @@ class ChannelReceiver final : public Receiver {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Slot> slots_;
-  std::deque<Ready> ready_;
+  std::deque<Transfer> ready_;
   bool eos_ = false, closed_ = false, attached_ = false;
   std::string error_;
   std::atomic<bool> stop_{false};
@@ -310,13 +321,7 @@ class ChannelSender final : public Sender {
     const int64_t slots = num("r/slots");
     slot_bytes_ = static_cast<size_t>(num("r/slot_bytes"));
     DFLASH_CHECK(slots >= 1 && slots <= kMaxChannelSlots, TransportError, "link " << name_ << ": receiver announced " << slots << " slots");
-    slots_.resize(static_cast<size_t>(slots));
-    try {
-      for (auto& s : slots_) s.mem = data_->alloc_host(slot_bytes_);
-    } catch (...) {
-      free_slots();
-      throw;
-    }
+    alloc_host_slots(slots_, static_cast<size_t>(slots), slot_bytes_, *data_);
     control_->add("s/hb", 1);
     control_->set("s/attached", "1");
     worker_ = std::thread([this] { worker_loop(); });
@@ -347,7 +352,7 @@ class ChannelSender final : public Sender {
     if (worker_.joinable()) worker_.join();
     if (heartbeat_.joinable()) heartbeat_.join();
     if (!clean || !error_.empty()) data_->abort();
-    free_slots();
+    free_host_slots(slots_, *data_);
   }
 
   SlotBuffer acquire(size_t bytes, milliseconds timeout) override {
@@ -393,9 +398,8 @@ class ChannelSender final : public Sender {
   void commit(SlotBuffer&& buf) override {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      DFLASH_CHECK(buf.valid() && buf.slot() < slots_.size() && slots_[buf.slot()].state == kAcquired &&
-                       slots_[buf.slot()].ticket == buf.ticket(),
-                   TransportError, "link " << name_ << ": commit of a slot this sender does not hold");
+      DFLASH_CHECK(buf.valid() && detail::slot_held(slots_, buf.slot(), buf.ticket(), kAcquired), TransportError,
+                   "link " << name_ << ": commit of a slot this sender does not hold");
       DFLASH_CHECK(buf.size() <= slot_bytes_, TransportError,
                    "link " << name_ << ": commit of " << buf.size() << " bytes exceeds the slot capacity " << slot_bytes_);
       DFLASH_CHECK(!closed_, TransportError, "link " << name_ << ": commit after close()");
@@ -441,7 +445,7 @@ class ChannelSender final : public Sender {
   void return_slot(uint32_t slot, uint64_t ticket) noexcept override {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (slot >= slots_.size() || slots_[slot].state != kAcquired || slots_[slot].ticket != ticket) return;
+      if (!detail::slot_held(slots_, slot, ticket, kAcquired)) return;
       slots_[slot].state = kFree;
       --acquired_;
     }
@@ -451,21 +455,7 @@ class ChannelSender final : public Sender {
  private:
   static constexpr uint32_t kEndSlot = ~0u;
   enum State { kFree, kAcquired, kQueued };
-  struct Slot {
-    void* mem = nullptr;
-    State state = kFree;
-    uint64_t ticket = 0;
-  };
-  struct Job {
-    uint32_t slot;
-    uint64_t seq;
-    size_t size;
-  };
-
-  void free_slots() {
-    for (auto& s : slots_)
-      if (s.mem) data_->free_host(s.mem), s.mem = nullptr;
-  }
+  using Slot = HostSlot<State>;
 
   void check_peer() {
     if (stop_) throw TransportError("link " + name_ + ": sender shut down during a transfer");
@@ -478,7 +468,7 @@ class ChannelSender final : public Sender {
   void worker_loop() {
     try {
       for (;;) {
-        Job job;
+        Transfer job;
         {
           std::unique_lock<std::mutex> lk(mu_);
           cv_.wait(lk, [&] { return !queue_.empty() || stop_; });
@@ -531,7 +521,7 @@ class ChannelSender final : public Sender {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Slot> slots_;
-  std::deque<Job> queue_;
+  std::deque<Transfer> queue_;
   uint64_t acquired_ = 0, committed_ = 0, released_remote_ = 0, next_ticket_ = 0;
   bool closed_ = false, worker_done_ = false;
   std::string error_;

@@ -14,10 +14,7 @@ namespace {
 enum class SlotState { kFree, kAcquired, kReady, kReceived };
 using Clock = std::chrono::steady_clock;
 
-Clock::time_point deadline_after(std::chrono::milliseconds t) {
-  if (t == kWaitForever || t > std::chrono::hours(24 * 365)) return Clock::time_point::max();
-  return Clock::now() + t;
-}
+using detail::deadline_after;
 }  // namespace
 
 struct FakeLink::State {
@@ -56,9 +53,26 @@ struct FakeLink::State {
 
 namespace {
 
-class FakeSender final : public Sender {
+// What both ends of a fake link share: the link state and its accessors.
+template <class End>
+class FakeEnd : public End {
  public:
-  explicit FakeSender(std::shared_ptr<FakeLink::State> st) : st_(std::move(st)) {}
+  explicit FakeEnd(std::shared_ptr<FakeLink::State> st) : st_(std::move(st)) {}
+  size_t slot_capacity() const override { return st_->opts.slot_bytes; }
+  uint32_t num_slots() const override { return st_->opts.slots; }
+  LinkStats stats() const override {
+    std::lock_guard<std::mutex> lk(st_->mu);
+    return st_->stats_locked();
+  }
+  const std::string& name() const override { return st_->opts.name; }
+
+ protected:
+  std::shared_ptr<FakeLink::State> st_;
+};
+
+class FakeSender final : public FakeEnd<Sender> {
+ public:
+  using FakeEnd::FakeEnd;
   ~FakeSender() override {
     std::lock_guard<std::mutex> lk(st_->mu);
     if (!st_->sender_closed && !st_->sender_dead) st_->sender_aborted = true;
@@ -91,8 +105,7 @@ class FakeSender final : public Sender {
   void commit(SlotBuffer&& buf) override {
     auto& s = *st_;
     std::lock_guard<std::mutex> lk(s.mu);
-    DFLASH_CHECK(buf.valid() && buf.slot() < s.slots.size() && s.slots[buf.slot()].state == SlotState::kAcquired &&
-                     s.slots[buf.slot()].ticket == buf.ticket(),
+    DFLASH_CHECK(buf.valid() && detail::slot_held(s.slots, buf.slot(), buf.ticket(), SlotState::kAcquired),
                  TransportError, s.where() << ": commit of a slot this sender does not hold");
     DFLASH_CHECK(buf.size() <= s.opts.slot_bytes, TransportError,
                  s.where() << ": commit of " << buf.size() << " bytes exceeds the slot capacity " << s.opts.slot_bytes);
@@ -115,29 +128,17 @@ class FakeSender final : public Sender {
     st_->cv.notify_all();
   }
 
-  size_t slot_capacity() const override { return st_->opts.slot_bytes; }
-  uint32_t num_slots() const override { return st_->opts.slots; }
-  LinkStats stats() const override {
-    std::lock_guard<std::mutex> lk(st_->mu);
-    return st_->stats_locked();
-  }
-  const std::string& name() const override { return st_->opts.name; }
-
  protected:
   void return_slot(uint32_t slot, uint64_t ticket) noexcept override {
     std::lock_guard<std::mutex> lk(st_->mu);
-    auto& sl = st_->slots[slot];
-    if (sl.state == SlotState::kAcquired && sl.ticket == ticket) sl.state = SlotState::kFree;
+    if (detail::slot_held(st_->slots, slot, ticket, SlotState::kAcquired)) st_->slots[slot].state = SlotState::kFree;
     st_->cv.notify_all();
   }
-
- private:
-  std::shared_ptr<FakeLink::State> st_;
 };
 
-class FakeReceiver final : public Receiver {
+class FakeReceiver final : public FakeEnd<Receiver> {
  public:
-  explicit FakeReceiver(std::shared_ptr<FakeLink::State> st) : st_(std::move(st)) {}
+  using FakeEnd::FakeEnd;
   ~FakeReceiver() override { close(); }
 
   std::optional<ReceivedBatch> receive(std::chrono::milliseconds timeout) override {
@@ -170,9 +171,8 @@ class FakeReceiver final : public Receiver {
   void release(ReceivedBatch&& b) override {
     auto& s = *st_;
     std::lock_guard<std::mutex> lk(s.mu);
-    DFLASH_CHECK(b.valid() && b.slot() < s.slots.size() && s.slots[b.slot()].state == SlotState::kReceived &&
-                     s.slots[b.slot()].ticket == b.ticket(),
-                 TransportError, s.where() << ": release of a batch this receiver does not hold");
+    DFLASH_CHECK(b.valid() && detail::slot_held(s.slots, b.slot(), b.ticket(), SlotState::kReceived), TransportError,
+                 s.where() << ": release of a batch this receiver does not hold");
     release_locked(b.slot());
     b.disarm();
   }
@@ -183,19 +183,10 @@ class FakeReceiver final : public Receiver {
     st_->cv.notify_all();
   }
 
-  size_t slot_capacity() const override { return st_->opts.slot_bytes; }
-  uint32_t num_slots() const override { return st_->opts.slots; }
-  LinkStats stats() const override {
-    std::lock_guard<std::mutex> lk(st_->mu);
-    return st_->stats_locked();
-  }
-  const std::string& name() const override { return st_->opts.name; }
-
  protected:
   void return_slot(uint32_t slot, uint64_t ticket) noexcept override {
     std::lock_guard<std::mutex> lk(st_->mu);
-    auto& sl = st_->slots[slot];
-    if (sl.state == SlotState::kReceived && sl.ticket == ticket) release_locked(slot);
+    if (detail::slot_held(st_->slots, slot, ticket, SlotState::kReceived)) release_locked(slot);
   }
 
  private:
@@ -204,7 +195,6 @@ class FakeReceiver final : public Receiver {
     ++st_->released;
     st_->cv.notify_all();
   }
-  std::shared_ptr<FakeLink::State> st_;
 };
 
 }  // namespace

@@ -111,10 +111,7 @@ void bump_and_wake(std::atomic<uint32_t>* word) {
   futex_wake_all(word);
 }
 
-Clock::time_point deadline_after(milliseconds t) {
-  if (t == kWaitForever || t > std::chrono::hours(24 * 365)) return Clock::time_point::max();
-  return Clock::now() + t;
-}
+using detail::deadline_after;
 
 // Unlinks `name` only if it still names the segment (dev, ino): never someone's newer segment.
 void unlink_if_same(const std::string& name, dev_t dev, ino_t ino) {
@@ -218,6 +215,48 @@ size_t remove_stale_segments(const std::string& prefix) {
   return removed;
 }
 
+// ---------------- both ends ----------------
+
+namespace {
+LinkStats stats_of(const ShmControl* c) {
+  LinkStats s;
+  s.slots = c->num_slots;
+  for (uint32_t i = 0; i < c->num_slots; ++i) s.free_slots += c->slots[i].state.load() == kSlotFree;
+  s.committed = c->ready_tail.load();
+  s.received = c->ready_head.load();
+  s.ready = static_cast<uint32_t>(s.committed - std::min(s.received, s.committed));
+  s.released = c->released.load();
+  return s;
+}
+}  // namespace
+
+template <class End>
+ShmEnd<End>::ShmEnd(std::string name, std::unique_ptr<ShmSegment> seg) : name_(std::move(name)), seg_(std::move(seg)) {}
+template <class End>
+ShmEnd<End>::~ShmEnd() = default;
+template <class End>
+size_t ShmEnd<End>::slot_capacity() const {
+  return seg_->ctl()->slot_bytes;
+}
+template <class End>
+uint32_t ShmEnd<End>::num_slots() const {
+  return seg_->ctl()->num_slots;
+}
+template <class End>
+LinkStats ShmEnd<End>::stats() const {
+  return stats_of(seg_->ctl());
+}
+template <class End>
+void* ShmEnd<End>::base() const {
+  return seg_->base;
+}
+template <class End>
+size_t ShmEnd<End>::mapped_bytes() const {
+  return seg_->bytes;
+}
+template class ShmEnd<Receiver>;
+template class ShmEnd<Sender>;
+
 // ---------------- receiver ----------------
 
 std::unique_ptr<ShmReceiver> ShmReceiver::create(const std::string& name, const ShmLinkOptions& opts) {
@@ -297,7 +336,7 @@ std::unique_ptr<ShmReceiver> ShmReceiver::create(const std::string& name, const 
 }
 
 ShmReceiver::ShmReceiver(std::string name, std::unique_ptr<ShmSegment> seg, const ShmLinkOptions& opts)
-    : name_(std::move(name)), seg_(std::move(seg)), opts_(opts) {}
+    : ShmEnd(std::move(name), std::move(seg)), opts_(opts) {}
 
 ShmReceiver::~ShmReceiver() {
   close();
@@ -376,26 +415,7 @@ void ShmReceiver::return_slot(uint32_t slot, uint64_t ticket) noexcept {
     release_slot(slot);
 }
 
-size_t ShmReceiver::slot_capacity() const { return seg_->ctl()->slot_bytes; }
-uint32_t ShmReceiver::num_slots() const { return seg_->ctl()->num_slots; }
-void* ShmReceiver::base() const { return seg_->base; }
-size_t ShmReceiver::mapped_bytes() const { return seg_->bytes; }
 pid_t ShmReceiver::sender_pid() const { return seg_->ctl()->sender_pid.load(); }
-
-namespace {
-LinkStats stats_of(const ShmControl* c) {
-  LinkStats s;
-  s.slots = c->num_slots;
-  for (uint32_t i = 0; i < c->num_slots; ++i) s.free_slots += c->slots[i].state.load() == kSlotFree;
-  s.committed = c->ready_tail.load();
-  s.received = c->ready_head.load();
-  s.ready = static_cast<uint32_t>(s.committed - std::min(s.received, s.committed));
-  s.released = c->released.load();
-  return s;
-}
-}  // namespace
-
-LinkStats ShmReceiver::stats() const { return stats_of(seg_->ctl()); }
 
 // ---------------- sender ----------------
 
@@ -482,7 +502,7 @@ std::unique_ptr<ShmSender> ShmSender::attach(const std::string& name, millisecon
 }
 
 ShmSender::ShmSender(std::string name, std::unique_ptr<ShmSegment> seg, milliseconds liveness_poll)
-    : name_(std::move(name)), seg_(std::move(seg)), liveness_poll_(liveness_poll) {}
+    : ShmEnd(std::move(name), std::move(seg)), liveness_poll_(liveness_poll) {}
 
 ShmSender::~ShmSender() {
   ShmControl* c = seg_->ctl();
@@ -574,11 +594,6 @@ void ShmSender::return_slot(uint32_t slot, uint64_t ticket) noexcept {
   if (c->slots[slot].state.compare_exchange_strong(acq, kSlotFree)) bump_and_wake(&c->free_futex);
 }
 
-size_t ShmSender::slot_capacity() const { return seg_->ctl()->slot_bytes; }
-uint32_t ShmSender::num_slots() const { return seg_->ctl()->num_slots; }
-LinkStats ShmSender::stats() const { return stats_of(seg_->ctl()); }
-void* ShmSender::base() const { return seg_->base; }
-size_t ShmSender::mapped_bytes() const { return seg_->bytes; }
 pid_t ShmSender::receiver_pid() const { return seg_->ctl()->receiver_pid.load(); }
 
 }  // namespace dflash::stream

@@ -58,7 +58,29 @@ size_t remove_stale_segments(const std::string& prefix);
 
 struct ShmSegment;  // mapping + control block (shm_transport.cc)
 
-class ShmReceiver final : public Receiver {
+// What both ends of a shm link share: the segment and its accessors (shm_transport.cc
+// instantiates it for Sender and Receiver).
+template <class End>
+class ShmEnd : public End {
+ public:
+  size_t slot_capacity() const override;
+  uint32_t num_slots() const override;
+  LinkStats stats() const override;
+  const std::string& name() const override { return name_; }
+
+  void* base() const;  // start of the mapping (cudaHostRegister hook)
+  size_t mapped_bytes() const;
+
+ protected:
+  ShmEnd(std::string name, std::unique_ptr<ShmSegment> seg);
+  ~ShmEnd() override;
+  std::string name_;
+  std::unique_ptr<ShmSegment> seg_;
+};
+extern template class ShmEnd<Receiver>;
+extern template class ShmEnd<Sender>;
+
+class ShmReceiver final : public ShmEnd<Receiver> {
  public:
   // Creates and maps the segment `name` ("/..."), removing a stale one first. Throws
   // TransportError if a live receiver owns the name or the system refuses (message has errno).
@@ -69,14 +91,7 @@ class ShmReceiver final : public Receiver {
   void release(ReceivedBatch&& batch) override;
   void close() override;
 
-  size_t slot_capacity() const override;
-  uint32_t num_slots() const override;
-  LinkStats stats() const override;
-  const std::string& name() const override { return name_; }
-
-  void* base() const;           // start of the mapping (cudaHostRegister hook)
-  size_t mapped_bytes() const;
-  pid_t sender_pid() const;     // 0 until a sender attached
+  pid_t sender_pid() const;  // 0 until a sender attached
 
  protected:
   void return_slot(uint32_t slot, uint64_t ticket) noexcept override;
@@ -84,13 +99,11 @@ class ShmReceiver final : public Receiver {
  private:
   ShmReceiver(std::string name, std::unique_ptr<ShmSegment> seg, const ShmLinkOptions& opts);
   void release_slot(uint32_t slot);
-  std::string name_;
-  std::unique_ptr<ShmSegment> seg_;
   ShmLinkOptions opts_;
   std::mutex recv_mu_;  // serialises receive() callers (the ready ring has one consumer)
 };
 
-class ShmSender final : public Sender {
+class ShmSender final : public ShmEnd<Sender> {
  public:
   // Maps the existing segment `name`, waiting up to `timeout` for the receiver to create it.
   // Throws TransportError on timeout, version mismatch, a dead receiver or a second sender.
@@ -102,13 +115,6 @@ class ShmSender final : public Sender {
   void commit(SlotBuffer&& slot) override;
   void close() override;
 
-  size_t slot_capacity() const override;
-  uint32_t num_slots() const override;
-  LinkStats stats() const override;
-  const std::string& name() const override { return name_; }
-
-  void* base() const;
-  size_t mapped_bytes() const;
   pid_t receiver_pid() const;
 
  protected:
@@ -117,8 +123,6 @@ class ShmSender final : public Sender {
  private:
   ShmSender(std::string name, std::unique_ptr<ShmSegment> seg, std::chrono::milliseconds liveness_poll);
   [[noreturn]] void fail_receiver_gone(const char* what);
-  std::string name_;
-  std::unique_ptr<ShmSegment> seg_;
   std::chrono::milliseconds liveness_poll_;
   std::mutex commit_mu_;  // serialises commit() callers (the ready ring has one producer)
   std::atomic<uint32_t> next_scan_{0};

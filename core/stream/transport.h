@@ -36,6 +36,20 @@ namespace dflash::stream {
 constexpr std::chrono::milliseconds kWaitForever = std::chrono::milliseconds::max();
 
 namespace detail {
+// The point in time a wait of `timeout` ends; kWaitForever (or more than a year) never ends.
+inline std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  if (timeout == kWaitForever || timeout > std::chrono::hours(24 * 365)) return Clock::time_point::max();
+  return Clock::now() + timeout;
+}
+
+// For implementations: whether `slot` of `slots` (elements with .state and .ticket) is in state
+// `want` under `ticket`, i.e. a handle with that slot and ticket still holds it.
+template <class Slots, class State>
+bool slot_held(const Slots& slots, uint32_t slot, uint64_t ticket, State want) {
+  return slot < slots.size() && slots[slot].state == want && slots[slot].ticket == ticket;
+}
+
 // Implemented by transports: gives back a slot whose handle was dropped without commit/release.
 class SlotReturn {
  public:
@@ -44,107 +58,95 @@ class SlotReturn {
  protected:
   ~SlotReturn() = default;
 };
-}  // namespace detail
 
-// A writable slot held by the sender. Move-only. Dropping it without commit() gives the credit
-// back (nothing is published).
-class SlotBuffer {
+// What SlotBuffer and ReceivedBatch share: the owning transport, the slot's memory, the byte
+// count, the slot index and the ticket that proves the handle still holds the slot. Move-only;
+// a moved-from or disarmed handle is invalid. Dropping a valid handle gives the slot back through
+// SlotReturn::return_slot.
+class SlotHandle {
  public:
-  SlotBuffer() = default;
-  SlotBuffer(detail::SlotReturn* owner, void* data, size_t capacity, size_t size, uint32_t slot, uint64_t ticket)
-      : owner_(owner), data_(data), capacity_(capacity), size_(size), slot_(slot), ticket_(ticket) {}
-  SlotBuffer(SlotBuffer&& o) noexcept { *this = std::move(o); }
-  SlotBuffer& operator=(SlotBuffer&& o) noexcept {
+  SlotHandle(const SlotHandle&) = delete;
+  SlotHandle& operator=(const SlotHandle&) = delete;
+
+  bool valid() const { return owner_ != nullptr; }
+  size_t size() const { return size_; }
+  uint32_t slot() const { return slot_; }
+  uint64_t ticket() const { return ticket_; }
+  // For implementations: forget the slot (it was committed or released).
+  void disarm() { owner_ = nullptr; data_ = nullptr; }
+
+ protected:
+  SlotHandle() = default;
+  SlotHandle(SlotReturn* owner, void* data, size_t size, uint32_t slot, uint64_t ticket)
+      : owner_(owner), data_(data), size_(size), slot_(slot), ticket_(ticket) {}
+  SlotHandle(SlotHandle&& o) noexcept { *this = std::move(o); }
+  SlotHandle& operator=(SlotHandle&& o) noexcept {
     if (this != &o) {
       reset();
       owner_ = o.owner_;
       data_ = o.data_;
-      capacity_ = o.capacity_;
       size_ = o.size_;
       slot_ = o.slot_;
       ticket_ = o.ticket_;
-      o.owner_ = nullptr;
-      o.data_ = nullptr;
+      o.disarm();
     }
     return *this;
   }
-  SlotBuffer(const SlotBuffer&) = delete;
-  SlotBuffer& operator=(const SlotBuffer&) = delete;
-  ~SlotBuffer() { reset(); }
+  ~SlotHandle() { reset(); }
 
-  bool valid() const { return owner_ != nullptr; }
-  void* data() const { return data_; }          // 4096-byte aligned for shm
-  size_t capacity() const { return capacity_; }  // == slot_capacity()
-  size_t size() const { return size_; }          // bytes commit() publishes; starts as acquire()'s bytes
-  void set_size(size_t n) { size_ = n; }         // commit() checks n <= capacity()
-  uint32_t slot() const { return slot_; }
-  uint64_t ticket() const { return ticket_; }
-  // For implementations: forget the slot (it was committed).
-  void disarm() { owner_ = nullptr; data_ = nullptr; }
+  void* data_ = nullptr;
+  size_t size_ = 0;
 
  private:
   void reset() {
     if (owner_) owner_->return_slot(slot_, ticket_);
-    owner_ = nullptr;
-    data_ = nullptr;
+    disarm();
   }
-  detail::SlotReturn* owner_ = nullptr;
-  void* data_ = nullptr;
-  size_t capacity_ = 0, size_ = 0;
+  SlotReturn* owner_ = nullptr;
   uint32_t slot_ = 0;
   uint64_t ticket_ = 0;
 };
+}  // namespace detail
+
+// A writable slot held by the sender. Move-only. Dropping it without commit() gives the credit
+// back (nothing is published).
+class SlotBuffer : public detail::SlotHandle {
+ public:
+  SlotBuffer() = default;
+  SlotBuffer(detail::SlotReturn* owner, void* data, size_t capacity, size_t size, uint32_t slot, uint64_t ticket)
+      : SlotHandle(owner, data, size, slot, ticket), capacity_(capacity) {}
+  SlotBuffer(SlotBuffer&&) noexcept = default;
+  SlotBuffer& operator=(SlotBuffer&&) noexcept = default;
+
+  void* data() const { return data_; }          // 4096-byte aligned for shm
+  size_t capacity() const { return capacity_; }  // == slot_capacity()
+  // size(): bytes commit() publishes; starts as acquire()'s bytes.
+  void set_size(size_t n) { size_ = n; }  // commit() checks n <= capacity()
+
+ private:
+  size_t capacity_ = 0;
+};
 
 // A batch the receiver holds. Move-only. Dropping it without release() releases it.
-class ReceivedBatch {
+class ReceivedBatch : public detail::SlotHandle {
  public:
   ReceivedBatch() = default;
   ReceivedBatch(detail::SlotReturn* owner, const void* data, size_t size, uint32_t slot, uint64_t seq, uint64_t ticket)
-      : owner_(owner), data_(data), size_(size), slot_(slot), seq_(seq), ticket_(ticket) {}
-  ReceivedBatch(ReceivedBatch&& o) noexcept { *this = std::move(o); }
-  ReceivedBatch& operator=(ReceivedBatch&& o) noexcept {
-    if (this != &o) {
-      reset();
-      owner_ = o.owner_;
-      data_ = o.data_;
-      size_ = o.size_;
-      slot_ = o.slot_;
-      seq_ = o.seq_;
-      ticket_ = o.ticket_;
-      o.owner_ = nullptr;
-      o.data_ = nullptr;
-    }
-    return *this;
-  }
-  ReceivedBatch(const ReceivedBatch&) = delete;
-  ReceivedBatch& operator=(const ReceivedBatch&) = delete;
-  ~ReceivedBatch() { reset(); }
+      : SlotHandle(owner, const_cast<void*>(data), size, slot, ticket), seq_(seq) {}
+  ReceivedBatch(ReceivedBatch&&) noexcept = default;
+  ReceivedBatch& operator=(ReceivedBatch&&) noexcept = default;
 
-  bool valid() const { return owner_ != nullptr; }
-  const void* data() const { return data_; }  // valid until release()
-  size_t size() const { return size_; }       // bytes the sender committed
-  uint32_t slot() const { return slot_; }
+  const void* data() const { return data_; }  // valid until release(); size(): bytes the sender committed
   uint64_t seq() const { return seq_; }       // 0-based commit order on this link
-  uint64_t ticket() const { return ticket_; }
   // The packed batch (already validated by receive(); this re-validates, O(header + T)).
   PackedBatchView view() const {
     PackedBatchView v(data_, size_);
     v.validate();
     return v;
   }
-  void disarm() { owner_ = nullptr; data_ = nullptr; }
 
  private:
-  void reset() {
-    if (owner_) owner_->return_slot(slot_, ticket_);
-    owner_ = nullptr;
-    data_ = nullptr;
-  }
-  detail::SlotReturn* owner_ = nullptr;
-  const void* data_ = nullptr;
-  size_t size_ = 0;
-  uint32_t slot_ = 0;
-  uint64_t seq_ = 0, ticket_ = 0;
+  uint64_t seq_ = 0;
 };
 
 // A snapshot for metrics (queue depth, free credits). Counters are link-wide.
@@ -157,9 +159,21 @@ struct LinkStats {
   uint64_t released = 0;
 };
 
-class Sender : protected detail::SlotReturn {
+namespace detail {
+// What both ends of a link report.
+class LinkEnd : protected SlotReturn {
  public:
-  virtual ~Sender() = default;  // without close(): the receiver gets an error, not end of stream
+  virtual ~LinkEnd() = default;
+  virtual size_t slot_capacity() const = 0;
+  virtual uint32_t num_slots() const = 0;
+  virtual LinkStats stats() const = 0;
+  virtual const std::string& name() const = 0;
+};
+}  // namespace detail
+
+class Sender : public detail::LinkEnd {
+ public:
+  ~Sender() override = default;  // without close(): the receiver gets an error, not end of stream
 
   // Blocks until a slot is free (a credit), then returns it for writing. `bytes` must be <=
   // slot_capacity(). Throws TransportError when `bytes` is too large, on timeout, when the
@@ -170,16 +184,11 @@ class Sender : protected detail::SlotReturn {
   // End of stream: the receiver sees std::nullopt after draining what was committed. Slots
   // acquired but not committed are dropped. Idempotent.
   virtual void close() = 0;
-
-  virtual size_t slot_capacity() const = 0;
-  virtual uint32_t num_slots() const = 0;
-  virtual LinkStats stats() const = 0;
-  virtual const std::string& name() const = 0;
 };
 
-class Receiver : protected detail::SlotReturn {
+class Receiver : public detail::LinkEnd {
  public:
-  virtual ~Receiver() = default;  // closes the link; batches still held become invalid
+  ~Receiver() override = default;  // closes the link; batches still held become invalid
 
   // The next batch in commit order; std::nullopt once the sender closed and everything committed
   // was received. Throws TransportError on timeout, sender death or abort; DataError when the
@@ -189,11 +198,6 @@ class Receiver : protected detail::SlotReturn {
   virtual void release(ReceivedBatch&& batch) = 0;
   // Stops the link: a sender blocked in or calling acquire() gets TransportError. Idempotent.
   virtual void close() = 0;
-
-  virtual size_t slot_capacity() const = 0;
-  virtual uint32_t num_slots() const = 0;
-  virtual LinkStats stats() const = 0;
-  virtual const std::string& name() const = 0;
 };
 
 }  // namespace dflash::stream
