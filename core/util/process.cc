@@ -29,4 +29,13 @@ std::string run_for_json(const std::string& cmd, const std::string& what) {
   return out.substr(brace);
 }
 
+int run_command(const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    LOG_ERROR(e.what());
+    return exit_code_for(e);
+  }
+}
+
 }  // namespace dflash

@@ -1,5 +1,6 @@
-// Running helper commands from the CLI (benchmark baselines, launch templates).
+// Running CLI commands and the helper commands they start (benchmark baselines, launch templates).
 #pragma once
+#include <functional>
 #include <string>
 
 namespace dflash {
@@ -11,5 +12,9 @@ std::string shell_quote(const std::string& s);
 // object a tool prints after any log lines). Error (exit 1) naming `what` and the command when it
 // cannot start, exits non-zero, or prints no '{'.
 std::string run_for_json(const std::string& cmd, const std::string& what);
+
+// Runs a CLI command's `body` and returns its exit code; an exception it throws is logged
+// (LOG_ERROR) and mapped to exit_code_for(e) (core/util/error.h) instead of escaping.
+int run_command(const std::function<int()>& body);
 
 }  // namespace dflash

@@ -15,6 +15,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/process.h"
 
 namespace dflash::cli {
 namespace {
@@ -87,12 +88,7 @@ int run_eval(int argc, char** argv) {
 }  // namespace
 
 int cmd_eval(int argc, char** argv) {
-  try {
-    return run_eval(argc, argv);
-  } catch (const std::exception& e) {
-    LOG_ERROR(e.what());
-    return exit_code_for(e);
-  }
+  return run_command([&] { return run_eval(argc, argv); });
 }
 
 }  // namespace dflash::cli

@@ -10,7 +10,7 @@
 #include "core/train/export.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
-#include "core/util/log.h"
+#include "core/util/process.h"
 
 namespace dflash::cli {
 namespace {
@@ -48,12 +48,7 @@ int run_export(int argc, char** argv) {
 }  // namespace
 
 int cmd_export(int argc, char** argv) {
-  try {
-    return run_export(argc, argv);
-  } catch (const std::exception& e) {
-    LOG_ERROR(e.what());
-    return exit_code_for(e);
-  }
+  return run_command([&] { return run_export(argc, argv); });
 }
 
 }  // namespace dflash::cli
