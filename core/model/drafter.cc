@@ -8,7 +8,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/switches.h"
 
 namespace dflash::model {
 namespace F = torch::nn::functional;
@@ -205,14 +205,13 @@ torch::Tensor Drafter::forward(const torch::Tensor& x_QH, const torch::Tensor& q
   auto x = x_QH.to(compute);
   auto kernel = attn.kernel;
   if (kernel == BlockAttention::Kernel::kAuto) {
-    const std::string e = env_choice("DFLASH_DRAFTER_ATTENTION", {"masked", "block_sparse"});
+    const std::string e = switches::get("DFLASH_DRAFTER_ATTENTION");
     const bool flash = x.is_cuda() && (compute == torch::kBFloat16 || compute == torch::kHalf) && D <= 256 && D % 8 == 0;
-    kernel = e == "masked" || (e.empty() && !flash) ? BlockAttention::Kernel::kMasked : BlockAttention::Kernel::kBlockSparse;
+    kernel = e == "masked" || (e == switches::kAuto && !flash) ? BlockAttention::Kernel::kMasked : BlockAttention::Kernel::kBlockSparse;
   }
   const bool sparse = kernel == BlockAttention::Kernel::kBlockSparse;
-  int64_t tile = attn.tile;
-  if (const char* t = std::getenv("DFLASH_BSA_TILE")) tile = std::atoll(t);
-  DFLASH_CHECK(tile > 0, ConfigError, "block-sparse attention tile must be > 0 (DFLASH_BSA_TILE), got " << tile);
+  const int64_t tile = switches::is_set("DFLASH_BSA_TILE") ? switches::get_int("DFLASH_BSA_TILE") : attn.tile;
+  DFLASH_CHECK(tile > 0, ConfigError, "block-sparse attention tile must be > 0 (BlockAttention::tile), got " << tile);
   // Built once per forward, shared by every layer.
   const auto groups = sparse ? std::vector<AttnGroup>{} : plan_attention(attn, x.device());
   const auto bsp = sparse ? plan_block_sparse(attn.ctx_begin, attn.ctx_len, cfg_.block_size, T, tile, x.device()) : BlockSparsePlan{};

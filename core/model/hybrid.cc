@@ -16,6 +16,7 @@
 #include "core/model/gated_delta.h"
 #include "core/model/layers.h"
 #include "core/util/error.h"
+#include "core/util/switches.h"
 #ifdef DFLASH_WITH_CUDA
 #include "core/model/cuda/fused_ops.h"
 #include "core/model/cuda/hybrid_ops.h"
@@ -54,13 +55,7 @@ struct HybridLayer {
 // (the conv output q/k/v and the delta rule's output) and pass the rule's per-chunk operands between
 // its kernels in bf16 (GatedDeltaInputs::bf16_work); every sum and the recurrent state stay fp32.
 // DFLASH_GDN_FP32=1 keeps all of them fp32 (speed and error A/B: docs/perf.md).
-bool gdn_bf16() {
-  static const bool on = [] {
-    const char* e = std::getenv("DFLASH_GDN_FP32");
-    return !(e && std::string(e) == "1");
-  }();
-  return on;
-}
+bool gdn_bf16() { return switches::get("DFLASH_GDN_FP32") != "1"; }
 
 // "model.language_model." (VLM checkpoints) or "model." (text-only exports).
 std::string resolve_prefix(const WeightSource& w) {

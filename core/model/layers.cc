@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "core/util/flags.h"
+#include "core/util/switches.h"
 
 namespace dflash::model {
 namespace F = torch::nn::functional;
@@ -260,8 +260,7 @@ torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tenso
   const bool fused = q.is_cuda() && (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf);
   if (fused) {
     if (backend == VarlenAttention::kFromEnv) {
-      static const std::string env = env_choice("DFLASH_TARGET_ATTENTION", {"flash", "cudnn"});
-      backend = env == "flash" ? VarlenAttention::kFlash : VarlenAttention::kCudnn;
+      backend = switches::get("DFLASH_TARGET_ATTENTION") == "flash" ? VarlenAttention::kFlash : VarlenAttention::kCudnn;
     }
     if (backend == VarlenAttention::kCudnn) return cudnn_attention(q, k, v, doc_lens, scale);
     return flash_varlen(q, k, v, doc_lens, doc_lens, scale);

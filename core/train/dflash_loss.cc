@@ -8,7 +8,7 @@
 
 #include "core/model/layers.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/switches.h"
 
 namespace dflash::train {
 namespace F = torch::nn::functional;
@@ -18,14 +18,14 @@ namespace {
 // The fused CUDA loss kernel for CUDA bf16 logits (DFLASH_LOSS=plain|fused overrides; fused needs
 // a CUDA build and bf16 on CUDA, else ConfigError).
 bool fused_loss_enabled(const torch::Tensor& lm_head) {
-  const std::string env = env_choice("DFLASH_LOSS", {"plain", "fused"});
+  const std::string env = switches::get("DFLASH_LOSS");
 #ifdef DFLASH_WITH_CUDA
   const bool ok = cuda_loss::supported(lm_head);
 #else
   const bool ok = false;
 #endif
   DFLASH_CHECK(env != "fused" || ok, ConfigError, "DFLASH_LOSS=fused needs a CUDA build and bf16 logits on CUDA");
-  return env.empty() ? ok : env == "fused";
+  return env == switches::kAuto ? ok : env == "fused";
 }
 }  // namespace
 

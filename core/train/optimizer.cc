@@ -6,7 +6,7 @@
 #include <map>
 
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/switches.h"
 
 namespace dflash::train {
 
@@ -18,9 +18,9 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>>* params, const A
   }
   auto impl = opt_.impl;
   if (impl == AdamWOptions::Impl::kAuto) {
-    const std::string env = env_choice("DFLASH_ADAMW", {"plain", "fused"});
+    const std::string env = switches::get("DFLASH_ADAMW");
     const bool cuda = !params_->empty() && params_->front().second.is_cuda();
-    impl = env == "fused" || (env.empty() && cuda) ? AdamWOptions::Impl::kFused : AdamWOptions::Impl::kPlain;
+    impl = env == "fused" || (env == switches::kAuto && cuda) ? AdamWOptions::Impl::kFused : AdamWOptions::Impl::kPlain;
   }
   fused_ = impl == AdamWOptions::Impl::kFused && !params_->empty();
   if (fused_)

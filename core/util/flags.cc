@@ -1,20 +1,8 @@
 #include "core/util/flags.h"
 
-#include <algorithm>
-#include <cstdlib>
-
 #include "core/util/error.h"
 
 namespace dflash {
-
-std::string env_choice(const char* name, const std::vector<std::string>& allowed) {
-  const char* e = std::getenv(name);
-  const std::string v = e ? e : "";
-  if (v.empty() || std::find(allowed.begin(), allowed.end(), v) != allowed.end()) return v;
-  std::string list;
-  for (const auto& a : allowed) list += (list.empty() ? "" : " | ") + a;
-  DFLASH_FAIL(ConfigError, name << ": expected " << list << ", got '" << v << "'");
-}
 
 Flags::Flags(int argc, char** argv, const std::set<std::string>& known, const std::set<std::string>& booleans) {
   for (int i = 0; i < argc; ++i) {
@@ -55,26 +43,29 @@ std::string Flags::get(const std::string& name, const std::string& fallback) con
   return has(name) ? get(name) : fallback;
 }
 
-int64_t Flags::get_int(const std::string& name, int64_t fallback) const {
-  if (!has(name)) return fallback;
+namespace {
+// `value` of flag `name` converted by `conv` (std::stoll or std::stod) when it converts whole;
+// ConfigError "flag --NAME: expected WHAT, got 'VALUE'" otherwise.
+template <class Conv>
+auto convert_flag(const std::string& name, const std::string& value, const char* what, Conv conv) {
   try {
     size_t pos = 0;
-    int64_t v = std::stoll(get(name), &pos);
-    if (pos == get(name).size()) return v;
+    const auto v = conv(value, &pos);
+    if (pos == value.size()) return v;
   } catch (const std::exception&) {
   }
-  DFLASH_FAIL(ConfigError, "flag --" << name << ": expected an integer, got '" << get(name) << "'");
+  DFLASH_FAIL(ConfigError, "flag --" << name << ": expected " << what << ", got '" << value << "'");
+}
+}  // namespace
+
+int64_t Flags::get_int(const std::string& name, int64_t fallback) const {
+  if (!has(name)) return fallback;
+  return convert_flag(name, get(name), "an integer", [](const std::string& s, size_t* pos) { return std::stoll(s, pos); });
 }
 
 double Flags::get_double(const std::string& name, double fallback) const {
   if (!has(name)) return fallback;
-  try {
-    size_t pos = 0;
-    double v = std::stod(get(name), &pos);
-    if (pos == get(name).size()) return v;
-  } catch (const std::exception&) {
-  }
-  DFLASH_FAIL(ConfigError, "flag --" << name << ": expected a number, got '" << get(name) << "'");
+  return convert_flag(name, get(name), "a number", [](const std::string& s, size_t* pos) { return std::stod(s, pos); });
 }
 
 std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what) {

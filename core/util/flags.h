@@ -27,8 +27,4 @@ class Flags {
 
 std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what);
 
-// The value of environment variable `name` ("" when unset or empty); ConfigError naming the
-// variable when it is set to anything but one of `allowed` (A/B switches such as DFLASH_LOSS).
-std::string env_choice(const char* name, const std::vector<std::string>& allowed);
-
 }  // namespace dflash

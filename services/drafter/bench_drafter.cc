@@ -20,6 +20,7 @@
 #include "core/util/flags.h"
 #include "core/util/log.h"
 #include "core/util/process.h"
+#include "core/util/switches.h"
 
 #include <torch/csrc/autograd/profiler_kineto.h>
 
@@ -93,14 +94,9 @@ void reset_peak(const torch::Device& d) {
   }
 }
 
-// Our measurement; every tensor it makes is freed when it returns (the baseline runs afterwards on
-// the same device).
-json bench_ours(const Flags& f, const torch::Device& device) {
-  const int64_t H = f.get_int("hidden", 4096), V = f.get_int("vocab", 151936), ctx = f.get_int("context", 4096);
-  const int64_t docs = f.get_int("docs", 1), repeats = f.get_int("repeats", 5), warmup = f.get_int("warmup", 2);
-  const int64_t steps = f.get_int("steps", 0);
-  DFLASH_CHECK(repeats >= 1 && warmup >= 1 && steps >= 0, ConfigError,
-               "bench drafter: need --repeats >= 1, --warmup >= 1, --steps >= 0");
+// The drafter of the bench: DFlash on a Qwen3-8B-shaped target (sizes from the flags).
+model::DrafterConfig bench_drafter_config(const Flags& f) {
+  const int64_t H = f.get_int("hidden", 4096), V = f.get_int("vocab", 151936);
   io::TargetConfig t;
   t.family = io::Family::kQwen3;
   t.hidden_size = H;
@@ -115,7 +111,141 @@ json bench_ours(const Flags& f, const torch::Device& device) {
   over.num_layers = f.get_int("layers", 5);
   over.block_size = f.get_int("block-size", 16);
   over.mask_token_id = V - 1;
-  auto cfg = model::drafter_config_for_target(t, over);
+  return model::drafter_config_for_target(t, over);
+}
+
+// `docs` documents of `ctx` tokens, all trainable, with random captured features and h_last.
+train::MicroBatch random_micro_batch(const model::DrafterConfig& cfg, int64_t docs, int64_t ctx,
+                                     const torch::Device& device, const torch::TensorOptions& features) {
+  train::MicroBatch mb;
+  const int64_t T = ctx * docs, K = cfg.num_context_layers(), H = cfg.hidden_size;
+  mb.doc_lens.assign(docs, ctx);
+  mb.input_ids_T = torch::randint(0, cfg.vocab_size - 1, {T}, torch::TensorOptions().dtype(torch::kInt64)).to(device);
+  mb.loss_mask_host.assign(T, 1);
+  mb.loss_mask_T = torch::ones({T}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
+  mb.features_TKH = torch::randn({T, K * H}, features);
+  mb.h_last_TH = torch::randn({T, H}, features);
+  return mb;
+}
+
+// Seconds of one call of `fn`, the device synchronised before and after.
+double timed(const torch::Device& device, const std::function<void()>& fn) {
+  sync(device);
+  auto t0 = std::chrono::steady_clock::now();
+  fn();
+  sync(device);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// FLOPs of one training step: 3x forward (fwd + bwd) of the draft layers on N*B queries, fc over T
+// context tokens, the per-layer K/V projections over the context, and the lm_head over N*(B-1)
+// rows. scripts/reference/bench_drafter_baseline.py counts with the same formula.
+double step_flops(const model::DrafterConfig& cfg, int64_t anchors, int64_t T, int64_t ctx) {
+  const double N = anchors, B = cfg.block_size, Q = N * B, D = cfg.head_dim, Hq = cfg.num_heads,
+               Hkv = cfg.num_kv_heads, I = cfg.intermediate_size, L = cfg.num_layers, H = cfg.hidden_size,
+               V = cfg.vocab_size, K = cfg.num_context_layers();
+  const double layer_q = 2 * Q * (H * Hq * D * 2 + H * Hkv * D * 2 + 3 * H * I);
+  const double layer_ctx = 2 * double(T) * H * Hkv * D * 2;
+  const double attn = 4 * Q * Hq * D * (ctx / 2.0 + B);  // average visible keys
+  return 3 * (L * (layer_q + layer_ctx + attn) + 2 * double(T) * K * H * H + 2 * N * (B - 1) * H * V);
+}
+
+// --profile: one more trainer step under the kineto profiler; the top entries by total time, for
+// CPU ops and for device kernels separately (where the step's time goes).
+json profile_step(train::Trainer& trainer, const train::MicroBatch& mb, const torch::Device& device) {
+  namespace pi = torch::profiler::impl;
+  namespace ap = torch::autograd::profiler;
+  const pi::ProfilerConfig pcfg(pi::ProfilerState::KINETO);
+  std::set<pi::ActivityType> acts{pi::ActivityType::CPU};
+  if (device.is_cuda()) acts.insert(pi::ActivityType::CUDA);
+  ap::prepareProfiler(pcfg, acts);
+  ap::enableProfiler(pcfg, acts);
+  trainer.micro_batch(mb);
+  trainer.step();
+  sync(device);
+  auto result = ap::disableProfiler();
+  std::map<std::string, std::pair<double, int64_t>> cpu_ops, kernels;
+  for (const auto& e : result->events()) {
+    auto& table = e.deviceType() == c10::DeviceType::CPU ? cpu_ops : kernels;
+    auto& slot = table[e.name().substr(0, 90)];
+    slot.first += e.durationNs() / 1e6;
+    slot.second += 1;
+  }
+  auto top = [](const std::map<std::string, std::pair<double, int64_t>>& t) {
+    std::vector<std::pair<double, std::string>> v;
+    for (const auto& [name, val] : t) v.emplace_back(val.first, name + " x" + std::to_string(val.second));
+    std::sort(v.rbegin(), v.rend());
+    json j = json::array();
+    for (size_t i = 0; i < v.size() && i < 25; ++i) j.push_back({{"ms", v[i].first}, {"name", v[i].second}});
+    return j;
+  };
+  return {{"cpu_ops_total_ms", top(cpu_ops)}, {"device_kernels_total_ms", top(kernels)}};
+}
+
+// --steps N: N more optimizer steps, each with its own peak; peaks at steps 1, 10 and N and the
+// largest growth over step 1 (memory creep).
+json memory_over_steps(train::Trainer& trainer, const train::MicroBatch& mb, const torch::Device& device,
+                       int64_t steps) {
+  std::vector<Mem> per;
+  std::vector<double> step_s;
+  for (int64_t s = 1; s <= steps; ++s) {
+    sync(device);
+    reset_peak(device);
+    step_s.push_back(timed(device, [&] {
+      trainer.micro_batch(mb);
+      trainer.step();
+    }));
+    per.push_back(memory(device));
+  }
+  json at = json::array();
+  for (int64_t s : std::set<int64_t>{1, std::min<int64_t>(10, steps), steps}) {
+    const Mem& m = per[s - 1];
+    at.push_back({{"step", s},
+                  {"peak_allocated_gib", m.peak_allocated},
+                  {"peak_reserved_gib", m.peak_reserved},
+                  {"allocated_after_gib", m.allocated_now}});
+  }
+  Mem creep, highest;
+  for (const Mem& m : per) {
+    creep.peak_allocated = std::max(creep.peak_allocated, m.peak_allocated - per[0].peak_allocated);
+    creep.peak_reserved = std::max(creep.peak_reserved, m.peak_reserved - per[0].peak_reserved);
+    creep.allocated_now = std::max(creep.allocated_now, m.allocated_now - per[0].allocated_now);
+    highest.peak_allocated = std::max(highest.peak_allocated, m.peak_allocated);
+    highest.peak_reserved = std::max(highest.peak_reserved, m.peak_reserved);
+  }
+  std::sort(step_s.begin(), step_s.end());
+  return {{"n", steps},
+          {"median_step_s", step_s[step_s.size() / 2]},
+          {"max_step_s", step_s.back()},
+          {"at", at},
+          {"max_peak_allocated_gib", highest.peak_allocated},
+          {"max_peak_reserved_gib", highest.peak_reserved},
+          {"max_creep_gib",
+           {{"peak_allocated", creep.peak_allocated},
+            {"peak_reserved", creep.peak_reserved},
+            {"allocated_after", creep.allocated_now}}}};
+}
+
+// The drafter attention the switch selects, for the report.
+std::string attention_name() {
+  const std::string a = switches::get("DFLASH_DRAFTER_ATTENTION");
+  return a == switches::kAuto ? "auto (block_sparse on CUDA bf16, else masked)" : a;
+}
+
+// Our measurement; every tensor it makes is freed when it returns (the baseline runs afterwards on
+// the same device).
+json bench_ours(const Flags& f, const torch::Device& device) {
+  const int64_t ctx = f.get_int("context", 4096), docs = f.get_int("docs", 1);
+  const int64_t repeats = f.get_int("repeats", 5), warmup = f.get_int("warmup", 2), steps = f.get_int("steps", 0);
+  DFLASH_CHECK(repeats >= 1 && warmup >= 1 && steps >= 0, ConfigError,
+               "bench drafter: need --repeats >= 1, --warmup >= 1, --steps >= 0");
+  const auto cfg = bench_drafter_config(f);
+  const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
   const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
   model::Drafter drafter(cfg, device, 0);
   model::FrozenTargetParts frozen;
@@ -130,95 +260,37 @@ json bench_ours(const Flags& f, const torch::Device& device) {
   to.schedule.total_steps = std::max<int64_t>(1000, warmup + repeats + steps + 2);
   to.compute = compute;
   train::Trainer trainer(drafter, frozen, to);
-
-  train::MicroBatch mb;
-  const int64_t T = ctx * docs, K = cfg.num_context_layers();
-  mb.doc_lens.assign(docs, ctx);
-  mb.input_ids_T = torch::randint(0, V - 1, {T}, torch::TensorOptions().dtype(torch::kInt64)).to(device);
-  mb.loss_mask_host.assign(T, 1);
-  mb.loss_mask_T = torch::ones({T}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
-  mb.features_TKH = torch::randn({T, K * H}, bf);
-  mb.h_last_TH = torch::randn({T, H}, bf);
+  const train::MicroBatch mb = random_micro_batch(cfg, docs, ctx, device, bf);
 
   std::vector<double> times;
   for (int64_t i = 0; i < warmup + repeats; ++i) {
     if (i == warmup) reset_peak(device);
-    sync(device);
-    auto t0 = std::chrono::steady_clock::now();
-    trainer.micro_batch(mb);
-    trainer.step();
-    sync(device);
-    if (i >= warmup) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    const double s = timed(device, [&] {
+      trainer.micro_batch(mb);
+      trainer.step();
+    });
+    if (i >= warmup) times.push_back(s);
   }
   const Mem mem = memory(device);
   // Phase split (synchronised, so each phase is timed alone): forward + loss without backward,
   // forward + loss + backward, then the optimizer step.
-  auto timed = [&](const std::function<void()>& fn) {
-    sync(device);
-    auto t0 = std::chrono::steady_clock::now();
-    fn();
-    sync(device);
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
   auto anchors = train::sample_anchors(mb.loss_mask_host, mb.doc_lens, to.max_anchors, 1);
-  const double t_fwd = timed([&] { train::forward_backward(drafter, frozen, mb, anchors, to.loss, {}, compute, false); });
-  const double t_fwd_bwd = timed([&] { train::forward_backward(drafter, frozen, mb, anchors, to.loss, {}, compute, true); });
-  const double t_ctx = timed([&] {
+  const double t_fwd = timed(device, [&] { train::forward_backward(drafter, frozen, mb, anchors, to.loss, {}, compute, false); });
+  const double t_fwd_bwd = timed(device, [&] { train::forward_backward(drafter, frozen, mb, anchors, to.loss, {}, compute, true); });
+  const double t_ctx = timed(device, [&] {
     torch::NoGradGuard g;
     drafter.fuse_context(mb.features_TKH, compute);
   });
-  const double t_step = timed([&] {
+  const double t_step = timed(device, [&] {
     trainer.micro_batch(mb);
     trainer.step();
   }) - t_fwd_bwd;
-  std::sort(times.begin(), times.end());
-  const double med = times[times.size() / 2];
-  // FLOPs: 3x forward (fwd + bwd) of the draft layers on N*B queries, fc over T context tokens,
-  // the per-layer K/V projections over the context, and the lm_head over N*(B-1) rows.
-  // scripts/reference/bench_drafter_baseline.py counts with the same formula.
-  const double N = to.max_anchors, B = cfg.block_size, Q = N * B, D = cfg.head_dim, Hq = cfg.num_heads,
-               Hkv = cfg.num_kv_heads, I = cfg.intermediate_size, L = cfg.num_layers;
-  const double layer_q = 2 * Q * (H * Hq * D * 2 + H * Hkv * D * 2 + 3 * H * I);
-  const double layer_ctx = 2 * double(T) * H * Hkv * D * 2;
-  const double attn = 4 * Q * Hq * D * (ctx / 2.0 + B);  // average visible keys
-  const double flops = 3 * (L * (layer_q + layer_ctx + attn) + 2 * double(T) * K * H * H + 2 * N * (B - 1) * H * V);
-  const double tflops = flops / med / 1e12;
-  // --profile: one more trainer step under the kineto profiler; the top entries by total time, for
-  // CPU ops and for device kernels separately (where the step's time goes).
-  json profile = json::object();
-  if (f.has("profile")) {
-    namespace pi = torch::profiler::impl;
-    namespace ap = torch::autograd::profiler;
-    const pi::ProfilerConfig pcfg(pi::ProfilerState::KINETO);
-    std::set<pi::ActivityType> acts{pi::ActivityType::CPU};
-    if (device.is_cuda()) acts.insert(pi::ActivityType::CUDA);
-    ap::prepareProfiler(pcfg, acts);
-    ap::enableProfiler(pcfg, acts);
-    trainer.micro_batch(mb);
-    trainer.step();
-    sync(device);
-    auto result = ap::disableProfiler();
-    std::map<std::string, std::pair<double, int64_t>> cpu_ops, kernels;
-    for (const auto& e : result->events()) {
-      auto& table = e.deviceType() == c10::DeviceType::CPU ? cpu_ops : kernels;
-      auto& slot = table[e.name().substr(0, 90)];
-      slot.first += e.durationNs() / 1e6;
-      slot.second += 1;
-    }
-    auto top = [](const std::map<std::string, std::pair<double, int64_t>>& t) {
-      std::vector<std::pair<double, std::string>> v;
-      for (const auto& [name, val] : t) v.emplace_back(val.first, name + " x" + std::to_string(val.second));
-      std::sort(v.rbegin(), v.rend());
-      json j = json::array();
-      for (size_t i = 0; i < v.size() && i < 25; ++i) j.push_back({{"ms", v[i].first}, {"name", v[i].second}});
-      return j;
-    };
-    profile = {{"cpu_ops_total_ms", top(cpu_ops)}, {"device_kernels_total_ms", top(kernels)}};
-  }
-  const char* attn_env = std::getenv("DFLASH_DRAFTER_ATTENTION");
+  const double med = median(times);
+  const double tflops = step_flops(cfg, to.max_anchors, ctx * docs, ctx) / med / 1e12;
+  const json profile = f.has("profile") ? profile_step(trainer, mb, device) : json::object();
   json out = {{"bench", "drafter"},
               {"device", f.get("device", "cuda")},
-              {"attention", attn_env ? attn_env : "auto (block_sparse on CUDA bf16, else masked)"},
+              {"attention", attention_name()},
               {"layers", cfg.num_layers},
               {"hidden", H},
               {"heads", cfg.num_heads},
@@ -245,49 +317,10 @@ json bench_ours(const Flags& f, const torch::Device& device) {
               {"memory_source", memory_source(device)},
               {"phases_s", {{"forward_loss", t_fwd}, {"forward_loss_backward", t_fwd_bwd},
                             {"fuse_context_fwd", t_ctx}, {"optimizer_step_approx", t_step}}},
-              {"profile", profile}};
-  // --steps N: N more optimizer steps (after the warm-up, the timed repeats and the phases), each
-  // with its own peak; peaks at steps 1, 10 and N and the largest growth over step 1 (memory creep).
-  if (steps > 0) {
-    std::vector<Mem> per;
-    std::vector<double> step_s;
-    for (int64_t s = 1; s <= steps; ++s) {
-      sync(device);
-      reset_peak(device);
-      auto t0 = std::chrono::steady_clock::now();
-      trainer.micro_batch(mb);
-      trainer.step();
-      sync(device);
-      step_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      per.push_back(memory(device));
-    }
-    json at = json::array();
-    for (int64_t s : std::set<int64_t>{1, std::min<int64_t>(10, steps), steps}) {
-      const Mem& m = per[s - 1];
-      at.push_back({{"step", s},
-                    {"peak_allocated_gib", m.peak_allocated},
-                    {"peak_reserved_gib", m.peak_reserved},
-                    {"allocated_after_gib", m.allocated_now}});
-    }
-    Mem creep, highest;
-    for (const Mem& m : per) {
-      creep.peak_allocated = std::max(creep.peak_allocated, m.peak_allocated - per[0].peak_allocated);
-      creep.peak_reserved = std::max(creep.peak_reserved, m.peak_reserved - per[0].peak_reserved);
-      creep.allocated_now = std::max(creep.allocated_now, m.allocated_now - per[0].allocated_now);
-      highest.peak_allocated = std::max(highest.peak_allocated, m.peak_allocated);
-      highest.peak_reserved = std::max(highest.peak_reserved, m.peak_reserved);
-    }
-    std::sort(step_s.begin(), step_s.end());
-    out["steps"] = {{"n", steps},
-                    {"median_step_s", step_s[step_s.size() / 2]},
-                    {"max_step_s", step_s.back()},
-                    {"at", at},
-                    {"max_peak_allocated_gib", highest.peak_allocated},
-                    {"max_peak_reserved_gib", highest.peak_reserved},
-                    {"max_creep_gib", {{"peak_allocated", creep.peak_allocated},
-                                       {"peak_reserved", creep.peak_reserved},
-                                       {"allocated_after", creep.allocated_now}}}};
-  }
+              {"profile", profile},
+              {"switches", switches::to_json()}};
+  // After the warm-up, the timed repeats and the phases.
+  if (steps > 0) out["steps"] = memory_over_steps(trainer, mb, device, steps);
   return out;
 }
 
@@ -307,10 +340,8 @@ int cmd_bench_drafter(int argc, char** argv) {
 #endif
   if (f.has("baseline")) {
     // The eager PyTorch baseline (issue 6) in its own process, same shapes, same FLOP formula.
-    const char* env_py = std::getenv("DFLASH_PYTHON");
-    const char* env_src = std::getenv("DFLASH_SOURCE_DIR");
-    const std::string py = f.get("python", env_py ? env_py : "python3");
-    const std::string script = std::string(env_src ? env_src : ".") + "/scripts/reference/bench_drafter_baseline.py";
+    const std::string py = f.get("python", switches::get("DFLASH_PYTHON"));
+    const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/reference/bench_drafter_baseline.py";
     std::string cmd = shell_quote(py) + " " + shell_quote(script) + " --device " + shell_quote(f.get("device", "cuda"));
     for (const auto& [flag, key] : std::vector<std::pair<std::string, std::string>>{
              {"hidden", "hidden"}, {"layers", "layers"}, {"heads", "heads"}, {"kv-heads", "kv_heads"},

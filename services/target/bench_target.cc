@@ -23,6 +23,7 @@
 #include "core/util/flags.h"
 #include "core/util/log.h"
 #include "core/util/process.h"
+#include "core/util/switches.h"
 
 #ifdef DFLASH_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -256,6 +257,61 @@ void write_check_files(const fs::path& dir, const std::string& batch, const torc
   DFLASH_CHECK(out.good(), BenchError, "could not write " << path.string());
 }
 
+// Forward + capture of one DOCSxLEN batch of random ids: `warmup` untimed calls, then `repeats`
+// timed ones; their median gives tokens/s, TFLOP/s and MFU. `buf` keeps the last capture.
+json measure_batch(const std::string& name, model::TargetModel& target, const io::TargetConfig& cfg,
+                   const model::CaptureSpec& spec, const torch::Tensor& ids, const std::vector<int64_t>& lens,
+                   const torch::Device& device, int64_t warmup, int64_t repeats, double peak_tflops,
+                   model::CaptureResult& buf) {
+  for (int64_t i = 0; i < warmup; ++i) buf = target.forward_capture(ids, lens, spec, std::move(buf));
+  sync(device);
+  reset_peak(device);
+  std::vector<double> times;
+  for (int64_t i = 0; i < repeats; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    buf = target.forward_capture(ids, lens, spec, std::move(buf));
+    sync(device);
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const std::vector<double> in_order = times;  // each timed repeat, reported (run-to-run spread)
+  std::sort(times.begin(), times.end());
+  const double med = times[times.size() / 2];
+  const double tokens = double(ids.numel());
+  const double tflops = model::forward_flops(cfg, lens) / med / 1e12;
+  return {{"batch", name},
+          {"tokens_per_s", tokens / med},
+          {"median_s", med},
+          {"times_s", in_order},
+          {"tflops", tflops},
+          {"mfu", tflops / peak_tflops},
+          {"peak_gib", allocated_gib(device, true)}};
+}
+
+// --baseline: runs scripts/reference/bench_hf_target.py on the same batches (after our model is
+// freed) and adds its report, its error_vs_hf and speedup_vs_baseline per batch to `report`.
+void add_hf_baseline(const Flags& f, const std::string& shape, const std::string& batches, const std::string& layers,
+                     int64_t warmup, int64_t repeats, const fs::path& check_dir, json& report) {
+  const std::string py = f.get("python", switches::get("DFLASH_PYTHON"));
+  const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/reference/bench_hf_target.py";
+  const std::string cmd = shell_quote(py) + " " + shell_quote(script) + " --shape " + shell_quote(shape) + " --device " +
+                          shell_quote(f.get("device", "cuda")) + " --dtype " + shell_quote(f.get("dtype", "bfloat16")) +
+                          " --batches " + shell_quote(batches) + " --layers " + shell_quote(layers) + " --warmup " +
+                          std::to_string(warmup) + " --repeats " + std::to_string(repeats) + " --check " +
+                          shell_quote(check_dir.string());
+  auto base = json::parse(run_for_json(cmd, "baseline"));
+  DFLASH_CHECK(base.contains("error_vs_hf"), BenchError,
+               "baseline: " << script << " printed no error_vs_hf (an older script?)");
+  report["error_vs_hf"] = base["error_vs_hf"];
+  base.erase("error_vs_hf");
+  report["baseline"] = base;
+  const json& ours = report["ours"];
+  json ratios = json::object();
+  for (size_t i = 0; i < ours.size() && i < base["results"].size(); ++i)
+    ratios[ours[i]["batch"].get<std::string>()] =
+        ours[i]["tokens_per_s"].get<double>() / base["results"][i]["tokens_per_s"].get<double>();
+  report["speedup_vs_baseline"] = ratios;
+}
+
 }  // namespace
 
 int cmd_bench_target(int argc, char** argv) {
@@ -297,30 +353,9 @@ int cmd_bench_target(int argc, char** argv) {
     std::vector<int64_t> lens(b.docs, b.len);
     auto ids = torch::randint(0, cfg.vocab_size, {b.docs * b.len}, torch::TensorOptions().dtype(torch::kInt64))
                    .to(lo.device);
-    model::CaptureResult buf;
-    for (int64_t i = 0; i < warmup; ++i) buf = target->forward_capture(ids, lens, spec, std::move(buf));
-    sync(lo.device);
-    reset_peak(lo.device);
-    std::vector<double> times;
-    for (int64_t i = 0; i < repeats; ++i) {
-      auto t0 = std::chrono::steady_clock::now();
-      buf = target->forward_capture(ids, lens, spec, std::move(buf));
-      sync(lo.device);
-      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    const std::vector<double> in_order = times;  // each timed repeat, reported (run-to-run spread)
-    std::sort(times.begin(), times.end());
-    const double med = times[times.size() / 2];
-    const double tokens = double(b.docs * b.len);
-    const double tflops = model::forward_flops(cfg, lens) / med / 1e12;
     const std::string name = std::to_string(b.docs) + "x" + std::to_string(b.len);
-    results.push_back({{"batch", name},
-                       {"tokens_per_s", tokens / med},
-                       {"median_s", med},
-                       {"times_s", in_order},
-                       {"tflops", tflops},
-                       {"mfu", tflops / peak_tflops},
-                       {"peak_gib", allocated_gib(lo.device, true)}});
+    model::CaptureResult buf;
+    results.push_back(measure_batch(name, *target, cfg, spec, ids, lens, lo.device, warmup, repeats, peak_tflops, buf));
     if (f.has("profile")) results.back()["profile"] = profile_forward(f.get_int("profile-top", 25), [&] {
       buf = target->forward_capture(ids, lens, spec, std::move(buf));
       sync(lo.device);
@@ -336,35 +371,17 @@ int cmd_bench_target(int argc, char** argv) {
                  {"layers", spec.layer_ids},
                  {"last_hidden", spec.last_hidden},
                  {"weights_gib", weights_gib},
-                 {"ours", results}};
+                 {"ours", results},
+                 {"switches", switches::to_json()}};
 #ifdef DFLASH_WITH_CUDA
   // The GEMM algorithms the hybrid target chose per shape (empty for targets that do not use them).
   report["tuned_gemms"] = model::cuda_gemm::chosen();
 #endif
   if (baseline) {
-    const char* env_py = std::getenv("DFLASH_PYTHON");
-    const char* env_src = std::getenv("DFLASH_SOURCE_DIR");
-    std::string py = f.get("python", env_py ? env_py : "python3");
-    std::string script = std::string(env_src ? env_src : ".") + "/scripts/reference/bench_hf_target.py";
     target.reset();
     weights.reset();
     release_cached_memory(lo.device);  // the HF process needs it
-    const std::string cmd = shell_quote(py) + " " + shell_quote(script) + " --shape " + shell_quote(shape) + " --device " +
-                            shell_quote(f.get("device", "cuda")) + " --dtype " + shell_quote(f.get("dtype", "bfloat16")) +
-                            " --batches " + shell_quote(batches_s) + " --layers " + shell_quote(layers_s) + " --warmup " +
-                            std::to_string(warmup) + " --repeats " + std::to_string(repeats) + " --check " +
-                            shell_quote(check.path.string());
-    auto base = json::parse(run_for_json(cmd, "baseline"));
-    DFLASH_CHECK(base.contains("error_vs_hf"), BenchError,
-                 "baseline: " << script << " printed no error_vs_hf (an older script?)");
-    report["error_vs_hf"] = base["error_vs_hf"];
-    base.erase("error_vs_hf");
-    report["baseline"] = base;
-    json ratios = json::object();
-    for (size_t i = 0; i < results.size() && i < base["results"].size(); ++i)
-      ratios[results[i]["batch"].get<std::string>()] =
-          results[i]["tokens_per_s"].get<double>() / base["results"][i]["tokens_per_s"].get<double>();
-    report["speedup_vs_baseline"] = ratios;
+    add_hf_baseline(f, shape, batches_s, layers_s, warmup, repeats, check.path, report);
   }
   std::cout << report.dump(2) << std::endl;
   return kExitOk;

@@ -22,6 +22,7 @@
 #include "core/train/cuda/fused_loss.h"
 #endif
 #include "core/util/error.h"
+#include "core/util/switches.h"
 
 using namespace dflash;
 using torch::Tensor;
@@ -364,6 +365,7 @@ TEST(FusedLossGpu, MicroBatchEqualsPlainLoss) {
   std::vector<Tensor> r[2];
   for (int k = 0; k < 2; ++k) {
     ::setenv("DFLASH_LOSS", k ? "fused" : "plain", 1);
+    switches::reload();  // the registry reads the environment once
     model::Drafter d(cfg, torch::kCUDA, 3);
     auto st = train::forward_backward(d, frozen, mb, anchors, lo, {}, torch::kBFloat16, true);
     r[k] = {st.ce_sum, st.kl_sum, st.accept_sum, st.correct_k};
@@ -371,6 +373,7 @@ TEST(FusedLossGpu, MicroBatchEqualsPlainLoss) {
       if (p.grad().defined()) r[k].push_back(p.grad().clone());
   }
   ::unsetenv("DFLASH_LOSS");
+  switches::reload();
   ASSERT_EQ(r[0].size(), r[1].size());
   for (size_t i = 0; i < r[0].size(); ++i) EXPECT_LT(rel(r[1][i], r[0][i]), i < 4 ? 1e-3 : 2e-2) << i;
 }

@@ -19,6 +19,7 @@
 
 #include "core/model/cuda/gated_delta_cuda.h"
 #include "core/model/layers.h"
+#include "core/util/switches.h"
 
 namespace dflash::model::cuda_gdn {
 namespace {
@@ -792,10 +793,8 @@ torch::Tensor packed_rows(const torch::Tensor& x) {
 Tuning& tuning() {
   static Tuning tu = [] {
     Tuning t;
-    if (const char* e = std::getenv("DFLASH_GDN_SCAN_VT")) t.scan_vt = std::atoi(e);
-    if (const char* e = std::getenv("DFLASH_GDN_SCAN_WARPS")) t.scan_warps = std::atoi(e);
-    if (t.scan_vt != 32 && t.scan_vt != 16) t.scan_vt = 0;  // auto
-    if (t.scan_warps != 8) t.scan_warps = 4;
+    t.scan_vt = std::stoi(switches::get("DFLASH_GDN_SCAN_VT"));  // 0 (auto), 16 or 32
+    t.scan_warps = std::stoi(switches::get("DFLASH_GDN_SCAN_WARPS"));  // 4 or 8
     return t;
   }();
   return tu;

@@ -48,6 +48,8 @@ struct Tuning {
   int scan_warps = 4;
   bool time_kernels = false;  // CUDA events around each launch; synchronises the stream after each call
 };
+// Process-wide; starts from the switches DFLASH_GDN_SCAN_VT and DFLASH_GDN_SCAN_WARPS
+// (core/util/switches.h; a bad value throws ConfigError on the first call).
 Tuning& tuning();
 
 // Milliseconds of the last call's three launches, when Tuning::time_kernels was set.

@@ -12,6 +12,8 @@
 #include <sstream>
 #include <tuple>
 
+#include "core/util/switches.h"
+
 namespace dflash::model::cuda_gemm {
 namespace {
 
@@ -192,7 +194,7 @@ void gemm(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& c, bool
 Tuning& tuning() {
   static Tuning t = [] {
     Tuning d;
-    if (const char* e = std::getenv("DFLASH_GEMM_CANDIDATES")) d.candidates = std::max(1, std::atoi(e));
+    d.candidates = static_cast<int>(switches::get_int("DFLASH_GEMM_CANDIDATES"));
     return d;
   }();
   return t;

@@ -28,7 +28,8 @@ void linear_add_(torch::Tensor& acc, const torch::Tensor& x, const torch::Tensor
 struct Tuning {
   int candidates = 16;  // heuristic candidates timed per shape; 1: the heuristic's first choice, untimed
 };
-// Process-wide; DFLASH_GEMM_CANDIDATES overrides the default. Set from one thread while no call runs.
+// Process-wide; starts from the switch DFLASH_GEMM_CANDIDATES (core/util/switches.h, default 16; a
+// bad value throws ConfigError on the first call). Set from one thread while no call runs.
 Tuning& tuning();
 
 // What was chosen per shape so far (for the bench's profile): "MxNxK[+acc]: candidate i of n, t ms

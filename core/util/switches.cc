@@ -1,0 +1,149 @@
+#include "core/util/switches.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include "core/util/error.h"
+
+namespace dflash::switches {
+namespace {
+
+const std::vector<Switch>& registry() {
+  static const std::vector<Switch> r = {
+      {"DFLASH_TARGET_ATTENTION", Kind::kChoice, {"cudnn", "flash"}, "cudnn",
+       "Target attention on CUDA bf16/fp16: cuDNN fused SDPA, or the varlen flash kernel (A/B).", true, false},
+      {"DFLASH_GDN_FP32", Kind::kChoice, {"0", "1"}, "0",
+       "1: the Gated DeltaNet of bf16 hybrid targets keeps every operand fp32 instead of rounding to bf16 where "
+       "HF does (speed and error A/B).",
+       true, false},
+      {"DFLASH_GDN_SCAN_VT", Kind::kChoice, {"0", "16", "32"}, "0",
+       "Value-tile width of the Gated DeltaNet scan kernel; 0: chosen per call (16 when 32-wide tiles give fewer "
+       "than two blocks per SM, else 32).",
+       true, false},
+      {"DFLASH_GDN_SCAN_WARPS", Kind::kChoice, {"4", "8"}, "4", "Warps per block of the Gated DeltaNet scan kernel.",
+       true, false},
+      {"DFLASH_GEMM_CANDIDATES", Kind::kPositiveInt, {}, "16",
+       "cuBLASLt algorithms timed per shape for the hybrid target's projections; 1: the heuristic's first choice, "
+       "untimed.",
+       true, false},
+      {"DFLASH_DRAFTER_ATTENTION", Kind::kChoice, {"masked", "block_sparse"}, kAuto,
+       "Drafter attention kernel; auto: block_sparse on CUDA bf16/fp16 with head_dim <= 256 and a multiple of 8, "
+       "else masked.",
+       true, false},
+      {"DFLASH_BSA_TILE", Kind::kPositiveInt, {}, kAuto,
+       "Key tile of the drafter's block-sparse attention; auto: the caller's tile (BlockAttention::tile).", true,
+       false},
+      {"DFLASH_LOSS", Kind::kChoice, {"plain", "fused"}, kAuto,
+       "DFlash loss; auto: the fused CUDA kernel for CUDA bf16 logits, else LibTorch ops (fused elsewhere is a "
+       "config error).",
+       true, false},
+      {"DFLASH_ADAMW", Kind::kChoice, {"plain", "fused"}, kAuto,
+       "AdamW; auto: the fused multi-tensor step for CUDA parameters, else LibTorch ops.", true, false},
+      {"DFLASH_PYTHON", Kind::kText, {}, "python3",
+       "Python of the bench baselines (bench target/drafter --baseline) when --python is not given.", false, false},
+      {"DFLASH_SOURCE_DIR", Kind::kText, {}, ".",
+       "Source checkout holding scripts/reference/ for the bench baselines.", false, false},
+      {"DFLASH_CONTROL_TOKEN", Kind::kText, {}, "",
+       "Bearer token of the coordinator's control API (clients and workers send it).", false, true},
+      {"DFLASH_CONTROL_TOKEN_FILE", Kind::kText, {}, "",
+       "File holding the control token, read when DFLASH_CONTROL_TOKEN is not set.", false, false},
+  };
+  return r;
+}
+
+const Switch& find(const char* name) {
+  for (const Switch& s : registry())
+    if (name == std::string(s.name)) return s;
+  throw Error(kExitFailure, std::string("switches: '") + name + "' is not a declared switch (core/util/switches.cc)");
+}
+
+// A decimal integer in [1, 2^31 - 1] (digits only).
+bool positive_decimal(const std::string& v) {
+  if (v.empty() || v.size() > 10 || !std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return false;
+  const int64_t n = std::stoll(v);
+  return n >= 1 && n <= INT32_MAX;
+}
+
+// The environment's value of `s` ("" when unset or empty); ConfigError when it is not allowed.
+std::string read_checked(const Switch& s) {
+  const char* e = std::getenv(s.name);
+  const std::string v = e ? e : "";
+  if (v.empty()) return v;
+  if (s.kind == Kind::kChoice && std::find(s.allowed.begin(), s.allowed.end(), v) == s.allowed.end()) {
+    std::string list;
+    for (const auto& a : s.allowed) list += (list.empty() ? "" : " | ") + a;
+    DFLASH_FAIL(ConfigError, s.name << ": expected " << list << ", got '" << v << "'");
+  }
+  DFLASH_CHECK(s.kind != Kind::kPositiveInt || positive_decimal(v), ConfigError,
+               s.name << ": expected a positive integer (1 .. 2147483647), got '" << v << "'");
+  return v;
+}
+
+std::mutex g_mu;
+std::optional<std::map<std::string, std::string>> g_set;  // name -> set value, unset ones absent
+
+// The set values, reading and checking the environment on first use.
+const std::map<std::string, std::string>& set_values() {
+  if (!g_set) {
+    std::map<std::string, std::string> m;
+    for (const Switch& s : registry())
+      if (std::string v = read_checked(s); !v.empty()) m[s.name] = v;
+    g_set = std::move(m);
+  }
+  return *g_set;
+}
+
+}  // namespace
+
+const std::vector<Switch>& all() { return registry(); }
+
+void check() {
+  std::lock_guard<std::mutex> lk(g_mu);
+  set_values();
+}
+
+std::string get(const char* name) {
+  const Switch& s = find(name);
+  std::lock_guard<std::mutex> lk(g_mu);
+  const auto& set = set_values();
+  auto it = set.find(name);
+  return it != set.end() ? it->second : s.default_value;
+}
+
+int64_t get_int(const char* name) {
+  const Switch& s = find(name);
+  const std::string v = get(name);
+  if (s.kind != Kind::kPositiveInt || v == kAuto)
+    throw Error(kExitFailure, std::string("switches: get_int of ") + name + ", whose value is '" + v + "'");
+  return std::stoll(v);
+}
+
+bool is_set(const char* name) {
+  find(name);
+  std::lock_guard<std::mutex> lk(g_mu);
+  return set_values().count(name) > 0;
+}
+
+nlohmann::json to_json() {
+  nlohmann::json j = nlohmann::json::object();
+  for (const Switch& s : registry()) {
+    if (s.secret)
+      j[s.name] = is_set(s.name) ? "<set>" : "";
+    else
+      j[s.name] = get(s.name);
+  }
+  return j;
+}
+
+void reload() {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_set.reset();
+}
+
+}  // namespace dflash::switches

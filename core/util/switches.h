@@ -1,0 +1,64 @@
+// The registry of DFLASH_* environment switches: every switch the code reads is declared once in
+// switches.cc (name, kind, allowed values, default, description, whether it can change numerical
+// results), and read from the environment only through this header. docs/switches.md lists them.
+//
+// Contracts:
+// - The environment is read and every switch validated once, at the first call of any function
+//   below (reload() reads it again). A set value that is not allowed throws ConfigError (exit 2)
+//   naming the variable, the allowed values and the value found, e.g.
+//   "DFLASH_LOSS: expected plain | fused, got 'fast'"; nothing is clamped or replaced. An empty
+//   value counts as unset. A bad switch fails every call until it is fixed, whichever switch the
+//   caller asked for.
+// - get() of a name that is not declared is a programming error: Error (exit 1) naming it.
+// - Thread-safe; values are returned by copy.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace dflash::switches {
+
+enum class Kind {
+  kChoice,       // one of `allowed`
+  kPositiveInt,  // a decimal integer in [1, 2^31 - 1]
+  kText,         // any text (paths, tokens)
+};
+
+// The default of a switch whose unset value is decided where it is used (e.g. by device and dtype).
+constexpr const char* kAuto = "auto";
+
+struct Switch {
+  const char* name;
+  Kind kind;
+  std::vector<std::string> allowed;  // kChoice only
+  const char* default_value;         // the value when unset: a concrete value, kAuto, or "" (text)
+  const char* description;
+  bool numerics;  // may change numerical results (a different kernel or summation order)
+  bool secret;    // to_json shows "<set>" instead of the value
+};
+
+// Every declared switch, in documentation order.
+const std::vector<Switch>& all();
+
+// Reads and validates the environment now (ConfigError for a bad value); for a main() that wants
+// a bad switch to fail before any work starts.
+void check();
+
+// The switch's value: the environment's when set, else its default_value (kAuto for "decided at the
+// use site").
+std::string get(const char* name);
+// get() as an integer; only for kPositiveInt switches whose value is not kAuto.
+int64_t get_int(const char* name);
+// True when the environment sets the switch (to a non-empty value).
+bool is_set(const char* name);
+
+// {"NAME": effective value, ...} for every switch (secrets as "<set>" or ""), for run records and
+// bench reports.
+nlohmann::json to_json();
+
+// Reads the environment again (tests that change it with setenv).
+void reload();
+
+}  // namespace dflash::switches
