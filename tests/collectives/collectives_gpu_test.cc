@@ -11,12 +11,12 @@
 #include "core/train/collectives_cpu.h"
 #include "core/train/collectives_factory.h"
 #include "core/train/collectives_nccl.h"
-#include "tests/collectives/proc_util.h"
+#include "tests/common/proc_util.h"
 #include "tests/collectives/test_inputs.h"
 
 namespace fs = std::filesystem;
 using namespace dflash;
-using namespace dflash::test;
+using namespace dflash::testing;
 
 TEST(NcclCollectives, SingleGpuGroupMatchesCpu) {
   ASSERT_GE(torch::cuda::device_count(), 1);

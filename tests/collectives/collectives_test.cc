@@ -12,12 +12,12 @@
 #include "core/train/collectives_cpu.h"
 #include "core/train/collectives_factory.h"
 #include "core/util/error.h"
-#include "tests/collectives/proc_util.h"
+#include "tests/common/proc_util.h"
 #include "tests/collectives/test_inputs.h"
 
 namespace fs = std::filesystem;
 using namespace dflash;
-using namespace dflash::test;
+using namespace dflash::testing;
 using Clock = std::chrono::steady_clock;
 
 namespace {

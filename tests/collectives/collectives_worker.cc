@@ -66,18 +66,18 @@ int main(int argc, char** argv) {
                     iters * (mb << 20) / s / 1e6, 1e3 * s / iters);
       return 0;
     }
-    auto ts = dflash::test::make_inputs(seed, rank);
+    auto ts = dflash::testing::make_inputs(seed, rank);
     for (auto& t : ts) t = t.to(dev);
     coll->all_reduce_sum(ts);
-    dflash::test::write_file(out + "/sum" + std::to_string(rank) + ".bin", dflash::test::to_raw(ts));
-    auto bs = dflash::test::make_inputs(seed + 1, 1);
+    dflash::testing::write_file(out + "/sum" + std::to_string(rank) + ".bin", dflash::testing::to_raw(ts));
+    auto bs = dflash::testing::make_inputs(seed + 1, 1);
     for (auto& t : bs) t = (rank == 1 ? t : torch::zeros_like(t)).to(dev);
     coll->broadcast(bs, 1);
-    dflash::test::write_file(out + "/bcast" + std::to_string(rank) + ".bin", dflash::test::to_raw(bs));
+    dflash::testing::write_file(out + "/bcast" + std::to_string(rank) + ".bin", dflash::testing::to_raw(bs));
     coll->barrier();
     return 0;
   } catch (const std::exception& e) {
-    dflash::test::write_file(out + "/err" + std::to_string(rank) + ".txt", e.what());
+    dflash::testing::write_file(out + "/err" + std::to_string(rank) + ".txt", e.what());
     std::cerr << "rank " << rank << ": " << e.what() << "\n";
     return dflash::exit_code_for(e);
   }

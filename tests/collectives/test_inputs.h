@@ -1,16 +1,16 @@
-// Shared by the collectives tests and their worker process: deterministic per-rank inputs, raw dumps,
-// and process helpers.
+// Shared by the collectives tests and their worker process: deterministic per-rank inputs and raw
+// dumps (files: tests/common/files.h).
 #pragma once
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <cstdint>
-#include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
-namespace dflash::test {
+#include "tests/common/files.h"
+
+namespace dflash::testing {
 
 // A drafter-like gradient list: several shapes, a multi-chunk fp32 tensor (> 4 MiB), a non-contiguous
 // view, and the other dtypes the collectives must carry.
@@ -49,14 +49,4 @@ inline std::string to_raw(const std::vector<torch::Tensor>& ts) {
   return out;
 }
 
-inline void write_file(const std::string& path, const std::string& data) {
-  std::ofstream f(path, std::ios::binary);
-  f.write(data.data(), static_cast<std::streamsize>(data.size()));
-}
-
-inline std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
-
-}  // namespace dflash::test
+}  // namespace dflash::testing

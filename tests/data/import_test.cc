@@ -6,7 +6,7 @@
 #include <filesystem>
 
 #include "core/data/shards.h"
-#include "tests/data/test_util.h"
+#include "tests/common/test_util.h"
 
 namespace dflash::data {
 namespace {

@@ -13,7 +13,7 @@
 #include <functional>
 
 #include "core/data/packing.h"
-#include "tests/data/test_util.h"
+#include "tests/common/test_util.h"
 
 namespace dflash::data {
 namespace {

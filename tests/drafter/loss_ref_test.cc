@@ -8,7 +8,7 @@
 
 #include "core/io/safetensors.h"
 #include "core/train/anchors.h"
-#include "tests/drafter/drafter_test_util.h"
+#include "tests/common/drafter_test_util.h"
 
 using namespace dflash;
 using namespace dflash::testing;
@@ -20,7 +20,7 @@ struct Case {
 };
 
 std::string write_case(bool soft_labels, const std::string& name) {
-  const std::string tdir = data_dir() + "/qwen3";
+  const std::string tdir = test_data_dir() + "/qwen3";
   auto target = model::load_target(tdir, {});
   auto frozen = model::load_frozen_target_parts(tdir, torch::kCPU, torch::kFloat32);
   auto cfg = tiny_drafter_config(target->config(), /*block_size=*/4);
@@ -70,14 +70,14 @@ std::string write_case(bool soft_labels, const std::string& name) {
                       {"block_size", cfg.block_size}, {"mask_token_id", cfg.mask_token_id},
                       {"gamma", lo.gamma}, {"soft_labels", soft_labels}, {"kl_weight", lo.kl_weight},
                       {"temperature", lo.temperature}};
-  const std::string path = data_dir() + "/loss_case_" + name + ".safetensors";
+  const std::string path = test_data_dir() + "/loss_case_" + name + ".safetensors";
   io::save_safetensors(path, t, {{"config", c.dump()}, {"target_norm_style", "qwen3"}});
   return path;
 }
 
 int run_reference(const std::string& case_path) {
   const std::string cmd =
-      python() + " " + source_dir() + "/scripts/reference/dflash_train_ref.py --case " + case_path;
+      test_python() + " " + test_source_dir() + "/scripts/reference/dflash_train_ref.py --case " + case_path;
   return std::system(cmd.c_str());
 }
 
@@ -103,7 +103,7 @@ TEST(LossVsReference, ReferenceRejectsAWrongGradient) {
 TEST(LossGrouping, AttentionGroupSizeChangesNothing) {
   // Blocks attended in groups of 2 (many masked calls) or 64 (one call per document): same loss and
   // gradients up to fp32 rounding.
-  const std::string tdir = data_dir() + "/qwen3";
+  const std::string tdir = test_data_dir() + "/qwen3";
   auto target = model::load_target(tdir, {});
   auto frozen = model::load_frozen_target_parts(tdir, torch::kCPU, torch::kFloat32);
   auto cfg = tiny_drafter_config(target->config(), 4);

@@ -7,7 +7,7 @@
 
 #include "core/io/safetensors.h"
 #include "core/train/export.h"
-#include "tests/drafter/drafter_test_util.h"
+#include "tests/common/drafter_test_util.h"
 
 using namespace dflash;
 using namespace dflash::testing;
@@ -15,13 +15,13 @@ using namespace dflash::testing;
 namespace {
 
 int check_against_zlab(int64_t block_size, int64_t ctx_len, const std::string& tag) {
-  const std::string tdir = data_dir() + "/qwen3";
+  const std::string tdir = test_data_dir() + "/qwen3";
   auto target = model::load_target(tdir, {});
   auto frozen = model::load_frozen_target_parts(tdir, torch::kCPU, torch::kFloat32);
   auto cfg = tiny_drafter_config(target->config(), block_size);
   model::Drafter drafter(cfg, torch::kCPU, 11);
   perturb_norms(drafter, 12);
-  const std::string export_dir = data_dir() + "/zlab_export_" + tag;
+  const std::string export_dir = test_data_dir() + "/zlab_export_" + tag;
   std::filesystem::remove_all(export_dir);
   train::export_hf(drafter, export_dir, torch::kFloat32);
 
@@ -38,7 +38,7 @@ int check_against_zlab(int64_t block_size, int64_t ctx_len, const std::string& t
     auto q_pos = torch::arange(ctx_len, ctx_len + block_size, torch::kInt64);
     hidden = drafter.forward(noise, q_pos, ctx, ctx_pos, {{0}, {ctx_len}}, torch::kFloat32);
   }
-  const std::string case_path = data_dir() + "/zlab_case_" + tag + ".safetensors";
+  const std::string case_path = test_data_dir() + "/zlab_case_" + tag + ".safetensors";
   nlohmann::json expect = {{"block_size", cfg.block_size}, {"mask_token_id", cfg.mask_token_id},
                            {"target_layer_ids", cfg.target_layer_ids}};
   io::save_safetensors(case_path,
@@ -47,7 +47,7 @@ int check_against_zlab(int64_t block_size, int64_t ctx_len, const std::string& t
                         {"in.position_ids", torch::arange(ctx_len + block_size, torch::kInt64).unsqueeze(0)},
                         {"out.hidden", hidden.unsqueeze(0).contiguous()}},
                        {{"expect", expect.dump()}});
-  const std::string cmd = python() + " " + source_dir() + "/scripts/reference/check_drafter_zlab.py --export " +
+  const std::string cmd = test_python() + " " + test_source_dir() + "/scripts/reference/check_drafter_zlab.py --export " +
                           export_dir + " --case " + case_path;
   return std::system(cmd.c_str());
 }

@@ -12,13 +12,13 @@
 
 #include "core/eval/spec_decode.h"
 #include "core/io/jsonl.h"
-#include "tests/eval/eval_test_util.h"
+#include "tests/common/eval_test_util.h"
 #include "core/util/error.h"
 
 namespace dflash::eval {
 namespace {
 
-using testing::eval_data_dir;
+using testing::test_data_dir;
 using testing::eval_prompts;
 
 struct Fixture {
@@ -28,7 +28,7 @@ struct Fixture {
 
 Fixture make(int64_t draft_layers, int64_t block_size, uint64_t seed) {
   Fixture f;
-  f.target = model::load_target(eval_data_dir() + "/qwen3", {});
+  f.target = model::load_target(test_data_dir() + "/qwen3", {});
   f.drafter = testing::random_drafter(*f.target, draft_layers, block_size, seed);
   return f;
 }

@@ -5,7 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "tests/io/test_util.h"
+#include "tests/common/test_util.h"
 
 namespace dflash::io {
 namespace {
@@ -386,8 +386,8 @@ TEST(HfConfig, FromDirectoryAndFile) {
 
 TEST(HfConfig, MatchesTransformersForTinyConfig) {
   // transformers itself agrees on the derived fields (head_dim, kv heads, layer_types).
-  const char* py = std::getenv("DFLASH_PYTHON");
-  ASSERT_TRUE(py != nullptr && *py) << "DFLASH_PYTHON is not set (ctest sets it)";
+  const std::string py = testing::test_env("DFLASH_PYTHON");
+  ASSERT_FALSE(py.empty()) << "DFLASH_PYTHON is not set (ctest sets it)";
   ScratchDir dir;
   const std::string script = dir.file("cfg.py");
   write_file(script, R"PY(
@@ -402,7 +402,7 @@ json.dump({"layer_types": c.layer_types, "theta": c.rope_parameters["rope_theta"
            "prf": c.rope_parameters.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))},
           open(sys.argv[1] + "/expect.json", "w"))
 )PY");
-  ASSERT_EQ(std::system((std::string(py) + " " + script + " " + dir.path()).c_str()), 0);
+  ASSERT_EQ(std::system((py + " " + script + " " + dir.path()).c_str()), 0);
   const TargetConfig c = parse_hf_config(dir.path());
   const auto expect = nlohmann::json::parse(testing::read_file(dir.file("expect.json")));
   EXPECT_EQ(c.family, Family::kQwen3_5);

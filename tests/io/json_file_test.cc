@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/io/test_util.h"
+#include "tests/common/test_util.h"
 
 namespace dflash::io {
 namespace {

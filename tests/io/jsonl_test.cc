@@ -3,7 +3,7 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/io/test_util.h"
+#include "tests/common/test_util.h"
 
 namespace dflash::io {
 namespace {

@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "tests/io/test_util.h"
+#include "tests/common/test_util.h"
 
 namespace dflash::io {
 namespace {
@@ -60,11 +60,6 @@ std::string raw_file(const std::string& header, const std::string& data) {
   uint64_t n = header.size();
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
   return out + header + data;
-}
-
-std::string python() {
-  const char* p = std::getenv("DFLASH_PYTHON");
-  return p == nullptr ? std::string() : std::string(p);
 }
 
 TEST(Safetensors, RoundTripEveryDtypeWithScalarsAndEmpty) {
@@ -190,7 +185,7 @@ TEST(Safetensors, LoadsUnalignedDataAndOutlivesTheFile) {
 }
 
 TEST(Safetensors, InteropPythonWritesWeRead) {
-  const std::string py = python();
+  const std::string py = testing::test_env("DFLASH_PYTHON");
   ASSERT_FALSE(py.empty()) << "DFLASH_PYTHON is not set (ctest sets it)";
   ScratchDir dir;
   const std::string path = dir.file("from_python.safetensors");
@@ -235,7 +230,7 @@ save_file(out, sys.argv[1], metadata={"origin": "python", "n": "30"})
 }
 
 TEST(Safetensors, InteropWeWritePythonReadsAndEchoesBitExact) {
-  const std::string py = python();
+  const std::string py = testing::test_env("DFLASH_PYTHON");
   ASSERT_FALSE(py.empty()) << "DFLASH_PYTHON is not set (ctest sets it)";
   ScratchDir dir;
   torch::manual_seed(11);

@@ -9,7 +9,7 @@
 #include <cmath>
 
 #include "core/model/layers.h"
-#include "tests/model/golden_util.h"
+#include "tests/common/golden_util.h"
 
 using namespace dflash::model;
 using dflash::testing::rel_err;

@@ -7,7 +7,7 @@
 
 #include "core/model/cuda/fused_ops.h"
 #include "core/model/layers.h"
-#include "tests/model/golden_util.h"
+#include "tests/common/golden_util.h"
 
 using namespace dflash::model;
 using dflash::testing::rel_err;

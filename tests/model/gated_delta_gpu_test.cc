@@ -20,7 +20,7 @@
 #include "core/model/hybrid.h"
 #include "core/model/layers.h"
 #include "core/model/weights.h"
-#include "tests/model/golden_util.h"
+#include "tests/common/golden_util.h"
 
 using namespace dflash;
 using dflash::testing::rel_err;

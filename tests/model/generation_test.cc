@@ -14,7 +14,7 @@
 #include "core/model/generation.h"
 #include "core/model/target.h"
 #include "core/util/error.h"
-#include "tests/model/golden_util.h"
+#include "tests/common/golden_util.h"
 
 using namespace dflash;
 using dflash::testing::rel_err;

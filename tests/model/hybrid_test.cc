@@ -6,7 +6,7 @@
 #include "core/io/jsonl.h"
 #include "core/io/safetensors.h"
 #include "core/model/target.h"
-#include "tests/model/golden_util.h"
+#include "tests/common/golden_util.h"
 
 using namespace dflash;
 using dflash::testing::rel_err;
@@ -16,22 +16,7 @@ namespace {
 
 std::string hybrid_dir() { return test_data_dir() + "/hybrid"; }
 
-struct Packed {
-  torch::Tensor ids;
-  std::vector<int64_t> lens;
-};
-
-Packed pack_docs() {
-  auto docs = io::read_token_jsonl(hybrid_dir() + "/docs.jsonl");
-  Packed p;
-  std::vector<int64_t> ids;
-  for (auto& d : docs) {
-    p.lens.push_back(d.input_ids.size());
-    ids.insert(ids.end(), d.input_ids.begin(), d.input_ids.end());
-  }
-  p.ids = torch::tensor(ids, torch::kInt64);
-  return p;
-}
+dflash::testing::PackedDocs pack_docs() { return dflash::testing::pack_docs(hybrid_dir() + "/docs.jsonl"); }
 
 class HybridGolden : public ::testing::TestWithParam<std::string> {};
 
@@ -45,7 +30,7 @@ TEST_P(HybridGolden, EveryLayerAndLastHiddenMatchHF_fp32) {
     EXPECT_EQ(cfg.layer_types[l], (l + 1) % 4 == 0 ? "full_attention" : "linear_attention") << l;
   EXPECT_EQ(cfg.weight_prefix, GetParam() == "qwen3_5_vlm" ? "model.language_model." : "model.");
   auto golden = io::SafetensorsModel::open_dir(dir + "/golden.safetensors");
-  Packed p = pack_docs();
+  auto p = pack_docs();
 
   // Every layer in a scrambled order plus the last hidden state.
   model::CaptureSpec spec;
@@ -86,7 +71,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, HybridGolden, ::testing::Values("qwen3_5_text"
 
 TEST(HybridTarget, PackedBatchEqualsEachDocumentAlone) {
   auto target = model::load_target(hybrid_dir() + "/qwen3_5_text", {});
-  Packed p = pack_docs();
+  auto p = pack_docs();
   model::CaptureSpec spec{{0, 2, 3, 6}, true};
   auto all = target->forward_capture(p.ids, p.lens, spec);
   int64_t off = 0;
@@ -116,7 +101,7 @@ TEST(HybridTarget, Bf16CpuForwardIsNoWorseThanHFBf16) {
   const std::string dir = hybrid_dir() + "/qwen3_5_vlm";
   auto target = model::load_target(dir, lo);
   auto golden = io::SafetensorsModel::open_dir(dir + "/golden.safetensors");
-  Packed p = pack_docs();
+  auto p = pack_docs();
   const int64_t L = target->config().num_layers, H = target->config().hidden_size;
   model::CaptureSpec spec;
   for (int64_t l = 0; l < L; ++l) spec.layer_ids.push_back(l);

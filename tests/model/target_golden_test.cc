@@ -6,7 +6,7 @@
 #include "core/model/layers.h"
 #include "core/model/target.h"
 #include "core/util/error.h"
-#include "tests/model/golden_util.h"
+#include "tests/common/golden_util.h"
 
 using namespace dflash;
 using dflash::testing::rel_err;
@@ -14,22 +14,7 @@ using dflash::testing::test_data_dir;
 
 namespace {
 
-struct Packed {
-  torch::Tensor ids;
-  std::vector<int64_t> lens;
-};
-
-Packed pack_docs() {
-  auto docs = io::read_token_jsonl(test_data_dir() + "/docs.jsonl");
-  Packed p;
-  std::vector<int64_t> ids;
-  for (auto& d : docs) {
-    p.lens.push_back(d.input_ids.size());
-    ids.insert(ids.end(), d.input_ids.begin(), d.input_ids.end());
-  }
-  p.ids = torch::tensor(ids, torch::kInt64);
-  return p;
-}
+dflash::testing::PackedDocs pack_docs() { return dflash::testing::pack_docs(test_data_dir() + "/docs.jsonl"); }
 
 class TargetGolden : public ::testing::TestWithParam<std::string> {};
 
@@ -38,7 +23,7 @@ TEST_P(TargetGolden, EveryLayerAndLastHiddenMatchHF_fp32) {
   auto target = model::load_target(dir, {});
   const auto& cfg = target->config();
   auto golden = io::SafetensorsModel::open_dir(dir + "/golden.safetensors");
-  Packed p = pack_docs();
+  auto p = pack_docs();
 
   // Capture every layer in a scrambled order plus the last hidden state.
   model::CaptureSpec spec;
@@ -74,7 +59,7 @@ INSTANTIATE_TEST_SUITE_P(Families, TargetGolden, ::testing::Values("llama_gqa", 
 TEST(TargetGolden, PackingChangesNothing) {
   // The same document alone and packed between others gives identical features.
   auto target = model::load_target(test_data_dir() + "/qwen3", {});
-  Packed p = pack_docs();
+  auto p = pack_docs();
   model::CaptureSpec spec{{1, 3}, true};
   auto all = target->forward_capture(p.ids, p.lens, spec);
   const int64_t off = p.lens[0] + p.lens[1];
@@ -94,7 +79,7 @@ TEST(TargetGolden, Bf16CpuForwardStaysCloseToHF) {
   lo.dtype = torch::kBFloat16;
   auto target = model::load_target(test_data_dir() + "/qwen3", lo);
   auto golden = io::SafetensorsModel::open_dir(test_data_dir() + "/qwen3/golden.safetensors");
-  Packed p = pack_docs();
+  auto p = pack_docs();
   auto r = target->forward_capture(p.ids, p.lens, {{1}, true});
   int64_t off = p.lens[0] + p.lens[1];
   auto ref = golden.load("layer.2.1");

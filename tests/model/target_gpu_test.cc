@@ -6,7 +6,7 @@
 #include "core/io/jsonl.h"
 #include "core/io/safetensors.h"
 #include "core/model/target.h"
-#include "tests/model/golden_util.h"
+#include "tests/common/golden_util.h"
 
 using namespace dflash;
 using dflash::testing::rel_err;

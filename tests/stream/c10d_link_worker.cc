@@ -16,7 +16,7 @@
 
 #include "core/stream/c10d_transport.h"
 #include "core/util/error.h"
-#include "tests/stream/stream_test_util.h"
+#include "tests/common/stream_test_util.h"
 
 using namespace dflash;
 using namespace dflash::stream;
@@ -41,21 +41,13 @@ int main(int argc, char** argv) {
     o.connect_timeout = 60s;
     if (role == "send") {
       auto tx = make_c10d_sender("test", o);
+      testing::PatternShape s;
+      s.max_tokens = 2048;
+      s.k = 4;
+      s.h = 256;
+      s.acquire_timeout = 60s;
       for (int i = 0; i < n; ++i) {
-        auto docs = testing::docs_for(i, 2048);
-        uint64_t T = 0;
-        for (auto& d : docs) T += d.length;
-        const size_t bytes = BatchLayout::compute(docs.size(), T, 4, 256, DType::kBF16, true).total_bytes;
-        SlotBuffer buf = tx->acquire(bytes, 60s);
-        PackedBatchInfo info;
-        info.batch_id = i;
-        info.k = 4;
-        info.h = 256;
-        info.has_h_last = true;
-        PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
-        testing::fill_pattern(w, i);
-        buf.set_size(w.finalize(true));
-        tx->commit(std::move(buf));
+        testing::send_pattern_batch(*tx, i, s);
         if (i == die_after) {
           std::this_thread::sleep_for(200ms);  // let it go out, then die without any cleanup
           ::raise(SIGKILL);

@@ -10,29 +10,14 @@
 #include <thread>
 
 #include "core/util/error.h"
-#include "tests/stream/stream_test_util.h"
+#include "tests/common/stream_test_util.h"
 
 namespace dflash::stream {
 namespace {
 
 using namespace std::chrono_literals;
 
-void send_batch(Sender& tx, uint64_t id) {
-  auto docs = testing::docs_for(id, 64);
-  uint64_t T = 0;
-  for (auto& d : docs) T += d.length;
-  const size_t bytes = BatchLayout::compute(docs.size(), T, 2, 8, DType::kBF16, true).total_bytes;
-  SlotBuffer buf = tx.acquire(bytes, 5s);
-  PackedBatchInfo info;
-  info.batch_id = id;
-  info.k = 2;
-  info.h = 8;
-  info.has_h_last = true;
-  PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
-  testing::fill_pattern(w, id);
-  buf.set_size(w.finalize(true));
-  tx.commit(std::move(buf));
-}
+void send_batch(Sender& tx, uint64_t id) { testing::send_pattern_batch(tx, id, {}); }
 
 ChannelLinkOptions opts(uint32_t slots) {
   ChannelLinkOptions o;

@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "core/util/error.h"
-#include "tests/stream/stream_test_util.h"
+#include "tests/common/stream_test_util.h"
 
 namespace dflash::stream {
 namespace {
@@ -18,20 +18,9 @@ using namespace std::chrono_literals;
 
 // Writes a small valid packed batch with id `id` into an acquired slot and commits it.
 void send_batch(Sender& tx, uint64_t id, bool corrupt = false) {
-  auto docs = testing::docs_for(id, 64);
-  uint64_t T = 0;
-  for (auto& d : docs) T += d.length;
-  const size_t bytes = BatchLayout::compute(docs.size(), T, 2, 8, DType::kBF16, false).total_bytes;
-  SlotBuffer buf = tx.acquire(bytes, 5s);
-  PackedBatchInfo info;
-  info.batch_id = id;
-  info.k = 2;
-  info.h = 8;
-  PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
-  testing::fill_pattern(w, id);
-  buf.set_size(w.finalize(true));
-  if (corrupt) static_cast<uint8_t*>(w.features())[3] ^= 1;
-  tx.commit(std::move(buf));
+  testing::PatternShape s;
+  s.has_h_last = false;
+  testing::send_pattern_batch(tx, id, s, corrupt);
 }
 
 FakeLinkOptions opts(uint32_t slots) {

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "core/util/error.h"
-#include "tests/stream/stream_test_util.h"
+#include "tests/common/stream_test_util.h"
 
 namespace dflash::stream {
 namespace {

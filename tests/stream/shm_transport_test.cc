@@ -17,13 +17,16 @@
 #include <type_traits>
 
 #include "core/util/error.h"
-#include "tests/stream/stream_test_util.h"
+#include "tests/common/proc_util.h"
+#include "tests/common/stream_test_util.h"
 
 namespace dflash::stream {
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+using dflash::testing::fork_child;
+using dflash::testing::wait_exit;
 
 std::string test_prefix() { return "/dflash-test-" + std::to_string(::getpid()); }
 
@@ -38,39 +41,6 @@ size_t count_segments(const std::string& prefix) {
 }
 
 bool segment_exists(const std::string& name) { return ::access(("/dev/shm" + name).c_str(), F_OK) == 0; }
-
-// Runs `body` in a forked child; the child never returns into gtest.
-template <class F>
-pid_t fork_child(F body) {
-  std::fflush(stdout);
-  std::fflush(stderr);
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    int rc = 1;
-    try {
-      if constexpr (std::is_void_v<decltype(body())>) {
-        body();
-        rc = 0;
-      } else {
-        rc = body();
-      }
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "child %d: %s\n", ::getpid(), e.what());
-      rc = 1;
-    }
-    std::fflush(stderr);
-    ::_exit(rc);
-  }
-  return pid;
-}
-
-int wait_exit(pid_t pid) {
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return -1;
-}
 
 struct Shape {
   uint32_t k, h;

@@ -6,10 +6,7 @@
 #include "core/stream/store_control.h"
 
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -18,24 +15,16 @@
 #include <thread>
 
 #include "core/util/error.h"
-#include "tests/stream/stream_test_util.h"
+#include "tests/common/proc_util.h"
+#include "tests/common/stream_test_util.h"
 
 namespace dflash::stream {
 namespace {
 
 using namespace std::chrono_literals;
-
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using dflash::testing::fork_child;
+using dflash::testing::free_port;
+using dflash::testing::wait_exit;
 
 // Test data plane: transfer k is the store value "d/<k>" (set by the sender, taken by the receiver).
 class StoreData final : public LinkData {
@@ -89,20 +78,12 @@ End connect(int port, bool server) {
 void send_batches(int port, int n, int die_after) {
   End e = connect(port, false);
   auto tx = make_channel_sender("test", e.control, std::move(e.data), 20s, opts());
+  testing::PatternShape s;
+  s.max_tokens = 128;
+  s.h = 16;
+  s.acquire_timeout = 20s;
   for (int i = 0; i < n; ++i) {
-    auto docs = testing::docs_for(i, 128);
-    uint64_t T = 0;
-    for (auto& d : docs) T += d.length;
-    SlotBuffer buf = tx->acquire(BatchLayout::compute(docs.size(), T, 2, 16, DType::kBF16, true).total_bytes, 20s);
-    PackedBatchInfo info;
-    info.batch_id = i;
-    info.k = 2;
-    info.h = 16;
-    info.has_h_last = true;
-    PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
-    testing::fill_pattern(w, i);
-    buf.set_size(w.finalize(true));
-    tx->commit(std::move(buf));
+    testing::send_pattern_batch(*tx, i, s);
     if (i == die_after) {
       std::this_thread::sleep_for(100ms);
       ::raise(SIGKILL);
@@ -111,31 +92,10 @@ void send_batches(int port, int n, int die_after) {
   tx->close();
 }
 
-// Runs `f` in a child process; the child exits 0 iff f returned without throwing.
-pid_t child(const std::function<void()>& f) {
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    int rc = 0;
-    try {
-      f();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "child: %s\n", e.what());
-      rc = 1;
-    }
-    std::_Exit(rc);
-  }
-  return pid;
-}
-
-int exit_of(pid_t pid) {
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
 
 TEST(StoreLink, BatchesAcrossProcessesInOrderWithChecksums) {
   const int port = free_port(), n = 25;
-  pid_t tx = child([&] { send_batches(port, n, -1); });  // forked before this process starts store threads
+  pid_t tx = fork_child([&] { send_batches(port, n, -1); });  // forked before this process starts store threads
   End e = connect(port, true);
   auto rx = make_channel_receiver("test", e.control, std::move(e.data), opts());
   int got = 0;
@@ -148,12 +108,12 @@ TEST(StoreLink, BatchesAcrossProcessesInOrderWithChecksums) {
     ++got;
   }
   EXPECT_EQ(got, n);
-  EXPECT_EQ(exit_of(tx), 0);
+  EXPECT_EQ(wait_exit(tx), 0);
 }
 
 TEST(StoreLink, KilledSenderIsAnErrorWithinThePeerTimeout) {
   const int port = free_port();
-  pid_t tx = child([&] { send_batches(port, 10, 2); });
+  pid_t tx = fork_child([&] { send_batches(port, 10, 2); });
   End e = connect(port, true);
   auto rx = make_channel_receiver("test", e.control, std::move(e.data), opts());
   const auto t0 = std::chrono::steady_clock::now();
@@ -164,13 +124,13 @@ TEST(StoreLink, KilledSenderIsAnErrorWithinThePeerTimeout) {
     EXPECT_NE(std::string(err.what()).find("sender died"), std::string::npos) << err.what();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
-  EXPECT_EQ(exit_of(tx), 128 + SIGKILL);
+  EXPECT_EQ(wait_exit(tx), 128 + SIGKILL);
 }
 
 TEST(StoreLink, KilledReceiverFailsTheSender) {
   const int port = free_port();
   // The receiver (store host) is the child: it takes 2 batches, holds them, then dies.
-  pid_t rxp = child([&] {
+  pid_t rxp = fork_child([&] {
     End e = connect(port, true);
     auto rx = make_channel_receiver("test", e.control, std::move(e.data), opts());
     auto a = rx->receive(30s);
@@ -181,7 +141,7 @@ TEST(StoreLink, KilledReceiverFailsTheSender) {
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_THROW(send_batches(port, 10, -1), TransportError);  // the 3rd acquire has no credit and no store
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s);
-  EXPECT_EQ(exit_of(rxp), 128 + SIGKILL);
+  EXPECT_EQ(wait_exit(rxp), 128 + SIGKILL);
 }
 
 }  // namespace

@@ -10,26 +10,14 @@
 #include <fstream>
 #include <functional>
 
-#include "tests/io/test_util.h"
+#include "tests/common/drafter_test_util.h"
+#include "tests/common/test_util.h"
 
 namespace dflash::train {
 namespace {
 
 namespace fs = std::filesystem;
-using io::testing::contains;
-using io::testing::error_of;
-using io::testing::read_file;
-using io::testing::ScratchDir;
-using io::testing::write_file;
-
-model::DrafterConfig tiny_config() {
-  model::DrafterConfig c;
-  c.hidden_size = 64, c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 16, c.intermediate_size = 96;
-  c.num_layers = 2, c.vocab_size = 256, c.rms_norm_eps = 1e-6;
-  c.rope.theta = 10000.0, c.rope.rotary_dim = 16;
-  c.block_size = 8, c.mask_token_id = 255, c.target_layer_ids = {0, 2}, c.num_target_layers = 4;
-  return c;
-}
+using namespace dflash::testing;  // ScratchDir, error_of, bits_equal, standalone_drafter_config, ...
 
 // A drafter + optimizer after `steps` AdamW updates with random gradients (non-trivial state).
 struct Trained {
@@ -45,11 +33,6 @@ struct Trained {
   }
 };
 
-bool bits_equal(const torch::Tensor& a, const torch::Tensor& b) {
-  if (a.sizes() != b.sizes() || a.scalar_type() != torch::kFloat32 || b.scalar_type() != torch::kFloat32) return false;
-  return torch::equal(a.detach().contiguous().view(torch::kInt32), b.detach().contiguous().view(torch::kInt32));
-}
-
 CheckpointState sample_state(int64_t step) {
   CheckpointState s;
   s.step = step;
@@ -62,7 +45,7 @@ CheckpointState sample_state(int64_t step) {
 }
 
 std::string save_step(const std::string& parent, int64_t step, uint64_t seed = 7) {
-  Trained t(tiny_config(), seed, 2);
+  Trained t(standalone_drafter_config(), seed, 2);
   const std::string dir = parent + "/" + checkpoint_dir_name(step);
   save_checkpoint(dir, t.drafter, t.opt, sample_state(step));
   return dir;
@@ -82,13 +65,13 @@ TEST(Checkpoint, DirName) {
 
 TEST(Checkpoint, RoundTripIsBitwise) {
   ScratchDir tmp;
-  Trained a(tiny_config(), 11, 3);
+  Trained a(standalone_drafter_config(), 11, 3);
   const std::string dir = tmp.file("step-00000003");
   save_checkpoint(dir, a.drafter, a.opt, sample_state(3));
   for (const char* f : {"drafter.safetensors", "optimizer.safetensors", "state.json"})
     EXPECT_TRUE(fs::exists(dir + "/" + f)) << f;
 
-  Trained b(tiny_config(), 99, 0);  // different weights, zero optimizer state
+  Trained b(standalone_drafter_config(), 99, 0);  // different weights, zero optimizer state
   ASSERT_FALSE(bits_equal(a.drafter.parameters()[0].second, b.drafter.parameters()[0].second));
   const LoadedCheckpoint got = load_checkpoint(dir, &b.drafter, &b.opt);
 
@@ -109,7 +92,7 @@ TEST(Checkpoint, RoundTripIsBitwise) {
   EXPECT_EQ(got.state.data_position, sample_state(3).data_position);
   EXPECT_EQ(got.state.run_info, sample_state(3).run_info);
   EXPECT_EQ(got.state.scheduler, sample_state(3).scheduler);
-  EXPECT_EQ(drafter_config_difference(got.config, tiny_config()), "");
+  EXPECT_EQ(drafter_config_difference(got.config, standalone_drafter_config()), "");
   EXPECT_EQ(got.dir, dir);
 
   // One more identical optimizer step from both gives identical weights (resume is exact).
@@ -148,7 +131,7 @@ TEST(Checkpoint, RefusesToOverwrite) {
   ScratchDir tmp;
   const std::string dir = save_step(tmp.path(), 1);
   const std::string before = read_file(dir + "/drafter.safetensors");
-  Trained other(tiny_config(), 3, 1);
+  Trained other(standalone_drafter_config(), 3, 1);
   const std::string msg = error_of<ConfigError>([&] { save_checkpoint(dir, other.drafter, other.opt, sample_state(1)); });
   EXPECT_TRUE(contains(msg, "already exists")) << msg;
   EXPECT_EQ(read_file(dir + "/drafter.safetensors"), before);
@@ -166,12 +149,12 @@ TEST(Checkpoint, CorruptByteNamesTheFile) {
     const std::string dir = save_step(tmp.path(), std::string(file)[0] == 'd' ? 1 : 2);
     const auto size = fs::file_size(dir + "/" + file);
     flip_byte(dir + "/" + file, size - 100);  // inside the tensor data, not the header
-    Trained t(tiny_config(), 1, 0);
+    Trained t(standalone_drafter_config(), 1, 0);
     const std::string msg = error_of<DataError>([&] { load_checkpoint(dir, &t.drafter, &t.opt); });
     EXPECT_TRUE(contains(msg, dir + "/" + file)) << msg;
     EXPECT_TRUE(contains(msg, "checksum")) << msg;
     // Nothing was loaded.
-    Trained fresh(tiny_config(), 1, 0);
+    Trained fresh(standalone_drafter_config(), 1, 0);
     EXPECT_TRUE(bits_equal(t.drafter.parameters()[0].second, fresh.drafter.parameters()[0].second));
   }
 }
@@ -216,17 +199,17 @@ TEST(Checkpoint, UnknownVersionAndFormat) {
 TEST(Checkpoint, DrafterConfigMismatchNamesTheField) {
   ScratchDir tmp;
   const std::string dir = save_step(tmp.path(), 1);
-  auto c = tiny_config();
+  auto c = standalone_drafter_config();
   c.intermediate_size = 128;
   Trained t(c, 1, 0);
   std::string msg = error_of<ConfigError>([&] { load_checkpoint(dir, &t.drafter, &t.opt); });
   EXPECT_TRUE(contains(msg, "intermediate_size: 96 vs 128")) << msg;
-  c = tiny_config();
+  c = standalone_drafter_config();
   c.target_layer_ids = {1, 2};
   Trained u(c, 1, 0);
   msg = error_of<ConfigError>([&] { load_checkpoint(dir, &u.drafter, nullptr); });
   EXPECT_TRUE(contains(msg, "target_layer_ids")) << msg;
-  c = tiny_config();
+  c = standalone_drafter_config();
   c.mask_token_id = 7;
   Trained v(c, 1, 0);
   msg = error_of<ConfigError>([&] { load_checkpoint(dir, &v.drafter, nullptr); });
@@ -234,7 +217,7 @@ TEST(Checkpoint, DrafterConfigMismatchNamesTheField) {
 }
 
 TEST(Checkpoint, DrafterConfigJsonRoundTrip) {
-  auto c = tiny_config();
+  auto c = standalone_drafter_config();
   c.rope.type = "llama3";
   c.rope.factor = 8, c.rope.low_freq_factor = 1, c.rope.high_freq_factor = 4, c.rope.original_max_position = 8192;
   c.rms_norm_eps = 1.234567890123e-6;

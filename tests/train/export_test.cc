@@ -14,30 +14,18 @@
 #include "core/io/safetensors.h"
 #include "core/train/checkpoint.h"
 #include "services/drafter/export_cmd.h"
-#include "tests/io/test_util.h"
+#include "tests/common/drafter_test_util.h"
+#include "tests/common/test_util.h"
 
 namespace dflash::train {
 namespace {
 
 namespace fs = std::filesystem;
-using io::testing::contains;
-using io::testing::error_of;
-using io::testing::read_file;
-using io::testing::ScratchDir;
-using io::testing::write_file;
+using namespace dflash::testing;  // ScratchDir, error_of, bits_equal, standalone_drafter_config, ...
 using json = nlohmann::json;
 
-model::DrafterConfig tiny_config() {
-  model::DrafterConfig c;
-  c.hidden_size = 64, c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 16, c.intermediate_size = 96;
-  c.num_layers = 2, c.vocab_size = 256, c.rms_norm_eps = 1e-6;
-  c.rope.theta = 10000.0, c.rope.rotary_dim = 16;
-  c.block_size = 8, c.mask_token_id = 255, c.target_layer_ids = {0, 2}, c.num_target_layers = 4;
-  return c;
-}
-
 model::DrafterConfig llama3_config() {
-  auto c = tiny_config();
+  auto c = standalone_drafter_config();
   c.rope.type = "llama3";
   c.rope.theta = 500000.0;
   c.rope.factor = 8.0, c.rope.low_freq_factor = 1.0, c.rope.high_freq_factor = 4.0;
@@ -53,11 +41,6 @@ void randomize(model::Drafter& d, uint64_t seed) {
   torch::NoGradGuard g;
   auto gen = at::detail::createCPUGenerator(seed);
   for (auto& [_, p] : d.parameters()) p.copy_(torch::randn(p.sizes(), gen) * 0.5 + 0.1);
-}
-
-bool bits_equal(const torch::Tensor& a, const torch::Tensor& b) {
-  if (a.sizes() != b.sizes() || a.scalar_type() != torch::kFloat32 || b.scalar_type() != torch::kFloat32) return false;
-  return torch::equal(a.detach().contiguous().view(torch::kInt32), b.detach().contiguous().view(torch::kInt32));
 }
 
 std::string run_capture(const std::string& cmd, int* rc) {
@@ -105,10 +88,10 @@ print("RESULT " + json.dumps(results))
 )PY";
 
 TEST(Export, ZLabDFlashDraftModelLoadsOurExport) {
-  const char* py = std::getenv("DFLASH_PYTHON");
-  ASSERT_TRUE(py && *py) << "DFLASH_PYTHON is not set (ctest sets it; configure with -DDFLASH_PYTHON=...)";
+  const std::string py = dflash::testing::test_env("DFLASH_PYTHON");
+  ASSERT_FALSE(py.empty()) << "DFLASH_PYTHON is not set (ctest sets it; configure with -DDFLASH_PYTHON=...)";
   ScratchDir tmp;
-  const std::vector<model::DrafterConfig> configs{tiny_config(), llama3_config()};
+  const std::vector<model::DrafterConfig> configs{standalone_drafter_config(), llama3_config()};
   std::vector<std::string> dirs;
   std::vector<std::unique_ptr<model::Drafter>> drafters;
   for (size_t i = 0; i < configs.size(); ++i) {
@@ -120,7 +103,7 @@ TEST(Export, ZLabDFlashDraftModelLoadsOurExport) {
   write_file(tmp.file("check.py"), kZlabCheck);
   int rc = 0;
   const std::string out =
-      run_capture(std::string(py) + " " + tmp.file("check.py") + " " + dirs[0] + " " + dirs[1] + " 2>&1", &rc);
+      run_capture(py + " " + tmp.file("check.py") + " " + dirs[0] + " " + dirs[1] + " 2>&1", &rc);
   ASSERT_EQ(rc, 0) << out;
   const size_t at = out.rfind("RESULT ");
   ASSERT_NE(at, std::string::npos) << out;
@@ -154,7 +137,7 @@ TEST(Export, ZLabDFlashDraftModelLoadsOurExport) {
 
 TEST(Export, ConfigJsonHasTheHFFields) {
   ScratchDir tmp;
-  model::Drafter d(tiny_config(), torch::kCPU, 1);
+  model::Drafter d(standalone_drafter_config(), torch::kCPU, 1);
   export_hf(d, tmp.file("out"));
   const json j = json::parse(read_file(tmp.file("out/config.json")));
   EXPECT_EQ(j["architectures"], json::array({"DFlashDraftModel"}));
@@ -179,7 +162,7 @@ TEST(Export, ConfigJsonHasTheHFFields) {
 
 TEST(Export, ImportRoundTripBf16AndFloat32) {
   ScratchDir tmp;
-  model::Drafter d(tiny_config(), torch::kCPU, 1);
+  model::Drafter d(standalone_drafter_config(), torch::kCPU, 1);
   randomize(d, 3);
   export_hf(d, tmp.file("bf16"), torch::kBFloat16);
   export_hf(d, tmp.file("fp32"), torch::kFloat32);
@@ -202,7 +185,7 @@ TEST(Export, ImportRoundTripBf16AndFloat32) {
     EXPECT_TRUE(bits_equal(f32.tensors[i].second, d.parameters()[i].second)) << f32.tensors[i].first;
 
   // init_from_export into a fresh drafter of the same config.
-  model::Drafter e(tiny_config(), torch::kCPU, 77);
+  model::Drafter e(standalone_drafter_config(), torch::kCPU, 77);
   init_from_export(e, tmp.file("fp32"));
   for (size_t i = 0; i < e.parameters().size(); ++i)
     EXPECT_TRUE(bits_equal(e.parameters()[i].second, d.parameters()[i].second));
@@ -215,9 +198,9 @@ TEST(Export, ImportRoundTripBf16AndFloat32) {
 
 TEST(Export, InitFromExportRefusesOtherConfigs) {
   ScratchDir tmp;
-  model::Drafter d(tiny_config(), torch::kCPU, 1);
+  model::Drafter d(standalone_drafter_config(), torch::kCPU, 1);
   export_hf(d, tmp.file("out"));
-  auto c = tiny_config();
+  auto c = standalone_drafter_config();
   c.mask_token_id = 100;
   model::Drafter e(c, torch::kCPU, 2);
   const auto before = e.parameters()[0].second.clone();
@@ -228,7 +211,7 @@ TEST(Export, InitFromExportRefusesOtherConfigs) {
 
 TEST(Export, RefusesNonEmptyOutAndBadDtype) {
   ScratchDir tmp;
-  model::Drafter d(tiny_config(), torch::kCPU, 1);
+  model::Drafter d(standalone_drafter_config(), torch::kCPU, 1);
   write_file(tmp.file("file"), "x");
   EXPECT_TRUE(contains(error_of<ConfigError>([&] { export_hf(d, tmp.file("file")); }), "already exists"));
   export_hf(d, tmp.file("out"));
@@ -249,7 +232,7 @@ void rewrite_weights(const std::string& dir, const std::vector<std::pair<std::st
 
 TEST(Export, ImportErrorsNameFileAndTensor) {
   ScratchDir tmp;
-  model::Drafter d(tiny_config(), torch::kCPU, 1);
+  model::Drafter d(standalone_drafter_config(), torch::kCPU, 1);
   const std::string dir = tmp.file("out");
   export_hf(d, dir, torch::kFloat32);
   std::vector<std::pair<std::string, torch::Tensor>> good;
@@ -320,7 +303,7 @@ int cli(std::vector<std::string> args) {
 
 TEST(Export, CliFromCheckpoint) {
   ScratchDir tmp;
-  model::Drafter d(tiny_config(), torch::kCPU, 1);
+  model::Drafter d(standalone_drafter_config(), torch::kCPU, 1);
   randomize(d, 9);
   AdamW opt(&d.parameters(), AdamWOptions{});
   CheckpointState st;
@@ -330,7 +313,7 @@ TEST(Export, CliFromCheckpoint) {
 
   EXPECT_EQ(cli({"--checkpoint", ckpt, "--out", tmp.file("hf")}), 0);
   const auto imp = import_hf(tmp.file("hf"));
-  EXPECT_EQ(drafter_config_difference(imp.config, tiny_config()), "");
+  EXPECT_EQ(drafter_config_difference(imp.config, standalone_drafter_config()), "");
   for (size_t i = 0; i < imp.tensors.size(); ++i)
     EXPECT_TRUE(bits_equal(imp.tensors[i].second, d.parameters()[i].second.detach().to(torch::kBFloat16).to(torch::kFloat32)));
   EXPECT_EQ(cli({"--checkpoint", ckpt, "--out", tmp.file("hf32"), "--dtype", "float32"}), 0);

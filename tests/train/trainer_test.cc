@@ -22,7 +22,7 @@
 
 #include "core/train/anchors.h"
 #include "core/train/checkpoint.h"
-#include "tests/io/test_util.h"
+#include "tests/common/test_util.h"
 
 using namespace dflash;
 using torch::Tensor;
@@ -261,7 +261,7 @@ TEST(Trainer, DeviceSideStepEqualsTheHostSideStepBitwiseWithoutClipping) { run_a
 // A checkpoint after the non-finite step (attempted 3, applied 2), a fresh drafter and trainer
 // loading it: the rest of the run is bitwise the uninterrupted one's.
 TEST(Trainer, ResumeAfterASkippedStepIsBitwise) {
-  io::testing::ScratchDir tmp;
+  dflash::testing::ScratchDir tmp;
   auto s = make_setup(torch::kCPU, torch::kFloat32, 1.0);
   auto run = [&](train::Trainer& tr, model::Drafter& d, int64_t from, int64_t to, std::vector<train::StepMetrics>* ms) {
     for (int64_t step = from; step < to; ++step) {

@@ -1,10 +1,13 @@
-// Helpers shared by the stream tests: build a packed batch with a checkable pattern.
+// Helpers shared by the stream tests: build and send packed batches with a checkable pattern.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/stream/packed_batch.h"
+#include "core/stream/transport.h"
 
 namespace dflash::stream::testing {
 
@@ -57,6 +60,35 @@ inline std::string check_pattern(const PackedBatchView& v) {
       return "h_last row " + std::to_string(t);
   }
   return "";
+}
+
+// The batches send_pattern_batch writes: bf16, docs_for(id, max_tokens), K x H features.
+struct PatternShape {
+  uint32_t max_tokens = 64;
+  uint32_t k = 2;
+  uint32_t h = 8;
+  bool has_h_last = true;
+  std::chrono::milliseconds acquire_timeout{5000};
+};
+
+// Acquires a slot, writes batch `id` in it (fill_pattern, payload checksum) and commits it;
+// `corrupt` flips one feature byte after the checksum was taken.
+inline void send_pattern_batch(Sender& tx, uint64_t id, const PatternShape& s, bool corrupt = false) {
+  auto docs = docs_for(id, s.max_tokens);
+  uint64_t T = 0;
+  for (auto& d : docs) T += d.length;
+  const size_t bytes = BatchLayout::compute(docs.size(), T, s.k, s.h, DType::kBF16, s.has_h_last).total_bytes;
+  SlotBuffer buf = tx.acquire(bytes, s.acquire_timeout);
+  PackedBatchInfo info;
+  info.batch_id = id;
+  info.k = s.k;
+  info.h = s.h;
+  info.has_h_last = s.has_h_last;
+  PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
+  fill_pattern(w, id);
+  buf.set_size(w.finalize(true));
+  if (corrupt) static_cast<uint8_t*>(w.features())[3] ^= 1;
+  tx.commit(std::move(buf));
 }
 
 // A heap buffer for one packed batch (8-byte aligned; 4096 when asked).

@@ -1,9 +1,8 @@
 // Shared set-up for drafter tests: the tiny Qwen3 target from the golden_models fixture, its real
-// captured features for a few documents, and a small drafter with randomised norm weights.
+// captured features for a few documents, small drafters with randomised norm weights, bit equality.
 #pragma once
 #include <torch/torch.h>
 
-#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -11,20 +10,24 @@
 #include "core/model/drafter.h"
 #include "core/model/target.h"
 #include "core/train/dflash_loss.h"
+#include "tests/common/files.h"
 
 namespace dflash::testing {
 
-inline std::string data_dir() {
-  const char* d = std::getenv("DFLASH_TEST_DATA");
-  return d ? d : "testdata";
+// A tiny drafter config of its own (no target): H 64, 4 heads, 2 layers, vocab 256.
+inline model::DrafterConfig standalone_drafter_config() {
+  model::DrafterConfig c;
+  c.hidden_size = 64, c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 16, c.intermediate_size = 96;
+  c.num_layers = 2, c.vocab_size = 256, c.rms_norm_eps = 1e-6;
+  c.rope.theta = 10000.0, c.rope.rotary_dim = 16;
+  c.block_size = 8, c.mask_token_id = 255, c.target_layer_ids = {0, 2}, c.num_target_layers = 4;
+  return c;
 }
-inline std::string python() {
-  const char* p = std::getenv("DFLASH_PYTHON");
-  return p ? p : "python3";
-}
-inline std::string source_dir() {
-  const char* p = std::getenv("DFLASH_SOURCE_DIR");
-  return p ? p : ".";
+
+// Same shape and fp32 on both sides, and the same bits.
+inline bool bits_equal(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.sizes() != b.sizes() || a.scalar_type() != torch::kFloat32 || b.scalar_type() != torch::kFloat32) return false;
+  return torch::equal(a.detach().contiguous().view(torch::kInt32), b.detach().contiguous().view(torch::kInt32));
 }
 
 inline model::DrafterConfig tiny_drafter_config(const io::TargetConfig& t, int64_t block_size = 4) {

@@ -2,7 +2,6 @@
 #pragma once
 #include <torch/torch.h>
 
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -10,17 +9,13 @@
 #include "core/io/jsonl.h"
 #include "core/model/drafter.h"
 #include "core/model/target.h"
+#include "tests/common/files.h"
 
 namespace dflash::testing {
 
-inline std::string eval_data_dir() {
-  const char* d = std::getenv("DFLASH_TEST_DATA");
-  return d ? d : "testdata";
-}
-
 inline std::vector<std::vector<int64_t>> eval_prompts() {
   std::vector<std::vector<int64_t>> out;
-  for (auto& doc : io::read_token_jsonl(eval_data_dir() + "/docs.jsonl"))
+  for (auto& doc : io::read_token_jsonl(test_data_dir() + "/docs.jsonl"))
     out.emplace_back(doc.input_ids.begin(), doc.input_ids.end());
   return out;
 }
