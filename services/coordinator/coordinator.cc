@@ -18,7 +18,9 @@
 #include "core/train/checkpoint.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/io/hf_config.h"
 #include "services/common/pipeline_common.h"
+#include "services/common/run_plan.h"
 #include "services/coordinator/control_token.h"
 #include "services/coordinator/plan_report.h"
 
@@ -115,6 +117,15 @@ json Coordinator::plan() {
 // ---------------------------------------------------------------------------------------------
 // Step 2: the ledger, new or resumed.
 
+namespace {
+// The config as the ledger records it: a control-plane token set in the config is never written
+// there (the ledger is world-readable; the token lives only in the 0600 control-token file).
+config::RunConfig redacted(config::RunConfig cfg) {
+  if (!cfg.coordinator.token.empty()) cfg.coordinator.token = "<redacted>";
+  return cfg;
+}
+}  // namespace
+
 bool Coordinator::open_ledger() {
   const fs::path out = cfg_.run.output_dir;
   fs::create_directories(out);
@@ -131,7 +142,8 @@ bool Coordinator::open_ledger() {
                      {"total_steps", first_total_steps_}, {"token_budget", cfg_.data.token_budget},
                      {"max_batch_size", cfg_.data.max_batch_size}, {"max_anchors", cfg_.train.max_anchors},
                      {"block_size", cfg_.drafter.block_size}, {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()},
-                     {"epochs", cfg_.run.epochs}, {"samples", lengths_.size()}, {"config", config::to_yaml(cfg_)}});
+                     {"epochs", cfg_.run.epochs}, {"samples", lengths_.size()}, {"config", config::to_yaml(redacted(cfg_))},
+                     {"plan", pipeline::RunPlan::build(cfg_, io::parse_hf_config(cfg_.target.model_dir), device_).to_json()}});
   } else {
     resume_ledger();
   }
