@@ -18,6 +18,7 @@
 #include "core/train/checkpoint.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/switches.h"
 #include "core/io/hf_config.h"
 #include "services/common/pipeline_common.h"
 #include "services/common/run_plan.h"
@@ -143,7 +144,8 @@ bool Coordinator::open_ledger() {
                      {"max_batch_size", cfg_.data.max_batch_size}, {"max_anchors", cfg_.train.max_anchors},
                      {"block_size", cfg_.drafter.block_size}, {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()},
                      {"epochs", cfg_.run.epochs}, {"samples", lengths_.size()}, {"config", config::to_yaml(redacted(cfg_))},
-                     {"plan", pipeline::RunPlan::build(cfg_, io::parse_hf_config(cfg_.target.model_dir), device_).to_json()}});
+                     {"plan", pipeline::RunPlan::build(cfg_, io::parse_hf_config(cfg_.target.model_dir), device_).to_json()},
+                     {"switches", switches::to_json()}});
   } else {
     resume_ledger();
   }
