@@ -24,7 +24,7 @@ struct CaptureSummary {
 // Writes features.{i} [T_i, K*H] (and last_hidden.{i} [T_i, H]) for every input line i.
 CaptureSummary run_capture(const CaptureOptions& opt);
 
-// CLI entry: args after "capture". Returns an exit code (DESIGN.md), printing errors to stderr.
+// CLI entry: args after "capture". Returns an exit code (docs/design.md#exit-codes), printing errors to stderr.
 int cmd_capture(int argc, char** argv);
 
 }  // namespace dflash::target
