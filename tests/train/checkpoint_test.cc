@@ -278,7 +278,7 @@ TEST(Checkpoint, ImplausibleSizesAreRefusedBeforeAllocating) {
   EXPECT_LT(peak_rss_mib() - rss0, 200.0);
   // drafter_parameter_count is what a Drafter of that config has.
   for (int64_t layers : {1, 3}) {
-    auto c = tiny_config();
+    auto c = standalone_drafter_config();
     c.num_layers = layers;
     EXPECT_EQ(drafter_parameter_count(c), model::Drafter(c, torch::kCPU, 0).num_parameters());
   }

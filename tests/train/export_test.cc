@@ -339,7 +339,7 @@ TEST(Export, CliFromCheckpoint) {
 // that shape is allocated (a million layers of the tiny config would be ~120 GB of fp32).
 TEST(Export, CliRefusesImplausibleCheckpointSizes) {
   ScratchDir tmp;
-  model::Drafter d(tiny_config(), torch::kCPU, 1);
+  model::Drafter d(standalone_drafter_config(), torch::kCPU, 1);
   AdamW opt(&d.parameters(), AdamWOptions{});
   const std::string ckpt = tmp.file(checkpoint_dir_name(3));
   save_checkpoint(ckpt, d, opt, CheckpointState{});
