@@ -160,11 +160,11 @@ TEST(SpecDecode, FirstTokenStopAndSingleToken) {
 // A hybrid target: each round appends the block to the Gated DeltaNet states and rolls them back to
 // the accepted prefix (core/model/sequence_cache.h); the output must still be the target's greedy one.
 TEST(SpecDecode, HybridTargetEqualsItsGreedy) {
-  auto target = model::load_target(eval_data_dir() + "/hybrid/qwen3_5_text", {});
+  auto target = model::load_target(test_data_dir() + "/hybrid/qwen3_5_text", {});
   auto drafter = testing::random_drafter(*target, 2, 4, 17);
   SpeculativeDecoder dec(*target, *drafter);
   const int64_t max_new = 21;
-  auto docs = io::read_token_jsonl(eval_data_dir() + "/hybrid/docs.jsonl");
+  auto docs = io::read_token_jsonl(test_data_dir() + "/hybrid/docs.jsonl");
   ASSERT_GE(docs.size(), 4u);
   for (size_t i = 0; i < 4; ++i) {
     std::vector<int64_t> p(docs[i].input_ids.begin(), docs[i].input_ids.end());
