@@ -128,7 +128,10 @@ SpecDecodeResult SpeculativeDecoder::generate(const std::vector<int64_t>& prompt
     }
     // Block rows 0..produced-1 are seq[start, start + produced): keep them, drop the rejected drafts.
     cache.truncate({0}, {start + produced});
-    if (V > 1) ctx_TH = torch::cat({ctx_TH, drafter_for(V).fuse_context(verified.features_TKH.narrow(0, 0, produced), compute)}, 0);
+    if (V > 1) {
+      auto kept_TKH = verified.features_TKH.narrow(0, 0, produced);
+      ctx_TH = torch::cat({ctx_TH, drafter_for(V).fuse_context(kept_TKH, compute)}, 0);
+    }
     start += produced;
     res.acceptance_lengths.push_back(produced);
   }

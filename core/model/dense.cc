@@ -90,7 +90,8 @@ class DenseTarget : public TargetModel {
   }
 
   // The forward of tokens at the given positions; attend(layer, q, k, v) is their attention.
-  using AttendFn = std::function<torch::Tensor(int64_t, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
+  using AttendFn =
+      std::function<torch::Tensor(int64_t, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
   CaptureResult run(const torch::Tensor& ids_T, const torch::Tensor& pos_T, const CaptureSpec& spec, CaptureResult out,
                     const AttendFn& attend) const {
     const int64_t T = ids_T.size(0), H = cfg_.hidden_size, D = cfg_.head_dim;

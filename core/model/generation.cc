@@ -28,7 +28,8 @@ at::Generator make_generator(torch::Device device, uint64_t seed) {
   if (device.is_cpu()) return at::make_generator<at::CPUGeneratorImpl>(seed);
 #ifdef DFLASH_WITH_CUDA
   if (device.is_cuda()) {
-    auto g = at::make_generator<at::CUDAGeneratorImpl>(device.has_index() ? device.index() : c10::cuda::current_device());
+    const auto index = device.has_index() ? device.index() : c10::cuda::current_device();
+    auto g = at::make_generator<at::CUDAGeneratorImpl>(index);
     g.set_current_seed(seed);
     return g;
   }
@@ -101,7 +102,9 @@ void Generator::run(const std::vector<GenerationRequest>& requests,
   SequenceCache cache(target_.config(), slots, longest + opt_.max_new_tokens - 1, o.device, o.dtype);
   std::vector<Running> running(slots);
   size_t next = 0;
-  auto any_running = [&] { return std::any_of(running.begin(), running.end(), [](const Running& r) { return r.active; }); };
+  auto any_running = [&] {
+    return std::any_of(running.begin(), running.end(), [](const Running& r) { return r.active; });
+  };
   while (next < requests.size() || any_running()) {
     admit(cache, running, requests, next);
     retire(running, on_done);
@@ -127,7 +130,8 @@ void Generator::admit(SequenceCache& cache, std::vector<Running>& slots, const s
     ids.insert(ids.end(), req.prompt.begin(), req.prompt.end());
   }
   if (which.empty()) return;
-  extend_and_sample(cache, slots, which, lengths, to_device_async(torch::tensor(ids, torch::kInt64), target_.options().device));
+  const auto device = target_.options().device;
+  extend_and_sample(cache, slots, which, lengths, to_device_async(torch::tensor(ids, torch::kInt64), device));
 }
 
 void Generator::decode_step(SequenceCache& cache, std::vector<Running>& slots) {

@@ -62,7 +62,8 @@ SequenceCache::SequenceCache(const io::TargetConfig& cfg, int64_t slots, int64_t
 SequenceCache::~SequenceCache() = default;
 
 int64_t SequenceCache::length(int64_t slot) const {
-  DFLASH_CHECK(slot >= 0 && slot < slots(), ConfigError, "sequence cache: slot " << slot << " outside [0, " << slots() << ")");
+  DFLASH_CHECK(slot >= 0 && slot < slots(), ConfigError,
+               "sequence cache: slot " << slot << " outside [0, " << slots() << ")");
   return length_[slot];
 }
 
@@ -227,9 +228,11 @@ torch::Tensor SequenceCache::attend(int64_t layer, const Step& st, const torch::
   k_[layer].view({S * max_len_, Hkv, D}).index_copy_(0, st.kv_rows_T, k);
   v_[layer].view({S * max_len_, Hkv, D}).index_copy_(0, st.kv_rows_T, v);
   if (st.fresh) return causal_attention_varlen(q, k, v, st.batch.lengths, scale);
-  auto q_BNHD = st.pad_BN.defined()
-                    ? torch::cat({q, torch::zeros_like(q.narrow(0, 0, 1))}).index_select(0, st.pad_BN).view({B, N, Hq, D})
-                    : q.reshape({B, N, Hq, D});
+  torch::Tensor q_BNHD;  // the queries as [B, max_new] rows (zero rows where a sequence has fewer)
+  if (st.pad_BN.defined())
+    q_BNHD = torch::cat({q, torch::zeros_like(q.narrow(0, 0, 1))}).index_select(0, st.pad_BN).view({B, N, Hq, D});
+  else
+    q_BNHD = q.reshape({B, N, Hq, D});
   auto keys = k_[layer].narrow(1, 0, L).index_select(0, st.slot_B).transpose(1, 2);  // [B, Hkv, L, D]
   auto values = v_[layer].narrow(1, 0, L).index_select(0, st.slot_B).transpose(1, 2);
   auto o = at::scaled_dot_product_attention(q_BNHD.transpose(1, 2), keys, values, st.mask_B1NL, 0.0,
