@@ -2,7 +2,6 @@
 
 #include "core/io/jsonl.h"
 
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -15,6 +14,7 @@
 
 #include "core/data/shards.h"
 #include "core/util/error.h"
+#include "core/util/fileio.h"
 #include "core/util/log.h"
 #include "core/util/utf8.h"
 
@@ -28,13 +28,6 @@ bool is_blank(const std::string& s) {
   for (char ch : s)
     if (ch != ' ' && ch != '\t' && ch != '\r' && ch != '\n') return false;
   return true;
-}
-
-void fsync_dir_best_effort(const std::string& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
 }
 
 // OUT must not exist or be an empty directory.
@@ -175,7 +168,7 @@ ImportSummary import_jsonl(const ImportOptions& o) {
                    out << ": appeared and is not empty; refusing to overwrite it");
       DFLASH_FAIL(DataError, out << ": cannot rename " << tmp << " into place: " << std::strerror(err));
     }
-    fsync_dir_best_effort(parent.string());
+    fsync_dir(parent.string());
   } catch (...) {
     fs::remove_all(tmp, ec);
     throw;

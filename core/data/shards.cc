@@ -1,8 +1,5 @@
 #include "core/data/shards.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -14,6 +11,7 @@
 #include "core/io/json_file.h"
 #include "core/util/checked.h"
 #include "core/util/error.h"
+#include "core/util/fileio.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token shards are little-endian on disk");
 
@@ -24,45 +22,15 @@ using json = nlohmann::json;
 
 std::string errno_text() { return std::strerror(errno); }
 
-void write_all(int fd, const void* data, size_t bytes, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    ssize_t n = ::write(fd, p, bytes);
-    if (n < 0 && errno == EINTR) continue;
-    DFLASH_CHECK(n > 0, DataError, path << ": write failed: " << errno_text());
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
-}
-
-void pwrite_all(int fd, const void* data, size_t bytes, off_t at, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    ssize_t n = ::pwrite(fd, p, bytes, at);
-    if (n < 0 && errno == EINTR) continue;
-    DFLASH_CHECK(n > 0, DataError, path << ": write failed: " << errno_text());
-    p += n;
-    at += n;
-    bytes -= static_cast<size_t>(n);
-  }
-}
-
-void fsync_or_throw(int fd, const std::string& path) {
-  DFLASH_CHECK(::fsync(fd) == 0, DataError, path << ": fsync failed: " << errno_text());
-}
-
-void fsync_dir(const std::string& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  DFLASH_CHECK(fd >= 0, DataError, dir << ": cannot open directory for fsync: " << errno_text());
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  DFLASH_CHECK(rc == 0, DataError, dir << ": fsync failed: " << errno_text());
-}
-
-int create_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  DFLASH_CHECK(fd >= 0, DataError, path << ": cannot create: " << errno_text());
-  return fd;
+// A header of type H (ShardHeader or IndexHeader) with its magic, the format version and its size
+// set; every other field zero.
+template <class H>
+H new_header(const char (&magic)[8]) {
+  H h{};
+  std::memcpy(h.magic, magic, 8);
+  h.version = kShardFormatVersion;
+  h.header_bytes = sizeof(H);
+  return h;
 }
 
 std::string version_hint(uint32_t found) {
@@ -143,25 +111,16 @@ void ShardWriter::flush_shard() {
   const uint32_t k = static_cast<uint32_t>(shard_list_.size());
   const std::string name = shard_file_name(k);
   const std::string path = dir_ + "/" + name;
-  ShardHeader h{};
-  std::memcpy(h.magic, kShardMagic, 8);
-  h.version = kShardFormatVersion;
-  h.header_bytes = sizeof(ShardHeader);
+  auto h = new_header<ShardHeader>(kShardMagic);
   h.num_samples = shard_samples_;
   h.num_tokens = ids_.size();
   h.first_sample_id = shard_first_sample_;
   h.shard_index = k;
-  int fd = create_file(path);
-  try {
-    write_all(fd, &h, sizeof(h), path);
-    write_all(fd, ids_.data(), ids_.size() * sizeof(int32_t), path);
-    write_all(fd, mask_.data(), mask_.size(), path);
-    fsync_or_throw(fd, path);
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  DFLASH_CHECK(::close(fd) == 0, DataError, path << ": close failed: " << errno_text());
+  write_file_synced(path, [&](int fd, const std::string& p) {
+    write_all(fd, &h, sizeof(h), p);
+    write_all(fd, ids_.data(), ids_.size() * sizeof(int32_t), p);
+    write_all(fd, mask_.data(), mask_.size(), p);
+  });
   shard_list_.push_back({{"file", name},
                          {"samples", shard_samples_},
                          {"tokens", ids_.size()},
@@ -177,16 +136,13 @@ json ShardWriter::finish(const json& extra) {
   flush_shard();
   flush_records();
   const std::string index_path = dir_ + "/" + kIndexFile;
-  IndexHeader h{};
-  std::memcpy(h.magic, kIndexMagic, 8);
-  h.version = kShardFormatVersion;
-  h.header_bytes = sizeof(IndexHeader);
+  auto h = new_header<IndexHeader>(kIndexMagic);
   h.num_samples = num_samples_;
   h.num_shards = static_cast<uint32_t>(shard_list_.size());
   h.record_bytes = sizeof(IndexRecord);
   h.block_size = opt_.block_size;
   pwrite_all(index_fd_, &h, sizeof(h), 0, index_path);
-  fsync_or_throw(index_fd_, index_path);
+  fsync_fd(index_fd_, index_path);
   const int rc = ::close(index_fd_);
   index_fd_ = -1;
   DFLASH_CHECK(rc == 0, DataError, index_path << ": close failed: " << errno_text());
@@ -202,16 +158,7 @@ json ShardWriter::finish(const json& extra) {
                    {"shards", shard_list_}};
   if (!extra.is_null()) manifest["import"] = extra;
   const std::string mpath = dir_ + "/" + kManifestFile;
-  const std::string text = io::dump_json(manifest, mpath, 2) + "\n";
-  int fd = create_file(mpath);
-  try {
-    write_all(fd, text.data(), text.size(), mpath);
-    fsync_or_throw(fd, mpath);
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  DFLASH_CHECK(::close(fd) == 0, DataError, mpath << ": close failed: " << errno_text());
+  write_file_synced(mpath, io::dump_json(manifest, mpath, 2) + "\n");
   fsync_dir(dir_);
   finished_ = true;
   return manifest;
@@ -221,35 +168,12 @@ json ShardWriter::finish(const json& extra) {
 
 struct ShardReader::Mapping {
   std::string path;
-  const char* data = nullptr;
-  size_t size = 0;
+  MappedFile file;
+  const char* data;
+  size_t size;
 
-  explicit Mapping(std::string p) : path(std::move(p)) {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    DFLASH_CHECK(fd >= 0, DataError, path << ": cannot open: " << errno_text());
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      const std::string why = errno_text();
-      ::close(fd);
-      DFLASH_FAIL(DataError, path << ": fstat failed: " << why);
-    }
-    size = static_cast<size_t>(st.st_size);
-    if (size > 0) {
-      void* addr = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-      if (addr == MAP_FAILED) {
-        const std::string why = errno_text();
-        ::close(fd);
-        DFLASH_FAIL(DataError, path << ": mmap of " << size << " bytes failed: " << why);
-      }
-      data = static_cast<const char*>(addr);
-    }
-    ::close(fd);  // the mapping keeps the file alive
-  }
-  ~Mapping() {
-    if (data) ::munmap(const_cast<char*>(data), size);
-  }
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
+  explicit Mapping(std::string p)
+      : path(std::move(p)), file(MappedFile::map(path)), data(file.data()), size(file.size()) {}
 };
 
 ShardReader::ShardReader(ShardReader&&) noexcept = default;

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_file.h"
 #include "core/util/error.h"
 
 namespace dflash::io {
@@ -48,42 +49,30 @@ class Fields {
     throw ConfigError(source_ + ": field '" + path + "' " + what);
   }
 
+  // find() for a field that must be present ("is required but missing" otherwise).
+  const json& required(const std::string& key, std::string* path) const {
+    const json* v = find(key, path);
+    if (v == nullptr) fail(*path, "is required but missing");
+    return *v;
+  }
+
   int64_t get_int(const std::string& key) const {
     std::string path;
-    const json* v = find(key, &path);
-    if (v == nullptr) fail(path, "is required but missing");
-    return as_int(*v, path);
+    return as_int(required(key, &path), path);
   }
-  int64_t get_int(const std::string& key, int64_t dflt) const {
-    std::string path;
-    const json* v = find(key, &path);
-    return v == nullptr ? dflt : as_int(*v, path);
-  }
+  int64_t get_int(const std::string& key, int64_t dflt) const { return or_default(key, dflt, &Fields::as_int); }
   int64_t get_positive(const std::string& key) const {
     std::string path;
-    find(key, &path);
-    const int64_t v = get_int(key);
+    const int64_t v = as_int(required(key, &path), path);
     if (v <= 0) fail(path, "must be positive, got " + std::to_string(v));
     return v;
   }
   double get_double(const std::string& key) const {
     std::string path;
-    const json* v = find(key, &path);
-    if (v == nullptr) fail(path, "is required but missing");
-    return as_double(*v, path);
+    return as_double(required(key, &path), path);
   }
-  double get_double(const std::string& key, double dflt) const {
-    std::string path;
-    const json* v = find(key, &path);
-    return v == nullptr ? dflt : as_double(*v, path);
-  }
-  bool get_bool(const std::string& key, bool dflt) const {
-    std::string path;
-    const json* v = find(key, &path);
-    if (v == nullptr) return dflt;
-    if (!v->is_boolean()) fail(path, "must be a boolean, got " + v->dump());
-    return v->get<bool>();
-  }
+  double get_double(const std::string& key, double dflt) const { return or_default(key, dflt, &Fields::as_double); }
+  bool get_bool(const std::string& key, bool dflt) const { return or_default(key, dflt, &Fields::as_bool); }
 
   int64_t as_int(const json& v, const std::string& path) const {
     if (v.is_number_integer()) return v.get<int64_t>();
@@ -98,8 +87,20 @@ class Fields {
     if (!v.is_number()) fail(path, "must be a number, got " + v.dump());
     return v.get<double>();
   }
+  bool as_bool(const json& v, const std::string& path) const {
+    if (!v.is_boolean()) fail(path, "must be a boolean, got " + v.dump());
+    return v.get<bool>();
+  }
 
  private:
+  // `key`'s value converted by `as` (which names the path in its errors), or `dflt` when absent.
+  template <class T>
+  T or_default(const std::string& key, T dflt, T (Fields::*as)(const json&, const std::string&) const) const {
+    std::string path;
+    const json* v = find(key, &path);
+    return v == nullptr ? dflt : (this->*as)(*v, path);
+  }
+
   const json& root_;
   const json* text_;
   std::string source_;
@@ -232,12 +233,8 @@ const char* family_name(Family f) {
 }
 
 TargetConfig parse_hf_config_json(const std::string& json_text, const std::string& source_name) {
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::exception& e) {
-    DFLASH_FAIL(ConfigError, source_name << ": not valid JSON: " << e.what());
-  }
+  const JsonDocument doc = JsonDocument::parse_text(json_text, JsonSource{source_name, 0, /*config=*/true});
+  const json& root = doc.json();
   DFLASH_CHECK(root.is_object(), ConfigError, source_name << ": config is not a JSON object");
 
   TargetConfig c;

@@ -45,12 +45,16 @@ TokenDoc parse_token_json_line(const std::string& line, const std::string& where
     doc.input_ids.push_back(static_cast<int32_t>(v.get<int64_t>()));
   }
 
-  auto mask = j.find("loss_mask");
-  auto labels = j.find("labels");
-  if (mask != j.end() && !mask->is_null()) {
-    DFLASH_CHECK(mask->is_array() && mask->size() == ids->size(), DataError,
-                 where << ": 'loss_mask' must be an array of the same length as 'input_ids' ("
-                       << ids->size() << ")");
+  // The array at `key` when present and not null; it must have one entry per input id.
+  auto per_token = [&](const char* key) -> const json* {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return nullptr;
+    DFLASH_CHECK(it->is_array() && it->size() == ids->size(), DataError,
+                 where << ": '" << key << "' must be an array of the same length as 'input_ids' (" << ids->size()
+                       << ")");
+    return &*it;
+  };
+  if (const json* mask = per_token("loss_mask")) {
     doc.loss_mask.reserve(mask->size());
     for (size_t i = 0; i < mask->size(); ++i) {
       const json& v = (*mask)[i];
@@ -62,10 +66,7 @@ TokenDoc parse_token_json_line(const std::string& line, const std::string& where
         doc.loss_mask.push_back(static_cast<uint8_t>(v.get<int64_t>()));
       }
     }
-  } else if (labels != j.end() && !labels->is_null()) {
-    DFLASH_CHECK(labels->is_array() && labels->size() == ids->size(), DataError,
-                 where << ": 'labels' must be an array of the same length as 'input_ids' ("
-                       << ids->size() << ")");
+  } else if (const json* labels = per_token("labels")) {
     doc.loss_mask.reserve(labels->size());
     for (size_t i = 0; i < labels->size(); ++i) {
       const json& v = (*labels)[i];

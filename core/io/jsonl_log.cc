@@ -11,6 +11,7 @@
 
 #include "core/io/json_file.h"
 #include "core/util/error.h"
+#include "core/util/fileio.h"
 #include "core/util/log.h"
 
 namespace dflash::io {
@@ -60,7 +61,7 @@ uint64_t complete_prefix(int fd, uint64_t size, const std::string& path) {
 void cut_to(int fd, uint64_t bytes, const std::string& path) {
   DFLASH_CHECK(::ftruncate(fd, static_cast<off_t>(bytes)) == 0, DataError,
                path << ": cannot cut the log back to " << bytes << " bytes: " << errno_text());
-  DFLASH_CHECK(::fsync(fd) == 0, DataError, path << ": fsync failed: " << errno_text());
+  fsync_fd(fd, path);
 }
 
 }  // namespace

@@ -1,6 +1,5 @@
 #include "core/io/safetensors.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,7 +14,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_file.h"
 #include "core/util/error.h"
+#include "core/util/fileio.h"
 
 namespace dflash::io {
 namespace {
@@ -41,8 +42,6 @@ const DtypeEntry* find_dtype(const std::string& s) {
     if (s == d.name) return &d;
   return nullptr;
 }
-
-std::string errno_text() { return std::strerror(errno); }
 
 // Parses the header JSON and reports the first duplicate key at any object level (nlohmann's DOM
 // parser silently keeps the last value of a duplicated key).
@@ -140,24 +139,6 @@ TensorInfo parse_entry(const std::string& path, const std::string& name, const j
   return t;
 }
 
-void write_all(int fd, const void* data, size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0 && errno == EINTR) continue;
-    DFLASH_CHECK(w > 0, DataError, path << ": write failed: " << errno_text());
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
-std::string parent_dir(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
 bool is_regular_file(const std::string& p) {
   struct stat st {};
   return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
@@ -194,32 +175,14 @@ std::string torch_dtype_to_safetensors(torch::ScalarType t) {
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile f;
   f.path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  DFLASH_CHECK(fd >= 0, DataError, path << ": cannot open safetensors file: " << errno_text());
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const std::string why = errno_text();
-    ::close(fd);
-    DFLASH_FAIL(DataError, path << ": cannot stat: " << why);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    DFLASH_FAIL(DataError, path << ": not a regular file");
-  }
-  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-  if (file_size < 8) {
-    ::close(fd);
-    DFLASH_FAIL(DataError, path << ": file is " << file_size
-                                << " bytes, too short for a safetensors header length");
-  }
-  void* m = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const std::string mmap_err = m == MAP_FAILED ? errno_text() : "";
-  ::close(fd);
-  DFLASH_CHECK(m != MAP_FAILED, DataError, path << ": mmap failed: " << mmap_err);
-  f.map_ = m;
-  f.map_size_ = file_size;  // from here on the destructor unmaps, also when validation throws
+  MappedFile file = MappedFile::map(path);
+  const uint64_t file_size = file.size();
+  DFLASH_CHECK(file_size >= 8, DataError,
+               path << ": file is " << file_size << " bytes, too short for a safetensors header length");
+  f.map_size_ = file.size();
+  f.map_ = file.release();  // from here on the destructor unmaps, also when validation throws
 
-  const auto* bytes = static_cast<const unsigned char*>(m);
+  const auto* bytes = static_cast<const unsigned char*>(f.map_);
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];  // little-endian u64
   DFLASH_CHECK(n <= kMaxHeaderBytes, DataError,
@@ -354,14 +317,8 @@ SafetensorsModel SafetensorsModel::open_dir(const std::string& dir) {
   DFLASH_CHECK(is_regular_file(index), DataError,
                dir << ": no model.safetensors or model.safetensors.index.json");
 
-  std::ifstream in(index);
-  DFLASH_CHECK(in, DataError, index << ": cannot open");
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::exception& e) {
-    DFLASH_FAIL(DataError, index << ": not valid JSON: " << e.what());
-  }
+  const JsonDocument doc = JsonDocument::parse_file(index);  // cannot open, not UTF-8, not JSON: DataError
+  const json& j = doc.json();
   DFLASH_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
                DataError, index << ": missing object 'weight_map'");
   const json& wm = j["weight_map"];
@@ -458,10 +415,7 @@ void save_safetensors(const std::string& path,
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  DFLASH_CHECK(fd >= 0, DataError, tmp << ": cannot create: " << errno_text());
-  try {
+  atomic_write(path, [&](int fd, const std::string& tmp) {
     unsigned char len[8];
     uint64_t n = text.size();
     for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>((n >> (8 * i)) & 0xff);
@@ -469,28 +423,7 @@ void save_safetensors(const std::string& path,
     write_all(fd, text.data(), text.size(), tmp);
     for (const auto& [name, t] : sorted)
       if (t.nbytes() > 0) write_all(fd, t.data_ptr(), t.nbytes(), tmp);
-    DFLASH_CHECK(::fsync(fd) == 0, DataError, tmp << ": fsync failed: " << errno_text());
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  if (::close(fd) != 0) {
-    const std::string why = errno_text();
-    ::unlink(tmp.c_str());
-    DFLASH_FAIL(DataError, tmp << ": close failed: " << why);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string why = errno_text();
-    ::unlink(tmp.c_str());
-    DFLASH_FAIL(DataError, path << ": rename from " << tmp << " failed: " << why);
-  }
-  // Make the rename durable (best effort: some filesystems refuse fsync on directories).
-  const int dfd = ::open(parent_dir(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  });
 }
 
 }  // namespace dflash::io

@@ -101,7 +101,8 @@ class SafetensorsModel {
   std::map<std::string, size_t> where_;  // tensor name -> index into files_
 };
 
-// Writes a safetensors file atomically (PATH.tmp, fsync, rename). Tensors are made contiguous
+// Writes a safetensors file atomically (core/util/fileio.h atomic_write: PATH.tmp, fsync, rename,
+// fsync of the directory). Tensors are made contiguous
 // CPU; names must be unique and non-empty ("__metadata__" is reserved). Tensors are laid out in
 // name order; the header is padded with spaces to a multiple of 8 bytes. __metadata__ is
 // {"format": "pt"} merged with (overridden by) `metadata`. Throws DataError on I/O failure or bad

@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -18,6 +17,7 @@
 #include "core/io/json_file.h"
 #include "core/io/safetensors.h"
 #include "core/util/error.h"
+#include "core/util/fileio.h"
 #include "core/util/log.h"
 
 namespace dflash::train {
@@ -38,26 +38,6 @@ std::string hex64(uint64_t v) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
   return buf;
-}
-
-void write_file_synced(const std::string& path, const std::string& bytes) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  DFLASH_CHECK(fd >= 0, DataError, path << ": cannot create: " << std::strerror(errno));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int e = errno;
-      ::close(fd);
-      DFLASH_FAIL(DataError, path << ": write failed: " << std::strerror(e));
-    }
-    done += static_cast<size_t>(n);
-  }
-  const bool synced = ::fsync(fd) == 0;
-  const int e = errno;
-  ::close(fd);
-  DFLASH_CHECK(synced, DataError, path << ": fsync failed: " << std::strerror(e));
 }
 
 // Step parsed from "step-<digits>", -1 when the name does not have that form.
@@ -190,35 +170,6 @@ uint64_t file_checksum(const std::string& path, uint64_t* size_out) {
   h *= 0xc4ceb9fe1a85ec53ULL;
   h ^= h >> 33;
   return h;
-}
-
-std::string unique_tmp_path(const std::string& path) {
-  static std::atomic<uint64_t> counter{0};
-  std::string p = path;
-  while (p.size() > 1 && p.back() == '/') p.pop_back();
-  return p + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1));
-}
-
-void fsync_path(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  DFLASH_CHECK(fd >= 0, DataError, path << ": cannot open for fsync: " << std::strerror(errno));
-  const bool ok = ::fsync(fd) == 0;
-  const int e = errno;
-  ::close(fd);
-  DFLASH_CHECK(ok, DataError, path << ": fsync failed: " << std::strerror(e));
-}
-
-void rename_no_replace(const std::string& from, const std::string& to) {
-#ifdef RENAME_NOREPLACE
-  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return;
-  if (errno == EEXIST || errno == ENOTEMPTY) DFLASH_FAIL(ConfigError, to << " already exists; refusing to overwrite it");
-  if (errno != EINVAL && errno != ENOSYS)
-    DFLASH_FAIL(DataError, "cannot rename " << from << " to " << to << ": " << std::strerror(errno));
-#endif
-  // Filesystems without RENAME_NOREPLACE: check, then rename (rename(2) would replace an empty dir).
-  DFLASH_CHECK(!fs::exists(fs::symlink_status(to)), ConfigError, to << " already exists; refusing to overwrite it");
-  DFLASH_CHECK(::rename(from.c_str(), to.c_str()) == 0, DataError,
-               "cannot rename " << from << " to " << to << ": " << std::strerror(errno));
 }
 
 json drafter_config_to_json(const model::DrafterConfig& c) {
@@ -355,7 +306,7 @@ void save_checkpoint(const std::string& dir, const model::Drafter& drafter, cons
     json files = json::array();
     for (const char* name : {kDrafterFile, kOptimizerFile}) {
       const std::string p = tmp + "/" + name;
-      fsync_path(p);  // save_safetensors syncs too; cheap and keeps this function's contract local
+      fsync_file(p);  // save_safetensors syncs too; cheap and keeps this function's contract local
       uint64_t size = 0;
       const uint64_t sum = file_checksum(p, &size);
       files.push_back({{"name", name}, {"bytes", size}, {"checksum", hex64(sum)}});
@@ -381,13 +332,13 @@ void save_checkpoint(const std::string& dir, const model::Drafter& drafter, cons
            {"checksum_algorithm", kChecksumAlgorithm},
            {"files", files}};
     write_file_synced(tmp + "/" + kStateFile, j.dump(2) + "\n");
-    fsync_path(tmp);
+    fsync_dir(tmp);
     rename_no_replace(tmp, dir);
   } catch (...) {
     fs::remove_all(tmp, ec);
     throw;
   }
-  fsync_path(parent.string());
+  fsync_dir(parent.string());
 }
 
 LoadedCheckpoint inspect_checkpoint(const std::string& dir) { return parse_state(dir, read_state_json(dir).root()); }
@@ -519,7 +470,7 @@ std::vector<std::string> apply_retention(const std::string& parent, int64_t keep
     if (ec) LOG_WARN("cannot remove " << tmp << ": " << ec.message() << " (remove_stale_checkpoint_tmp will retry)");
     deleted.push_back(all[i]);
   }
-  if (!deleted.empty()) fsync_path(parent);
+  if (!deleted.empty()) fsync_dir(parent);
   return deleted;
 }
 

@@ -133,12 +133,4 @@ std::string drafter_config_difference(const model::DrafterConfig& a, const model
 // The checksum described above, over a whole file; also returns its size. DataError when unreadable.
 uint64_t file_checksum(const std::string& path, uint64_t* size_out);
 
-// File-system helpers (also used by export.cc). All throw DataError naming the path.
-// "<path>.tmp-<pid>-<n>" with n unique within this process.
-std::string unique_tmp_path(const std::string& path);
-// fsync of a file or a directory.
-void fsync_path(const std::string& path);
-// rename(2) that refuses to replace an existing `to` (ConfigError "... already exists").
-void rename_no_replace(const std::string& from, const std::string& to);
-
 }  // namespace dflash::train

@@ -15,6 +15,7 @@
 #include "core/io/safetensors.h"
 #include "core/train/checkpoint.h"
 #include "core/util/error.h"
+#include "core/util/fileio.h"
 
 namespace dflash::train {
 namespace fs = std::filesystem;
@@ -172,22 +173,16 @@ void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch:
     io::save_safetensors(tmp + "/model.safetensors", tensors, {{"format", "pt"}});
     tensors.clear();
     const std::string cfg_path = tmp + "/config.json";
-    {
-      std::ofstream out(cfg_path, std::ios::binary | std::ios::trunc);
-      out << hf_drafter_config_json(drafter.config(), dtype).dump(2) << "\n";
-      out.close();
-      DFLASH_CHECK(out, DataError, cfg_path << ": write failed");
-    }
-    fsync_path(cfg_path);
-    fsync_path(tmp + "/model.safetensors");
-    fsync_path(tmp);
+    write_file_synced(cfg_path, hf_drafter_config_json(drafter.config(), dtype).dump(2) + "\n");
+    fsync_file(tmp + "/model.safetensors");
+    fsync_dir(tmp);
     if (fs::is_directory(out_dir)) fs::remove(out_dir, ec);  // empty (checked above)
     rename_no_replace(tmp, out_dir);
   } catch (...) {
     fs::remove_all(tmp, ec);
     throw;
   }
-  fsync_path(parent.string());
+  fsync_dir(parent.string());
 }
 
 ImportedDrafter import_hf(const std::string& dir) {

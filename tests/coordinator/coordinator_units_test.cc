@@ -9,7 +9,7 @@
 #include "core/util/error.h"
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
-#include "tests/io/file_size_limit.h"
+#include "tests/common/file_size_limit.h"
 
 using namespace dflash;
 using namespace dflash::coordinator;

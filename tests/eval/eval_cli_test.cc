@@ -20,15 +20,15 @@
 
 #include "core/eval/spec_decode.h"
 #include "core/train/export.h"
-#include "tests/eval/cli_test_util.h"
+#include "tests/common/cli_test_util.h"
 #include "tests/common/eval_test_util.h"
 
 namespace dflash::eval {
 namespace {
 namespace fs = std::filesystem;
 
-using testing::env;
 using testing::run;
+using testing::test_env;
 
 nlohmann::json read_json(const std::string& path) {
   std::ifstream in(path);
@@ -61,8 +61,8 @@ class EvalCli : public ::testing::Test {
     const std::string common = " --target " + target_dir_ + " --drafter " + drafter_dir + " --input " + data_ +
                                "/docs.jsonl --max-new-tokens " + std::to_string(max_new) + " --block-size " +
                                std::to_string(B);
-    EXPECT_EQ(run(testing::test_env("DFLASH_BIN_DIR") + "/dflash eval" + common + " > " + ours), 0);
-    EXPECT_EQ(run(testing::test_env("DFLASH_PYTHON") + " " + testing::test_env("DFLASH_SOURCE_DIR") + "/scripts/reference/zlab_generate.py" +
+    EXPECT_EQ(run(test_env("DFLASH_BIN_DIR") + "/dflash eval" + common + " > " + ours), 0);
+    EXPECT_EQ(run(test_env("DFLASH_PYTHON") + " " + test_env("DFLASH_SOURCE_DIR") + "/scripts/reference/zlab_generate.py" +
                   common + " --compare " + ours + " > /dev/null"),
               0)
         << "dflash eval differs from z-lab dflash_generate (see stderr)";
@@ -109,7 +109,7 @@ TEST_F(EvalCli, SteeredDraftersMatchZlabWithLongAcceptance) {
 TEST_F(EvalCli, StopTokensCutAfterTheFirstOccurrence) {
   auto d = testing::random_drafter(*target_, 1, 4, 23);
   const std::string dir = export_drafter(*d, "stop");
-  const std::string base = testing::test_env("DFLASH_BIN_DIR") + "/dflash eval --target " + target_dir_ + " --drafter " + dir +
+  const std::string base = test_env("DFLASH_BIN_DIR") + "/dflash eval --target " + target_dir_ + " --drafter " + dir +
                            " --input " + data_ + "/docs.jsonl --max-new-tokens 30";
   const std::string full = (work_ / "full.json").string(), cut = (work_ / "cut.json").string();
   ASSERT_EQ(run(base + " > " + full), 0);
@@ -131,7 +131,7 @@ TEST_F(EvalCli, StopTokensCutAfterTheFirstOccurrence) {
 TEST_F(EvalCli, ExitCodes) {
   auto d = testing::random_drafter(*target_, 1, 4, 24);
   const std::string dir = export_drafter(*d, "codes");
-  const std::string bin = testing::test_env("DFLASH_BIN_DIR") + "/dflash eval";
+  const std::string bin = test_env("DFLASH_BIN_DIR") + "/dflash eval";
   const std::string ok = " --target " + target_dir_ + " --drafter " + dir;
   EXPECT_EQ(run(bin + ok + " --input " + data_ + "/docs.jsonl --bogus 1 > /dev/null"), 2);
   EXPECT_EQ(run(bin + ok + " > /dev/null"), 2);  // --input missing

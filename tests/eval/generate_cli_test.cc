@@ -14,12 +14,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "tests/eval/cli_test_util.h"
+#include "tests/common/cli_test_util.h"
 
 namespace {
 namespace fs = std::filesystem;
 
-using dflash::testing::env;
+using dflash::testing::test_env;
 using dflash::testing::run;
 
 std::vector<std::string> read_lines(const std::string& path) {
@@ -44,7 +44,7 @@ std::map<std::string, nlohmann::json> by_id(const std::string& path) {
 class GenerateCli : public ::testing::Test {
  protected:
   void SetUp() override {
-    data_ = env("DFLASH_TEST_DATA");
+    data_ = test_env("DFLASH_TEST_DATA");
     work_ = fs::temp_directory_path() / ("dflash_generate_cli_" + std::to_string(::getpid()));
     fs::remove_all(work_);
     fs::create_directories(work_);
@@ -67,11 +67,11 @@ class GenerateCli : public ::testing::Test {
   }
   std::string generate(const std::string& model, const std::string& input, const std::string& out,
                        const std::string& extra) {
-    return env("DFLASH_BIN_DIR") + "/dflash generate --model " + model + " --input " + input + " --out " + out + " " + extra;
+    return test_env("DFLASH_BIN_DIR") + "/dflash generate --model " + model + " --input " + input + " --out " + out + " " + extra;
   }
   int compare_with_hf(const std::string& model, const std::string& input, const std::string& ours, int64_t max_new,
                       const std::string& stops = "") {
-    return run(env("DFLASH_PYTHON") + " " + env("DFLASH_SOURCE_DIR") + "/scripts/reference/hf_generate.py --model " +
+    return run(test_env("DFLASH_PYTHON") + " " + test_env("DFLASH_SOURCE_DIR") + "/scripts/reference/hf_generate.py --model " +
                model + " --input " + input + " --max-new-tokens " + std::to_string(max_new) +
                (stops.empty() ? "" : " --stop-token-ids " + stops) + " --compare " + ours + " > /dev/null");
   }

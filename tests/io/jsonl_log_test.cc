@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/io/file_size_limit.h"
+#include "tests/common/file_size_limit.h"
 #include "tests/common/test_util.h"
 
 namespace dflash::io {

@@ -1,4 +1,5 @@
-// Helpers for tests that run the real `dflash` binary and the Python reference tools.
+// Helpers for tests that run the real `dflash` binary and the Python reference tools (the ctest
+// environment: test_env in files.h).
 #pragma once
 #include <sys/wait.h>
 
@@ -6,13 +7,9 @@
 #include <iostream>
 #include <string>
 
-namespace dflash::testing {
+#include "tests/common/files.h"
 
-// The environment variable `name` ("" when unset): DFLASH_BIN_DIR, DFLASH_PYTHON, ... (set by ctest).
-inline std::string env(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? v : "";
-}
+namespace dflash::testing {
 
 // Runs a shell command (echoed); returns its exit status, -1 when it did not exit normally.
 inline int run(const std::string& cmd) {
