@@ -16,22 +16,26 @@
 
 namespace dflash {
 
+namespace detail {
+// One checked operation: `op` is __builtin_add_overflow or __builtin_mul_overflow's wrapper below.
+template <class T, class What, class Op>
+T checked(T a, T b, const What& what, const char* sign, Op op) {
+  static_assert(std::is_integral<T>::value, "checked arithmetic: integers only");
+  T r;
+  DFLASH_CHECK(!op(a, b, &r), DataError,
+               what << ": " << a << ' ' << sign << ' ' << b << " overflows " << 8 * sizeof(T) << " bits");
+  return r;
+}
+}  // namespace detail
+
 template <class T, class What>
 T checked_add(T a, T b, const What& what) {
-  static_assert(std::is_integral<T>::value, "checked_add: integers only");
-  T r;
-  DFLASH_CHECK(!__builtin_add_overflow(a, b, &r), DataError,
-               what << ": " << a << " + " << b << " overflows " << 8 * sizeof(T) << " bits");
-  return r;
+  return detail::checked(a, b, what, "+", [](T x, T y, T* r) { return __builtin_add_overflow(x, y, r); });
 }
 
 template <class T, class What>
 T checked_mul(T a, T b, const What& what) {
-  static_assert(std::is_integral<T>::value, "checked_mul: integers only");
-  T r;
-  DFLASH_CHECK(!__builtin_mul_overflow(a, b, &r), DataError,
-               what << ": " << a << " * " << b << " overflows " << 8 * sizeof(T) << " bits");
-  return r;
+  return detail::checked(a, b, what, "*", [](T x, T y, T* r) { return __builtin_mul_overflow(x, y, r); });
 }
 
 // True when [offset, offset + length) lies inside [0, size); no sum is formed, so nothing wraps.

@@ -1,6 +1,8 @@
 #include "core/util/process.h"
 
 #include <cstdio>
+#include <cstring>
+#include <iostream>
 
 #include "core/util/error.h"
 #include "core/util/log.h"
@@ -36,6 +38,27 @@ int run_command(const std::function<int()>& body) {
     LOG_ERROR(e.what());
     return exit_code_for(e);
   }
+}
+
+std::string usage_text(const char* binary, std::initializer_list<Subcommand> commands) {
+  std::string out;
+  for (const auto& c : commands)
+    out += std::string(out.empty() ? "usage: " : "       ") + binary + " " + c.name + " " + c.usage + "\n";
+  return out + "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
+}
+
+int dispatch_subcommand(int argc, char** argv, const char* binary, const char* role,
+                        std::initializer_list<Subcommand> commands) {
+  set_log_role(role);
+  const std::string usage = usage_text(binary, commands);
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    std::cerr << usage;
+    return argc < 2 ? kExitConfig : kExitOk;
+  }
+  for (const auto& c : commands)
+    if (!std::strcmp(argv[1], c.name)) return run_command([&] { return c.run(argc - 2, argv + 2); });
+  std::cerr << "unknown command '" << argv[1] << "'\n" << usage;
+  return kExitConfig;
 }
 
 }  // namespace dflash

@@ -6,6 +6,7 @@
 
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/process.h"
 #include "services/coordinator/bench_pipeline.h"
 #include "services/coordinator/config_check_cmd.h"
 #include "services/coordinator/data_cmd.h"
@@ -59,7 +60,7 @@ int run_cli(int argc, char** argv) {
     std::cerr << kUsage;
     return argc < 2 ? kExitConfig : kExitOk;
   }
-  try {
+  return run_command([&]() -> int {
     const char* cmd = argv[1];
     const char* sub = argc > 2 ? argv[2] : nullptr;
     if (is(cmd, "config") && is(sub, "check")) return cmd_config_check(argc - 3, argv + 3);
@@ -77,10 +78,7 @@ int run_cli(int argc, char** argv) {
     if (is(cmd, "bench") && is(sub, "pipeline")) return cmd_bench_pipeline(argc - 3, argv + 3);
     std::cerr << "unknown command: " << cmd << (sub ? std::string(" ") + sub : "") << "\n" << kUsage;
     return kExitConfig;
-  } catch (const std::exception& e) {
-    LOG_ERROR(e.what());
-    return exit_code_for(e);
-  }
+  });
 }
 
 }  // namespace dflash::cli
