@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "core/model/layers.h"
+#include "core/model/target_base.h"
 #include "core/util/error.h"
 #ifdef DFLASH_WITH_CUDA
 #include "core/model/cuda/fused_ops.h"
@@ -24,9 +25,9 @@ struct DenseLayer {
   torch::Tensor down_w;       // [H, I]
 };
 
-class DenseTarget : public TargetModel {
+class DenseTarget : public TargetBase {
  public:
-  DenseTarget(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt) : cfg_(cfg), opt_(opt) {
+  DenseTarget(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt) : TargetBase(cfg, opt) {
     const int64_t H = cfg.hidden_size, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
     const int64_t I = cfg.intermediate_size, V = cfg.vocab_size;
     const std::string p = "model.";
@@ -56,17 +57,10 @@ class DenseTarget : public TargetModel {
       layers_.push_back(std::move(L));
     }
     norm_ = w.get(p + "norm.weight", {H}, Init::kOnes);
-    if (opt.load_lm_head) {
-      if (!cfg.tie_word_embeddings && w.has("lm_head.weight"))
-        lm_head_ = w.get("lm_head.weight", {V, H}, Init::kNormal);
-      else
-        lm_head_ = embed_;  // tied (or lm_head missing, as HF ties it)
-    }
+    load_lm_head(w);
     inv_freq_ = rope_inv_freq(rope_options(cfg.rope, D)).to(opt.device);
   }
 
-  const io::TargetConfig& config() const override { return cfg_; }
-  const LoadOptions& options() const override { return opt_; }
 
   CaptureResult forward_capture(const torch::Tensor& ids_T, const std::vector<int64_t>& doc_lens,
                                 const CaptureSpec& spec, CaptureResult out) override {
@@ -94,44 +88,27 @@ class DenseTarget : public TargetModel {
       std::function<torch::Tensor(int64_t, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
   CaptureResult run(const torch::Tensor& ids_T, const torch::Tensor& pos_T, const CaptureSpec& spec, CaptureResult out,
                     const AttendFn& attend) const {
-    const int64_t T = ids_T.size(0), H = cfg_.hidden_size, D = cfg_.head_dim;
+    const int64_t T = ids_T.size(0), D = cfg_.head_dim;
     const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
-    const auto slot = prepare_capture(out, spec, T, H, cfg_.num_layers, torch::TensorOptions().device(opt_.device).dtype(opt_.dtype));
-
-    auto rope = rope_table(inv_freq_, pos_T, opt_.dtype);
-    auto h = F::embedding(ids_T, embed_);  // [T, H]
-    const bool fused = use_fused(h);
-    torch::Tensor delta;  // the last sublayer's output, added to h by the next add_norm
-    for (int64_t l = 0; l < cfg_.num_layers; ++l) {
-      const auto& L = layers_[l];
-      auto x = add_norm(h, delta, L.ln1, fused);
-      auto qkv = L.qkv_b.defined() ? F::linear(x, L.qkv_w, L.qkv_b) : F::linear(x, L.qkv_w);
-      auto q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
-      auto k = qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D});
-      auto v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D});
-      q = norm_rope(q, L.q_norm, rope, fused);
-      k = norm_rope(k, L.k_norm, rope, fused);
-      auto a = attend(l, q, k, v).reshape({T, Hq * D});
-      delta = L.o_b.defined() ? F::linear(a, L.o_w, L.o_b) : F::linear(a, L.o_w);
-      x = add_norm(h, delta, L.ln2, fused);
-      delta = mlp(x, L, fused);
-      capture_layer(h, delta, slot[l], out);
-    }
-    finish_capture(h, delta, spec, out);
-    return out;
+    return run_layers(ids_T, pos_T, spec, std::move(out),
+                      [&](int64_t l, torch::Tensor& h, torch::Tensor& delta, const RopeTable& rope, bool fused) {
+                        const auto& L = layers_[l];
+                        auto x = add_norm(h, delta, L.ln1, fused);
+                        auto qkv = L.qkv_b.defined() ? F::linear(x, L.qkv_w, L.qkv_b) : F::linear(x, L.qkv_w);
+                        auto q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
+                        auto k = qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D});
+                        auto v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D});
+                        q = norm_rope(q, L.q_norm, rope, fused);
+                        k = norm_rope(k, L.k_norm, rope, fused);
+                        auto a = attend(l, q, k, v).reshape({T, Hq * D});
+                        delta = L.o_b.defined() ? F::linear(a, L.o_w, L.o_b) : F::linear(a, L.o_w);
+                        x = add_norm(h, delta, L.ln2, fused);
+                        return mlp(x, L, fused);
+                      });
   }
 
   double scale() const { return 1.0 / std::sqrt(static_cast<double>(cfg_.head_dim)); }
 
-  // The fused CUDA kernels (bf16) and the plain LibTorch ops round at the same points.
-  static bool use_fused(const torch::Tensor& h) {
-#ifdef DFLASH_WITH_CUDA
-    return fused::supported(h);
-#else
-    (void)h;
-    return false;
-#endif
-  }
   torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, bool fused_ok) const {
 #ifdef DFLASH_WITH_CUDA
     if (fused_ok) return fused::rms_norm(x, w, cfg_.rms_norm_eps);
@@ -166,18 +143,9 @@ class DenseTarget : public TargetModel {
     return swiglu_mlp(x, L.gate_up_w, L.down_w);
   }
 
-  torch::Tensor embed_tokens(const torch::Tensor& ids) const override { return F::embedding(ids, embed_); }
   torch::Tensor final_norm(const torch::Tensor& h) const override { return rms_norm(h, norm_, cfg_.rms_norm_eps); }
-  const torch::Tensor& embed_weight() const override { return embed_; }
-  const torch::Tensor& lm_head_weight() const override {
-    DFLASH_CHECK(lm_head_.defined(), ConfigError, "lm_head was not loaded (LoadOptions.load_lm_head=false)");
-    return lm_head_;
-  }
 
  private:
-  io::TargetConfig cfg_;
-  LoadOptions opt_;
-  torch::Tensor embed_, norm_, lm_head_, inv_freq_;
   std::vector<DenseLayer> layers_;
 };
 

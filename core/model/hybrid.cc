@@ -15,6 +15,7 @@
 
 #include "core/model/gated_delta.h"
 #include "core/model/layers.h"
+#include "core/model/target_base.h"
 #include "core/util/error.h"
 #include "core/util/switches.h"
 #ifdef DFLASH_WITH_CUDA
@@ -65,9 +66,9 @@ std::string resolve_prefix(const WeightSource& w) {
                          "'model.embed_tokens.weight'");
 }
 
-class HybridTarget : public TargetModel {
+class HybridTarget : public TargetBase {
  public:
-  HybridTarget(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt) : cfg_(cfg), opt_(opt) {
+  HybridTarget(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt) : TargetBase(cfg, opt) {
     const int64_t H = cfg.hidden_size, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
     const int64_t I = cfg.intermediate_size, V = cfg.vocab_size;
     const int64_t Hk = cfg.linear_num_key_heads, Hv = cfg.linear_num_value_heads;
@@ -124,12 +125,7 @@ class HybridTarget : public TargetModel {
       layers_.push_back(std::move(L));
     }
     norm_ = w.get(p + "norm.weight", {H}, Init::kZeros, true);
-    if (opt.load_lm_head) {
-      if (!cfg.tie_word_embeddings && w.has("lm_head.weight"))
-        lm_head_ = w.get("lm_head.weight", {V, H}, Init::kNormal);
-      else
-        lm_head_ = embed_;  // tied (or lm_head missing, as HF ties it)
-    }
+    load_lm_head(w);
     // Partial RoPE: the first R = head_dim * partial_rotary_factor dims of each head rotate.
     const double rot = D * cfg.rope.partial_rotary_factor;
     DFLASH_CHECK(rot == std::floor(rot) && static_cast<int64_t>(rot) % 2 == 0 && rot > 0, ConfigError,
@@ -137,8 +133,6 @@ class HybridTarget : public TargetModel {
     inv_freq_ = rope_inv_freq(rope_options(cfg.rope, static_cast<int64_t>(rot))).to(opt.device);
   }
 
-  const io::TargetConfig& config() const override { return cfg_; }
-  const LoadOptions& options() const override { return opt_; }
 
   CaptureResult forward_capture(const torch::Tensor& ids_T, const std::vector<int64_t>& doc_lens,
                                 const CaptureSpec& spec, CaptureResult out) override {
@@ -155,14 +149,8 @@ class HybridTarget : public TargetModel {
     return out;
   }
 
-  torch::Tensor embed_tokens(const torch::Tensor& ids) const override { return F::embedding(ids, embed_); }
   torch::Tensor final_norm(const torch::Tensor& h) const override {
     return rms_norm_zero_centred(h, norm_, cfg_.rms_norm_eps);
-  }
-  const torch::Tensor& embed_weight() const override { return embed_; }
-  const torch::Tensor& lm_head_weight() const override {
-    DFLASH_CHECK(lm_head_.defined(), ConfigError, "lm_head was not loaded (LoadOptions.load_lm_head=false)");
-    return lm_head_;
   }
 
  private:
@@ -176,36 +164,19 @@ class HybridTarget : public TargetModel {
   // positions pos_T.
   CaptureResult run(const torch::Tensor& ids_T, const std::vector<int64_t>& doc_lens, const torch::Tensor& pos_T,
                     const CaptureSpec& spec, CaptureResult out, Cached* cached) const {
-    const int64_t T = ids_T.size(0), H = cfg_.hidden_size;
-    const auto slot = prepare_capture(out, spec, T, H, cfg_.num_layers, torch::TensorOptions().device(opt_.device).dtype(opt_.dtype));
-
-    auto rope = rope_table(inv_freq_, pos_T, opt_.dtype);
-    auto h = F::embedding(ids_T, embed_);  // [T, H]
-    const bool fused = use_fused(h);
-    torch::Tensor delta;  // the last sublayer's output, added to h by the next add_norm
-    for (int64_t l = 0; l < cfg_.num_layers; ++l) {
-      const auto& L = layers_[l];
-      auto x = add_norm(h, delta, L.ln1, fused);
-      delta = L.linear ? gated_delta_net(l, L.gdn, x, h, doc_lens, pos_T, fused, cached)
-                       : gated_attention(l, L.attn, x, h, rope, doc_lens, fused, cached);
-      x = add_norm(h, delta, L.ln2, fused);
-      delta = mlp(x, h, L, fused);
-      capture_layer(h, delta, slot[l], out);
-    }
-    finish_capture(h, delta, spec, out);
-    return out;
+    return run_layers(ids_T, pos_T, spec, std::move(out),
+                      [&](int64_t l, torch::Tensor& h, torch::Tensor& delta, const RopeTable& rope, bool fused) {
+                        const auto& L = layers_[l];
+                        auto x = add_norm(h, delta, L.ln1, fused);
+                        delta = L.linear ? gated_delta_net(l, L.gdn, x, h, doc_lens, pos_T, fused, cached)
+                                         : gated_attention(l, L.attn, x, h, rope, doc_lens, fused, cached);
+                        x = add_norm(h, delta, L.ln2, fused);
+                        return mlp(x, h, L, fused);
+                      });
   }
 
-  // Fused CUDA kernels (bf16 model on CUDA) with the same fp32 arithmetic and bf16 rounding points
-  // as the plain ops; tests/model/gated_delta_gpu_test.cc compares each pair.
-  static bool use_fused(const torch::Tensor& h) {
-#ifdef DFLASH_WITH_CUDA
-    return fused::supported(h);
-#else
-    (void)h;
-    return false;
-#endif
-  }
+  // use_fused (TargetBase): the fused CUDA kernels have the same fp32 arithmetic and bf16 rounding
+  // points as the plain ops; tests/model/gated_delta_gpu_test.cc compares each pair.
   // A projection x w^T: on the fused path cuBLASLt with the per-shape timed algorithm (tuned_gemm.h).
   static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, bool fused_ok) {
 #ifdef DFLASH_WITH_CUDA
@@ -333,9 +304,6 @@ class HybridTarget : public TargetModel {
     return project_residual(h, y_TV, G.out_w, fused_ok);
   }
 
-  io::TargetConfig cfg_;
-  LoadOptions opt_;
-  torch::Tensor embed_, norm_, lm_head_, inv_freq_;
   std::vector<HybridLayer> layers_;
 };
 

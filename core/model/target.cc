@@ -127,3 +127,38 @@ torch::Device parse_device(const std::string& n) {
 }
 
 }  // namespace dflash::model
+
+#include "core/model/target_base.h"
+#ifdef DFLASH_WITH_CUDA
+#include "core/model/cuda/fused_ops.h"
+#endif
+
+namespace dflash::model {
+
+torch::Tensor TargetBase::embed_tokens(const torch::Tensor& ids) const {
+  return torch::nn::functional::embedding(ids, embed_);
+}
+
+const torch::Tensor& TargetBase::lm_head_weight() const {
+  DFLASH_CHECK(lm_head_.defined(), ConfigError, "lm_head was not loaded (LoadOptions.load_lm_head=false)");
+  return lm_head_;
+}
+
+bool TargetBase::use_fused(const torch::Tensor& h) {
+#ifdef DFLASH_WITH_CUDA
+  return fused::supported(h);
+#else
+  (void)h;
+  return false;
+#endif
+}
+
+void TargetBase::load_lm_head(WeightSource& w) {
+  if (!opt_.load_lm_head) return;
+  if (!cfg_.tie_word_embeddings && w.has("lm_head.weight"))
+    lm_head_ = w.get("lm_head.weight", {cfg_.vocab_size, cfg_.hidden_size}, Init::kNormal);
+  else
+    lm_head_ = embed_;  // tied (or lm_head missing, as HF ties it)
+}
+
+}  // namespace dflash::model
