@@ -20,6 +20,18 @@ class Collectives {
   virtual void barrier() = 0;
 };
 
+// A rank of a fixed world: the rank and size every real implementation keeps.
+class RankedCollectives : public Collectives {
+ public:
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+
+ protected:
+  RankedCollectives(int rank, int world_size) : rank_(rank), world_(world_size) {}
+  const int rank_;
+  const int world_;
+};
+
 // World of one: every collective is the identity.
 class SingleRank : public Collectives {
  public:

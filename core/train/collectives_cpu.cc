@@ -51,7 +51,7 @@ CpuCollectives::CpuCollectives(const CollectivesOptions& opts)
 
 CpuCollectives::CpuCollectives(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                                std::chrono::milliseconds timeout)
-    : store_(std::move(store)), rank_(rank), world_(world_size), timeout_(timeout) {
+    : RankedCollectives(rank, world_size), store_(std::move(store)), timeout_(timeout) {
   DFLASH_CHECK(store_, ConfigError, "CpuCollectives: no store");
   DFLASH_CHECK(world_ >= 1 && rank_ >= 0 && rank_ < world_, ConfigError,
                "CpuCollectives: rank " << rank_ << " outside world of " << world_);

@@ -33,7 +33,7 @@
 
 namespace dflash::train {
 
-class CpuCollectives : public Collectives {
+class CpuCollectives : public RankedCollectives {
  public:
   // One store value per chunk. The libuv TCPStore refuses values > 8 MiB and its throughput falls
   // with value size (and collapses for multiSet): 256 KiB single set/get measured best.
@@ -47,8 +47,6 @@ class CpuCollectives : public Collectives {
                  std::chrono::milliseconds timeout);
   ~CpuCollectives() override;
 
-  int rank() const override { return rank_; }
-  int world_size() const override { return world_; }
   void all_reduce_sum(std::vector<torch::Tensor>& tensors) override;
   void broadcast(std::vector<torch::Tensor>& tensors, int root) override;
   void barrier() override;
@@ -71,8 +69,6 @@ class CpuCollectives : public Collectives {
   void finish_op(const std::string& prefix, const std::vector<std::string>& keys);
 
   c10::intrusive_ptr<c10d::Store> store_;
-  int rank_;
-  int world_;
   std::chrono::milliseconds timeout_;
   uint64_t op_ = 0;
 };

@@ -11,7 +11,7 @@
 namespace dflash::train {
 
 NcclCollectives::NcclCollectives(const CollectivesOptions& opts)
-    : store_(rendezvous_store(opts, "nccl")), rank_(opts.rank), world_(opts.world_size),
+    : RankedCollectives(opts.rank, opts.world_size), store_(rendezvous_store(opts, "nccl")),
       timeout_(opts.timeout) {
   try {
     device_ = at::Device(at::kCUDA, c10::cuda::current_device());

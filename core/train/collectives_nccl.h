@@ -18,14 +18,12 @@
 
 namespace dflash::train {
 
-class NcclCollectives : public Collectives {
+class NcclCollectives : public RankedCollectives {
  public:
   // Blocks until all ranks joined the store (TransportError naming missing ranks otherwise).
   explicit NcclCollectives(const CollectivesOptions& opts);
   ~NcclCollectives() override;
 
-  int rank() const override { return rank_; }
-  int world_size() const override { return world_; }
   void all_reduce_sum(std::vector<torch::Tensor>& tensors) override;
   void broadcast(std::vector<torch::Tensor>& tensors, int root) override;
   void barrier() override;
@@ -38,8 +36,6 @@ class NcclCollectives : public Collectives {
 
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg_;
-  int rank_;
-  int world_;
   std::chrono::milliseconds timeout_;
   at::Device device_{at::kCUDA, 0};
 };
