@@ -11,8 +11,10 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <initializer_list>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -124,6 +126,45 @@ inline uint64_t run_id_of(const config::RunConfig& c, const Flags& f) {
     return static_cast<uint64_t>(v);
   }
   return run_id_of(c);
+}
+
+// The command-line options every pipeline worker has (dflash-target serve, dflash-drafter train).
+struct WorkerOptions {
+  int rank = 0;
+  std::string device = "cpu";
+  uint64_t run_id = 0;
+  int metrics_port = -1;  // -1: no /metrics; 0: ephemeral (logged)
+};
+
+// The flags of WorkerOptions plus --config, --coordinator and --attempt, and a command's own `extra`.
+inline std::set<std::string> worker_flags(std::set<std::string> extra) {
+  extra.insert({"config", "rank", "device", "run-id", "metrics-port", "coordinator", "attempt"});
+  return extra;
+}
+
+// What a worker command starts from: its config with the launch's topology (without the workers a
+// degraded run left out), the launch plan, and the coordinator client (null when started by hand).
+struct WorkerStart {
+  config::RunConfig cfg;
+  control::LaunchPlan plan;
+  std::unique_ptr<control::ControlClient> client;
+};
+
+// Loads --config, reads the common flags into `o`, connects to the coordinator when --coordinator
+// is given and takes its launch plan (else LaunchPlan::standalone). Positional arguments ->
+// ConfigError with `usage`.
+inline WorkerStart start_worker(const Flags& f, config::Role role, WorkerOptions& o, const std::string& usage) {
+  DFLASH_CHECK(f.positional().empty(), ConfigError, usage);
+  WorkerStart w{config::load_config_or_throw(f.get("config")), {}, nullptr};
+  o.rank = static_cast<int>(f.get_int("rank", -1));
+  o.device = f.get("device", "cpu");
+  o.run_id = run_id_of(w.cfg, f);
+  o.metrics_port = static_cast<int>(f.get_int("metrics-port", -1));
+  w.client = connect_coordinator(f, w.cfg, role, o.rank, o.metrics_port);
+  w.plan = w.client ? w.client->plan() : control::LaunchPlan::standalone(w.cfg, o.run_id);
+  if (w.client) o.run_id = w.plan.run_id;
+  w.cfg = w.plan.topology(w.cfg);
+  return w;
 }
 
 constexpr const char* kShmPrefix = "dflash";
@@ -239,6 +280,15 @@ inline std::map<std::string, int64_t> peak_gpu_bytes(const std::string& device) 
 
 // Stage-time histogram bounds shared by both roles: 50 us .. ~26 s.
 inline std::vector<double> stage_bounds() { return metrics::Histogram::exponential(5e-5, 2.0, 20); }
+
+// One stage-time histogram `name`{stage=...} per stage, in the order of `stages`, with stage_bounds().
+inline std::vector<metrics::Histogram*> stage_histograms(metrics::Registry& r, const std::string& name,
+                                                         const std::string& help,
+                                                         std::initializer_list<const char*> stages) {
+  std::vector<metrics::Histogram*> out;
+  for (const char* s : stages) out.push_back(&r.histogram(name, help, stage_bounds(), {{"stage", s}}));
+  return out;
+}
 
 inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -1,6 +1,7 @@
 // The coordinator's control plane (proto/control.proto): the gRPC handlers of Coordinator
 // (services/coordinator/coordinator.h), its status JSON and its metrics.
 #include <mutex>
+#include <vector>
 
 #include "core/util/log.h"
 #include "services/coordinator/coordinator.h"
@@ -9,122 +10,136 @@ namespace dflash::coordinator {
 namespace pb = dflash::control;
 using nlohmann::json;
 
-grpc::Status Coordinator::Register(grpc::ServerContext* ctx, const pb::RegisterRequest* req, pb::RegisterResponse* resp) {
+template <class Body>
+grpc::Status Coordinator::handler(grpc::ServerContext* ctx, Body&& body) {
   if (auto st = auth(ctx); !st.ok()) return st;
   std::lock_guard<std::mutex> lk(mu_);
-  if (req->attempt() != attempt_)
-    return {grpc::StatusCode::FAILED_PRECONDITION,
-            "worker of attempt " + std::to_string(req->attempt()) + ", the run is at attempt " + std::to_string(attempt_)};
-  const int idx = index_of(req->role() == pb::ROLE_TARGET ? config::Role::kTarget : config::Role::kDrafter, req->rank());
-  if (idx < 0) return {grpc::StatusCode::INVALID_ARGUMENT, "no such worker: role " + std::to_string(req->role()) +
-                                                               " rank " + std::to_string(req->rank())};
-  auto& w = workers_[idx];
-  w.registered = true;
-  w.last_heartbeat = Clock::now();
-  w.metrics_port = req->metrics_port();
-  w.state = "running";
-  resp->set_run_id(cfg_.run.name);
-  resp->set_worker_id(int64_t(attempt_) * kAttemptStride + idx);
-  return grpc::Status::OK;
+  return body();
+}
+
+template <class Body>
+grpc::Status Coordinator::worker_handler(grpc::ServerContext* ctx, int64_t worker_id, Body&& body) {
+  return handler(ctx, [&] {
+    auto* w = worker(worker_id);
+    return w ? body(*w) : stale(worker_id);
+  });
+}
+
+grpc::Status Coordinator::append_ledger(const nlohmann::json& record) {
+  try {
+    ledger_->append(record);
+    return grpc::Status::OK;
+  } catch (const std::exception& e) {
+    return {grpc::StatusCode::INTERNAL, e.what()};
+  }
+}
+
+grpc::Status Coordinator::Register(grpc::ServerContext* ctx, const pb::RegisterRequest* req, pb::RegisterResponse* resp) {
+  return handler(ctx, [&]() -> grpc::Status {
+    if (req->attempt() != attempt_)
+      return {grpc::StatusCode::FAILED_PRECONDITION, "worker of attempt " + std::to_string(req->attempt()) +
+                                                         ", the run is at attempt " + std::to_string(attempt_)};
+    const auto role = req->role() == pb::ROLE_TARGET ? config::Role::kTarget : config::Role::kDrafter;
+    const int idx = index_of(role, req->rank());
+    if (idx < 0)
+      return {grpc::StatusCode::INVALID_ARGUMENT,
+              "no such worker: role " + std::to_string(req->role()) + " rank " + std::to_string(req->rank())};
+    auto& w = workers_[idx];
+    w.registered = true;
+    w.last_heartbeat = Clock::now();
+    w.metrics_port = req->metrics_port();
+    w.state = "running";
+    resp->set_run_id(cfg_.run.name);
+    resp->set_worker_id(int64_t(attempt_) * kAttemptStride + idx);
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status Coordinator::GetAssignment(grpc::ServerContext* ctx, const pb::AssignmentRequest* req, pb::Assignment* a) {
-  if (auto st = auth(ctx); !st.ok()) return st;
-  std::lock_guard<std::mutex> lk(mu_);
-  if (worker(req->worker_id()) == nullptr) return stale(req->worker_id());
-  *a = assignment_;
-  return grpc::Status::OK;
+  return worker_handler(ctx, req->worker_id(), [&](WorkerState&) {
+    *a = assignment_;
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status Coordinator::Heartbeat(grpc::ServerContext* ctx, const pb::HeartbeatRequest* req, pb::HeartbeatResponse* resp) {
-  if (auto st = auth(ctx); !st.ok()) return st;
-  std::lock_guard<std::mutex> lk(mu_);
-  auto* w = worker(req->worker_id());
-  if (!w) return stale(req->worker_id());
-  w->last_heartbeat = Clock::now();
-  w->step = req->step();
-  w->tokens_per_s = req->tokens_per_second();
-  if (w->spec.role == config::Role::kDrafter) {
-    resp->set_stop(stop_requested_);
-    resp->set_checkpoint_now(checkpoint_requested_);
-  }
-  return grpc::Status::OK;
+  return worker_handler(ctx, req->worker_id(), [&](WorkerState& w) {
+    w.last_heartbeat = Clock::now();
+    w.step = req->step();
+    w.tokens_per_s = req->tokens_per_second();
+    if (w.spec.role == config::Role::kDrafter) {
+      resp->set_stop(stop_requested_);
+      resp->set_checkpoint_now(checkpoint_requested_);
+    }
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status Coordinator::ReportStep(grpc::ServerContext* ctx, const pb::StepReport* r, pb::Ack*) {
-  if (auto st = auth(ctx); !st.ok()) return st;
-  std::lock_guard<std::mutex> lk(mu_);
-  auto* w = worker(r->worker_id());
-  if (!w) return stale(r->worker_id());
-  try {
-    ledger_->append({{"type", "step"}, {"step", r->step()}, {"rank", r->rank()}, {"epoch", r->epoch()},
-                    {"optimizer_step", r->optimizer_step()}, {"skipped_nonfinite", r->skipped_nonfinite()},
-                    {"loss", r->loss()}, {"samples", std::vector<uint64_t>(r->sample_ids().begin(), r->sample_ids().end())}});
-  } catch (const std::exception& e) {
-    return {grpc::StatusCode::INTERNAL, e.what()};
-  }
-  w->step = r->step();
-  if (r->rank() == 0) {
-    last_loss_ = r->loss();
-    last_tau_ = r->accept_len();
-    last_epoch_ = r->epoch();
-    step_ = r->step();
-  }
-  tokens_per_s_[r->rank()] = r->tokens_per_second();
-  if (r->skipped_nonfinite()) {
-    ++nonfinite_;
-    LOG_WARN("step " << r->step() << " skipped on every rank: non-finite loss or gradients; drafter " << r->rank()
-                     << "'s samples " << json(std::vector<uint64_t>(r->sample_ids().begin(), r->sample_ids().end())).dump());
-  }
-  return grpc::Status::OK;
+  return worker_handler(ctx, r->worker_id(), [&](WorkerState& w) {
+    const std::vector<uint64_t> samples(r->sample_ids().begin(), r->sample_ids().end());
+    auto st = append_ledger({{"type", "step"}, {"step", r->step()}, {"rank", r->rank()}, {"epoch", r->epoch()},
+                             {"optimizer_step", r->optimizer_step()}, {"skipped_nonfinite", r->skipped_nonfinite()},
+                             {"loss", r->loss()}, {"samples", samples}});
+    if (!st.ok()) return st;
+    w.step = r->step();
+    if (r->rank() == 0) {
+      last_loss_ = r->loss();
+      last_tau_ = r->accept_len();
+      last_epoch_ = r->epoch();
+      step_ = r->step();
+    }
+    tokens_per_s_[r->rank()] = r->tokens_per_second();
+    if (r->skipped_nonfinite()) {
+      ++nonfinite_;
+      LOG_WARN("step " << r->step() << " skipped on every rank: non-finite loss or gradients; drafter " << r->rank()
+                       << "'s samples " << json(samples).dump());
+    }
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status Coordinator::CommitCheckpoint(grpc::ServerContext* ctx, const pb::CheckpointCommit* r, pb::Ack*) {
-  if (auto st = auth(ctx); !st.ok()) return st;
-  std::lock_guard<std::mutex> lk(mu_);
-  if (!worker(r->worker_id())) return stale(r->worker_id());
-  try {
-    ledger_->append({{"type", "checkpoint"}, {"step", r->step()}, {"dir", r->dir()}, {"optimizer_step", r->optimizer_step()}});
-  } catch (const std::exception& e) {
-    return {grpc::StatusCode::INTERNAL, e.what()};
-  }
-  checkpoint_requested_ = false;
-  if (!opts_.quiet) LOG_INFO("committed checkpoint " << r->dir() << " (step " << r->step() << ")");
-  return grpc::Status::OK;
+  return worker_handler(ctx, r->worker_id(), [&](WorkerState&) {
+    auto st = append_ledger(
+        {{"type", "checkpoint"}, {"step", r->step()}, {"dir", r->dir()}, {"optimizer_step", r->optimizer_step()}});
+    if (!st.ok()) return st;
+    checkpoint_requested_ = false;
+    if (!opts_.quiet) LOG_INFO("committed checkpoint " << r->dir() << " (step " << r->step() << ")");
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status Coordinator::ReportFailure(grpc::ServerContext* ctx, const pb::FailureReport* r, pb::Ack*) {
-  if (auto st = auth(ctx); !st.ok()) return st;
-  std::lock_guard<std::mutex> lk(mu_);
-  auto* w = worker(r->worker_id());
-  if (!w) return stale(r->worker_id());
-  w->reported_code = r->exit_code();
-  w->reported_kind = r->kind();
-  w->reported_message = r->message();
-  return grpc::Status::OK;
+  return worker_handler(ctx, r->worker_id(), [&](WorkerState& w) {
+    w.reported_code = r->exit_code();
+    w.reported_kind = r->kind();
+    w.reported_message = r->message();
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status Coordinator::GetStatus(grpc::ServerContext* ctx, const pb::StatusRequest*, pb::StatusResponse* resp) {
-  if (auto st = auth(ctx); !st.ok()) return st;
-  std::lock_guard<std::mutex> lk(mu_);
-  resp->set_json(status_json().dump());
-  return grpc::Status::OK;
+  return handler(ctx, [&] {
+    resp->set_json(status_json().dump());
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status Coordinator::Control(grpc::ServerContext* ctx, const pb::ControlRequest* req, pb::ControlResponse* resp) {
-  if (auto st = auth(ctx); !st.ok()) return st;
-  std::lock_guard<std::mutex> lk(mu_);
-  if (req->action() == "stop") {
-    stop_requested_ = true;
-    resp->set_message("stopping: the drafters finish their step, commit a checkpoint and exit");
-  } else if (req->action() == "checkpoint") {
-    checkpoint_requested_ = true;
-    resp->set_message("a checkpoint will be committed after the current step");
-  } else {
-    return {grpc::StatusCode::INVALID_ARGUMENT, "unknown action '" + req->action() + "' (stop | checkpoint)"};
-  }
-  LOG_INFO("control request: " << req->action());
-  return grpc::Status::OK;
+  return handler(ctx, [&]() -> grpc::Status {
+    if (req->action() == "stop") {
+      stop_requested_ = true;
+      resp->set_message("stopping: the drafters finish their step, commit a checkpoint and exit");
+    } else if (req->action() == "checkpoint") {
+      checkpoint_requested_ = true;
+      resp->set_message("a checkpoint will be committed after the current step");
+    } else {
+      return {grpc::StatusCode::INVALID_ARGUMENT, "unknown action '" + req->action() + "' (stop | checkpoint)"};
+    }
+    LOG_INFO("control request: " << req->action());
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status Coordinator::auth(grpc::ServerContext* ctx) const {

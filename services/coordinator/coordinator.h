@@ -160,6 +160,14 @@ class Coordinator final : public control::Coordinator::Service {
 
   // Control-plane helpers (mu_ held where they read state).
   grpc::Status auth(grpc::ServerContext* ctx) const;
+  // The frame of every handler: checks the token and takes mu_ (worker_handler also finds the
+  // worker of this attempt, stale() otherwise) before running `body`.
+  template <class Body>
+  grpc::Status handler(grpc::ServerContext* ctx, Body&& body);
+  template <class Body>
+  grpc::Status worker_handler(grpc::ServerContext* ctx, int64_t worker_id, Body&& body);
+  // ledger_->append; a failure (e.g. a full disk) as INTERNAL with its message.
+  grpc::Status append_ledger(const nlohmann::json& record);
   grpc::Status stale(int64_t id) const;
   WorkerState* worker(int64_t id);
   int index_of(config::Role role, int rank) const;

@@ -22,6 +22,7 @@
 #endif
 
 #include "core/data/shards.h"
+#include "core/util/process.h"
 #include "core/model/drafter.h"
 #include "core/model/target.h"
 #include "core/train/checkpoint.h"
@@ -164,13 +165,10 @@ struct DrafterMetrics {
     bytes = &r.counter("dflash_drafter_received_bytes_total", "packed-batch bytes received");
     checksums = &r.counter("dflash_drafter_checksums_verified_total", "packed batches whose payload checksum was verified");
     steps = &r.counter("dflash_drafter_steps_total", "optimizer steps");
-    const std::string h = "time per micro-batch or step in one stage of the drafter loop";
-    const auto b = pipeline::stage_bounds();
-    wait = &r.histogram("dflash_drafter_stage_seconds", h, b, {{"stage", "wait"}});
-    train = &r.histogram("dflash_drafter_stage_seconds", h, b, {{"stage", "train"}});
-    allreduce = &r.histogram("dflash_drafter_stage_seconds", h, b, {{"stage", "allreduce"}});
-    step = &r.histogram("dflash_drafter_stage_seconds", h, b, {{"stage", "step"}});
-    checkpoint = &r.histogram("dflash_drafter_stage_seconds", h, b, {{"stage", "checkpoint"}});
+    const auto st = pipeline::stage_histograms(r, "dflash_drafter_stage_seconds",
+                                                "time per micro-batch or step in one stage of the drafter loop",
+                                                {"wait", "train", "allreduce", "step", "checkpoint"});
+    wait = st[0], train = st[1], allreduce = st[2], step = st[3], checkpoint = st[4];
     queue_depth = &r.gauge("dflash_drafter_queue_depth_batches", "batches committed by targets, not yet received, over all links");
     free_credits = &r.gauge("dflash_drafter_free_credits", "free slots (credits) over all links");
     loss = &r.gauge("dflash_drafter_loss_nats", "loss of the last optimizer step");
@@ -658,13 +656,8 @@ void DrafterRank::train() {
   lo.hash_every = opt_.hash_every;
   TrainLoop loop(*trainer_, *drafter_, *sched_, source, *tcoll_, *this, requests ? &*requests : nullptr, lo);
   const auto r = loop.run();
+  static_cast<TrainLoopResult&>(res_) = r;
   if (r.steps_done > start_step_) res_.steps = r.steps_done;
-  res_.micro_batches = r.micro_batches;
-  res_.tokens = r.tokens;
-  res_.samples = r.samples;
-  res_.checksums_verified = r.checksums_verified;
-  res_.wait_seconds = r.wait_seconds;
-  res_.loop_seconds = r.loop_seconds;
   stopped_ = r.stopped;
 }
 
@@ -842,28 +835,23 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
 }
 
 int cmd_train_service(int argc, char** argv) {
-  Flags f(argc, argv, {"config", "rank", "device", "run-id", "store-host", "store-port", "metrics-port", "recv-timeout-s",
-                       "collective-timeout-s", "peer-grace-s", "hash-every", "coordinator", "attempt"});
-  DFLASH_CHECK(f.positional().empty(), ConfigError,
-               "usage: dflash-drafter train --config CFG --rank D [--device cpu|cuda] [--run-id ID] [--store-port P] [--metrics-port P]");
-  auto cfg = config::load_config_or_throw(f.get("config"));
+  Flags f(argc, argv, pipeline::worker_flags({"store-host", "store-port", "recv-timeout-s", "collective-timeout-s",
+                                              "peer-grace-s", "hash-every"}));
   TrainServiceOptions o;
-  o.rank = static_cast<int>(f.get_int("rank", -1));
-  o.device = f.get("device", "cpu");
-  o.run_id = pipeline::run_id_of(cfg, f);
   o.store_host = f.get("store-host", "127.0.0.1");
   o.store_port = static_cast<int>(f.get_int("store-port", 29500));
-  o.metrics_port = static_cast<int>(f.get_int("metrics-port", -1));
   o.recv_timeout_s = f.get_double("recv-timeout-s", 300);
   o.collective_timeout_s = f.get_double("collective-timeout-s", 300);
   o.peer_grace_s = f.get_double("peer-grace-s", 3);
   o.hash_every = f.get_int("hash-every", 100);
   DFLASH_CHECK(o.recv_timeout_s > 0 && o.collective_timeout_s > 0 && o.peer_grace_s > 0, ConfigError,
                "--recv-timeout-s, --collective-timeout-s and --peer-grace-s must be > 0");
-  const auto client = pipeline::connect_coordinator(f, cfg, config::Role::kDrafter, o.rank, o.metrics_port);
-  const auto plan = client ? client->plan() : control::LaunchPlan::standalone(cfg, o.run_id);
-  if (client) o.run_id = plan.run_id;
-  cfg = plan.topology(cfg);  // without the workers a degraded run left out
+  auto w = pipeline::start_worker(
+      f, config::Role::kDrafter, o,
+      usage_text("dflash-drafter", {{"train", cmd_train_service, kTrainServiceUsage}}));
+  const auto& cfg = w.cfg;
+  const auto& plan = w.plan;
+  const auto& client = w.client;
   TrainServiceResult r;
   control::report_failures(client.get(), [&] {
     r = run_train_service(cfg, o, plan, client.get());

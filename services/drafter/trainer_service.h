@@ -56,25 +56,25 @@
 
 #include "core/config/config.h"
 #include "services/common/control_client.h"
+#include "services/common/pipeline_common.h"
+#include "services/drafter/train_loop.h"
 
 namespace dflash::drafter {
 
-struct TrainServiceOptions {
-  int rank = 0;
-  std::string device = "cpu";
-  uint64_t run_id = 0;
+struct TrainServiceOptions : pipeline::WorkerOptions {
   std::string store_host = "127.0.0.1";
   int store_port = 29500;
-  int metrics_port = -1;              // -1: no /metrics; 0: ephemeral (logged)
   double recv_timeout_s = 300;        // longest wait for one batch (target death is detected at once)
   double collective_timeout_s = 300;  // rendezvous and each collective
   double peer_grace_s = 3;            // a peer drafter dead while we wait this long in a collective -> exit 1
   int64_t hash_every = 100;           // weight hash every N steps and at the last (0 = never): a host wait
 };
 
-struct TrainServiceResult {
-  int64_t steps = 0, micro_batches = 0, tokens = 0, samples = 0, checksums_verified = 0;
-  double seconds = 0, loop_seconds = 0, wait_seconds = 0, last_loss = 0, last_accept_len = 0;
+// The training loop's counts (micro-batches, tokens, samples, checksums, wait and loop seconds) plus
+// the rank's totals.
+struct TrainServiceResult : TrainLoopResult {
+  int64_t steps = 0;
+  double seconds = 0, last_loss = 0, last_accept_len = 0;
   std::string last_checkpoint, export_dir;
 };
 
@@ -82,5 +82,10 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
                                      const control::LaunchPlan& plan, control::ControlClient* client);
 
 int cmd_train_service(int argc, char** argv);  // args after "dflash-drafter train"
+// The flags of `dflash-drafter train`, for the binary's usage text and usage errors.
+inline constexpr const char* kTrainServiceUsage =
+    "--config CFG --rank D [--device cpu|cuda] [--run-id ID] [--store-port P]\n"
+    "         [--store-host H] [--metrics-port P] [--recv-timeout-s S]\n"
+    "         [--collective-timeout-s S] [--peer-grace-s S] [--hash-every N]";
 
 }  // namespace dflash::drafter

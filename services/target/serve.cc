@@ -16,6 +16,7 @@
 #endif
 
 #include "core/data/shards.h"
+#include "core/util/process.h"
 #include "core/model/layers.h"
 #include "core/model/target.h"
 #include "services/common/pipeline_common.h"
@@ -56,13 +57,10 @@ struct TargetMetrics {
     tokens = &r.counter("dflash_target_tokens_total", "tokens forwarded, packed and sent");
     batches = &r.counter("dflash_target_batches_total", "packed batches sent");
     bytes = &r.counter("dflash_target_sent_bytes_total", "packed-batch bytes committed to the transport");
-    const std::string h = "time per batch in one stage of the target loop";
-    const auto b = pipeline::stage_bounds();
-    read = &r.histogram("dflash_target_stage_seconds", h, b, {{"stage", "read"}});
-    forward = &r.histogram("dflash_target_stage_seconds", h, b, {{"stage", "forward"}});
-    wait = &r.histogram("dflash_target_stage_seconds", h, b, {{"stage", "wait"}});
-    pack = &r.histogram("dflash_target_stage_seconds", h, b, {{"stage", "pack"}});
-    send = &r.histogram("dflash_target_stage_seconds", h, b, {{"stage", "send"}});
+    const auto st = pipeline::stage_histograms(r, "dflash_target_stage_seconds",
+                                                "time per batch in one stage of the target loop",
+                                                {"read", "forward", "wait", "pack", "send"});
+    read = st[0], forward = st[1], wait = st[2], pack = st[3], send = st[4];
     queue_depth = &r.gauge("dflash_target_queue_depth_batches", "batches committed but not yet received, over all links");
     free_credits = &r.gauge("dflash_target_free_credits", "free slots (credits) over all links");
     inflight = &r.gauge("dflash_target_inflight_batches", "batches held by the drafters (slots not yet given back)");
@@ -502,23 +500,16 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
 }
 
 int cmd_serve(int argc, char** argv) {
-  Flags f(argc, argv, {"config", "rank", "device", "run-id", "metrics-port", "attach-timeout-s", "send-timeout-s", "coordinator",
-                       "attempt"});
-  DFLASH_CHECK(f.positional().empty(), ConfigError,
-               "usage: dflash-target serve --config CFG --rank R [--device cpu|cuda] [--run-id ID] [--metrics-port P]");
-  auto cfg = config::load_config_or_throw(f.get("config"));
+  Flags f(argc, argv, pipeline::worker_flags({"attach-timeout-s", "send-timeout-s"}));
   ServeOptions o;
-  o.rank = static_cast<int>(f.get_int("rank", -1));
-  o.device = f.get("device", "cpu");
-  o.run_id = pipeline::run_id_of(cfg, f);
-  o.metrics_port = static_cast<int>(f.get_int("metrics-port", -1));
   o.attach_timeout_s = f.get_double("attach-timeout-s", 300);
   o.send_timeout_s = f.get_double("send-timeout-s", 600);
   DFLASH_CHECK(o.attach_timeout_s > 0 && o.send_timeout_s > 0, ConfigError, "--attach-timeout-s and --send-timeout-s must be > 0");
-  const auto client = pipeline::connect_coordinator(f, cfg, config::Role::kTarget, o.rank, o.metrics_port);
-  const auto plan = client ? client->plan() : control::LaunchPlan::standalone(cfg, o.run_id);
-  if (client) o.run_id = plan.run_id;
-  cfg = plan.topology(cfg);  // without the workers a degraded run left out
+  auto w = pipeline::start_worker(f, config::Role::kTarget, o,
+                                  usage_text("dflash-target", {{"serve", cmd_serve, kServeUsage}}));
+  const auto& cfg = w.cfg;
+  const auto& plan = w.plan;
+  const auto& client = w.client;
   ServeSummary s;
   control::report_failures(client.get(), [&] {
     s = run_serve(cfg, o, plan, client.get());

@@ -25,14 +25,11 @@
 
 #include "core/config/config.h"
 #include "services/common/control_client.h"
+#include "services/common/pipeline_common.h"
 
 namespace dflash::target {
 
-struct ServeOptions {
-  int rank = 0;
-  std::string device = "cpu";
-  uint64_t run_id = 0;
-  int metrics_port = -1;          // -1: no /metrics; 0: ephemeral (logged)
+struct ServeOptions : pipeline::WorkerOptions {
   double attach_timeout_s = 300;  // wait for the drafters to create their links
   double send_timeout_s = 600;    // longest wait for one credit (peer death is detected at once)
 };
@@ -50,5 +47,9 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
                        control::ControlClient* client);
 
 int cmd_serve(int argc, char** argv);  // args after "dflash-target serve"
+// The flags of `dflash-target serve`, for the binary's usage text and usage errors.
+inline constexpr const char* kServeUsage =
+    "--config CFG --rank R [--device cpu|cuda] [--run-id ID] [--metrics-port P]\n"
+    "         [--attach-timeout-s S] [--send-timeout-s S]";
 
 }  // namespace dflash::target
