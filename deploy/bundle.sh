@@ -53,15 +53,11 @@ top=dflash-$version
 stage=$tmp/$top
 mkdir -p "$stage/bin" "$stage/lib"
 
-# Libraries the host provides (never bundled): glibc, the C++ runtime, the NVIDIA driver.
-is_host_lib() {
-  case "$1" in
-    linux-vdso.so*|ld-linux*.so*|libc.so*|libm.so*|libmvec.so*|libdl.so*|libpthread.so*|librt.so*|\
-    libutil.so*|libresolv.so*|libnsl.so*|libanl.so*|libstdc++.so*|libgcc_s.so*|\
-    libcuda.so*|libcudadebugger.so*|libnvidia-*.so*|libnvcuvid.so*) return 0 ;;
-  esac
-  return 1
-}
+# Libraries the host provides (never bundled): glibc, the C++ runtime, the NVIDIA driver. One list
+# for both scripts: install.sh must stay self-contained (it is pushed alone into containers), so the
+# bundle takes is_host_lib from it.
+eval "$(sed -n '/^is_host_lib() {$/,/^}$/p' "$here/install.sh")"
+declare -F is_host_lib >/dev/null || { echo "bundle: no is_host_lib in $here/install.sh" >&2; exit 1; }
 
 declare -A libs=()   # soname -> resolved path
 missing=()

@@ -344,4 +344,21 @@ TargetConfig parse_hf_config(const std::string& model_dir) {
   return parse_hf_config_json(ss.str(), file);
 }
 
+nlohmann::json hf_dense_config_json(const TargetConfig& c) {
+  return {{"model_type", c.model_type.empty() ? family_name(c.family) : c.model_type},
+          {"hidden_size", c.hidden_size},
+          {"intermediate_size", c.intermediate_size},
+          {"num_hidden_layers", c.num_layers},
+          {"num_attention_heads", c.num_heads},
+          {"num_key_value_heads", c.num_kv_heads},
+          {"head_dim", c.head_dim},
+          {"vocab_size", c.vocab_size},
+          {"rms_norm_eps", c.rms_norm_eps},
+          {"rope_theta", c.rope.theta},
+          {"max_position_embeddings", c.max_position_embeddings},
+          {"tie_word_embeddings", c.tie_word_embeddings},
+          {"attention_bias", c.qkv_bias},
+          {"hidden_act", "silu"}};
+}
+
 }  // namespace dflash::io

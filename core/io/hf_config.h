@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace dflash::io {
 
 enum class Family { kLlama, kQwen2, kQwen3, kQwen3_5 };
@@ -57,6 +59,12 @@ struct TargetConfig {
 TargetConfig parse_hf_config(const std::string& model_dir);
 // Parses config.json text; `source_name` is used in error messages.
 TargetConfig parse_hf_config_json(const std::string& json_text, const std::string& source_name);
+// The config.json of a dense decoder of `c`'s dimensions, as parse_hf_config_json reads it back:
+// model_type, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+// num_key_value_heads, head_dim, vocab_size, rms_norm_eps, rope_theta, max_position_embeddings,
+// tie_word_embeddings, attention_bias (c.qkv_bias) and hidden_act "silu". The caller adds
+// architectures, torch_dtype and anything model-specific.
+nlohmann::json hf_dense_config_json(const TargetConfig& c);
 // "llama", "qwen2", "qwen3", "qwen3_5".
 const char* family_name(Family f);
 

@@ -37,30 +37,40 @@ std::string export_dtype_name(torch::ScalarType t) {
   }
 }
 
+// The decoder dimensions a DFlash drafter shares with a dense config.json: export and import copy
+// them through this one table (rms_norm_eps and the RoPE are copied beside it).
+struct SharedDim {
+  int64_t io::TargetConfig::*target;
+  int64_t model::DrafterConfig::*drafter;
+};
+constexpr SharedDim kSharedDims[] = {
+    {&io::TargetConfig::hidden_size, &model::DrafterConfig::hidden_size},
+    {&io::TargetConfig::intermediate_size, &model::DrafterConfig::intermediate_size},
+    {&io::TargetConfig::num_layers, &model::DrafterConfig::num_layers},
+    {&io::TargetConfig::num_heads, &model::DrafterConfig::num_heads},
+    {&io::TargetConfig::num_kv_heads, &model::DrafterConfig::num_kv_heads},
+    {&io::TargetConfig::head_dim, &model::DrafterConfig::head_dim},
+    {&io::TargetConfig::vocab_size, &model::DrafterConfig::vocab_size},
+};
+
 json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dtype) {
+  io::TargetConfig dims;
+  dims.family = io::Family::kQwen3;
+  dims.model_type = "qwen3";
+  for (const auto& d : kSharedDims) dims.*d.target = c.*d.drafter;
+  dims.rms_norm_eps = c.rms_norm_eps;
+  dims.rope.theta = c.rope.theta;
+  dims.max_position_embeddings = kExportMaxPositionEmbeddings;
+  json j = io::hf_dense_config_json(dims);
+  j["architectures"] = {"DFlashDraftModel"};
+  j["attention_dropout"] = 0.0;
+  j["use_sliding_window"] = false;
+  j["num_target_layers"] = c.num_target_layers;
+  j["block_size"] = c.block_size;
+  j["dflash_config"] = {{"target_layer_ids", c.target_layer_ids}, {"mask_token_id", c.mask_token_id}};
+  j["torch_dtype"] = export_dtype_name(dtype);
   json rope{{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
   const int64_t rotary = c.rope.rotary_dim > 0 ? c.rope.rotary_dim : c.head_dim;
-  json j{{"architectures", {"DFlashDraftModel"}},
-         {"model_type", "qwen3"},
-         {"hidden_size", c.hidden_size},
-         {"intermediate_size", c.intermediate_size},
-         {"num_hidden_layers", c.num_layers},
-         {"num_attention_heads", c.num_heads},
-         {"num_key_value_heads", c.num_kv_heads},
-         {"head_dim", c.head_dim},
-         {"rms_norm_eps", c.rms_norm_eps},
-         {"rope_theta", c.rope.theta},
-         {"vocab_size", c.vocab_size},
-         {"max_position_embeddings", kExportMaxPositionEmbeddings},
-         {"tie_word_embeddings", false},
-         {"attention_bias", false},
-         {"attention_dropout", 0.0},
-         {"use_sliding_window", false},
-         {"hidden_act", "silu"},
-         {"num_target_layers", c.num_target_layers},
-         {"block_size", c.block_size},
-         {"dflash_config", {{"target_layer_ids", c.target_layer_ids}, {"mask_token_id", c.mask_token_id}}},
-         {"torch_dtype", export_dtype_name(dtype)}};
   if (rotary != c.head_dim) {
     const double partial = double(rotary) / double(c.head_dim);
     rope["partial_rotary_factor"] = partial;
@@ -104,13 +114,7 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
   };
 
   model::DrafterConfig c;
-  c.hidden_size = t.hidden_size;
-  c.num_heads = t.num_heads;
-  c.num_kv_heads = t.num_kv_heads;
-  c.head_dim = t.head_dim;
-  c.intermediate_size = t.intermediate_size;
-  c.num_layers = t.num_layers;
-  c.vocab_size = t.vocab_size;
+  for (const auto& d : kSharedDims) c.*d.drafter = t.*d.target;
   c.rms_norm_eps = t.rms_norm_eps;
   c.rope = model::rope_options(t.rope, static_cast<int64_t>(t.head_dim * t.rope.partial_rotary_factor));
 

@@ -294,31 +294,24 @@ def make_batch(a, doc_lens, dev, compute, K):
     return batch, (doc_start_T, torch.arange(T, device=dev) - doc_start_T)
 
 
+# (flag, type, default): the integer and float flags, named as in `dflash bench drafter`.
+_FLAGS = [
+    ("hidden", int, 4096), ("layers", int, 5), ("heads", int, 32), ("kv-heads", int, 8),
+    ("head-dim", int, 128), ("intermediate", int, 12288), ("vocab", int, 151936), ("docs", int, 1),
+    ("anchors", int, 512), ("block-size", int, 16), ("warmup", int, 2), ("repeats", int, 5),
+    ("peak-tflops", float, 790.0), ("chunk-rows", int, 2048), ("gamma", float, 7.0),
+    ("kl-weight", float, 0.15), ("temperature", float, 2.0), ("eps", float, 1e-6),
+    ("rope-theta", float, 1e6), ("seed", int, 0),
+]
+
+
 def make_parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=5)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=12288)
-    ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--context", type=int, default=4096, help="tokens per document")
-    ap.add_argument("--docs", type=int, default=1)
-    ap.add_argument("--anchors", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--soft-labels", action="store_true")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--peak-tflops", type=float, default=790.0)
-    ap.add_argument("--chunk-rows", type=int, default=2048)
-    ap.add_argument("--gamma", type=float, default=7.0)
-    ap.add_argument("--kl-weight", type=float, default=0.15)
-    ap.add_argument("--temperature", type=float, default=2.0)
-    ap.add_argument("--eps", type=float, default=1e-6)
-    ap.add_argument("--rope-theta", type=float, default=1e6)
-    ap.add_argument("--seed", type=int, default=0)
+    for name, kind, default in _FLAGS:
+        ap.add_argument("--" + name, type=kind, default=default)
     return ap
 
 

@@ -20,15 +20,15 @@
 
 #include <torch/torch.h>
 
-#ifdef DFLASH_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
 
 #include "core/data/import.h"
+#include "core/io/hf_config.h"
+#include "core/model/device_memory.h"
 #include "core/io/safetensors.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/process.h"
 #include "services/coordinator/launcher.h"
 #include "services/target/bench_target.h"
 
@@ -46,11 +46,6 @@ const char* kUsage =
     "  Both transports use inflight_depth slots per link (shm_slots = inflight_depth).\n"
     "  --shape writes a random-weight HF dir (config.json + model.safetensors) under --work once and\n"
     "  reuses it; --model uses an existing one (e.g. the tiny test model).\n";
-
-// System-level failures of the bench itself (fork, a failed process): exit 1.
-struct BenchError : Error {
-  explicit BenchError(const std::string& m) : Error(kExitFailure, m) {}
-};
 
 double secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -78,22 +73,9 @@ std::string make_random_hf_target(const std::string& shape, const fs::path& dir,
   fs::remove_all(dir);
   fs::create_directories(dir);
   const auto t0 = Clock::now();
-  json cfg = {{"architectures", json::array({"Qwen3ForCausalLM"})},
-              {"model_type", "qwen3"},
-              {"hidden_size", c.hidden_size},
-              {"intermediate_size", c.intermediate_size},
-              {"num_hidden_layers", c.num_layers},
-              {"num_attention_heads", c.num_heads},
-              {"num_key_value_heads", c.num_kv_heads},
-              {"head_dim", c.head_dim},
-              {"vocab_size", c.vocab_size},
-              {"rms_norm_eps", c.rms_norm_eps},
-              {"rope_theta", c.rope.theta},
-              {"max_position_embeddings", c.max_position_embeddings},
-              {"hidden_act", "silu"},
-              {"attention_bias", false},
-              {"tie_word_embeddings", false},
-              {"torch_dtype", "bfloat16"}};
+  json cfg = io::hf_dense_config_json(c);
+  cfg["architectures"] = {"Qwen3ForCausalLM"};
+  cfg["torch_dtype"] = "bfloat16";
   std::ofstream(dir / "config.json") << cfg.dump(2) << "\n";
   // Values: normal(0, 0.02) drawn on `device` (fast for multi-GiB models), norms one.
   torch::manual_seed(0);
@@ -122,9 +104,7 @@ std::string make_random_hf_target(const std::string& shape, const fs::path& dir,
   }
   io::save_safetensors((dir / "model.safetensors").string(), w);
   w.clear();
-#ifdef DFLASH_WITH_CUDA
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();  // the children need the GPU
-#endif
+  model::release_cached_memory(device);  // the children need the GPU
   std::ofstream(dir / ".complete") << "1\n";
   LOG_INFO("wrote random-weight " << shape << " target to " << dir.string() << " in " << secs(Clock::now() - t0) << " s");
   return dir.string();

@@ -2,16 +2,14 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
+#include "core/model/device_memory.h"
 #include "core/model/drafter.h"
 #include "core/model/target.h"
 #include "core/train/anchors.h"
@@ -24,74 +22,22 @@
 
 #include <torch/csrc/autograd/profiler_kineto.h>
 
-#ifdef DFLASH_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAFunctions.h>
-#endif
-
 namespace dflash::drafter {
 namespace {
 
 using json = nlohmann::json;
 
-void sync(const torch::Device& d) {
-#ifdef DFLASH_WITH_CUDA
-  if (d.is_cuda()) c10::cuda::device_synchronize();
-#endif
-}
-
-// Host memory of this process from /proc/self/status (kB fields), in GiB; 0 when unreadable.
-double host_status_gib(const char* field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const std::string key = std::string(field) + ":";
-  while (std::getline(in, line))
-    if (line.rfind(key, 0) == 0) {
-      std::istringstream ss(line.substr(key.size()));
-      double kb = 0;
-      ss >> kb;
-      return kb / double(1ull << 20);
-    }
-  return 0.0;
-}
-
-// Peak memory since the last reset_peak(): on CUDA the caching allocator's allocated / reserved
-// bytes; on CPU the process's peak resident set (VmHWM, reset through /proc/self/clear_refs), which
-// stands for both (there is no separate reserve on the host).
+// Peak memory since the last model::reset_peak_memory (core/model/device_memory.h).
 struct Mem {
   double peak_allocated = 0, peak_reserved = 0, allocated_now = 0;
 };
 Mem memory(const torch::Device& d) {
-  Mem m;
-#ifdef DFLASH_WITH_CUDA
-  if (d.is_cuda()) {
-    auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index() < 0 ? 0 : d.index());
-    const double g = double(1ull << 30);
-    m.peak_allocated = st.allocated_bytes[0].peak / g;
-    m.peak_reserved = st.reserved_bytes[0].peak / g;
-    m.allocated_now = st.allocated_bytes[0].current / g;
-    return m;
-  }
-#endif
-  m.peak_allocated = m.peak_reserved = host_status_gib("VmHWM");
-  m.allocated_now = host_status_gib("VmRSS");
-  return m;
+  const auto m = model::device_memory(d);
+  return {m.peak_allocated_gib, m.peak_reserved_gib, m.allocated_gib};
 }
 const char* memory_source(const torch::Device& d) {
   return d.is_cuda() ? "CUDA caching allocator (allocated / reserved bytes)"
                      : "host VmHWM (peak resident set of the process) / VmRSS";
-}
-void reset_peak(const torch::Device& d) {
-#ifdef DFLASH_WITH_CUDA
-  if (d.is_cuda()) {
-    c10::cuda::CUDACachingAllocator::resetPeakStats(d.index() < 0 ? 0 : d.index());
-    return;
-  }
-#endif
-  if (FILE* f = std::fopen("/proc/self/clear_refs", "w")) {  // "5": VmHWM := VmRSS
-    std::fputs("5", f);
-    std::fclose(f);
-  }
 }
 
 // The drafter of the bench: DFlash on a Qwen3-8B-shaped target (sizes from the flags).
@@ -130,10 +76,10 @@ train::MicroBatch random_micro_batch(const model::DrafterConfig& cfg, int64_t do
 
 // Seconds of one call of `fn`, the device synchronised before and after.
 double timed(const torch::Device& device, const std::function<void()>& fn) {
-  sync(device);
+  model::synchronize(device);
   auto t0 = std::chrono::steady_clock::now();
   fn();
-  sync(device);
+  model::synchronize(device);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -167,7 +113,7 @@ json profile_step(train::Trainer& trainer, const train::MicroBatch& mb, const to
   ap::enableProfiler(pcfg, acts);
   trainer.micro_batch(mb);
   trainer.step();
-  sync(device);
+  model::synchronize(device);
   auto result = ap::disableProfiler();
   std::map<std::string, std::pair<double, int64_t>> cpu_ops, kernels;
   for (const auto& e : result->events()) {
@@ -194,8 +140,8 @@ json memory_over_steps(train::Trainer& trainer, const train::MicroBatch& mb, con
   std::vector<Mem> per;
   std::vector<double> step_s;
   for (int64_t s = 1; s <= steps; ++s) {
-    sync(device);
-    reset_peak(device);
+    model::synchronize(device);
+    model::reset_peak_memory(device);
     step_s.push_back(timed(device, [&] {
       trainer.micro_batch(mb);
       trainer.step();
@@ -264,7 +210,7 @@ json bench_ours(const Flags& f, const torch::Device& device) {
 
   std::vector<double> times;
   for (int64_t i = 0; i < warmup + repeats; ++i) {
-    if (i == warmup) reset_peak(device);
+    if (i == warmup) model::reset_peak_memory(device);
     const double s = timed(device, [&] {
       trainer.micro_batch(mb);
       trainer.step();
@@ -335,9 +281,7 @@ int cmd_bench_drafter(int argc, char** argv) {
           {"soft-labels", "profile", "baseline", "recompute-mlp"});
   auto device = model::parse_device(f.get("device", "cuda"));
   json out = bench_ours(f, device);
-#ifdef DFLASH_WITH_CUDA
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();  // the baseline needs the memory
-#endif
+  model::release_cached_memory(device);  // the baseline needs the memory
   if (f.has("baseline")) {
     // The eager PyTorch baseline (issue 6) in its own process, same shapes, same FLOP formula.
     const std::string py = f.get("python", switches::get("DFLASH_PYTHON"));

@@ -17,6 +17,7 @@
 
 #include "core/io/hf_config.h"
 #include "core/io/safetensors.h"
+#include "core/model/device_memory.h"
 #include "core/model/target.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
@@ -26,9 +27,6 @@
 #include "core/util/switches.h"
 
 #ifdef DFLASH_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAFunctions.h>
-
 #include "core/model/cuda/tuned_gemm.h"
 #endif
 
@@ -143,13 +141,7 @@ std::string default_layers(const std::string& shape) {
 
 io::TargetConfig bench_shape_config(const std::string& shape) { return shape_config(shape); }
 
-namespace {
-
-struct BatchShape {
-  int64_t docs, len;
-};
-
-std::vector<BatchShape> parse_batches(const std::string& s) {
+std::vector<BatchShape> parse_batch_shapes(const std::string& s) {
   std::vector<BatchShape> out;
   size_t start = 0;
   while (start < s.size()) {
@@ -158,47 +150,22 @@ std::vector<BatchShape> parse_batches(const std::string& s) {
     auto x = item.find('x');
     DFLASH_CHECK(x != std::string::npos, ConfigError, "--batches: expected items like 4x4096, got '" << item << "'");
     out.push_back({std::stoll(item.substr(0, x)), std::stoll(item.substr(x + 1))});
+    DFLASH_CHECK(out.back().docs >= 1 && out.back().len >= 1, ConfigError, "--batches: '" << item << "' must be >= 1x1");
     if (end == std::string::npos) break;
     start = end + 1;
   }
   return out;
 }
 
-void sync(const torch::Device& d) {
-#ifdef DFLASH_WITH_CUDA
-  if (d.is_cuda()) c10::cuda::device_synchronize();
-#endif
-}
 
-// GiB allocated on a CUDA device: now, or at the peak since the last reset_peak; 0 elsewhere.
+namespace {
+
+// GiB allocated on a CUDA device: now, or at the peak since the last reset_peak_memory; 0 elsewhere.
 double allocated_gib(const torch::Device& d, bool peak) {
-#ifdef DFLASH_WITH_CUDA
-  if (d.is_cuda()) {
-    auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index() < 0 ? 0 : d.index());
-    return (peak ? st.allocated_bytes[0].peak : st.allocated_bytes[0].current) / double(1ull << 30);
-  }
-#endif
-  (void)peak;
-  return 0.0;
+  if (!d.is_cuda()) return 0.0;
+  const auto m = model::device_memory(d);
+  return peak ? m.peak_allocated_gib : m.allocated_gib;
 }
-
-void reset_peak(const torch::Device& d) {
-#ifdef DFLASH_WITH_CUDA
-  if (d.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(d.index() < 0 ? 0 : d.index());
-#endif
-}
-
-// Frees our model's memory for another process: waits for the device, empties the CUDA cache.
-void release_cached_memory(const torch::Device& d) {
-  sync(d);
-#ifdef DFLASH_WITH_CUDA
-  if (d.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
-#endif
-}
-
-struct BenchError : Error {
-  explicit BenchError(const std::string& m) : Error(kExitFailure, m) {}
-};
 
 // Where --baseline puts the HF check's files: --check-dir DIR (created, kept) or a fresh temp dir,
 // removed when the bench returns or throws.
@@ -264,13 +231,13 @@ json measure_batch(const std::string& name, model::TargetModel& target, const io
                    const torch::Device& device, int64_t warmup, int64_t repeats, double peak_tflops,
                    model::CaptureResult& buf) {
   for (int64_t i = 0; i < warmup; ++i) buf = target.forward_capture(ids, lens, spec, std::move(buf));
-  sync(device);
-  reset_peak(device);
+  model::synchronize(device);
+  model::reset_peak_memory(device);
   std::vector<double> times;
   for (int64_t i = 0; i < repeats; ++i) {
     auto t0 = std::chrono::steady_clock::now();
     buf = target.forward_capture(ids, lens, spec, std::move(buf));
-    sync(device);
+    model::synchronize(device);
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   const std::vector<double> in_order = times;  // each timed repeat, reported (run-to-run spread)
@@ -343,13 +310,13 @@ int cmd_bench_target(int argc, char** argv) {
   // Per-name random weights: the HF baseline rebuilds the same values from the manifest.
   auto weights = model::random_weights(kWeightSeed, lo.device, lo.dtype, kWeightStd, /*per_name=*/true);
   auto target = model::make_target(cfg, *weights, lo);
-  sync(lo.device);
+  model::synchronize(lo.device);
   const double weights_gib = allocated_gib(lo.device, false);  // resident weights, no load temporaries
   // --baseline: files of the HF error check (the first batch), removed afterwards unless --check-dir.
   CheckDir check(baseline, f.get("check-dir", ""));
 
   json results = json::array();
-  for (auto b : parse_batches(batches_s)) {
+  for (auto b : parse_batch_shapes(batches_s)) {
     std::vector<int64_t> lens(b.docs, b.len);
     auto ids = torch::randint(0, cfg.vocab_size, {b.docs * b.len}, torch::TensorOptions().dtype(torch::kInt64))
                    .to(lo.device);
@@ -358,7 +325,7 @@ int cmd_bench_target(int argc, char** argv) {
     results.push_back(measure_batch(name, *target, cfg, spec, ids, lens, lo.device, warmup, repeats, peak_tflops, buf));
     if (f.has("profile")) results.back()["profile"] = profile_forward(f.get_int("profile-top", 25), [&] {
       buf = target->forward_capture(ids, lens, spec, std::move(buf));
-      sync(lo.device);
+      model::synchronize(lo.device);
     });
     if (baseline && results.size() == 1)
       write_check_files(check.path, name, ids.view({b.docs, b.len}), buf, *weights, target->config(),
@@ -380,7 +347,7 @@ int cmd_bench_target(int argc, char** argv) {
   if (baseline) {
     target.reset();
     weights.reset();
-    release_cached_memory(lo.device);  // the HF process needs it
+    model::release_cached_memory(lo.device);  // the HF process needs it
     add_hf_baseline(f, shape, batches_s, layers_s, warmup, repeats, check.path, report);
   }
   std::cout << report.dump(2) << std::endl;

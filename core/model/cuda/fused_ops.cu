@@ -172,34 +172,41 @@ __global__ void sigmoid_gate_kernel(const __nv_bfloat16* __restrict__ a, const _
 
 bool supported(const torch::Tensor& x) { return x.is_cuda() && x.scalar_type() == torch::kBFloat16; }
 
-torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w, double eps) {
-  auto x = x_in.contiguous();
+namespace {
+
+__nv_bfloat16* bf16(const torch::Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr()); }
+
+// A row-wise norm kernel over `x` ([..., n] bf16, contiguous): one block of kNormThreads per row,
+// into a new tensor shaped like `x`. `launch(grid, out, n)` starts the kernel on the current stream.
+constexpr int kNormThreads = 256;
+template <class Launch>
+torch::Tensor per_row(const torch::Tensor& x, Launch launch) {
   const int n = x.size(-1);
   const int64_t rows = x.numel() / n;
   auto out = torch::empty_like(x);
   c10::cuda::CUDAGuard guard(x.device());
-  constexpr int kThreads = 256;
-  rms_norm_kernel<kThreads><<<rows, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(w.data_ptr()),
-      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), n, static_cast<float>(eps));
+  launch(rows, out, n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w, double eps) {
+  auto x = x_in.contiguous();
+  return per_row(x, [&](int64_t rows, const torch::Tensor& out, int n) {
+    rms_norm_kernel<kNormThreads><<<rows, kNormThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        bf16(x), bf16(w), bf16(out), n, static_cast<float>(eps));
+  });
 }
 
 torch::Tensor add_rms_norm(torch::Tensor& h, const torch::Tensor& delta_in, const torch::Tensor& w, double eps) {
   TORCH_CHECK(h.is_contiguous() && h.sizes() == delta_in.sizes(), "add_rms_norm: h must be contiguous, shaped like delta");
   auto delta = delta_in.contiguous();
-  const int n = h.size(-1);
-  const int64_t rows = h.numel() / n;
-  auto out = torch::empty_like(h);
-  c10::cuda::CUDAGuard guard(h.device());
-  constexpr int kThreads = 256;
-  add_rms_norm_kernel<kThreads><<<rows, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<__nv_bfloat16*>(h.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(delta.data_ptr()),
-      reinterpret_cast<const __nv_bfloat16*>(w.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), n,
-      static_cast<float>(eps));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
+  return per_row(h, [&](int64_t rows, const torch::Tensor& out, int n) {
+    add_rms_norm_kernel<kNormThreads><<<rows, kNormThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        bf16(h), bf16(delta), bf16(w), bf16(out), n, static_cast<float>(eps));
+  });
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gu_in) {
