@@ -14,6 +14,7 @@ id exactly once, each with the same output_ids and finish_reason, and exits 1 at
 
 Usage: hf_generate.py --model DIR --input PROMPTS.jsonl --max-new-tokens N [--stop-token-ids a,b]
                       [--compare OURS.jsonl]
+       hf_generate.py --jobs JOBS.jsonl   (reference_jobs.py: many runs in one process)
 Exit: 0 agreement (or plain generation), 1 disagreement, 2 bad usage / missing or malformed file.
 """
 import argparse
@@ -24,6 +25,8 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never fetch hub kernels: the reference is the torch path
 
 import torch
+
+from reference_jobs import main_or_jobs
 
 
 def log(*a):
@@ -126,4 +129,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_or_jobs(main))

@@ -18,6 +18,7 @@ check without --compare.
 
 Usage: zlab_generate.py --target DIR --drafter DIR --input PROMPTS.jsonl --max-new-tokens N
                         [--block-size B] [--compare OURS.json] [--check-greedy]
+       zlab_generate.py --jobs JOBS.jsonl   (reference_jobs.py: many runs in one process)
 Exit: 0 agreement (or plain generation), 1 disagreement, 2 bad usage / missing file.
 """
 import argparse
@@ -27,6 +28,8 @@ import sys
 import time
 
 import torch
+
+from reference_jobs import main_or_jobs
 
 
 def load_prompts(path):
@@ -160,4 +163,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_or_jobs(main))

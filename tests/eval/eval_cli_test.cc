@@ -55,17 +55,19 @@ class EvalCli : public ::testing::Test {
     return dir;
   }
 
-  // dflash eval + zlab_generate.py --compare; returns the longest acceptance length.
-  int64_t eval_and_compare(const std::string& drafter_dir, int64_t B, int64_t max_new) {
-    const std::string ours = (work_ / ("ours_" + std::to_string(B) + ".json")).string();
-    const std::string common = " --target " + target_dir_ + " --drafter " + drafter_dir + " --input " + data_ +
-                               "/docs.jsonl --max-new-tokens " + std::to_string(max_new) + " --block-size " +
-                               std::to_string(B);
+  // dflash eval; queues the z-lab comparison of its output (compare_with_zlab runs the queue) and
+  // returns the longest acceptance length.
+  int64_t eval_and_queue(const std::string& drafter_dir, int64_t B, int64_t max_new) {
+    const std::string ours = (work_ / ("ours_" + std::to_string(++evals_) + ".json")).string();
+    const std::vector<std::string> args = {"--target",         target_dir_,          "--drafter",    drafter_dir,
+                                           "--input",          data_ + "/docs.jsonl", "--max-new-tokens",
+                                           std::to_string(max_new), "--block-size", std::to_string(B)};
+    std::string common;
+    for (const auto& a : args) common += " " + a;
     EXPECT_EQ(run(test_env("DFLASH_BIN_DIR") + "/dflash eval" + common + " > " + ours), 0);
-    EXPECT_EQ(run(test_env("DFLASH_PYTHON") + " " + test_env("DFLASH_SOURCE_DIR") + "/scripts/reference/zlab_generate.py" +
-                  common + " --compare " + ours + " > /dev/null"),
-              0)
-        << "dflash eval differs from z-lab dflash_generate (see stderr)";
+    auto job = args;
+    job.insert(job.end(), {"--compare", ours});
+    zlab_.add(job);
     auto j = read_json(ours);
     int64_t rounds = 0, produced = 0, longest = 0;
     for (auto& r : j["results"])
@@ -80,15 +82,23 @@ class EvalCli : public ::testing::Test {
     return longest;
   }
 
+  // zlab_generate.py --compare for every queued dflash eval output, in one Python process.
+  void compare_with_zlab() {
+    EXPECT_EQ(zlab_.run_all((work_ / "zlab_jobs.jsonl").string()), 0) << "dflash eval differs from z-lab dflash_generate (see stderr)";
+  }
+
+  int evals_ = 0;
   std::string data_, target_dir_;
   fs::path work_;
+  testing::ReferenceJobs zlab_{"zlab_generate.py"};
   std::unique_ptr<model::TargetModel> target_;
 };
 
 TEST_F(EvalCli, RandomDrafterMatchesZlab) {
   auto d = testing::random_drafter(*target_, 2, 4, 21);
   const std::string dir = export_drafter(*d, "random");
-  for (int64_t B : {4, 8}) eval_and_compare(dir, B, 40);
+  for (int64_t B : {4, 8}) eval_and_queue(dir, B, 40);
+  compare_with_zlab();
 }
 
 TEST_F(EvalCli, SteeredDraftersMatchZlabWithLongAcceptance) {
@@ -100,10 +110,11 @@ TEST_F(EvalCli, SteeredDraftersMatchZlabWithLongAcceptance) {
     testing::steer_drafter(*d, *target_, token, residual);
     const std::string dir = export_drafter(*d, "steered_" + std::to_string(int(residual * 10)));
     for (int64_t B : {4, 8}) {
-      const int64_t longest = eval_and_compare(dir, B, 40);
+      const int64_t longest = eval_and_queue(dir, B, 40);
       if (residual == 0.0) EXPECT_EQ(longest, B) << "the steered drafter should accept a whole block";
     }
   }
+  compare_with_zlab();
 }
 
 TEST_F(EvalCli, StopTokensCutAfterTheFirstOccurrence) {

@@ -9,9 +9,18 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 # Data: N random-prompt documents continued by the tiny qwen3 target's greedy decoding (72 tokens),
 # imported into shards with block size 8 (configs/tiny-cpu.yaml).
-make_pipeline_data() {  # N
-  "$py" "$src/scripts/reference/make_target_data.py" --target "$data/qwen3" --out "$work/train.jsonl" --n "$1" --seed 3 \
+# The decoded JSONL depends only on N, the generator and the target's files: cached (fixture_cache.sh).
+# shellcheck source=../common/fixture_cache.sh
+source "$src/tests/common/fixture_cache.sh"
+decode_pipeline_data() {  # OUT_DIR N
+  "$py" "$src/scripts/reference/make_target_data.py" --target "$data/qwen3" --out "$1/train.jsonl" --n "$2" --seed 3 \
     --prompt-len 8 --new-tokens 64 >/dev/null
+}
+make_pipeline_data() {  # N
+  fixture_cached "$work/decoded" "pipeline data: $1 documents, seed 3, prompts of 8, 64 new tokens" \
+    "$src/scripts/reference/make_target_data.py" "$data"/qwen3/config.json "$data"/qwen3/model-*.safetensors \
+    -- decode_pipeline_data "$work/decoded" "$1" >/dev/null
+  mv "$work/decoded/train.jsonl" "$work/train.jsonl" && rmdir "$work/decoded"
   "$bin/dflash" data import --input "$work/train.jsonl" --out "$work/shards" --block-size 8 >/dev/null
 }
 
