@@ -17,4 +17,9 @@ std::string run_for_json(const std::string& cmd, const std::string& what);
 // (LOG_ERROR) and mapped to exit_code_for(e) (core/util/error.h) instead of escaping.
 int run_command(const std::function<int()>& body);
 
+// Best effort, for error messages: "pid N (COMM)" of a process of this machine with a TCP socket
+// listening on `port` (found through /proc/net/tcp, /proc/net/tcp6 and /proc/*/fd), or "unknown"
+// when none is found or /proc cannot be read (another user's process, another network namespace).
+std::string tcp_port_holder(int port);
+
 }  // namespace dflash

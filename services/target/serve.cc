@@ -185,7 +185,7 @@ ServeSummary TargetServer::run() {
 
 // Links first (fail fast on a wrong run id / topology; lets the drafters watch this pid).
 void TargetServer::connect() {
-  serve_metrics(opt_.metrics_port);
+  serve_metrics(opt_.metrics_port, config::Role::kTarget, rank_);
   for (int d = 0; d < M_; ++d) {
     const auto name = pipeline::link_name(opt_.run_id, rank_, d, M_);
     links_.push_back(pipeline::make_sender_link(cfg_, opt_.run_id, rank_, d, opt_.device, ms_of(opt_.attach_timeout_s)));
