@@ -5,10 +5,13 @@
 //    optimizer step (ConfigError, exit 2), resolves the device (--device; ConfigError unless cpu or
 //    cuda) and prints the plan: topology, GPUs per role, batches per epoch, tokens per step, steps,
 //    a memory estimate per role (services/coordinator/plan_report.h). `--plan` stops there.
-// 2. open_ledger(): <output_dir>/ledger.jsonl (services/coordinator/ledger.h). A new run records
-//    its "run" record; an existing ledger is resumed (--resume latest, or run.resume: auto);
-//    --resume DIR resumes from that committed checkpoint (a "rollback" record). A finished run
-//    exits 0 at once. ConfigError for --resume without a ledger, or a ledger with run.resume never.
+// 2. open_ledger(): takes the run directory's lock first (services/coordinator/run_lock.h;
+//    ConfigError naming the holder when another `dflash run` has it), then
+//    <output_dir>/ledger.jsonl (services/coordinator/ledger.h). A new run records its "run"
+//    record; an existing ledger is resumed (--resume latest, --resume auto, or run.resume: auto);
+//    --resume DIR resumes from that committed checkpoint (a "rollback" record). --resume auto
+//    starts fresh when there is no ledger. A finished run exits 0 at once. ConfigError for
+//    --resume latest|DIR without a ledger, or a ledger with run.resume never and no --resume.
 // 3. serve_control(): the control plane (proto/control.proto) on coordinator.listen with the run's
 //    token (services/coordinator/control_token.h), written with the address to
 //    <output_dir>/coordinator.json and <output_dir>/control-token (0600) for `dflash status|stop|
@@ -56,13 +59,14 @@
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
 #include "services/coordinator/recovery_policy.h"
+#include "services/coordinator/run_lock.h"
 
 namespace dflash::coordinator {
 
 // The flags of `dflash run`.
 struct RunOptions {
   std::string config_path;
-  std::string resume;                 // --resume: "" | "latest" | a committed checkpoint dir
+  std::string resume;                 // --resume: "" | "latest" | "auto" | a committed checkpoint dir
   bool plan_only = false;             // --plan
   std::optional<std::string> device;  // --device cpu|cuda (default: cuda on a CUDA build whose host has an NVIDIA GPU)
   bool quiet = false;                 // --quiet: no progress lines, no per-worker start lines
@@ -81,7 +85,8 @@ class Coordinator final : public control::Coordinator::Service {
 
   nlohmann::json plan();  // step 1: returns the plan as JSON (also printed to stderr)
   bool open_ledger();     // step 2: false when the run is already finished
-  void serve_control();   // step 3: TransportError when coordinator.listen cannot be bound
+  void serve_control();   // step 3: ConfigError naming the port (and its holder) when coordinator.listen's fixed port
+                          // is taken (no SO_REUSEPORT); TransportError when an ephemeral one cannot be bound
   int supervise();        // step 4: the run's exit code
   void finish();          // step 5
 
@@ -150,6 +155,8 @@ class Coordinator final : public control::Coordinator::Service {
   void blame_root_cause(Outcome& out);
   void count_failure(const Outcome& out);
   void stop_all();
+  bool take_signals();
+  void remove_run_segments(const char* when);
   int end_run(const Outcome& outcome);
   RecoveryDecision handle_failure(const Outcome& outcome);
   FailureSituation situation_of(const WorkerState& w, const Outcome& outcome, int restarts_used) const;
@@ -168,10 +175,11 @@ class Coordinator final : public control::Coordinator::Service {
 
   const config::RunConfig base_cfg_;  // the config as given
   config::RunConfig cfg_;             // the topology running now (base_cfg_ without left_out_)
-  const RunOptions opts_;
+  RunOptions opts_;  // as given, but for --resume auto, which open_ledger() resolves to "" or "latest"
   std::string device_;
   std::vector<config::WorkerSlot> left_out_;
   mutable std::mutex mu_;
+  std::optional<RunLock> lock_;   // <output_dir>/run.lock, from open_ledger() until the coordinator is destroyed
   std::optional<Ledger> ledger_;  // from open_ledger()
   std::vector<uint32_t> lengths_;
   int64_t first_lr_schedule_steps_ = 0, first_total_steps_ = 0;  // generation 0, from plan()
@@ -180,6 +188,8 @@ class Coordinator final : public control::Coordinator::Service {
   int attempt_ = 0;
   std::vector<WorkerState> workers_;
   bool stop_requested_ = false, checkpoint_requested_ = false;
+  std::string stop_reason_ = "dflash stop";  // of a graceful stop: "dflash stop" or "signal"
+  int signals_seen_ = 0;                     // SIGINT/SIGTERM count take_signals() has acted on
   int64_t step_ = 0, start_step_ = 0, total_steps_ = 0, nonfinite_ = 0;
   int last_epoch_ = 0;
   double last_loss_ = 0, last_tau_ = 0;
