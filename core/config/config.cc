@@ -237,6 +237,7 @@ void fields(V& v, CoordinatorSection& s) {
   v("token", s.token);
   v("token_file", s.token_file);
   v("heartbeat_timeout_s", s.heartbeat_timeout_s);
+  v("progress_timeout_s", s.progress_timeout_s);
   v("metrics_port", s.metrics_port);
   v("worker_metrics_port_base", s.worker_metrics_port_base);
   v("metrics_listen", s.metrics_listen);
@@ -992,6 +993,12 @@ void validate(RunConfig& c, Ctx& ctx) {
     ctx.check("coordinator.heartbeat_timeout_s",
               "expected a value in [" + num(kMinHeartbeatTimeoutS) + ", " + num(static_cast<int64_t>(kMaxTimeoutS)) +
                   "] seconds (workers heartbeat every 0.5 s; at most a day), got " + num(co.heartbeat_timeout_s));
+  }
+  if (co.progress_timeout_s != 0 &&
+      (co.progress_timeout_s < kMinHeartbeatTimeoutS || co.progress_timeout_s > kMaxTimeoutS)) {
+    ctx.check("coordinator.progress_timeout_s",
+              "expected 0 (off) or a value in [" + num(kMinHeartbeatTimeoutS) + ", " + num(static_cast<int64_t>(kMaxTimeoutS)) +
+                  "] seconds, got " + num(co.progress_timeout_s));
   }
   in_range(ctx, "coordinator.metrics_port", co.metrics_port, 0, 65535);
   in_range(ctx, "coordinator.worker_metrics_port_base", co.worker_metrics_port_base, 0, 65535);

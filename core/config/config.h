@@ -150,6 +150,9 @@ struct CoordinatorSection {
   std::string token;                       // control-plane token (at most one of token/token_file);
   std::string token_file;                  // one is required when listen is not loopback
   double heartbeat_timeout_s = 30.0;       // [kMinHeartbeatTimeoutS, kMaxTimeoutS]
+  // A worker whose progress counter (control_client.h) stands still this long while its main loop
+  // is blocked on nothing is hung and restarted; 0 = off, else [kMinHeartbeatTimeoutS, kMaxTimeoutS].
+  double progress_timeout_s = 600.0;
   int metrics_port = 9400;                 // [0, 65535], 0 = off (coordinator's /metrics)
   int worker_metrics_port_base = 9401;     // [0, 65535], worker i serves base + i, 0 = off
   // Host address every /metrics server binds ("" = bind_host(): 127.0.0.1 on an all-local run,

@@ -563,10 +563,29 @@ void Coordinator::poll_workers(Outcome& out, int& alive, int& drafters, int& dra
         out.reason = w.registered ? "no heartbeat for " + std::to_string(int(seconds_since(w.last_heartbeat))) + " s (hung)"
                                   : "did not register within " + std::to_string(int(startup_timeout)) + " s";
       }
+      std::string stall;
+      if (!hung && out.worker < 0 && progress_stalled(w, &stall)) {
+        out.worker = static_cast<int>(i);
+        out.hang = true;
+        out.reason = stall;
+      }
     } else if (w.spec.role == config::Role::kDrafter && (w.exit.code == 0 || stopped_by_signal(w.exit))) {
       ++drafters_done;
     }
   }
+}
+
+// Liveness from progress: a worker that has made progress in this launch, whose counter then stood
+// still for coordinator.progress_timeout_s (0 = off) while its main loop was blocked on nothing.
+bool Coordinator::progress_stalled(const WorkerState& w, std::string* reason) const {
+  const double limit = cfg_.coordinator.progress_timeout_s;
+  if (limit <= 0 || !w.registered || w.progress <= 0 || !w.blocked_on.empty()) return false;
+  const double idle = seconds_since(w.progress_at);
+  if (idle <= limit) return false;
+  *reason = "no progress for " + std::to_string(int(idle)) + " s with heartbeats alive (progress counter at " +
+            std::to_string(w.progress) + ", waiting on nothing; coordinator.progress_timeout_s=" + std::to_string(int(limit)) +
+            "): main loop hung";
+  return true;
 }
 
 // Peers of a failing worker fail right after it (a closed link, a dead peer in a collective). Give

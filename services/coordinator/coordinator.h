@@ -25,10 +25,13 @@
 //      with another count, or running degraded); then every target server and drafter trainer is
 //      started (services/coordinator/launcher.h), drafters first. A progress line every 2 s
 //      (step, epoch, tokens/s, loss, tau, ETA) unless --quiet.
-//    monitor(): a worker that exits non-zero, dies, or misses heartbeats for
-//      coordinator.heartbeat_timeout_s (hung; 4x that, at least 120 s, to register) ends the
-//      attempt: every worker is stopped, and the root cause is blamed (an OOM first, then a worker
-//      killed by a signal, then a reported config/data error, then anything else).
+//    monitor(): a worker that exits non-zero, dies, misses heartbeats for
+//      coordinator.heartbeat_timeout_s (hung; 4x that, at least 120 s, to register), or whose
+//      progress counter stands still for coordinator.progress_timeout_s while its main loop is
+//      blocked on nothing (hung main loop, heartbeats alive; a worker blocked on a peer is not
+//      blamed) ends the attempt: every worker is stopped, and the root cause is blamed (an OOM
+//      first, then a worker killed by a signal, then a reported config/data error, then anything
+//      else; a hang is blamed on the hung worker).
 //    handle_failure(): records the "restart" and carries out recovery_policy.h's decide_recovery:
 //      restart from the commit after the backoff, a new packing generation after an OOM, leave the
 //      worker out (degraded; ledger "degraded", dflash_coordinator_left_out_workers, `dflash
@@ -123,6 +126,9 @@ class Coordinator final : public control::Coordinator::Service {
     ExitInfo exit;
     int reported_code = -1;
     std::string reported_kind, reported_message;
+    int64_t progress = -1;            // the main loop's counter from the last heartbeat
+    Clock::time_point progress_at;    // when it last advanced, or the main loop was last blocked
+    std::string blocked_on;           // what the main loop waits for ("" = expected to progress)
   };
 
   // How an attempt ended.
@@ -152,6 +158,7 @@ class Coordinator final : public control::Coordinator::Service {
   void launch_all();
   Outcome monitor();  // mu_ not held: takes it every 100 ms
   void poll_workers(Outcome& out, int& alive, int& drafters, int& drafters_done);
+  bool progress_stalled(const WorkerState& w, std::string* reason) const;
   void blame_root_cause(Outcome& out);
   void count_failure(const Outcome& out);
   void stop_all();

@@ -141,7 +141,8 @@ void print_status(const json& s, std::ostream& os) {
     os << std::left << std::setw(9) << w["role"].get<std::string>() << std::setw(5) << w["rank"].get<int>() << std::setw(12)
        << w["host"].get<std::string>() << std::setw(5) << w["gpu"].get<int>() << std::setw(9) << w["pid"].get<int>()
        << std::setw(10) << w["state"].get<std::string>() << std::setw(7) << w["step"].get<int64_t>() << std::setw(11)
-       << int64_t(w["tokens_per_s"].get<double>()) << hb.str() << "\n";
+       << int64_t(w["tokens_per_s"].get<double>()) << hb.str()
+       << (w.value("waiting", "").empty() ? "" : "  " + w["waiting"].get<std::string>()) << "\n";
   }
   for (const auto& x : s["degraded"])
     os << "degraded: left out " << x.value("role", "?") << " " << x.value("rank", -1) << " (host " << x.value("host", "?")

@@ -62,6 +62,7 @@ bool pid_alive(pid_t pid) {
 // Tells the PeerWatchdog that this thread waits on its peers (see TimedCollectives).
 struct BlockedOnPeers {
   std::atomic<int64_t>& since;
+  control::BlockedOn heartbeat{"drafter peers (collective)"};  // not this rank's stall
   explicit BlockedOnPeers(std::atomic<int64_t>& s) : since(s) {
     since.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   }
@@ -306,6 +307,7 @@ class LinkSource final : public MicroBatchSource {
     const auto t0 = Clock::now();
     std::optional<stream::ReceivedBatch> rb;
     try {
+      control::BlockedOn blocked("target " + std::to_string(t));
       rb = links_[t]->receive(ms_of(opt_.recv_timeout_s));
     } catch (const TransportError& err) {
       throw TransportError(where + ": " + err.what());
@@ -734,12 +736,14 @@ void DrafterRank::report(const train::StepMetrics& m, const StepRecord& r) {
   si.tokens_per_second = r.tokens_total / loop_s;
   client_->report_step(si);
   client_->set_progress(r.steps_done, si.tokens_per_second, 0);
+  control::advance_progress();
 }
 
 void DrafterRank::checkpoint(const StepRecord& r) {
   if (client_ && M_ > 1) tcoll_->barrier();  // every rank has reported this step before rank 0 commits it
   if (rank_ != 0) return;
   const auto tc = Clock::now();
+  control::BlockedOn blocked("checkpoint write");
   commit_checkpoint(r.epoch, r.steps_done);
   const double c = pipeline::seconds_since(tc);
   met_.checkpoint->observe(c);
@@ -810,6 +814,7 @@ void DrafterRank::expect_end_of_links() {
 
 void DrafterRank::export_drafter() {
   if (rank_ != 0 || stopped_) return;
+  control::BlockedOn blocked("export");
   res_.export_dir = (out_ / "export").string();
   if (fs::exists(res_.export_dir)) fs::remove_all(res_.export_dir);
   train::export_hf(*drafter_, res_.export_dir, plan_->export_dtype);

@@ -332,6 +332,14 @@ TEST(Config, BindAddressDecision) {
   EXPECT_EQ(paths_of(r), (std::vector<std::string>{"coordinator.metrics_listen"})) << dump(r);
 }
 
+TEST(Config, ProgressTimeout) {
+  EXPECT_EQ(parse(kMinimal).config.coordinator.progress_timeout_s, 600.0);
+  EXPECT_TRUE(parse(kMinimal + "coordinator: {progress_timeout_s: 0}\n").ok());  // off
+  ParseResult r = parse(kMinimal + "coordinator: {progress_timeout_s: 1}\n");
+  EXPECT_EQ(paths_of(r), (std::vector<std::string>{"coordinator.progress_timeout_s"})) << dump(r);
+  EXPECT_EQ(r.problems[0].message, "expected 0 (off) or a value in [2, 86400] seconds, got 1");
+}
+
 TEST(Config, C10dPortBaseLeavesRoomForEveryLink) {
   const std::string topo = "topology:\n  transport: c10d\n  c10d_port_base: PORT\n"
                            "  hosts:\n    - {name: localhost, target_gpus: [0, 1], drafter_gpus: [2, 3]}\n";

@@ -16,6 +16,9 @@
 #                --cleanup` removes them.
 #   step_log_fault  `dflash train` whose metrics.jsonl cannot grow (RLIMIT_FSIZE): exit 4 naming the
 #                file, which holds whole records only (the drafters' step logs share core/io/jsonl_log).
+#   progress_hang  target 1's main loop freezes (DFLASH_TEST_FREEZE_TARGET) while its heartbeat
+#                lives: within coordinator.progress_timeout_s + 5 s that target (not a drafter
+#                waiting on it) is restarted, and the run ends with the fault-free run's weights.
 # Usage: hardening.sh CASE BIN_DIR TESTDATA_DIR WORK_DIR   (DFLASH_PYTHON, DFLASH_SOURCE_DIR set)
 set -euo pipefail
 case_name=$1 bin=$2 data=$3 work=$4
@@ -236,6 +239,31 @@ steps = [json.loads(l)["step"] for l in text.splitlines()]
 assert steps == list(range(1, len(steps) + 1)) and len(steps) > 5, steps
 print(f"metrics.jsonl: {len(steps)} whole records, {len(text)} bytes")
 PY
+  ;;
+progress_hang)
+  pt=3
+  hang_cfg=("s/^  heartbeat_timeout_s: .*/  heartbeat_timeout_s: 30\n  progress_timeout_s: $pt/"
+            "s/^  backoff_s: .*/  backoff_s: 0.2/")
+  config ref 4 "${hang_cfg[@]}"
+  "$bin/dflash" run "$work/ref.yaml" --quiet 2> "$work/ref.log" || fail "reference run: $(tail -3 "$work/ref.log")"
+  config hang 4 "${hang_cfg[@]}"
+  # Target 1's main loop sleeps for good after 6 batches in attempt 0; its heartbeat goes on.
+  DFLASH_TEST_FREEZE_TARGET=1:6 "$bin/dflash" run "$work/hang.yaml" --quiet 2> "$work/hang.log" \
+    || fail "frozen target run: $(tail -5 "$work/hang.log")"
+  grep -q "main loop frozen after 6 batches" "$work/hang/logs/target-1.log" || fail "the freeze hook did not fire"
+  "$py" - "$work/hang/ledger.jsonl" "$pt" <<'PY'
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+restarts = [r for r in recs if r["type"] == "restart"]
+assert len(restarts) == 1, restarts
+r = restarts[0]
+assert (r["role"], r["rank"]) == ("target", 1) and "no progress" in r["reason"], r
+last_step = max(x["time"] for x in recs if x["type"] == "step" and x["time"] < r["time"])
+lag = r["time"] - last_step
+assert lag <= float(sys.argv[2]) + 5, f"detected {lag:.1f} s after the last step"
+print(f"target 1 restarted {lag:.1f} s after the last step: {r['reason']}")
+PY
+  "$py" "$src/tests/coordinator/check_run.py" "$work/hang" --samples 100 --reference "$work/ref" --expect-restarts 1
   ;;
 *)
   fail "unknown case $case_name"
