@@ -22,7 +22,8 @@ in_addr ipv4_address(const std::string& host, const std::string& what) {
   addrinfo* res = nullptr;
   const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
   DFLASH_CHECK(rc == 0 && res, ConfigError,
-               what << ": bind address '" << host << "' is neither an IPv4 address nor a resolvable host name: " << ::gai_strerror(rc));
+               what << ": bind address '" << host << "' is neither an IPv4 address nor a resolvable host name: "
+                    << ::gai_strerror(rc));
   a = reinterpret_cast<const sockaddr_in*>(res->ai_addr)->sin_addr;
   ::freeaddrinfo(res);
   return a;

@@ -129,7 +129,8 @@ int Coordinator::run() {
 // Shared-memory rings of this run whose creator is dead (all of them once the workers are gone).
 void Coordinator::remove_run_segments(const char* when) {
   const std::string prefix = pipeline::run_segment_prefix(pipeline::run_id_of(base_cfg_));
-  if (const size_t n = stream::remove_stale_segments(prefix)) LOG_INFO("removed " << n << " shared-memory segment(s) /" << prefix << "* " << when);
+  if (const size_t n = stream::remove_stale_segments(prefix))
+    LOG_INFO("removed " << n << " shared-memory segment(s) /" << prefix << "* " << when);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -234,9 +235,9 @@ void Coordinator::start_server() {
   const int wanted = std::stoi(listen.substr(listen.rfind(':') + 1));  // config check: HOST:PORT
   if ((!server_ || port <= 0) && wanted > 0) {  // a fixed port: taken (or an address not of this host)
     const std::string holder = tcp_port_holder(wanted);
-    DFLASH_FAIL(ConfigError, "coordinator.listen: cannot listen on " << listen << ": port " << wanted << " is in use (holder: "
-                                                                     << holder << (holder == "unknown" ? "; or " + host + " is not an address of this host" : "")
-                                                                     << ")");
+    const std::string or_address = holder == "unknown" ? "; or " + host + " is not an address of this host" : "";
+    DFLASH_FAIL(ConfigError, "coordinator.listen: cannot listen on " << listen << ": port " << wanted
+                                                                     << " is in use (holder: " << holder << or_address << ")");
   }
   DFLASH_CHECK(server_ && port > 0, TransportError, "coordinator.listen: cannot listen on " << listen);
   // Listening on all interfaces: workers on other nodes reach us by this host's name.

@@ -39,8 +39,12 @@
 //      4 data) and a "stopped" record; the last commit stays valid for --resume.
 // 5. finish(): the run ended: exit 0 when every drafter finished (rank 0 committed the final
 //    checkpoint and exported; a "finished" record), or after `dflash stop` / SIGINT / SIGTERM once
-//    the drafters stopped with a checkpoint (a "stopped" record). The server stops and
-//    coordinator.json is removed.
+//    the drafters stopped with a checkpoint (a "stopped" record). The server stops,
+//    coordinator.json is removed and the run's dead /dev/shm segments are unlinked (also on the
+//    way out after an error, and at the start for leftovers of a killed launch).
+// Signals: the SIGINT/SIGTERM handler only counts; monitor() acts: the 1st starts the graceful
+// stop, the 2nd is ignored (logged), the 3rd forces it (workers killed, last commit kept), the 4th
+// exits at once. Workers ended by SIGTERM/SIGINT after the coordinator got one are not crashes.
 // Worker ids are attempt * kAttemptStride + the worker's index; calls from workers of an earlier
 // attempt are refused (FAILED_PRECONDITION).
 #pragma once

@@ -69,8 +69,8 @@ std::vector<std::string> run_segments(uint64_t id) {
   if (!left.empty()) {
     std::cerr << "leftover shared memory of this run:";
     for (const auto& n : left) std::cerr << " /dev/shm/" << n;
-    std::cerr << "\nremove it with: dflash stop --cleanup " << (f.has("config") ? "--config " + f.get("config") : "--run-dir " + dir)
-              << "\n";
+    const std::string which = f.has("config") ? "--config " + f.get("config") : "--run-dir " + dir;
+    std::cerr << "\nremove it with: dflash stop --cleanup " << which << "\n";
   }
   DFLASH_FAIL(ConfigError, "no coordinator is running for " << dir
                            << (left.empty() ? "" : " (" + std::to_string(left.size()) + " leftover shared-memory segment(s))"));
