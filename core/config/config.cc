@@ -64,6 +64,10 @@ const char* enum_name(E v) {
   return "?";
 }
 
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
+}
+
 }  // namespace
 
 const char* to_string(Dtype v) { return enum_name(v); }
@@ -104,6 +108,30 @@ RunConfig without_workers(RunConfig c, const std::vector<WorkerSlot>& slots) {
   DFLASH_CHECK(c.num_targets() > 0 && c.num_drafters() > 0, ConfigError,
                "topology.hosts: leaving out " << slots.size() << " worker(s) leaves no " << (c.num_targets() ? "drafter" : "target"));
   return c;
+}
+
+bool all_local(const RunConfig& c) {
+  for (const auto& h : c.topology.hosts) {
+    if (h.target_gpus.empty() && h.drafter_gpus.empty()) continue;
+    if (h.launch != "local" && !is_loopback(h.name)) return false;
+  }
+  return true;
+}
+
+std::string bind_host(const RunConfig& c, const std::string& own_host) {
+  return all_local(c) ? std::string("127.0.0.1") : own_host;
+}
+
+std::string metrics_bind_host(const RunConfig& c, const std::string& own_host) {
+  return c.coordinator.metrics_listen.empty() ? bind_host(c, own_host) : c.coordinator.metrics_listen;
+}
+
+std::string worker_host(const RunConfig& c, Role role, int rank) {
+  int i = 0;
+  for (const auto& h : c.topology.hosts)
+    for (size_t g = 0; g < (role == Role::kTarget ? h.target_gpus : h.drafter_gpus).size(); ++g, ++i)
+      if (i == rank) return h.name;
+  DFLASH_FAIL(ConfigError, "topology.hosts: no " << to_string(role) << " " << rank << " (the config has " << i << ")");
 }
 
 // ---------------------------------------------------------------- field lists
@@ -209,8 +237,10 @@ void fields(V& v, CoordinatorSection& s) {
   v("token", s.token);
   v("token_file", s.token_file);
   v("heartbeat_timeout_s", s.heartbeat_timeout_s);
+  v("progress_timeout_s", s.progress_timeout_s);
   v("metrics_port", s.metrics_port);
   v("worker_metrics_port_base", s.worker_metrics_port_base);
+  v("metrics_listen", s.metrics_listen);
   v("profile_interval_s", s.profile_interval_s);
 }
 
@@ -782,10 +812,6 @@ int check_listen(Ctx& ctx, const std::string& path, const std::string& listen, s
   return std::stoi(port_text);
 }
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
-}
-
 void check_gpu_list(Ctx& ctx, const std::string& host_path, const char* list_name,
                     const std::vector<int>& gpus, std::map<int, std::string>& used) {
   for (size_t i = 0; i < gpus.size(); ++i) {
@@ -968,11 +994,21 @@ void validate(RunConfig& c, Ctx& ctx) {
               "expected a value in [" + num(kMinHeartbeatTimeoutS) + ", " + num(static_cast<int64_t>(kMaxTimeoutS)) +
                   "] seconds (workers heartbeat every 0.5 s; at most a day), got " + num(co.heartbeat_timeout_s));
   }
+  if (co.progress_timeout_s != 0 &&
+      (co.progress_timeout_s < kMinHeartbeatTimeoutS || co.progress_timeout_s > kMaxTimeoutS)) {
+    ctx.check("coordinator.progress_timeout_s",
+              "expected 0 (off) or a value in [" + num(kMinHeartbeatTimeoutS) + ", " + num(static_cast<int64_t>(kMaxTimeoutS)) +
+                  "] seconds, got " + num(co.progress_timeout_s));
+  }
   in_range(ctx, "coordinator.metrics_port", co.metrics_port, 0, 65535);
   in_range(ctx, "coordinator.worker_metrics_port_base", co.worker_metrics_port_base, 0, 65535);
   if (co.metrics_port > 0 && co.metrics_port == listen_port) {
     ctx.check("coordinator.metrics_port", "expected a port other than coordinator.listen's (" +
                                               num(listen_port) + ")");
+  }
+  if (co.metrics_listen.find_first_of(": \t") != std::string::npos) {
+    ctx.check("coordinator.metrics_listen", "expected a host address without a port (the ports are metrics_port and "
+                                            "worker_metrics_port_base), got \"" + co.metrics_listen + "\"");
   }
   if (co.profile_interval_s < 0 || co.profile_interval_s > kMaxTimeoutS) {
     ctx.check("coordinator.profile_interval_s", "expected a value in [0, " + num(static_cast<int64_t>(kMaxTimeoutS)) +

@@ -150,8 +150,14 @@ struct CoordinatorSection {
   std::string token;                       // control-plane token (at most one of token/token_file);
   std::string token_file;                  // one is required when listen is not loopback
   double heartbeat_timeout_s = 30.0;       // [kMinHeartbeatTimeoutS, kMaxTimeoutS]
+  // A worker whose progress counter (control_client.h) stands still this long while its main loop
+  // is blocked on nothing is hung and restarted; 0 = off, else [kMinHeartbeatTimeoutS, kMaxTimeoutS].
+  double progress_timeout_s = 600.0;
   int metrics_port = 9400;                 // [0, 65535], 0 = off (coordinator's /metrics)
   int worker_metrics_port_base = 9401;     // [0, 65535], worker i serves base + i, 0 = off
+  // Host address every /metrics server binds ("" = bind_host(): 127.0.0.1 on an all-local run,
+  // else the process's own configured host); an explicit value (0.0.0.0 included) is used as given.
+  std::string metrics_listen;
   double profile_interval_s = 0.0;         // [0, kMaxTimeoutS] (0 = off)
 };
 
@@ -215,6 +221,19 @@ struct WorkerSlot {
 // (resilience.allow_degraded). Ranks are renumbered densely in topology order, as for any config.
 // ConfigError naming the slot when it is not in the topology or when a role would have no worker.
 RunConfig without_workers(RunConfig c, const std::vector<WorkerSlot>& slots);
+
+// True when every worker of the topology runs on this machine: each host with workers is launched
+// "local" or is named by a loopback address.
+bool all_local(const RunConfig& c);
+// The address a listening socket of this run binds when the config names none: "127.0.0.1" on an
+// all-local run, else `own_host` (the configured address of the process's host). Never a wildcard
+// unless `own_host` is one (an explicit 0.0.0.0 in the config).
+std::string bind_host(const RunConfig& c, const std::string& own_host);
+// Where a /metrics server of this run binds: coordinator.metrics_listen when set, else bind_host().
+std::string metrics_bind_host(const RunConfig& c, const std::string& own_host);
+// The host name topology.hosts gives worker `rank` of `role` (ranks in topology order).
+// ConfigError when the topology has no such worker.
+std::string worker_host(const RunConfig& c, Role role, int rank);
 
 // Field-by-field equality (doubles compared exactly; implemented as to_yaml(a) == to_yaml(b),
 // which writes every field with round-trip precision).

@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "core/util/error.h"
+#include "core/util/net.h"
 
 namespace dflash::metrics {
 
@@ -190,21 +191,8 @@ std::string Registry::text() const { return prometheus::TextSerializer().Seriali
 MetricsServer::MetricsServer(int port, const std::string& bind_address, std::shared_ptr<Registry> registry)
     : registry_(registry ? std::move(registry) : std::make_shared<Registry>()) {
   DFLASH_CHECK(port >= 0 && port < 65536, ConfigError, "metrics port " << port << " is not a port");
-  const std::string addr = bind_address + ":" + std::to_string(port);
+  listen_fd_ = listen_tcp(bind_address, port, "metrics");
   sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(static_cast<uint16_t>(port));
-  DFLASH_CHECK(inet_pton(AF_INET, bind_address.c_str(), &sa.sin_addr) == 1, ConfigError,
-               "metrics: bind address '" << bind_address << "' is not an IPv4 address");
-  listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  DFLASH_CHECK(listen_fd_ >= 0, TransportError, "metrics: socket(): " << std::strerror(errno));
-  int one = 1;
-  ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 || ::listen(listen_fd_, 16) != 0) {
-    const std::string why = std::strerror(errno);
-    ::close(listen_fd_);
-    DFLASH_FAIL(TransportError, "metrics: cannot serve /metrics on " << addr << ": " << why);
-  }
   socklen_t len = sizeof sa;
   ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&sa), &len);
   port_ = ntohs(sa.sin_port);

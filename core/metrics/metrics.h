@@ -113,12 +113,12 @@ class Registry : public prometheus::Collectable {
   std::map<std::string, Family> families_;
 };
 
-// Serves a registry on http://<bind>:<port>/metrics from prometheus-cpp's own threads.
-// port 0 binds an ephemeral port (see bound_port()). Throws TransportError when it cannot bind.
+// Serves a registry on http://<bind>:<port>/metrics from its own thread. `bind_address`: an IPv4
+// address or a host name (no default: the caller decides, config::metrics_bind_host for a run).
+// port 0 binds an ephemeral port (see bound_port()). Throws as listen_tcp (core/util/net.h).
 class MetricsServer {
  public:
-  explicit MetricsServer(int port, const std::string& bind_address = "0.0.0.0",
-                         std::shared_ptr<Registry> registry = nullptr);
+  MetricsServer(int port, const std::string& bind_address, std::shared_ptr<Registry> registry = nullptr);
   ~MetricsServer();
   MetricsServer(const MetricsServer&) = delete;
   MetricsServer& operator=(const MetricsServer&) = delete;

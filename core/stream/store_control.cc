@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/util/error.h"
+#include "core/util/net.h"
 
 namespace dflash::stream {
 namespace {
@@ -62,6 +63,8 @@ c10::intrusive_ptr<c10d::Store> make_link_store(const std::string& who, const st
   so.numWorkers = std::nullopt;
   so.waitWorkers = false;
   so.timeout = timeout;
+  // The receiver binds the socket itself, on `host` only (the store's own bind is a wildcard).
+  if (server) so.masterListenFd = listen_tcp(host, port, who + ": the link store");
   try {
     return c10::make_intrusive<c10d::TCPStore>(host, so);
   } catch (const c10::Error& e) {

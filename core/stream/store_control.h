@@ -12,7 +12,7 @@
 
 namespace dflash::stream {
 
-// The link's TCPStore: the receiver hosts it (`server`, binds all interfaces on `port`), the sender
+// The link's TCPStore: the receiver hosts it (`server`, binds host:port only), the sender
 // connects to host:port, retrying up to `timeout`. `who` prefixes errors ("c10d link NAME").
 // TransportError when the port is taken or the store stays unreachable; ConfigError for a bad port.
 c10::intrusive_ptr<c10d::Store> make_link_store(const std::string& who, const std::string& host, int port, bool server,

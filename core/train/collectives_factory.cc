@@ -8,6 +8,7 @@
 
 #include "core/train/collectives_cpu.h"
 #include "core/util/error.h"
+#include "core/util/net.h"
 #ifdef DFLASH_WITH_CUDA
 #include "core/train/collectives_nccl.h"
 #endif
@@ -80,6 +81,8 @@ c10::intrusive_ptr<c10d::Store> rendezvous_store(const CollectivesOptions& opts,
   so.numWorkers = std::nullopt;  // our own join keys below name the missing ranks
   so.waitWorkers = false;
   so.timeout = opts.timeout;
+  // Rank 0 binds the socket itself, on store_host only (the store's own bind is a wildcard).
+  if (so.isServer) so.masterListenFd = listen_tcp(opts.store_host, opts.store_port, "collectives rank 0: the store");
   c10::intrusive_ptr<c10d::Store> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(opts.store_host, so);

@@ -17,7 +17,7 @@ struct CollectivesOptions {
   std::string backend = "cpu";  // "cpu" (TCPStore data path) | "nccl" (c10d ProcessGroupNCCL, CUDA builds)
   int rank = 0;
   int world_size = 1;
-  std::string store_host = "127.0.0.1";  // where rank 0 hosts the TCPStore (rank 0 binds all interfaces)
+  std::string store_host = "127.0.0.1";  // where rank 0 hosts the TCPStore (rank 0 binds this address only)
   int store_port = 29500;                // 0 is refused: every rank must know the port up front
   // Bounds every wait: rendezvous, each collective, and the store's own socket operations.
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};

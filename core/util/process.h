@@ -43,4 +43,9 @@ std::string usage_text(const char* binary, std::initializer_list<Subcommand> com
 int dispatch_subcommand(int argc, char** argv, const char* binary, const char* role,
                         std::initializer_list<Subcommand> commands);
 
+// Best effort, for error messages: "pid N (COMM)" of a process of this machine with a TCP socket
+// listening on `port` (found through /proc/net/tcp, /proc/net/tcp6 and /proc/*/fd), or "unknown"
+// when none is found or /proc cannot be read (another user's process, another network namespace).
+std::string tcp_port_holder(int port);
+
 }  // namespace dflash

@@ -52,6 +52,10 @@ const std::vector<Switch>& registry() {
        "Bearer token of the coordinator's control API (clients and workers send it).", false, true},
       {"DFLASH_CONTROL_TOKEN_FILE", Kind::kText, {}, "",
        "File holding the control token, read when DFLASH_CONTROL_TOKEN is not set.", false, false},
+      {"DFLASH_TEST_FREEZE_TARGET", Kind::kText, {}, "",
+       "Tests only: RANK:BATCHES; in launch attempt 0, target RANK's main loop sleeps for good after sending "
+       "BATCHES batches while its heartbeat goes on (the progress-liveness test).",
+       false, false},
   };
   return r;
 }

@@ -7,6 +7,8 @@
 #include <cctype>
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
+#include <utility>
 
 #include "control.grpc.pb.h"
 #include "core/util/error.h"
@@ -146,6 +148,28 @@ void ControlClient::set_progress(int64_t step, double tps, int64_t mem) {
 
 void ControlClient::set_on_lost(std::function<void()> f) { on_lost_ = std::move(f); }
 
+namespace {
+std::atomic<int64_t> g_progress{0};
+std::mutex g_blocked_mu;
+std::string g_blocked_on;
+}  // namespace
+
+void advance_progress(int64_t n) { g_progress.fetch_add(n, std::memory_order_relaxed); }
+int64_t progress() { return g_progress.load(std::memory_order_relaxed); }
+
+BlockedOn::BlockedOn(std::string what) {
+  std::lock_guard<std::mutex> lk(g_blocked_mu);
+  previous_ = std::exchange(g_blocked_on, std::move(what));
+}
+BlockedOn::~BlockedOn() {
+  std::lock_guard<std::mutex> lk(g_blocked_mu);
+  g_blocked_on = std::move(previous_);
+}
+std::string BlockedOn::current() {
+  std::lock_guard<std::mutex> lk(g_blocked_mu);
+  return g_blocked_on;
+}
+
 void ControlClient::heartbeat_loop() {
   auto last_ok = Clock::now();
   while (!quit_) {
@@ -155,6 +179,8 @@ void ControlClient::heartbeat_loop() {
     req.set_step(progress);
     req.set_tokens_per_second(tps_.load());
     req.set_gpu_memory_bytes(mem_.load());
+    req.set_progress(control::progress());
+    req.set_blocked_on(BlockedOn::current());
     pb::HeartbeatResponse resp;
     grpc::ClientContext ctx;
     impl_->prepare(ctx, std::max(0.5, opt_.heartbeat_interval_s * 2));

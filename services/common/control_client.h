@@ -10,6 +10,12 @@
 //     for `lost_after_s` (it died), the worker cannot commit anything any more: the thread logs it,
 //     runs the `on_lost` hook (unlink shared memory, ...) and exits the process with code 1, so no
 //     orphan keeps GPUs busy. `dflash run --resume latest` restarts the run from the ledger.
+//   - Liveness from progress: the heartbeat also carries this process's progress counter
+//     (advance_progress(), called by the main loop: a target per batch sent, a drafter per step)
+//     and what the main loop is blocked on (a BlockedOn scope: "target 1", "drafter 0",
+//     "drafter peers (collective)", "checkpoint write", ...). The coordinator declares a worker
+//     hung when its counter stands still for coordinator.progress_timeout_s while it is blocked on
+//     nothing, and restarts it; a worker blocked on a peer is not blamed for the peer's stall.
 //   - report_step / commit_checkpoint / report_failure: synchronous calls with a deadline; a failure
 //     of report_step or commit_checkpoint throws TransportError (a commit the coordinator did not
 //     record did not happen).
@@ -127,6 +133,26 @@ class ControlClient {
   std::atomic<bool> stop_{false}, checkpoint_{false}, quit_{false};
   std::function<void()> on_lost_;
   std::thread hb_;
+};
+
+// This process's progress counter (one per process: its main loop advances it; the heartbeat
+// sends it). Async-safe and cheap (one relaxed atomic add).
+void advance_progress(int64_t n = 1);
+int64_t progress();
+
+// While alive, the heartbeat says the main loop is blocked on `what` (not expected to progress).
+// Scopes nest: the innermost one counts, and the outer one is back when it ends. One thread (the
+// main loop) opens them.
+class BlockedOn {
+ public:
+  explicit BlockedOn(std::string what);
+  ~BlockedOn();
+  BlockedOn(const BlockedOn&) = delete;
+  BlockedOn& operator=(const BlockedOn&) = delete;
+  static std::string current();  // "" when nothing is
+
+ private:
+  std::string previous_;
 };
 
 // Runs `body`; on an exception reports it to the coordinator (when `client` is non-null) with the

@@ -80,11 +80,14 @@ class WorkerBase {
   WorkerBase(const config::RunConfig& cfg, const control::LaunchPlan& launch, control::ControlClient* client)
       : cfg_(cfg), launch_(launch), client_(client), t_start_(std::chrono::steady_clock::now()), N_(cfg.num_targets()),
         M_(cfg.num_drafters()), registry_(std::make_shared<metrics::Registry>()) {}
-  // Serves the registry on http://0.0.0.0:port/metrics (port 0: an ephemeral one, logged); none when port < 0.
-  void serve_metrics(int port) {
+  // Serves the registry on http://HOST:port/metrics, HOST = config::metrics_bind_host for the host
+  // of worker `rank` of `role` (127.0.0.1 on an all-local run); port 0: an ephemeral one, logged;
+  // none when port < 0.
+  void serve_metrics(int port, config::Role role, int rank) {
     if (port < 0) return;
-    server_ = std::make_unique<metrics::MetricsServer>(port, "0.0.0.0", registry_);
-    LOG_INFO("metrics on http://0.0.0.0:" << server_->bound_port() << "/metrics");
+    const std::string host = config::metrics_bind_host(cfg_, config::worker_host(cfg_, role, rank));
+    server_ = std::make_unique<metrics::MetricsServer>(port, host, registry_);
+    LOG_INFO("metrics on http://" << host << ":" << server_->bound_port() << "/metrics");
   }
 
   const config::RunConfig& cfg_;

@@ -25,11 +25,12 @@ namespace {
 
 const char* kUsage =
     "usage: dflash <command> ...\n"
-    "  run CONFIG [--resume latest|DIR] [--plan] [--device cpu|cuda]\n"
+    "  run CONFIG [--resume latest|auto|DIR] [--plan] [--device cpu|cuda]\n"
     "                           the coordinator: plan, launch every target server and drafter trainer,\n"
     "                           supervise (restarts, OOM response), ledger, checkpoints; exit 0 when done\n"
     "  status [--config CONFIG | --run-dir DIR | --coordinator ADDR] [--json]   workers, steps, restarts\n"
     "  stop | checkpoint [--config CONFIG | --run-dir DIR | --coordinator ADDR] graceful stop / commit now\n"
+    "  stop --cleanup (--config CONFIG | --run-dir DIR)   remove the shared memory a dead run left\n"
     "  config check FILE        validate a run config; prints every problem; exit 2 on any\n"
     "  train CONFIG [--device cpu|cuda] [--max-steps N] [--export DIR]\n"
     "                           a whole training run in one process (capture + train + checkpoints + export)\n"

@@ -67,6 +67,10 @@ grpc::Status Coordinator::Heartbeat(grpc::ServerContext* ctx, const pb::Heartbea
     w.last_heartbeat = Clock::now();
     w.step = req->step();
     w.tokens_per_s = req->tokens_per_second();
+    // The stall clock runs only while the main loop is blocked on nothing (see poll_workers).
+    if (req->progress() != w.progress || !req->blocked_on().empty()) w.progress_at = w.last_heartbeat;
+    w.progress = req->progress();
+    w.blocked_on = req->blocked_on();
     if (w.spec.role == config::Role::kDrafter) {
       resp->set_stop(stop_requested_);
       resp->set_checkpoint_now(checkpoint_requested_);
@@ -173,7 +177,8 @@ json Coordinator::status_json() const {  // mu_ held
     ws.push_back({{"role", config::to_string(w.spec.role)}, {"rank", w.spec.rank}, {"host", w.spec.host}, {"gpu", w.spec.gpu},
                   {"pid", w.pid}, {"state", w.state}, {"step", w.step}, {"tokens_per_s", w.tokens_per_s},
                   {"last_heartbeat_s_ago", w.registered ? seconds_since(w.last_heartbeat) : -1.0}, {"metrics_port", w.metrics_port},
-                  {"exit", w.exit.exited ? w.exit.describe() : ""}});
+                  {"exit", w.exit.exited ? w.exit.describe() : ""}, {"progress", w.progress},
+                  {"waiting", w.blocked_on.empty() ? "" : "waiting on " + w.blocked_on}});
   const auto& st = ledger_->state();
   json gens = json::array();
   for (const auto& g : st.generations)

@@ -15,9 +15,11 @@
 #include <thread>
 
 #include "core/data/shards.h"
+#include "core/stream/shm_transport.h"
 #include "core/train/checkpoint.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/process.h"
 #include "core/util/switches.h"
 #include "core/io/hf_config.h"
 #include "services/common/pipeline_common.h"
@@ -34,13 +36,30 @@ using nlohmann::json;
 
 namespace {
 
-std::atomic<bool> g_stop_signal{false};
+// SIGINT / SIGTERM: the handler only counts (a lock-free atomic, async-signal-safe); monitor()
+// acts on the count and logs. 1: graceful stop (as `dflash stop`); 2: ignored; 3: forced stop
+// (workers killed, the last commit kept); 4: monitor() did not get to it, leave at once.
+std::atomic<int> g_stop_signals{0};
+static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free counter");
 
-extern "C" void on_sigint(int) {
-  // Graceful stop on the first Ctrl-C / SIGTERM (as `dflash stop`); a second one kills.
-  g_stop_signal = true;
-  std::signal(SIGINT, SIG_DFL);
-  std::signal(SIGTERM, SIG_DFL);
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signals.fetch_add(1) + 1 >= 4) ::_exit(128 + sig);
+}
+
+void install_stop_signals() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+}
+
+// A worker ended by SIGTERM / SIGINT (directly or as a shell's 128 + signal) after this process
+// got one: the same signal reached its process group (systemd, `timeout`, a terminal), not a crash.
+bool stopped_by_signal(const ExitInfo& e) {
+  return g_stop_signals.load() > 0 && (e.signal == SIGTERM || e.signal == SIGINT || e.code == 128 + SIGTERM ||
+                                       e.code == 128 + SIGINT);
 }
 
 std::string self_dir() {
@@ -87,13 +106,31 @@ int Coordinator::run() {
     std::cout << p.dump(2) << std::endl;
     return kExitOk;
   }
-  if (!open_ledger()) return kExitOk;
-  serve_control();
-  std::signal(SIGINT, on_sigint);
-  std::signal(SIGTERM, on_sigint);
-  const int rc = supervise();
-  finish();
-  return rc;
+  install_stop_signals();
+  try {
+    if (!open_ledger()) {
+      finish();
+      return kExitOk;
+    }
+    serve_control();
+    const int rc = supervise();
+    finish();
+    return rc;
+  } catch (...) {
+    if (lock_) {  // the directory is ours: leave no shared memory of this run behind
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_all();
+      remove_run_segments("on the way out after an error");
+    }
+    throw;
+  }
+}
+
+// Shared-memory rings of this run whose creator is dead (all of them once the workers are gone).
+void Coordinator::remove_run_segments(const char* when) {
+  const std::string prefix = pipeline::run_segment_prefix(pipeline::run_id_of(base_cfg_));
+  if (const size_t n = stream::remove_stale_segments(prefix))
+    LOG_INFO("removed " << n << " shared-memory segment(s) /" << prefix << "* " << when);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -130,8 +167,11 @@ config::RunConfig redacted(config::RunConfig cfg) {
 bool Coordinator::open_ledger() {
   const fs::path out = cfg_.run.output_dir;
   fs::create_directories(out);
+  lock_.emplace(RunLock::acquire(out.string()));  // before anything in the directory is read or moved
+  remove_run_segments("left by an earlier launch of this run");
   const std::string ledger_path = (out / "ledger.jsonl").string();
   const bool existed = fs::exists(ledger_path) && fs::file_size(ledger_path) > 0;
+  if (opts_.resume == "auto") opts_.resume = existed ? "latest" : "";  // fresh without a ledger, else resume
   const std::string& resume = opts_.resume;
   DFLASH_CHECK(resume.empty() || existed, ConfigError,
                "--resume " << resume << ": " << ledger_path << " does not exist: there is no run to resume in run.output_dir");
@@ -185,12 +225,21 @@ void Coordinator::serve_control() {
 void Coordinator::start_server() {
   const std::string& listen = cfg_.coordinator.listen;
   grpc::ServerBuilder b;
+  // No SO_REUSEPORT: a second coordinator on the same port must fail, not share the port's calls.
+  b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int port = 0;
   b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   b.RegisterService(this);
   server_ = b.BuildAndStart();
-  DFLASH_CHECK(server_ && port > 0, TransportError, "coordinator.listen: cannot listen on " << listen);
   const std::string host = listen.substr(0, listen.rfind(':'));
+  const int wanted = std::stoi(listen.substr(listen.rfind(':') + 1));  // config check: HOST:PORT
+  if ((!server_ || port <= 0) && wanted > 0) {  // a fixed port: taken (or an address not of this host)
+    const std::string holder = tcp_port_holder(wanted);
+    const std::string or_address = holder == "unknown" ? "; or " + host + " is not an address of this host" : "";
+    DFLASH_FAIL(ConfigError, "coordinator.listen: cannot listen on " << listen << ": port " << wanted
+                                                                     << " is in use (holder: " << holder << or_address << ")");
+  }
+  DFLASH_CHECK(server_ && port > 0, TransportError, "coordinator.listen: cannot listen on " << listen);
   // Listening on all interfaces: workers on other nodes reach us by this host's name.
   char hostname[256] = {0};
   ::gethostname(hostname, sizeof hostname - 1);
@@ -219,8 +268,10 @@ void Coordinator::start_metrics() {
     declare_metrics(*registry_);
   }
   if (mport > 0) {
-    metrics_server_ = std::make_unique<metrics::MetricsServer>(mport, "0.0.0.0", registry_);
-    LOG_INFO("coordinator metrics on http://0.0.0.0:" << metrics_server_->bound_port() << "/metrics");
+    const std::string& listen = cfg_.coordinator.listen;
+    const std::string host = config::metrics_bind_host(cfg_, listen.substr(0, listen.rfind(':')));
+    metrics_server_ = std::make_unique<metrics::MetricsServer>(mport, host, registry_);
+    LOG_INFO("coordinator metrics on http://" << host << ":" << metrics_server_->bound_port() << "/metrics");
   }
 }
 
@@ -241,6 +292,7 @@ int Coordinator::supervise() {
     if (outcome.kind != Outcome::kFailed) return end_run(outcome);
     const RecoveryDecision d = handle_failure(outcome);
     if (d.action == RecoveryAction::kStop) return d.exit_code;
+    if (g_stop_signals.load() > 0) return end_run(Outcome{Outcome::kStopped, -1, "signal during a restart", false});
     lk.unlock();
     if (d.backoff_s > 0) std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(d.backoff_s * 1000)));
   }
@@ -437,11 +489,13 @@ Coordinator::Outcome Coordinator::monitor() {
   for (;;) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::lock_guard<std::mutex> lk(mu_);
-    if (g_stop_signal && !stop_requested_) {
-      LOG_INFO("signal: stopping gracefully (the drafters commit a checkpoint); send it again to kill");
-      stop_requested_ = true;
-    }
     Outcome out;
+    if (take_signals()) {
+      stop_all();
+      out.kind = Outcome::kStopped;
+      out.reason = "forced by a third signal";
+      return out;
+    }
     int alive = 0, drafters = 0, drafters_done = 0;
     poll_workers(out, alive, drafters, drafters_done);
     if (m_alive_) m_alive_->set(alive);
@@ -466,6 +520,21 @@ Coordinator::Outcome Coordinator::monitor() {
   }
 }
 
+// Acts on SIGINT / SIGTERM counted since the last look (the handler itself only counts): a graceful
+// stop on the first, a log line for the ignored second, true (force the stop) from the third on.
+bool Coordinator::take_signals() {
+  const int n = g_stop_signals.load();
+  if (n > 0 && !stop_requested_) {
+    LOG_INFO("signal: stopping gracefully (the drafters commit a checkpoint); a third signal forces the stop");
+    stop_requested_ = true;
+    stop_reason_ = "signal";
+  }
+  if (n == 2 && signals_seen_ < 2) LOG_WARN("second signal ignored: a graceful stop is under way (a third forces it)");
+  signals_seen_ = n;
+  if (n >= 3) LOG_WARN("third signal: forcing the stop; the last commit is kept");
+  return n >= 3;
+}
+
 // One look at every worker: exits (the first failure goes into `out`), hangs, counts.
 void Coordinator::poll_workers(Outcome& out, int& alive, int& drafters, int& drafters_done) {
   const double hb_timeout = cfg_.coordinator.heartbeat_timeout_s;
@@ -477,7 +546,9 @@ void Coordinator::poll_workers(Outcome& out, int& alive, int& drafters, int& dra
       w.exit = poll_child(w.pid);
       if (w.exit.exited) {
         w.state = w.exit.code == 0 ? "done" : "failed";
-        if (w.exit.code != 0 && out.worker < 0 && !(stop_requested_ && w.spec.role == config::Role::kTarget)) {
+        if (stopped_by_signal(w.exit)) w.state = "stopped";
+        if (w.exit.code != 0 && out.worker < 0 && !(stop_requested_ && w.spec.role == config::Role::kTarget) &&
+            !stopped_by_signal(w.exit)) {
           out.worker = static_cast<int>(i);
           out.reason = w.exit.describe() + (w.reported_message.empty() ? "" : ": " + w.reported_message);
           if (ran_out_of_memory(w.exit.code, w.reported_code)) out.reason = "CUDA out of memory (" + out.reason + ")";
@@ -493,10 +564,29 @@ void Coordinator::poll_workers(Outcome& out, int& alive, int& drafters, int& dra
         out.reason = w.registered ? "no heartbeat for " + std::to_string(int(seconds_since(w.last_heartbeat))) + " s (hung)"
                                   : "did not register within " + std::to_string(int(startup_timeout)) + " s";
       }
-    } else if (w.spec.role == config::Role::kDrafter && w.exit.code == 0) {
+      std::string stall;
+      if (!hung && out.worker < 0 && progress_stalled(w, &stall)) {
+        out.worker = static_cast<int>(i);
+        out.hang = true;
+        out.reason = stall;
+      }
+    } else if (w.spec.role == config::Role::kDrafter && (w.exit.code == 0 || stopped_by_signal(w.exit))) {
       ++drafters_done;
     }
   }
+}
+
+// Liveness from progress: a worker that has made progress in this launch, whose counter then stood
+// still for coordinator.progress_timeout_s (0 = off) while its main loop was blocked on nothing.
+bool Coordinator::progress_stalled(const WorkerState& w, std::string* reason) const {
+  const double limit = cfg_.coordinator.progress_timeout_s;
+  if (limit <= 0 || !w.registered || w.progress <= 0 || !w.blocked_on.empty()) return false;
+  const double idle = seconds_since(w.progress_at);
+  if (idle <= limit) return false;
+  *reason = "no progress for " + std::to_string(int(idle)) + " s with heartbeats alive (progress counter at " +
+            std::to_string(w.progress) + ", waiting on nothing; coordinator.progress_timeout_s=" + std::to_string(int(limit)) +
+            "): main loop hung";
+  return true;
 }
 
 // Peers of a failing worker fail right after it (a closed link, a dead peer in a collective). Give
@@ -561,7 +651,8 @@ int Coordinator::end_run(const Outcome& outcome) {
     return kExitOk;
   }
   const int64_t committed = ledger_->state().committed_step();
-  ledger_->append({{"type", "stopped"}, {"reason", "dflash stop"}, {"step", committed}});
+  const std::string reason = !outcome.reason.empty() ? outcome.reason : stop_reason_;
+  ledger_->append({{"type", "stopped"}, {"reason", reason}, {"step", committed}});
   LOG_INFO("run stopped at the committed step " << committed << "; continue with dflash run " << opts_.config_path
                                                 << " --resume latest");
   return kExitOk;
@@ -673,6 +764,7 @@ void Coordinator::open_oom_generation(const WorkerState& w, const RecoveryDecisi
 void Coordinator::finish() {
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   fs::remove(fs::path(cfg_.run.output_dir) / "coordinator.json");
+  remove_run_segments("at the end of the run");
 }
 
 }  // namespace dflash::coordinator

@@ -5,10 +5,13 @@
 //    optimizer step (ConfigError, exit 2), resolves the device (--device; ConfigError unless cpu or
 //    cuda) and prints the plan: topology, GPUs per role, batches per epoch, tokens per step, steps,
 //    a memory estimate per role (services/coordinator/plan_report.h). `--plan` stops there.
-// 2. open_ledger(): <output_dir>/ledger.jsonl (services/coordinator/ledger.h). A new run records
-//    its "run" record; an existing ledger is resumed (--resume latest, or run.resume: auto);
-//    --resume DIR resumes from that committed checkpoint (a "rollback" record). A finished run
-//    exits 0 at once. ConfigError for --resume without a ledger, or a ledger with run.resume never.
+// 2. open_ledger(): takes the run directory's lock first (services/coordinator/run_lock.h;
+//    ConfigError naming the holder when another `dflash run` has it), then
+//    <output_dir>/ledger.jsonl (services/coordinator/ledger.h). A new run records its "run"
+//    record; an existing ledger is resumed (--resume latest, --resume auto, or run.resume: auto);
+//    --resume DIR resumes from that committed checkpoint (a "rollback" record). --resume auto
+//    starts fresh when there is no ledger. A finished run exits 0 at once. ConfigError for
+//    --resume latest|DIR without a ledger, or a ledger with run.resume never and no --resume.
 // 3. serve_control(): the control plane (proto/control.proto) on coordinator.listen with the run's
 //    token (services/coordinator/control_token.h), written with the address to
 //    <output_dir>/coordinator.json and <output_dir>/control-token (0600) for `dflash status|stop|
@@ -22,10 +25,13 @@
 //      with another count, or running degraded); then every target server and drafter trainer is
 //      started (services/coordinator/launcher.h), drafters first. A progress line every 2 s
 //      (step, epoch, tokens/s, loss, tau, ETA) unless --quiet.
-//    monitor(): a worker that exits non-zero, dies, or misses heartbeats for
-//      coordinator.heartbeat_timeout_s (hung; 4x that, at least 120 s, to register) ends the
-//      attempt: every worker is stopped, and the root cause is blamed (an OOM first, then a worker
-//      killed by a signal, then a reported config/data error, then anything else).
+//    monitor(): a worker that exits non-zero, dies, misses heartbeats for
+//      coordinator.heartbeat_timeout_s (hung; 4x that, at least 120 s, to register), or whose
+//      progress counter stands still for coordinator.progress_timeout_s while its main loop is
+//      blocked on nothing (hung main loop, heartbeats alive; a worker blocked on a peer is not
+//      blamed) ends the attempt: every worker is stopped, and the root cause is blamed (an OOM
+//      first, then a worker killed by a signal, then a reported config/data error, then anything
+//      else; a hang is blamed on the hung worker).
 //    handle_failure(): records the "restart" and carries out recovery_policy.h's decide_recovery:
 //      restart from the commit after the backoff, a new packing generation after an OOM, leave the
 //      worker out (degraded; ledger "degraded", dflash_coordinator_left_out_workers, `dflash
@@ -33,8 +39,12 @@
 //      4 data) and a "stopped" record; the last commit stays valid for --resume.
 // 5. finish(): the run ended: exit 0 when every drafter finished (rank 0 committed the final
 //    checkpoint and exported; a "finished" record), or after `dflash stop` / SIGINT / SIGTERM once
-//    the drafters stopped with a checkpoint (a "stopped" record). The server stops and
-//    coordinator.json is removed.
+//    the drafters stopped with a checkpoint (a "stopped" record). The server stops,
+//    coordinator.json is removed and the run's dead /dev/shm segments are unlinked (also on the
+//    way out after an error, and at the start for leftovers of a killed launch).
+// Signals: the SIGINT/SIGTERM handler only counts; monitor() acts: the 1st starts the graceful
+// stop, the 2nd is ignored (logged), the 3rd forces it (workers killed, last commit kept), the 4th
+// exits at once. Workers ended by SIGTERM/SIGINT after the coordinator got one are not crashes.
 // Worker ids are attempt * kAttemptStride + the worker's index; calls from workers of an earlier
 // attempt are refused (FAILED_PRECONDITION).
 #pragma once
@@ -56,13 +66,14 @@
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
 #include "services/coordinator/recovery_policy.h"
+#include "services/coordinator/run_lock.h"
 
 namespace dflash::coordinator {
 
 // The flags of `dflash run`.
 struct RunOptions {
   std::string config_path;
-  std::string resume;                 // --resume: "" | "latest" | a committed checkpoint dir
+  std::string resume;                 // --resume: "" | "latest" | "auto" | a committed checkpoint dir
   bool plan_only = false;             // --plan
   std::optional<std::string> device;  // --device cpu|cuda (default: cuda on a CUDA build whose host has an NVIDIA GPU)
   bool quiet = false;                 // --quiet: no progress lines, no per-worker start lines
@@ -81,7 +92,8 @@ class Coordinator final : public control::Coordinator::Service {
 
   nlohmann::json plan();  // step 1: returns the plan as JSON (also printed to stderr)
   bool open_ledger();     // step 2: false when the run is already finished
-  void serve_control();   // step 3: TransportError when coordinator.listen cannot be bound
+  void serve_control();   // step 3: ConfigError naming the port (and its holder) when coordinator.listen's fixed port
+                          // is taken (no SO_REUSEPORT); TransportError when an ephemeral one cannot be bound
   int supervise();        // step 4: the run's exit code
   void finish();          // step 5
 
@@ -118,6 +130,9 @@ class Coordinator final : public control::Coordinator::Service {
     ExitInfo exit;
     int reported_code = -1;
     std::string reported_kind, reported_message;
+    int64_t progress = -1;            // the main loop's counter from the last heartbeat
+    Clock::time_point progress_at;    // when it last advanced, or the main loop was last blocked
+    std::string blocked_on;           // what the main loop waits for ("" = expected to progress)
   };
 
   // How an attempt ended.
@@ -147,9 +162,12 @@ class Coordinator final : public control::Coordinator::Service {
   void launch_all();
   Outcome monitor();  // mu_ not held: takes it every 100 ms
   void poll_workers(Outcome& out, int& alive, int& drafters, int& drafters_done);
+  bool progress_stalled(const WorkerState& w, std::string* reason) const;
   void blame_root_cause(Outcome& out);
   void count_failure(const Outcome& out);
   void stop_all();
+  bool take_signals();
+  void remove_run_segments(const char* when);
   int end_run(const Outcome& outcome);
   RecoveryDecision handle_failure(const Outcome& outcome);
   FailureSituation situation_of(const WorkerState& w, const Outcome& outcome, int restarts_used) const;
@@ -176,10 +194,11 @@ class Coordinator final : public control::Coordinator::Service {
 
   const config::RunConfig base_cfg_;  // the config as given
   config::RunConfig cfg_;             // the topology running now (base_cfg_ without left_out_)
-  const RunOptions opts_;
+  RunOptions opts_;  // as given, but for --resume auto, which open_ledger() resolves to "" or "latest"
   std::string device_;
   std::vector<config::WorkerSlot> left_out_;
   mutable std::mutex mu_;
+  std::optional<RunLock> lock_;   // <output_dir>/run.lock, from open_ledger() until the coordinator is destroyed
   std::optional<Ledger> ledger_;  // from open_ledger()
   std::vector<uint32_t> lengths_;
   int64_t first_lr_schedule_steps_ = 0, first_total_steps_ = 0;  // generation 0, from plan()
@@ -188,6 +207,8 @@ class Coordinator final : public control::Coordinator::Service {
   int attempt_ = 0;
   std::vector<WorkerState> workers_;
   bool stop_requested_ = false, checkpoint_requested_ = false;
+  std::string stop_reason_ = "dflash stop";  // of a graceful stop: "dflash stop" or "signal"
+  int signals_seen_ = 0;                     // SIGINT/SIGTERM count take_signals() has acted on
   int64_t step_ = 0, start_step_ = 0, total_steps_ = 0, nonfinite_ = 0;
   int last_epoch_ = 0;
   double last_loss_ = 0, last_tau_ = 0;

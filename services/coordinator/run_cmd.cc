@@ -9,7 +9,7 @@ namespace dflash::coordinator {
 int cmd_run(int argc, char** argv) {
   Flags f(argc, argv, {"resume", "plan", "device", "quiet", "metrics-port"}, {"plan", "quiet"});
   DFLASH_CHECK(f.positional().size() == 1, ConfigError,
-               "usage: dflash run CONFIG [--resume latest|DIR] [--plan] [--device cpu|cuda] [--quiet] [--metrics-port P]");
+               "usage: dflash run CONFIG [--resume latest|auto|DIR] [--plan] [--device cpu|cuda] [--quiet] [--metrics-port P]");
   RunOptions o;
   o.config_path = f.positional()[0];
   o.resume = f.get("resume", "");

@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -16,7 +17,11 @@
 #include "core/config/config.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
+#include "core/io/json_file.h"
+#include "core/stream/shm_transport.h"
+#include "services/common/pipeline_common.h"
 #include "services/coordinator/control_token.h"
+#include "services/coordinator/run_lock.h"
 
 namespace dflash::coordinator {
 namespace fs = std::filesystem;
@@ -24,6 +29,65 @@ namespace pb = dflash::control;
 using nlohmann::json;
 
 namespace {
+
+// The run directory the flags name (--run-dir, or --config's run.output_dir); "" for --coordinator.
+std::string run_dir_of(const Flags& f) {
+  if (f.has("run-dir")) return f.get("run-dir");
+  if (f.has("config")) return config::load_config_or_throw(f.get("config")).run.output_dir;
+  return "";
+}
+
+// The run id of the run in `dir` as its workers derive it: from --config, else from the config the
+// ledger's first ("run") record holds.
+uint64_t run_id_in(const Flags& f, const std::string& dir) {
+  if (f.has("config")) return pipeline::run_id_of(config::load_config_or_throw(f.get("config")));
+  const std::string ledger = (fs::path(dir) / "ledger.jsonl").string();
+  std::ifstream in(ledger);
+  std::string first;
+  DFLASH_CHECK(in && std::getline(in, first), ConfigError, ledger << " not found or empty: give --config CONFIG for this run");
+  const auto doc = io::JsonDocument::parse_text(first, io::JsonSource{ledger, 1});
+  const auto parsed = config::parse_config_string(doc.root().get<std::string>("config"), ledger + ":1 config");
+  DFLASH_CHECK(parsed.ok(), ConfigError, ledger << ":1: the run record's config does not parse: give --config CONFIG");
+  return pipeline::run_id_of(parsed.config);
+}
+
+// /dev/shm segments named for run `id` (shm_transport.h: "<prefix>-<run id>-<link id>").
+std::vector<std::string> run_segments(uint64_t id) {
+  const std::string prefix = pipeline::run_segment_prefix(id);
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/dev/shm", ec))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// No `dflash run` holds `dir`/run.lock: says so with the run's leftover shared memory, then fails.
+[[noreturn]] void report_dead_run(const Flags& f, const std::string& dir) {
+  const auto left = run_segments(run_id_in(f, dir));
+  std::cerr << "no dflash run is running for " << dir << " (nobody holds " << (fs::path(dir) / "run.lock").string() << ")\n";
+  if (!left.empty()) {
+    std::cerr << "leftover shared memory of this run:";
+    for (const auto& n : left) std::cerr << " /dev/shm/" << n;
+    const std::string which = f.has("config") ? "--config " + f.get("config") : "--run-dir " + dir;
+    std::cerr << "\nremove it with: dflash stop --cleanup " << which << "\n";
+  }
+  DFLASH_FAIL(ConfigError, "no coordinator is running for " << dir
+                           << (left.empty() ? "" : " (" + std::to_string(left.size()) + " leftover shared-memory segment(s))"));
+}
+
+// `dflash stop --cleanup`: removes the shared memory a dead run left (holding the run's lock
+// meanwhile, so no run starts in between; ConfigError naming the holder when the run is live).
+int cleanup_dead_run(const Flags& f) {
+  const std::string dir = run_dir_of(f);
+  DFLASH_CHECK(!dir.empty(), ConfigError, "dflash stop --cleanup: give --run-dir DIR or --config CONFIG");
+  const auto lock = RunLock::acquire(dir);
+  const uint64_t id = run_id_in(f, dir);
+  const auto before = run_segments(id);
+  const size_t removed = stream::remove_stale_segments(pipeline::run_segment_prefix(id));
+  std::cout << "removed " << removed << " of " << before.size() << " shared-memory segment(s) of the run in " << dir << std::endl;
+  return kExitOk;
+}
 
 // Where the coordinator listens and the token it wants.
 struct ClientTarget {
@@ -35,8 +99,8 @@ ClientTarget client_target(const Flags& f) {
   if (f.has("coordinator")) c.address = f.get("coordinator");
   if (f.has("token-file")) token_file = f.get("token-file");
   if (f.has("run-dir") || f.has("config")) {
-    std::string dir = f.get("run-dir", "");
-    if (dir.empty()) dir = config::load_config_or_throw(f.get("config")).run.output_dir;
+    const std::string dir = run_dir_of(f);
+    if (!RunLock::held(dir)) report_dead_run(f, dir);
     const auto p = fs::path(dir) / "coordinator.json";
     std::ifstream in(p);
     DFLASH_CHECK(in, ConfigError, p << " not found: is a coordinator running for " << dir << "?");
@@ -77,7 +141,8 @@ void print_status(const json& s, std::ostream& os) {
     os << std::left << std::setw(9) << w["role"].get<std::string>() << std::setw(5) << w["rank"].get<int>() << std::setw(12)
        << w["host"].get<std::string>() << std::setw(5) << w["gpu"].get<int>() << std::setw(9) << w["pid"].get<int>()
        << std::setw(10) << w["state"].get<std::string>() << std::setw(7) << w["step"].get<int64_t>() << std::setw(11)
-       << int64_t(w["tokens_per_s"].get<double>()) << hb.str() << "\n";
+       << int64_t(w["tokens_per_s"].get<double>()) << hb.str()
+       << (w.value("waiting", "").empty() ? "" : "  " + w["waiting"].get<std::string>()) << "\n";
   }
   for (const auto& x : s["degraded"])
     os << "degraded: left out " << x.value("role", "?") << " " << x.value("rank", -1) << " (host " << x.value("host", "?")
@@ -110,7 +175,11 @@ int cmd_status(int argc, char** argv) {
 }
 
 int cmd_control(const char* action, int argc, char** argv) {
-  Flags f(argc, argv, {"coordinator", "run-dir", "config", "token-file"});
+  Flags f(argc, argv, {"coordinator", "run-dir", "config", "token-file", "cleanup"}, {"cleanup"});
+  if (f.has("cleanup")) {
+    DFLASH_CHECK(std::string(action) == "stop", ConfigError, "--cleanup is a flag of dflash stop only");
+    return cleanup_dead_run(f);
+  }
   const auto c = client_target(f);
   auto stub = stub_for(c);
   grpc::ClientContext ctx;

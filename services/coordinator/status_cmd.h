@@ -4,7 +4,10 @@
 // The coordinator is found by --coordinator HOST:PORT, or through --run-dir DIR / --config CONFIG
 // (run.output_dir) whose coordinator.json gives the address and the token file. The token: the
 // --token-file, else coordinator.json's token_file, else $DFLASH_CONTROL_TOKEN.
-// Exit codes: 0 ok; 2 (ConfigError) on a usage error, no coordinator.json, an unreadable token
+// With --run-dir / --config, a run whose <output_dir>/run.lock nobody holds is dead: the command
+// lists the run's leftover /dev/shm segments (named by its run id, from --config or the ledger's
+// run record) on stderr and fails with ConfigError.
+// Exit codes: 0 ok; 2 (ConfigError) on a usage error, a dead run, no coordinator.json, an unreadable token
 // file, or a call the coordinator refused for its token; 1 (TransportError) when the coordinator
 // cannot be reached or the call fails otherwise (10 s deadline).
 #pragma once
@@ -19,6 +22,9 @@ int cmd_status(int argc, char** argv);
 // `dflash stop|checkpoint [...]`: `action` is "stop" (the drafters finish their step, commit a
 // checkpoint and exit) or "checkpoint" (commit after the current step); prints the coordinator's
 // answer. argv: the args after the action.
+// `dflash stop --cleanup (--run-dir DIR | --config CONFIG)`: for a dead run, takes its run.lock
+// (ConfigError naming the holder while a coordinator lives) and unlinks the run's leftover /dev/shm
+// segments whose creator is gone; prints how many.
 int cmd_control(const char* action, int argc, char** argv);
 
 }  // namespace dflash::coordinator

@@ -7,6 +7,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/data/shards.h"
+#include "core/io/json_file.h"
+#include "core/io/jsonl_log.h"
 #include "core/model/drafter.h"
 #include "core/model/layers.h"
 #include "core/model/target.h"
@@ -82,7 +84,7 @@ class LocalSteps final : public StepHooks {
              int64_t total_steps, LocalTrainResult& res)
       : cfg_(cfg), opt_(opt), drafter_(drafter), trainer_(trainer), total_steps_(total_steps), res_(res),
         ckpt_root_(fs::path(cfg.run.output_dir) / "checkpoints"),
-        metrics_log_(fs::path(cfg.run.output_dir) / "metrics.jsonl", std::ios::app),
+        metrics_log_(io::JsonlLog::open((fs::path(cfg.run.output_dir) / "metrics.jsonl").string(), io::JsonlLog::Mode::kAppend)),
         t_loop_(Clock::now()) {}
 
   void report(const train::StepMetrics& m, const StepRecord& r) override {
@@ -94,8 +96,7 @@ class LocalSteps final : public StepHooks {
                  {"accept_len", m.accept_len}, {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm},
                  {"tokens", m.tokens}, {"anchors", m.anchors}, {"tokens_per_s", tok_s},
                  {"skipped_nonfinite", m.skipped_nonfinite}};
-    metrics_log_ << line.dump() << "\n";
-    metrics_log_.flush();
+    metrics_log_.append(line);
     if (!opt_.quiet && (m.step % 10 == 0 || m.step == total_steps_))
       LOG_INFO("step " << m.step << "/" << total_steps_ << " epoch " << r.epoch << " loss " << m.loss << " tau "
                        << m.accept_len << " lr " << m.lr << " tok/s " << int(tok_s));
@@ -125,7 +126,7 @@ class LocalSteps final : public StepHooks {
   const int64_t total_steps_;
   LocalTrainResult& res_;
   const fs::path ckpt_root_;
-  std::ofstream metrics_log_;
+  io::JsonlLog metrics_log_;  // whole records, fsynced; DataError naming the file on a failed write
   const Clock::time_point t_loop_;
 };
 
@@ -180,8 +181,10 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   else if (cfg.run.resume != "never") resume_from = cfg.run.resume;
   if (!resume_from.empty()) {
     auto loaded = train::load_checkpoint(resume_from, &drafter, &trainer.optimizer());
-    const int64_t epoch = loaded.state.data_position.at("epoch").get<int64_t>();
-    const int64_t batch = loaded.state.data_position.at("batch").get<int64_t>();
+    const io::JsonSource state_json{resume_from + "/state.json"};
+    const io::JsonValue position(loaded.state.data_position, state_json, "data_position");
+    const int64_t epoch = position.get<int64_t>("epoch");
+    const int64_t batch = position.get<int64_t>("batch");
     start_step = resume_step(sched, epoch, batch, resume_from);
     LOG_INFO("resumed from " << resume_from << " at step " << trainer.step_count() << " (epoch " << epoch << ", batch " << batch << ")");
   }

@@ -22,6 +22,8 @@
 #endif
 
 #include "core/data/shards.h"
+#include "core/io/json_file.h"
+#include "core/io/jsonl_log.h"
 #include "core/util/process.h"
 #include "core/model/drafter.h"
 #include "core/model/target.h"
@@ -61,6 +63,7 @@ bool pid_alive(pid_t pid) {
 // Tells the PeerWatchdog that this thread waits on its peers (see TimedCollectives).
 struct BlockedOnPeers {
   std::atomic<int64_t>& since;
+  control::BlockedOn heartbeat{"drafter peers (collective)"};  // not this rank's stall
   explicit BlockedOnPeers(std::atomic<int64_t>& s) : since(s) {
     since.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   }
@@ -302,6 +305,7 @@ class LinkSource final : public MicroBatchSource {
     const auto t0 = Clock::now();
     std::optional<stream::ReceivedBatch> rb;
     try {
+      control::BlockedOn blocked("target " + std::to_string(t));
       rb = links_[t]->receive(ms_of(opt_.recv_timeout_s));
     } catch (const TransportError& err) {
       throw TransportError(where + ": " + err.what());
@@ -437,7 +441,7 @@ class DrafterRank final : private pipeline::WorkerBase, private StepHooks {
   std::unique_ptr<train::Trainer> trainer_;
   std::unique_ptr<PeerWatchdog> watchdog_;
   uint64_t h0_ = 0;
-  std::ofstream steplog_, metrics_log_;
+  std::optional<io::JsonlLog> steplog_, metrics_log_;  // whole records, fsynced (core/io/jsonl_log.h)
   TrainServiceResult res_;
   bool stopped_ = false;
 };
@@ -465,7 +469,7 @@ TrainServiceResult DrafterRank::run() {
                  "run.resume: a distributed run resumes through its coordinator's ledger (`dflash run CONFIG --resume latest`); "
                  "started by hand it must start fresh (found " << found << "): use a fresh run.output_dir or run.resume: never");
   }
-  serve_metrics(opt_.metrics_port);
+  serve_metrics(opt_.metrics_port, config::Role::kDrafter, rank_);
   create_links();
   join_collectives();
   build();
@@ -547,7 +551,8 @@ void DrafterRank::build() {
   if (launch_.resume_checkpoint.empty()) return;
   // Every rank loads the committed checkpoint (the drafter state is replicated: any rank count).
   auto ck = train::load_checkpoint(launch_.resume_checkpoint, drafter_.get(), &trainer_->optimizer());
-  const int64_t at = ck.state.data_position.value("schedule_step", int64_t(-1));
+  const int64_t at = io::JsonValue(ck.state.data_position, io::JsonSource{launch_.resume_checkpoint + "/state.json"}, "data_position")
+                         .get<int64_t>("schedule_step");
   DFLASH_CHECK(at == start_step_, DataError,
                launch_.resume_checkpoint << ": data_position.schedule_step is " << at << " but the coordinator resumes at step "
                                          << start_step_);
@@ -607,11 +612,10 @@ void DrafterRank::open_logs() {
   fs::create_directories(out_ / "pipeline");
   // A resumed launch appends: the log then holds the rolled-back steps too, the last record of a
   // step is the one that counts (the ledger says which steps are committed).
-  steplog_.open(out_ / "pipeline" / ("drafter-" + std::to_string(rank_) + ".jsonl"),
-                start_step_ > 0 ? std::ios::app : std::ios::trunc);
-  if (rank_ == 0) metrics_log_.open(out_ / "metrics.jsonl", std::ios::app);
-  steplog_ << plan_line().dump() << "\n";
-  steplog_.flush();
+  steplog_.emplace(io::JsonlLog::open((out_ / "pipeline" / ("drafter-" + std::to_string(rank_) + ".jsonl")).string(),
+                                     start_step_ > 0 ? io::JsonlLog::Mode::kAppend : io::JsonlLog::Mode::kTruncate));
+  if (rank_ == 0) metrics_log_.emplace(io::JsonlLog::open((out_ / "metrics.jsonl").string(), io::JsonlLog::Mode::kAppend));
+  steplog_->append(plan_line());
 }
 
 json DrafterRank::plan_line() const {
@@ -700,14 +704,12 @@ void DrafterRank::report(const train::StepMetrics& m, const StepRecord& r) {
                {"checksums_verified", r.checksums_verified}, {"weight_hash", r.weight_hash}, {"wait_s", r.wait_s},
                {"train_s", r.train_s}, {"allreduce_s", r.allreduce_s}, {"step_s", r.step_s},
                {"skipped_nonfinite", m.skipped_nonfinite}};
-  steplog_ << line.dump() << "\n";
-  steplog_.flush();
+  steplog_->append(line);
   if (rank_ == 0) {
     json ml = {{"step", m.step}, {"epoch", r.epoch}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},
                {"acc_k", m.acc_k}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tokens", m.tokens}, {"anchors", m.anchors},
                {"tokens_per_s", r.tokens_total * M_ / loop_s}, {"skipped_nonfinite", m.skipped_nonfinite}};
-    metrics_log_ << ml.dump() << "\n";
-    metrics_log_.flush();
+    metrics_log_->append(ml);
   }
   if (r.steps_done % 10 == 0 || r.steps_done == total_steps_)
     LOG_INFO("drafter " << rank_ << ": step " << m.step << "/" << total_steps_ << " epoch " << r.epoch << " loss " << m.loss << " tau "
@@ -727,12 +729,14 @@ void DrafterRank::report(const train::StepMetrics& m, const StepRecord& r) {
   si.tokens_per_second = r.tokens_total / loop_s;
   client_->report_step(si);
   client_->set_progress(r.steps_done, si.tokens_per_second, 0);
+  control::advance_progress();
 }
 
 void DrafterRank::checkpoint(const StepRecord& r) {
   if (client_ && M_ > 1) tcoll_->barrier();  // every rank has reported this step before rank 0 commits it
   if (rank_ != 0) return;
   const auto tc = Clock::now();
+  control::BlockedOn blocked("checkpoint write");
   commit_checkpoint(r.epoch, r.steps_done);
   const double c = pipeline::seconds_since(tc);
   met_.checkpoint->observe(c);
@@ -803,6 +807,7 @@ void DrafterRank::expect_end_of_links() {
 
 void DrafterRank::export_drafter() {
   if (rank_ != 0 || stopped_) return;
+  control::BlockedOn blocked("export");
   res_.export_dir = (out_ / "export").string();
   if (fs::exists(res_.export_dir)) fs::remove_all(res_.export_dir);
   train::export_hf(*drafter_, res_.export_dir, plan_->export_dtype);
@@ -819,7 +824,7 @@ void DrafterRank::finish() {
   json done = {{"event", "done"}, {"rank", rank_}, {"steps", res_.steps}, {"micro_batches", res_.micro_batches}, {"tokens", res_.tokens},
                {"samples", res_.samples}, {"checksums_verified", res_.checksums_verified}, {"loop_s", res_.loop_seconds},
                {"wait_s", res_.wait_seconds}, {"final_weight_hash", hex64(weight_hash(*drafter_))}};
-  steplog_ << done.dump() << "\n";
+  steplog_->append(done);
   LOG_INFO("drafter " << rank_ << ": trained " << res_.steps << " steps, " << res_.micro_batches << " micro-batches, " << res_.tokens
                       << " tokens in " << res_.loop_seconds << " s (" << int(res_.tokens / std::max(res_.loop_seconds, 1e-9))
                       << " tok/s, waiting " << int(100 * res_.wait_seconds / std::max(res_.loop_seconds, 1e-9)) << "%)"

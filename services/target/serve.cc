@@ -19,6 +19,7 @@
 #include "core/util/process.h"
 #include "core/model/layers.h"
 #include "core/model/target.h"
+#include "core/util/switches.h"
 #include "services/common/pipeline_common.h"
 #include "services/common/run_plan.h"
 #include "services/common/transport_factory.h"
@@ -183,7 +184,7 @@ ServeSummary TargetServer::run() {
 
 // Links first (fail fast on a wrong run id / topology; lets the drafters watch this pid).
 void TargetServer::connect() {
-  serve_metrics(opt_.metrics_port);
+  serve_metrics(opt_.metrics_port, config::Role::kTarget, rank_);
   for (int d = 0; d < M_; ++d) {
     const auto name = pipeline::link_name(opt_.run_id, rank_, d, M_);
     links_.push_back(pipeline::make_sender_link(cfg_, opt_.run_id, rank_, d, opt_.device, ms_of(opt_.attach_timeout_s)));
@@ -276,6 +277,18 @@ TargetServer::LinkTotals TargetServer::link_totals() const {
   return t;
 }
 
+// DFLASH_TEST_FREEZE_TARGET=RANK:BATCHES (tests only): in launch attempt 0, the batch count after
+// which target `rank`'s main loop freezes; -1 when the switch does not name this target.
+int64_t test_freeze_after(int rank, int attempt) {
+  const std::string v = switches::get("DFLASH_TEST_FREEZE_TARGET");
+  if (v.empty() || attempt != 0) return -1;
+  const auto colon = v.find(':');
+  DFLASH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < v.size() &&
+                   v.find_first_not_of("0123456789:") == std::string::npos && v.find(':', colon + 1) == std::string::npos,
+               ConfigError, "DFLASH_TEST_FREEZE_TARGET: expected RANK:BATCHES, got '" << v << "'");
+  return std::stoi(v.substr(0, colon)) == rank ? std::stoll(v.substr(colon + 1)) : -1;
+}
+
 // Every counter of this rank: micro-batch c of the launch, to each drafter in turn.
 void TargetServer::loop() {
   ids_host_.reserve(t_max_);
@@ -289,11 +302,20 @@ void TargetServer::loop() {
 #ifdef DFLASH_WITH_CUDA
   if (device_.is_cuda()) copy_stream_ = c10::cuda::getStreamFromPool(false, device_.index() < 0 ? 0 : device_.index());
 #endif
+  const int64_t freeze_after = test_freeze_after(rank_, launch_.attempt);
+  int64_t sent = 0;
   for (int64_t c : counters_) {
     const int64_t step = start_step_ + c / A_;  // 0-based schedule step of micro-batch counter c
     inject_due_faults(step);
     if (client_) client_->set_progress(step, sum_.tokens / std::max(pipeline::seconds_since(t_start_), 1e-9), 0);
-    for (int d = 0; d < M_; ++d) send_batch(step, c, d);
+    for (int d = 0; d < M_; ++d) {
+      send_batch(step, c, d);
+      control::advance_progress();
+      if (++sent == freeze_after) {
+        LOG_WARN("target " << rank_ << ": main loop frozen after " << sent << " batches (DFLASH_TEST_FREEZE_TARGET)");
+        for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+      }
+    }
   }
 #ifdef DFLASH_WITH_CUDA
   if (in_flight_) complete(*in_flight_), in_flight_.reset();
@@ -437,6 +459,7 @@ void TargetServer::pack_host(stream::PackedBatchWriter& w, int64_t T) {
 
 stream::SlotBuffer TargetServer::acquire(int d, int64_t i, int64_t e, size_t bytes) {
   try {
+    control::BlockedOn blocked("drafter " + std::to_string(d));  // its credits
     return links_[d]->acquire(bytes, ms_of(opt_.send_timeout_s));
   } catch (const TransportError& err) {
     throw TransportError(std::string("target ") + std::to_string(rank_) + ": cannot send batch " + std::to_string(i) +

@@ -294,6 +294,52 @@ TEST(Config, MultiHostC10dIsValid) {
   EXPECT_EQ(r.config.launch.at("ssh").env.at("A"), "b");
 }
 
+// Listening sockets bind loopback on an all-local run and the host's configured address otherwise;
+// a wildcard only when the config says so.
+TEST(Config, BindAddressDecision) {
+  ParseResult r = parse(kMinimal + "topology: {hosts: [{name: box1, launch: local, target_gpus: [0], drafter_gpus: [1]}]}\n");
+  ASSERT_TRUE(r.ok()) << dump(r);
+  EXPECT_TRUE(all_local(r.config));
+  EXPECT_EQ(bind_host(r.config, "box1"), "127.0.0.1");
+  EXPECT_EQ(metrics_bind_host(r.config, "box1"), "127.0.0.1");
+  EXPECT_EQ(metrics_bind_host(parse(kMinimal).config, "localhost"), "127.0.0.1");  // the default topology
+  const std::string two_hosts = kMinimal +
+                                "topology:\n"
+                                "  transport: c10d\n"
+                                "  hosts:\n"
+                                "    - {name: a, launch: ssh, target_gpus: [0, 1], drafter_gpus: []}\n"
+                                "    - {name: b, launch: local, target_gpus: [], drafter_gpus: [0]}\n"
+                                "launch: {ssh: {kind: ssh, command_template: 'ssh {host} -- {cmd}'}}\n"
+                                "coordinator: {listen: '10.0.0.1:5000', token_file: /etc/t";
+  r = parse(two_hosts + "}\n");
+  ASSERT_TRUE(r.ok()) << dump(r);
+  EXPECT_FALSE(all_local(r.config));
+  EXPECT_EQ(worker_host(r.config, Role::kTarget, 1), "a");
+  EXPECT_EQ(worker_host(r.config, Role::kDrafter, 0), "b");
+  EXPECT_THROW(worker_host(r.config, Role::kDrafter, 1), ConfigError);
+  EXPECT_EQ(metrics_bind_host(r.config, "a"), "a");
+  EXPECT_EQ(metrics_bind_host(r.config, "10.0.0.1"), "10.0.0.1");
+  r = parse(two_hosts + ", metrics_listen: 0.0.0.0}\n");  // explicit: as given
+  ASSERT_TRUE(r.ok()) << dump(r);
+  EXPECT_EQ(metrics_bind_host(r.config, "a"), "0.0.0.0");
+  // A host named by a loopback address runs here whatever its launch template.
+  r = parse(kMinimal + "topology: {hosts: [{name: 127.0.0.1, launch: s, target_gpus: [0], drafter_gpus: [1]}]}\n"
+                       "launch: {s: {kind: ssh, command_template: 'ssh {host} {qcmd}'}}\n"
+                       "coordinator: {listen: '10.0.0.1:5000', token_file: /etc/t}\n");
+  ASSERT_TRUE(r.ok()) << dump(r);
+  EXPECT_EQ(bind_host(r.config, "127.0.0.1"), "127.0.0.1");
+  r = parse(kMinimal + "coordinator: {metrics_listen: '0.0.0.0:9400'}\n");
+  EXPECT_EQ(paths_of(r), (std::vector<std::string>{"coordinator.metrics_listen"})) << dump(r);
+}
+
+TEST(Config, ProgressTimeout) {
+  EXPECT_EQ(parse(kMinimal).config.coordinator.progress_timeout_s, 600.0);
+  EXPECT_TRUE(parse(kMinimal + "coordinator: {progress_timeout_s: 0}\n").ok());  // off
+  ParseResult r = parse(kMinimal + "coordinator: {progress_timeout_s: 1}\n");
+  EXPECT_EQ(paths_of(r), (std::vector<std::string>{"coordinator.progress_timeout_s"})) << dump(r);
+  EXPECT_EQ(r.problems[0].message, "expected 0 (off) or a value in [2, 86400] seconds, got 1");
+}
+
 TEST(Config, C10dPortBaseLeavesRoomForEveryLink) {
   const std::string topo = "topology:\n  transport: c10d\n  c10d_port_base: PORT\n"
                            "  hosts:\n    - {name: localhost, target_gpus: [0, 1], drafter_gpus: [2, 3]}\n";

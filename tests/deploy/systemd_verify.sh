@@ -11,7 +11,7 @@ unit=$src/deploy/systemd/dflash-coordinator.service
 rm -rf "$work" && mkdir -p "$work/opt/bin" "$work/etc"
 # shellcheck disable=SC2016  # ${DFLASH_CONFIG} is systemd's, expanded from the EnvironmentFile
 for key in 'Restart=on-failure' 'EnvironmentFile=/etc/dflash/coordinator.env' \
-           'ExecStart=/opt/dflash/bin/dflash run ${DFLASH_CONFIG} --resume latest' 'RestartPreventExitStatus=2'; do
+           'ExecStart=/opt/dflash/bin/dflash run ${DFLASH_CONFIG} --resume auto' 'RestartPreventExitStatus=2'; do
   grep -qxF "$key" "$unit" || { echo "FAIL: $unit lacks '$key'"; exit 1; }
 done
 grep -q '^DFLASH_CONTROL_TOKEN=' "$src/deploy/systemd/coordinator.env.example" || { echo "FAIL: env example lacks the token"; exit 1; }

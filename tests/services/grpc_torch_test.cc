@@ -28,6 +28,7 @@ TEST(GrpcWithTorch, RegisterRoundTrip) {
   EchoCoordinator service;
   int port = 0;
   grpc::ServerBuilder b;
+  b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
   b.RegisterService(&service);
   auto server = b.BuildAndStart();
