@@ -1,0 +1,250 @@
+"""`dflash data prepare`: chat / text JSONL -> tokenized JSONL {id, input_ids, loss_mask} for
+`dflash data import`, with the model's own chat template and tokenizer (HF transformers).
+
+Run through `dflash data prepare` (which also handles --out DIR by importing into shards), or as
+`python -m dflash_data prepare --tokenizer DIR --input a.jsonl --out prepared.jsonl`.
+Writes OUT (atomically) and OUT.meta.json (the stats and provenance below), prints the same JSON
+on stdout and a progress line on stderr. Exit codes: 0 ok; 2 usage/config (bad flag, missing
+tokenizer files, no chat template, OUT exists, --thinking on a template without enable_thinking);
+4 bad data (a bad record without --skip-bad, an unloadable tokenizer, no document written).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+from .formats import FORMATS, BadRecord, record_messages
+from .spans import Renderer, assistant_spans, mask_from_offsets, template_text
+
+EXIT_CONFIG = 2
+EXIT_DATA = 4
+MAX_BAD_EXAMPLES = 20
+
+
+class Fatal(Exception):
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = code
+
+
+def sha256_text(text):
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="dflash data prepare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokenizer", required=True, help="model directory with tokenizer.json and tokenizer_config.json")
+    p.add_argument("--input", required=True, help="a.jsonl[,b.jsonl...]")
+    p.add_argument("--format", default="auto", choices=("auto",) + FORMATS)
+    p.add_argument("--out", required=True, help="output JSONL (must not exist)")
+    p.add_argument("--thinking", default="keep", choices=("on", "off", "keep"))
+    p.add_argument("--last-turn-only", action="store_true")
+    p.add_argument("--max-seq-len", type=int, default=0, help="truncate documents to N tokens (0 = no limit)")
+    p.add_argument("--system", default=None, help="system prompt added to chats that have none")
+    p.add_argument("--skip-bad", action="store_true")
+    a = p.parse_args(argv)
+    if a.max_seq_len < 0:
+        p.error(f"--max-seq-len must be >= 0, got {a.max_seq_len}")
+    a.inputs = [x for x in a.input.split(",") if x]
+    if not a.inputs:
+        p.error("--input names no file")
+    return a
+
+
+def load_tokenizer(model_dir, thinking):
+    tok_json = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isdir(model_dir):
+        raise Fatal(EXIT_CONFIG, f"--tokenizer {model_dir}: not a directory")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not os.path.isfile(os.path.join(model_dir, name)):
+            raise Fatal(EXIT_CONFIG, f"--tokenizer {model_dir}: missing {name}")
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:
+        raise Fatal(EXIT_DATA, f"{model_dir}: cannot load the tokenizer: {type(e).__name__}: {e}")
+    template = template_text(tok)
+    if thinking != "keep" and (template is None or "enable_thinking" not in template):
+        raise Fatal(EXIT_CONFIG, f"--thinking {thinking}: the chat template of {model_dir} has no enable_thinking "
+                    "switch (use --thinking keep)")
+    return tok, template, sha256_file(tok_json)
+
+
+class Preparer:
+    def __init__(self, a, tok, template):
+        self.a = a
+        self.tok = tok
+        self.template = template
+        self.renderer = Renderer(tok, template, a.thinking) if template is not None else None
+        self.renders_tool_calls = template is not None and "tool_calls" in template
+        self.stats = {"records": 0, "documents": 0, "tokens": 0, "assistant_tokens": 0, "truncated": 0,
+                      "formats": {}, "skipped_bad": {}, "dropped": {}, "bad_examples": []}
+        self.ids = set()
+
+    def document(self, obj, source):
+        """-> (record dict) or None when dropped; raises BadRecord."""
+        fmt, kind, payload = record_messages(obj, self.a.format, self.renders_tool_calls)
+        if kind == "text":
+            enc = self.tok(payload, return_offsets_mapping=False)
+            ids = list(enc["input_ids"])
+            mask = [1] * len(ids)
+        else:
+            if self.renderer is None:
+                raise Fatal(EXIT_CONFIG, f"{source}: a chat record, but the tokenizer has no chat template")
+            messages = payload
+            if self.a.system is not None and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": self.a.system}] + messages
+            if not any(m["role"] == "assistant" for m in messages):
+                self._count("dropped", "no_assistant_turn")
+                return None
+            full = self.renderer.render(messages)
+            spans = assistant_spans(self.renderer, messages, full, self.a.last_turn_only)
+            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            mask = mask_from_offsets(enc["offset_mapping"], spans)
+        if not ids:
+            raise BadRecord("no tokens", "empty_document")
+        if self.a.max_seq_len and len(ids) > self.a.max_seq_len:
+            ids, mask = ids[:self.a.max_seq_len], mask[:self.a.max_seq_len]
+            self.stats["truncated"] += 1
+        if not any(mask):
+            self._count("dropped", "no_assistant_tokens_after_truncation" if kind == "chat" else "empty_document")
+            return None
+        rid = obj.get("id")
+        rid = str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else source
+        if rid in self.ids:
+            raise BadRecord(f"duplicate id {rid!r}", "duplicate_id")
+        self.ids.add(rid)
+        self._count("formats", fmt)
+        return {"id": rid, "input_ids": ids, "loss_mask": mask, "source": source}
+
+    def _count(self, table, reason):
+        self.stats[table][reason] = self.stats[table].get(reason, 0) + 1
+
+    def bad(self, where, e):
+        msg = f"{where}: {e}"
+        if not self.a.skip_bad:
+            raise Fatal(EXIT_DATA, msg + " (use --skip-bad to count and skip bad records)")
+        self._count("skipped_bad", e.reason)
+        if len(self.stats["bad_examples"]) < MAX_BAD_EXAMPLES:
+            self.stats["bad_examples"].append(msg)
+
+    def run_file(self, path, out, progress):
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise Fatal(EXIT_CONFIG, f"--input {path}: cannot open: {e.strerror}")
+        with f:
+            for line_no, raw in enumerate(f, 1):
+                where = f"{path}:{line_no}"
+                self.stats["records"] += 1
+                try:
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise BadRecord(f"not UTF-8 text at byte {e.start}", "not_utf8")
+                    if not line.strip():
+                        raise BadRecord("empty line", "empty_line")
+                    try:
+                        obj = json.loads(line)
+                    except ValueError as e:
+                        raise BadRecord(f"invalid JSON: {e}", "invalid_json")
+                    doc = self.document(obj, where)
+                except BadRecord as e:
+                    self.bad(where, e)
+                    continue
+                if doc is None:
+                    continue
+                out.write(json.dumps(doc, separators=(",", ":")) + "\n")
+                self.stats["documents"] += 1
+                self.stats["tokens"] += len(doc["input_ids"])
+                self.stats["assistant_tokens"] += sum(doc["loss_mask"])
+                progress()
+
+
+def write_json_atomic(path, obj):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run(argv):
+    a = parse_args(argv)
+    if os.path.exists(a.out):
+        raise Fatal(EXIT_CONFIG, f"--out {a.out}: exists; refusing to overwrite it")
+    for path in a.inputs:
+        if not os.path.isfile(path):
+            raise Fatal(EXIT_CONFIG, f"--input {path}: no such file")
+    tok, template, tok_hash = load_tokenizer(a.tokenizer, a.thinking)
+    p = Preparer(a, tok, template)
+    t0 = last = time.monotonic()
+
+    def progress(final=False):
+        nonlocal last
+        now = time.monotonic()
+        if final or now - last >= 2.0:
+            last = now
+            s = p.stats
+            bad = sum(s["skipped_bad"].values())
+            print(f"prepare: {s['records']} records, {s['documents']} documents, {s['tokens']} tokens, "
+                  f"{bad} bad, {now - t0:.1f}s", file=sys.stderr, flush=True)
+
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    tmp = f"{a.out}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for path in a.inputs:
+                p.run_file(path, out, progress)
+            out.flush()
+            os.fsync(out.fileno())
+        progress(final=True)
+        s = p.stats
+        if s["documents"] == 0:
+            raise Fatal(EXIT_DATA, f"no document written ({s['records']} records, skipped bad: {s['skipped_bad']}, "
+                        f"dropped: {s['dropped']})")
+        s["assistant_token_fraction"] = s["assistant_tokens"] / s["tokens"]
+        meta = {
+            "kind": "dflash-prepared-jsonl",
+            "inputs": a.inputs,
+            "out": a.out,
+            "format": a.format,
+            "tokenizer": os.path.abspath(a.tokenizer),
+            "tokenizer_sha256": tok_hash,
+            "chat_template_sha256": sha256_text(template) if template is not None else None,
+            "thinking": a.thinking,
+            "last_turn_only": a.last_turn_only,
+            "max_seq_len": a.max_seq_len,
+            "system_sha256": sha256_text(a.system) if a.system is not None else None,
+            "stats": s,
+        }
+        write_json_atomic(a.out + ".meta.json", meta)
+        os.replace(tmp, a.out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def main(argv):
+    try:
+        return run(argv)
+    except Fatal as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.code
