@@ -36,7 +36,13 @@ const char* kDataUsage =
     "                           [--block-size B (16)] [--shard-tokens N]   (the last two: --out DIR only)\n"
     "  chats / prompt-response pairs / plain text -> tokenized JSONL with the model's chat template and\n"
     "  tokenizer (HF transformers; docs/data.md). --out FILE.jsonl writes it and FILE.jsonl.meta.json;\n"
-    "  --out DIR also imports it into shards. Exit: 0 ok, 2 usage/config, 4 bad data (FILE:LINE).\n";
+    "  --out DIR also imports it into shards. Exit: 0 ok, 2 usage/config, 4 bad data (FILE:LINE).\n"
+    "usage: dflash data regenerate --target MODEL_DIR --input F.jsonl --out OUT.jsonl [--device cpu|cuda]\n"
+    "                              [--max-new-tokens N (1024)] [--temperature T (0)] [--top-p P] [--top-k K]\n"
+    "                              [--seed S] [--batch-size B (8)] [--thinking on|off|keep] [--dtype D]\n"
+    "                              [--stop-token-ids a,b] [--skip-bad] [--python PY]\n"
+    "  the target rewrites every assistant reply, turn by turn, with `dflash generate`; chat lines ->\n"
+    "  {id, messages}, tokenized lines -> {id, input_ids, loss_mask}; resumable (docs/data.md).\n";
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -94,8 +100,8 @@ int cmd_data_import(int argc, char** argv) {
 
 // The Python that runs scripts/dflash_data: --python, else $DFLASH_PYTHON, else the one this build
 // was configured with (CMake's DFLASH_PYTHON).
-std::string data_python(const Flags& flags) {
-  if (flags.has("python")) return flags.get("python");
+std::string data_python(const std::string& flag) {
+  if (!flag.empty()) return flag;
   if (switches::is_set("DFLASH_PYTHON")) return switches::get("DFLASH_PYTHON");
   return DFLASH_BUILD_PYTHON;
 }
@@ -174,7 +180,7 @@ int cmd_data_prepare(int argc, char** argv) {
     if (flags.has(name)) args.insert(args.end(), {std::string("--") + name, flags.get(name)});
   for (const char* name : {"last-turn-only", "skip-bad"})
     if (flags.has(name) && flags.get(name) != "0" && flags.get(name) != "false") args.push_back(std::string("--") + name);
-  const std::string python = data_python(flags);
+  const std::string python = data_python(flags.get("python", ""));
   const std::string scripts = data_scripts_dir();
   if (!to_dir) {
     args.insert(args.end(), {"--out", out});
@@ -218,12 +224,38 @@ int cmd_data_prepare(int argc, char** argv) {
   return kExitOk;
 }
 
+// `data regenerate`: the flags go to scripts/dflash_data/regenerate.py as they are (it validates
+// them: exit 2), with this binary as the `dflash generate` it runs.
+int cmd_data_regenerate(int argc, char** argv) {
+  std::vector<std::string> args = {"regenerate"};
+  std::string python_flag;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::cout << kDataUsage;
+      return kExitOk;
+    }
+    if (a == "--python" || a.rfind("--python=", 0) == 0) {
+      DFLASH_CHECK(a != "--python" || i + 1 < argc, ConfigError, "flag --python needs a value");
+      python_flag = a == "--python" ? argv[++i] : a.substr(9);
+      continue;
+    }
+    args.push_back(a);
+  }
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  DFLASH_CHECK(!ec, ConfigError, "data regenerate: cannot find this binary (/proc/self/exe): " << ec.message());
+  args.insert(args.end(), {"--dflash", self.string()});
+  return run_data_module(data_python(python_flag), data_scripts_dir(), args, false);
+}
+
 }  // namespace
 
 int cmd_data(int argc, char** argv) {
   try {
     if (argc >= 1 && !std::strcmp(argv[0], "import")) return cmd_data_import(argc - 1, argv + 1);
     if (argc >= 1 && !std::strcmp(argv[0], "prepare")) return cmd_data_prepare(argc - 1, argv + 1);
+    if (argc >= 1 && !std::strcmp(argv[0], "regenerate")) return cmd_data_regenerate(argc - 1, argv + 1);
     if (argc >= 1 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
       std::cout << kDataUsage;
       return kExitOk;
