@@ -306,12 +306,31 @@ class Regenerator:
               flush=True)
         return results
 
+    def check_work_options(self):
+        """The round files hold replies generated with certain options; a rerun must use the same ones."""
+        a = self.a
+        opts = {"target": os.path.abspath(a.target), "input": os.path.abspath(a.input), "thinking": a.thinking,
+                "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_p": a.top_p,
+                "top_k": a.top_k, "seed": a.seed, "dtype": a.dtype, "stop_token_ids": a.stop_token_ids}
+        path = os.path.join(self.work, "options.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                before = json.load(f)
+            diff = sorted(k for k in opts if before.get(k) != opts[k])
+            if diff:
+                raise Fatal(EXIT_CONFIG, f"{self.work} was started with other options ({', '.join(diff)}: "
+                            f"{[before.get(k) for k in diff]} then, {[opts[k] for k in diff]} now); rerun with the "
+                            f"same options, or remove {self.work} and start over")
+        else:
+            os.makedirs(self.work, exist_ok=True)
+            write_json_atomic(path, opts)
+
     def run(self):
         a = self.a
+        self.check_work_options()
         done = self.read_done()
         records = self.read_input(done)
         self.stops = stop_tokens(a, self.any_tokenizer)
-        os.makedirs(self.work, exist_ok=True)
         with open(a.out, "a", encoding="utf-8") as out:
             k = 0
             while True:

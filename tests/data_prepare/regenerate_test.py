@@ -144,8 +144,10 @@ def main():
     inp = os.path.join(WORK, "in.jsonl")
     with open(inp, "w") as f:
         f.write("\n".join(lines) + "\n")
-    common = ["--target", target, "--input", inp, "--max-new-tokens", str(MAX_NEW), "--thinking", "off",
-              "--skip-bad"]
+    def options(max_new=MAX_NEW):
+        return ["--target", target, "--input", inp, "--max-new-tokens", str(max_new), "--thinking", "off",
+                "--skip-bad"]
+    common = options()
 
     t = time.time()
     out1 = os.path.join(WORK, "out1.jsonl")
@@ -196,6 +198,10 @@ def main():
         time.sleep(0.02)
     p.communicate()
     check(killed, "the run finished before it could be killed (nothing was tested)")
+    p = regenerate(options(MAX_NEW + 1) + ["--batch-size", "1"], out2)
+    _, stderr = p.communicate()
+    check(p.returncode == 2 and "max_new_tokens" in stderr,
+          f"a rerun with other options: exit {p.returncode}, expected 2 naming max_new_tokens\n{stderr[-500:]}")
     p = regenerate(args2, out2)
     stdout, stderr = p.communicate()
     check(p.returncode == 0, f"resumed regenerate exited {p.returncode}\n{stderr[-3000:]}")
