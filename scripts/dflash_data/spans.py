@@ -7,7 +7,9 @@ apply_chat_template(tokenize=True) tokenizes). For assistant message i:
   G  = render(messages[:i], add_generation_prompt)[len(P):]   the generation prompt (header)
   X  = the turn as R renders it:
          last message:   R[len(P):]
-         otherwise:      A = render(messages[:i+2]), B = render(messages[:i] + [messages[i+1]]);
+         otherwise:      render(messages[:i+1])[len(P):] when R continues with it (most templates);
+                         else (the turn renders differently when more messages follow)
+                         A = render(messages[:i+2]), B = render(messages[:i] + [messages[i+1]]),
                          X = A[len(P) : len(A) - (len(B) - len(P))]   (the turn between P and the
                          next message; R must continue with X)
   trained characters = X[h : len(X.rstrip())] where h = len(G) when X starts with G, else the length
@@ -56,14 +58,19 @@ def _common_prefix_len(a, b):
 
 
 def _split_turn(r, messages, i, full):
-    """(offset of assistant message i in `full`, the turn's text X there)."""
+    """(offset of assistant message i in `full` = render(messages), the turn's text X there)."""
     prefix = r.render(messages[:i])
-    if full is not None and not full.startswith(prefix):
+    if not full.startswith(prefix):
         raise TemplateError(f"messages[{i}]: the template renders the history before this turn differently "
                             "from the whole conversation", "template_inconsistent")
     if i == len(messages) - 1:
-        whole = full if full is not None else r.render(messages)
-        return len(prefix), whole[len(prefix):]
+        return len(prefix), full[len(prefix):]
+    through = r.render(messages[:i + 1])
+    if through.startswith(prefix) and full.startswith(through):
+        return len(prefix), through[len(prefix):]
+    # The template renders the turn differently when more messages follow (Qwen3 drops the <think>
+    # block of earlier turns): cut it from the rendering with the next message, which without the
+    # turn renders as `tail` after the same history.
     a = r.render(messages[:i + 2])
     b = r.render(messages[:i] + [messages[i + 1]])
     tail = b[len(prefix):]
@@ -71,7 +78,7 @@ def _split_turn(r, messages, i, full):
         raise TemplateError(f"messages[{i}]: cannot separate this turn from the next one in the rendering",
                             "template_inconsistent")
     turn = a[len(prefix):len(a) - len(tail)]
-    if full is not None and not full.startswith(turn, len(prefix)):
+    if not full.startswith(turn, len(prefix)):
         raise TemplateError(f"messages[{i}]: the template renders this turn differently in the whole conversation",
                             "template_inconsistent")
     return len(prefix), turn
@@ -98,7 +105,7 @@ def _reply_start(r, messages, i, turn):
     probes = []
     for text in _PROBES:
         probe = messages[:i] + [{"role": "assistant", "content": text}] + messages[i + 1:i + 2]
-        probes.append(_split_turn(r, probe, i, None)[1])
+        probes.append(_split_turn(r, probe, i, r.render(probe))[1])
     header = probes[0][:_common_prefix_len(*probes)]
     if not turn.startswith(header):
         raise TemplateError(f"messages[{i}]: cannot find where the reply starts in the rendered turn",

@@ -27,6 +27,9 @@ TEMPLATES = {
     "llama3": ("llama3.jinja", "config",
                ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], [],
                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    # Mistral-7B-Instruct-v0.1: roles must alternate (raise_exception), no generation prompt.
+    "mistral": ("mistral.jinja", "config", ["<unk>", "<s>", "</s>"], [],
+                {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}),
     # SmolLM2-style: the template in chat_template.jinja (the newer HF layout).
     "smollm2": ("smollm2.jinja", "jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], [],
                 {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}),

@@ -32,8 +32,8 @@ def check(cond, msg):
 
 # What the test expects of each template: the header before a reply and the end-of-turn marker.
 HEADER = {"qwen3": "<|im_start|>assistant\n", "smollm2": "<|im_start|>assistant\n",
-          "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n"}
-END = {"qwen3": "<|im_end|>", "smollm2": "<|im_end|>", "llama3": "<|eot_id|>"}
+          "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n", "mistral": " [/INST]"}
+END = {"qwen3": "<|im_end|>", "smollm2": "<|im_end|>", "llama3": "<|eot_id|>", "mistral": "</s>"}
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 TOOL_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
@@ -183,6 +183,20 @@ def prepare(*args, expect_rc=0):
     return p
 
 
+def prepare_in_process(*args):
+    """The package's main() in this process (transformers is loaded already): the Python side
+    without the CLI around it, for the runs whose CLI path other runs cover."""
+    import contextlib
+    import io
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+    from dflash_data.prepare import main as prepare_main
+    t = time.time()
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = prepare_main(list(args))
+    print(f"  python -m dflash_data prepare {' '.join(args[:6])}... -> rc {rc} in {time.time() - t:.1f}s")
+    return rc
+
+
 def read_jsonl(path):
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -235,6 +249,7 @@ def main():
         check(meta["stats"]["formats"] == {"sharegpt": 2, "openai": 2, "prompt-response": 1, "text": 1},
               f"formats: {meta['stats']['formats']}")
         check(json.loads(p.stdout) == meta, "stdout JSON differs from the .meta.json sidecar")
+        check(sum(sum(d["loss_mask"]) for d in got) > 0, "nothing trained")
         check("prepare: 7 records, 6 documents" in p.stderr, f"progress line: {p.stderr[-300:]}")
 
     # 2. Qwen3, thinking on, last turn only; a reply without a think block is a mismatch.
@@ -242,9 +257,10 @@ def main():
     think_in = os.path.join(WORK, "think.jsonl")
     write_jsonl(think_in, [r for r, _ in THINK] + [THINK_MISMATCH])
     out = os.path.join(WORK, "qwen3_on.jsonl")
-    p = prepare("--tokenizer", dirs["qwen3"], "--input", think_in, "--out", out, "--thinking", "on",
-                "--last-turn-only", "--skip-bad", "--format", "auto")
-    if p.returncode == 0:
+    rc = prepare_in_process("--tokenizer", dirs["qwen3"], "--input", think_in, "--out", out, "--thinking", "on",
+                            "--last-turn-only", "--skip-bad", "--format", "auto")
+    check(rc == 0, f"qwen3 on: rc {rc}")
+    if rc == 0:
         got = read_jsonl(out)
         check(len(got) == len(THINK), f"qwen3 on: {len(got)} documents")
         for k, ((rec, msgs), doc) in enumerate(zip(THINK, got)):
@@ -256,9 +272,10 @@ def main():
     # 3. Llama-3: --system for chats without one, truncation to 48 tokens.
     print("llama3 --system --max-seq-len 48")
     out = os.path.join(WORK, "llama3.jsonl")
-    p = prepare("--tokenizer", dirs["llama3"], "--input", chat_in, "--out", out, "--system", "You are terse.",
-                "--max-seq-len", "48")
-    if p.returncode == 0:
+    rc = prepare_in_process("--tokenizer", dirs["llama3"], "--input", chat_in, "--out", out, "--system",
+                            "You are terse.", "--max-seq-len", "48")
+    check(rc == 0, f"llama3: rc {rc}")
+    if rc == 0:
         got = read_jsonl(out)
         want = [expected_doc(toks["llama3"], "llama3", expected_messages("llama3", r, m), system="You are terse.")
                 for r, m in CHAT]
@@ -318,6 +335,30 @@ def main():
         check(ids == [i for w in want for i in w[0]], "shard token ids differ from the expected documents")
         check(mask == [m for w in want for m in w[1]], "shard loss mask differs from the expected documents")
         check(not [f for f in os.listdir(WORK) if ".prepare-" in f], "temporary prepare folder left behind")
+
+    # 6. Mistral v0.1 (roles must alternate, so no render may drop a turn); records with system or
+    #    tool turns are template errors.
+    print("mistral")
+    out = os.path.join(WORK, "mistral.jsonl")
+    rc = prepare_in_process("--tokenizer", dirs["mistral"], "--input", chat_in, "--out", out, "--skip-bad")
+    check(rc == 0, f"mistral prepare returned {rc}")
+    if rc == 0:
+        got = read_jsonl(out)
+        kept = [1, 4, 5]
+        check(len(got) == len(kept), f"mistral: {len(got)} documents, expected {len(kept)}")
+        for k, doc in zip(kept, got):
+            compare(f"mistral record {k}", doc, *expected_doc(toks["mistral"], "mistral",
+                                                              expected_messages("mistral", *CHAT[k])))
+        stats = json.load(open(out + ".meta.json"))["stats"]
+        check(stats["skipped_bad"] == {"template_error": 3}, f"mistral skipped: {stats['skipped_bad']}")
+    multi = os.path.join(WORK, "alternating.jsonl")
+    convo = [m for m in CHAT[0][1] if m["role"] != "system"]
+    write_jsonl(multi, [{"messages": convo}])
+    out = os.path.join(WORK, "mistral_multi.jsonl")
+    rc = prepare_in_process("--tokenizer", dirs["mistral"], "--input", multi, "--out", out)
+    check(rc == 0, f"mistral multi-turn prepare returned {rc}")
+    if rc == 0:
+        compare("mistral multi-turn", read_jsonl(out)[0], *expected_doc(toks["mistral"], "mistral", convo))
 
     if FAILS:
         print(f"{len(FAILS)} failure(s)")
