@@ -53,6 +53,9 @@ def parse_args(argv):
     p.add_argument("--max-seq-len", type=int, default=0, help="truncate documents to N tokens (0 = no limit)")
     p.add_argument("--system", default=None, help="system prompt added to chats that have none")
     p.add_argument("--skip-bad", action="store_true")
+    p.add_argument("--prompts-only", action="store_true",
+                   help="write {id, input_ids} prompts (the chat before its last reply + generation prompt) for "
+                        "dflash eval / generate instead of training documents")
     a = p.parse_args(argv)
     if a.max_seq_len < 0:
         p.error(f"--max-seq-len must be >= 0, got {a.max_seq_len}")
@@ -96,29 +99,34 @@ class Preparer:
         """-> (record dict) or None when dropped; raises BadRecord."""
         fmt, kind, payload = record_messages(obj, self.a.format, self.renders_tool_calls)
         if kind == "text":
-            enc = self.tok(payload, return_offsets_mapping=False)
-            ids = list(enc["input_ids"])
-            mask = [1] * len(ids)
+            ids = list(self.tok(payload)["input_ids"])
+            mask = None if self.a.prompts_only else [1] * len(ids)
         else:
             if self.renderer is None:
                 raise Fatal(EXIT_CONFIG, f"{source}: a chat record, but the tokenizer has no chat template")
             messages = payload
             if self.a.system is not None and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": self.a.system}] + messages
-            if not any(m["role"] == "assistant" for m in messages):
+            if self.a.prompts_only:
+                ids, mask = self.prompt_ids(messages), None
+            elif not any(m["role"] == "assistant" for m in messages):
                 self._count("dropped", "no_assistant_turn")
                 return None
-            full = self.renderer.render(messages)
-            spans = assistant_spans(self.renderer, messages, full, self.a.last_turn_only)
-            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
-            ids = list(enc["input_ids"])
-            mask = mask_from_offsets(enc["offset_mapping"], spans)
+            else:
+                full = self.renderer.render(messages)
+                spans = assistant_spans(self.renderer, messages, full, self.a.last_turn_only)
+                enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+                ids = list(enc["input_ids"])
+                mask = mask_from_offsets(enc["offset_mapping"], spans)
         if not ids:
             raise BadRecord("no tokens", "empty_document")
         if self.a.max_seq_len and len(ids) > self.a.max_seq_len:
+            if self.a.prompts_only:  # a cut prompt is another prompt: leave it out
+                self._count("dropped", "prompt_longer_than_max_seq_len")
+                return None
             ids, mask = ids[:self.a.max_seq_len], mask[:self.a.max_seq_len]
             self.stats["truncated"] += 1
-        if not any(mask):
+        if mask is not None and not any(mask):
             self._count("dropped", "no_assistant_tokens_after_truncation" if kind == "chat" else "empty_document")
             return None
         rid = obj.get("id")
@@ -127,7 +135,20 @@ class Preparer:
             raise BadRecord(f"duplicate id {rid!r}", "duplicate_id")
         self.ids.add(rid)
         self._count("formats", fmt)
+        if mask is None:
+            return {"id": rid, "input_ids": ids, "source": source}
         return {"id": rid, "input_ids": ids, "loss_mask": mask, "source": source}
+
+    def prompt_ids(self, messages):
+        """--prompts-only: the conversation before its last reply (the whole conversation when it does
+        not end with one) and the generation prompt, as HF apply_chat_template(add_generation_prompt=True)
+        tokenizes it."""
+        if messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        if not messages:
+            raise BadRecord("nothing before the reply to prompt with", "assistant_first")
+        text = self.renderer.render(messages, generation_prompt=True)
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def _count(self, table, reason):
         self.stats[table][reason] = self.stats[table].get(reason, 0) + 1
@@ -169,7 +190,7 @@ class Preparer:
                 out.write(json.dumps(doc, separators=(",", ":")) + "\n")
                 self.stats["documents"] += 1
                 self.stats["tokens"] += len(doc["input_ids"])
-                self.stats["assistant_tokens"] += sum(doc["loss_mask"])
+                self.stats["assistant_tokens"] += sum(doc.get("loss_mask", ()))
                 progress()
 
 
@@ -229,6 +250,7 @@ def run(argv):
             "thinking": a.thinking,
             "last_turn_only": a.last_turn_only,
             "max_seq_len": a.max_seq_len,
+            "prompts_only": a.prompts_only,
             "system_sha256": sha256_text(a.system) if a.system is not None else None,
             "stats": s,
         }

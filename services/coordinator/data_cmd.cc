@@ -34,6 +34,7 @@ const char* kDataUsage =
     "                           [--format auto|sharegpt|openai|prompt-response|text] [--thinking on|off|keep]\n"
     "                           [--last-turn-only] [--max-seq-len N] [--system TEXT] [--skip-bad] [--python PY]\n"
     "                           [--block-size B (16)] [--shard-tokens N]   (the last two: --out DIR only)\n"
+    "                           [--prompts-only]   ({id, input_ids} prompts for eval / generate; FILE.jsonl only)\n"
     "  chats / prompt-response pairs / plain text -> tokenized JSONL with the model's chat template and\n"
     "  tokenizer (HF transformers; docs/data.md). --out FILE.jsonl writes it and FILE.jsonl.meta.json;\n"
     "  --out DIR also imports it into shards. Exit: 0 ok, 2 usage/config, 4 bad data (FILE:LINE).\n"
@@ -160,10 +161,10 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }
 
 int cmd_data_prepare(int argc, char** argv) {
-  const std::set<std::string> booleans = {"last-turn-only", "skip-bad", "help"};
+  const std::set<std::string> booleans = {"last-turn-only", "skip-bad", "prompts-only", "help"};
   Flags flags(argc, argv,
               {"tokenizer", "input", "format", "out", "thinking", "last-turn-only", "max-seq-len", "system", "skip-bad",
-               "python", "block-size", "shard-tokens", "help"},
+               "prompts-only", "python", "block-size", "shard-tokens", "help"},
               booleans);
   if (flags.has("help")) {
     std::cout << kDataUsage;
@@ -175,10 +176,12 @@ int cmd_data_prepare(int argc, char** argv) {
   const bool to_dir = !ends_with(out, ".jsonl");
   DFLASH_CHECK(to_dir || (!flags.has("block-size") && !flags.has("shard-tokens")), ConfigError,
                "data prepare: --block-size and --shard-tokens apply to --out DIR only (got --out " << out << ")");
+  DFLASH_CHECK(!to_dir || !flags.has("prompts-only"), ConfigError,
+               "data prepare: --prompts-only writes prompts, not training shards: --out must be a FILE.jsonl");
   std::vector<std::string> args = {"prepare"};
   for (const char* name : {"tokenizer", "input", "format", "thinking", "max-seq-len", "system"})
     if (flags.has(name)) args.insert(args.end(), {std::string("--") + name, flags.get(name)});
-  for (const char* name : {"last-turn-only", "skip-bad"})
+  for (const char* name : {"last-turn-only", "skip-bad", "prompts-only"})
     if (flags.has(name) && flags.get(name) != "0" && flags.get(name) != "false") args.push_back(std::string("--") + name);
   const std::string python = data_python(flags.get("python", ""));
   const std::string scripts = data_scripts_dir();

@@ -269,6 +269,26 @@ def main():
         check(meta["stats"]["skipped_bad"] == {"thinking_mismatch": 1}, f"qwen3 on skipped: {meta['stats']}")
         check(meta["thinking"] == "on" and meta["last_turn_only"], "meta thinking on / last_turn_only")
 
+    # 2b. --prompts-only: the chat before its last reply + the generation prompt (eval / generate input).
+    print("qwen3 --prompts-only")
+    out = os.path.join(WORK, "prompts.jsonl")
+    rc = prepare_in_process("--tokenizer", dirs["qwen3"], "--input", chat_in, "--out", out, "--thinking", "off",
+                            "--prompts-only")
+    check(rc == 0, f"prompts-only: rc {rc}")
+    if rc == 0:
+        got = read_jsonl(out)
+        check(len(got) == len(CHAT), f"prompts-only: {len(got)} prompts")
+        for k, ((rec, msgs), doc) in enumerate(zip(CHAT, got)):
+            msgs = expected_messages("qwen3", rec, msgs)
+            if isinstance(msgs, tuple):
+                want = toks["qwen3"](msgs[1])["input_ids"]
+            else:
+                want = toks["qwen3"].apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False, enable_thinking=False)
+            check(doc["input_ids"] == want and "loss_mask" not in doc,
+                  f"prompt {k} differs from HF apply_chat_template(add_generation_prompt=True)\n got  {doc}\n"
+                  f" want {want}")
+
     # 3. Llama-3: --system for chats without one, truncation to 48 tokens.
     print("llama3 --system --max-seq-len 48")
     out = os.path.join(WORK, "llama3.jsonl")
