@@ -21,8 +21,12 @@ others from the round files in OUT.work/ (`dflash generate` itself skips request
 kill -9 at any point and a rerun give every input id exactly once. OUT.work/ is removed when every
 record is in OUT.
 
+With --server URL (an OpenAI-compatible chat endpoint) the replies of chat lines come from it
+instead (scripts/dflash_data/server.py); tokenized lines are skipped.
+
 Exit codes: 0 ok; 2 usage/config; 4 bad data (a bad line without --skip-bad, names FILE:LINE);
-others from `dflash generate` as it returns them.
+1 when some records got no answer from --server (a rerun asks again); others from `dflash generate`
+as it returns them.
 """
 
 import argparse
@@ -34,15 +38,16 @@ import time
 
 from .formats import BadRecord, record_messages
 from .prepare import EXIT_CONFIG, EXIT_DATA, MAX_BAD_EXAMPLES, Fatal, write_json_atomic
+from .server import server_round
 from .spans import Renderer, template_text
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="dflash data regenerate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="HF model directory (weights, tokenizer, chat template)")
+    p.add_argument("--target", default=None, help="HF model directory (weights, tokenizer, chat template)")
     p.add_argument("--input", required=True, help="chat JSONL or tokenized JSONL (output of prepare)")
     p.add_argument("--out", required=True, help="regenerated JSONL (appended to; resumable)")
-    p.add_argument("--dflash", required=True, help="the dflash binary (set by `dflash data regenerate`)")
+    p.add_argument("--dflash", default=None, help="the dflash binary (set by `dflash data regenerate`)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default=None, help="passed to dflash generate (default: its own)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
@@ -54,7 +59,19 @@ def parse_args(argv):
     p.add_argument("--thinking", default="keep", choices=("on", "off", "keep"))
     p.add_argument("--stop-token-ids", default=None, help="a,b (default: the model's eos_token_id)")
     p.add_argument("--skip-bad", action="store_true")
+    p.add_argument("--server", default=None, help="URL of an OpenAI-compatible server (chat lines only)")
+    p.add_argument("--server-model", default=None, help="the model name the server knows (default: --target)")
+    p.add_argument("--server-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--server-retries", type=int, default=3, help="attempts per request")
     a = p.parse_args(argv)
+    if a.server is None and (a.target is None or a.dflash is None):
+        p.error("--target (and --dflash, which `dflash data regenerate` sets) are required without --server")
+    if a.server is not None:
+        a.server_model = a.server_model or a.target
+        if not a.server_model:
+            p.error("--server needs --server-model (or --target)")
+        if a.server_retries < 1:
+            p.error(f"--server-retries must be >= 1, got {a.server_retries}")
     if a.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.batch_size < 1:
@@ -218,6 +235,9 @@ class Regenerator:
                         self.stats["already_done"] += 1
                         continue
                     if "input_ids" in obj:
+                        if self.a.server:
+                            self._skip("tokenized_line_with_server")  # the server takes no token ids
+                            continue
                         rec = Record(rid, "tokens", token_payload(obj, where))
                     else:
                         fmt, kind, payload = record_messages(obj, "auto", True)
@@ -227,7 +247,8 @@ class Regenerator:
                         if any(m["role"] == "tool" for m in payload):
                             self._skip("tool_turns")  # tool results answer the original replies' calls
                             continue
-                        self.load_tokenizer()
+                        if not self.a.server:
+                            self.load_tokenizer()
                         rec = Record(rid, "chat", payload)
                         if rec.turns and rec.turns[0] == 0:
                             raise BadRecord("the conversation starts with an assistant turn", "assistant_first")
@@ -251,9 +272,15 @@ class Regenerator:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def apply(self, rec, k, out):
-        ids, finish = out["output_ids"], out["finish_reason"]
-        if finish == "length":
+        if out["finish_reason"] == "length":
             rec.hit_max += 1
+        if "content" in out:  # an answer of --server
+            msg = {"role": "assistant", "content": out["content"]}
+            if out["reasoning_content"]:
+                msg["reasoning_content"] = out["reasoning_content"]
+            rec.messages[rec.turns[k]] = msg
+            return
+        ids, finish = out["output_ids"], out["finish_reason"]
         if rec.kind == "tokens":
             rec.tokens = rec.tokens + rec.context[k]
             rec.replies[k] = ids
@@ -301,7 +328,8 @@ class Regenerator:
                 results[str(obj["id"])] = obj
         missing = [rec.id for rec in batch if rec.id not in results]
         if missing:
-            raise Fatal(1, f"round {k}: dflash generate left {len(missing)} requests without output (first {missing[0]})")
+            raise Fatal(1, f"round {k}: dflash generate left {len(missing)} requests without output "
+                        f"(first {missing[0]})")
         print(f"regenerate: round {k}: {len(batch)} replies in {time.monotonic() - t0:.1f}s", file=sys.stderr,
               flush=True)
         return results
@@ -309,9 +337,10 @@ class Regenerator:
     def check_work_options(self):
         """The round files hold replies generated with certain options; a rerun must use the same ones."""
         a = self.a
-        opts = {"target": os.path.abspath(a.target), "input": os.path.abspath(a.input), "thinking": a.thinking,
+        opts = {"target": a.target and os.path.abspath(a.target), "input": os.path.abspath(a.input), "thinking": a.thinking,
                 "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_p": a.top_p,
-                "top_k": a.top_k, "seed": a.seed, "dtype": a.dtype, "stop_token_ids": a.stop_token_ids}
+                "top_k": a.top_k, "seed": a.seed, "dtype": a.dtype, "stop_token_ids": a.stop_token_ids,
+                "server": a.server, "server_model": a.server_model}
         path = os.path.join(self.work, "options.json")
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
@@ -330,14 +359,24 @@ class Regenerator:
         self.check_work_options()
         done = self.read_done()
         records = self.read_input(done)
-        self.stops = stop_tokens(a, self.any_tokenizer)
+        self.stops = None if a.server else stop_tokens(a, self.any_tokenizer)
+        failed = False
         with open(a.out, "a", encoding="utf-8") as out:
             k = 0
             while True:
                 batch = [r for r in records if k < len(r.turns)]
                 if not batch:
                     break
-                results = self.generate_round(k, batch)
+                if a.server:
+                    results, errors = server_round(a, self.work, k, batch, lambda r, j: r.messages[:r.turns[j]],
+                                                   lambda m: print(m, file=sys.stderr, flush=True))
+                    for rid, msg in errors.items():  # left for a rerun
+                        self._skip("server_error", f"{rid}: round {k}: {msg}")
+                    records = [r for r in records if r.id not in errors]
+                    batch = [r for r in batch if r.id not in errors]
+                    failed = failed or bool(errors)
+                else:
+                    results = self.generate_round(k, batch)
                 for rec in batch:
                     self.apply(rec, k, results[rec.id])
                     self.stats["turns"] += 1
@@ -348,15 +387,20 @@ class Regenerator:
                 out.flush()
                 os.fsync(out.fileno())
                 k += 1
-        # Every input record is in OUT now: the round files are no longer needed.
-        for name in sorted(os.listdir(self.work)):
-            os.remove(os.path.join(self.work, name))
-        os.rmdir(self.work)
-        write_json_atomic(a.out + ".meta.json", {"kind": "dflash-regenerated-jsonl", "target": os.path.abspath(a.target),
-                                                 "input": a.input, "thinking": a.thinking,
-                                                 "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
-                                                 "stop_token_ids": self.stops, "stats": self.stats})
+        if not failed:  # every input record is in OUT now: the round files are no longer needed
+            for name in sorted(os.listdir(self.work)):
+                os.remove(os.path.join(self.work, name))
+            os.rmdir(self.work)
+        write_json_atomic(a.out + ".meta.json", {
+            "kind": "dflash-regenerated-jsonl", "target": a.target and os.path.abspath(a.target),
+            "server": a.server, "input": a.input,
+            "thinking": a.thinking, "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
+            "stop_token_ids": self.stops, "stats": self.stats})
         print(json.dumps(self.stats, indent=2))
+        if failed:
+            print(f"error: {self.stats['skipped']['server_error']} records got no answer from {a.server}; "
+                  "rerun the same command to ask again", file=sys.stderr)
+            return 1
         return 0
 
 

@@ -42,6 +42,7 @@ const char* kDataUsage =
     "                              [--max-new-tokens N (1024)] [--temperature T (0)] [--top-p P] [--top-k K]\n"
     "                              [--seed S] [--batch-size B (8)] [--thinking on|off|keep] [--dtype D]\n"
     "                              [--stop-token-ids a,b] [--skip-bad] [--python PY]\n"
+    "                              [--server URL --server-model NAME] (an OpenAI-compatible endpoint)\n"
     "  the target rewrites every assistant reply, turn by turn, with `dflash generate`; chat lines ->\n"
     "  {id, messages}, tokenized lines -> {id, input_ids, loss_mask}; resumable (docs/data.md).\n";
 
@@ -182,7 +183,8 @@ int cmd_data_prepare(int argc, char** argv) {
   for (const char* name : {"tokenizer", "input", "format", "thinking", "max-seq-len", "system"})
     if (flags.has(name)) args.insert(args.end(), {std::string("--") + name, flags.get(name)});
   for (const char* name : {"last-turn-only", "skip-bad", "prompts-only"})
-    if (flags.has(name) && flags.get(name) != "0" && flags.get(name) != "false") args.push_back(std::string("--") + name);
+    if (flags.has(name) && flags.get(name) != "0" && flags.get(name) != "false")
+      args.push_back(std::string("--") + name);
   const std::string python = data_python(flags.get("python", ""));
   const std::string scripts = data_scripts_dir();
   if (!to_dir) {

@@ -96,6 +96,68 @@ def reference_tokens(model, stop, segments):
     return ids, mask, lengths
 
 
+def server_check(tok, model, stop, inp, engine_out):
+    import contextlib
+    import io
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+    from dflash_data.regenerate import main as regenerate_main
+
+    state = {"fail": "Numbers?", "lock": threading.Lock()}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ok = (self.path == "/v1/chat/completions" and body["model"] == "tiny" and body["max_tokens"] == MAX_NEW
+                  and body["chat_template_kwargs"] == {"enable_thinking": False})
+            if not ok or body["messages"][-1]["content"] == state["fail"]:
+                self.send_response(500 if ok else 400)
+                self.end_headers()
+                self.wfile.write(b"no")
+                return
+            prompt = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True,
+                                             return_dict=False, enable_thinking=False)
+            with state["lock"]:
+                gen, finish = hf_reply(model, prompt, stop)
+            text = tok.decode(gen[:-1] if finish == "stop" else gen, skip_special_tokens=False)
+            data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
+                                            "finish_reason": finish}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    out3 = os.path.join(WORK, "out_server.jsonl")
+    args = ["--input", inp, "--max-new-tokens", str(MAX_NEW), "--thinking", "off", "--skip-bad", "--server", url, "--server-model", "tiny", "--server-retries", "1", "--batch-size", "2", "--out", out3]
+    t = time.time()
+    with contextlib.redirect_stdout(io.StringIO()) as captured:
+        rc = regenerate_main(args)
+    stats = json.loads(captured.getvalue())
+    check(rc == 1 and stats["skipped"].get("server_error") == 1, f"--server with a failing request: rc {rc}, {stats}")
+    check(stats["skipped"].get("tokenized_line_with_server") == 1, f"--server skips: {stats['skipped']}")
+    first = {d["id"] for d in read_out(out3)}
+    check(first == {"sg", "oa", "pr"}, f"--server first run wrote {sorted(first)}")
+    state["fail"] = None
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = regenerate_main(args)
+    check(rc == 0, f"--server rerun: rc {rc}")
+    answers = read_out(out3)
+    check(sorted(d["id"] for d in answers) == ["oa", "oa3", "pr", "sg"], "--server rerun: ids")
+    for d in answers:
+        check(d["messages"] == engine_out[d["id"]]["messages"], f"{d['id']}: --server replies differ from the engine's")
+    check(not os.path.exists(out3 + ".work"), "--server: round files left after a complete run")
+    httpd.shutdown()
+    print(f"  --server (two runs, in process) in {time.time() - t:.1f}s")
+
+
 def read_out(path):
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -211,6 +273,10 @@ def main():
         check(sorted(ids2) == sorted(got), f"resumed ids {sorted(ids2)} (duplicates or missing)")
         for d in resumed:
             check(d == got.get(d["id"]), f"{d['id']}: the resumed run differs from the uninterrupted one")
+    # --server: an OpenAI-compatible endpoint in this process, answering with HF generate; one
+    # conversation's third turn fails (HTTP 500) in the first run and is asked again by the rerun.
+    server_check(tok, model, stop, inp, got)
+
     if FAILS:
         print(f"{len(FAILS)} failure(s)")
         return 1
