@@ -251,6 +251,15 @@ def main():
         check(json.loads(p.stdout) == meta, "stdout JSON differs from the .meta.json sidecar")
         check(sum(sum(d["loss_mask"]) for d in got) > 0, "nothing trained")
         check("prepare: 7 records, 6 documents" in p.stderr, f"progress line: {p.stderr[-300:]}")
+        # `dflash data import` of that file records its .meta.json sidecar in the shard manifest.
+        ds = os.path.join(WORK, "ds_import")
+        q = subprocess.run([DFLASH, "data", "import", "--input", out, "--out", ds, "--block-size", "2"],
+                           capture_output=True, text=True)
+        check(q.returncode == 0, f"data import of the prepared file: exit {q.returncode}\n{q.stderr[-1000:]}")
+        if q.returncode == 0:
+            manifest = json.load(open(os.path.join(ds, "manifest.json")))
+            check(manifest["import"].get("input_meta", {}).get(out) == meta,
+                  "data import did not record the prepare sidecar in the manifest")
 
     # 2. Qwen3, thinking on, last turn only; a reply without a think block is a mismatch.
     print("qwen3 --thinking on --last-turn-only")
