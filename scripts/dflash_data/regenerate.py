@@ -101,6 +101,14 @@ def stop_tokens(a, tok):
                 "tokenizer; pass --stop-token-ids")
 
 
+def die_with_parent():
+    """In the `dflash generate` child: SIGKILL when this process dies (Linux), so that killing the
+    command never leaves a generate appending to the round files behind it."""
+    import ctypes
+    import signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class Record:
     """One input line being regenerated: `kind` "chat" (messages) or "tokens"."""
 
@@ -318,7 +326,7 @@ class Regenerator:
             if value is not None:
                 cmd += [flag, str(value)]
         t0 = time.monotonic()
-        rc = subprocess.run(cmd, stdout=sys.stderr).returncode
+        rc = subprocess.run(cmd, stdout=sys.stderr, preexec_fn=die_with_parent).returncode
         if rc != 0:
             raise Fatal(rc if rc in (EXIT_CONFIG, EXIT_DATA) else 1, f"round {k}: dflash generate exited {rc}")
         results = {}

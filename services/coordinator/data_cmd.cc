@@ -2,10 +2,12 @@
 
 #include <fcntl.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -129,9 +131,12 @@ int run_data_module(const std::string& python, const std::string& scripts, const
   for (auto& a : argv_s) av.push_back(a.data());
   av.push_back(nullptr);
   std::cout.flush();
+  const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   DFLASH_CHECK(pid >= 0, TransportError, "data: fork failed: " << std::strerror(errno));
   if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // `kill -9` of dflash takes the Python (and its generate) along
+    if (::getppid() != parent) ::_exit(1);
     const char* old = ::getenv("PYTHONPATH");
     const std::string path = old && *old ? scripts + ":" + old : scripts;
     ::setenv("PYTHONPATH", path.c_str(), 1);

@@ -158,6 +158,24 @@ def server_check(tok, model, stop, inp, engine_out):
     print(f"  --server (two runs, in process) in {time.time() - t:.1f}s")
 
 
+def processes_naming(text):
+    """Pids of live processes whose command line contains `text`."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().decode("utf-8", "replace")
+            with open(f"/proc/{d}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            pids.append(int(d))
+    return pids
+
+
 def read_out(path):
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -248,18 +266,29 @@ def main():
     # Kill -9 in the middle of round 0 (batch size 1: outputs appear one by one), then rerun.
     out2 = os.path.join(WORK, "out2.jsonl")
     args2 = common + ["--batch-size", "1"]
-    p = regenerate(args2, out2, start_new_session=True)
+    p = regenerate(args2, out2)
     round0 = os.path.join(out2 + ".work", "round-0.out.jsonl")
     killed = False
     deadline = time.time() + 120
     while p.poll() is None and time.time() < deadline:
         if os.path.exists(round0) and os.path.getsize(round0) > 0:
-            os.killpg(p.pid, signal.SIGKILL)
+            os.kill(p.pid, signal.SIGKILL)  # dflash only: its Python and that one's generate must follow
             killed = True
             break
         time.sleep(0.02)
     p.communicate()
     check(killed, "the run finished before it could be killed (nothing was tested)")
+    left = processes_naming(out2)
+    for _ in range(100):
+        if not left:
+            break
+        time.sleep(0.05)
+        left = processes_naming(out2)
+    # (A generate orphaned by a missing PDEATHSIG would mostly finish on its own within these 5 s on
+    # this tiny model, so this only catches one that keeps running, e.g. hung.)
+    check(not left, f"processes of the killed run still running 5 s after kill -9 of dflash: {left}")
+    for pid in left:  # our own descendants: do not let them disturb the rerun
+        os.kill(pid, signal.SIGKILL)
     p = regenerate(options(MAX_NEW + 1) + ["--batch-size", "1"], out2)
     _, stderr = p.communicate()
     check(p.returncode == 2 and "max_new_tokens" in stderr,
