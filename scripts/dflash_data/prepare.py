@@ -12,6 +12,7 @@ tokenizer files, no chat template, OUT exists, --thinking on a template without 
 import argparse
 import hashlib
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -53,12 +54,15 @@ def parse_args(argv):
     p.add_argument("--max-seq-len", type=int, default=0, help="truncate documents to N tokens (0 = no limit)")
     p.add_argument("--system", default=None, help="system prompt added to chats that have none")
     p.add_argument("--skip-bad", action="store_true")
+    p.add_argument("--workers", type=int, default=1, help="processes that render and tokenize (default 1)")
     p.add_argument("--prompts-only", action="store_true",
                    help="write {id, input_ids} prompts (the chat before its last reply + generation prompt) for "
                         "dflash eval / generate instead of training documents")
     a = p.parse_args(argv)
     if a.max_seq_len < 0:
         p.error(f"--max-seq-len must be >= 0, got {a.max_seq_len}")
+    if a.workers < 1:
+        p.error(f"--workers must be >= 1, got {a.workers}")
     a.inputs = [x for x in a.input.split(",") if x]
     if not a.inputs:
         p.error("--input names no file")
@@ -84,6 +88,14 @@ def load_tokenizer(model_dir, thinking):
     return tok, template, sha256_file(tok_json)
 
 
+class Dropped(Exception):
+    """A valid record that yields no document (counted under stats.dropped.<reason>)."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Preparer:
     def __init__(self, a, tok, template):
         self.a = a
@@ -96,7 +108,10 @@ class Preparer:
         self.ids = set()
 
     def document(self, obj, source):
-        """-> (record dict) or None when dropped; raises BadRecord."""
+        """-> (record dict, format, truncated); raises Dropped or BadRecord. Touches no shared state
+        (it runs in worker processes with --workers): counting and the id check are the caller's."""
+        if self.renderer is not None:
+            self.renderer.clear()
         fmt, kind, payload = record_messages(obj, self.a.format, self.renders_tool_calls)
         if kind == "text":
             ids = list(self.tok(payload)["input_ids"])
@@ -110,8 +125,7 @@ class Preparer:
             if self.a.prompts_only:
                 ids, mask = self.prompt_ids(messages), None
             elif not any(m["role"] == "assistant" for m in messages):
-                self._count("dropped", "no_assistant_turn")
-                return None
+                raise Dropped("no_assistant_turn")
             else:
                 full = self.renderer.render(messages)
                 spans = assistant_spans(self.renderer, messages, full, self.a.last_turn_only)
@@ -120,24 +134,46 @@ class Preparer:
                 mask = mask_from_offsets(enc["offset_mapping"], spans)
         if not ids:
             raise BadRecord("no tokens", "empty_document")
+        truncated = False
         if self.a.max_seq_len and len(ids) > self.a.max_seq_len:
             if self.a.prompts_only:  # a cut prompt is another prompt: leave it out
-                self._count("dropped", "prompt_longer_than_max_seq_len")
-                return None
+                raise Dropped("prompt_longer_than_max_seq_len")
             ids, mask = ids[:self.a.max_seq_len], mask[:self.a.max_seq_len]
-            self.stats["truncated"] += 1
+            truncated = True
         if mask is not None and not any(mask):
-            self._count("dropped", "no_assistant_tokens_after_truncation" if kind == "chat" else "empty_document")
-            return None
+            raise Dropped("no_assistant_tokens_after_truncation" if kind == "chat" else "empty_document")
         rid = obj.get("id")
         rid = str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else source
-        if rid in self.ids:
-            raise BadRecord(f"duplicate id {rid!r}", "duplicate_id")
-        self.ids.add(rid)
-        self._count("formats", fmt)
-        if mask is None:
-            return {"id": rid, "input_ids": ids, "source": source}
-        return {"id": rid, "input_ids": ids, "loss_mask": mask, "source": source}
+        doc = {"id": rid, "input_ids": ids}
+        if mask is not None:
+            doc["loss_mask"] = mask
+        doc["source"] = source
+        return doc, fmt, truncated
+
+    def outcome(self, item):
+        """(where, raw line) -> ("doc", line text, doc stats) | ("bad", reason, message) |
+        ("dropped", reason) | ("fatal", code, message); what a worker sends back."""
+        where, raw = item
+        try:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadRecord(f"not UTF-8 text at byte {e.start}", "not_utf8")
+            if not line.strip():
+                raise BadRecord("empty line", "empty_line")
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise BadRecord(f"invalid JSON: {e}", "invalid_json")
+            doc, fmt, truncated = self.document(obj, where)
+        except BadRecord as e:
+            return ("bad", e.reason, f"{where}: {e}")
+        except Dropped as e:
+            return ("dropped", e.reason)
+        except Fatal as e:
+            return ("fatal", e.code, str(e))
+        return ("doc", doc["id"], json.dumps(doc, separators=(",", ":")) + "\n",
+                (fmt, truncated, len(doc["input_ids"]), sum(doc.get("loss_mask", ()))))
 
     def prompt_ids(self, messages):
         """--prompts-only: the conversation before its last reply (the whole conversation when it does
@@ -153,45 +189,52 @@ class Preparer:
     def _count(self, table, reason):
         self.stats[table][reason] = self.stats[table].get(reason, 0) + 1
 
-    def bad(self, where, e):
-        msg = f"{where}: {e}"
+    def bad(self, msg, reason):
         if not self.a.skip_bad:
             raise Fatal(EXIT_DATA, msg + " (use --skip-bad to count and skip bad records)")
-        self._count("skipped_bad", e.reason)
+        self._count("skipped_bad", reason)
         if len(self.stats["bad_examples"]) < MAX_BAD_EXAMPLES:
             self.stats["bad_examples"].append(msg)
 
-    def run_file(self, path, out, progress):
+    def lines(self, path):
         try:
             f = open(path, "rb")
         except OSError as e:
             raise Fatal(EXIT_CONFIG, f"--input {path}: cannot open: {e.strerror}")
         with f:
             for line_no, raw in enumerate(f, 1):
-                where = f"{path}:{line_no}"
-                self.stats["records"] += 1
-                try:
-                    try:
-                        line = raw.decode("utf-8")
-                    except UnicodeDecodeError as e:
-                        raise BadRecord(f"not UTF-8 text at byte {e.start}", "not_utf8")
-                    if not line.strip():
-                        raise BadRecord("empty line", "empty_line")
-                    try:
-                        obj = json.loads(line)
-                    except ValueError as e:
-                        raise BadRecord(f"invalid JSON: {e}", "invalid_json")
-                    doc = self.document(obj, where)
-                except BadRecord as e:
-                    self.bad(where, e)
-                    continue
-                if doc is None:
-                    continue
-                out.write(json.dumps(doc, separators=(",", ":")) + "\n")
-                self.stats["documents"] += 1
-                self.stats["tokens"] += len(doc["input_ids"])
-                self.stats["assistant_tokens"] += sum(doc.get("loss_mask", ()))
-                progress()
+                yield f"{path}:{line_no}", raw
+
+    def take(self, result, out, progress):
+        """Counts one outcome and writes its document (in input order)."""
+        self.stats["records"] += 1
+        if result[0] == "fatal":
+            raise Fatal(result[1], result[2])
+        if result[0] == "dropped":
+            self._count("dropped", result[1])
+            return
+        if result[0] == "doc" and result[1] in self.ids:
+            where = json.loads(result[2])["source"]
+            result = ("bad", "duplicate_id", f"{where}: duplicate id {result[1]!r}")
+        if result[0] == "bad":
+            self.bad(result[2], result[1])
+            return
+        _, rid, text, (fmt, truncated, n_tokens, n_trained) = result
+        self.ids.add(rid)
+        out.write(text)
+        self._count("formats", fmt)
+        self.stats["truncated"] += truncated
+        self.stats["documents"] += 1
+        self.stats["tokens"] += n_tokens
+        self.stats["assistant_tokens"] += n_trained
+        progress()
+
+
+_WORKER = None
+
+
+def _worker_outcome(item):
+    return _WORKER.outcome(item)
 
 
 def write_json_atomic(path, obj):
@@ -229,8 +272,17 @@ def run(argv):
     tmp = f"{a.out}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as out:
-            for path in a.inputs:
-                p.run_file(path, out, progress)
+            items = (item for path in a.inputs for item in p.lines(path))
+            if a.workers == 1:
+                for item in items:
+                    p.take(p.outcome(item), out, progress)
+            else:
+                global _WORKER
+                _WORKER = p  # inherited by the forked workers
+                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker
+                with multiprocessing.get_context("fork").Pool(a.workers) as pool:
+                    for result in pool.imap(_worker_outcome, items, chunksize=16):
+                        p.take(result, out, progress)
             out.flush()
             os.fsync(out.fileno())
         progress(final=True)

@@ -22,6 +22,7 @@ end-of-turn token; trailing whitespace after that token is not trained. Tokens a
 spans by their character offsets (a token is trained when it starts inside a span).
 """
 
+import json
 import re
 
 from .formats import BadRecord
@@ -34,19 +35,32 @@ class TemplateError(BadRecord):
 
 
 class Renderer:
+    """apply_chat_template(tokenize=False) with the run's template and switches. The span search renders
+    the same prefixes several times per conversation; renderings are memoised until clear()."""
+
     def __init__(self, tokenizer, template, thinking):
         self.tok = tokenizer
         self.template = template
         # Qwen3-style templates read `enable_thinking`; "keep" passes nothing (the template's default).
         self.kwargs = {} if thinking == "keep" else {"enable_thinking": thinking == "on"}
         self.thinking = thinking
+        self.cache = {}
+
+    def clear(self):
+        self.cache.clear()
 
     def render(self, messages, generation_prompt=False):
+        key = (json.dumps(messages, sort_keys=True, ensure_ascii=False), generation_prompt)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
         try:
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                                 chat_template=self.template, **self.kwargs)
         except Exception as e:  # jinja2 errors, raise_exception() in templates, type errors
             raise TemplateError(f"chat template render failed: {type(e).__name__}: {e}", "template_error") from e
+        self.cache[key] = text
+        return text
 
 
 def _common_prefix_len(a, b):

@@ -35,6 +35,7 @@ const char* kDataUsage =
     "usage: dflash data prepare --tokenizer MODEL_DIR --input a.jsonl[,b.jsonl...] --out DIR|FILE.jsonl\n"
     "                           [--format auto|sharegpt|openai|prompt-response|text] [--thinking on|off|keep]\n"
     "                           [--last-turn-only] [--max-seq-len N] [--system TEXT] [--skip-bad] [--python PY]\n"
+    "                           [--workers N (1)]\n"
     "                           [--block-size B (16)] [--shard-tokens N]   (the last two: --out DIR only)\n"
     "                           [--prompts-only]   ({id, input_ids} prompts for eval / generate; FILE.jsonl only)\n"
     "  chats / prompt-response pairs / plain text -> tokenized JSONL with the model's chat template and\n"
@@ -170,7 +171,7 @@ int cmd_data_prepare(int argc, char** argv) {
   const std::set<std::string> booleans = {"last-turn-only", "skip-bad", "prompts-only", "help"};
   Flags flags(argc, argv,
               {"tokenizer", "input", "format", "out", "thinking", "last-turn-only", "max-seq-len", "system", "skip-bad",
-               "prompts-only", "python", "block-size", "shard-tokens", "help"},
+               "prompts-only", "workers", "python", "block-size", "shard-tokens", "help"},
               booleans);
   if (flags.has("help")) {
     std::cout << kDataUsage;
@@ -185,7 +186,7 @@ int cmd_data_prepare(int argc, char** argv) {
   DFLASH_CHECK(!to_dir || !flags.has("prompts-only"), ConfigError,
                "data prepare: --prompts-only writes prompts, not training shards: --out must be a FILE.jsonl");
   std::vector<std::string> args = {"prepare"};
-  for (const char* name : {"tokenizer", "input", "format", "thinking", "max-seq-len", "system"})
+  for (const char* name : {"tokenizer", "input", "format", "thinking", "max-seq-len", "system", "workers"})
     if (flags.has(name)) args.insert(args.end(), {std::string("--") + name, flags.get(name)});
   for (const char* name : {"last-turn-only", "skip-bad", "prompts-only"})
     if (flags.has(name) && flags.get(name) != "0" && flags.get(name) != "false")

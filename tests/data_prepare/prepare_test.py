@@ -226,13 +226,14 @@ def main():
     chat_in = os.path.join(WORK, "chat.jsonl")
     write_jsonl(chat_in, [r for r, _ in CHAT])
 
-    # 1. Qwen3, thinking off, all formats; a reply with reasoning is a per-record mismatch (skipped).
+    # 1. Qwen3, thinking off, all formats, two worker processes (documents in input order); a reply
+    #    with reasoning is a per-record mismatch (skipped).
     print("qwen3 --thinking off")
     off_bad = os.path.join(WORK, "off_bad.jsonl")
     write_jsonl(off_bad, [OFF_MISMATCH])
     out = os.path.join(WORK, "qwen3_off.jsonl")
     p = prepare("--tokenizer", dirs["qwen3"], "--input", f"{chat_in},{off_bad}", "--out", out,
-                "--thinking", "off", "--skip-bad")
+                "--thinking", "off", "--skip-bad", "--workers", "2")
     if p.returncode == 0:
         got = read_jsonl(out)
         check(len(got) == len(CHAT), f"qwen3 off: {len(got)} documents, expected {len(CHAT)}")
@@ -313,7 +314,7 @@ def main():
         for (k, (ids, mask)), doc in zip(kept, got):
             compare(f"llama3 record {k}", doc, ids[:48], mask[:48])
         stats = json.load(open(out + ".meta.json"))["stats"]
-        n_trunc = sum(len(w[0]) > 48 for w in want)
+        n_trunc = sum(len(w[0]) > 48 for _, w in kept)  # a dropped document counts only as dropped
         check(n_trunc > 0 and stats["truncated"] == n_trunc, f"llama3 truncated {stats['truncated']}, want {n_trunc}")
         n_drop = len(want) - len(kept)
         check(stats["dropped"] == ({"no_assistant_tokens_after_truncation": n_drop} if n_drop else {}),
