@@ -157,6 +157,7 @@ ImportSummary import_jsonl(const ImportOptions& o) {
     stats.erase("out");
     stats.erase("shards");  // the manifest lists the shards itself
     stats["inputs"] = o.inputs;
+    if (!o.input_meta.is_null()) stats["input_meta"] = o.input_meta;
     writer.finish(stats);
     s.shards = writer.shards();
 

@@ -39,6 +39,9 @@ struct ImportOptions {
   int64_t block_size = 16;          // the drafter's block size; >= 1
   bool skip_bad = false;
   int64_t shard_tokens = int64_t{1} << 26;  // tokens per shard file (~320 MiB); >= 1
+  // Provenance of the inputs (e.g. the .meta.json sidecars of `dflash data prepare`), recorded
+  // as-is in the manifest's "import" section under "input_meta" when not null.
+  nlohmann::json input_meta;
 };
 
 struct ImportSummary {

@@ -38,6 +38,8 @@ const char* kUsage =
     "                           --batches 1x4096,4x4096,16x1024 --layers 1,9,17,25,33 [--baseline]: HF speed\n"
     "                           and error vs HF with the same weights; --help for all flags)\n"
     "  data import --input F.jsonl[,...] --out DIR [--max-seq-len N] [--block-size 16] [--skip-bad]  JSONL -> token shards\n"
+    "  data prepare --tokenizer DIR --input F.jsonl[,...] --out DIR|F.jsonl [--format auto] [--thinking keep] ...\n"
+    "                           chats / text -> tokenized JSONL or shards with the model's chat template\n"
     "  export --checkpoint DIR --out DIR [--dtype bfloat16|float32]  checkpoint -> HF DFlash drafter folder\n"
     "  eval --target DIR --drafter DIR --input F.jsonl [--max-new-tokens 64] [--block-size B] [--device cpu|cuda]\n"
     "       [--dtype float32|bfloat16] [--stop-token-ids a,b]  greedy speculative decoding; JSON with tau\n"

@@ -1,13 +1,27 @@
 #include "services/coordinator/data_cmd.h"
 
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "core/data/import.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/switches.h"
+#include "services/coordinator/build_paths.h"
 
 namespace dflash::cli {
 namespace {
@@ -16,7 +30,27 @@ const char* kDataUsage =
     "usage: dflash data import --input FILE.jsonl[,FILE2.jsonl...] --out DIR [--max-seq-len N]\n"
     "                          [--block-size B (16)] [--skip-bad] [--shard-tokens N (67108864)]\n"
     "  lines: {\"input_ids\": [...], \"loss_mask\": [...]} or {\"input_ids\": [...], \"labels\": [...]}\n"
-    "  (-100 = masked); documents with < 2*B trainable tokens are dropped; prints a JSON summary.\n";
+    "  (-100 = masked); documents with < 2*B trainable tokens are dropped; prints a JSON summary.\n"
+    "  An input's FILE.jsonl.meta.json sidecar (from `data prepare`) is recorded in the manifest.\n"
+    "usage: dflash data prepare --tokenizer MODEL_DIR --input a.jsonl[,b.jsonl...] --out DIR|FILE.jsonl\n"
+    "                           [--format auto|sharegpt|openai|prompt-response|text] [--thinking on|off|keep]\n"
+    "                           [--last-turn-only] [--max-seq-len N] [--system TEXT] [--skip-bad] [--python PY]\n"
+    "                           [--workers N (1)]\n"
+    "                           [--block-size B (16)] [--shard-tokens N]   (the last two: --out DIR only)\n"
+    "                           [--prompts-only]   ({id, input_ids} prompts for eval / generate; FILE.jsonl only)\n"
+    "  chats / prompt-response pairs / plain text -> tokenized JSONL with the model's chat template and\n"
+    "  tokenizer (HF transformers; docs/data.md). --out FILE.jsonl writes it and FILE.jsonl.meta.json;\n"
+    "  --out DIR also imports it into shards. Exit: 0 ok, 2 usage/config, 4 bad data (FILE:LINE).\n"
+    "usage: dflash data regenerate --target MODEL_DIR --input F.jsonl --out OUT.jsonl [--device cpu|cuda]\n"
+    "                              [--max-new-tokens N (1024)] [--temperature T (0)] [--top-p P] [--top-k K]\n"
+    "                              [--seed S] [--batch-size B (8)] [--thinking on|off|keep] [--dtype D]\n"
+    "                              [--stop-token-ids a,b] [--skip-bad] [--python PY]\n"
+    "                              [--server URL --server-model NAME] (an OpenAI-compatible endpoint)\n"
+    "  the target rewrites every assistant reply, turn by turn, with `dflash generate`; chat lines ->\n"
+    "  {id, messages}, tokenized lines -> {id, input_ids, loss_mask}; resumable (docs/data.md).\n";
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
 
 std::vector<std::string> split_commas(const std::string& s) {
   std::vector<std::string> out;
@@ -29,6 +63,22 @@ std::vector<std::string> split_commas(const std::string& s) {
     start = end + 1;
   }
   return out;
+}
+
+// The manifest records each input's `data prepare` sidecar (FILE.meta.json) when there is one.
+json read_sidecars(const std::vector<std::string>& inputs) {
+  json meta;
+  for (const std::string& in : inputs) {
+    const std::string side = in + ".meta.json";
+    std::ifstream f(side);
+    if (!f) continue;
+    try {
+      meta[in] = json::parse(f);
+    } catch (const json::exception& e) {
+      DFLASH_FAIL(DataError, side << ": not valid JSON (" << e.what() << ")");
+    }
+  }
+  return meta;
 }
 
 int cmd_data_import(int argc, char** argv) {
@@ -47,9 +97,167 @@ int cmd_data_import(int argc, char** argv) {
   o.block_size = flags.get_int("block-size", 16);
   o.skip_bad = flags.has("skip-bad") && flags.get("skip-bad") != "0" && flags.get("skip-bad") != "false";
   o.shard_tokens = flags.get_int("shard-tokens", o.shard_tokens);
+  o.input_meta = read_sidecars(o.inputs);
   const data::ImportSummary s = data::import_jsonl(o);
   std::cout << s.to_json().dump(2) << std::endl;
   return kExitOk;
+}
+
+// The Python that runs scripts/dflash_data: --python, else $DFLASH_PYTHON, else the one this build
+// was configured with (CMake's DFLASH_PYTHON).
+std::string data_python(const std::string& flag) {
+  if (!flag.empty()) return flag;
+  if (switches::is_set("DFLASH_PYTHON")) return switches::get("DFLASH_PYTHON");
+  return DFLASH_BUILD_PYTHON;
+}
+
+// The folder holding the dflash_data package: $DFLASH_SOURCE_DIR/scripts when the switch is set,
+// else this build's source tree.
+std::string data_scripts_dir() {
+  const std::string root = switches::is_set("DFLASH_SOURCE_DIR") ? switches::get("DFLASH_SOURCE_DIR")
+                                                                  : std::string(DFLASH_BUILD_SOURCE_DIR);
+  const std::string dir = root + "/scripts";
+  DFLASH_CHECK(fs::exists(dir + "/dflash_data/__main__.py"), ConfigError,
+               dir << "/dflash_data: not found (set DFLASH_SOURCE_DIR to the dflash source checkout)");
+  return dir;
+}
+
+// Runs `PYTHON -m dflash_data ARGS...` with PYTHONPATH=SCRIPTS (stdout to /dev/null when
+// `quiet`); returns its exit code mapped to ours: 0, 2 and 4 as they are, anything else 1.
+int run_data_module(const std::string& python, const std::string& scripts, const std::vector<std::string>& args,
+                    bool quiet) {
+  std::vector<std::string> argv_s = {python, "-m", "dflash_data"};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> av;
+  for (auto& a : argv_s) av.push_back(a.data());
+  av.push_back(nullptr);
+  std::cout.flush();
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  DFLASH_CHECK(pid >= 0, TransportError, "data: fork failed: " << std::strerror(errno));
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // `kill -9` of dflash takes the Python (and its generate) along
+    if (::getppid() != parent) ::_exit(1);
+    const char* old = ::getenv("PYTHONPATH");
+    const std::string path = old && *old ? scripts + ":" + old : scripts;
+    ::setenv("PYTHONPATH", path.c_str(), 1);
+    if (quiet) {
+      const int devnull = ::open("/dev/null", O_WRONLY);
+      if (devnull >= 0) ::dup2(devnull, 1);
+    }
+    ::execvp(av[0], av.data());
+    const std::string msg = "data: cannot run " + python + ": " + std::strerror(errno) +
+                            " (set DFLASH_PYTHON or --python to a Python with transformers)\n";
+    (void)!::write(2, msg.data(), msg.size());
+    ::_exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFSIGNALED(status)) {
+    LOG_ERROR("data: " << python << " -m dflash_data was killed by signal " << WTERMSIG(status));
+    return kExitFailure;
+  }
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : kExitFailure;
+  if (rc == 127) return kExitConfig;  // the interpreter could not be started (message above)
+  return rc == kExitOk || rc == kExitConfig || rc == kExitData ? rc : kExitFailure;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+int cmd_data_prepare(int argc, char** argv) {
+  const std::set<std::string> booleans = {"last-turn-only", "skip-bad", "prompts-only", "help"};
+  Flags flags(argc, argv,
+              {"tokenizer", "input", "format", "out", "thinking", "last-turn-only", "max-seq-len", "system", "skip-bad",
+               "prompts-only", "workers", "python", "block-size", "shard-tokens", "help"},
+              booleans);
+  if (flags.has("help")) {
+    std::cout << kDataUsage;
+    return kExitOk;
+  }
+  DFLASH_CHECK(flags.positional().empty(), ConfigError,
+               "data prepare: unexpected argument '" << flags.positional().front() << "'");
+  const std::string out = flags.get("out");
+  const bool to_dir = !ends_with(out, ".jsonl");
+  DFLASH_CHECK(to_dir || (!flags.has("block-size") && !flags.has("shard-tokens")), ConfigError,
+               "data prepare: --block-size and --shard-tokens apply to --out DIR only (got --out " << out << ")");
+  DFLASH_CHECK(!to_dir || !flags.has("prompts-only"), ConfigError,
+               "data prepare: --prompts-only writes prompts, not training shards: --out must be a FILE.jsonl");
+  std::vector<std::string> args = {"prepare"};
+  for (const char* name : {"tokenizer", "input", "format", "thinking", "max-seq-len", "system", "workers"})
+    if (flags.has(name)) args.insert(args.end(), {std::string("--") + name, flags.get(name)});
+  for (const char* name : {"last-turn-only", "skip-bad", "prompts-only"})
+    if (flags.has(name) && flags.get(name) != "0" && flags.get(name) != "false")
+      args.push_back(std::string("--") + name);
+  const std::string python = data_python(flags.get("python", ""));
+  const std::string scripts = data_scripts_dir();
+  if (!to_dir) {
+    args.insert(args.end(), {"--out", out});
+    return run_data_module(python, scripts, args, false);
+  }
+
+  // --out DIR: prepare into a sibling temporary folder, then import (which publishes DIR atomically).
+  std::string dir = out;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  std::error_code ec;
+  DFLASH_CHECK(!fs::exists(dir, ec) || (fs::is_directory(dir, ec) && fs::is_empty(dir, ec)), ConfigError,
+               dir << ": exists and is not an empty directory; refusing to overwrite a dataset");
+  fs::create_directories(fs::absolute(dir).parent_path(), ec);
+  std::string tmpl = dir + ".prepare-XXXXXX";
+  DFLASH_CHECK(::mkdtemp(tmpl.data()) != nullptr, ConfigError,
+               tmpl << ": cannot create temporary directory: " << std::strerror(errno));
+  const std::string jsonl = tmpl + "/prepared.jsonl";
+  args.insert(args.end(), {"--out", jsonl});
+  try {
+    const int rc = run_data_module(python, scripts, args, true);
+    if (rc != kExitOk) {
+      fs::remove_all(tmpl, ec);
+      return rc;
+    }
+    data::ImportOptions o;
+    o.inputs = {jsonl};
+    o.out_dir = dir;
+    o.max_seq_len = flags.get_int("max-seq-len", 0);
+    o.block_size = flags.get_int("block-size", 16);
+    o.shard_tokens = flags.get_int("shard-tokens", o.shard_tokens);
+    const json sidecars = read_sidecars(o.inputs);
+    DFLASH_CHECK(sidecars.contains(jsonl), DataError, jsonl << ".meta.json: missing after prepare");
+    o.input_meta = {{"prepare", sidecars[jsonl]}};
+    const data::ImportSummary s = data::import_jsonl(o);
+    std::cout << json{{"prepare", sidecars[jsonl]}, {"import", s.to_json()}}.dump(2) << std::endl;
+  } catch (...) {
+    fs::remove_all(tmpl, ec);
+    throw;
+  }
+  fs::remove_all(tmpl, ec);
+  return kExitOk;
+}
+
+// `data regenerate`: the flags go to scripts/dflash_data/regenerate.py as they are (it validates
+// them: exit 2), with this binary as the `dflash generate` it runs.
+int cmd_data_regenerate(int argc, char** argv) {
+  std::vector<std::string> args = {"regenerate"};
+  std::string python_flag;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::cout << kDataUsage;
+      return kExitOk;
+    }
+    if (a == "--python" || a.rfind("--python=", 0) == 0) {
+      DFLASH_CHECK(a != "--python" || i + 1 < argc, ConfigError, "flag --python needs a value");
+      python_flag = a == "--python" ? argv[++i] : a.substr(9);
+      continue;
+    }
+    args.push_back(a);
+  }
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  DFLASH_CHECK(!ec, ConfigError, "data regenerate: cannot find this binary (/proc/self/exe): " << ec.message());
+  args.insert(args.end(), {"--dflash", self.string()});
+  return run_data_module(data_python(python_flag), data_scripts_dir(), args, false);
 }
 
 }  // namespace
@@ -57,6 +265,8 @@ int cmd_data_import(int argc, char** argv) {
 int cmd_data(int argc, char** argv) {
   try {
     if (argc >= 1 && !std::strcmp(argv[0], "import")) return cmd_data_import(argc - 1, argv + 1);
+    if (argc >= 1 && !std::strcmp(argv[0], "prepare")) return cmd_data_prepare(argc - 1, argv + 1);
+    if (argc >= 1 && !std::strcmp(argv[0], "regenerate")) return cmd_data_regenerate(argc - 1, argv + 1);
     if (argc >= 1 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
       std::cout << kDataUsage;
       return kExitOk;

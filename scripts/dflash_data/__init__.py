@@ -1,0 +1,1 @@
+"""Dataset preparation behind `dflash data prepare` / `dflash data regenerate` (docs/data.md)."""

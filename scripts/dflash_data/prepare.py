@@ -1,0 +1,324 @@
+"""`dflash data prepare`: chat / text JSONL -> tokenized JSONL {id, input_ids, loss_mask} for
+`dflash data import`, with the model's own chat template and tokenizer (HF transformers).
+
+Run through `dflash data prepare` (which also handles --out DIR by importing into shards), or as
+`python -m dflash_data prepare --tokenizer DIR --input a.jsonl --out prepared.jsonl`.
+Writes OUT (atomically) and OUT.meta.json (the stats and provenance below), prints the same JSON
+on stdout and a progress line on stderr. Exit codes: 0 ok; 2 usage/config (bad flag, missing
+tokenizer files, no chat template, OUT exists, --thinking on a template without enable_thinking);
+4 bad data (a bad record without --skip-bad, an unloadable tokenizer, no document written).
+"""
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+from .formats import FORMATS, BadRecord, record_messages
+from .spans import Renderer, assistant_spans, mask_from_offsets, template_text
+
+EXIT_CONFIG = 2
+EXIT_DATA = 4
+MAX_BAD_EXAMPLES = 20
+
+
+class Fatal(Exception):
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = code
+
+
+def sha256_text(text):
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="dflash data prepare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokenizer", required=True, help="model directory with tokenizer.json and tokenizer_config.json")
+    p.add_argument("--input", required=True, help="a.jsonl[,b.jsonl...]")
+    p.add_argument("--format", default="auto", choices=("auto",) + FORMATS)
+    p.add_argument("--out", required=True, help="output JSONL (must not exist)")
+    p.add_argument("--thinking", default="keep", choices=("on", "off", "keep"))
+    p.add_argument("--last-turn-only", action="store_true")
+    p.add_argument("--max-seq-len", type=int, default=0, help="truncate documents to N tokens (0 = no limit)")
+    p.add_argument("--system", default=None, help="system prompt added to chats that have none")
+    p.add_argument("--skip-bad", action="store_true")
+    p.add_argument("--workers", type=int, default=1, help="processes that render and tokenize (default 1)")
+    p.add_argument("--prompts-only", action="store_true",
+                   help="write {id, input_ids} prompts (the chat before its last reply + generation prompt) for "
+                        "dflash eval / generate instead of training documents")
+    a = p.parse_args(argv)
+    if a.max_seq_len < 0:
+        p.error(f"--max-seq-len must be >= 0, got {a.max_seq_len}")
+    if a.workers < 1:
+        p.error(f"--workers must be >= 1, got {a.workers}")
+    a.inputs = [x for x in a.input.split(",") if x]
+    if not a.inputs:
+        p.error("--input names no file")
+    return a
+
+
+def load_tokenizer(model_dir, thinking):
+    tok_json = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isdir(model_dir):
+        raise Fatal(EXIT_CONFIG, f"--tokenizer {model_dir}: not a directory")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not os.path.isfile(os.path.join(model_dir, name)):
+            raise Fatal(EXIT_CONFIG, f"--tokenizer {model_dir}: missing {name}")
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:
+        raise Fatal(EXIT_DATA, f"{model_dir}: cannot load the tokenizer: {type(e).__name__}: {e}")
+    template = template_text(tok)
+    if thinking != "keep" and (template is None or "enable_thinking" not in template):
+        raise Fatal(EXIT_CONFIG, f"--thinking {thinking}: the chat template of {model_dir} has no enable_thinking "
+                    "switch (use --thinking keep)")
+    return tok, template, sha256_file(tok_json)
+
+
+class Dropped(Exception):
+    """A valid record that yields no document (counted under stats.dropped.<reason>)."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Preparer:
+    def __init__(self, a, tok, template):
+        self.a = a
+        self.tok = tok
+        self.template = template
+        self.renderer = Renderer(tok, template, a.thinking) if template is not None else None
+        self.renders_tool_calls = template is not None and "tool_calls" in template
+        self.stats = {"records": 0, "documents": 0, "tokens": 0, "assistant_tokens": 0, "truncated": 0,
+                      "formats": {}, "skipped_bad": {}, "dropped": {}, "bad_examples": []}
+        self.ids = set()
+
+    def document(self, obj, source):
+        """-> (record dict, format, truncated); raises Dropped or BadRecord. Touches no shared state
+        (it runs in worker processes with --workers): counting and the id check are the caller's."""
+        if self.renderer is not None:
+            self.renderer.clear()
+        fmt, kind, payload = record_messages(obj, self.a.format, self.renders_tool_calls)
+        if kind == "text":
+            ids = list(self.tok(payload)["input_ids"])
+            mask = None if self.a.prompts_only else [1] * len(ids)
+        else:
+            if self.renderer is None:
+                raise Fatal(EXIT_CONFIG, f"{source}: a chat record, but the tokenizer has no chat template")
+            messages = payload
+            if self.a.system is not None and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": self.a.system}] + messages
+            if self.a.prompts_only:
+                ids, mask = self.prompt_ids(messages), None
+            elif not any(m["role"] == "assistant" for m in messages):
+                raise Dropped("no_assistant_turn")
+            else:
+                full = self.renderer.render(messages)
+                spans = assistant_spans(self.renderer, messages, full, self.a.last_turn_only)
+                enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+                ids = list(enc["input_ids"])
+                mask = mask_from_offsets(enc["offset_mapping"], spans)
+        if not ids:
+            raise BadRecord("no tokens", "empty_document")
+        truncated = False
+        if self.a.max_seq_len and len(ids) > self.a.max_seq_len:
+            if self.a.prompts_only:  # a cut prompt is another prompt: leave it out
+                raise Dropped("prompt_longer_than_max_seq_len")
+            ids, mask = ids[:self.a.max_seq_len], mask[:self.a.max_seq_len]
+            truncated = True
+        if mask is not None and not any(mask):
+            raise Dropped("no_assistant_tokens_after_truncation" if kind == "chat" else "empty_document")
+        rid = obj.get("id")
+        rid = str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else source
+        doc = {"id": rid, "input_ids": ids}
+        if mask is not None:
+            doc["loss_mask"] = mask
+        doc["source"] = source
+        return doc, fmt, truncated
+
+    def outcome(self, item):
+        """(where, raw line) -> ("doc", line text, doc stats) | ("bad", reason, message) |
+        ("dropped", reason) | ("fatal", code, message); what a worker sends back."""
+        where, raw = item
+        try:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadRecord(f"not UTF-8 text at byte {e.start}", "not_utf8")
+            if not line.strip():
+                raise BadRecord("empty line", "empty_line")
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise BadRecord(f"invalid JSON: {e}", "invalid_json")
+            doc, fmt, truncated = self.document(obj, where)
+        except BadRecord as e:
+            return ("bad", e.reason, f"{where}: {e}")
+        except Dropped as e:
+            return ("dropped", e.reason)
+        except Fatal as e:
+            return ("fatal", e.code, str(e))
+        return ("doc", doc["id"], json.dumps(doc, separators=(",", ":")) + "\n",
+                (fmt, truncated, len(doc["input_ids"]), sum(doc.get("loss_mask", ()))))
+
+    def prompt_ids(self, messages):
+        """--prompts-only: the conversation before its last reply (the whole conversation when it does
+        not end with one) and the generation prompt, as HF apply_chat_template(add_generation_prompt=True)
+        tokenizes it."""
+        if messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        if not messages:
+            raise BadRecord("nothing before the reply to prompt with", "assistant_first")
+        text = self.renderer.render(messages, generation_prompt=True)
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def _count(self, table, reason):
+        self.stats[table][reason] = self.stats[table].get(reason, 0) + 1
+
+    def bad(self, msg, reason):
+        if not self.a.skip_bad:
+            raise Fatal(EXIT_DATA, msg + " (use --skip-bad to count and skip bad records)")
+        self._count("skipped_bad", reason)
+        if len(self.stats["bad_examples"]) < MAX_BAD_EXAMPLES:
+            self.stats["bad_examples"].append(msg)
+
+    def lines(self, path):
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise Fatal(EXIT_CONFIG, f"--input {path}: cannot open: {e.strerror}")
+        with f:
+            for line_no, raw in enumerate(f, 1):
+                yield f"{path}:{line_no}", raw
+
+    def take(self, result, out, progress):
+        """Counts one outcome and writes its document (in input order)."""
+        self.stats["records"] += 1
+        if result[0] == "fatal":
+            raise Fatal(result[1], result[2])
+        if result[0] == "dropped":
+            self._count("dropped", result[1])
+            return
+        if result[0] == "doc" and result[1] in self.ids:
+            where = json.loads(result[2])["source"]
+            result = ("bad", "duplicate_id", f"{where}: duplicate id {result[1]!r}")
+        if result[0] == "bad":
+            self.bad(result[2], result[1])
+            return
+        _, rid, text, (fmt, truncated, n_tokens, n_trained) = result
+        self.ids.add(rid)
+        out.write(text)
+        self._count("formats", fmt)
+        self.stats["truncated"] += truncated
+        self.stats["documents"] += 1
+        self.stats["tokens"] += n_tokens
+        self.stats["assistant_tokens"] += n_trained
+        progress()
+
+
+_WORKER = None
+
+
+def _worker_outcome(item):
+    return _WORKER.outcome(item)
+
+
+def write_json_atomic(path, obj):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run(argv):
+    a = parse_args(argv)
+    if os.path.exists(a.out):
+        raise Fatal(EXIT_CONFIG, f"--out {a.out}: exists; refusing to overwrite it")
+    for path in a.inputs:
+        if not os.path.isfile(path):
+            raise Fatal(EXIT_CONFIG, f"--input {path}: no such file")
+    tok, template, tok_hash = load_tokenizer(a.tokenizer, a.thinking)
+    p = Preparer(a, tok, template)
+    t0 = last = time.monotonic()
+
+    def progress(final=False):
+        nonlocal last
+        now = time.monotonic()
+        if final or now - last >= 2.0:
+            last = now
+            s = p.stats
+            bad = sum(s["skipped_bad"].values())
+            print(f"prepare: {s['records']} records, {s['documents']} documents, {s['tokens']} tokens, "
+                  f"{bad} bad, {now - t0:.1f}s", file=sys.stderr, flush=True)
+
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    tmp = f"{a.out}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            items = (item for path in a.inputs for item in p.lines(path))
+            if a.workers == 1:
+                for item in items:
+                    p.take(p.outcome(item), out, progress)
+            else:
+                global _WORKER
+                _WORKER = p  # inherited by the forked workers
+                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker
+                with multiprocessing.get_context("fork").Pool(a.workers) as pool:
+                    for result in pool.imap(_worker_outcome, items, chunksize=16):
+                        p.take(result, out, progress)
+            out.flush()
+            os.fsync(out.fileno())
+        progress(final=True)
+        s = p.stats
+        if s["documents"] == 0:
+            raise Fatal(EXIT_DATA, f"no document written ({s['records']} records, skipped bad: {s['skipped_bad']}, "
+                        f"dropped: {s['dropped']})")
+        s["assistant_token_fraction"] = s["assistant_tokens"] / s["tokens"]
+        meta = {
+            "kind": "dflash-prepared-jsonl",
+            "inputs": a.inputs,
+            "out": a.out,
+            "format": a.format,
+            "tokenizer": os.path.abspath(a.tokenizer),
+            "tokenizer_sha256": tok_hash,
+            "chat_template_sha256": sha256_text(template) if template is not None else None,
+            "thinking": a.thinking,
+            "last_turn_only": a.last_turn_only,
+            "max_seq_len": a.max_seq_len,
+            "prompts_only": a.prompts_only,
+            "system_sha256": sha256_text(a.system) if a.system is not None else None,
+            "stats": s,
+        }
+        write_json_atomic(a.out + ".meta.json", meta)
+        os.replace(tmp, a.out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def main(argv):
+    try:
+        return run(argv)
+    except Fatal as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.code

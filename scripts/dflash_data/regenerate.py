@@ -1,0 +1,420 @@
+"""`dflash data regenerate`: the target rewrites every assistant reply of a dataset, turn by turn,
+with the C++ engine (`dflash generate`, token ids in / out), so that a drafter learns the target's
+own distribution.
+
+Input lines (--input), per line:
+  - a chat (sharegpt / openai / prompt-response, as `dflash data prepare` reads them): reply k is
+    generated from the chat template's generation prompt after the conversation up to it, with the
+    replies before it already regenerated; the output line is {"id", "messages": [...], ...}
+    (OpenAI form, every assistant content replaced), to be tokenized by `dflash data prepare`.
+  - a tokenized line {"input_ids", "loss_mask"} (e.g. the output of prepare): every run of trained
+    tokens is a reply; reply k is generated after the regenerated tokens before it plus the original
+    context between the replies; the output line is {"id", "input_ids", "loss_mask", ...} with the
+    generated tokens (stop token included) as the trained runs, ready for `dflash data import`.
+Every output line has "regenerated": {"turns", "hit_max_tokens"}; a reply that reached
+--max-new-tokens without a stop token is kept as it is and counted.
+
+Rounds: round k generates reply k of every record that has one, in one `dflash generate` call
+(batched). Resumable: OUT is append-only and a record is appended as soon as its last reply is
+generated; a rerun skips ids already in OUT (an incomplete last line is cut off), and rebuilds the
+others from the round files in OUT.work/ (`dflash generate` itself skips requests it finished), so
+kill -9 at any point and a rerun give every input id exactly once. OUT.work/ is removed when every
+record is in OUT.
+
+With --server URL (an OpenAI-compatible chat endpoint) the replies of chat lines come from it
+instead (scripts/dflash_data/server.py); tokenized lines are skipped.
+
+Exit codes: 0 ok; 2 usage/config; 4 bad data (a bad line without --skip-bad, names FILE:LINE);
+1 when some records got no answer from --server (a rerun asks again); others from `dflash generate`
+as it returns them.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from .formats import BadRecord, record_messages
+from .prepare import EXIT_CONFIG, EXIT_DATA, MAX_BAD_EXAMPLES, Fatal, write_json_atomic
+from .server import server_round
+from .spans import Renderer, template_text
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="dflash data regenerate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=None, help="HF model directory (weights, tokenizer, chat template)")
+    p.add_argument("--input", required=True, help="chat JSONL or tokenized JSONL (output of prepare)")
+    p.add_argument("--out", required=True, help="regenerated JSONL (appended to; resumable)")
+    p.add_argument("--dflash", default=None, help="the dflash binary (set by `dflash data regenerate`)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default=None, help="passed to dflash generate (default: its own)")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--thinking", default="keep", choices=("on", "off", "keep"))
+    p.add_argument("--stop-token-ids", default=None, help="a,b (default: the model's eos_token_id)")
+    p.add_argument("--skip-bad", action="store_true")
+    p.add_argument("--server", default=None, help="URL of an OpenAI-compatible server (chat lines only)")
+    p.add_argument("--server-model", default=None, help="the model name the server knows (default: --target)")
+    p.add_argument("--server-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--server-retries", type=int, default=3, help="attempts per request")
+    a = p.parse_args(argv)
+    if a.server is None and (a.target is None or a.dflash is None):
+        p.error("--target (and --dflash, which `dflash data regenerate` sets) are required without --server")
+    if a.server is not None:
+        a.server_model = a.server_model or a.target
+        if not a.server_model:
+            p.error("--server needs --server-model (or --target)")
+        if a.server_retries < 1:
+            p.error(f"--server-retries must be >= 1, got {a.server_retries}")
+    if a.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if a.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {a.batch_size}")
+    return a
+
+
+def stop_tokens(a, tok):
+    if a.stop_token_ids:
+        try:
+            return [int(x) for x in a.stop_token_ids.split(",") if x]
+        except ValueError:
+            raise Fatal(EXIT_CONFIG, f"--stop-token-ids {a.stop_token_ids!r}: expected integers a,b,...")
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(a.target, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token_id")
+            if isinstance(eos, int):
+                return [eos]
+            if isinstance(eos, list) and eos and all(isinstance(x, int) for x in eos):
+                return eos
+    tok = tok()
+    if tok.eos_token_id is not None:
+        return [tok.eos_token_id]
+    raise Fatal(EXIT_CONFIG, f"{a.target}: no eos_token_id in generation_config.json, config.json or the "
+                "tokenizer; pass --stop-token-ids")
+
+
+def die_with_parent():
+    """In the `dflash generate` child: SIGKILL when this process dies (Linux), so that killing the
+    command never leaves a generate appending to the round files behind it."""
+    import ctypes
+    import signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Record:
+    """One input line being regenerated: `kind` "chat" (messages) or "tokens"."""
+
+    def __init__(self, rid, kind, payload):
+        self.id = rid
+        self.kind = kind
+        if kind == "chat":
+            self.messages = [dict(m) for m in payload]
+            self.turns = [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
+        else:
+            ids, mask = payload
+            # Alternating runs: context[0], reply[0], context[1], reply[1], ..., context[n].
+            self.context, self.replies = [[]], []
+            prev = 0
+            for t, m in zip(ids, mask):
+                if m and not prev:
+                    self.replies.append([])
+                elif prev and not m:
+                    self.context.append([])
+                (self.replies if m else self.context)[-1].append(t)
+                prev = m
+            if prev:
+                self.context.append([])
+            self.turns = list(range(len(self.replies)))
+            self.tokens = []  # regenerated prefix so far
+        self.hit_max = 0
+
+
+def token_payload(obj, where):
+    ids = obj.get("input_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+        raise BadRecord("input_ids must be a non-empty list of token ids", "bad_tokens")
+    if "loss_mask" in obj:
+        mask = obj["loss_mask"]
+        if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+            raise BadRecord("loss_mask must be 0/1 values, one per input id", "bad_tokens")
+    elif "labels" in obj:
+        labels = obj["labels"]
+        if not isinstance(labels, list) or len(labels) != len(ids):
+            raise BadRecord("labels must have one value per input id", "bad_tokens")
+        mask = [0 if x == -100 else 1 for x in labels]
+    else:
+        raise BadRecord("a tokenized line needs loss_mask or labels (which tokens are replies)", "bad_tokens")
+    return ids, [int(m) for m in mask]
+
+
+class Regenerator:
+    def __init__(self, a):
+        self.a = a
+        self.work = a.out + ".work"
+        self.stats = {"records": 0, "already_done": 0, "regenerated": 0, "turns": 0, "hit_max_tokens": 0,
+                      "skipped": {}, "bad_examples": []}
+        self.tok = None
+        self.renderer = None
+
+    def _skip(self, reason, msg=None):
+        self.stats["skipped"][reason] = self.stats["skipped"].get(reason, 0) + 1
+        if msg and len(self.stats["bad_examples"]) < MAX_BAD_EXAMPLES:
+            self.stats["bad_examples"].append(msg)
+
+    def load_tokenizer(self):
+        if self.tok is None:
+            from transformers import AutoTokenizer
+            try:
+                self.tok = AutoTokenizer.from_pretrained(self.a.target, local_files_only=True)
+            except Exception as e:
+                raise Fatal(EXIT_DATA, f"{self.a.target}: cannot load the tokenizer: {type(e).__name__}: {e}")
+            template = template_text(self.tok)
+            if template is None:
+                raise Fatal(EXIT_CONFIG, f"{self.a.target}: chat records need a chat template; the tokenizer has none")
+            if self.a.thinking != "keep" and "enable_thinking" not in template:
+                raise Fatal(EXIT_CONFIG, f"--thinking {self.a.thinking}: the chat template of {self.a.target} has no "
+                            "enable_thinking switch (use --thinking keep)")
+            self.renderer = Renderer(self.tok, template, self.a.thinking)
+        return self.tok
+
+    def any_tokenizer(self):
+        """The target's tokenizer without requiring a chat template (for its eos token)."""
+        if self.tok is not None:
+            return self.tok
+        from transformers import AutoTokenizer
+        try:
+            return AutoTokenizer.from_pretrained(self.a.target, local_files_only=True)
+        except Exception as e:
+            raise Fatal(EXIT_DATA, f"{self.a.target}: cannot load the tokenizer: {type(e).__name__}: {e}")
+
+    def read_done(self):
+        done = set()
+        if not os.path.exists(self.a.out):
+            return done
+        with open(self.a.out, "rb") as f:
+            data = f.read()
+        complete = data.rfind(b"\n") + 1
+        if complete < len(data):
+            print(f"regenerate: {self.a.out} ends in an incomplete line ({len(data) - complete} bytes); cutting it off",
+                  file=sys.stderr)
+            os.truncate(self.a.out, complete)
+        for ln, line in enumerate(data[:complete].splitlines(), 1):
+            try:
+                obj = json.loads(line)
+                done.add(obj["id"])
+            except (ValueError, KeyError, TypeError):
+                raise Fatal(EXIT_DATA, f"{self.a.out}:{ln}: not an output line of regenerate (JSON with \"id\")")
+        return done
+
+    def read_input(self, done):
+        records, seen = [], set()
+        try:
+            f = open(self.a.input, "rb")
+        except OSError as e:
+            raise Fatal(EXIT_CONFIG, f"--input {self.a.input}: cannot open: {e.strerror}")
+        with f:
+            for ln, raw in enumerate(f, 1):
+                where = f"{self.a.input}:{ln}"
+                self.stats["records"] += 1
+                try:
+                    try:
+                        obj = json.loads(raw.decode("utf-8"))
+                    except UnicodeDecodeError:
+                        raise BadRecord("not UTF-8 text", "not_utf8")
+                    except ValueError as e:
+                        raise BadRecord(f"invalid JSON: {e}" if raw.strip() else "empty line",
+                                        "invalid_json" if raw.strip() else "empty_line")
+                    if not isinstance(obj, dict):
+                        raise BadRecord("expected a JSON object", "not_an_object")
+                    rid = obj.get("id")
+                    rid = str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else where
+                    if rid in seen:
+                        raise BadRecord(f"duplicate id {rid!r}", "duplicate_id")
+                    seen.add(rid)
+                    if rid in done:
+                        self.stats["already_done"] += 1
+                        continue
+                    if "input_ids" in obj:
+                        if self.a.server:
+                            self._skip("tokenized_line_with_server")  # the server takes no token ids
+                            continue
+                        rec = Record(rid, "tokens", token_payload(obj, where))
+                    else:
+                        fmt, kind, payload = record_messages(obj, "auto", True)
+                        if kind == "text":
+                            self._skip("plain_text")
+                            continue
+                        if any(m["role"] == "tool" for m in payload):
+                            self._skip("tool_turns")  # tool results answer the original replies' calls
+                            continue
+                        if not self.a.server:
+                            self.load_tokenizer()
+                        rec = Record(rid, "chat", payload)
+                        if rec.turns and rec.turns[0] == 0:
+                            raise BadRecord("the conversation starts with an assistant turn", "assistant_first")
+                    if not rec.turns:
+                        self._skip("no_assistant_turn")
+                        continue
+                    rec.source = where
+                    records.append(rec)
+                except BadRecord as e:
+                    msg = f"{where}: {e}"
+                    if not self.a.skip_bad:
+                        raise Fatal(EXIT_DATA, msg + " (use --skip-bad to count and skip bad records)")
+                    self._skip(e.reason, msg)
+        return records
+
+    def prompt(self, rec, k):
+        if rec.kind == "tokens":
+            return rec.tokens + rec.context[k]
+        i = rec.turns[k]
+        text = self.renderer.render(rec.messages[:i], generation_prompt=True)
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def apply(self, rec, k, out):
+        if out["finish_reason"] == "length":
+            rec.hit_max += 1
+        if "content" in out:  # an answer of --server
+            msg = {"role": "assistant", "content": out["content"]}
+            if out["reasoning_content"]:
+                msg["reasoning_content"] = out["reasoning_content"]
+            rec.messages[rec.turns[k]] = msg
+            return
+        ids, finish = out["output_ids"], out["finish_reason"]
+        if rec.kind == "tokens":
+            rec.tokens = rec.tokens + rec.context[k]
+            rec.replies[k] = ids
+            rec.tokens = rec.tokens + ids
+        else:
+            reply = ids[:-1] if finish == "stop" else ids
+            rec.messages[rec.turns[k]] = {"role": "assistant",
+                                          "content": self.tok.decode(reply, skip_special_tokens=False)}
+
+    def finished_line(self, rec):
+        info = {"turns": len(rec.turns), "hit_max_tokens": rec.hit_max}
+        if rec.kind == "chat":
+            return {"id": rec.id, "messages": rec.messages, "source": rec.source, "regenerated": info}
+        ids, mask = [], []
+        for k, reply in enumerate(rec.replies):
+            ids += rec.context[k] + reply
+            mask += [0] * len(rec.context[k]) + [1] * len(reply)
+        ids += rec.context[-1]
+        mask += [0] * len(rec.context[-1])
+        return {"id": rec.id, "input_ids": ids, "loss_mask": mask, "source": rec.source, "regenerated": info}
+
+    def generate_round(self, k, batch):
+        inp = os.path.join(self.work, f"round-{k}.in.jsonl")
+        out = os.path.join(self.work, f"round-{k}.out.jsonl")
+        tmp = inp + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for rec in batch:
+                f.write(json.dumps({"id": rec.id, "input_ids": self.prompt(rec, k)}) + "\n")
+        os.replace(tmp, inp)
+        a = self.a
+        cmd = [a.dflash, "generate", "--model", a.target, "--input", inp, "--out", out, "--device", a.device,
+               "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.batch_size),
+               "--temperature", str(a.temperature), "--stop-token-ids", ",".join(map(str, self.stops))]
+        for flag, value in (("--dtype", a.dtype), ("--top-p", a.top_p), ("--top-k", a.top_k), ("--seed", a.seed)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        t0 = time.monotonic()
+        rc = subprocess.run(cmd, stdout=sys.stderr, preexec_fn=die_with_parent).returncode
+        if rc != 0:
+            raise Fatal(rc if rc in (EXIT_CONFIG, EXIT_DATA) else 1, f"round {k}: dflash generate exited {rc}")
+        results = {}
+        with open(out, encoding="utf-8") as f:
+            for line in f:
+                obj = json.loads(line)
+                results[str(obj["id"])] = obj
+        missing = [rec.id for rec in batch if rec.id not in results]
+        if missing:
+            raise Fatal(1, f"round {k}: dflash generate left {len(missing)} requests without output "
+                        f"(first {missing[0]})")
+        print(f"regenerate: round {k}: {len(batch)} replies in {time.monotonic() - t0:.1f}s", file=sys.stderr,
+              flush=True)
+        return results
+
+    def check_work_options(self):
+        """The round files hold replies generated with certain options; a rerun must use the same ones."""
+        a = self.a
+        opts = {"target": a.target and os.path.abspath(a.target), "input": os.path.abspath(a.input), "thinking": a.thinking,
+                "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_p": a.top_p,
+                "top_k": a.top_k, "seed": a.seed, "dtype": a.dtype, "stop_token_ids": a.stop_token_ids,
+                "server": a.server, "server_model": a.server_model}
+        path = os.path.join(self.work, "options.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                before = json.load(f)
+            diff = sorted(k for k in opts if before.get(k) != opts[k])
+            if diff:
+                raise Fatal(EXIT_CONFIG, f"{self.work} was started with other options ({', '.join(diff)}: "
+                            f"{[before.get(k) for k in diff]} then, {[opts[k] for k in diff]} now); rerun with the "
+                            f"same options, or remove {self.work} and start over")
+        else:
+            os.makedirs(self.work, exist_ok=True)
+            write_json_atomic(path, opts)
+
+    def run(self):
+        a = self.a
+        self.check_work_options()
+        done = self.read_done()
+        records = self.read_input(done)
+        self.stops = None if a.server else stop_tokens(a, self.any_tokenizer)
+        failed = False
+        with open(a.out, "a", encoding="utf-8") as out:
+            k = 0
+            while True:
+                batch = [r for r in records if k < len(r.turns)]
+                if not batch:
+                    break
+                if a.server:
+                    results, errors = server_round(a, self.work, k, batch, lambda r, j: r.messages[:r.turns[j]],
+                                                   lambda m: print(m, file=sys.stderr, flush=True))
+                    for rid, msg in errors.items():  # left for a rerun
+                        self._skip("server_error", f"{rid}: round {k}: {msg}")
+                    records = [r for r in records if r.id not in errors]
+                    batch = [r for r in batch if r.id not in errors]
+                    failed = failed or bool(errors)
+                else:
+                    results = self.generate_round(k, batch)
+                for rec in batch:
+                    self.apply(rec, k, results[rec.id])
+                    self.stats["turns"] += 1
+                    if k == len(rec.turns) - 1:
+                        out.write(json.dumps(self.finished_line(rec), ensure_ascii=False) + "\n")
+                        self.stats["regenerated"] += 1
+                        self.stats["hit_max_tokens"] += rec.hit_max
+                out.flush()
+                os.fsync(out.fileno())
+                k += 1
+        if not failed:  # every input record is in OUT now: the round files are no longer needed
+            for name in sorted(os.listdir(self.work)):
+                os.remove(os.path.join(self.work, name))
+            os.rmdir(self.work)
+        write_json_atomic(a.out + ".meta.json", {
+            "kind": "dflash-regenerated-jsonl", "target": a.target and os.path.abspath(a.target),
+            "server": a.server, "input": a.input,
+            "thinking": a.thinking, "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
+            "stop_token_ids": self.stops, "stats": self.stats})
+        print(json.dumps(self.stats, indent=2))
+        if failed:
+            print(f"error: {self.stats['skipped']['server_error']} records got no answer from {a.server}; "
+                  "rerun the same command to ask again", file=sys.stderr)
+            return 1
+        return 0
+
+
+def main(argv):
+    try:
+        return Regenerator(parse_args(argv)).run()
+    except Fatal as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.code
