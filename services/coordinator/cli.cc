@@ -18,6 +18,7 @@
 #include "services/drafter/generate_cmd.h"
 #include "services/drafter/bench_drafter.h"
 #include "services/drafter/local_train.h"
+#include "services/target/bench_generate.h"
 #include "services/target/bench_target.h"
 
 namespace dflash::cli {
@@ -51,6 +52,8 @@ const char* kUsage =
     "  bench pipeline [flags]   1 target server + 1 drafter trainer as processes over shm|c10d as JSON\n"
     "                           (--transport shm|c10d --shape qwen3-8b|tiny or --model DIR --device cuda\n"
     "                           --target-gpu 0 --drafter-gpu 1; --help for all flags)\n"
+    "  bench generate [flags]   greedy decoding tokens/s, prefill, decode rate and roofline as JSON (--shape qwen3-8b\n"
+    "                           --batches 1x128,64x128 --new-tokens 128 [--baseline]: HF generate in the same run)\n"
     "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
 
 bool is(const char* a, const char* b) { return a && !std::strcmp(a, b); }
@@ -79,6 +82,7 @@ int run_cli(int argc, char** argv) {
     if (is(cmd, "bench") && is(sub, "target")) return target::cmd_bench_target(argc - 3, argv + 3);
     if (is(cmd, "bench") && is(sub, "drafter")) return drafter::cmd_bench_drafter(argc - 3, argv + 3);
     if (is(cmd, "bench") && is(sub, "pipeline")) return cmd_bench_pipeline(argc - 3, argv + 3);
+    if (is(cmd, "bench") && is(sub, "generate")) return target::cmd_bench_generate(argc - 3, argv + 3);
     std::cerr << "unknown command: " << cmd << (sub ? std::string(" ") + sub : "") << "\n" << kUsage;
     return kExitConfig;
   });

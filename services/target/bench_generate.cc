@@ -1,0 +1,158 @@
+// `dflash bench generate`: batched greedy decoding with the generation engine (core/model/generation.h)
+// on a random-weight target of a bench shape, as JSON; with --baseline, HF transformers `generate`
+// on the same shape in the same invocation (scripts/reference/bench_hf_generate.py) and the ratio.
+#include "services/target/bench_generate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/model/device_memory.h"
+#include "core/model/generation.h"
+#include "core/model/target.h"
+#include "core/model/weights.h"
+#include "core/util/error.h"
+#include "core/util/flags.h"
+#include "core/util/process.h"
+#include "core/util/switches.h"
+#include "services/target/bench_target.h"
+
+namespace dflash::target {
+namespace {
+using json = nlohmann::json;
+
+const char* kUsage =
+    "usage: dflash bench generate [--shape qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid] [--device cuda|cpu]\n"
+    "         [--dtype bfloat16|float32] [--batches 1x128,64x128] [--new-tokens 128] [--warmup 1]\n"
+    "         [--repeats 3] [--hbm-gbps 4800] [--baseline [--python PY]]\n"
+    "Greedy decoding of B random prompts of P tokens (BxP), exactly --new-tokens each, one request\n"
+    "per cache slot. Per batch: tokens_per_s (B * new / seconds of the whole run, as HF's is\n"
+    "measured), prefill_s (the same run with one new token), decode_tokens_per_s (B * (new - 1) over\n"
+    "the rest) and decode_roofline (the time to read the weights once at --hbm-gbps over the time of\n"
+    "one decode step). --baseline adds HF transformers generate of the same shape and batches,\n"
+    "measured in this invocation, and speedup_vs_baseline per batch.\n";
+
+// Seconds of one Generator::run over `requests` with `new_tokens` each (median of `repeats` after
+// `warmup` untimed runs); checks every request got exactly new_tokens tokens.
+double time_run(model::TargetModel& target, const std::vector<model::GenerationRequest>& requests, int64_t new_tokens,
+                int64_t warmup, int64_t repeats, torch::Device device) {
+  model::GenerationOptions o;
+  o.max_new_tokens = new_tokens;
+  o.batch_size = static_cast<int64_t>(requests.size());
+  model::Generator gen(target, o);
+  std::vector<double> times;
+  for (int64_t i = 0; i < warmup + repeats; ++i) {
+    model::synchronize(device);
+    const auto t0 = std::chrono::steady_clock::now();
+    size_t done = 0;
+    gen.run(requests, [&](model::GenerationResult&& r) {
+      DFLASH_CHECK(static_cast<int64_t>(r.output_ids.size()) == new_tokens, BenchError,
+                   "bench generate: request " << r.index << " produced " << r.output_ids.size() << " tokens, not "
+                                              << new_tokens);
+      ++done;
+    });
+    model::synchronize(device);
+    DFLASH_CHECK(done == requests.size(), BenchError, "bench generate: " << done << " of " << requests.size() << " done");
+    if (i >= warmup) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+json measure(model::TargetModel& target, const io::TargetConfig& cfg, const BatchShape& b, int64_t new_tokens,
+             int64_t warmup, int64_t repeats, double weight_bytes, double hbm_gbps, torch::Device device) {
+  std::vector<model::GenerationRequest> requests(b.docs);
+  auto ids = torch::randint(0, cfg.vocab_size - 8, {b.docs, b.len}, torch::TensorOptions().dtype(torch::kInt64));
+  for (int64_t i = 0; i < b.docs; ++i) {
+    auto row = ids[i];
+    requests[i].prompt.assign(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + b.len);
+  }
+  model::reset_peak_memory(device);
+  const double full = time_run(target, requests, new_tokens, warmup, repeats, device);
+  const double peak_gib = model::device_memory(device).peak_allocated_gib;
+  const double prefill = time_run(target, requests, 1, std::min<int64_t>(warmup, 1), repeats, device);
+  const double decode = std::max(full - prefill, 1e-9);
+  const double step = decode / double(std::max<int64_t>(new_tokens - 1, 1));
+  json r{{"batch", std::to_string(b.docs) + "x" + std::to_string(b.len)},
+         {"new_tokens", new_tokens},
+         {"seconds", full},
+         {"tokens_per_s", double(b.docs * new_tokens) / full},
+         {"prefill_s", prefill},
+         {"decode_step_ms", step * 1e3},
+         {"decode_tokens_per_s", double(b.docs * (new_tokens - 1)) / decode},
+         {"peak_gib", peak_gib}};
+  if (hbm_gbps > 0 && weight_bytes > 0) r["decode_roofline"] = weight_bytes / (hbm_gbps * 1e9) / step;
+  return r;
+}
+
+void add_baseline(const Flags& f, const std::string& shape, const std::string& batches, int64_t new_tokens,
+                  int64_t warmup, int64_t repeats, json& report) {
+  const std::string py = f.get("python", switches::get("DFLASH_PYTHON"));
+  const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/reference/bench_hf_generate.py";
+  const std::string cmd = shell_quote(py) + " " + shell_quote(script) + " --shape " + shell_quote(shape) +
+                          " --device " + shell_quote(f.get("device", "cuda")) + " --dtype " +
+                          shell_quote(f.get("dtype", "bfloat16")) + " --batches " + shell_quote(batches) +
+                          " --new-tokens " + std::to_string(new_tokens) + " --warmup " + std::to_string(warmup) +
+                          " --repeats " + std::to_string(repeats);
+  auto base = json::parse(run_for_json(cmd, "baseline"));
+  json ratios = json::object();
+  const json& ours = report["ours"];
+  for (size_t i = 0; i < ours.size() && i < base["results"].size(); ++i)
+    ratios[ours[i]["batch"].get<std::string>()] =
+        ours[i]["tokens_per_s"].get<double>() / base["results"][i]["tokens_per_s"].get<double>();
+  report["baseline"] = base;
+  report["speedup_vs_baseline"] = ratios;
+}
+
+}  // namespace
+
+int cmd_bench_generate(int argc, char** argv) {
+  if (argc > 0 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
+    std::cout << kUsage;
+    return kExitOk;
+  }
+  Flags f(argc, argv,
+          {"shape", "device", "dtype", "batches", "new-tokens", "warmup", "repeats", "hbm-gbps", "baseline", "python"},
+          {"baseline"});
+  DFLASH_CHECK(f.positional().empty(), ConfigError,
+               "bench generate: unexpected argument '" << f.positional().front() << "'\n" << kUsage);
+  const std::string shape = f.get("shape", "qwen3-8b"), batches = f.get("batches", "1x128,64x128");
+  const int64_t new_tokens = f.get_int("new-tokens", 128);
+  const int64_t warmup = f.get_int("warmup", 1), repeats = f.get_int("repeats", 3);
+  const double hbm_gbps = f.get_double("hbm-gbps", 4800);
+  DFLASH_CHECK(new_tokens >= 2, ConfigError, "--new-tokens must be >= 2 (the decode rate needs a decode step)");
+  DFLASH_CHECK(warmup >= 0 && repeats >= 1, ConfigError, "--warmup must be >= 0 and --repeats >= 1");
+  model::LoadOptions lo;
+  lo.device = model::parse_device(f.get("device", "cuda"));
+  lo.dtype = model::parse_dtype(f.get("dtype", "bfloat16"));
+  const auto cfg = bench_shape_config(shape);
+  auto target = model::make_random_target(cfg, lo, 1234);
+  model::synchronize(lo.device);
+  // The resident weights (CUDA): what one decode step must read at least once.
+  const double weight_bytes = lo.device.is_cuda() ? model::device_memory(lo.device).allocated_gib * double(1ull << 30) : 0.0;
+  json ours = json::array();
+  for (const auto& b : parse_batch_shapes(batches))
+    ours.push_back(measure(*target, cfg, b, new_tokens, warmup, repeats, weight_bytes, hbm_gbps, lo.device));
+  json report{{"bench", "generate"},
+              {"shape", shape},
+              {"device", f.get("device", "cuda")},
+              {"dtype", f.get("dtype", "bfloat16")},
+              {"weights_gib", weight_bytes / double(1ull << 30)},
+              {"hbm_gbps", hbm_gbps},
+              {"switches", switches::to_json()},
+              {"ours", ours}};
+  if (f.has("baseline")) {
+    target.reset();
+    model::release_cached_memory(lo.device);  // the HF process needs it
+    add_baseline(f, shape, batches, new_tokens, warmup, repeats, report);
+  }
+  std::cout << report.dump(2) << std::endl;
+  return kExitOk;
+}
+
+}  // namespace dflash::target
