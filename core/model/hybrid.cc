@@ -257,7 +257,8 @@ class HybridTarget : public TargetBase {
   // chunk_gated_delta_rule); with `fused` (bf16 on CUDA) the conv + SiLU and the gated norm too.
   // Cached (incremental decoding): the conv continues each sequence's window and the rule its state,
   // both as LibTorch ops in fp32 on any device (not the fused conv kernel; so on CUDA with bf16
-  // q/k/v are not rounded to bf16 as forward_capture's fused path does).
+  // q/k/v are not rounded to bf16 as forward_capture's fused path does); one-token steps take the
+  // cache's recurrent single-step path (SequenceCache::conv / delta_rule).
   torch::Tensor gated_delta_net(int64_t layer, const GatedDeltaNet& G, const torch::Tensor& x_TH, torch::Tensor& h,
                                 const std::vector<int64_t>& doc_lens, const torch::Tensor& pos_T, bool fused_ok,
                                 Cached* cached) const {

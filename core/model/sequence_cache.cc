@@ -40,6 +40,10 @@ SequenceCache::SequenceCache(const io::TargetConfig& cfg, int64_t slots, int64_t
   const bool hybrid = cfg.family == io::Family::kQwen3_5;
   const int64_t C = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim +
                     cfg.linear_num_value_heads * cfg.linear_value_head_dim;
+  const auto i64 = torch::TensorOptions().dtype(torch::kInt64).device(device);
+  slot_ids_S_ = torch::arange(slots, i64);
+  row_base_S_ = slot_ids_S_ * max_len;
+  key_ids_M_ = torch::arange(max_len, i64);
   k_.resize(cfg.num_layers);
   v_.resize(cfg.num_layers);
   window_.resize(cfg.num_layers);
@@ -143,6 +147,7 @@ void SequenceCache::truncate(const std::vector<int64_t>& slots, const std::vecto
 }
 
 SequenceCache::Step SequenceCache::begin(const ExtendBatch& b) const {
+  if (b.positions_T.defined()) return begin_static(b);
   const int64_t B = b.slots.size();
   DFLASH_CHECK(B >= 1 && b.lengths.size() == b.slots.size(), ConfigError,
                "extend: " << b.slots.size() << " slots and " << b.lengths.size() << " lengths (need as many, >= 1)");
@@ -169,6 +174,9 @@ SequenceCache::Step SequenceCache::begin(const ExtendBatch& b) const {
                "extend: input_ids on " << ids.device() << ", the cache on " << opts_.device());
   st.fresh = std::all_of(st.start.begin(), st.start.end(), [](int64_t p) { return p == 0; });
   const bool equal = std::all_of(b.lengths.begin(), b.lengths.end(), [&](int64_t n) { return n == st.max_new; });
+  st.single = st.max_new == 1 && !b.rollback;
+  st.all_slots = B == slots();
+  for (int64_t i = 0; i < B && st.all_slots; ++i) st.all_slots = b.slots[i] == i;
 
   const int64_t N = st.max_new, W = conv_width(cfg_);
   std::vector<int64_t> pos, rows, pad(B * N, st.tokens), unpad, src, keep, tail;
@@ -181,7 +189,7 @@ SequenceCache::Step SequenceCache::begin(const ExtendBatch& b) const {
       pad[i * N + r] = st.offset[i] + r;
       unpad.push_back(i * N + r);
     }
-    if (!has_delta_) continue;
+    if (!has_delta_ || st.single) continue;
     // Conv layout: sequence i is its window (rows i*W.. of the gathered windows) then its new rows
     // (rows B*W + offset.. of x_TC), i.e. rows of cat(windows, x_TC).
     for (int64_t w = 0; w < W; ++w) src.push_back(i * W + w);
@@ -207,7 +215,7 @@ SequenceCache::Step SequenceCache::begin(const ExtendBatch& b) const {
       st.unpad_T = upload(unpad);
     }
   }
-  if (has_delta_) {
+  if (has_delta_ && !st.single) {
     st.conv_src_E = upload(src);
     st.conv_keep_T = upload(keep);
     st.conv_tail_BW = upload(tail);
@@ -218,6 +226,33 @@ SequenceCache::Step SequenceCache::begin(const ExtendBatch& b) const {
       for (int64_t i = 0, off = 0; i < B; off += b.lengths[i] + W, ++i) st.pending->conv_offset.push_back(off);
     }
   }
+  return st;
+}
+
+SequenceCache::Step SequenceCache::begin_static(const ExtendBatch& b) const {
+  const int64_t S = slots();
+  bool in_order = static_cast<int64_t>(b.slots.size()) == S && b.lengths.size() == b.slots.size();
+  for (int64_t i = 0; i < S && in_order; ++i) in_order = b.slots[i] == i && b.lengths[i] == 1;
+  DFLASH_CHECK(in_order && !b.rollback, ConfigError,
+               "extend: a static decode step (positions_T given) appends one token to every slot in slot order, "
+               "without rollback");
+  const auto dev = opts_.device();
+  for (const auto* t : {&b.input_ids_T, &b.positions_T})
+    DFLASH_CHECK(t->defined() && t->dim() == 1 && t->scalar_type() == torch::kInt64 && t->size(0) == S &&
+                     t->device() == slot_ids_S_.device(),
+                 DataError, "extend: a static decode step needs input_ids and positions int64 [" << S << "] on " << dev);
+  Step st;
+  st.batch = b;
+  st.is_static = st.single = st.all_slots = true;
+  st.start = length_;  // unused: a static step keeps the host lengths
+  for (int64_t i = 0; i < S; ++i) st.offset.push_back(i);
+  st.tokens = S;
+  st.max_new = 1;
+  st.max_end = max_len_;
+  st.slot_B = slot_ids_S_;
+  st.positions_T = b.positions_T;
+  st.kv_rows_T = row_base_S_ + b.positions_T;
+  st.mask_B1NL = key_ids_M_.view({1, 1, 1, max_len_}) <= b.positions_T.view({S, 1, 1, 1});
   return st;
 }
 
@@ -233,8 +268,13 @@ torch::Tensor SequenceCache::attend(int64_t layer, const Step& st, const torch::
     q_BNHD = torch::cat({q, torch::zeros_like(q.narrow(0, 0, 1))}).index_select(0, st.pad_BN).view({B, N, Hq, D});
   else
     q_BNHD = q.reshape({B, N, Hq, D});
-  auto keys = k_[layer].narrow(1, 0, L).index_select(0, st.slot_B).transpose(1, 2);  // [B, Hkv, L, D]
-  auto values = v_[layer].narrow(1, 0, L).index_select(0, st.slot_B).transpose(1, 2);
+  auto keys = k_[layer].narrow(1, 0, L), values = v_[layer].narrow(1, 0, L);  // [B, L, Hkv, D]
+  if (!st.all_slots) {
+    keys = keys.index_select(0, st.slot_B);
+    values = values.index_select(0, st.slot_B);
+  }
+  keys = keys.transpose(1, 2);  // [B, Hkv, L, D]
+  values = values.transpose(1, 2);
   auto o = at::scaled_dot_product_attention(q_BNHD.transpose(1, 2), keys, values, st.mask_B1NL, 0.0,
                                             /*is_causal=*/false, scale, /*enable_gqa=*/true)
                .transpose(1, 2);  // [B, N, Hq, D]
@@ -243,6 +283,20 @@ torch::Tensor SequenceCache::attend(int64_t layer, const Step& st, const torch::
 
 torch::Tensor SequenceCache::conv(int64_t layer, Step& st, const torch::Tensor& x_TC, const torch::Tensor& w_CK) {
   const int64_t B = st.batch.slots.size(), W = conv_width(cfg_), C = x_TC.size(1);
+  if (st.single) {
+    auto& window = window_[layer];
+    auto win_BWC = st.all_slots ? window : window.index_select(0, st.slot_B);
+    auto taps_BKC = torch::cat({win_BWC, x_TC.to(window.scalar_type()).unsqueeze(1)}, 1);  // [B, Kc, C]
+    // The conv's compute dtype, as causal_conv1d_silu_varlen: fp64 stays fp64, all else fp32.
+    const auto dt = window.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+    auto y_BC = torch::silu((taps_BKC.to(dt) * w_CK.to(dt).t().unsqueeze(0)).sum(1));
+    auto tail_BWC = taps_BKC.narrow(1, 1, W);
+    if (st.all_slots)
+      window.copy_(tail_BWC);
+    else
+      window.index_copy_(0, st.slot_B, tail_BWC);
+    return y_BC;
+  }
   auto windows = window_[layer].index_select(0, st.slot_B).view({B * W, C});
   auto x_E = torch::cat({windows, x_TC.to(windows.scalar_type())}).index_select(0, st.conv_src_E);
   auto y_TC = causal_conv1d_silu_varlen(x_E, w_CK, st.conv_lens).index_select(0, st.conv_keep_T);
@@ -252,6 +306,30 @@ torch::Tensor SequenceCache::conv(int64_t layer, Step& st, const torch::Tensor& 
 }
 
 torch::Tensor SequenceCache::delta_rule(int64_t layer, Step& st, const GatedDeltaInputs& in, double scale) {
+  if (st.single) {
+    auto& state = state_[layer];
+    const auto dt = state.scalar_type();
+    const int64_t B = in.q_THK.size(0), Hk = in.q_THK.size(1), dk = in.q_THK.size(2);
+    const int64_t Hv = in.v_THV.size(1), dv = in.v_THV.size(2), BH = B * Hv;
+    DFLASH_CHECK(B == static_cast<int64_t>(st.batch.slots.size()) && Hv % Hk == 0 && state.size(1) == Hv &&
+                     state.size(2) == dk && state.size(3) == dv,
+                 DataError, "delta rule: inputs [" << B << ", " << Hv << ", " << dk << ", " << dv
+                                                   << "] do not match the step and the state " << state.sizes());
+    auto q = in.q_THK.to(dt), k = in.k_THK.to(dt);
+    if (Hv != Hk) {  // value head h reads key head h / (Hv / Hk)
+      q = q.repeat_interleave(Hv / Hk, 1);
+      k = k.repeat_interleave(Hv / Hk, 1);
+    }
+    auto S = st.all_slots ? state : state.index_select(0, st.slot_B);  // [B, Hv, dk, dv]
+    S.mul_(in.g_TH.to(dt).exp().view({B, Hv, 1, 1}));
+    auto S3 = S.view({BH, dk, dv});
+    auto k3 = k.reshape({BH, 1, dk});
+    auto u = (in.v_THV.to(dt).reshape({BH, 1, dv}) - torch::bmm(k3, S3)) * in.beta_TH.to(dt).reshape({BH, 1, 1});
+    S3.baddbmm_(k3.transpose(1, 2), u);
+    auto o = torch::bmm((q * scale).reshape({BH, 1, dk}), S3).view({B, Hv, dv});
+    if (!st.all_slots) state.index_copy_(0, st.slot_B, S);
+    return o.to(in.q_THK.scalar_type());
+  }
   auto state0 = state_[layer].index_select(0, st.slot_B);
   auto res = chunk_gated_delta_rule_from(in, st.batch.lengths, scale, state0, std::min<int64_t>(64, st.max_new));
   state_[layer].index_copy_(0, st.slot_B, res.state_DHKV);
@@ -266,7 +344,22 @@ torch::Tensor SequenceCache::delta_rule(int64_t layer, Step& st, const GatedDelt
   return res.o_THV;
 }
 
+const torch::Tensor& SequenceCache::recurrent_state(int64_t layer) const {
+  DFLASH_CHECK(layer >= 0 && layer < static_cast<int64_t>(attention_.size()) && !attention_[layer], ConfigError,
+               "sequence cache: layer " << layer << " is not a Gated DeltaNet layer");
+  return state_[layer];
+}
+
+const torch::Tensor& SequenceCache::conv_window(int64_t layer) const {
+  recurrent_state(layer);  // layer check
+  return window_[layer];
+}
+
 void SequenceCache::commit(const Step& st) {
+  if (st.is_static) {
+    for (auto& k : kept_) *k = Kept{};
+    return;
+  }
   for (size_t i = 0; i < st.batch.slots.size(); ++i) {
     const int64_t s = st.batch.slots[i];
     *kept_[s] = st.pending ? Kept{st.pending, static_cast<int64_t>(i), st.start[i]} : Kept{};

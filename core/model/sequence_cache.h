@@ -50,6 +50,10 @@ struct ExtendBatch {
   std::vector<int64_t> lengths;  // tokens appended to each (>= 1), in `slots` order
   torch::Tensor input_ids_T;     // int64 [sum(lengths)] on the model's device, sequences back to back
   bool rollback = false;         // keep what truncate needs to go back into this extend (hybrids)
+  // Static decode step: int64 [S] on the cache's device, the position of each slot's token. Then the
+  // batch must be every slot in slot order, 1 token each, rollback off (begin checks it); see
+  // SequenceCache::begin. Undefined (the usual case): positions follow the host lengths.
+  torch::Tensor positions_T;
 };
 
 class SequenceCache {
@@ -83,17 +87,33 @@ class SequenceCache {
     std::vector<int64_t> offset;  // first row of each sequence in the T appended tokens
     int64_t tokens = 0, max_new = 0, max_end = 0;  // T, max lengths[i], max(start[i] + lengths[i])
     bool fresh = false;           // every start is 0 (a prefill of new sequences)
+    bool single = false;          // every sequence appends 1 token and rollback is off (decode fast path)
+    bool all_slots = false;       // the batch is every slot of the cache, in slot order
+    bool is_static = false;       // a static decode step (ExtendBatch::positions_T)
     torch::Tensor slot_B;         // int64 [B]
     torch::Tensor positions_T;    // int64 [T]: start[i] + r for the r-th token of sequence i
     torch::Tensor kv_rows_T;      // int64 [T]: slot * M + position, rows of a [S * M, ...] view
     torch::Tensor mask_B1NL;      // bool [B, 1, max_new, max_end]: row r of sequence i sees keys <= start + r
     torch::Tensor pad_BN, unpad_T;  // int64: packed row -> [B, max_new] and back (when lengths differ)
-    torch::Tensor conv_src_E, conv_keep_T, conv_tail_BW;  // int64: conv layout (hybrids, see conv())
+    torch::Tensor conv_src_E, conv_keep_T, conv_tail_BW;  // int64: conv layout (hybrids, see conv(); not single)
     std::vector<int64_t> conv_lens;  // lengths[i] + Kc - 1
     std::shared_ptr<Pending> pending;
   };
   // Checks the batch against the cache (slots, lengths >= 1, room up to max_len, ids int64 on the
   // cache's device with sum(lengths) entries; ConfigError / DataError naming the entry) and plans it.
+  //
+  // Static decode step (batch.positions_T defined): a step whose shapes never change and that
+  // uploads nothing, so that it can be replayed (a CUDA graph, core/model/generation.h). Every slot
+  // appends one token at the position batch.positions_T gives on the device; its k/v go to row
+  // slot * M + position, and it attends over all M rows of its slot with the mask
+  // arange(M) <= position computed on the device (max_end = M). The caller guarantees
+  // 0 <= positions < M (not checkable without reading the device: an index error on CPU, a
+  // device-side assert on CUDA) and that a slot's rows 0..position-1 hold its sequence; a slot
+  // without a sequence computes garbage that only that slot's rows, window and state receive.
+  // A static step changes no host bookkeeping: length() and rollback_floor() keep their values and
+  // rollback data stays dropped (the caller tracks the positions; reset a slot before extending it
+  // with host positions again). ConfigError when the batch is not all slots in order with one token
+  // each or asks for rollback; DataError when positions_T is not int64 [S] on the cache's device.
   Step begin(const ExtendBatch& batch) const;
   // Attention layer `layer`: writes the appended k/v ([T, Hkv, D], any row stride) at their
   // positions, then attends q [T, Hq, D] over each sequence's keys 0..position (GQA). Returns
@@ -103,17 +123,30 @@ class SequenceCache {
                        const torch::Tensor& v, double scale);
   // Gated DeltaNet layer `layer`: causal conv + SiLU (fp32) of the appended conv inputs x_TC
   // [T, C] continuing each slot's conv window; updates the window. Returns [T, C] fp32.
+  // Single-token steps (Step::single) take the decode fast path: y = silu(sum_j w[:, j] x_j) over
+  // the window and the new row, and the window shifts by one row (no gather of a conv layout); when
+  // the batch is all slots in order (Step::all_slots) the windows are read and written in place.
   torch::Tensor conv(int64_t layer, Step& step, const torch::Tensor& x_TC, const torch::Tensor& w_CK);
   // Gated DeltaNet layer `layer`: the chunked delta rule over the appended tokens continuing each
   // slot's recurrent state (chunk min(64, max_new)); updates the state. Returns o_THV as
   // chunk_gated_delta_rule_from does.
+  // Single-token steps (Step::single) run the recurrent form of the same rule for one token, in the
+  // state's dtype (that of the chunked rule: fp64 for fp64 models, else fp32):
+  //   S = exp(g) S;  u = beta (v - k^T S);  S += k u^T;  o = S^T (scale q)
+  // as batched products over the slots' states (in place when Step::all_slots, else gathered and
+  // scattered back). Rollback steps always take the chunked path: it keeps the inputs truncate needs.
   torch::Tensor delta_rule(int64_t layer, Step& step, const GatedDeltaInputs& in, double scale);
+  // The recurrent state [S, Hv, dk, dv] / conv window [S, Kc-1, C] of Gated DeltaNet layer `layer`
+  // (the cache's own tensors, for tests and diagnostics). ConfigError for an attention layer.
+  const torch::Tensor& recurrent_state(int64_t layer) const;
+  const torch::Tensor& conv_window(int64_t layer) const;
   // After the forward: the slots' lengths grow by the appended tokens, rollback data is installed.
   // If the forward threw instead, the content of the batch's slots is undefined: reset them.
   void commit(const Step& step);
 
  private:
   struct Kept;  // per slot: the extend whose rollback data it may use
+  Step begin_static(const ExtendBatch& batch) const;
 
   const io::TargetConfig cfg_;
   const int64_t max_len_;
@@ -124,6 +157,7 @@ class SequenceCache {
   std::vector<torch::Tensor> window_;   // Gated DeltaNet layers: [S, Kc-1, C]
   std::vector<torch::Tensor> state_;    // Gated DeltaNet layers: [S, Hv, dk, dv] fp32
   std::vector<std::unique_ptr<Kept>> kept_;  // per slot
+  torch::Tensor slot_ids_S_, row_base_S_, key_ids_M_;  // int64 on the device: arange(S), arange(S) * M, arange(M)
   bool has_delta_ = false;
 };
 
