@@ -11,7 +11,10 @@
 #include "core/util/error.h"
 #ifdef DFLASH_WITH_CUDA
 #include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 namespace dflash::model {
@@ -71,11 +74,27 @@ struct Generator::Running {
   FinishReason finish = FinishReason::kLength;
   at::Generator gen;
   std::vector<torch::Tensor> features;  // captured rows, in order
+  int64_t prompt_len = 0;
+};
+
+struct Generator::Static {
+  int64_t K = 0, S = 0;
+  torch::Tensor io_2S;         // int64 [2, S] device: row 0 each slot's next input id, row 1 its position
+  torch::Tensor ids_S, pos_S;  // the rows of io_2S
+  torch::Tensor host_2S;       // int64 [2, S] host (pinned on CUDA): what the host writes into io_2S
+  torch::Tensor ring_KS;       // int64 [K, S] device: the ids of the block's K steps
+  torch::Tensor ring_at;       // int64 [1] device: the ring row the next step writes (wraps at K)
+  ExtendBatch batch;           // every slot in order, one token each, ids_S at positions pos_S
+#ifdef DFLASH_WITH_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+#endif
 };
 
 Generator::Generator(TargetModel& target, GenerationOptions opt) : target_(target), opt_(std::move(opt)) {
   DFLASH_CHECK(opt_.max_new_tokens >= 1, ConfigError, "max_new_tokens must be >= 1, got " << opt_.max_new_tokens);
   DFLASH_CHECK(opt_.batch_size >= 1, ConfigError, "batch_size must be >= 1, got " << opt_.batch_size);
+  DFLASH_CHECK(opt_.steps_per_sync >= 0, ConfigError,
+               "steps_per_sync must be >= 0 (0 = the dynamic loop), got " << opt_.steps_per_sync);
   validate_sampling(opt_.sampling);
   capture_.layer_ids = opt_.capture_layers;
   capture_.last_hidden = true;
@@ -99,8 +118,10 @@ void Generator::run(const std::vector<GenerationRequest>& requests,
   if (requests.empty()) return;
   const auto& o = target_.options();
   const int64_t slots = std::min<int64_t>(opt_.batch_size, requests.size());
-  SequenceCache cache(target_.config(), slots, longest + opt_.max_new_tokens - 1, o.device, o.dtype);
+  const int64_t past_finish = static_loop() ? opt_.steps_per_sync : 0;
+  SequenceCache cache(target_.config(), slots, longest + opt_.max_new_tokens - 1 + past_finish, o.device, o.dtype);
   std::vector<Running> running(slots);
+  if (static_loop()) return run_static(cache, running, requests, on_done);
   size_t next = 0;
   auto any_running = [&] {
     return std::any_of(running.begin(), running.end(), [](const Running& r) { return r.active; });
@@ -124,6 +145,7 @@ void Generator::admit(SequenceCache& cache, std::vector<Running>& slots, const s
     slots[s] = Running{};
     slots[s].active = true;
     slots[s].index = next++;
+    slots[s].prompt_len = req.prompt.size();
     if (opt_.sampling.temperature > 0) slots[s].gen = make_generator(target_.options().device, req.seed);
     which.push_back(s);
     lengths.push_back(req.prompt.size());
@@ -164,20 +186,109 @@ void Generator::extend_and_sample(SequenceCache& cache, std::vector<Running>& sl
     for (auto s : which) gens.push_back(slots[s].gen);
   auto next = sample_next(logits, opt_.sampling, gens).to(torch::kCPU);  // the step's one host sync
   const auto* next_ids = next.data_ptr<int64_t>();
-  const auto& stops = opt_.stop_token_ids;
   for (size_t i = 0; i < which.size(); ++i) {
     Running& r = slots[which[i]];
-    const int64_t token = next_ids[i];
-    r.output.push_back(token);
     if (!opt_.capture_layers.empty()) r.features.push_back(cap.features_TKH.narrow(0, offset[i], lengths[i]));
-    if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
-      r.done = true;
-      r.finish = FinishReason::kStop;
-    } else if (static_cast<int64_t>(r.output.size()) == opt_.max_new_tokens) {
-      r.done = true;
-      r.finish = FinishReason::kLength;
-    }
+    append_token(r, next_ids[i]);
   }
+}
+
+void Generator::append_token(Running& r, int64_t token) {
+  const auto& stops = opt_.stop_token_ids;
+  r.output.push_back(token);
+  if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+    r.done = true;
+    r.finish = FinishReason::kStop;
+  } else if (static_cast<int64_t>(r.output.size()) == opt_.max_new_tokens) {
+    r.done = true;
+    r.finish = FinishReason::kLength;
+  }
+}
+
+bool Generator::static_loop() const {
+  return opt_.sampling.temperature == 0 && opt_.capture_layers.empty() && opt_.steps_per_sync >= 1;
+}
+
+void Generator::run_static(SequenceCache& cache, std::vector<Running>& slots,
+                           const std::vector<GenerationRequest>& requests,
+                           const std::function<void(GenerationResult&&)>& on_done) {
+  const auto dev = target_.options().device;
+  const auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  Static st;
+  st.K = opt_.steps_per_sync;
+  st.S = slots.size();
+  const int64_t S = st.S, K = st.K;
+  st.io_2S = torch::zeros({2, S}, i64.device(dev));
+  st.ids_S = st.io_2S[0];
+  st.pos_S = st.io_2S[1];
+  st.host_2S = torch::zeros({2, S}, i64.pinned_memory(dev.is_cuda()));
+  st.ring_KS = torch::zeros({K, S}, i64.device(dev));
+  st.ring_at = torch::zeros({1}, i64.device(dev));
+  for (int64_t s = 0; s < S; ++s) st.batch.slots.push_back(s);
+  st.batch.lengths.assign(S, 1);
+  st.batch.input_ids_T = st.ids_S;
+  st.batch.positions_T = st.pos_S;
+#ifdef DFLASH_WITH_CUDA
+  const bool graphs = dev.is_cuda() && opt_.cuda_graph;
+#endif
+  size_t next = 0;
+  auto any_running = [&] {
+    return std::any_of(slots.begin(), slots.end(), [](const Running& r) { return r.active; });
+  };
+  while (next < requests.size() || any_running()) {
+    admit(cache, slots, requests, next);
+    retire(slots, on_done);
+    if (!any_running()) continue;
+    // Every slot's next id and position: a running request continues after its last token (which
+    // the cache does not hold yet); a free slot decodes id 0 from position 0 (garbage, < K rows).
+    auto* host = st.host_2S.data_ptr<int64_t>();
+    for (int64_t s = 0; s < S; ++s) {
+      const Running& r = slots[s];
+      host[s] = r.active ? r.output.back() : 0;
+      host[S + s] = r.active ? r.prompt_len + static_cast<int64_t>(r.output.size()) - 1 : 0;
+    }
+    st.io_2S.copy_(st.host_2S, /*non_blocking=*/true);
+    for (int64_t k = 0; k < K; ++k) {
+#ifdef DFLASH_WITH_CUDA
+      if (graphs && st.graph) {
+        st.graph->replay();
+        continue;
+      }
+      if (graphs) {
+        // The first step runs eagerly on a side stream (its cuBLAS workspace, the tuned-GEMM plans
+        // of its shapes, lazy inits), then the same step is captured there: recorded, not run.
+        c10::cuda::device_synchronize();  // the side stream starts after the admission and io copy
+        auto side = c10::cuda::getStreamFromPool(false, dev.index() < 0 ? c10::cuda::current_device() : dev.index());
+        {
+          c10::cuda::CUDAStreamGuard guard(side);
+          static_step(cache, st);
+          st.graph = std::make_unique<at::cuda::CUDAGraph>();
+          st.graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+          static_step(cache, st);
+          st.graph->capture_end();
+        }
+        c10::cuda::device_synchronize();  // replays (current stream) follow the side stream's step
+        continue;
+      }
+#endif
+      static_step(cache, st);
+    }
+    auto ring = st.ring_KS.to(torch::kCPU);  // the block's one host sync
+    const auto* ids = ring.data_ptr<int64_t>();
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t s = 0; s < S; ++s)
+        if (slots[s].active && !slots[s].done) append_token(slots[s], ids[k * S + s]);
+    retire(slots, on_done);
+  }
+}
+
+void Generator::static_step(SequenceCache& cache, Static& st) {
+  auto cap = target_.extend(cache, st.batch, capture_);
+  auto next_S = F::linear(target_.final_norm(cap.last_hidden_TH), target_.lm_head_weight()).argmax(-1);
+  st.ring_KS.index_copy_(0, st.ring_at, next_S.view({1, st.S}));
+  st.ids_S.copy_(next_S);
+  st.pos_S.add_(1);
+  st.ring_at.add_(1).remainder_(st.K);
 }
 
 void Generator::retire(std::vector<Running>& slots, const std::function<void(GenerationResult&&)>& on_done) {

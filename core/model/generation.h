@@ -16,12 +16,29 @@
 //
 // Scheduling: up to batch_size requests run at once, one cache slot each; a finished request
 // hands its slot to the next waiting one (continuous batching). Each iteration prefills the newly
-// admitted prompts in one extend, then runs one decode step over every running request.
+// admitted prompts in one extend (and takes their first tokens), then decodes the running requests.
+// Two decode loops, with identical results (greedy ids are the same token for token):
+//  - static loop: greedy (temperature 0) without capture_layers, steps_per_sync >= 1. A fixed step
+//    over ALL slots in slot order (SequenceCache static step: device positions, mask computed on the
+//    device, nothing uploaded inside the step) runs steps_per_sync = K times back to back; each step
+//    writes its argmax ids into the next step's input ids and into a [K, S] device ring, and
+//    advances the positions by one on the device. Then ONE device-to-host copy of the ring; the host
+//    applies stop tokens and max_new_tokens per slot in step order (a request's tokens after its
+//    finish are dropped), retires, admits, and writes every slot's next id and position in one
+//    non-blocking copy. Slots without a request compute garbage (id 0 from position 0, so their
+//    positions stay < K) that nothing reads; a finished request runs up to K-1 steps past its finish.
+//    On CUDA with cuda_graph the step is a CUDA graph: the first step of a run is eager (on a side
+//    stream, so cuBLAS / cuBLASLt workspaces and the tuned-GEMM plans of its shapes exist), the
+//    next is captured (extend, final norm, lm_head, argmax, ring write, advance) and every further
+//    step is a replay. On CPU (or cuda_graph off) the same loop runs the step eagerly.
+//  - dynamic loop: sampling, capture_layers, or steps_per_sync = 0. One extend per step over the
+//    running requests only (host-built index tensors and mask, uploaded without blocking) and one
+//    host sync per step reading the sampled ids. Sampling is never graphed: the per-request
+//    generators advance on the host.
 //
-// Device work: a step's only host sync is reading the sampled ids (one device-to-host copy of
-// [B] int64); index tensors go up without blocking. (CUDA graphs and a sync-free host loop are a
-// later step.) Not thread-safe: one run at a time per Generator, and the target must not be used
-// by anything else meanwhile.
+// Device work: the static loop syncs once per K steps (plus once per admission, for the prefill's
+// first tokens); the dynamic loop once per step. Not thread-safe: one run at a time per Generator,
+// and the target must not be used by anything else meanwhile.
 #pragma once
 #include <torch/torch.h>
 
@@ -58,6 +75,11 @@ struct GenerationOptions {
   std::vector<int64_t> stop_token_ids;  // empty: stop only at max_new_tokens
   SamplingOptions sampling;
   std::vector<int64_t> capture_layers;  // decoder layer outputs to return (CaptureSpec ids); empty: none
+  // Static loop (greedy without capture_layers, see above): decode steps between two host reads,
+  // >= 0; 0 = always the dynamic loop. 16: a sync costs about one step's launch latency or less
+  // while a finished request holds its slot for at most 15 steps.
+  int64_t steps_per_sync = 16;
+  bool cuda_graph = true;  // static loop on CUDA: replay a captured graph of the step (false: eager)
 };
 
 struct GenerationRequest {
@@ -87,11 +109,22 @@ class Generator {
   // Generates every request; on_done(result) is called once per request as soon as it finishes
   // (finish order, not request order). DataError for an empty prompt or a token outside the
   // vocabulary (checked for all requests before any work). The cache is sized for the longest
-  // prompt + max_new_tokens - 1 tokens per slot. An exception from on_done ends the run.
+  // prompt + max_new_tokens - 1 tokens per slot, + steps_per_sync in the static loop (its steps past
+  // a finish). An exception from on_done ends the run.
   void run(const std::vector<GenerationRequest>& requests, const std::function<void(GenerationResult&&)>& on_done);
+
+  // True when run() decodes with the static loop (greedy, no capture_layers, steps_per_sync >= 1).
+  bool static_loop() const;
 
  private:
   struct Running;  // one request in a slot
+  struct Static;   // device buffers (and CUDA graph) of the static loop
+  void run_static(SequenceCache& cache, std::vector<Running>& slots, const std::vector<GenerationRequest>& requests,
+                  const std::function<void(GenerationResult&&)>& on_done);
+  // One static step over every slot (extend, lm_head, argmax, ring write, advance); graph-capturable.
+  void static_step(SequenceCache& cache, Static& st);
+  // Appends `token` to a running request; marks it done at a stop token or max_new_tokens.
+  void append_token(Running& r, int64_t token);
   void admit(SequenceCache& cache, std::vector<Running>& slots, const std::vector<GenerationRequest>& requests,
              size_t& next);
   void decode_step(SequenceCache& cache, std::vector<Running>& slots);

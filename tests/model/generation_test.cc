@@ -11,6 +11,7 @@
 #include <set>
 
 #include "core/io/jsonl.h"
+#include "core/model/gated_delta.h"
 #include "core/model/generation.h"
 #include "core/model/target.h"
 #include "core/util/error.h"
@@ -282,6 +283,93 @@ TEST(Incremental, ExtendRejectsBadBatches) {
   EXPECT_EQ(cache.length(0), 0);
   extend({0}, {8}, {1, 2, 3, 4, 5, 6, 7, 8});
   EXPECT_THROW(extend({0}, {1}, {1}), ConfigError);  // full
+  // Static decode steps: every slot in order, one token each, device positions int64 [S].
+  auto static_step = [&](std::vector<int64_t> slots, std::vector<int64_t> lens, torch::Tensor pos) {
+    model::ExtendBatch b{slots, lens, torch::zeros({static_cast<int64_t>(slots.size())}, torch::kInt64)};
+    b.positions_T = pos;
+    t->extend(cache, b, spec);
+  };
+  EXPECT_THROW(static_step({1, 0}, {1, 1}, torch::zeros({2}, torch::kInt64)), ConfigError);  // not in order
+  EXPECT_THROW(static_step({0}, {1}, torch::zeros({1}, torch::kInt64)), ConfigError);        // not every slot
+  EXPECT_THROW(static_step({0, 1}, {1, 2}, torch::zeros({2}, torch::kInt64)), ConfigError);  // 2 tokens
+  EXPECT_THROW(static_step({0, 1}, {1, 1}, torch::zeros({2}, torch::kInt32)), DataError);    // not int64
+  EXPECT_THROW(static_step({0, 1}, {1, 1}, torch::zeros({3}, torch::kInt64)), DataError);    // not [S]
+  static_step({0, 1}, {1, 1}, torch::tensor({int64_t{7}, int64_t{0}}));
+  EXPECT_EQ(cache.length(0), 8);  // a static step keeps the host lengths
+  EXPECT_EQ(cache.length(1), 0);
+}
+
+// The single-token decode fast path of the Gated DeltaNet layers (conv window shift, recurrent
+// delta-rule step) equals the chunked path, which the same one-token step takes with rollback on:
+// outputs, recurrent states and conv windows, for a batch of all slots in order (in place) and for a
+// subset of slots out of order (gathered), fp32 (1e-6) and fp64 (1e-10).
+TEST(Incremental, SingleTokenFastPathEqualsTheChunkedRule) {
+  for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    const double tol = dtype == torch::kFloat32 ? 1e-6 : 1e-10;
+    auto t = load("hybrid/qwen3_5_text", dtype);
+    const auto& cfg = t->config();
+    int64_t layer = -1;
+    for (int64_t l = 0; l < cfg.num_layers && layer < 0; ++l)
+      if (cfg.layer_types[l] == "linear_attention") layer = l;
+    ASSERT_GE(layer, 0);
+    const int64_t Hk = cfg.linear_num_key_heads, Hv = cfg.linear_num_value_heads, dk = cfg.linear_key_head_dim;
+    const int64_t dv = cfg.linear_value_head_dim, C = 2 * Hk * dk + Hv * dv, Kc = cfg.linear_conv_kernel_dim;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+    torch::manual_seed(5);
+    const auto opt = torch::TensorOptions().dtype(dtype);
+    auto w_CK = torch::randn({C, Kc}, opt);
+    struct Inputs {
+      model::GatedDeltaInputs in;
+      torch::Tensor x_TC;
+    };
+    auto make = [&](int64_t T) {
+      Inputs r;
+      r.in.q_THK = model::l2norm(torch::randn({T, Hk, dk}, opt));
+      r.in.k_THK = model::l2norm(torch::randn({T, Hk, dk}, opt));
+      r.in.v_THV = torch::randn({T, Hv, dv}, opt);
+      r.in.g_TH = -torch::rand({T, Hv}, torch::kFloat32);
+      r.in.beta_TH = torch::rand({T, Hv}, torch::kFloat32);
+      r.x_TC = torch::randn({T, C}, opt);
+      return r;
+    };
+    model::SequenceCache fast(cfg, 4, 32, torch::kCPU, dtype), chunked(cfg, 4, 32, torch::kCPU, dtype);
+    struct Out {
+      torch::Tensor y, o;
+      bool single;
+    };
+    auto run = [&](model::SequenceCache& cache, const std::vector<int64_t>& slots, const std::vector<int64_t>& lens,
+                   bool rollback, const Inputs& x) {
+      int64_t T = 0;
+      for (auto n : lens) T += n;
+      auto step = cache.begin({slots, lens, torch::zeros({T}, torch::kInt64), rollback});
+      Out out;
+      out.single = step.single;
+      out.y = cache.conv(layer, step, x.x_TC, w_CK);
+      out.o = cache.delta_rule(layer, step, x.in, scale);
+      cache.commit(step);
+      return out;
+    };
+    auto prefill = make(11);
+    run(fast, {0, 1, 2, 3}, {3, 5, 1, 2}, false, prefill);
+    run(chunked, {0, 1, 2, 3}, {3, 5, 1, 2}, false, prefill);
+    const std::vector<std::vector<int64_t>> batches{{0, 1, 2, 3}, {2, 0}, {0, 1, 2, 3}, {3, 1, 0}};
+    for (size_t r = 0; r < batches.size(); ++r) {
+      const auto& slots = batches[r];
+      auto x = make(slots.size());
+      const std::vector<int64_t> ones(slots.size(), 1);
+      auto a = run(fast, slots, ones, false, x);
+      auto b = run(chunked, slots, ones, true, x);
+      EXPECT_TRUE(a.single);
+      EXPECT_FALSE(b.single);
+      const auto what = std::string(c10::toString(dtype)) + " step " + std::to_string(r);
+      EXPECT_LT(rel_err(a.y, b.y), tol) << what;
+      EXPECT_LT(rel_err(a.o, b.o), tol) << what;
+      EXPECT_LT(rel_err(fast.recurrent_state(layer), chunked.recurrent_state(layer)), tol) << what;
+      EXPECT_EQ(rel_err(fast.conv_window(layer), chunked.conv_window(layer)), 0.0) << what;
+      EXPECT_GT(fast.recurrent_state(layer).abs().max().item<double>(), 0.0);
+    }
+    EXPECT_THROW(fast.recurrent_state(cfg.layer_types[0] == "linear_attention" ? 3 : 0), ConfigError);
+  }
 }
 
 // Greedy decoding by full forwards (no cache): the reference of the generator.
@@ -405,6 +493,43 @@ TEST_P(Generation, SamplingIsSeededAndTopK1IsGreedy) {
     EXPECT_EQ(k1[i].output_ids, greedy[i].output_ids) << "top_k=1, request " << i;
     EXPECT_EQ(p0[i].output_ids, greedy[i].output_ids) << "top_p~0, request " << i;
   }
+}
+
+// The static loop (one fixed step over all slots, K steps between host reads, stops applied
+// afterwards, refilled slots) gives the dynamic loop's ids and finish reasons, for K = 1, 3 and 16
+// and 1, 3 and 8 slots, with stop tokens that end requests in the middle of a block.
+TEST_P(Generation, StaticLoopEqualsTheDynamicLoop) {
+  const std::string m = GetParam().model;
+  auto t = load(m, GetParam().dtype);
+  auto reqs = requests(m);
+  model::GenerationOptions o;
+  o.max_new_tokens = 11;
+  o.batch_size = 3;
+  o.steps_per_sync = 0;
+  EXPECT_FALSE(model::Generator(*t, o).static_loop());
+  auto free_run = generate(*t, o, reqs);
+  o.stop_token_ids = {free_run[0].output_ids[2], free_run[2].output_ids[6]};
+  auto dynamic = generate(*t, o, reqs);
+  size_t stopped = 0;
+  for (auto& [i, r] : dynamic) stopped += r.finish == model::FinishReason::kStop;
+  EXPECT_GT(stopped, 0u);
+  for (int64_t K : {1, 3, 16}) {
+    for (int64_t slots : {1, 3, 8}) {
+      o.steps_per_sync = K;
+      o.batch_size = slots;
+      EXPECT_TRUE(model::Generator(*t, o).static_loop());
+      auto res = generate(*t, o, reqs);
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        EXPECT_EQ(res[i].output_ids, dynamic[i].output_ids) << m << " K " << K << " slots " << slots << " request " << i;
+        EXPECT_EQ(res[i].finish, dynamic[i].finish) << m << " K " << K << " slots " << slots << " request " << i;
+      }
+    }
+  }
+  o.sampling.temperature = 1.0;
+  EXPECT_FALSE(model::Generator(*t, o).static_loop());
+  o.sampling.temperature = 0;
+  o.capture_layers = {0};
+  EXPECT_FALSE(model::Generator(*t, o).static_loop());
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, Generation,
