@@ -316,9 +316,9 @@ torch::Tensor SequenceCache::delta_rule(int64_t layer, Step& st, const GatedDelt
                  DataError, "delta rule: inputs [" << B << ", " << Hv << ", " << dk << ", " << dv
                                                    << "] do not match the step and the state " << state.sizes());
     auto q = in.q_THK.to(dt), k = in.k_THK.to(dt);
-    if (Hv != Hk) {  // value head h reads key head h / (Hv / Hk)
-      q = q.repeat_interleave(Hv / Hk, 1);
-      k = k.repeat_interleave(Hv / Hk, 1);
+    if (Hv != Hk) {  // value head h reads key head h / (Hv / Hk); expand + reshape: no host sync
+      q = q.unsqueeze(2).expand({B, Hk, Hv / Hk, dk}).reshape({B, Hv, dk});
+      k = k.unsqueeze(2).expand({B, Hk, Hv / Hk, dk}).reshape({B, Hv, dk});
     }
     auto S = st.all_slots ? state : state.index_select(0, st.slot_B);  // [B, Hv, dk, dv]
     S.mul_(in.g_TH.to(dt).exp().view({B, Hv, 1, 1}));
