@@ -102,6 +102,8 @@ Generator::Generator(TargetModel& target, GenerationOptions opt) : target_(targe
   target.lm_head_weight();  // ConfigError when it was not loaded
 }
 
+Generator::~Generator() = default;
+
 void Generator::run(const std::vector<GenerationRequest>& requests,
                     const std::function<void(GenerationResult&&)>& on_done) {
   torch::NoGradGuard no_grad;
@@ -119,7 +121,13 @@ void Generator::run(const std::vector<GenerationRequest>& requests,
   const auto& o = target_.options();
   const int64_t slots = std::min<int64_t>(opt_.batch_size, requests.size());
   const int64_t past_finish = static_loop() ? opt_.steps_per_sync : 0;
-  SequenceCache cache(target_.config(), slots, longest + opt_.max_new_tokens - 1 + past_finish, o.device, o.dtype);
+  const int64_t max_len = longest + opt_.max_new_tokens - 1 + past_finish;
+  if (!cache_ || cache_->slots() != slots || cache_->max_len() != max_len) {
+    static_.reset();  // its graph reads the old cache
+    cache_.reset();   // freed before the new one is allocated
+    cache_ = std::make_unique<SequenceCache>(target_.config(), slots, max_len, o.device, o.dtype);
+  }
+  SequenceCache& cache = *cache_;  // every slot is reset when a request is admitted to it
   std::vector<Running> running(slots);
   if (static_loop()) return run_static(cache, running, requests, on_done);
   size_t next = 0;
@@ -214,20 +222,25 @@ void Generator::run_static(SequenceCache& cache, std::vector<Running>& slots,
                            const std::function<void(GenerationResult&&)>& on_done) {
   const auto dev = target_.options().device;
   const auto i64 = torch::TensorOptions().dtype(torch::kInt64);
-  Static st;
-  st.K = opt_.steps_per_sync;
-  st.S = slots.size();
+  if (!static_) {
+    static_ = std::make_unique<Static>();
+    Static& st = *static_;
+    st.K = opt_.steps_per_sync;
+    st.S = slots.size();
+    st.io_2S = torch::zeros({2, st.S}, i64.device(dev));
+    st.ids_S = st.io_2S[0];
+    st.pos_S = st.io_2S[1];
+    st.host_2S = torch::zeros({2, st.S}, i64.pinned_memory(dev.is_cuda()));
+    st.ring_KS = torch::zeros({st.K, st.S}, i64.device(dev));
+    st.ring_at = torch::zeros({1}, i64.device(dev));
+    for (int64_t s = 0; s < st.S; ++s) st.batch.slots.push_back(s);
+    st.batch.lengths.assign(st.S, 1);
+    st.batch.input_ids_T = st.ids_S;
+    st.batch.positions_T = st.pos_S;
+  }
+  Static& st = *static_;
   const int64_t S = st.S, K = st.K;
-  st.io_2S = torch::zeros({2, S}, i64.device(dev));
-  st.ids_S = st.io_2S[0];
-  st.pos_S = st.io_2S[1];
-  st.host_2S = torch::zeros({2, S}, i64.pinned_memory(dev.is_cuda()));
-  st.ring_KS = torch::zeros({K, S}, i64.device(dev));
-  st.ring_at = torch::zeros({1}, i64.device(dev));
-  for (int64_t s = 0; s < S; ++s) st.batch.slots.push_back(s);
-  st.batch.lengths.assign(S, 1);
-  st.batch.input_ids_T = st.ids_S;
-  st.batch.positions_T = st.pos_S;
+  st.ring_at.zero_();  // a block always runs K steps, but an earlier run may have ended inside one
 #ifdef DFLASH_WITH_CUDA
   const bool graphs = dev.is_cuda() && opt_.cuda_graph;
 #endif
@@ -262,10 +275,11 @@ void Generator::run_static(SequenceCache& cache, std::vector<Running>& slots,
         {
           c10::cuda::CUDAStreamGuard guard(side);
           static_step(cache, st);
-          st.graph = std::make_unique<at::cuda::CUDAGraph>();
-          st.graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+          auto graph = std::make_unique<at::cuda::CUDAGraph>();
+          graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
           static_step(cache, st);
-          st.graph->capture_end();
+          graph->capture_end();
+          st.graph = std::move(graph);  // only a completed capture is replayed (a failure throws out of run)
         }
         c10::cuda::device_synchronize();  // replays (current stream) follow the side stream's step
         continue;

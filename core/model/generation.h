@@ -44,6 +44,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "core/model/target.h"
@@ -105,12 +106,16 @@ class Generator {
   // Validates the options against the target (ConfigError naming the field; capture layer ids as
   // validate_capture does). Needs the target's lm_head (LoadOptions.load_lm_head).
   Generator(TargetModel& target, GenerationOptions opt);
+  ~Generator();
 
   // Generates every request; on_done(result) is called once per request as soon as it finishes
   // (finish order, not request order). DataError for an empty prompt or a token outside the
   // vocabulary (checked for all requests before any work). The cache is sized for the longest
   // prompt + max_new_tokens - 1 tokens per slot, + steps_per_sync in the static loop (its steps past
-  // a finish). An exception from on_done ends the run.
+  // a finish). The cache, and the static loop's buffers and CUDA graph, are kept for the next run
+  // when it needs the same slots and cache length (a benchmark's repeated runs capture once); they
+  // are freed with the Generator or replaced by a run of another shape. An exception from on_done
+  // ends the run.
   void run(const std::vector<GenerationRequest>& requests, const std::function<void(GenerationResult&&)>& on_done);
 
   // True when run() decodes with the static loop (greedy, no capture_layers, steps_per_sync >= 1).
@@ -136,6 +141,8 @@ class Generator {
   TargetModel& target_;
   GenerationOptions opt_;
   CaptureSpec capture_;
+  std::unique_ptr<SequenceCache> cache_;  // of the last run
+  std::unique_ptr<Static> static_;        // of the last static run, made for cache_
 };
 
 }  // namespace dflash::model

@@ -525,6 +525,17 @@ TEST_P(Generation, StaticLoopEqualsTheDynamicLoop) {
       }
     }
   }
+  // One generator, several runs: the kept cache and buffers (same shape), then another shape.
+  o.steps_per_sync = 3;
+  o.batch_size = 3;
+  model::Generator gen(*t, o);
+  std::vector<model::GenerationRequest> few(reqs.begin(), reqs.begin() + 2);
+  for (const auto* list : {&reqs, &reqs, &few, &reqs}) {
+    std::map<size_t, std::vector<int64_t>> got;
+    gen.run(*list, [&](model::GenerationResult&& r) { got[r.index] = r.output_ids; });
+    ASSERT_EQ(got.size(), list->size());
+    for (size_t i = 0; i < list->size(); ++i) EXPECT_EQ(got[i], dynamic[i].output_ids) << m << " reused, request " << i;
+  }
   o.sampling.temperature = 1.0;
   EXPECT_FALSE(model::Generator(*t, o).static_loop());
   o.sampling.temperature = 0;
