@@ -321,14 +321,17 @@ torch::Tensor SequenceCache::delta_rule(int64_t layer, Step& st, const GatedDelt
       k = k.unsqueeze(2).expand({B, Hk, Hv / Hk, dk}).reshape({B, Hv, dk});
     }
     auto S = st.all_slots ? state : state.index_select(0, st.slot_B);  // [B, Hv, dk, dv]
-    S.mul_(in.g_TH.to(dt).exp().view({B, Hv, 1, 1}));
     auto S3 = S.view({BH, dk, dv});
-    auto k3 = k.reshape({BH, 1, dk});
-    auto u = (in.v_THV.to(dt).reshape({BH, 1, dv}) - torch::bmm(k3, S3)) * in.beta_TH.to(dt).reshape({BH, 1, 1});
-    S3.baddbmm_(k3.transpose(1, 2), u);
-    auto o = torch::bmm((q * scale).reshape({BH, 1, dk}), S3).view({B, Hv, dv});
+    auto k3 = k.reshape({BH, 1, dk}), q3 = (q * scale).reshape({BH, 1, dk});
+    auto decay = in.g_TH.to(dt).exp().reshape({BH, 1, 1});
+    // Both readouts of the decayed state in one pass over the old one: [k; q]^T (decay S).
+    auto kq_S = torch::bmm(torch::cat({k3, q3}, 1), S3).mul_(decay);  // [BH, 2, dv]
+    auto u = (in.v_THV.to(dt).reshape({BH, 1, dv}) - kq_S.narrow(1, 0, 1)) * in.beta_TH.to(dt).reshape({BH, 1, 1});
+    // o = (scale q)^T (decay S + k u^T) = (scale q)^T decay S + (scale q . k) u
+    auto o = kq_S.narrow(1, 1, 1) + torch::bmm(q3, k3.transpose(1, 2)) * u;  // [BH, 1, dv]
+    S3.mul_(decay).baddbmm_(k3.transpose(1, 2), u);
     if (!st.all_slots) state.index_copy_(0, st.slot_B, S);
-    return o.to(in.q_THK.scalar_type());
+    return o.view({B, Hv, dv}).to(in.q_THK.scalar_type());
   }
   auto state0 = state_[layer].index_select(0, st.slot_B);
   auto res = chunk_gated_delta_rule_from(in, st.batch.lengths, scale, state0, std::min<int64_t>(64, st.max_new));

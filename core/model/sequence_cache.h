@@ -134,7 +134,9 @@ class SequenceCache {
   // state's dtype (that of the chunked rule: fp64 for fp64 models, else fp32):
   //   S = exp(g) S;  u = beta (v - k^T S);  S += k u^T;  o = S^T (scale q)
   // as batched products over the slots' states (in place when Step::all_slots, else gathered and
-  // scattered back). Rollback steps always take the chunked path: it keeps the inputs truncate needs.
+  // scattered back): one read of the state for both readouts (o = (scale q)^T exp(g) S_old +
+  // (scale q . k) u), then the update in place (decay, then the rank-1 baddbmm: two passes; a fused
+  // single-pass kernel is future work). Rollback steps always take the chunked path: it keeps the inputs truncate needs.
   torch::Tensor delta_rule(int64_t layer, Step& step, const GatedDeltaInputs& in, double scale);
   // The recurrent state [S, Hv, dk, dv] / conv window [S, Kc-1, C] of Gated DeltaNet layer `layer`
   // (the cache's own tensors, for tests and diagnostics). ConfigError for an attention layer.
