@@ -217,6 +217,14 @@ bool Generator::static_loop() const {
   return opt_.sampling.temperature == 0 && opt_.capture_layers.empty() && opt_.steps_per_sync >= 1;
 }
 
+bool Generator::has_cuda_graph() const {
+#ifdef DFLASH_WITH_CUDA
+  return static_ && static_->graph;
+#else
+  return false;
+#endif
+}
+
 void Generator::run_static(SequenceCache& cache, std::vector<Running>& slots,
                            const std::vector<GenerationRequest>& requests,
                            const std::function<void(GenerationResult&&)>& on_done) {

@@ -120,6 +120,8 @@ class Generator {
 
   // True when run() decodes with the static loop (greedy, no capture_layers, steps_per_sync >= 1).
   bool static_loop() const;
+  // True when a run of this generator captured the static step as a CUDA graph that it still holds.
+  bool has_cuda_graph() const;
 
  private:
   struct Running;  // one request in a slot
