@@ -113,22 +113,12 @@ std::tuple<Tensor, Tensor, Tensor> flash_backward(const Tensor& dout, const Tens
 
 // --- the plan, flattened into the autograd context ---------------------------------------------------
 Seqs tail_seqs(const BlockSparsePlan& p) {
-  Seqs s;
+  Seqs s{{}, p.cu_k_host, p.cu_q, p.cu_k, /*max_q=*/p.block, /*max_k=*/p.max_tail_keys};
   for (int64_t j = 0; j <= p.blocks; ++j) s.q_off.push_back(j * p.block);
-  s.k_off = p.cu_k_host;
-  s.cu_q = p.cu_q;
-  s.cu_k = p.cu_k;
-  s.max_q = p.block;
-  s.max_k = p.max_tail_keys;
   return s;
 }
 Seqs full_seqs(const BlockSparsePlan::Full& f) {
-  Seqs s;
-  s.q_off = {0, f.q_rows};
-  s.k_off = {0, f.k_rows};
-  s.max_q = f.q_rows;
-  s.max_k = f.k_rows;
-  return s;
+  return {{0, f.q_rows}, {0, f.k_rows}, Tensor(), Tensor(), /*max_q=*/f.q_rows, /*max_k=*/f.k_rows};
 }
 
 using torch::autograd::AutogradContext;

@@ -1,5 +1,8 @@
 #include "core/util/flags.h"
 
+#include <cstring>
+#include <iostream>
+
 #include "core/util/error.h"
 
 namespace dflash {
@@ -89,6 +92,12 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
 
 std::vector<int64_t> Flags::get_int_list(const std::string& name) const {
   return parse_int_list(get(name), "--" + name);
+}
+
+bool help_requested(int argc, char** argv, const char* usage) {
+  if (argc < 1 || (std::strcmp(argv[0], "--help") && std::strcmp(argv[0], "-h"))) return false;
+  std::cout << usage;
+  return true;
 }
 
 }  // namespace dflash

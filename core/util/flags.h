@@ -27,4 +27,7 @@ class Flags {
 
 std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what);
 
+// True when a command's first argument is --help or -h; then `usage` has been printed on stdout.
+bool help_requested(int argc, char** argv, const char* usage);
+
 }  // namespace dflash

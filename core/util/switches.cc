@@ -45,9 +45,11 @@ const std::vector<Switch>& registry() {
       {"DFLASH_ADAMW", Kind::kChoice, {"plain", "fused"}, kAuto,
        "AdamW; auto: the fused multi-tensor step for CUDA parameters, else LibTorch ops.", true, false},
       {"DFLASH_PYTHON", Kind::kText, {}, "python3",
-       "Python of the bench baselines (bench target/drafter --baseline) when --python is not given.", false, false},
+       "Python of the bench baselines (bench target/drafter/generate --baseline) and of data prepare/regenerate "
+       "when --python is not given.", false, false},
       {"DFLASH_SOURCE_DIR", Kind::kText, {}, ".",
-       "Source checkout holding scripts/reference/ for the bench baselines.", false, false},
+       "Source checkout holding scripts/reference/ (the bench baselines) and scripts/dflash_data/ (data "
+       "prepare/regenerate; default there: the checkout the build was configured from).", false, false},
       {"DFLASH_CONTROL_TOKEN", Kind::kText, {}, "",
        "Bearer token of the coordinator's control API (clients and workers send it).", false, true},
       {"DFLASH_CONTROL_TOKEN_FILE", Kind::kText, {}, "",

@@ -97,13 +97,17 @@ def _check_roles(messages, where):
             raise BadRecord(f"{where}[{i}]: empty {m['role']} turn", "empty_turn")
 
 
+def _turns(obj, key):
+    """(index, "key[i]", turn) for each turn of the list obj[key]; BadRecord when it is not a list."""
+    turns = obj.get(key)
+    if not isinstance(turns, list):
+        raise BadRecord(f"'{key}' must be a list", "bad_structure")
+    return [(i, f"{key}[{i}]", t) for i, t in enumerate(turns)]
+
+
 def sharegpt_messages(obj):
-    conv = obj.get("conversations")
-    if not isinstance(conv, list):
-        raise BadRecord("'conversations' must be a list", "bad_structure")
     messages = []
-    for i, turn in enumerate(conv):
-        where = f"conversations[{i}]"
+    for i, where, turn in _turns(obj, "conversations"):
         if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
             raise BadRecord(f"{where}: expected an object with 'from' and 'value'", "bad_structure")
         role = SHAREGPT_ROLES.get(turn["from"]) if isinstance(turn["from"], str) else None
@@ -116,12 +120,8 @@ def sharegpt_messages(obj):
 
 
 def openai_messages(obj, template_renders_tool_calls):
-    msgs = obj.get("messages")
-    if not isinstance(msgs, list):
-        raise BadRecord("'messages' must be a list", "bad_structure")
     messages = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
+    for i, where, m in _turns(obj, "messages"):
         if not isinstance(m, dict) or "role" not in m:
             raise BadRecord(f"{where}: expected an object with 'role'", "bad_structure")
         role = m["role"]

@@ -392,10 +392,7 @@ json result_json(const BenchOptions& o, const std::vector<Proc>& ps, const std::
 }  // namespace
 
 int cmd_bench_pipeline(int argc, char** argv) {
-  if (argc > 0 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
-    std::cerr << kUsage;
-    return kExitOk;
-  }
+  if (help_requested(argc, argv, kUsage)) return kExitOk;
   Flags f(argc, argv,
           {"transport", "shape", "model", "device", "target-gpu", "drafter-gpu", "samples", "seq-len", "token-budget",
            "max-batch-size", "epochs", "drafter-layers", "block-size", "max-anchors", "inflight-depth", "work", "bin-dir",

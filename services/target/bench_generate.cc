@@ -112,10 +112,7 @@ void add_baseline(const Flags& f, const std::string& shape, const std::string& b
 }  // namespace
 
 int cmd_bench_generate(int argc, char** argv) {
-  if (argc > 0 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
-    std::cout << kUsage;
-    return kExitOk;
-  }
+  if (help_requested(argc, argv, kUsage)) return kExitOk;
   Flags f(argc, argv,
           {"shape", "device", "dtype", "batches", "new-tokens", "warmup", "repeats", "hbm-gbps", "baseline", "python"},
           {"baseline"});

@@ -282,10 +282,7 @@ void add_hf_baseline(const Flags& f, const std::string& shape, const std::string
 }  // namespace
 
 int cmd_bench_target(int argc, char** argv) {
-  if (argc > 0 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
-    std::cout << kUsage;
-    return kExitOk;
-  }
+  if (help_requested(argc, argv, kUsage)) return kExitOk;
   Flags f(argc, argv,
           {"shape", "device", "dtype", "batches", "layers", "warmup", "repeats", "baseline", "python", "peak-tflops",
            "no-last-hidden", "check-dir", "profile", "profile-top"},

@@ -11,7 +11,9 @@
 #   token        a configured coordinator.token appears in no file of the run directory but the
 #                0600 control-token, nor in `dflash status` output.
 #   signals      SIGTERM to the process group of `timeout`, and a double SIGTERM: the run ends with
-#                a "stopped" record after a commit, exit 0, and no /dev/shm segment of the run left.
+#                a "stopped" record after a commit, exit 0, and no /dev/shm segment of the run left;
+#                SIGTERM to the coordinator and all workers at once: stopped, no restart.
+#                HARDENING_TRIALS=3 repeats each.
 #   shm_cleanup  kill -9 of a coordinator: its segments stay; `dflash status` names them; `dflash stop
 #                --cleanup` removes them.
 #   step_log_fault  `dflash train` whose metrics.jsonl cannot grow (RLIMIT_FSIZE): exit 4 naming the
@@ -200,6 +202,18 @@ signals)
     grep -q '"type":"stopped"' "$work/d$trial/ledger.jsonl" || fail "double SIGTERM $trial: no stopped record"
     grep -q '"type":"checkpoint"' "$work/d$trial/ledger.jsonl" || fail "double SIGTERM $trial: no final commit"
     no_segments_left d$trial "double SIGTERM $trial"
+    # SIGTERM to the coordinator and every worker at once (systemd's KillMode=control-group):
+    # workers dying of it are not crashes; the run ends stopped at its last commit.
+    config w$trial 60
+    start_run w$trial
+    wait_for "$work/w$trial/ledger.jsonl" '"type":"checkpoint"'
+    mapfile -t workers < <(pgrep -f -- "--config $work/w$trial.yaml")
+    kill -TERM "$coord" "${workers[@]}"
+    rc=0; wait "$coord" || rc=$?
+    [ $rc = 0 ] || fail "SIGTERM to all $trial: exit $rc: $(tail -5 "$work/w$trial.log")"
+    grep -q '"type":"stopped"' "$work/w$trial/ledger.jsonl" || fail "SIGTERM to all $trial: no stopped record"
+    ! grep -q '"type":"restart"' "$work/w$trial/ledger.jsonl" || fail "SIGTERM to all $trial: treated as a crash"
+    no_segments_left w$trial "SIGTERM to all $trial"
   done
   ;;
 shm_cleanup)
