@@ -65,6 +65,27 @@ torch::Tensor sample_next(const torch::Tensor& logits_BV, const SamplingOptions&
   return (probs / torch::stack(noise)).argmax(-1);
 }
 
+namespace {
+
+// The scheduling loop of both decoders: admit waiting requests into free slots (their prefill),
+// hand finished ones on, then decode the running slots (one step, or one block of K); until every
+// request is done. `next` is the index of the next waiting request (admit advances it).
+template <class Slots, class Admit, class Retire, class Decode>
+void schedule(const Slots& slots, size_t total, const size_t& next, Admit&& admit, Retire&& retire, Decode&& decode) {
+  const auto any_running = [&] {
+    return std::any_of(slots.begin(), slots.end(), [](const auto& r) { return r.active; });
+  };
+  while (next < total || any_running()) {
+    admit();
+    retire();
+    if (!any_running()) continue;
+    decode();
+    retire();
+  }
+}
+
+}  // namespace
+
 const char* finish_reason_name(FinishReason r) { return r == FinishReason::kStop ? "stop" : "length"; }
 
 struct Generator::Running {
@@ -131,16 +152,9 @@ void Generator::run(const std::vector<GenerationRequest>& requests,
   std::vector<Running> running(slots);
   if (static_loop()) return run_static(cache, running, requests, on_done);
   size_t next = 0;
-  auto any_running = [&] {
-    return std::any_of(running.begin(), running.end(), [](const Running& r) { return r.active; });
-  };
-  while (next < requests.size() || any_running()) {
-    admit(cache, running, requests, next);
-    retire(running, on_done);
-    if (!any_running()) continue;
-    decode_step(cache, running);
-    retire(running, on_done);
-  }
+  schedule(
+      running, requests.size(), next, [&] { admit(cache, running, requests, next); },
+      [&] { retire(running, on_done); }, [&] { decode_step(cache, running); });
 }
 
 void Generator::admit(SequenceCache& cache, std::vector<Running>& slots, const std::vector<GenerationRequest>& requests,
@@ -252,14 +266,8 @@ void Generator::run_static(SequenceCache& cache, std::vector<Running>& slots,
 #ifdef DFLASH_WITH_CUDA
   const bool graphs = dev.is_cuda() && opt_.cuda_graph;
 #endif
-  size_t next = 0;
-  auto any_running = [&] {
-    return std::any_of(slots.begin(), slots.end(), [](const Running& r) { return r.active; });
-  };
-  while (next < requests.size() || any_running()) {
-    admit(cache, slots, requests, next);
-    retire(slots, on_done);
-    if (!any_running()) continue;
+  // One block: K static steps (graph replays on CUDA), then the block's one host read of the ring.
+  auto decode_block = [&] {
     // Every slot's next id and position: a running request continues after its last token (which
     // the cache does not hold yet); a free slot decodes id 0 from position 0 (garbage, < K rows).
     auto* host = st.host_2S.data_ptr<int64_t>();
@@ -300,8 +308,10 @@ void Generator::run_static(SequenceCache& cache, std::vector<Running>& slots,
     for (int64_t k = 0; k < K; ++k)
       for (int64_t s = 0; s < S; ++s)
         if (slots[s].active && !slots[s].done) append_token(slots[s], ids[k * S + s]);
-    retire(slots, on_done);
-  }
+  };
+  size_t next = 0;
+  schedule(slots, requests.size(), next, [&] { admit(cache, slots, requests, next); }, [&] { retire(slots, on_done); },
+           decode_block);
 }
 
 void Generator::static_step(SequenceCache& cache, Static& st) {
