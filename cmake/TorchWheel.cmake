@@ -67,6 +67,9 @@ if(DFLASH_WITH_CUDA)
     set(CMAKE_CUDA_ARCHITECTURES 90)  # Hopper (H100/H200); override with -DCMAKE_CUDA_ARCHITECTURES
   endif()
   enable_language(CUDA)
+  # "-isystem <dir>" as two arguments, not nvcc's default "-isystem=<dir>": ccache rewrites the former
+  # relative to CCACHE_BASEDIR, so the CUDA objects are cache hits in a clone in a new folder (CI's).
+  set(CMAKE_INCLUDE_SYSTEM_FLAG_CUDA "-isystem ")
   find_package(CUDAToolkit REQUIRED)
   # NCCL: the wheel's nvidia-nccl package first, then NCCL_ROOT, then the toolkit.
   get_filename_component(_site ${TORCH_WHEEL_DIR} DIRECTORY)
