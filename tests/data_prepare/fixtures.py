@@ -36,6 +36,25 @@ TEMPLATES = {
 }
 
 
+FAILS = []
+
+
+def check(cond, msg):
+    """Records a failed check (and prints it); the test goes on, result() reports them all."""
+    if not cond:
+        FAILS.append(msg)
+        print("FAIL:", msg)
+
+
+def result():
+    """The test's exit code: 1 when any check failed, else 0 (with "ok")."""
+    if FAILS:
+        print(f"{len(FAILS)} failure(s)")
+        return 1
+    print("ok")
+    return 0
+
+
 def template_text(name):
     with open(os.path.join(HERE, "templates", TEMPLATES[name][0]), encoding="utf-8") as f:
         return f.read()

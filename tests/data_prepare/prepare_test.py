@@ -21,13 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fixtures  # noqa: E402
 
 DFLASH, WORK = sys.argv[1], sys.argv[2]
-FAILS = []
-
-
-def check(cond, msg):
-    if not cond:
-        FAILS.append(msg)
-        print("FAIL:", msg)
+check = fixtures.check
 
 
 # What the test expects of each template: the header before a reply and the end-of-turn marker.
@@ -390,11 +384,7 @@ def main():
     if rc == 0:
         compare("mistral multi-turn", read_jsonl(out)[0], *expected_doc(toks["mistral"], "mistral", convo))
 
-    if FAILS:
-        print(f"{len(FAILS)} failure(s)")
-        return 1
-    print("ok")
-    return 0
+    return fixtures.result()
 
 
 if __name__ == "__main__":

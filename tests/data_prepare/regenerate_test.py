@@ -20,13 +20,7 @@ import fixtures  # noqa: E402
 
 DFLASH, WORK = sys.argv[1], sys.argv[2]
 MAX_NEW = 10
-FAILS = []
-
-
-def check(cond, msg):
-    if not cond:
-        FAILS.append(msg)
-        print("FAIL:", msg)
+check = fixtures.check
 
 
 def make_target(out_dir):
@@ -306,11 +300,7 @@ def main():
     # conversation's third turn fails (HTTP 500) in the first run and is asked again by the rerun.
     server_check(tok, model, stop, inp, got)
 
-    if FAILS:
-        print(f"{len(FAILS)} failure(s)")
-        return 1
-    print("ok")
-    return 0
+    return fixtures.result()
 
 
 if __name__ == "__main__":
