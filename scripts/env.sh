@@ -37,7 +37,26 @@ dflash_install_venv() {
     "$DFLASH_VENV/bin/pip" install -q -r "$req"
     touch "$DFLASH_VENV/.complete"
   fi
+  dflash_install_venv_extras
   export DFLASH_VENV DFLASH_PYTHON="$DFLASH_VENV/bin/python"
+}
+
+# Light packages on top of the torch venv, keyed by their own hash so that adding one does not
+# rebuild the venv: requirements-extra.txt (with dependencies) and requirements-nodeps.txt
+# (installed --no-deps: SpecForge pins a serving stack we do not need; only its DFlash modules are
+# imported). z-lab's `dflash` package installs a console script named like our CLI; it is removed
+# so that an activated venv never shadows our `dflash` (the reference is used as a module).
+dflash_install_venv_extras() {
+  local extra="$DFLASH_ROOT/scripts/requirements-extra.txt" nodeps="$DFLASH_ROOT/scripts/requirements-nodeps.txt"
+  local key; key=$(cat "$extra" "$nodeps" | sha256sum | cut -c1-12)
+  if [ ! -f "$DFLASH_VENV/.extras-$key" ]; then
+    echo "[env] installing the venv's extra packages ($key)"
+    "$DFLASH_VENV/bin/pip" install -q -r "$extra"
+    "$DFLASH_VENV/bin/pip" install -q --no-deps -r "$nodeps"
+    rm -f "$DFLASH_VENV"/.extras-*
+    touch "$DFLASH_VENV/.extras-$key"
+  fi
+  rm -f "$DFLASH_VENV/bin/dflash"
 }
 
 dflash_configure_build() {
