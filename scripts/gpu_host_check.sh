@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-drafter|mem-drafter|bench-pipeline|run-gpu|all]...
-# (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps.)
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-drafter|mem-drafter|bench-pipeline|run-gpu|run-colocated|all]...
+# (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps, and
+# run-colocated, ~4 min: a Qwen3-8B-shaped run on one GPU.)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out/gpu}
@@ -12,7 +13,7 @@ export PYTHONUNBUFFERED=1 DFLASH_SOURCE_DIR=$root DFLASH_PYTHON=${DFLASH_PYTHON:
 export DFLASH_GPU_DEBS=${DFLASH_GPU_DEBS:-$root/.gpu-deps/debs} DFLASH_DEPS_PREFIX=${DFLASH_DEPS_PREFIX:-/tmp/dflash-deps}
 export LD_LIBRARY_PATH=$DFLASH_DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ]; } && return 0; done; return 1; }
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ]; } && return 0; done; return 1; }
 t0=$(date +%s)
 # Always through scripts/gpu-host/build.sh: an incremental build is a no-op when nothing changed, and
 # a binary left by an earlier call must not hide changed sources.
@@ -28,6 +29,32 @@ if has test; then
   [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ] && labels='gpu|multidev'
   (cd "$build" && ctest -L "$labels" -V -j 4 > "$out/ctest_gpu.log" 2>&1); echo "gpu tests ($labels) rc=$?"
   grep -E "worst|Passed|Failed|tests passed|FAIL" "$out/ctest_gpu.log" | tail -30
+fi
+if has run-colocated; then
+  # `dflash run` with the target server and the drafter trainer on ONE GPU (configs/qwen3-8b-1gpu.yaml,
+  # topology.colocate, shm): a Qwen3-8B-shaped target with random bf16 weights, 400 random-token
+  # documents of 2,048 tokens, one epoch. The plan's memory check runs first on the real device.
+  w=/tmp/dflash-run-colocated
+  rm -rf "$w/run" && mkdir -p "$w"
+  [ -f "$w/model/config.json" ] || python3 "$root/scripts/reference/make_shape_model.py" --shape qwen3-8b --out "$w/model" \
+    --data "$w/train.jsonl" --docs 400 --doc-len 2048 > "$w/prep.log" 2>&1 || { tail -5 "$w/prep.log"; exit 1; }
+  [ -d "$w/shards" ] || "$build/bin/dflash" data import --input "$w/train.jsonl" --out "$w/shards" --block-size 16 >> "$w/prep.log" 2>&1
+  sed -e "s|^  output_dir: .*|  output_dir: $w/run|" -e "s|^  model_dir: .*|  model_dir: $w/model|" \
+      -e "s|^  shard_dir: .*|  shard_dir: $w/shards|" -e "s/^  epochs: .*/  epochs: 1/" \
+      -e "s/^  save_interval_steps: .*/  save_interval_steps: 1000/" "$root/configs/qwen3-8b-1gpu.yaml" > "$w/cfg.yaml"
+  "$build/bin/dflash" run "$w/cfg.yaml" --device cuda --plan > "$out/run_colocated_plan.txt" 2>&1; echo "plan rc=$?"
+  t1=$(date +%s)
+  "$build/bin/dflash" run "$w/cfg.yaml" --device cuda --quiet > "$out/run_colocated.out" 2> "$out/run_colocated.err"
+  echo "colocated run rc=$? in $(( $(date +%s) - t1 )) s"
+  cp "$w/run/ledger.jsonl" "$out/run_colocated_ledger.jsonl"; cp "$w/run/metrics.jsonl" "$out/run_colocated_metrics.jsonl" 2>/dev/null
+  python3 - "$w/run" <<'PY'
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1] + "/ledger.jsonl")]
+steps = [r for r in recs if r.get("type") == "step"]
+print("colocated:", len(steps), "steps; last:", {k: steps[-1].get(k) for k in ("step", "loss", "tokens", "tokens_per_s")} if steps else None,
+      "; final record:", recs[-1].get("type"))
+PY
+  tail -3 "$out/run_colocated.err"
 fi
 if has run-gpu; then
   # The coordinator on CUDA workers (needs 2 GPUs: a topology gives targets and drafters disjoint

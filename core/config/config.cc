@@ -229,6 +229,8 @@ void fields(V& v, TopologySection& s) {
   v("inflight_depth", s.inflight_depth);
   v("shm_slots", s.shm_slots);
   v("c10d_port_base", s.c10d_port_base);
+  v("colocate", s.colocate);
+  v("gpu_memory_gib", s.gpu_memory_gib);
 }
 
 template <class V>
@@ -941,9 +943,10 @@ void validate(RunConfig& c, Ctx& ctx) {
       }
     }
     at_least(ctx, hp + ".ctid", host.ctid, 0);
-    std::map<int, std::string> used;
-    check_gpu_list(ctx, hp, "target_gpus", host.target_gpus, used);
-    check_gpu_list(ctx, hp, "drafter_gpus", host.drafter_gpus, used);
+    std::map<int, std::string> used_by_targets, used_by_drafters;
+    auto& drafters_used = topo.colocate ? used_by_drafters : used_by_targets;  // disjoint unless colocated
+    check_gpu_list(ctx, hp, "target_gpus", host.target_gpus, used_by_targets);
+    check_gpu_list(ctx, hp, "drafter_gpus", host.drafter_gpus, drafters_used);
     if (!host.target_gpus.empty() || !host.drafter_gpus.empty()) ++hosts_with_workers;
   }
   if (!topo.hosts.empty()) {
@@ -955,6 +958,7 @@ void validate(RunConfig& c, Ctx& ctx) {
                                         num(hosts_with_workers) + " hosts have workers (use c10d)");
   }
   in_range(ctx, "topology.inflight_depth", topo.inflight_depth, 1, kMaxSlots);
+  at_least(ctx, "topology.gpu_memory_gib", topo.gpu_memory_gib, 0.0);
   if (topo.transport == Transport::kC10d) {
     const int links = c.num_targets() * c.num_drafters();
     in_range(ctx, "topology.c10d_port_base", topo.c10d_port_base, 1, 65535 - std::max(links - 1, 0));

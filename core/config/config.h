@@ -134,6 +134,7 @@ struct HostSpec {
   int ctid = 0;                           // Proxmox container id for templates using {ctid} (> 0 there)
   std::vector<int> target_gpus;           // one target server per entry; >= 0
   std::vector<int> drafter_gpus;          // one drafter trainer per entry; >= 0, disjoint from targets
+                                          // unless topology.colocate
 };
 
 struct TopologySection {
@@ -143,6 +144,12 @@ struct TopologySection {
   int inflight_depth = 2;                 // [1, kMaxSlots] batches in flight per sender
   int shm_slots = 4;                      // [inflight_depth, kMaxSlots] receive slots per shm ring
   int c10d_port_base = 29700;             // c10d: link t*M+d's TCPStore listens on base + t*M+d (drafter d's host)
+  // A GPU may appear in both target_gpus and drafter_gpus of a host: its target server and drafter
+  // trainer share it (1-2 GPU machines). Off: the lists must be disjoint. `--plan` then checks that
+  // the estimated memory of the processes sharing a GPU fits gpu_memory_gib.
+  bool colocate = false;
+  // Memory of one GPU for that check, GiB; 0 = the device's own (queried on CUDA; unchecked on CPU).
+  double gpu_memory_gib = 0.0;            // >= 0
 };
 
 struct CoordinatorSection {

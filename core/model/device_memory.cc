@@ -8,6 +8,8 @@
 #ifdef DFLASH_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
 #endif
 
 namespace dflash::model {
@@ -68,6 +70,18 @@ void reset_peak_memory(torch::Device d) {
     std::fputs("5", f);
     std::fclose(f);
   }
+}
+
+double device_total_gib(torch::Device d) {
+#ifdef DFLASH_WITH_CUDA
+  if (d.is_cuda()) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index_of(d)));
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) return double(total_bytes) / double(1ull << 30);
+  }
+#endif
+  (void)d;
+  return 0.0;
 }
 
 void release_cached_memory(torch::Device d) {

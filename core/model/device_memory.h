@@ -16,6 +16,8 @@ void synchronize(torch::Device d);
 DeviceMemory device_memory(torch::Device d);
 // Starts a new peak (CPU: VmHWM := VmRSS through /proc/self/clear_refs).
 void reset_peak_memory(torch::Device d);
+// Total memory of the CUDA device `d` in GiB (what the driver reports); 0 on CPU.
+double device_total_gib(torch::Device d);
 // Waits for `d`, then returns the allocator's cached, unused blocks to the driver so that another
 // process (a baseline, a child worker) can use them; a no-op on CPU.
 void release_cached_memory(torch::Device d);

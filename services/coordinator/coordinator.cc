@@ -137,8 +137,7 @@ void Coordinator::remove_run_segments(const char* when) {
 // Step 1: the plan.
 
 json Coordinator::plan() {
-  auto shards = data::ShardReader::open(cfg_.data.shard_dir);
-  lengths_ = shards.lengths();
+  lengths_ = opts_.plan_lengths.empty() ? data::ShardReader::open(cfg_.data.shard_dir).lengths() : opts_.plan_lengths;
   const auto sched0 = pipeline::build_schedule(
       cfg_, lengths_, std::vector<control::GenerationSpec>{{0, cfg_.data.token_budget, cfg_.data.max_batch_size, cfg_.num_drafters()}});
   DFLASH_CHECK(sched0.total_steps() > 0, ConfigError,

@@ -78,6 +78,10 @@ struct RunOptions {
   std::optional<std::string> device;  // --device cpu|cuda (default: cuda on a CUDA build whose host has an NVIDIA GPU)
   bool quiet = false;                 // --quiet: no progress lines, no per-worker start lines
   std::optional<int> metrics_port;    // --metrics-port (default coordinator.metrics_port; <= 0: none)
+  // --plan-samples/--plan-lengths (only with --plan): the samples' token counts as stated by the
+  // user (stated_lengths in plan_report.h) instead of read from data.shard_dir, to size a run
+  // before its data is prepared. Empty: read the shard index.
+  std::vector<uint32_t> plan_lengths;
 };
 
 class Coordinator final : public control::Coordinator::Service {

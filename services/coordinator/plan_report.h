@@ -24,6 +24,13 @@ namespace dflash::coordinator {
 nlohmann::json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& lengths, const stream::RunSchedule& sched,
                          const std::string& device);
 
+// `samples` token counts drawn from a stated length histogram "L1:W1,L2:W2,..." (tokens per
+// sample and relative weight > 0; "2048" alone = every sample that long), deterministic: each
+// length gets round(samples * W / sum W) samples, the last one the rest, interleaved so that no
+// length is clustered. ConfigError naming `flag` for samples < 1, a length outside [1, 2^31) or a
+// weight <= 0 or unparsable.
+std::vector<uint32_t> stated_lengths(int64_t samples, const std::string& histogram, const std::string& flag);
+
 // The plan as readable lines.
 void print_plan(const nlohmann::json& plan, std::ostream& os);
 

@@ -252,6 +252,28 @@ TEST(Config, OomPolicyMayNotChangeTrainingSignal) {
             "expected one of: token_budget, max_batch_size, expandable_segments, got \"bogus\"");
 }
 
+TEST(Config, ColocateLetsATargetAndADrafterShareAGpu) {
+  const std::string hosts =
+      "topology:\n"
+      "  hosts:\n"
+      "    - {name: a, target_gpus: [0], drafter_gpus: [0, 0]}\n";
+  ParseResult shared = parse(kMinimal + hosts);
+  EXPECT_EQ(paths_of(shared), (std::vector<std::string>{"topology.hosts[0].drafter_gpus[0]",
+                                                        "topology.hosts[0].drafter_gpus[1]"}))
+      << dump(shared);
+  EXPECT_EQ(shared.problems[0].message, "GPU 0 is already used by target_gpus on this host");
+  // Colocated: target and drafter may share GPU 0, but one list still may not name it twice.
+  ParseResult colocated = parse(kMinimal + hosts + "  colocate: true\n  gpu_memory_gib: -1\n");
+  EXPECT_EQ(paths_of(colocated),
+            (std::vector<std::string>{"topology.hosts[0].drafter_gpus[1]", "topology.gpu_memory_gib"}))
+      << dump(colocated);
+  EXPECT_EQ(colocated.problems[0].message, "GPU 0 is already used by drafter_gpus on this host");
+  ParseResult ok = parse(kMinimal +
+                         "topology:\n  colocate: true\n  hosts:\n    - {name: a, target_gpus: [0], drafter_gpus: [0]}\n");
+  EXPECT_TRUE(ok.problems.empty()) << dump(ok);
+  EXPECT_TRUE(ok.config.topology.colocate);
+}
+
 TEST(Config, TopologyChecks) {
   ParseResult r = parse(kMinimal +
                         "topology:\n"
