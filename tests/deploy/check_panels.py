@@ -12,8 +12,8 @@ return series that carry the labels the panel groups by.
       $__rate_interval, $__range) as an instant query at T through /api/v1/query and checks:
         - the result is not empty, unless every metric of the query is in the --optional list
           (families the dashboard charts before any process exports them; reported as SKIP);
-        - every series carries each label of the query's `by (...)` clauses and each {{label}} of
-          the panel target's legendFormat;
+        - every series carries each label of the query's `by (...)` clauses (but `le` under
+          histogram_quantile) and each {{label}} of the panel target's legendFormat;
         - no series of a metric the query reads carries an `exported_<label>` label: Prometheus
           renames a label of the exposition that collides with a target label of the scrape
           config, and the panel then groups by the target's label instead of the metric's;
@@ -73,6 +73,8 @@ def grouped_labels(expr, legend):
     for m in re.finditer(r"\bby\s*\(([^)]*)\)", expr):
         labels |= {x.strip() for x in m.group(1).split(",") if x.strip()}
     labels |= set(re.findall(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}", legend or ""))
+    if "histogram_quantile" in expr:
+        labels.discard("le")  # grouped by, then consumed by the quantile
     return labels
 
 
