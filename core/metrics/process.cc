@@ -1,9 +1,8 @@
 // Process metrics from /proc/self and the build-info metric (see metrics.h).
 #include <unistd.h>
 
-#include <chrono>
 #include <fstream>
-#include <memory>
+#include <iterator>
 #include <sstream>
 #include <string>
 
