@@ -26,7 +26,7 @@ dash=$src/deploy/grafana/dflash-dashboard.json
 run=tiny-cpu
 
 make_pipeline_data 120
-make_config "$work/cfg.yaml" 2 1
+make_config "$work/cfg.yaml" 8 1  # 8 epochs of 15 steps: a minute of training, scraped every second
 read -r cport wbase pport oldport <<<"$(free_ports 4)"
 [ $((wbase + 2)) -lt 65536 ] || wbase=20000
 sed -i -e "s/^  metrics_port: .*/  metrics_port: $cport/" -e "s/^  worker_metrics_port_base: .*/  worker_metrics_port_base: $wbase/" \
@@ -65,7 +65,7 @@ api=http://127.0.0.1:$pport
 
 # 4 targets: the coordinator, 2 targets, 1 drafter.
 t=$("$py" "$here/check_panels.py" wait --prometheus "$api" --run "$run" --targets 4 --settle 6 --timeout 120) || {
-  tail -5 "$work/coordinator.log" "$work/prometheus.log"; exit 1; }
+  tail -n 5 "$work/coordinator.log" "$work/prometheus.log"; exit 1; }
 "$py" "$here/check_panels.py" check --prometheus "$api" --dashboard "$dash" --run "$run" --time "$t" \
   --optional "$here/optional_families.txt"
 
