@@ -156,16 +156,15 @@ def plot_metrics(steps, marks, out, pngs):
 def plot_stages(run_dir, out, pngs):
     path = os.path.join(run_dir, "pipeline", "drafter-0.jsonl")
     if not os.path.exists(path):
-        return None
+        return
     rows = last_per_step([r for r in read_jsonl(path) if "event" not in r and "step" in r])
     if not rows:
-        return None
+        return
     x = [r["step"] for r in rows]
     fig, ax = figure("Drafter 0: seconds per step by stage", "seconds")
     keys = [k for k in ("wait_s", "train_s", "allreduce_s", "step_s") if all(k in r for r in rows)]
     ax.stackplot(x, *[[r[k] for r in rows] for k in keys], labels=[k[:-2] for k in keys], alpha=0.8)
     save(fig, ax, out, "stages.png", pngs)
-    return rows
 
 
 def mean(v):
@@ -173,7 +172,7 @@ def mean(v):
     return sum(v) / len(v) if v else float("nan")
 
 
-def summary(run_dir, steps, ledger, drafter_logs):
+def summary(steps, ledger, drafter_logs):
     rows = [("steps logged", len(steps)), ("last step", steps[-1]["step"]), ("epochs", steps[-1]["epoch"] + 1),
             ("final loss", f"{steps[-1]['loss']:.4f}"), ("final tau", f"{steps[-1]['accept_len']:.3f}"),
             ("best tau", f"{max(r['accept_len'] for r in steps):.3f} (step "
@@ -238,7 +237,7 @@ def main(argv):
         plot_metrics(steps, ledger_marks(ledger), out, pngs)
         plot_stages(a.run_dir, out, pngs)
         drafter_logs = sorted(glob.glob(os.path.join(a.run_dir, "pipeline", "drafter-*.jsonl")))
-        page = write_html(out, a.run_dir, summary(a.run_dir, steps, ledger, drafter_logs), pngs)
+        page = write_html(out, a.run_dir, summary(steps, ledger, drafter_logs), pngs)
     except BadData as e:
         print(f"dflash report: {e}", file=sys.stderr)
         return 4
