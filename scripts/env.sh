@@ -9,7 +9,7 @@ export DFLASH_ROOT
 
 dflash_apt_packages=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libyaml-cpp-dev
-  prometheus-cpp-dev libgtest-dev nlohmann-json3-dev shellcheck curl)
+  prometheus-cpp-dev libgtest-dev nlohmann-json3-dev shellcheck curl prometheus)
 
 dflash_install_debs() {
   local missing=()

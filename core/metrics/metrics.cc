@@ -25,7 +25,7 @@ namespace dflash::metrics {
 
 const std::vector<std::string> kUnits = {"seconds", "bytes",  "ratio",  "percent", "tokens",
                                          "batches", "samples", "steps", "slots",   "credits",
-                                         "nats",    "celsius", "watts", "hertz",   "value", "info", "workers"};
+                                         "nats",    "celsius", "watts", "hertz",   "workers"};
 
 namespace {
 
@@ -40,7 +40,14 @@ void atomic_add(std::atomic<double>& a, double v) {
 }
 
 const char* kind_name(Kind k) {
-  return k == Kind::kCounter ? "counter" : k == Kind::kGauge ? "gauge" : "histogram";
+  switch (k) {
+    case Kind::kCounter: return "counter";
+    case Kind::kGauge: return "gauge";
+    case Kind::kHistogram: return "histogram";
+    case Kind::kSummary: return "summary";
+    case Kind::kUnitlessGauge: return "unitless gauge";
+  }
+  return "?";
 }
 
 }  // namespace
@@ -54,17 +61,23 @@ void check_name(const std::string& name, Kind kind) {
   DFLASH_CHECK(prometheus::CheckMetricName(name) && name.find("__") == std::string::npos && name.back() != '_',
                ConfigError, what << ": not a valid Prometheus metric name");
   const auto parts = std::count(name.begin(), name.end(), '_') + 1;
-  DFLASH_CHECK(parts >= 4, ConfigError, what << ": expected dflash_<role>_<what>_<unit>");
   for (const char* reserved : {"_count", "_sum", "_bucket"})
     DFLASH_CHECK(!ends_with(name, reserved), ConfigError,
                  what << ": the suffix " << reserved << " is reserved by the exposition format");
+  bool unit = false;
+  for (const auto& u : kUnits) unit = unit || ends_with(name, "_" + u);
+  if (kind == Kind::kUnitlessGauge) {
+    DFLASH_CHECK(parts >= 3, ConfigError, what << ": expected dflash_<scope>_<what>");
+    DFLASH_CHECK(!unit && !ends_with(name, "_total"), ConfigError,
+                 what << ": ends in a unit or _total: declare it as a gauge or counter");
+    return;
+  }
+  DFLASH_CHECK(parts >= 4, ConfigError, what << ": expected dflash_<role>_<what>_<unit>");
   if (kind == Kind::kCounter) {
     DFLASH_CHECK(ends_with(name, "_total"), ConfigError, what << ": counter names end in _total");
     return;
   }
   DFLASH_CHECK(!ends_with(name, "_total"), ConfigError, what << ": only counters end in _total");
-  bool unit = false;
-  for (const auto& u : kUnits) unit = unit || ends_with(name, "_" + u);
   std::ostringstream units;
   for (size_t i = 0; i < kUnits.size(); ++i) units << (i ? ", _" : "_") << kUnits[i];
   DFLASH_CHECK(unit, ConfigError, what << ": must end in a unit, one of " << units.str());
@@ -75,6 +88,11 @@ void Counter::inc(double v) {
 }
 
 void Gauge::add(double v) { atomic_add(value_, v); }
+
+void Summary::observe(double v) {
+  atomic_add(sum_, v);
+  count_.fetch_add(1, std::memory_order_relaxed);
+}
 
 Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)) {
   for (size_t i = 1; i < bounds_.size(); ++i)
@@ -128,7 +146,7 @@ Registry::Entry& Registry::declare(const std::string& name, const std::string& h
       DFLASH_CHECK(e.labels != labels, ConfigError,
                    "metric '" << name << "' declared twice with the same labels (declare once per service)");
   }
-  it->second.entries.push_back(Entry{labels, nullptr, nullptr, nullptr});
+  it->second.entries.push_back(Entry{labels, nullptr, nullptr, nullptr, nullptr});
   return it->second.entries.back();
 }
 
@@ -152,21 +170,47 @@ Histogram& Registry::histogram(const std::string& name, const std::string& help,
   return *e.histogram;
 }
 
+Summary& Registry::summary(const std::string& name, const std::string& help, const Labels& labels) {
+  auto& e = declare(name, help, Kind::kSummary, labels);
+  e.summary = std::make_unique<Summary>();
+  return *e.summary;
+}
+
+Gauge& Registry::unitless_gauge(const std::string& name, const std::string& help, const Labels& labels) {
+  auto& e = declare(name, help, Kind::kUnitlessGauge, labels);
+  e.gauge = std::make_unique<Gauge>();
+  return *e.gauge;
+}
+
+void Registry::on_collect(std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_collect_.push_back(std::move(fn));
+}
+
 std::vector<prometheus::MetricFamily> Registry::Collect() const {
   std::lock_guard<std::mutex> lock(mu_);  // excludes declarations only; updaters never take it
+  for (const auto& fn : on_collect_) fn();
   std::vector<prometheus::MetricFamily> out;
   for (const auto& [name, fam] : families_) {
     prometheus::MetricFamily mf;
     mf.name = name;
     mf.help = fam.help;
-    mf.type = fam.kind == Kind::kCounter ? prometheus::MetricType::Counter
-              : fam.kind == Kind::kGauge ? prometheus::MetricType::Gauge
-                                         : prometheus::MetricType::Histogram;
+    switch (fam.kind) {
+      case Kind::kCounter: mf.type = prometheus::MetricType::Counter; break;
+      case Kind::kGauge:
+      case Kind::kUnitlessGauge: mf.type = prometheus::MetricType::Gauge; break;
+      case Kind::kHistogram: mf.type = prometheus::MetricType::Histogram; break;
+      case Kind::kSummary: mf.type = prometheus::MetricType::Summary; break;
+    }
     for (const auto& e : fam.entries) {
       prometheus::ClientMetric m;
       for (const auto& [k, v] : e.labels) m.label.push_back({k, v});
       if (e.counter) m.counter.value = e.counter->value();
       if (e.gauge) m.gauge.value = e.gauge->value();
+      if (e.summary) {
+        m.summary.sample_count = e.summary->count();
+        m.summary.sample_sum = e.summary->sum();
+      }
       if (e.histogram) {
         auto s = e.histogram->snapshot();
         m.histogram.sample_count = s.count;

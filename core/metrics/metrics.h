@@ -5,8 +5,13 @@
 // [a-z0-9_], at least four '_'-separated parts, e.g. dflash_target_tokens_total,
 // dflash_drafter_step_seconds, dflash_target_sent_bytes_total.
 //   counters:          end in _total (the unit, if any, before it: ..._bytes_total)
-//   gauges/histograms: end in one of kUnits (_seconds, _bytes, _ratio, ...), never in _total,
-//                      _count, _sum or _bucket (reserved by the exposition format)
+//   gauges/histograms/summaries: end in one of kUnits (_seconds, _bytes, _ratio, ...), never in
+//                      _total, _count, _sum or _bucket (reserved by the exposition format)
+//   unitless gauges:   (Registry::unitless_gauge) a dimensionless quantity, an index or an info
+//                      metric, named after what it measures without a unit suffix, as Prometheus
+//                      names them (dflash_drafter_learning_rate, dflash_run_epoch,
+//                      dflash_build_info); at least three parts (dflash_<scope>_<what>), and never
+//                      ending in one of kUnits (use gauge() then)
 // A (name, labels) pair is declared once; declaring it again throws (declare in one place per
 // service and pass the references around). The same name may be declared with different label
 // values (same type and help), e.g. dflash_target_stage_seconds{stage="forward"}.
@@ -16,7 +21,6 @@
 // the server's thread and never blocks an updater. References returned by the registry stay valid for
 // the registry's lifetime.
 #pragma once
-#include <atomic>
 #include <thread>
 #include <prometheus/collectable.h>
 #include <prometheus/metric_family.h>
@@ -26,6 +30,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,7 +44,7 @@ using Labels = std::map<std::string, std::string>;
 // Unit suffixes accepted for gauges and histograms (add one here when a new unit is needed).
 extern const std::vector<std::string> kUnits;
 
-enum class Kind { kCounter, kGauge, kHistogram };
+enum class Kind { kCounter, kGauge, kHistogram, kSummary, kUnitlessGauge };
 // Throws ConfigError explaining the rule `name` breaks for `kind`.
 void check_name(const std::string& name, Kind kind);
 
@@ -84,6 +89,20 @@ class Histogram {
   std::atomic<double> sum_{0.0};
 };
 
+// Sum and count of observed values, exposed as a Prometheus summary without quantiles (the series
+// <name>_sum and <name>_count, both counters): rate(<name>_sum[w]) / rate(<name>_count[w]) is the
+// mean of the values observed within w, whatever the scrape interval (a last-value gauge aliases).
+class Summary {
+ public:
+  void observe(double v);
+  double sum() const { return sum_.load(std::memory_order_relaxed); }
+  uint64_t count() const { return count_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<double> sum_{0.0};
+  std::atomic<uint64_t> count_{0};
+};
+
 // Declared metrics of one process. A prometheus::Collectable, so an Exposer can serve it.
 class Registry : public prometheus::Collectable {
  public:
@@ -91,6 +110,13 @@ class Registry : public prometheus::Collectable {
   Gauge& gauge(const std::string& name, const std::string& help, const Labels& labels = {});
   Histogram& histogram(const std::string& name, const std::string& help, std::vector<double> bounds,
                        const Labels& labels = {});
+  Summary& summary(const std::string& name, const std::string& help, const Labels& labels = {});
+  // A gauge without a unit suffix (see the naming rules above); exposed as a gauge.
+  Gauge& unitless_gauge(const std::string& name, const std::string& help, const Labels& labels = {});
+
+  // `fn` runs at the start of every Collect() (each scrape), under the registry's lock: it may set
+  // gauges and increment counters of this registry but must not declare metrics.
+  void on_collect(std::function<void()> fn);
 
   std::vector<prometheus::MetricFamily> Collect() const override;
   std::string text() const;  // the /metrics body (Prometheus text format)
@@ -101,6 +127,7 @@ class Registry : public prometheus::Collectable {
     std::unique_ptr<Counter> counter;
     std::unique_ptr<Gauge> gauge;
     std::unique_ptr<Histogram> histogram;
+    std::unique_ptr<Summary> summary;
   };
   struct Family {
     std::string help;
@@ -111,7 +138,28 @@ class Registry : public prometheus::Collectable {
 
   mutable std::mutex mu_;
   std::map<std::string, Family> families_;
+  std::vector<std::function<void()>> on_collect_;
 };
+
+// Process metrics of the calling process, read from /proc/self at every scrape (Linux):
+//   dflash_process_resident_memory_bytes   resident set size
+//   dflash_process_cpu_seconds_total       user + system CPU time
+//   dflash_process_start_time_seconds      start time, seconds since the Unix epoch
+// Throws ConfigError if declared twice in `r`, Error (exit 1) if /proc/self or /proc/stat cannot be
+// read at declaration; a read failing later makes that scrape answer 500 with the message.
+void declare_process_metrics(Registry& r);
+
+// dflash_build_info{version, commit} = 1: the project version and the git commit the binaries were
+// configured from ("unknown" outside a git checkout). Throws ConfigError if declared twice in `r`.
+void declare_build_info(Registry& r);
+std::string build_version();
+std::string build_commit();
+
+// Both of the above: what every service declares next to its own metrics.
+inline void declare_common_metrics(Registry& r) {
+  declare_process_metrics(r);
+  declare_build_info(r);
+}
 
 // Serves a registry on http://<bind>:<port>/metrics from its own thread. `bind_address`: an IPv4
 // address or a host name (no default: the caller decides, config::metrics_bind_host for a run).

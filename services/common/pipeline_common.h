@@ -74,12 +74,14 @@ inline int checked_rank(int rank, int n, const char* workers) {
 
 // What every pipeline worker (TargetServer, DrafterRank) starts with: its config (the launch's
 // topology), launch plan, coordinator client (null when started by hand), start time, N targets,
-// M drafters, and its metrics registry.
+// M drafters, and its metrics registry (with the process and build-info metrics declared).
 class WorkerBase {
  protected:
   WorkerBase(const config::RunConfig& cfg, const control::LaunchPlan& launch, control::ControlClient* client)
       : cfg_(cfg), launch_(launch), client_(client), t_start_(std::chrono::steady_clock::now()), N_(cfg.num_targets()),
-        M_(cfg.num_drafters()), registry_(std::make_shared<metrics::Registry>()) {}
+        M_(cfg.num_drafters()), registry_(std::make_shared<metrics::Registry>()) {
+    metrics::declare_common_metrics(*registry_);
+  }
   // Serves the registry on http://HOST:port/metrics, HOST = config::metrics_bind_host for the host
   // of worker `rank` of `role` (127.0.0.1 on an all-local run); port 0: an ephemeral one, logged;
   // none when port < 0.

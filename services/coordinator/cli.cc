@@ -11,6 +11,7 @@
 #include "services/coordinator/config_check_cmd.h"
 #include "services/coordinator/data_cmd.h"
 #include "services/coordinator/deploy_cmd.h"
+#include "services/coordinator/report_cmd.h"
 #include "services/coordinator/run_cmd.h"
 #include "services/coordinator/status_cmd.h"
 #include "services/drafter/eval_cmd.h"
@@ -49,6 +50,7 @@ const char* kUsage =
     "  bench drafter [flags]    one drafter training step as JSON (--layers 5 --hidden 4096 --context 4096\n"
     "                           --anchors 512 --block-size 16 [--soft-labels] [--baseline] [--steps N])\n"
     "  deploy prometheus CONFIG [--out FILE] [--address NAME=ADDR,...]  Prometheus scrape config for a run\n"
+    "  report RUN_DIR [--out DIR]  curves (loss, tau, acceptance, lr, grad norm, throughput) as PNG + index.html\n"
     "  bench pipeline [flags]   1 target server + 1 drafter trainer as processes over shm|c10d as JSON\n"
     "                           (--transport shm|c10d --shape qwen3-8b|tiny or --model DIR --device cuda\n"
     "                           --target-gpu 0 --drafter-gpu 1; --help for all flags)\n"
@@ -72,6 +74,7 @@ int run_cli(int argc, char** argv) {
     if (is(cmd, "config") && is(sub, "check")) return cmd_config_check(argc - 3, argv + 3);
     if (is(cmd, "data")) return cmd_data(argc - 2, argv + 2);
     if (is(cmd, "deploy")) return cmd_deploy(argc - 2, argv + 2);
+    if (is(cmd, "report")) return cmd_report(argc - 2, argv + 2);
     if (is(cmd, "export")) return cmd_export(argc - 2, argv + 2);
     if (is(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
     if (is(cmd, "generate")) return cmd_generate(argc - 2, argv + 2);

@@ -201,13 +201,16 @@ void Coordinator::declare_metrics(metrics::Registry& r) {
   m_budget_ = &r.gauge("dflash_coordinator_token_budget_tokens", "token_budget of the current packing generation");
   m_oom_ = &r.counter("dflash_coordinator_oom_events_total", "CUDA OOM failures of workers");
   m_packing_ = &r.counter("dflash_coordinator_packing_changes_total", "packing generations opened after OOMs");
-  m_step_ = &r.gauge("dflash_coordinator_schedule_steps", "schedule steps reported by drafter rank 0");
+  m_step_ = &r.gauge("dflash_run_completed_steps", "optimizer steps of the run completed so far (reported by drafter rank 0)");
+  m_total_steps_ = &r.gauge("dflash_run_total_steps", "optimizer steps of the whole run (the current packing generation's schedule)");
+  m_epoch_ = &r.unitless_gauge("dflash_run_epoch", "epoch of the last completed step (0-based)");
   m_committed_ = &r.gauge("dflash_coordinator_committed_steps", "schedule step of the last committed checkpoint");
   m_left_out_ = &r.gauge("dflash_coordinator_left_out_workers", "workers the run left out to continue degraded");
   for (const char* role : {"target", "drafter"})
     for (const char* why : {"crash", "oom", "hang"})
       m_restart_[std::string(role) + "/" + why] =
-          &r.counter("dflash_coordinator_restarts_total", "worker restarts by role and reason", {{"role", role}, {"reason", why}});
+          &r.counter("dflash_coordinator_restarts_total", "worker restarts by the worker's role and reason",
+                     {{"worker_role", role}, {"reason", why}});
 }
 
 json Coordinator::slots_json() const {

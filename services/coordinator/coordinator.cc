@@ -266,6 +266,7 @@ void Coordinator::start_metrics() {
     std::lock_guard<std::mutex> lk(mu_);
     declare_metrics(*registry_);
   }
+  metrics::declare_common_metrics(*registry_);
   if (mport > 0) {
     const std::string& listen = cfg_.coordinator.listen;
     const std::string host = config::metrics_bind_host(cfg_, listen.substr(0, listen.rfind(':')));
@@ -499,6 +500,8 @@ Coordinator::Outcome Coordinator::monitor() {
     poll_workers(out, alive, drafters, drafters_done);
     if (m_alive_) m_alive_->set(alive);
     if (m_step_) m_step_->set(double(step_));
+    if (m_total_steps_) m_total_steps_->set(double(total_steps_));
+    if (m_epoch_) m_epoch_->set(double(last_epoch_));
     if (m_committed_) m_committed_->set(double(ledger_->state().committed_step()));
     if (out.worker >= 0 && !out.hang) blame_root_cause(out);
     if (out.worker >= 0) {

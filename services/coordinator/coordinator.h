@@ -219,7 +219,8 @@ class Coordinator final : public control::Coordinator::Service {
   std::map<int, double> tokens_per_s_;
   Clock::time_point t0_ = Clock::now();
   std::shared_ptr<metrics::Registry> registry_;
-  metrics::Gauge *m_alive_ = nullptr, *m_budget_ = nullptr, *m_step_ = nullptr, *m_committed_ = nullptr, *m_left_out_ = nullptr;
+  metrics::Gauge *m_alive_ = nullptr, *m_budget_ = nullptr, *m_step_ = nullptr, *m_committed_ = nullptr, *m_left_out_ = nullptr,
+                 *m_total_steps_ = nullptr, *m_epoch_ = nullptr;
   metrics::Counter *m_oom_ = nullptr, *m_packing_ = nullptr;
   std::map<std::string, metrics::Counter*> m_restart_;
   // Last: destroyed first, so no call arrives while the state above is torn down.

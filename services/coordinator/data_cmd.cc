@@ -1,13 +1,8 @@
 #include "services/coordinator/data_cmd.h"
 
-#include <fcntl.h>
 #include <stdlib.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cerrno>
-#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -20,8 +15,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
-#include "core/util/switches.h"
-#include "services/coordinator/build_paths.h"
+#include "services/coordinator/python_module.h"
 
 namespace dflash::cli {
 namespace {
@@ -103,66 +97,6 @@ int cmd_data_import(int argc, char** argv) {
   return kExitOk;
 }
 
-// The Python that runs scripts/dflash_data: --python, else $DFLASH_PYTHON, else the one this build
-// was configured with (CMake's DFLASH_PYTHON).
-std::string data_python(const std::string& flag) {
-  if (!flag.empty()) return flag;
-  if (switches::is_set("DFLASH_PYTHON")) return switches::get("DFLASH_PYTHON");
-  return DFLASH_BUILD_PYTHON;
-}
-
-// The folder holding the dflash_data package: $DFLASH_SOURCE_DIR/scripts when the switch is set,
-// else this build's source tree.
-std::string data_scripts_dir() {
-  const std::string root = switches::is_set("DFLASH_SOURCE_DIR") ? switches::get("DFLASH_SOURCE_DIR")
-                                                                  : std::string(DFLASH_BUILD_SOURCE_DIR);
-  const std::string dir = root + "/scripts";
-  DFLASH_CHECK(fs::exists(dir + "/dflash_data/__main__.py"), ConfigError,
-               dir << "/dflash_data: not found (set DFLASH_SOURCE_DIR to the dflash source checkout)");
-  return dir;
-}
-
-// Runs `PYTHON -m dflash_data ARGS...` with PYTHONPATH=SCRIPTS (stdout to /dev/null when
-// `quiet`); returns its exit code mapped to ours: 0, 2 and 4 as they are, anything else 1.
-int run_data_module(const std::string& python, const std::string& scripts, const std::vector<std::string>& args,
-                    bool quiet) {
-  std::vector<std::string> argv_s = {python, "-m", "dflash_data"};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> av;
-  for (auto& a : argv_s) av.push_back(a.data());
-  av.push_back(nullptr);
-  std::cout.flush();
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  DFLASH_CHECK(pid >= 0, TransportError, "data: fork failed: " << std::strerror(errno));
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // `kill -9` of dflash takes the Python (and its generate) along
-    if (::getppid() != parent) ::_exit(1);
-    const char* old = ::getenv("PYTHONPATH");
-    const std::string path = old && *old ? scripts + ":" + old : scripts;
-    ::setenv("PYTHONPATH", path.c_str(), 1);
-    if (quiet) {
-      const int devnull = ::open("/dev/null", O_WRONLY);
-      if (devnull >= 0) ::dup2(devnull, 1);
-    }
-    ::execvp(av[0], av.data());
-    const std::string msg = "data: cannot run " + python + ": " + std::strerror(errno) +
-                            " (set DFLASH_PYTHON or --python to a Python with transformers)\n";
-    (void)!::write(2, msg.data(), msg.size());
-    ::_exit(127);
-  }
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  if (WIFSIGNALED(status)) {
-    LOG_ERROR("data: " << python << " -m dflash_data was killed by signal " << WTERMSIG(status));
-    return kExitFailure;
-  }
-  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : kExitFailure;
-  if (rc == 127) return kExitConfig;  // the interpreter could not be started (message above)
-  return rc == kExitOk || rc == kExitConfig || rc == kExitData ? rc : kExitFailure;
-}
-
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
@@ -191,11 +125,11 @@ int cmd_data_prepare(int argc, char** argv) {
   for (const char* name : {"last-turn-only", "skip-bad", "prompts-only"})
     if (flags.has(name) && flags.get(name) != "0" && flags.get(name) != "false")
       args.push_back(std::string("--") + name);
-  const std::string python = data_python(flags.get("python", ""));
-  const std::string scripts = data_scripts_dir();
+  const std::string python = python_interpreter(flags.get("python", ""));
+  const std::string scripts = python_scripts_dir("dflash_data");
   if (!to_dir) {
     args.insert(args.end(), {"--out", out});
-    return run_data_module(python, scripts, args, false);
+    return run_python_module(python, scripts, "dflash_data", args, false);
   }
 
   // --out DIR: prepare into a sibling temporary folder, then import (which publishes DIR atomically).
@@ -211,7 +145,7 @@ int cmd_data_prepare(int argc, char** argv) {
   const std::string jsonl = tmpl + "/prepared.jsonl";
   args.insert(args.end(), {"--out", jsonl});
   try {
-    const int rc = run_data_module(python, scripts, args, true);
+    const int rc = run_python_module(python, scripts, "dflash_data", args, true);
     if (rc != kExitOk) {
       fs::remove_all(tmpl, ec);
       return rc;
@@ -257,7 +191,7 @@ int cmd_data_regenerate(int argc, char** argv) {
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   DFLASH_CHECK(!ec, ConfigError, "data regenerate: cannot find this binary (/proc/self/exe): " << ec.message());
   args.insert(args.end(), {"--dflash", self.string()});
-  return run_data_module(data_python(python_flag), data_scripts_dir(), args, false);
+  return run_python_module(python_interpreter(python_flag), python_scripts_dir("dflash_data"), "dflash_data", args, false);
 }
 
 }  // namespace

@@ -160,6 +160,7 @@ struct DrafterMetrics {
   metrics::Counter *tokens, *batches, *samples, *bytes, *checksums, *steps;
   metrics::Histogram *wait, *train, *allreduce, *step, *checkpoint;
   metrics::Gauge *queue_depth, *free_credits, *loss, *accuracy, *accept_len, *lr, *grad_norm, *waiting;
+  metrics::Summary *loss_sum, *accuracy_sum, *accept_len_sum;
   pipeline::GpuMemoryGauges gpu;
   explicit DrafterMetrics(metrics::Registry& r) {
     tokens = &r.counter("dflash_drafter_tokens_total", "tokens of the micro-batches trained");
@@ -177,8 +178,14 @@ struct DrafterMetrics {
     loss = &r.gauge("dflash_drafter_loss_nats", "loss of the last optimizer step");
     accuracy = &r.gauge("dflash_drafter_accuracy_ratio", "mean per-position top-1 accuracy (positions 1..B-1) of the last step");
     accept_len = &r.gauge("dflash_drafter_acceptance_length_tokens", "expected acceptance length per block (tau) of the last step");
-    lr = &r.gauge("dflash_drafter_learning_rate_value", "learning rate of the last step");
-    grad_norm = &r.gauge("dflash_drafter_grad_norm_value", "global gradient norm of the last step (before clipping)");
+    lr = &r.unitless_gauge("dflash_drafter_learning_rate", "learning rate of the last step");
+    grad_norm = &r.unitless_gauge("dflash_drafter_grad_norm", "global gradient norm of the last step (before clipping)");
+    // _sum/_count over steps: rate(_sum)/rate(_count) is the mean over a window (the gauges above alias).
+    loss_sum = &r.summary("dflash_drafter_step_loss_nats", "loss per optimizer step (sum and count over steps)");
+    accuracy_sum = &r.summary("dflash_drafter_step_accuracy_ratio",
+                              "mean per-position top-1 accuracy per optimizer step (sum and count over steps)");
+    accept_len_sum = &r.summary("dflash_drafter_step_acceptance_length_tokens",
+                                "expected acceptance length (tau) per optimizer step (sum and count over steps)");
     waiting = &r.gauge("dflash_drafter_waiting_ratio", "fraction of the loop's wall time spent waiting for data");
     gpu.declare(r, "drafter");
   }
@@ -696,6 +703,9 @@ void DrafterRank::report(const train::StepMetrics& m, const StepRecord& r) {
   met_.accept_len->set(m.accept_len);
   met_.lr->set(m.lr);
   met_.grad_norm->set(m.grad_norm);
+  met_.loss_sum->observe(m.loss);
+  met_.accuracy_sum->observe(acc);
+  met_.accept_len_sum->observe(m.accept_len);
   res_.last_loss = m.loss;
   res_.last_accept_len = m.accept_len;
   json line = {{"step", m.step}, {"epoch", r.epoch}, {"loss", m.loss}, {"ce", m.ce}, {"kl", m.kl}, {"accept_len", m.accept_len},

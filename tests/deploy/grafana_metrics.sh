@@ -44,7 +44,7 @@ n=$(find "$work/scrapes" -name '*.txt' | wc -l)
 [ -s "$work/scrapes-coordinator.txt" ] || { echo "FAIL: no scrape of the coordinator's /metrics"; exit 1; }
 cp "$work/scrapes-coordinator.txt" "$work/scrapes/coordinator.txt"
 
-"$py" "$here/check_dashboard.py" "$dash" --scrapes "$work/scrapes" --require-prefix dflash_
+"$py" "$here/check_dashboard.py" "$dash" --scrapes "$work/scrapes" --names "$here/optional_families.txt" --require-prefix dflash_
 
 # The check can fail: one expression pointing at a series nobody exports.
 "$py" - "$dash" "$work/broken.json" <<'PY'

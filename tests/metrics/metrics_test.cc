@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <ctime>
 #include <regex>
 #include <thread>
 
@@ -117,6 +118,48 @@ TEST(Metrics, NamingRules) {
   EXPECT_THROW(reg.counter("dflash_drafter_samples_total", "h"), ConfigError);
   EXPECT_NO_THROW(reg.counter("dflash_drafter_samples_total", "h", {{"rank", "1"}}));
   EXPECT_THROW(reg.gauge("dflash_drafter_samples_total", "h", {{"rank", "2"}}), ConfigError);
+}
+
+TEST(Metrics, UnitlessGaugesAndSummaries) {
+  Registry reg;
+  EXPECT_NO_THROW(reg.unitless_gauge("dflash_drafter_learning_rate", "h"));
+  EXPECT_NO_THROW(reg.unitless_gauge("dflash_run_epoch", "h"));
+  EXPECT_THROW(reg.unitless_gauge("dflash_epoch", "h"), ConfigError);                // no scope
+  EXPECT_THROW(reg.unitless_gauge("dflash_drafter_loss_nats", "h"), ConfigError);    // has a unit: gauge()
+  EXPECT_THROW(reg.unitless_gauge("dflash_drafter_steps_total", "h"), ConfigError);  // a counter's name
+  EXPECT_THROW(reg.gauge("dflash_drafter_grad_norm", "h"), ConfigError);             // gauge() wants a unit
+  EXPECT_THROW(reg.gauge("dflash_drafter_norm_value", "h"), ConfigError);            // _value is no unit
+  EXPECT_THROW(reg.summary("dflash_drafter_step_loss", "h"), ConfigError);           // summary without unit
+  auto& s = reg.summary("dflash_drafter_step_loss_nats", "h");
+  s.observe(2.0);
+  s.observe(3.0);
+  const std::string text = reg.text();
+  EXPECT_NE(text.find("# TYPE dflash_drafter_step_loss_nats summary"), std::string::npos) << text;
+  EXPECT_NE(text.find("dflash_drafter_step_loss_nats_sum 5"), std::string::npos) << text;
+  EXPECT_NE(text.find("dflash_drafter_step_loss_nats_count 2"), std::string::npos) << text;
+  EXPECT_NE(text.find("# TYPE dflash_run_epoch gauge"), std::string::npos) << text;
+}
+
+// Process and build-info metrics: read at each scrape (CPU time grows with work done between two).
+TEST(Metrics, ProcessAndBuildInfo) {
+  Registry reg;
+  declare_common_metrics(reg);
+  EXPECT_THROW(declare_process_metrics(reg), ConfigError);  // declared once
+  EXPECT_THROW(declare_build_info(reg), ConfigError);
+  const std::string first = reg.text();
+  const double rss = sample(first, "dflash_process_resident_memory_bytes");
+  EXPECT_GT(rss, 1e6);
+  const double start = sample(first, "dflash_process_start_time_seconds");
+  const double now = static_cast<double>(std::time(nullptr));
+  EXPECT_LE(start, now + 1);
+  EXPECT_GT(start, now - 3600);  // this test process started within the hour
+  const double cpu0 = sample(first, "dflash_process_cpu_seconds_total");
+  volatile double x = 0;
+  for (const std::clock_t c0 = std::clock(); std::clock() - c0 < CLOCKS_PER_SEC / 3;) x = x + 1;  // 0.33 s of CPU
+  EXPECT_GT(sample(reg.text(), "dflash_process_cpu_seconds_total"), cpu0 + 0.1);
+  EXPECT_FALSE(build_version().empty());
+  EXPECT_FALSE(build_commit().empty());
+  EXPECT_EQ(sample(first, "dflash_build_info{commit=\"" + build_commit() + "\",version=\"" + build_version() + "\"}"), 1);
 }
 
 TEST(StageProfiler, SharesAddUpAndLineFormat) {

@@ -1,0 +1,8 @@
+"""python -m dflash_report RUN_DIR [--out DIR] (normally run by `dflash report`)."""
+
+import sys
+
+from .report import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
