@@ -28,13 +28,13 @@ bool is_stop(int64_t token, const std::vector<int64_t>& stops) {
   return std::find(stops.begin(), stops.end(), token) != stops.end();
 }
 
+}  // namespace
+
 void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab) {
   DFLASH_CHECK(!prompt.empty(), DataError, "empty prompt");
   for (auto t : prompt)
     DFLASH_CHECK(t >= 0 && t < vocab, DataError, "prompt token " << t << " outside the vocabulary [0, " << vocab << ")");
 }
-
-}  // namespace
 
 SpeculativeDecoder::SpeculativeDecoder(model::TargetModel& target, const model::Drafter& drafter)
     : target_(target), cfg_(drafter.config()) {
@@ -65,79 +65,191 @@ const model::Drafter& SpeculativeDecoder::drafter_for(int64_t V) {
   return *by_block_size_.emplace(V, std::move(d)).first->second;
 }
 
-model::CaptureResult SpeculativeDecoder::extend(model::SequenceCache& cache, const std::vector<int64_t>& tokens,
+struct SpeculativeDecoder::Slot {
+  bool active = false, done = false;
+  size_t index = 0;       // the prompt's index
+  int64_t n = 0;          // prompt length
+  int64_t max_length = 0; // n + max_new_tokens
+  int64_t start = 0;      // index of the last accepted token (seq.size() == start + 1)
+  std::vector<int64_t> seq;
+  torch::Tensor ctx_TH;   // fused drafter context of positions 0..start-1 (B > 1)
+  SpecDecodeResult res;
+};
+
+model::CaptureResult SpeculativeDecoder::extend(model::SequenceCache& cache, const std::vector<int64_t>& slots,
+                                               const std::vector<int64_t>& lengths, const std::vector<int64_t>& ids,
                                                bool rollback) {
-  model::ExtendBatch batch{{0}, {static_cast<int64_t>(tokens.size())}, ids_tensor(tokens, target_.options().device),
-                           rollback};
+  model::ExtendBatch batch{slots, lengths, ids_tensor(ids, target_.options().device), rollback};
   return target_.extend(cache, batch, capture_);
 }
 
 SpecDecodeResult SpeculativeDecoder::generate(const std::vector<int64_t>& prompt, const SpecDecodeOptions& opt) {
+  SpecDecodeOptions one = opt;
+  one.batch_size = 1;
+  return generate_batch({prompt}, one).front();
+}
+
+std::vector<SpecDecodeResult> SpeculativeDecoder::generate_batch(const std::vector<std::vector<int64_t>>& prompts,
+                                                                 const SpecDecodeOptions& opt) {
   torch::NoGradGuard no_grad;
-  const auto dev = target_.options().device;
-  const auto compute = target_.options().dtype;
   const int64_t B = opt.block_size > 0 ? opt.block_size : cfg_.block_size;
   DFLASH_CHECK(opt.max_new_tokens >= 1, ConfigError, "max_new_tokens must be >= 1, got " << opt.max_new_tokens);
-  DFLASH_CHECK(B >= 1, ConfigError, "block_size must be >= 1, got " << B);
-  check_prompt(prompt, target_.config().vocab_size);
-  const int64_t n = prompt.size(), max_length = n + opt.max_new_tokens;
-  // The cache holds seq[0, start): every accepted token but the last, which opens the next block.
-  model::SequenceCache cache(target_.config(), 1, max_length, dev, compute);
+  DFLASH_CHECK(opt.block_size >= 0, ConfigError, "block_size must be >= 0 (0 = the drafter's), got " << opt.block_size);
+  DFLASH_CHECK(opt.batch_size >= 1, ConfigError, "batch_size must be >= 1, got " << opt.batch_size);
+  int64_t longest = 0;
+  for (const auto& p : prompts) {
+    check_prompt(p, target_.config().vocab_size);
+    longest = std::max<int64_t>(longest, p.size());
+  }
+  std::vector<SpecDecodeResult> out(prompts.size());
+  if (prompts.empty()) return out;
+  const int64_t S = std::min<int64_t>(opt.batch_size, prompts.size());
+  // A slot holds seq[0, start): every accepted token but the last, which opens the next block.
+  model::SequenceCache cache(target_.config(), S, longest + opt.max_new_tokens, target_.options().device,
+                             target_.options().dtype);
+  std::vector<Slot> slots(S);
+  size_t next = 0;
+  const auto running = [&] { return std::any_of(slots.begin(), slots.end(), [](const Slot& s) { return s.active; }); };
+  while (next < prompts.size() || running()) {
+    for (auto& s : slots)  // retire
+      if (s.active && s.done) {
+        const int64_t end = std::min<int64_t>(s.start + 1, s.max_length);
+        s.res.output_ids.assign(s.seq.begin() + s.n, s.seq.begin() + end);
+        out[s.index] = std::move(s.res);
+        s = Slot{};
+      }
+    admit(cache, slots, prompts, next, B, opt);
+    round(cache, slots, B, opt);
+  }
+  return out;
+}
 
-  // Prefill: first token and the context features of every prompt position.
-  std::vector<int64_t> seq = prompt;  // accepted tokens; seq.size() == start + 1 after the prefill
-  auto prefill = extend(cache, prompt, /*rollback=*/false);
-  seq.push_back(target_argmax(target_, prefill.last_hidden_TH.narrow(0, n - 1, 1))[0]);
-  torch::Tensor ctx_TH;  // fused drafter context of positions 0..start-1
-  if (B > 1) ctx_TH = drafter_for(B).fuse_context(prefill.features_TKH, compute);
+void SpeculativeDecoder::admit(model::SequenceCache& cache, std::vector<Slot>& slots,
+                               const std::vector<std::vector<int64_t>>& prompts, size_t& next, int64_t B,
+                               const SpecDecodeOptions& opt) {
+  std::vector<int64_t> which, lengths, ids;
+  for (int64_t i = 0; i < static_cast<int64_t>(slots.size()) && next < prompts.size(); ++i) {
+    if (slots[i].active) continue;
+    const auto& p = prompts[next];
+    cache.reset(i);
+    Slot& s = slots[i];
+    s.active = true;
+    s.index = next++;
+    s.n = s.start = p.size();
+    s.max_length = s.n + opt.max_new_tokens;
+    s.seq = p;
+    which.push_back(i);
+    lengths.push_back(s.n);
+    ids.insert(ids.end(), p.begin(), p.end());
+  }
+  if (which.empty()) return;
+  // Prefill: first tokens and the context features of every prompt position.
+  auto prefill = extend(cache, which, lengths, ids, /*rollback=*/false);
+  std::vector<int64_t> last_rows;
+  int64_t off = 0;
+  for (auto n : lengths) last_rows.push_back((off += n) - 1);
+  const auto first = target_argmax(target_, prefill.last_hidden_TH.index_select(0, ids_tensor(last_rows, target_.options().device)));
+  off = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    Slot& s = slots[which[j]];
+    s.seq.push_back(first[j]);
+    if (B > 1) s.ctx_TH = drafter_for(B).fuse_context(prefill.features_TKH.narrow(0, off, s.n), target_.options().dtype);
+    s.done = s.start + 1 >= s.max_length || is_stop(first[j], opt.stop_token_ids);
+    off += s.n;
+  }
+}
 
-  SpecDecodeResult res;
-  int64_t start = n;
-  bool stopped = is_stop(seq[start], opt.stop_token_ids);
-  while (start + 1 < max_length && !stopped) {
-    const int64_t V = std::min(B, max_length - start);
-    // Draft V-1 tokens after seq[start].
-    std::vector<int64_t> block(V, cfg_.mask_token_id);
-    block[0] = seq[start];
-    std::vector<int64_t> drafts;
-    if (V > 1) {
-      const auto& drafter = drafter_for(V);
-      auto x_VH = target_.embed_tokens(ids_tensor(block, dev));
-      auto q_pos = torch::arange(start, start + V, torch::TensorOptions().dtype(torch::kInt64).device(dev));
-      auto ctx_pos = torch::arange(0, start, torch::TensorOptions().dtype(torch::kInt64).device(dev));
-      model::BlockAttention attn{{0}, {start}};
-      auto h_VH = drafter.forward(x_VH, q_pos, ctx_TH, ctx_pos, attn, compute);
-      drafts = to_vector(F::linear(h_VH.narrow(0, 1, V - 1), target_.lm_head_weight()).argmax(-1));
-      std::copy(drafts.begin(), drafts.end(), block.begin() + 1);
-    }
-    // Verify: the target appends the block to the cache; posterior of its V rows.
-    auto verified = extend(cache, block, /*rollback=*/true);
-    const auto posterior = target_argmax(target_, verified.last_hidden_TH);
+std::vector<std::vector<int64_t>> SpeculativeDecoder::draft(std::vector<Slot>& slots, const std::vector<int64_t>& which,
+                                                            int64_t V) {
+  const auto dev = target_.options().device;
+  const auto compute = target_.options().dtype;
+  std::vector<int64_t> block_ids, q_pos, ctx_pos, ctx_begin, ctx_len;
+  std::vector<torch::Tensor> ctx;
+  int64_t ctx_rows = 0;
+  for (auto i : which) {
+    const Slot& s = slots[i];
+    block_ids.push_back(s.seq[s.start]);
+    block_ids.insert(block_ids.end(), V - 1, cfg_.mask_token_id);
+    for (int64_t r = 0; r < V; ++r) q_pos.push_back(s.start + r);
+    for (int64_t r = 0; r < s.start; ++r) ctx_pos.push_back(r);
+    ctx_begin.push_back(ctx_rows);
+    ctx_len.push_back(s.start);
+    ctx_rows += s.start;
+    ctx.push_back(s.ctx_TH);
+  }
+  const auto& drafter = drafter_for(V);
+  auto x_QH = target_.embed_tokens(ids_tensor(block_ids, dev));
+  auto ctx_TH = ctx.size() == 1 ? ctx.front() : torch::cat(ctx, 0);
+  model::BlockAttention attn{ctx_begin, ctx_len};
+  auto h_QH = drafter.forward(x_QH, ids_tensor(q_pos, dev), ctx_TH, ids_tensor(ctx_pos, dev), attn, compute);
+  // Rows 1..V-1 of every block.
+  const int64_t N = which.size();
+  auto rows = h_QH.reshape({N, V, -1}).narrow(1, 1, V - 1).reshape({N * (V - 1), -1});
+  const auto ids = to_vector(F::linear(rows, target_.lm_head_weight()).argmax(-1));
+  std::vector<std::vector<int64_t>> drafts(N);
+  for (int64_t j = 0; j < N; ++j) drafts[j].assign(ids.begin() + j * (V - 1), ids.begin() + (j + 1) * (V - 1));
+  return drafts;
+}
+
+void SpeculativeDecoder::round(model::SequenceCache& cache, std::vector<Slot>& slots, int64_t B,
+                               const SpecDecodeOptions& opt) {
+  std::vector<int64_t> which, lengths;
+  std::map<int64_t, std::vector<int64_t>> by_V;  // verify size -> slots
+  for (int64_t i = 0; i < static_cast<int64_t>(slots.size()); ++i) {
+    const Slot& s = slots[i];
+    if (!s.active || s.done) continue;
+    which.push_back(i);
+    lengths.push_back(std::min(B, s.max_length - s.start));
+    by_V[lengths.back()].push_back(i);
+  }
+  if (which.empty()) return;
+  // Draft V-1 tokens after seq[start] for every slot.
+  std::map<int64_t, std::vector<int64_t>> drafts;  // slot -> drafts
+  for (const auto& [V, group] : by_V) {
+    if (V == 1) continue;
+    auto d = draft(slots, group, V);
+    for (size_t j = 0; j < group.size(); ++j) drafts[group[j]] = std::move(d[j]);
+  }
+  // Verify: the target appends every block [seq[start], drafts] to its slot; posterior of each row.
+  std::vector<int64_t> ids;
+  for (auto i : which) {
+    ids.push_back(slots[i].seq[slots[i].start]);
+    const auto& d = drafts[i];
+    ids.insert(ids.end(), d.begin(), d.end());
+  }
+  auto verified = extend(cache, which, lengths, ids, /*rollback=*/true);
+  const auto posterior = target_argmax(target_, verified.last_hidden_TH);
+  std::vector<int64_t> keep;
+  int64_t off = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    Slot& s = slots[which[j]];
+    const int64_t V = lengths[j];
+    const auto& d = drafts[which[j]];
     int64_t accepted = 0;
-    while (accepted < V - 1 && drafts[accepted] == posterior[accepted]) ++accepted;
-    const int64_t bonus = posterior[accepted];
-    int64_t produced = std::min(accepted + 1, max_length - start - 1);
+    while (accepted < V - 1 && d[accepted] == posterior[off + accepted]) ++accepted;
+    const int64_t bonus = posterior[off + accepted];
+    int64_t produced = std::min(accepted + 1, s.max_length - s.start - 1);
     for (int64_t i = 0; i < produced; ++i) {
-      const int64_t token = i < accepted ? drafts[i] : bonus;
-      seq.push_back(token);
+      const int64_t token = i < accepted ? d[i] : bonus;
+      s.seq.push_back(token);
       if (is_stop(token, opt.stop_token_ids)) {
         produced = i + 1;
-        stopped = true;
+        s.done = true;
         break;
       }
     }
     // Block rows 0..produced-1 are seq[start, start + produced): keep them, drop the rejected drafts.
-    cache.truncate({0}, {start + produced});
+    keep.push_back(s.start + produced);
     if (V > 1) {
-      auto kept_TKH = verified.features_TKH.narrow(0, 0, produced);
-      ctx_TH = torch::cat({ctx_TH, drafter_for(V).fuse_context(kept_TKH, compute)}, 0);
+      auto kept_TKH = verified.features_TKH.narrow(0, off, produced);
+      s.ctx_TH = torch::cat({s.ctx_TH, drafter_for(V).fuse_context(kept_TKH, target_.options().dtype)}, 0);
     }
-    start += produced;
-    res.acceptance_lengths.push_back(produced);
+    s.start += produced;
+    s.res.acceptance_lengths.push_back(produced);
+    if (s.start + 1 >= s.max_length) s.done = true;
+    off += V;
   }
-  const int64_t end = std::min<int64_t>(start + 1, max_length);
-  res.output_ids.assign(seq.begin() + n, seq.begin() + end);
-  return res;
+  cache.truncate(which, keep);
 }
 
 std::vector<int64_t> greedy_generate(model::TargetModel& target, const std::vector<int64_t>& prompt,
