@@ -19,9 +19,20 @@ std::vector<int64_t> to_vector(const torch::Tensor& t) {
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
 }
 
+// The target's logits of hidden rows h_RH: lm_head(final_norm(h)).
+torch::Tensor target_logits(const model::TargetModel& target, const torch::Tensor& h_RH) {
+  return F::linear(target.final_norm(h_RH), target.lm_head_weight());
+}
+
 // Greedy token ids of hidden rows h_RH through the target's final norm and lm_head.
 std::vector<int64_t> target_argmax(const model::TargetModel& target, const torch::Tensor& h_RH) {
-  return to_vector(F::linear(target.final_norm(h_RH), target.lm_head_weight()).argmax(-1));
+  return to_vector(target_logits(target, h_RH).argmax(-1));
+}
+
+// One draw per row proportional to the weights w_RV (>= 0, not necessarily normalized):
+// argmax(w / E), E ~ Exp(1) per entry from `gen`. int64 [R] on w's device.
+torch::Tensor draw(const torch::Tensor& w_RV, at::Generator& gen) {
+  return (w_RV / torch::empty_like(w_RV).exponential_(1.0, gen)).argmax(-1);
 }
 
 bool is_stop(int64_t token, const std::vector<int64_t>& stops) {
@@ -74,13 +85,32 @@ struct SpeculativeDecoder::Slot {
   std::vector<int64_t> seq;
   torch::Tensor ctx_TH;   // fused drafter context of positions 0..start-1 (B > 1)
   SpecDecodeResult res;
+  at::Generator gen;      // sampling only
+  torch::Tensor q_RV;     // sampling: the drafter's distributions of this round's drafts
 };
 
-model::CaptureResult SpeculativeDecoder::extend(model::SequenceCache& cache, const std::vector<int64_t>& slots,
+model::CaptureResult SpeculativeDecoder::append(model::SequenceCache* cache, const std::vector<Slot>& slots,
+                                               const std::vector<int64_t>& which, const std::vector<int64_t>& held,
                                                const std::vector<int64_t>& lengths, const std::vector<int64_t>& ids,
                                                bool rollback) {
-  model::ExtendBatch batch{slots, lengths, ids_tensor(ids, target_.options().device), rollback};
-  return target_.extend(cache, batch, capture_);
+  const auto dev = target_.options().device;
+  if (cache) {
+    model::ExtendBatch batch{which, lengths, ids_tensor(ids, dev), rollback};
+    return target_.extend(*cache, batch, capture_);
+  }
+  // Uncached: one full forward per slot over its held tokens and the appended ones.
+  std::vector<torch::Tensor> features, last;
+  int64_t off = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    const auto& seq = slots[which[j]].seq;
+    std::vector<int64_t> full(seq.begin(), seq.begin() + held[j]);
+    full.insert(full.end(), ids.begin() + off, ids.begin() + off + lengths[j]);
+    off += lengths[j];
+    auto cap = target_.forward_capture(ids_tensor(full, dev), {static_cast<int64_t>(full.size())}, capture_);
+    features.push_back(cap.features_TKH.narrow(0, held[j], lengths[j]));
+    last.push_back(cap.last_hidden_TH.narrow(0, held[j], lengths[j]));
+  }
+  return {torch::cat(features), torch::cat(last)};
 }
 
 SpecDecodeResult SpeculativeDecoder::generate(const std::vector<int64_t>& prompt, const SpecDecodeOptions& opt) {
@@ -96,6 +126,7 @@ std::vector<SpecDecodeResult> SpeculativeDecoder::generate_batch(const std::vect
   DFLASH_CHECK(opt.max_new_tokens >= 1, ConfigError, "max_new_tokens must be >= 1, got " << opt.max_new_tokens);
   DFLASH_CHECK(opt.block_size >= 0, ConfigError, "block_size must be >= 0 (0 = the drafter's), got " << opt.block_size);
   DFLASH_CHECK(opt.batch_size >= 1, ConfigError, "batch_size must be >= 1, got " << opt.batch_size);
+  model::validate_sampling(opt.sampling);
   int64_t longest = 0;
   for (const auto& p : prompts) {
     check_prompt(p, target_.config().vocab_size);
@@ -105,8 +136,10 @@ std::vector<SpecDecodeResult> SpeculativeDecoder::generate_batch(const std::vect
   if (prompts.empty()) return out;
   const int64_t S = std::min<int64_t>(opt.batch_size, prompts.size());
   // A slot holds seq[0, start): every accepted token but the last, which opens the next block.
-  model::SequenceCache cache(target_.config(), S, longest + opt.max_new_tokens, target_.options().device,
-                             target_.options().dtype);
+  std::unique_ptr<model::SequenceCache> cache;
+  if (!opt.uncached_target)
+    cache = std::make_unique<model::SequenceCache>(target_.config(), S, longest + opt.max_new_tokens,
+                                                   target_.options().device, target_.options().dtype);
   std::vector<Slot> slots(S);
   size_t next = 0;
   const auto running = [&] { return std::any_of(slots.begin(), slots.end(), [](const Slot& s) { return s.active; }); };
@@ -118,37 +151,47 @@ std::vector<SpecDecodeResult> SpeculativeDecoder::generate_batch(const std::vect
         out[s.index] = std::move(s.res);
         s = Slot{};
       }
-    admit(cache, slots, prompts, next, B, opt);
-    round(cache, slots, B, opt);
+    admit(cache.get(), slots, prompts, next, B, opt);
+    round(cache.get(), slots, B, opt);
   }
   return out;
 }
 
-void SpeculativeDecoder::admit(model::SequenceCache& cache, std::vector<Slot>& slots,
+void SpeculativeDecoder::admit(model::SequenceCache* cache, std::vector<Slot>& slots,
                                const std::vector<std::vector<int64_t>>& prompts, size_t& next, int64_t B,
                                const SpecDecodeOptions& opt) {
   std::vector<int64_t> which, lengths, ids;
   for (int64_t i = 0; i < static_cast<int64_t>(slots.size()) && next < prompts.size(); ++i) {
     if (slots[i].active) continue;
     const auto& p = prompts[next];
-    cache.reset(i);
+    if (cache) cache->reset(i);
     Slot& s = slots[i];
     s.active = true;
     s.index = next++;
     s.n = s.start = p.size();
     s.max_length = s.n + opt.max_new_tokens;
     s.seq = p;
+    if (opt.sampling.temperature > 0) s.gen = model::make_generator(target_.options().device, opt.seed + s.index);
     which.push_back(i);
     lengths.push_back(s.n);
     ids.insert(ids.end(), p.begin(), p.end());
   }
   if (which.empty()) return;
   // Prefill: first tokens and the context features of every prompt position.
-  auto prefill = extend(cache, which, lengths, ids, /*rollback=*/false);
+  auto prefill = append(cache, slots, which, std::vector<int64_t>(which.size(), 0), lengths, ids, /*rollback=*/false);
   std::vector<int64_t> last_rows;
   int64_t off = 0;
   for (auto n : lengths) last_rows.push_back((off += n) - 1);
-  const auto first = target_argmax(target_, prefill.last_hidden_TH.index_select(0, ids_tensor(last_rows, target_.options().device)));
+  const auto last_RH = prefill.last_hidden_TH.index_select(0, ids_tensor(last_rows, target_.options().device));
+  std::vector<int64_t> first;
+  if (opt.sampling.temperature > 0) {
+    const auto p_RV = model::sampling_probs(target_logits(target_, last_RH), opt.sampling);
+    std::vector<torch::Tensor> drawn;
+    for (size_t j = 0; j < which.size(); ++j) drawn.push_back(draw(p_RV.narrow(0, j, 1), slots[which[j]].gen));
+    first = to_vector(torch::cat(drawn));
+  } else {
+    first = target_argmax(target_, last_RH);
+  }
   off = 0;
   for (size_t j = 0; j < which.size(); ++j) {
     Slot& s = slots[which[j]];
@@ -160,7 +203,7 @@ void SpeculativeDecoder::admit(model::SequenceCache& cache, std::vector<Slot>& s
 }
 
 std::vector<std::vector<int64_t>> SpeculativeDecoder::draft(std::vector<Slot>& slots, const std::vector<int64_t>& which,
-                                                            int64_t V) {
+                                                            int64_t V, const SpecDecodeOptions& opt) {
   const auto dev = target_.options().device;
   const auto compute = target_.options().dtype;
   std::vector<int64_t> block_ids, q_pos, ctx_pos, ctx_begin, ctx_len;
@@ -185,13 +228,26 @@ std::vector<std::vector<int64_t>> SpeculativeDecoder::draft(std::vector<Slot>& s
   // Rows 1..V-1 of every block.
   const int64_t N = which.size();
   auto rows = h_QH.reshape({N, V, -1}).narrow(1, 1, V - 1).reshape({N * (V - 1), -1});
-  const auto ids = to_vector(F::linear(rows, target_.lm_head_weight()).argmax(-1));
+  const auto logits = F::linear(rows, target_.lm_head_weight());
+  std::vector<int64_t> ids;
+  if (opt.sampling.temperature > 0) {
+    const auto q_RV = model::sampling_probs(logits, opt.sampling);
+    std::vector<torch::Tensor> drawn;
+    for (int64_t j = 0; j < N; ++j) {
+      Slot& s = slots[which[j]];
+      s.q_RV = q_RV.narrow(0, j * (V - 1), V - 1);
+      drawn.push_back(draw(s.q_RV, s.gen));
+    }
+    ids = to_vector(torch::cat(drawn));
+  } else {
+    ids = to_vector(logits.argmax(-1));
+  }
   std::vector<std::vector<int64_t>> drafts(N);
   for (int64_t j = 0; j < N; ++j) drafts[j].assign(ids.begin() + j * (V - 1), ids.begin() + (j + 1) * (V - 1));
   return drafts;
 }
 
-void SpeculativeDecoder::round(model::SequenceCache& cache, std::vector<Slot>& slots, int64_t B,
+void SpeculativeDecoder::round(model::SequenceCache* cache, std::vector<Slot>& slots, int64_t B,
                                const SpecDecodeOptions& opt) {
   std::vector<int64_t> which, lengths;
   std::map<int64_t, std::vector<int64_t>> by_V;  // verify size -> slots
@@ -207,27 +263,44 @@ void SpeculativeDecoder::round(model::SequenceCache& cache, std::vector<Slot>& s
   std::map<int64_t, std::vector<int64_t>> drafts;  // slot -> drafts
   for (const auto& [V, group] : by_V) {
     if (V == 1) continue;
-    auto d = draft(slots, group, V);
+    auto d = draft(slots, group, V, opt);
     for (size_t j = 0; j < group.size(); ++j) drafts[group[j]] = std::move(d[j]);
   }
   // Verify: the target appends every block [seq[start], drafts] to its slot; posterior of each row.
-  std::vector<int64_t> ids;
+  std::vector<int64_t> ids, held;
   for (auto i : which) {
+    held.push_back(slots[i].start);
     ids.push_back(slots[i].seq[slots[i].start]);
     const auto& d = drafts[i];
     ids.insert(ids.end(), d.begin(), d.end());
   }
-  auto verified = extend(cache, which, lengths, ids, /*rollback=*/true);
-  const auto posterior = target_argmax(target_, verified.last_hidden_TH);
+  auto verified = append(cache, slots, which, held, lengths, ids, /*rollback=*/true);
+  const bool sampling = opt.sampling.temperature > 0;
+  std::vector<int64_t> posterior;                 // greedy: the target's argmax of every verified row
+  std::vector<std::vector<int64_t>> verdicts;     // sampling: per slot, acceptance flags then candidates
+  if (sampling) {
+    std::vector<std::vector<int64_t>> slot_drafts;
+    for (auto i : which) slot_drafts.push_back(drafts[i]);
+    verdicts = sample_verdicts(slots, which, lengths, slot_drafts,
+                               target_logits(target_, verified.last_hidden_TH), opt);
+  } else {
+    posterior = target_argmax(target_, verified.last_hidden_TH);
+  }
   std::vector<int64_t> keep;
   int64_t off = 0;
   for (size_t j = 0; j < which.size(); ++j) {
     Slot& s = slots[which[j]];
     const int64_t V = lengths[j];
     const auto& d = drafts[which[j]];
-    int64_t accepted = 0;
-    while (accepted < V - 1 && d[accepted] == posterior[off + accepted]) ++accepted;
-    const int64_t bonus = posterior[off + accepted];
+    int64_t accepted = 0, bonus = 0;
+    if (sampling) {
+      const auto& v = verdicts[j];
+      while (accepted < V - 1 && (opt.accept_every_draft || v[accepted] != 0)) ++accepted;
+      bonus = v[V - 1 + accepted];
+    } else {
+      while (accepted < V - 1 && d[accepted] == posterior[off + accepted]) ++accepted;
+      bonus = posterior[off + accepted];
+    }
     int64_t produced = std::min(accepted + 1, s.max_length - s.start - 1);
     for (int64_t i = 0; i < produced; ++i) {
       const int64_t token = i < accepted ? d[i] : bonus;
@@ -249,7 +322,48 @@ void SpeculativeDecoder::round(model::SequenceCache& cache, std::vector<Slot>& s
     if (s.start + 1 >= s.max_length) s.done = true;
     off += V;
   }
-  cache.truncate(which, keep);
+  if (cache) cache->truncate(which, keep);
+}
+
+std::vector<std::vector<int64_t>> SpeculativeDecoder::sample_verdicts(std::vector<Slot>& slots,
+                                                                      const std::vector<int64_t>& which,
+                                                                      const std::vector<int64_t>& lengths,
+                                                                      const std::vector<std::vector<int64_t>>& drafts,
+                                                                      const torch::Tensor& logits_RV,
+                                                                      const SpecDecodeOptions& opt) {
+  const auto dev = target_.options().device;
+  const auto p_all = model::sampling_probs(logits_RV, opt.sampling);
+  std::vector<torch::Tensor> packed;
+  int64_t off = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    Slot& s = slots[which[j]];
+    const int64_t V = lengths[j];
+    const auto p_VV = p_all.narrow(0, off, V);  // [V, vocab]
+    off += V;
+    if (V == 1) {
+      packed.push_back(draw(p_VV, s.gen));
+      continue;
+    }
+    const auto p = p_VV.narrow(0, 0, V - 1);
+    const auto x = ids_tensor(drafts[j], dev).unsqueeze(1);
+    const auto px = p.gather(1, x).squeeze(1), qx = s.q_RV.gather(1, x).squeeze(1);
+    const auto u = torch::empty({V - 1}, p.options()).uniform_(0.0, 1.0, s.gen);
+    const auto accept = (u * qx < px).to(torch::kInt64);
+    auto residual = (p - s.q_RV).clamp_min(0);
+    residual = torch::where(residual.sum(-1, /*keepdim=*/true) > 0, residual, p);
+    const auto candidates = draw(torch::cat({residual, p_VV.narrow(0, V - 1, 1)}), s.gen);
+    packed.push_back(torch::cat({accept, candidates}));
+    s.q_RV = torch::Tensor();
+  }
+  const auto flat = to_vector(torch::cat(packed));
+  std::vector<std::vector<int64_t>> out;
+  size_t at = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    const size_t n = 2 * lengths[j] - 1;
+    out.emplace_back(flat.begin() + at, flat.begin() + at + n);
+    at += n;
+  }
+  return out;
 }
 
 std::vector<int64_t> greedy_generate(model::TargetModel& target, const std::vector<int64_t>& prompt,

@@ -24,7 +24,8 @@ const char* kEvalUsage =
     "usage: dflash eval --target DIR --drafter DIR --input FILE.jsonl [--max-new-tokens N (64)]\n"
     "                   [--block-size B (the drafter's)] [--device cpu|cuda] [--dtype float32|bfloat16]\n"
     "                   [--stop-token-ids a,b] [--batch-size B (1)] [--no-baseline] [--out FILE.json]\n"
-    "  greedy speculative decoding of each prompt line {\"input_ids\": [...], \"group\"|\"benchmark\": ...},\n"
+    "                   [--temperature T (0: greedy) [--top-p P (1)] [--top-k K (0)] [--seed S (0)]]\n"
+    "  speculative decoding of each prompt line {\"input_ids\": [...], \"group\"|\"benchmark\": ...},\n"
     "  and the target's own greedy decoding of the same prompts (speedup); prints the JSON report\n"
     "  {\"results\": [{\"output_ids\", \"acceptance_lengths\", \"group\"}...], \"tau\", \"tokens_per_second\",\n"
     "   \"acceptance_histogram\", \"position_acceptance\", \"baseline_tokens_per_second\", \"speedup\",\n"
@@ -33,7 +34,7 @@ const char* kEvalUsage =
 int run_eval(int argc, char** argv) {
   Flags flags(argc, argv,
               {"target", "drafter", "input", "max-new-tokens", "block-size", "device", "dtype", "stop-token-ids",
-               "batch-size", "no-baseline", "out", "help"},
+               "batch-size", "no-baseline", "out", "temperature", "top-p", "top-k", "seed", "help"},
               {"help", "no-baseline"});
   if (flags.has("help")) {
     std::cout << kEvalUsage;
@@ -51,6 +52,13 @@ int run_eval(int argc, char** argv) {
                "--block-size must be >= 1, got " << dec.block_size);
   dec.batch_size = flags.get_int("batch-size", 1);
   DFLASH_CHECK(dec.batch_size >= 1, ConfigError, "--batch-size must be >= 1, got " << dec.batch_size);
+  dec.sampling.temperature = flags.get_double("temperature", 0.0);
+  dec.sampling.top_p = flags.get_double("top-p", 1.0);
+  dec.sampling.top_k = flags.get_int("top-k", 0);
+  const int64_t seed = flags.get_int("seed", 0);
+  DFLASH_CHECK(seed >= 0, ConfigError, "--seed must be >= 0, got " << seed);
+  dec.seed = static_cast<uint64_t>(seed);
+  model::validate_sampling(dec.sampling);
   if (flags.has("stop-token-ids")) dec.stop_token_ids = flags.get_int_list("stop-token-ids");
   const std::string out_path = flags.get("out", "");
   std::ofstream out_file;

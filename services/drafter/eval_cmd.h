@@ -1,5 +1,5 @@
-// `dflash eval`: the served-shape evaluation of a DFlash drafter (core/eval/evaluate.h): greedy
-// speculative decoding (core/eval/spec_decode.h) and, in the same run, the target's own greedy
+// `dflash eval`: the served-shape evaluation of a DFlash drafter (core/eval/evaluate.h): greedy (or
+// sampled) speculative decoding (core/eval/spec_decode.h) and, in the same run, the target's own greedy
 // decoding of the same prompts.
 #pragma once
 
@@ -10,6 +10,8 @@ namespace dflash::cli {
 //   drafter's)] [--device cpu|cuda (cpu)] [--dtype float32|bfloat16 (float32)] [--stop-token-ids a,b]
 //   [--batch-size B (1): prompts decoded at once] [--no-baseline (skip the target-alone decoding)]
 //   [--out FILE.json (also write the report there)]
+//   [--temperature T (0) [--top-p P (1)] [--top-k K (0)] [--seed S (0)]]: T > 0 decodes with
+//   speculative sampling (prompt i seeded S + i; the baseline stays greedy); bad values exit 2.
 // DIR of --target: an HF model folder (load_target); DIR of --drafter: an HF DFlash export
 // (core/train/export.h import_hf). Each line {"input_ids": [...]} of FILE is one prompt, decoded
 // as if alone (the same ids and acceptance lengths at any --batch-size); an optional "group" (else
