@@ -3,7 +3,8 @@
 // on the tiny HF Qwen3 target, for drafters exported with core/train/export.h (float32, exact):
 // a random drafter (acceptance ~1, drafts depend on context) and drafters steered towards the
 // token of the target's longest greedy repeat (whole blocks accepted), at block sizes 4 and 8.
-// Stop tokens (zlab_generate.py runs without them) are checked against our own no-stop output.
+// Stop tokens (zlab_generate.py runs without them) are checked against our own no-stop output;
+// --batch-size 3 must print the same results; the report's groups, baseline and --out; exit codes.
 #include <gtest/gtest.h>
 #include <unistd.h>
 #include <torch/torch.h>

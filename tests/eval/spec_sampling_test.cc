@@ -40,6 +40,16 @@ std::unique_ptr<model::TargetModel> tiny_target() {
   return model::make_random_target(c, {}, /*seed=*/3);
 }
 
+// A random one-layer drafter of block size 4 for it (mask token = the last id).
+model::Drafter tiny_drafter(const model::TargetModel& target) {
+  model::DrafterConfig o;
+  o.num_layers = 1;
+  o.block_size = 4;
+  o.mask_token_id = kVocab - 1;
+  o.target_layer_ids = {1};
+  return model::Drafter(model::drafter_config_for_target(target.config(), o), torch::kCPU, /*init_seed=*/5);
+}
+
 // The target's sampling distribution of the token after `seq` (fp32 [vocab]).
 std::vector<double> next_probs(model::TargetModel& t, const std::vector<int64_t>& seq, const model::SamplingOptions& s) {
   torch::NoGradGuard g;
@@ -84,12 +94,7 @@ Fit chi_square(const std::vector<int64_t>& counts, const std::vector<double>& ex
 
 TEST(SpecSampling, KeepsTheTargetsDistribution) {
   auto target = tiny_target();
-  model::DrafterConfig o;
-  o.num_layers = 1;
-  o.block_size = 4;
-  o.mask_token_id = kVocab - 1;
-  o.target_layer_ids = {1};
-  model::Drafter drafter(model::drafter_config_for_target(target->config(), o), torch::kCPU, /*init_seed=*/5);
+  auto drafter = tiny_drafter(*target);
 
   SpecDecodeOptions opt;
   opt.max_new_tokens = 3;
@@ -152,12 +157,7 @@ TEST(SpecSampling, KeepsTheTargetsDistribution) {
 // for another seed.
 TEST(SpecSampling, SeededAndIndependentOfTheBatch) {
   auto target = tiny_target();
-  model::DrafterConfig o;
-  o.num_layers = 1;
-  o.block_size = 4;
-  o.mask_token_id = kVocab - 1;
-  o.target_layer_ids = {1};
-  model::Drafter drafter(model::drafter_config_for_target(target->config(), o), torch::kCPU, 5);
+  auto drafter = tiny_drafter(*target);
   SpeculativeDecoder dec(*target, drafter);
   SpecDecodeOptions opt;
   opt.max_new_tokens = 16;
