@@ -5,7 +5,7 @@
 //   {"bench": "eval", "shape", "device", "dtype", "prompts", "prompt_len", "max_new_tokens",
 //    "block_size", "draft_layers", "batch_size",
 //    "ours" / "baseline": {"seconds", "tokens_per_s" (generated tokens / seconds), "tau",
-//                          "generated_tokens", "peak_gib" (peak device memory of the run; 0 on CPU)},
+//                          "generated_tokens", "peak_gib" (peak memory of the run, model::device_memory)},
 //    "ratio": ours tokens_per_s / baseline tokens_per_s,
 //    "same_output_ids": whether both produced the same ids and acceptance lengths (true in fp32;
 //                       bf16 may differ where the two kernels round differently)}
