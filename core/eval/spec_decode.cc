@@ -19,22 +19,33 @@ std::vector<int64_t> to_vector(const torch::Tensor& t) {
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
 }
 
+// The target's logits of hidden rows h_RH: lm_head(final_norm(h)).
+torch::Tensor target_logits(const model::TargetModel& target, const torch::Tensor& h_RH) {
+  return F::linear(target.final_norm(h_RH), target.lm_head_weight());
+}
+
 // Greedy token ids of hidden rows h_RH through the target's final norm and lm_head.
 std::vector<int64_t> target_argmax(const model::TargetModel& target, const torch::Tensor& h_RH) {
-  return to_vector(F::linear(target.final_norm(h_RH), target.lm_head_weight()).argmax(-1));
+  return to_vector(target_logits(target, h_RH).argmax(-1));
+}
+
+// One draw per row proportional to the weights w_RV (>= 0, not necessarily normalized):
+// argmax(w / E), E ~ Exp(1) per entry from `gen`. int64 [R] on w's device.
+torch::Tensor draw(const torch::Tensor& w_RV, at::Generator& gen) {
+  return (w_RV / torch::empty_like(w_RV).exponential_(1.0, gen)).argmax(-1);
 }
 
 bool is_stop(int64_t token, const std::vector<int64_t>& stops) {
   return std::find(stops.begin(), stops.end(), token) != stops.end();
 }
 
+}  // namespace
+
 void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab) {
   DFLASH_CHECK(!prompt.empty(), DataError, "empty prompt");
   for (auto t : prompt)
     DFLASH_CHECK(t >= 0 && t < vocab, DataError, "prompt token " << t << " outside the vocabulary [0, " << vocab << ")");
 }
-
-}  // namespace
 
 SpeculativeDecoder::SpeculativeDecoder(model::TargetModel& target, const model::Drafter& drafter)
     : target_(target), cfg_(drafter.config()) {
@@ -65,79 +76,294 @@ const model::Drafter& SpeculativeDecoder::drafter_for(int64_t V) {
   return *by_block_size_.emplace(V, std::move(d)).first->second;
 }
 
-model::CaptureResult SpeculativeDecoder::extend(model::SequenceCache& cache, const std::vector<int64_t>& tokens,
+struct SpeculativeDecoder::Slot {
+  bool active = false, done = false;
+  size_t index = 0;       // the prompt's index
+  int64_t n = 0;          // prompt length
+  int64_t max_length = 0; // n + max_new_tokens
+  int64_t start = 0;      // index of the last accepted token (seq.size() == start + 1)
+  std::vector<int64_t> seq;
+  torch::Tensor ctx_TH;   // fused drafter context of positions 0..start-1 (B > 1)
+  SpecDecodeResult res;
+  at::Generator gen;      // sampling only
+  torch::Tensor q_RV;     // sampling: the drafter's distributions of this round's drafts
+};
+
+model::CaptureResult SpeculativeDecoder::append(model::SequenceCache* cache, const std::vector<Slot>& slots,
+                                               const std::vector<int64_t>& which, const std::vector<int64_t>& held,
+                                               const std::vector<int64_t>& lengths, const std::vector<int64_t>& ids,
                                                bool rollback) {
-  model::ExtendBatch batch{{0}, {static_cast<int64_t>(tokens.size())}, ids_tensor(tokens, target_.options().device),
-                           rollback};
-  return target_.extend(cache, batch, capture_);
+  const auto dev = target_.options().device;
+  if (cache) {
+    model::ExtendBatch batch{which, lengths, ids_tensor(ids, dev), rollback};
+    return target_.extend(*cache, batch, capture_);
+  }
+  // Uncached: one full forward per slot over its held tokens and the appended ones.
+  std::vector<torch::Tensor> features, last;
+  int64_t off = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    const auto& seq = slots[which[j]].seq;
+    std::vector<int64_t> full(seq.begin(), seq.begin() + held[j]);
+    full.insert(full.end(), ids.begin() + off, ids.begin() + off + lengths[j]);
+    off += lengths[j];
+    auto cap = target_.forward_capture(ids_tensor(full, dev), {static_cast<int64_t>(full.size())}, capture_);
+    features.push_back(cap.features_TKH.narrow(0, held[j], lengths[j]));
+    last.push_back(cap.last_hidden_TH.narrow(0, held[j], lengths[j]));
+  }
+  return {torch::cat(features), torch::cat(last)};
 }
 
 SpecDecodeResult SpeculativeDecoder::generate(const std::vector<int64_t>& prompt, const SpecDecodeOptions& opt) {
+  SpecDecodeOptions one = opt;
+  one.batch_size = 1;
+  return generate_batch({prompt}, one).front();
+}
+
+std::vector<SpecDecodeResult> SpeculativeDecoder::generate_batch(const std::vector<std::vector<int64_t>>& prompts,
+                                                                 const SpecDecodeOptions& opt) {
   torch::NoGradGuard no_grad;
-  const auto dev = target_.options().device;
-  const auto compute = target_.options().dtype;
   const int64_t B = opt.block_size > 0 ? opt.block_size : cfg_.block_size;
   DFLASH_CHECK(opt.max_new_tokens >= 1, ConfigError, "max_new_tokens must be >= 1, got " << opt.max_new_tokens);
-  DFLASH_CHECK(B >= 1, ConfigError, "block_size must be >= 1, got " << B);
-  check_prompt(prompt, target_.config().vocab_size);
-  const int64_t n = prompt.size(), max_length = n + opt.max_new_tokens;
-  // The cache holds seq[0, start): every accepted token but the last, which opens the next block.
-  model::SequenceCache cache(target_.config(), 1, max_length, dev, compute);
+  DFLASH_CHECK(opt.block_size >= 0, ConfigError, "block_size must be >= 0 (0 = the drafter's), got " << opt.block_size);
+  DFLASH_CHECK(opt.batch_size >= 1, ConfigError, "batch_size must be >= 1, got " << opt.batch_size);
+  model::validate_sampling(opt.sampling);
+  int64_t longest = 0;
+  for (const auto& p : prompts) {
+    check_prompt(p, target_.config().vocab_size);
+    longest = std::max<int64_t>(longest, p.size());
+  }
+  std::vector<SpecDecodeResult> out(prompts.size());
+  if (prompts.empty()) return out;
+  const int64_t S = std::min<int64_t>(opt.batch_size, prompts.size());
+  // A slot holds seq[0, start): every accepted token but the last, which opens the next block.
+  std::unique_ptr<model::SequenceCache> cache;
+  if (!opt.uncached_target)
+    cache = std::make_unique<model::SequenceCache>(target_.config(), S, longest + opt.max_new_tokens,
+                                                   target_.options().device, target_.options().dtype);
+  std::vector<Slot> slots(S);
+  size_t next = 0;
+  const auto running = [&] { return std::any_of(slots.begin(), slots.end(), [](const Slot& s) { return s.active; }); };
+  while (next < prompts.size() || running()) {
+    for (auto& s : slots)  // retire
+      if (s.active && s.done) {
+        const int64_t end = std::min<int64_t>(s.start + 1, s.max_length);
+        s.res.output_ids.assign(s.seq.begin() + s.n, s.seq.begin() + end);
+        out[s.index] = std::move(s.res);
+        s = Slot{};
+      }
+    admit(cache.get(), slots, prompts, next, B, opt);
+    round(cache.get(), slots, B, opt);
+  }
+  return out;
+}
 
-  // Prefill: first token and the context features of every prompt position.
-  std::vector<int64_t> seq = prompt;  // accepted tokens; seq.size() == start + 1 after the prefill
-  auto prefill = extend(cache, prompt, /*rollback=*/false);
-  seq.push_back(target_argmax(target_, prefill.last_hidden_TH.narrow(0, n - 1, 1))[0]);
-  torch::Tensor ctx_TH;  // fused drafter context of positions 0..start-1
-  if (B > 1) ctx_TH = drafter_for(B).fuse_context(prefill.features_TKH, compute);
+void SpeculativeDecoder::admit(model::SequenceCache* cache, std::vector<Slot>& slots,
+                               const std::vector<std::vector<int64_t>>& prompts, size_t& next, int64_t B,
+                               const SpecDecodeOptions& opt) {
+  std::vector<int64_t> which, lengths, ids;
+  for (int64_t i = 0; i < static_cast<int64_t>(slots.size()) && next < prompts.size(); ++i) {
+    if (slots[i].active) continue;
+    const auto& p = prompts[next];
+    if (cache) cache->reset(i);
+    Slot& s = slots[i];
+    s.active = true;
+    s.index = next++;
+    s.n = s.start = p.size();
+    s.max_length = s.n + opt.max_new_tokens;
+    s.seq = p;
+    if (opt.sampling.temperature > 0) s.gen = model::make_generator(target_.options().device, opt.seed + s.index);
+    which.push_back(i);
+    lengths.push_back(s.n);
+    ids.insert(ids.end(), p.begin(), p.end());
+  }
+  if (which.empty()) return;
+  // Prefill: first tokens and the context features of every prompt position.
+  auto prefill = append(cache, slots, which, std::vector<int64_t>(which.size(), 0), lengths, ids, /*rollback=*/false);
+  std::vector<int64_t> last_rows;
+  int64_t off = 0;
+  for (auto n : lengths) last_rows.push_back((off += n) - 1);
+  const auto last_RH = prefill.last_hidden_TH.index_select(0, ids_tensor(last_rows, target_.options().device));
+  std::vector<int64_t> first;
+  if (opt.sampling.temperature > 0) {
+    const auto p_RV = model::sampling_probs(target_logits(target_, last_RH), opt.sampling);
+    std::vector<torch::Tensor> drawn;
+    for (size_t j = 0; j < which.size(); ++j) drawn.push_back(draw(p_RV.narrow(0, j, 1), slots[which[j]].gen));
+    first = to_vector(torch::cat(drawn));
+  } else {
+    first = target_argmax(target_, last_RH);
+  }
+  off = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    Slot& s = slots[which[j]];
+    s.seq.push_back(first[j]);
+    if (B > 1) s.ctx_TH = drafter_for(B).fuse_context(prefill.features_TKH.narrow(0, off, s.n), target_.options().dtype);
+    s.done = s.start + 1 >= s.max_length || is_stop(first[j], opt.stop_token_ids);
+    off += s.n;
+  }
+}
 
-  SpecDecodeResult res;
-  int64_t start = n;
-  bool stopped = is_stop(seq[start], opt.stop_token_ids);
-  while (start + 1 < max_length && !stopped) {
-    const int64_t V = std::min(B, max_length - start);
-    // Draft V-1 tokens after seq[start].
-    std::vector<int64_t> block(V, cfg_.mask_token_id);
-    block[0] = seq[start];
-    std::vector<int64_t> drafts;
-    if (V > 1) {
-      const auto& drafter = drafter_for(V);
-      auto x_VH = target_.embed_tokens(ids_tensor(block, dev));
-      auto q_pos = torch::arange(start, start + V, torch::TensorOptions().dtype(torch::kInt64).device(dev));
-      auto ctx_pos = torch::arange(0, start, torch::TensorOptions().dtype(torch::kInt64).device(dev));
-      model::BlockAttention attn{{0}, {start}};
-      auto h_VH = drafter.forward(x_VH, q_pos, ctx_TH, ctx_pos, attn, compute);
-      drafts = to_vector(F::linear(h_VH.narrow(0, 1, V - 1), target_.lm_head_weight()).argmax(-1));
-      std::copy(drafts.begin(), drafts.end(), block.begin() + 1);
+std::vector<std::vector<int64_t>> SpeculativeDecoder::draft(std::vector<Slot>& slots, const std::vector<int64_t>& which,
+                                                            int64_t V, const SpecDecodeOptions& opt) {
+  const auto dev = target_.options().device;
+  const auto compute = target_.options().dtype;
+  std::vector<int64_t> block_ids, q_pos, ctx_pos, ctx_begin, ctx_len;
+  std::vector<torch::Tensor> ctx;
+  int64_t ctx_rows = 0;
+  for (auto i : which) {
+    const Slot& s = slots[i];
+    block_ids.push_back(s.seq[s.start]);
+    block_ids.insert(block_ids.end(), V - 1, cfg_.mask_token_id);
+    for (int64_t r = 0; r < V; ++r) q_pos.push_back(s.start + r);
+    for (int64_t r = 0; r < s.start; ++r) ctx_pos.push_back(r);
+    ctx_begin.push_back(ctx_rows);
+    ctx_len.push_back(s.start);
+    ctx_rows += s.start;
+    ctx.push_back(s.ctx_TH);
+  }
+  const auto& drafter = drafter_for(V);
+  auto x_QH = target_.embed_tokens(ids_tensor(block_ids, dev));
+  auto ctx_TH = ctx.size() == 1 ? ctx.front() : torch::cat(ctx, 0);
+  model::BlockAttention attn{ctx_begin, ctx_len};
+  auto h_QH = drafter.forward(x_QH, ids_tensor(q_pos, dev), ctx_TH, ids_tensor(ctx_pos, dev), attn, compute);
+  // Rows 1..V-1 of every block.
+  const int64_t N = which.size();
+  auto rows = h_QH.reshape({N, V, -1}).narrow(1, 1, V - 1).reshape({N * (V - 1), -1});
+  const auto logits = F::linear(rows, target_.lm_head_weight());
+  std::vector<int64_t> ids;
+  if (opt.sampling.temperature > 0) {
+    const auto q_RV = model::sampling_probs(logits, opt.sampling);
+    std::vector<torch::Tensor> drawn;
+    for (int64_t j = 0; j < N; ++j) {
+      Slot& s = slots[which[j]];
+      s.q_RV = q_RV.narrow(0, j * (V - 1), V - 1);
+      drawn.push_back(draw(s.q_RV, s.gen));
     }
-    // Verify: the target appends the block to the cache; posterior of its V rows.
-    auto verified = extend(cache, block, /*rollback=*/true);
-    const auto posterior = target_argmax(target_, verified.last_hidden_TH);
-    int64_t accepted = 0;
-    while (accepted < V - 1 && drafts[accepted] == posterior[accepted]) ++accepted;
-    const int64_t bonus = posterior[accepted];
-    int64_t produced = std::min(accepted + 1, max_length - start - 1);
+    ids = to_vector(torch::cat(drawn));
+  } else {
+    ids = to_vector(logits.argmax(-1));
+  }
+  std::vector<std::vector<int64_t>> drafts(N);
+  for (int64_t j = 0; j < N; ++j) drafts[j].assign(ids.begin() + j * (V - 1), ids.begin() + (j + 1) * (V - 1));
+  return drafts;
+}
+
+void SpeculativeDecoder::round(model::SequenceCache* cache, std::vector<Slot>& slots, int64_t B,
+                               const SpecDecodeOptions& opt) {
+  std::vector<int64_t> which, lengths;
+  std::map<int64_t, std::vector<int64_t>> by_V;  // verify size -> slots
+  for (int64_t i = 0; i < static_cast<int64_t>(slots.size()); ++i) {
+    const Slot& s = slots[i];
+    if (!s.active || s.done) continue;
+    which.push_back(i);
+    lengths.push_back(std::min(B, s.max_length - s.start));
+    by_V[lengths.back()].push_back(i);
+  }
+  if (which.empty()) return;
+  // Draft V-1 tokens after seq[start] for every slot.
+  std::map<int64_t, std::vector<int64_t>> drafts;  // slot -> drafts
+  for (const auto& [V, group] : by_V) {
+    if (V == 1) continue;
+    auto d = draft(slots, group, V, opt);
+    for (size_t j = 0; j < group.size(); ++j) drafts[group[j]] = std::move(d[j]);
+  }
+  // Verify: the target appends every block [seq[start], drafts] to its slot; posterior of each row.
+  std::vector<int64_t> ids, held;
+  for (auto i : which) {
+    held.push_back(slots[i].start);
+    ids.push_back(slots[i].seq[slots[i].start]);
+    const auto& d = drafts[i];
+    ids.insert(ids.end(), d.begin(), d.end());
+  }
+  auto verified = append(cache, slots, which, held, lengths, ids, /*rollback=*/true);
+  const bool sampling = opt.sampling.temperature > 0;
+  std::vector<int64_t> posterior;                 // greedy: the target's argmax of every verified row
+  std::vector<std::vector<int64_t>> verdicts;     // sampling: per slot, acceptance flags then candidates
+  if (sampling) {
+    std::vector<std::vector<int64_t>> slot_drafts;
+    for (auto i : which) slot_drafts.push_back(drafts[i]);
+    verdicts = sample_verdicts(slots, which, lengths, slot_drafts,
+                               target_logits(target_, verified.last_hidden_TH), opt);
+  } else {
+    posterior = target_argmax(target_, verified.last_hidden_TH);
+  }
+  std::vector<int64_t> keep;
+  int64_t off = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    Slot& s = slots[which[j]];
+    const int64_t V = lengths[j];
+    const auto& d = drafts[which[j]];
+    int64_t accepted = 0, bonus = 0;
+    if (sampling) {
+      const auto& v = verdicts[j];
+      while (accepted < V - 1 && (opt.accept_every_draft || v[accepted] != 0)) ++accepted;
+      bonus = v[V - 1 + accepted];
+    } else {
+      while (accepted < V - 1 && d[accepted] == posterior[off + accepted]) ++accepted;
+      bonus = posterior[off + accepted];
+    }
+    int64_t produced = std::min(accepted + 1, s.max_length - s.start - 1);
     for (int64_t i = 0; i < produced; ++i) {
-      const int64_t token = i < accepted ? drafts[i] : bonus;
-      seq.push_back(token);
+      const int64_t token = i < accepted ? d[i] : bonus;
+      s.seq.push_back(token);
       if (is_stop(token, opt.stop_token_ids)) {
         produced = i + 1;
-        stopped = true;
+        s.done = true;
         break;
       }
     }
     // Block rows 0..produced-1 are seq[start, start + produced): keep them, drop the rejected drafts.
-    cache.truncate({0}, {start + produced});
+    keep.push_back(s.start + produced);
     if (V > 1) {
-      auto kept_TKH = verified.features_TKH.narrow(0, 0, produced);
-      ctx_TH = torch::cat({ctx_TH, drafter_for(V).fuse_context(kept_TKH, compute)}, 0);
+      auto kept_TKH = verified.features_TKH.narrow(0, off, produced);
+      s.ctx_TH = torch::cat({s.ctx_TH, drafter_for(V).fuse_context(kept_TKH, target_.options().dtype)}, 0);
     }
-    start += produced;
-    res.acceptance_lengths.push_back(produced);
+    s.start += produced;
+    s.res.acceptance_lengths.push_back(produced);
+    if (s.start + 1 >= s.max_length) s.done = true;
+    off += V;
   }
-  const int64_t end = std::min<int64_t>(start + 1, max_length);
-  res.output_ids.assign(seq.begin() + n, seq.begin() + end);
-  return res;
+  if (cache) cache->truncate(which, keep);
+}
+
+std::vector<std::vector<int64_t>> SpeculativeDecoder::sample_verdicts(std::vector<Slot>& slots,
+                                                                      const std::vector<int64_t>& which,
+                                                                      const std::vector<int64_t>& lengths,
+                                                                      const std::vector<std::vector<int64_t>>& drafts,
+                                                                      const torch::Tensor& logits_RV,
+                                                                      const SpecDecodeOptions& opt) {
+  const auto dev = target_.options().device;
+  const auto p_all = model::sampling_probs(logits_RV, opt.sampling);
+  std::vector<torch::Tensor> packed;
+  int64_t off = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    Slot& s = slots[which[j]];
+    const int64_t V = lengths[j];
+    const auto p_VV = p_all.narrow(0, off, V);  // [V, vocab]
+    off += V;
+    if (V == 1) {
+      packed.push_back(draw(p_VV, s.gen));
+      continue;
+    }
+    const auto p = p_VV.narrow(0, 0, V - 1);
+    const auto x = ids_tensor(drafts[j], dev).unsqueeze(1);
+    const auto px = p.gather(1, x).squeeze(1), qx = s.q_RV.gather(1, x).squeeze(1);
+    const auto u = torch::empty({V - 1}, p.options()).uniform_(0.0, 1.0, s.gen);
+    const auto accept = (u * qx < px).to(torch::kInt64);
+    auto residual = (p - s.q_RV).clamp_min(0);
+    residual = torch::where(residual.sum(-1, /*keepdim=*/true) > 0, residual, p);
+    const auto candidates = draw(torch::cat({residual, p_VV.narrow(0, V - 1, 1)}), s.gen);
+    packed.push_back(torch::cat({accept, candidates}));
+    s.q_RV = torch::Tensor();
+  }
+  const auto flat = to_vector(torch::cat(packed));
+  std::vector<std::vector<int64_t>> out;
+  size_t at = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    const size_t n = 2 * lengths[j] - 1;
+    out.emplace_back(flat.begin() + at, flat.begin() + at + n);
+    at += n;
+  }
+  return out;
 }
 
 std::vector<int64_t> greedy_generate(model::TargetModel& target, const std::vector<int64_t>& prompt,

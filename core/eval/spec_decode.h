@@ -22,10 +22,38 @@
 //   output = generated tokens seq[prompt .. min(start + 1, max_length)) (a stop token is included).
 // With B == 1 there is no drafting (the target emits one token per round), as in z-lab.
 //
-// Cost: the target runs incrementally (model::SequenceCache, one slot sized prompt +
-// max_new_tokens): V tokens per round over its KV / recurrent cache, rolled back to the accepted
-// prefix after each round. The drafter still re-projects the K/V of the whole context every round
-// (the fused context itself is appended per round, not recomputed).
+// Sampling (SpecDecodeOptions::sampling.temperature > 0): the standard speculative sampling rule,
+// so that the generated tokens follow the target's own sampling distribution exactly. p = the
+// target's and q = the drafter's distribution at each block row, both after temperature, top-k and
+// top-p (model::sampling_probs, core/model/generation.h). Per round and prompt, all from the
+// prompt's own generator (seeded SpecDecodeOptions::seed + its index in the call, on the target's
+// device), in this order:
+//   drafts x_i ~ q_i (rows 1..V-1 of the drafter, i = 0..V-2);
+//   u_i ~ U[0, 1); draft i is accepted iff u_i q_i(x_i) < p_i(x_i) (probability min(1, p/q));
+//   correction c_i ~ max(0, p_i - q_i) normalized (p_i itself when that is all zero, i.e. p_i <= q_i
+//     everywhere, which can only differ from p_i == q_i by rounding), bonus c_{V-1} ~ p_{V-1};
+//   a = the first rejected i (V-1 when none); produced tokens = x_0..x_{a-1}, c_a, then the same
+//   caps and stop tokens as above. The first token (prefill) is drawn from p.
+// Every draw is argmax(w / E) with E ~ Exp(1) per token (a draw proportional to the weights w).
+// The result of a prompt depends only on its seed, not on the batch (up to floating-point
+// reassociation). Cost: the probabilities of every verified row, [rows, vocab] fp32, and two host
+// reads per round.
+//
+// Batching (SpecDecodeOptions::batch_size = S >= 1): up to S prompts decode at once, one slot each
+// of ONE model::SequenceCache (slots sized longest prompt + max_new_tokens); a prompt that finishes
+// hands its slot to the next waiting one (in input order). Each iteration prefills the newly
+// admitted prompts in one target extend, then runs one round for every running prompt: the
+// drafter drafts the blocks of all of them in one forward per distinct verify size V (blocks of
+// different V cannot share a forward, since Drafter rows come in blocks of its block_size), the
+// target verifies all blocks in ONE extend (per-slot lengths V_i), and one truncate rolls every
+// slot back to its own accepted prefix. Each prompt follows exactly the round rule above, so its
+// ids and acceptance lengths do not depend on the batch (up to floating-point reassociation of
+// batched kernels; fp32 CPU runs are equal, which the tests check for S = 1 and 3).
+//
+// Cost: the target runs incrementally: V tokens per prompt per round over its KV / recurrent
+// cache, rolled back to the accepted prefix after each round. The drafter still re-projects the
+// K/V of the whole context every round (the fused context itself is appended per round, not
+// recomputed). One host read per round (the posteriors of all blocks) plus one per drafter forward.
 //
 // Contracts: the drafter must fit the target (hidden size, target_layer_ids within the target's
 // layers, mask_token_id and prompt ids within the vocabulary): ConfigError / DataError otherwise.
@@ -38,6 +66,7 @@
 #include <vector>
 
 #include "core/model/drafter.h"
+#include "core/model/generation.h"
 #include "core/model/target.h"
 
 namespace dflash::eval {
@@ -46,6 +75,17 @@ struct SpecDecodeOptions {
   int64_t max_new_tokens = 64;          // >= 1
   int64_t block_size = 0;               // 0: the drafter's block_size; >= 1 otherwise
   std::vector<int64_t> stop_token_ids;  // empty: stop only at max_new_tokens
+  int64_t batch_size = 1;               // >= 1: prompts decoded at once (cache slots)
+  model::SamplingOptions sampling;      // temperature 0: greedy (exact vs z-lab); > 0: speculative sampling
+  uint64_t seed = 0;                    // sampling: prompt i of a call draws from a generator seeded seed + i
+  // A deliberately WRONG sampling rule that keeps every draft: only the distribution test's
+  // negative control sets it (its samples must fail the test's bound). Ignored when greedy.
+  bool accept_every_draft = false;
+  // The uncached reference (a benchmark baseline only, `dflash bench generate --eval`): no cache;
+  // the target re-runs each prompt's whole sequence (accepted tokens + the block) every round, as
+  // dflash eval did before the cache. The same rounds and results (up to floating-point
+  // differences between the full forward and the cached extend).
+  bool uncached_target = false;
 };
 
 struct SpecDecodeResult {
@@ -58,14 +98,39 @@ class SpeculativeDecoder {
   // Keeps references to `target` and a working copy of the drafter's weights in the target's dtype
   // on the target's device (the drafter's own fp32 masters are not touched).
   SpeculativeDecoder(model::TargetModel& target, const model::Drafter& drafter);
+  // One prompt (opt.batch_size is irrelevant). ConfigError for max_new_tokens < 1 or block_size
+  // < 0; DataError for an empty prompt or a token outside the vocabulary.
   SpecDecodeResult generate(const std::vector<int64_t>& prompt, const SpecDecodeOptions& opt);
+  // Every prompt, batched as described above; results in prompt order. Errors as generate() (also
+  // ConfigError for batch_size < 1), every prompt checked before any work; no prompts: no results.
+  std::vector<SpecDecodeResult> generate_batch(const std::vector<std::vector<int64_t>>& prompts,
+                                               const SpecDecodeOptions& opt);
 
  private:
   // Drafter::forward treats its rows as blocks of config().block_size, so each verify size V gets a
   // drafter whose block_size is V; all of them share the same weight tensors (built once per V).
   const model::Drafter& drafter_for(int64_t V);
-  // Appends `tokens` to slot 0 of the target's cache; their captures (drafter layers, last hidden).
-  model::CaptureResult extend(model::SequenceCache& cache, const std::vector<int64_t>& tokens, bool rollback);
+  struct Slot;  // one running prompt
+  // The target over `ids` (lengths[j] tokens for slot which[j], back to back) following the first
+  // held[j] accepted tokens of each slot: an extend of `cache`, or without a cache (null,
+  // SpecDecodeOptions::uncached_target) one full forward per slot. Captures of the appended rows.
+  model::CaptureResult append(model::SequenceCache* cache, const std::vector<Slot>& slots,
+                              const std::vector<int64_t>& which, const std::vector<int64_t>& held,
+                              const std::vector<int64_t>& lengths, const std::vector<int64_t>& ids, bool rollback);
+  // Admits waiting prompts into free slots: one prefill extend, their first tokens and contexts.
+  void admit(model::SequenceCache* cache, std::vector<Slot>& slots, const std::vector<std::vector<int64_t>>& prompts,
+             size_t& next, int64_t B, const SpecDecodeOptions& opt);
+  // One round (draft, verify, accept, roll back) for every running slot.
+  void round(model::SequenceCache* cache, std::vector<Slot>& slots, int64_t B, const SpecDecodeOptions& opt);
+  // Drafts of the listed slots' blocks (all of verify size V > 1): V-1 ids per slot; when sampling,
+  // also each slot's q rows (Slot::q_RV).
+  std::vector<std::vector<int64_t>> draft(std::vector<Slot>& slots, const std::vector<int64_t>& which, int64_t V,
+                                          const SpecDecodeOptions& opt);
+  // Sampling: per listed slot, [V-1 acceptance flags (0/1), then V candidates c] (see above).
+  std::vector<std::vector<int64_t>> sample_verdicts(std::vector<Slot>& slots, const std::vector<int64_t>& which,
+                                                    const std::vector<int64_t>& lengths,
+                                                    const std::vector<std::vector<int64_t>>& drafts,
+                                                    const torch::Tensor& logits_RV, const SpecDecodeOptions& opt);
 
   model::TargetModel& target_;
   model::DrafterConfig cfg_;
@@ -73,6 +138,9 @@ class SpeculativeDecoder {
   std::vector<torch::Tensor> weights_;  // in Drafter parameter order, target dtype/device
   std::map<int64_t, std::unique_ptr<model::Drafter>> by_block_size_;
 };
+
+// DataError when the prompt is empty or holds a token outside [0, vocab).
+void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab);
 
 // The target's own greedy decoding by full re-forwards (no cache): max_new_tokens argmax steps,
 // stopping after (and including) the first stop token. The reference speculative decoding must equal.

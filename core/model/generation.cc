@@ -40,11 +40,9 @@ at::Generator make_generator(torch::Device device, uint64_t seed) {
   DFLASH_FAIL(ConfigError, "sampling: no random generator for device " << device);
 }
 
-torch::Tensor sample_next(const torch::Tensor& logits_BV, const SamplingOptions& o, std::vector<at::Generator>& gens) {
-  if (o.temperature == 0) return logits_BV.argmax(-1);
-  const int64_t B = logits_BV.size(0), V = logits_BV.size(1);
-  DFLASH_CHECK(static_cast<int64_t>(gens.size()) == B, ConfigError,
-               "sampling: " << gens.size() << " generators for " << B << " rows");
+torch::Tensor sampling_probs(const torch::Tensor& logits_BV, const SamplingOptions& o) {
+  DFLASH_CHECK(o.temperature > 0, ConfigError, "sampling_probs: temperature must be > 0, got " << o.temperature);
+  const int64_t V = logits_BV.size(1);
   const double inf = std::numeric_limits<double>::infinity();
   auto x = logits_BV.to(torch::kFloat32) / o.temperature;
   if (o.top_k > 0 && o.top_k < V) {
@@ -57,9 +55,17 @@ torch::Tensor sample_next(const torch::Tensor& logits_BV, const SamplingOptions&
     drop.narrow(-1, V - 1, 1).fill_(false);
     x = x.scatter(-1, order, sorted.masked_fill(drop, -inf));
   }
+  return x.softmax(-1);
+}
+
+torch::Tensor sample_next(const torch::Tensor& logits_BV, const SamplingOptions& o, std::vector<at::Generator>& gens) {
+  if (o.temperature == 0) return logits_BV.argmax(-1);
+  const int64_t B = logits_BV.size(0);
+  DFLASH_CHECK(static_cast<int64_t>(gens.size()) == B, ConfigError,
+               "sampling: " << gens.size() << " generators for " << B << " rows");
   // One draw per row: argmax(p / E), E ~ Exp(1) per token from the row's generator (how
   // torch::multinomial draws one sample, without its validity check that reads a value back).
-  auto probs = x.softmax(-1);
+  auto probs = sampling_probs(logits_BV, o);
   std::vector<torch::Tensor> noise;
   for (int64_t i = 0; i < B; ++i) noise.push_back(torch::empty_like(probs[i]).exponential_(1.0, gens[i]));
   return (probs / torch::stack(noise)).argmax(-1);

@@ -64,6 +64,11 @@ void validate_sampling(const SamplingOptions& o);
 // One generator per row, seeded on the given device (CPU or CUDA).
 at::Generator make_generator(torch::Device device, uint64_t seed);
 
+// The distribution sample_next draws from when temperature > 0: softmax of the logits rows [B, V]
+// (computed in fp32) divided by the temperature, after top-k then top-p as described above.
+// Returns fp32 [B, V] on the logits' device. ConfigError when temperature is not > 0.
+torch::Tensor sampling_probs(const torch::Tensor& logits_BV, const SamplingOptions& o);
+
 // Next tokens for the logits rows [B, V] (any floating dtype, computed in fp32): argmax when
 // temperature is 0 (gens unused), else one draw per row i with gens[i] (gens.size() == B; each
 // draw consumes V exponential variates of its generator). Returns int64 [B] on the logits' device;

@@ -1,13 +1,13 @@
 #include "services/drafter/eval_cmd.h"
 
-#include <chrono>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
-#include "core/eval/spec_decode.h"
+#include "core/eval/evaluate.h"
 #include "core/io/jsonl.h"
 #include "core/model/drafter.h"
 #include "core/model/target.h"
@@ -23,36 +23,54 @@ namespace {
 const char* kEvalUsage =
     "usage: dflash eval --target DIR --drafter DIR --input FILE.jsonl [--max-new-tokens N (64)]\n"
     "                   [--block-size B (the drafter's)] [--device cpu|cuda] [--dtype float32|bfloat16]\n"
-    "                   [--stop-token-ids a,b]\n"
-    "  greedy speculative decoding of each prompt line {\"input_ids\": [...]}; prints JSON\n"
-    "  {\"results\": [{\"output_ids\", \"acceptance_lengths\"}...], \"tau\", \"tokens_per_second\"}\n";
+    "                   [--stop-token-ids a,b] [--batch-size B (1)] [--no-baseline] [--out FILE.json]\n"
+    "                   [--temperature T (0: greedy) [--top-p P (1)] [--top-k K (0)] [--seed S (0)]]\n"
+    "  speculative decoding of each prompt line {\"input_ids\": [...], \"group\"|\"benchmark\": ...},\n"
+    "  and the target's own greedy decoding of the same prompts (speedup); prints the JSON report\n"
+    "  {\"results\": [{\"output_ids\", \"acceptance_lengths\", \"group\"}...], \"tau\", \"tokens_per_second\",\n"
+    "   \"acceptance_histogram\", \"position_acceptance\", \"baseline_tokens_per_second\", \"speedup\",\n"
+    "   \"groups\": {...}, ...} (core/eval/evaluate.h)\n";
 
 int run_eval(int argc, char** argv) {
   Flags flags(argc, argv,
               {"target", "drafter", "input", "max-new-tokens", "block-size", "device", "dtype", "stop-token-ids",
-               "help"},
-              {"help"});
+               "batch-size", "no-baseline", "out", "temperature", "top-p", "top-k", "seed", "help"},
+              {"help", "no-baseline"});
   if (flags.has("help")) {
     std::cout << kEvalUsage;
     return kExitOk;
   }
   DFLASH_CHECK(flags.positional().empty(), ConfigError, "eval: unexpected argument '" << flags.positional().front() << "'");
   const std::string target_dir = flags.get("target"), drafter_dir = flags.get("drafter"), input = flags.get("input");
-  eval::SpecDecodeOptions opt;
-  opt.max_new_tokens = flags.get_int("max-new-tokens", 64);
-  opt.block_size = flags.get_int("block-size", 0);
-  DFLASH_CHECK(opt.max_new_tokens >= 1, ConfigError, "--max-new-tokens must be >= 1, got " << opt.max_new_tokens);
-  DFLASH_CHECK(!flags.has("block-size") || opt.block_size >= 1, ConfigError,
-               "--block-size must be >= 1, got " << opt.block_size);
-  if (flags.has("stop-token-ids")) opt.stop_token_ids = flags.get_int_list("stop-token-ids");
+  eval::EvalOptions opt;
+  opt.baseline = !flags.has("no-baseline");
+  eval::SpecDecodeOptions& dec = opt.decode;
+  dec.max_new_tokens = flags.get_int("max-new-tokens", 64);
+  dec.block_size = flags.get_int("block-size", 0);
+  DFLASH_CHECK(dec.max_new_tokens >= 1, ConfigError, "--max-new-tokens must be >= 1, got " << dec.max_new_tokens);
+  DFLASH_CHECK(!flags.has("block-size") || dec.block_size >= 1, ConfigError,
+               "--block-size must be >= 1, got " << dec.block_size);
+  dec.batch_size = flags.get_int("batch-size", 1);
+  DFLASH_CHECK(dec.batch_size >= 1, ConfigError, "--batch-size must be >= 1, got " << dec.batch_size);
+  dec.sampling.temperature = flags.get_double("temperature", 0.0);
+  dec.sampling.top_p = flags.get_double("top-p", 1.0);
+  dec.sampling.top_k = flags.get_int("top-k", 0);
+  const int64_t seed = flags.get_int("seed", 0);
+  DFLASH_CHECK(seed >= 0, ConfigError, "--seed must be >= 0, got " << seed);
+  dec.seed = static_cast<uint64_t>(seed);
+  model::validate_sampling(dec.sampling);
+  if (flags.has("stop-token-ids")) dec.stop_token_ids = flags.get_int_list("stop-token-ids");
+  const std::string out_path = flags.get("out", "");
+  std::ofstream out_file;
+  if (!out_path.empty()) {  // opened before any work, so that a bad path fails fast
+    out_file.open(out_path);
+    DFLASH_CHECK(out_file, ConfigError, "--out " << out_path << ": cannot open for writing");
+  }
   model::LoadOptions load;
   load.device = model::parse_device(flags.get("device", "cpu"));
   load.dtype = model::parse_dtype(flags.get("dtype", "float32"));
 
-  std::vector<std::vector<int64_t>> prompts;
-  for (const auto& doc : io::read_token_jsonl(input)) prompts.emplace_back(doc.input_ids.begin(), doc.input_ids.end());
-  DFLASH_CHECK(!prompts.empty(), DataError, input << ": no prompts");
-
+  const auto prompts = eval::read_eval_prompts(input);
   auto target = model::load_target(target_dir, load);
   train::ImportedDrafter imported = train::import_hf(drafter_dir);
   DFLASH_CHECK(imported.config.vocab_size == target->config().vocab_size, ConfigError,
@@ -61,27 +79,24 @@ int run_eval(int argc, char** argv) {
   model::Drafter drafter(imported.config, torch::kCPU, /*init_seed=*/0);
   drafter.load_parameters(imported.tensors, drafter_dir + "/model.safetensors");
   imported.tensors.clear();
-  eval::SpeculativeDecoder decoder(*target, drafter);
   LOG_INFO("eval: " << prompts.size() << " prompts, block size "
-                    << (opt.block_size > 0 ? opt.block_size : imported.config.block_size) << ", max new tokens "
-                    << opt.max_new_tokens);
+                    << (dec.block_size > 0 ? dec.block_size : imported.config.block_size) << ", batch size "
+                    << dec.batch_size << ", max new tokens " << dec.max_new_tokens);
 
-  nlohmann::json results = nlohmann::json::array();
-  int64_t rounds = 0, accepted = 0, generated = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (const auto& prompt : prompts) {
-    const eval::SpecDecodeResult r = decoder.generate(prompt, opt);
-    results.push_back({{"output_ids", r.output_ids}, {"acceptance_lengths", r.acceptance_lengths}});
-    rounds += r.acceptance_lengths.size();
-    for (auto a : r.acceptance_lengths) accepted += a;
-    generated += r.output_ids.size();
+  const eval::EvalReport report = eval::evaluate(*target, drafter, prompts, opt);
+  const auto& o = report.overall;
+  LOG_INFO("eval: " << o.generated_tokens << " tokens in " << o.rounds << " rounds, tau " << o.tau() << ", "
+                    << o.tokens_per_second() << " tokens/s"
+                    << (opt.baseline ? ", target alone " + std::to_string(o.baseline_tokens_per_second()) +
+                                           " tokens/s, speedup " + std::to_string(o.speedup())
+                                     : std::string()));
+  const std::string json = report.to_json().dump();
+  if (!out_path.empty()) {
+    out_file << json << "\n";
+    out_file.close();
+    DFLASH_CHECK(out_file, ConfigError, "--out " << out_path << ": write failed");
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const double tau = rounds > 0 ? double(accepted) / double(rounds) : 0.0;
-  const double tps = seconds > 0 ? double(generated) / seconds : 0.0;
-  LOG_INFO("eval: " << generated << " tokens in " << rounds << " rounds, tau " << tau << ", " << tps << " tokens/s");
-  nlohmann::json out = {{"results", results}, {"tau", tau}, {"tokens_per_second", tps}};
-  std::cout << out.dump() << std::endl;
+  std::cout << json << std::endl;
   return kExitOk;
 }
 

@@ -20,6 +20,7 @@
 #include "core/util/flags.h"
 #include "core/util/process.h"
 #include "core/util/switches.h"
+#include "services/target/bench_eval.h"
 #include "services/target/bench_target.h"
 
 namespace dflash::target {
@@ -35,7 +36,8 @@ const char* kUsage =
     "measured), prefill_s (the same run with one new token), decode_tokens_per_s (B * (new - 1) over\n"
     "the rest) and decode_roofline (the time to read the weights once at --hbm-gbps over the time of\n"
     "one decode step). --baseline adds HF transformers generate of the same shape and batches,\n"
-    "measured in this invocation, and speedup_vs_baseline per batch.\n";
+    "measured in this invocation, and speedup_vs_baseline per batch.\n"
+    "dflash bench generate --eval ...: speculative decoding vs its uncached reference (--eval --help).\n";
 
 // Seconds of one Generator::run over `requests` with `new_tokens` each (median of `repeats` after
 // `warmup` untimed runs); checks every request got exactly new_tokens tokens.
@@ -112,6 +114,8 @@ void add_baseline(const Flags& f, const std::string& shape, const std::string& b
 }  // namespace
 
 int cmd_bench_generate(int argc, char** argv) {
+  for (int i = 0; i < argc; ++i)
+    if (std::strcmp(argv[i], "--eval") == 0) return cmd_bench_eval(argc, argv);
   if (help_requested(argc, argv, kUsage)) return kExitOk;
   Flags f(argc, argv,
           {"shape", "device", "dtype", "batches", "new-tokens", "warmup", "repeats", "hbm-gbps", "baseline", "python"},

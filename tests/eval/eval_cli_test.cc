@@ -3,7 +3,8 @@
 // on the tiny HF Qwen3 target, for drafters exported with core/train/export.h (float32, exact):
 // a random drafter (acceptance ~1, drafts depend on context) and drafters steered towards the
 // token of the target's longest greedy repeat (whole blocks accepted), at block sizes 4 and 8.
-// Stop tokens (zlab_generate.py runs without them) are checked against our own no-stop output.
+// Stop tokens (zlab_generate.py runs without them) are checked against our own no-stop output;
+// --batch-size 3 must print the same results; the report's groups, baseline and --out; exit codes.
 #include <gtest/gtest.h>
 #include <unistd.h>
 #include <torch/torch.h>
@@ -69,6 +70,10 @@ class EvalCli : public ::testing::Test {
     job.insert(job.end(), {"--compare", ours});
     zlab_.add(job);
     auto j = read_json(ours);
+    // Batched: the same ids and acceptance lengths (core/eval/spec_decode.h).
+    const std::string batched = ours + ".batched";
+    EXPECT_EQ(run(test_env("DFLASH_BIN_DIR") + "/dflash eval" + common + " --batch-size 3 > " + batched), 0);
+    EXPECT_EQ(read_json(batched)["results"], j["results"]) << "--batch-size 3 differs from one prompt at a time";
     int64_t rounds = 0, produced = 0, longest = 0;
     for (auto& r : j["results"])
       for (int64_t a : r["acceptance_lengths"]) {
@@ -139,6 +144,33 @@ TEST_F(EvalCli, StopTokensCutAfterTheFirstOccurrence) {
   }
 }
 
+// The report: groups from "group" / "benchmark", the baseline and speedup, --out gets the same JSON.
+TEST_F(EvalCli, ReportWithGroupsAndOut) {
+  auto d = testing::random_drafter(*target_, 1, 4, 25);
+  const std::string dir = export_drafter(*d, "report");
+  const std::string prompts = (work_ / "grouped.jsonl").string(), out = (work_ / "report.json").string();
+  std::ofstream(prompts) << "{\"input_ids\": [1, 2, 3], \"group\": \"x\"}\n"
+                         << "{\"input_ids\": [4, 5], \"benchmark\": \"y\"}\n"
+                         << "{\"input_ids\": [6, 7, 8, 9]}\n";
+  const std::string printed = (work_ / "printed.json").string();
+  ASSERT_EQ(run(test_env("DFLASH_BIN_DIR") + "/dflash eval --target " + target_dir_ + " --drafter " + dir +
+                " --input " + prompts + " --max-new-tokens 12 --batch-size 2 --out " + out + " > " + printed),
+            0);
+  const auto j = read_json(out);
+  EXPECT_EQ(read_json(printed), j);
+  EXPECT_EQ(j["groups"].size(), 3u);
+  for (const char* g : {"x", "y", "default"}) {
+    ASSERT_TRUE(j["groups"].contains(g)) << g;
+    EXPECT_EQ(j["groups"][g]["prompts"], 1);
+    EXPECT_GT(j["groups"][g]["baseline_tokens_per_second"].get<double>(), 0) << g;
+  }
+  EXPECT_EQ(j["results"][1]["group"], "y");
+  EXPECT_EQ(j["acceptance_histogram"].size(), 4u);
+  EXPECT_EQ(j["position_acceptance"].size(), 3u);
+  EXPECT_NEAR(j["speedup"].get<double>(),
+              j["tokens_per_second"].get<double>() / j["baseline_tokens_per_second"].get<double>(), 1e-9);
+}
+
 TEST_F(EvalCli, ExitCodes) {
   auto d = testing::random_drafter(*target_, 1, 4, 24);
   const std::string dir = export_drafter(*d, "codes");
@@ -153,6 +185,13 @@ TEST_F(EvalCli, ExitCodes) {
   const std::string bad = (work_ / "bad.jsonl").string();
   std::ofstream(bad) << "{\"input_ids\": [1, 2, 99999]}\n";
   EXPECT_EQ(run(bin + ok + " --input " + bad + " > /dev/null"), 4);
+  std::ofstream(bad) << "{\"input_ids\": [1, 2], \"group\": 7}\n";
+  EXPECT_EQ(run(bin + ok + " --input " + bad + " > /dev/null"), 4);
+  const std::string docs = " --input " + data_ + "/docs.jsonl";
+  EXPECT_EQ(run(bin + ok + docs + " --batch-size 0 > /dev/null"), 2);
+  EXPECT_EQ(run(bin + ok + docs + " --temperature -1 > /dev/null"), 2);
+  EXPECT_EQ(run(bin + ok + docs + " --temperature 1 --top-p 0 > /dev/null"), 2);
+  EXPECT_EQ(run(bin + ok + docs + " --out " + (work_ / "no" / "dir.json").string() + " > /dev/null"), 2);
 }
 
 }  // namespace

@@ -180,6 +180,55 @@ TEST(SpecDecode, HybridTargetEqualsItsGreedy) {
   }
 }
 
+// Batched decoding (several prompts in the slots of one cache, one verify extend per round) gives
+// every prompt exactly the ids and acceptance lengths of decoding it alone: prompts of different
+// lengths, more prompts than slots (finished prompts hand their slot on), a stop token that ends
+// some prompts early, dense and hybrid targets.
+void expect_batch_equals_single(model::TargetModel& target, const model::Drafter& drafter,
+                                const std::vector<std::vector<int64_t>>& prompts, int64_t max_new, int64_t B) {
+  SpeculativeDecoder dec(target, drafter);
+  SpecDecodeOptions o;
+  o.max_new_tokens = max_new;
+  o.block_size = B;
+  o.stop_token_ids = {greedy_generate(target, prompts[1], max_new)[max_new / 2]};
+  std::vector<SpecDecodeResult> single;
+  int64_t stopped = 0;
+  for (const auto& p : prompts) {
+    single.push_back(dec.generate(p, o));
+    stopped += static_cast<int64_t>(single.back().output_ids.size()) < max_new;
+  }
+  EXPECT_GT(stopped, 0) << "no prompt ended at the stop token";
+  for (int64_t S : {1, 3}) {
+    o.batch_size = S;
+    auto batched = dec.generate_batch(prompts, o);
+    ASSERT_EQ(batched.size(), prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      EXPECT_EQ(batched[i].output_ids, single[i].output_ids) << "batch " << S << " prompt " << i;
+      EXPECT_EQ(batched[i].acceptance_lengths, single[i].acceptance_lengths) << "batch " << S << " prompt " << i;
+    }
+  }
+}
+
+TEST(SpecDecode, BatchedEqualsOneAtATime) {
+  auto f = make(2, 4, 7);
+  auto ps = eval_prompts();
+  ASSERT_GE(ps.size(), 5u);
+  ps.resize(5);
+  ps[0].resize(3);  // lengths differ within every batch
+  ps[2].resize(20);
+  expect_batch_equals_single(*f.target, *f.drafter, ps, 23, 4);
+}
+
+TEST(SpecDecode, BatchedHybridEqualsOneAtATime) {
+  auto target = model::load_target(test_data_dir() + "/hybrid/qwen3_5_text", {});
+  auto drafter = testing::random_drafter(*target, 2, 4, 17);
+  std::vector<std::vector<int64_t>> ps;
+  for (const auto& d : io::read_token_jsonl(test_data_dir() + "/hybrid/docs.jsonl"))
+    if (ps.size() < 4) ps.emplace_back(d.input_ids.begin(), d.input_ids.begin() + std::min<size_t>(d.input_ids.size(), 5 + 3 * ps.size()));
+  ASSERT_EQ(ps.size(), 4u);
+  expect_batch_equals_single(*target, *drafter, ps, 17, 4);
+}
+
 TEST(SpecDecode, RejectsBadInputs) {
   auto f = make(1, 4, 5);
   SpeculativeDecoder dec(*f.target, *f.drafter);
@@ -189,6 +238,11 @@ TEST(SpecDecode, RejectsBadInputs) {
   o.max_new_tokens = 4;
   EXPECT_THROW(dec.generate({}, o), DataError);
   EXPECT_THROW(dec.generate({1, 100000}, o), DataError);
+  o.batch_size = 0;
+  EXPECT_THROW(dec.generate_batch(std::vector<std::vector<int64_t>>{{1, 2}}, o), ConfigError);
+  o.batch_size = 2;
+  EXPECT_THROW(dec.generate_batch(std::vector<std::vector<int64_t>>{{1, 2}, {}}, o), DataError);
+  EXPECT_TRUE(dec.generate_batch(std::vector<std::vector<int64_t>>{}, o).empty());
 }
 
 }  // namespace
