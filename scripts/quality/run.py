@@ -15,12 +15,13 @@
       humaneval_prompts.jsonl (prompts for `dflash eval`). BUNDLE/manifest.json records versions,
       counts and sha256 of every file.
 
-  run.py gpu BUNDLE OUT [--variants plain,dpace,...] [--steps N] [--device cuda] [--max-new-tokens 512]
+  run.py gpu BUNDLE OUT [--variants plain,dpace,...] [--epochs N] [--device cuda] [--max-new-tokens 512]
       on the GPU host (no package access needed): `dflash data regenerate` of the training set with
       the target (greedy, --max-new-tokens), `dflash data import`, one `dflash train` per recipe
-      variant (same data, steps and schedule; scripts/quality/quality.yaml), `dflash eval` of every
+      variant (same data, epochs, hence steps and lr schedule; scripts/quality/quality.yaml), `dflash eval` of every
       drafter on every prompt group, the target's own greedy decoding (`dflash generate`, batch 1)
-      for the speedup; OUT/results.json and a Markdown table on stdout.
+      for the speedup; the SpecForge reference (variant `specforge`: specforge_train.py with the
+      `plain` run's steps, shape and hyperparameters); OUT/results.json and a Markdown table on stdout.
 
 Binaries come from --bin (default: $DFLASH_BIN_DIR or <repo>/build/bin); the Python running this
 script is passed on to `dflash data` (--python). Exit: 0 done, 2 bad usage, 1 a step failed (its
@@ -211,6 +212,7 @@ def train_config(bundle, out, variant, a):
     import yaml
     cfg = yaml.safe_load(open(os.path.join(HERE, "quality.yaml")))
     cfg["run"]["output_dir"] = os.path.join(out, "runs", variant)
+    cfg["run"]["epochs"] = a.epochs
     cfg["target"]["model_dir"] = os.path.join(bundle, "model")
     cfg["target"]["dtype"] = a.dtype
     cfg["data"]["shard_dir"] = os.path.join(out, "shards")
@@ -224,6 +226,27 @@ def train_config(bundle, out, variant, a):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     yaml.safe_dump(cfg, open(path, "w"), sort_keys=False)
     return path
+
+
+def specforge_reference(bundle, out, results, regen, a):
+    """SpecForge's trainer (specforge_train.py) with the `plain` variant's data, shape, steps and
+    hyperparameters (quality.yaml); needs `plain` earlier in --variants."""
+    if "plain" not in results["variants"]:
+        raise StepError("--variants: 'specforge' needs 'plain' before it (its steps and drafter shape)")
+    import yaml
+    plain = results["variants"]["plain"]
+    tr = yaml.safe_load(open(plain["config"]))
+    t, d = tr["train"], tr["data"]
+    dest = os.path.join(out, "specforge")
+    start = time.time()
+    sh([sys.executable, os.path.join(HERE, "specforge_train.py"), "--target", os.path.join(bundle, "model"),
+        "--data", regen, "--shape", plain["export"], "--out", dest, "--steps", str(plain["steps"]),
+        "--lr", str(t["lr"]), "--warmup-ratio", str(t["warmup_ratio"]), "--weight-decay", str(t["weight_decay"]),
+        "--grad-clip", str(t["grad_clip"]), "--anchors", str(t["max_anchors"]), "--gamma", str(t["gamma"]),
+        "--token-budget", str(d["token_budget"]), "--max-seq-len", str(d["max_seq_len"]),
+        "--seed", str(tr["run"]["seed"]), "--device", a.device, "--dtype", a.dtype])
+    return {"train_wall_s": time.time() - start, "steps": plain["steps"], "export": os.path.join(dest, "drafter"),
+            "loss_log": os.path.join(dest, "loss.jsonl"), "groups": {}}
 
 
 def accept_stats(result):
@@ -260,13 +283,17 @@ def cmd_gpu(a):
             os.path.join(out, f"greedy_{g}.jsonl"), "--max-new-tokens", str(a.max_new_tokens), "--batch-size", "1", *dev])
         results["target_greedy"][g] = {"wall_s": time.time() - t}
     for v in a.variants.split(","):
-        if v not in VARIANTS:
-            raise StepError(f"--variants: unknown variant '{v}' (known: {', '.join(VARIANTS)})")
-        cfg = train_config(bundle, out, v, a)
-        export = os.path.join(out, "drafters", v)
-        t = time.time()
-        sh([dflash, "train", cfg, *dev, "--max-steps", str(a.steps), "--export", export])
-        r = {"train_wall_s": time.time() - t, "config": cfg, "export": export, "groups": {}}
+        if v not in VARIANTS and v != "specforge":
+            raise StepError(f"--variants: unknown variant '{v}' (known: {', '.join(VARIANTS)}, specforge)")
+        if v == "specforge":
+            r = specforge_reference(bundle, out, results, regen, a)
+            export = r["export"]
+        else:
+            cfg = train_config(bundle, out, v, a)
+            export = os.path.join(out, "drafters", v)
+            t = time.time()
+            summary = json.loads(sh([dflash, "train", cfg, *dev, "--export", export]).strip().splitlines()[-1])
+            r = {"train_wall_s": time.time() - t, "steps": summary["steps"], "config": cfg, "export": export, "groups": {}}
         for g, f in groups.items():
             ev = json.loads(sh([dflash, "eval", "--target", model, "--drafter", export, "--input",
                                 os.path.join(bundle, "data", f), *evalflags]))
@@ -294,8 +321,9 @@ def main(argv=None):
     g = sub.add_parser("gpu")
     g.add_argument("bundle")
     g.add_argument("out")
-    g.add_argument("--variants", default="plain,soft,noise,dpace")
-    g.add_argument("--steps", type=int, default=6000)
+    g.add_argument("--variants", default="plain,specforge,soft,noise,dpace",
+                   help="our recipe variants (plain, soft, noise, dpace) and specforge (after plain)")
+    g.add_argument("--epochs", type=int, default=2, help="epochs over the regenerated data (the lr schedule's length)")
     g.add_argument("--device", default="cuda")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--max-new-tokens", type=int, default=512)
