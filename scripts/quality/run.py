@@ -258,6 +258,16 @@ def accept_stats(result):
             "tokens_per_second": result["tokens_per_second"]}
 
 
+def stop_ids(model):
+    """The target's eos ids (generation_config.json, else config.json) as a --stop-token-ids value."""
+    for name in ("generation_config.json", "config.json"):
+        p = os.path.join(model, name)
+        eos = json.load(open(p)).get("eos_token_id") if os.path.isfile(p) else None
+        if eos is not None:
+            return ",".join(str(e) for e in (eos if isinstance(eos, list) else [eos]))
+    raise StepError(f"{model}: no eos_token_id in generation_config.json or config.json")
+
+
 def cmd_gpu(a):
     bundle, out = os.path.abspath(a.bundle), os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
@@ -276,12 +286,26 @@ def cmd_gpu(a):
             "--block-size", "16"])
     results = {"regenerate_and_import_s": time.time() - t0, "variants": {}, "target_greedy": {}}
     groups = {"sharegpt_heldout": "heldout_prompts.jsonl", "humaneval": "humaneval_prompts.jsonl"}
-    evalflags = ["--max-new-tokens", str(a.max_new_tokens), *dev, "--dtype", a.dtype]
-    for g, f in groups.items():
+    common = [*dev, "--dtype", a.dtype, "--stop-token-ids", stop_ids(model)]
+    evalflags = ["--max-new-tokens", str(a.max_new_tokens), *common]
+    def generate(src, dest, flags):
+        if os.path.exists(dest):
+            os.remove(dest)
         t = time.time()
-        sh([dflash, "generate", "--model", model, "--input", os.path.join(bundle, "data", f), "--out",
-            os.path.join(out, f"greedy_{g}.jsonl"), "--max-new-tokens", str(a.max_new_tokens), "--batch-size", "1", *dev])
-        results["target_greedy"][g] = {"wall_s": time.time() - t}
+        sh([dflash, "generate", "--model", model, "--input", src, "--out", dest, "--batch-size", "1", *flags])
+        return time.time() - t
+
+    # The start-up cost of `dflash generate` (process, model load, one prefill): one prompt, one token.
+    first = os.path.join(out, "first_prompt.jsonl")
+    with open(os.path.join(bundle, "data", "heldout_prompts.jsonl")) as src, open(first, "w") as dst:
+        dst.write(src.readline())
+    startup = generate(first, os.path.join(out, "startup.jsonl"), ["--max-new-tokens", "1", *common])
+    for g, f in groups.items():
+        greedy = os.path.join(out, f"greedy_{g}.jsonl")
+        wall = generate(os.path.join(bundle, "data", f), greedy, evalflags) - startup
+        tokens = sum(len(json.loads(line)["output_ids"]) for line in open(greedy) if line.strip())
+        results["target_greedy"][g] = {"decode_s": wall, "startup_s": startup, "tokens": tokens,
+                                       "tokens_per_second": tokens / wall}
     for v in a.variants.split(","):
         if v not in VARIANTS and v != "specforge":
             raise StepError(f"--variants: unknown variant '{v}' (known: {', '.join(VARIANTS)}, specforge)")
@@ -299,13 +323,15 @@ def cmd_gpu(a):
                                 os.path.join(bundle, "data", f), *evalflags]))
             json.dump(ev, open(os.path.join(out, f"eval_{v}_{g}.json"), "w"))
             r["groups"][g] = accept_stats(ev)
+            r["groups"][g]["speedup_vs_greedy"] = ev["tokens_per_second"] / results["target_greedy"][g]["tokens_per_second"]
         results["variants"][v] = r
         json.dump(results, open(os.path.join(out, "results.json"), "w"), indent=1)
-    print("| variant | group | tau | tokens/s | train wall s |")
-    print("|---|---|---|---|---|")
+    print("| variant | group | tau | tokens/s | speedup vs greedy | steps | train wall s |")
+    print("|---|---|---|---|---|---|---|")
     for v, r in results["variants"].items():
         for g, s in r["groups"].items():
-            print(f"| {v} | {g} | {s['tau']:.3f} | {s['tokens_per_second']:.1f} | {r['train_wall_s']:.0f} |")
+            print(f"| {v} | {g} | {s['tau']:.3f} | {s['tokens_per_second']:.1f} | {s['speedup_vs_greedy']:.2f} | "
+                  f"{r['steps']} | {r['train_wall_s']:.0f} |")
     return 0
 
 
