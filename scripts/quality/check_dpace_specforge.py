@@ -7,9 +7,11 @@ parameter gradients (already divided by our denominator, the number of documents
 itself is our export (z-lab format). This script rebuilds the same step with SpecForge's own code:
   - its drafter `specforge.modeling.draft.dflash.DFlashDraftModel` loaded from the export, float64,
     eager attention;
-  - its training wrapper `OnlineDFlashModel(loss_type="dpace", dpace_alpha=ALPHA)`, with the
-    documents as rows of a padded batch (loss mask 0 on padding) and its anchor sampler replaced
-    by the case's anchors (the only part not taken from SpecForge: anchors are an input);
+  - its training wrapper `OnlineDFlashModel(loss_type="dpace", dpace_alpha=ALPHA)` called once per
+    document (a batch of one row; SpecForge divides a batch's sum by its rows, so each call's loss
+    is divided by the number of documents and the gradients accumulate), its anchor sampler
+    replaced by the case's anchors of that document (the only part not taken from SpecForge:
+    anchors are an input);
   - `loss.backward()`.
 Checks: |ours - ref| / |ref| < --tol for the loss, and max|ours - ref| / max|ref| < --tol for the
 gradient of every drafter parameter (and the same parameter set on both sides).
@@ -26,28 +28,15 @@ import warnings
 import torch
 
 
-def padded_batch(t, doc_lens, anchors):
-    """Documents as rows: ids, features and loss mask padded to the longest; anchors per row."""
-    S, n = max(doc_lens), len(doc_lens)
-    KH = t["batch.features"].shape[1]
-    ids = torch.zeros(n, S, dtype=torch.long)
-    feats = torch.zeros(n, S, KH, dtype=torch.float64)
-    mask = torch.zeros(n, S, dtype=torch.float64)
-    per_doc = [[] for _ in doc_lens]
+def documents(t, doc_lens, anchors):
+    """Per document: ids [1, L], features [1, L, K*H], loss mask [1, L], its anchors [1, n]."""
     start = 0
-    for d, L in enumerate(doc_lens):
-        ids[d, :L] = t["batch.input_ids"][start:start + L]
-        feats[d, :L] = t["batch.features"][start:start + L].double()
-        mask[d, :L] = t["batch.loss_mask"][start:start + L].double()
-        per_doc[d] = [a - start for a in anchors if start <= a < start + L]
+    for L in doc_lens:
+        a = [x - start for x in anchors if start <= x < start + L]
+        sl = slice(start, start + L)
+        yield (t["batch.input_ids"][sl].unsqueeze(0), t["batch.features"][sl].double().unsqueeze(0),
+               t["batch.loss_mask"][sl].double().unsqueeze(0), torch.tensor([a], dtype=torch.long))
         start += L
-    width = max(len(a) for a in per_doc)
-    anchor_pos = torch.zeros(n, width, dtype=torch.long)
-    keep = torch.zeros(n, width, dtype=torch.bool)
-    for d, a in enumerate(per_doc):
-        anchor_pos[d, :len(a)] = torch.tensor(a, dtype=torch.long)
-        keep[d, :len(a)] = True
-    return ids, feats, mask, anchor_pos, keep
 
 
 def specforge_step(export_dir, t, meta):
@@ -65,13 +54,22 @@ def specforge_step(export_dir, t, meta):
                               block_size=meta["block_size"], attention_backend="sdpa",
                               num_anchors=1 << 20, loss_type="dpace", dpace_alpha=meta["alpha"],
                               objective_chunk_blocks=0)
+    # SpecForge's loss of a batch of rows is the sum of its rows' D-PACE sums divided by the number
+    # of rows: the same as one document per call, each divided by the number of documents. One
+    # document per call leaves no padding block (SpecForge's eager attention gives a fully masked
+    # padding block NaN gradients).
     doc_lens = t["batch.doc_lens"].tolist()
-    ids, feats, mask, anchor_pos, keep = padded_batch(t, doc_lens, t["batch.anchors"].tolist())
-    model._sample_anchor_positions = lambda seq_len, loss_mask, device: (anchor_pos, keep)
     model.train()
-    loss, _, _ = model(input_ids=ids, hidden_states=feats, loss_mask=mask)
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in draft.named_parameters()}
+    total = 0.0
+    for ids, feats, mask, anchor_pos in documents(t, doc_lens, t["batch.anchors"].tolist()):
+        if anchor_pos.numel() == 0:
+            continue  # no block: the document adds 0 to the sum (and 1 to the divisor)
+        keep = torch.ones_like(anchor_pos, dtype=torch.bool)
+        model._sample_anchor_positions = lambda seq_len, loss_mask, device, a=anchor_pos, k=keep: (a, k)
+        loss, _, _ = model(input_ids=ids, hidden_states=feats, loss_mask=mask)
+        (loss / len(doc_lens)).backward()
+        total += loss.item() / len(doc_lens)
+    return total, {n: p.grad for n, p in draft.named_parameters()}
 
 
 def main(argv=None):
