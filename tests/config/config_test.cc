@@ -406,8 +406,8 @@ TEST(Config, DpaceLossOptions) {
   EXPECT_EQ(def.config.train.loss, LossType::kDflash);
   EXPECT_DOUBLE_EQ(def.config.train.dpace_alpha, 0.5);
   ParseResult bad = parse(kMinimal + "train: {loss: dpace, dpace_alpha: 1.5}\n");
-  EXPECT_EQ(paths_of(bad), (std::vector<std::string>{"train.dpace_alpha", "train.soft_labels.enabled"})) << dump(bad);
-  EXPECT_EQ(bad.problems[1].message,
+  EXPECT_EQ(paths_of(bad), (std::vector<std::string>{"train.soft_labels.enabled", "train.dpace_alpha"})) << dump(bad);
+  EXPECT_EQ(bad.problems[0].message,
             "expected false when train.loss is dpace (the D-PACE objective has no soft-label term)");
   EXPECT_EQ(paths_of(parse(kMinimal + "train: {loss: dpase}\n")), (std::vector<std::string>{"train.loss"}));
 }
