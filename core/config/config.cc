@@ -47,6 +47,7 @@ DFLASH_ENUM_TABLE(Dtype, {Dtype::kBfloat16, "bfloat16"}, {Dtype::kFloat16, "floa
 DFLASH_ENUM_TABLE(NoiseType, {NoiseType::kUniform, "uniform"}, {NoiseType::kGaussian, "gaussian"},
                   {NoiseType::kNone, "none"})
 DFLASH_ENUM_TABLE(Overlong, {Overlong::kTruncate, "truncate"}, {Overlong::kDrop, "drop"})
+DFLASH_ENUM_TABLE(LossType, {LossType::kDflash, "dflash"}, {LossType::kDpace, "dpace"})
 DFLASH_ENUM_TABLE(Transport, {Transport::kShm, "shm"}, {Transport::kC10d, "c10d"})
 DFLASH_ENUM_TABLE(LaunchKind, {LaunchKind::kLocal, "local"}, {LaunchKind::kSsh, "ssh"},
                   {LaunchKind::kPct, "pct"})
@@ -73,6 +74,7 @@ bool is_loopback(const std::string& host) {
 const char* to_string(Dtype v) { return enum_name(v); }
 const char* to_string(NoiseType v) { return enum_name(v); }
 const char* to_string(Overlong v) { return enum_name(v); }
+const char* to_string(LossType v) { return enum_name(v); }
 const char* to_string(Transport v) { return enum_name(v); }
 const char* to_string(LaunchKind v) { return enum_name(v); }
 const char* to_string(FaultKind v) { return enum_name(v); }
@@ -199,6 +201,8 @@ void fields(V& v, TrainSection& s) {
   v("noise", s.noise);
   v("max_nonfinite_steps", s.max_nonfinite_steps);
   v("recompute_mlp", s.recompute_mlp);
+  v("loss", s.loss);
+  v("dpace_alpha", s.dpace_alpha);
 }
 
 template <class V>
@@ -893,6 +897,11 @@ void validate(RunConfig& c, Ctx& ctx) {
   at_least(ctx, "train.noise.start", c.train.noise.start, 0.0);
   at_least(ctx, "train.noise.end", c.train.noise.end, 0.0);
   at_least(ctx, "train.max_nonfinite_steps", c.train.max_nonfinite_steps, 0);
+  in_range(ctx, "train.dpace_alpha", c.train.dpace_alpha, 0.0, 1.0);
+  if (c.train.loss == LossType::kDpace && c.train.soft_labels.enabled) {
+    ctx.check("train.soft_labels.enabled",
+              "expected false when train.loss is dpace (the D-PACE objective has no soft-label term)");
+  }
   if (c.train.soft_labels.enabled && !c.target.ship_h_last) {
     ctx.check("target.ship_h_last",
               "expected true when train.soft_labels.enabled is true (soft labels need h_last)");
@@ -1045,7 +1054,7 @@ void validate(RunConfig& c, Ctx& ctx) {
   static const std::set<std::string> kTrainingSignal = {
       "max_anchors", "block_size", "gamma",       "lr",          "warmup_ratio", "weight_decay",
       "grad_accum",  "grad_clip",  "soft_labels", "kl_weight",   "temperature",  "noise",
-      "epochs",      "seed",       "max_seq_len", "num_layers"};
+      "epochs",      "seed",       "max_seq_len", "num_layers",  "loss",         "dpace_alpha"};
   for (size_t i = 0; i < oom.allow_changing.size(); ++i) {
     const std::string& full = oom.allow_changing[i];
     const size_t dot = full.rfind('.');

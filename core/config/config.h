@@ -44,6 +44,7 @@ constexpr double kMaxBackoffS = 3600.0;
 enum class Dtype { kBfloat16, kFloat16, kFloat32 };            // bfloat16 | float16 | float32
 enum class NoiseType { kUniform, kGaussian, kNone };          // uniform | gaussian | none
 enum class Overlong { kTruncate, kDrop };                     // truncate | drop
+enum class LossType { kDflash, kDpace };                      // dflash | dpace
 enum class Transport { kShm, kC10d };                         // shm | c10d
 enum class LaunchKind { kLocal, kSsh, kPct };                 // local | ssh | pct
 enum class FaultKind { kCrash, kOom, kHang, kCorruptCheckpoint };  // crash | oom | hang | corrupt_checkpoint
@@ -53,6 +54,7 @@ enum class Role { kTarget, kDrafter, kCoordinator };          // target | drafte
 const char* to_string(Dtype v);
 const char* to_string(NoiseType v);
 const char* to_string(Overlong v);
+const char* to_string(LossType v);
 const char* to_string(Transport v);
 const char* to_string(LaunchKind v);
 const char* to_string(FaultKind v);
@@ -115,6 +117,8 @@ struct TrainSection {
   NoiseOptions noise;
   int max_nonfinite_steps = 10;           // >= 0 consecutive skipped non-finite steps before failing
   bool recompute_mlp = false;             // drafter MLP recomputes gate/up in backward (less memory)
+  LossType loss = LossType::kDflash;      // dpace: D-PACE position weights (needs soft_labels.enabled false)
+  double dpace_alpha = 0.5;               // [0, 1], D-PACE smoothing (loss: dpace only)
 };
 
 struct DataSection {

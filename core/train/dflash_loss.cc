@@ -29,6 +29,15 @@ bool fused_loss_enabled(const torch::Tensor& lm_head) {
 }
 }  // namespace
 
+torch::Tensor dpace_weights(const torch::Tensor& ce_R, const torch::Tensor& mask_R, int64_t B, double alpha) {
+  torch::NoGradGuard no_grad;
+  auto ce = ce_R.view({-1, B - 1});
+  auto on = mask_R.view({-1, B - 1}).to(ce.scalar_type());
+  auto s = torch::where(on > 0, (-ce).exp() * (1.0 - alpha) + alpha, torch::ones_like(ce));
+  auto prefix = s.cumprod(1);
+  return (prefix * on).flip({1}).cumsum(1).flip({1}).reshape({-1});
+}
+
 BlockInputs make_blocks(const std::vector<int64_t>& anchors, const std::vector<int64_t>& doc_lens,
                         const torch::Tensor& input_ids_T, int64_t B, int64_t mask_token_id) {
   const int64_t N = anchors.size();
@@ -61,6 +70,11 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
                                  const NoiseOptions& noise, torch::ScalarType compute, bool backward) {
   const auto& cfg = drafter.config();
   const int64_t B = cfg.block_size, N = anchors.size(), T = mb.input_ids_T.size(0);
+  const bool dpace = opt.type == LossType::kDpace;
+  DFLASH_CHECK(!dpace || !opt.soft_labels, ConfigError,
+               "train.loss: dpace does not combine with soft labels (set train.soft_labels.enabled: false)");
+  DFLASH_CHECK(!dpace || (opt.dpace_alpha >= 0.0 && opt.dpace_alpha <= 1.0), ConfigError,
+               "train.dpace_alpha: expected a value in [0, 1], got " << opt.dpace_alpha);
   auto dev = mb.input_ids_T.device();
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(dev);
   MicroBatchStats st;
@@ -68,6 +82,7 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   st.tokens = T;
   if (N == 0) {
     st.ce_sum = st.kl_sum = st.weight_sum = st.accept_sum = torch::zeros({}, f32);
+    if (dpace) st.weight_sum = torch::full({}, static_cast<double>(mb.doc_lens.size()), f32);
     st.correct_k = st.counted_k = torch::zeros({B}, f32);
     return st;
   }
@@ -87,7 +102,8 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
         const int64_t g = anchors[j] + k;
         const bool inside = g < starts[d + 1];
         label_idx[j * (B - 1) + k - 1] = inside ? g : anchors[j];
-        base_w[j * (B - 1) + k - 1] = inside ? static_cast<float>(std::exp(-(k - 1) / opt.gamma)) : 0.0f;
+        const float decay = dpace ? 1.0f : static_cast<float>(std::exp(-(k - 1) / opt.gamma));
+        base_w[j * (B - 1) + k - 1] = inside ? decay : 0.0f;
       }
     }
   }
@@ -115,6 +131,7 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   // rows with weights w, labels y, drafter logits z and target log-probs t (soft labels),
   //   d/dz [w CE(z, y)]                 = w (softmax(z) - onehot(y))
   //   d/dz [c w KL(t || log_softmax(z/T))] = c w (softmax(z/T) - exp(t)) / T,   c = kl_weight T^2
+  // (D-PACE: w is the supervision mask times the constant D-PACE weight W of dpace_weights),
   // and the rows' gradient is dz (in the compute dtype) @ lm_head. Only O(rows_per_chunk x V)
   // temporaries are alive at a time; nothing is kept for a later backward.
   torch::NoGradGuard no_grad_loss;
@@ -125,22 +142,29 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   auto correct = torch::empty({R}, f32);
   auto grad_rows = backward ? torch::empty({R, rows_d.size(1)}, rows_d.options()) : torch::Tensor();
   const double Tt = opt.temperature;
+  // Loss arithmetic in fp32 (fp64 when the drafter computes in fp64: the CPU oracle tests).
+  const auto loss_dt = compute == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
   const bool fused = fused_loss_enabled(lm_head);
   // The target's logits for chunk rows [r0, r0 + n): lm_head(final_norm(h_last of the token before
   // each label)), in the compute dtype.
   auto target_logits = [&](int64_t r0, int64_t n) {
     return F::linear(frozen.final_norm(mb.h_last_TH.index({lidx.narrow(0, r0, n) - 1}).to(compute)), lm_head);
   };
-  for (int64_t r0 = 0; r0 < R; r0 += opt.logits_chunk_rows) {
-    const int64_t n = std::min(opt.logits_chunk_rows, R - r0);
+  // D-PACE weights need whole blocks in a chunk.
+  const int64_t chunk_rows = dpace ? std::max<int64_t>(1, opt.logits_chunk_rows / (B - 1)) * (B - 1) : opt.logits_chunk_rows;
+  for (int64_t r0 = 0; r0 < R; r0 += chunk_rows) {
+    const int64_t n = std::min(chunk_rows, R - r0);
     auto wc = weights.narrow(0, r0, n);
 #ifdef DFLASH_WITH_CUDA
     if (fused) {  // one kernel per chunk (core/train/cuda/fused_loss.h), same quantities as below
       auto z = F::linear(rows_d.narrow(0, r0, n), lm_head).contiguous();
       torch::Tensor t;
       if (opt.soft_labels) t = target_logits(r0, n).contiguous();
-      auto r = cuda_loss::loss_rows(z, t, labels.narrow(0, r0, n), wc, Tt, opt.kl_weight, backward);
-      ce_sum += (wc * r.ce).sum();
+      auto yc = labels.narrow(0, r0, n);
+      auto wl = wc;  // D-PACE: a first pass for the rows' CE, which sets their weights
+      if (dpace) wl = wc * dpace_weights(cuda_loss::loss_rows(z, t, yc, wc, Tt, opt.kl_weight, false).ce, wc, B, opt.dpace_alpha);
+      auto r = cuda_loss::loss_rows(z, t, yc, wl, Tt, opt.kl_weight, backward);
+      ce_sum += (wl * r.ce).sum();
       if (opt.soft_labels) kl_sum += (wc * r.kl).sum();
       correct.narrow(0, r0, n).copy_(r.correct);
       if (backward) {
@@ -151,18 +175,20 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
     }
 #endif
     auto yc = labels.narrow(0, r0, n).unsqueeze(1);
-    auto logits = F::linear(rows_d.narrow(0, r0, n), lm_head).to(torch::kFloat32);  // [n, V]
+    auto logits = F::linear(rows_d.narrow(0, r0, n), lm_head).to(loss_dt);  // [n, V]
     auto lse = logits.logsumexp(-1, /*keepdim=*/true);
-    ce_sum += (wc * (lse - logits.gather(1, yc)).squeeze(1)).sum();
+    auto ce_rows = (lse - logits.gather(1, yc)).squeeze(1);
+    auto wl = dpace ? wc * dpace_weights(ce_rows, wc, B, opt.dpace_alpha) : wc;
+    ce_sum += (wl * ce_rows).sum();
     correct.narrow(0, r0, n).copy_(logits.argmax(-1).eq(yc.squeeze(1)).to(torch::kFloat32));
     torch::Tensor dz;
     if (backward) {
       dz = (logits - lse).exp_();  // softmax(z)
-      dz.scatter_add_(1, yc, torch::full({n, 1}, -1.0f, f32));
-      dz.mul_(wc.unsqueeze(1));
+      dz.scatter_add_(1, yc, torch::full({n, 1}, -1.0, logits.options()));
+      dz.mul_(wl.unsqueeze(1));
     }
     if (opt.soft_labels) {
-      auto t_logp = torch::log_softmax(target_logits(r0, n).to(torch::kFloat32) / Tt, -1);
+      auto t_logp = torch::log_softmax(target_logits(r0, n).to(loss_dt) / Tt, -1);
       auto d_logp = torch::log_softmax(logits / Tt, -1);
       auto p_t = t_logp.exp();
       kl_sum += (wc * (p_t * (t_logp - d_logp)).sum(-1)).sum();
@@ -182,7 +208,7 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   auto corr = (correct * counted).view({N, B - 1});
   st.ce_sum = ce_sum;
   st.kl_sum = kl_sum;
-  st.weight_sum = weights.sum();
+  st.weight_sum = dpace ? torch::full({}, static_cast<double>(mb.doc_lens.size()), f32) : weights.sum();
   st.correct_k = torch::cat({torch::zeros({1}, f32), corr.sum(0)});
   st.counted_k = torch::cat({torch::zeros({1}, f32), counted.view({N, B - 1}).sum(0)});
   st.accept_sum = (1.0 + corr.cumprod(1).sum(1)).sum();

@@ -6,6 +6,18 @@
 // (over micro-batches and data-parallel ranks) before clipping, so the loss does not depend on how
 // samples fall into batches. Logits exist one row-chunk at a time (never [N*B, V] at once), in
 // forward and in backward.
+//
+// LossType::kDpace (train.loss: dpace) replaces the position weights by D-PACE's (the objective of
+// SpecForge 0.2.0's `loss_type: dpace`; docs/recipe.md#loss). For the rows k = 1..B-1 of one block,
+// with m_k = 1 where the label is supervised (loss mask, inside the document) and p_k = exp(-CE_k),
+// the draft's probability of the label:
+//   s_k = m_k ? (1 - alpha) p_k + alpha : 1          (a masked row is a no-op in the product)
+//   P_k = prod_{i<=k} s_i,   W_k = sum_{j>=k} m_j P_j
+//   loss = sum_blocks sum_k m_k W_k CE_k             (W treated as a constant: no gradient through it)
+// gamma is not used, and soft labels are refused (ConfigError). The "weight sum" the caller divides
+// by is then the number of documents in the micro-batch (SpecForge divides by its batch size), so
+// ce_sum / weight_sum is the D-PACE loss per document. Row chunks are whole blocks (the largest
+// multiple of B-1 <= logits_chunk_rows, at least one block).
 #pragma once
 #include <torch/torch.h>
 
@@ -16,6 +28,7 @@
 namespace dflash::train {
 
 enum class NoiseType { kNone, kUniform, kGaussian };
+enum class LossType { kDflash, kDpace };  // train.loss: dflash | dpace
 
 // Defaults: the run config's (core/config/config.h); the services take every value from the run plan.
 struct LossOptions {
@@ -23,9 +36,11 @@ struct LossOptions {
   bool soft_labels = true;
   double kl_weight = 0.15;
   double temperature = 2.0;
-  int64_t logits_chunk_rows = 1024;
-  bool recompute_mlp = false;  // train.recompute_mlp: the drafter's MLP saves only its input  // rows of [rows, V] fp32 logits alive at a time
+  int64_t logits_chunk_rows = 1024;  // rows of [rows, V] fp32 logits alive at a time
+  bool recompute_mlp = false;        // train.recompute_mlp: the drafter's MLP saves only its input
   int64_t attn_group_blocks = 64;  // blocks per masked attention call (see model::BlockAttention)
+  LossType type = LossType::kDflash;
+  double dpace_alpha = 0.5;  // D-PACE smoothing in [0, 1] (train.dpace_alpha); else ConfigError
 };
 
 // A packed micro-batch as delivered by a target server (all tensors on the drafter's device).
@@ -40,7 +55,7 @@ struct MicroBatch {
 
 // Sums over the micro-batch, as device tensors (no host sync needed to produce them).
 struct MicroBatchStats {
-  torch::Tensor ce_sum, kl_sum, weight_sum;  // scalars (fp32)
+  torch::Tensor ce_sum, kl_sum, weight_sum;  // scalars (fp32); D-PACE: weight_sum = documents
   torch::Tensor correct_k, counted_k;        // [B] per block position: argmax == label where w > 0
   torch::Tensor accept_sum;                  // sum over blocks of 1 + sum_k prod_{i<=k} correct_i
   int64_t blocks = 0, tokens = 0;
@@ -53,6 +68,7 @@ struct NoiseOptions {
 };
 
 // Runs forward (and backward when `backward`) for the given sorted anchors (packed indices).
+// Throws ConfigError for D-PACE with soft labels or dpace_alpha outside [0, 1].
 MicroBatchStats forward_backward(const model::Drafter& drafter, const model::FrozenTargetParts& frozen,
                                  const MicroBatch& mb, const std::vector<int64_t>& anchors, const LossOptions& opt,
                                  const NoiseOptions& noise, torch::ScalarType compute, bool backward);
@@ -62,6 +78,10 @@ struct BlockInputs {
   torch::Tensor ids_Q, pos_Q;
   model::BlockAttention attn;
 };
+// D-PACE weights W (see above) of whole blocks: ce_R and mask_R hold rows k = 1..B-1 of consecutive
+// blocks ([R], R a multiple of B-1); returns W [R] in ce_R's dtype (no gradient).
+torch::Tensor dpace_weights(const torch::Tensor& ce_R, const torch::Tensor& mask_R, int64_t block_size, double alpha);
+
 BlockInputs make_blocks(const std::vector<int64_t>& anchors, const std::vector<int64_t>& doc_lens,
                         const torch::Tensor& input_ids_T, int64_t block_size, int64_t mask_token_id);
 

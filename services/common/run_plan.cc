@@ -41,6 +41,8 @@ train::TrainerOptions trainer_options_from(const config::RunConfig& cfg, torch::
   to.loss.kl_weight = cfg.train.soft_labels.kl_weight;
   to.loss.temperature = cfg.train.soft_labels.temperature;
   to.loss.recompute_mlp = cfg.train.recompute_mlp;
+  to.loss.type = cfg.train.loss == config::LossType::kDpace ? train::LossType::kDpace : train::LossType::kDflash;
+  to.loss.dpace_alpha = cfg.train.dpace_alpha;
   to.schedule = {cfg.train.lr, cfg.train.warmup_ratio, 0};
   to.adamw.weight_decay = cfg.train.weight_decay;
   to.grad_clip = cfg.train.grad_clip;
@@ -193,7 +195,9 @@ nlohmann::json RunPlan::to_json() const {
           {"drafter", train::drafter_config_to_json(drafter)},
           {"trainer",
            {{"gamma", t.loss.gamma}, {"soft_labels", t.loss.soft_labels}, {"kl_weight", t.loss.kl_weight},
-            {"temperature", t.loss.temperature}, {"recompute_mlp", t.loss.recompute_mlp}, {"lr", t.schedule.lr},
+            {"temperature", t.loss.temperature}, {"recompute_mlp", t.loss.recompute_mlp},
+            {"loss", t.loss.type == train::LossType::kDpace ? "dpace" : "dflash"}, {"dpace_alpha", t.loss.dpace_alpha},
+            {"lr", t.schedule.lr},
             {"warmup_ratio", t.schedule.warmup_ratio}, {"weight_decay", t.adamw.weight_decay}, {"grad_clip", t.grad_clip},
             {"grad_accum", t.grad_accum}, {"max_anchors", t.max_anchors}, {"noise", noise_name(t.noise_type)},
             {"noise_start", t.noise_start}, {"noise_end", t.noise_end}, {"seed", t.seed}}}};

@@ -419,6 +419,21 @@ TEST(Config, TargetLayerIdsAndSoftLabels) {
             "expected true when train.soft_labels.enabled is true (soft labels need h_last)");
 }
 
+TEST(Config, DpaceLossOptions) {
+  ParseResult ok = parse(kMinimal + "train: {loss: dpace, dpace_alpha: 0.25, soft_labels: {enabled: false}}\n");
+  ASSERT_TRUE(ok.problems.empty()) << dump(ok);
+  EXPECT_EQ(ok.config.train.loss, LossType::kDpace);
+  EXPECT_DOUBLE_EQ(ok.config.train.dpace_alpha, 0.25);
+  ParseResult def = parse(kMinimal);
+  EXPECT_EQ(def.config.train.loss, LossType::kDflash);
+  EXPECT_DOUBLE_EQ(def.config.train.dpace_alpha, 0.5);
+  ParseResult bad = parse(kMinimal + "train: {loss: dpace, dpace_alpha: 1.5}\n");
+  EXPECT_EQ(paths_of(bad), (std::vector<std::string>{"train.soft_labels.enabled", "train.dpace_alpha"})) << dump(bad);
+  EXPECT_EQ(bad.problems[0].message,
+            "expected false when train.loss is dpace (the D-PACE objective has no soft-label term)");
+  EXPECT_EQ(paths_of(parse(kMinimal + "train: {loss: dpase}\n")), (std::vector<std::string>{"train.loss"}));
+}
+
 TEST(Config, FaultInjectionRanks) {
   ParseResult r = parse(kMinimal +
                         "resilience:\n"

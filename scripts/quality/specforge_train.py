@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""The SpecForge reference trainer of the quality run (docs/quality.md): SpecForge 0.2.0's own
+DFlash drafter (`specforge.modeling.draft.dflash.DFlashDraftModel`) and training wrapper
+(`OnlineDFlashModel`, loss_type "dflash") trained on OUR data with OUR hyperparameters; the loop
+around them (data, target forward, optimizer, schedule, save) is ours.
+
+Same as our `dflash train` of the variant it is compared with:
+  - data: the tokenized JSONL our shards were imported from (input_ids, loss_mask), truncated to
+    --max-seq-len, shuffled by --seed each epoch, packed in order into micro-batches of at most
+    --token-budget tokens (SpecForge takes padded rows: loss mask 0 on the padding);
+  - hidden states: the target (HF transformers, the same HF folder, --dtype) run on each batch;
+    context features = hidden states after the drafter's target_layer_ids, concatenated;
+  - drafter shape, target layers, mask token and block size: from --shape, one of our exported
+    drafters (its config.json; the weights are not used: SpecForge initialises its own);
+  - --steps optimizer steps (one micro-batch each), AdamW (betas 0.9/0.999, eps 1e-8, weight decay
+    on every parameter), lr warmup over ceil(warmup_ratio * steps) steps then cosine to 0 (our
+    lr_at), global-norm clipping, loss decay gamma, anchors per row.
+Writes OUT/drafter (z-lab format: `dflash eval --drafter` and z-lab's dflash_generate read it),
+OUT/loss.jsonl (step, loss, accuracy, lr per step) and OUT/summary.json (wall time, steps).
+
+Usage: specforge_train.py --target DIR --data F.jsonl --shape EXPORT_DIR --out DIR --steps N
+       [--lr 6e-4] [--warmup-ratio 0.04] [--weight-decay 0.01] [--grad-clip 1.0] [--anchors 512]
+       [--gamma 7] [--token-budget 32768] [--max-seq-len 2048] [--seed 1234] [--device cuda]
+       [--dtype bfloat16]
+Exit: 0 trained and saved, 2 bad usage / missing file.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+import warnings
+
+import torch
+
+
+def lr_at(lr, warmup_ratio, total, step):
+    """Our schedule (core/train/optimizer.h lr_at): linear warmup, then cosine to 0."""
+    total = max(total, 1)
+    warm = math.ceil(warmup_ratio * total)
+    if step < warm:
+        return lr * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1.0, total - warm))
+    return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def load_docs(path, max_seq_len):
+    docs = []
+    for line in open(path, encoding="utf-8"):
+        if line.strip():
+            r = json.loads(line)
+            ids, mask = r["input_ids"][:max_seq_len], r["loss_mask"][:max_seq_len]
+            if sum(mask) >= 2:
+                docs.append((ids, mask))
+    return docs
+
+
+def batches(docs, token_budget, seed):
+    """Endless micro-batches: each epoch a seeded shuffle, packed in order up to token_budget."""
+    epoch = 0
+    while True:
+        order = list(range(len(docs)))
+        random.Random(seed + epoch).shuffle(order)
+        cur, n = [], 0
+        for i in order:
+            L = len(docs[i][0])
+            if cur and n + L > token_budget:
+                yield cur
+                cur, n = [], 0
+            cur.append(docs[i])
+            n += L
+        if cur:
+            yield cur
+        epoch += 1
+
+
+def padded(batch, device):
+    S = max(len(ids) for ids, _ in batch)
+    ids = torch.zeros(len(batch), S, dtype=torch.long)
+    mask = torch.zeros(len(batch), S)
+    for r, (i, m) in enumerate(batch):
+        ids[r, :len(i)] = torch.tensor(i)
+        mask[r, :len(m)] = torch.tensor(m, dtype=torch.float32)
+    return ids.to(device), mask.to(device)
+
+
+def build(a, device):
+    from transformers import AutoModelForCausalLM
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SpecForge warns that flash_attn is absent (not used)
+        from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
+        from specforge.modeling.draft.dflash import DFlashDraftModel
+    from transformers import Qwen3Config
+    shape = json.load(open(os.path.join(a.shape, "config.json")))
+    cfg = Qwen3Config(**{k: v for k, v in shape.items() if k not in ("architectures", "torch_dtype", "dtype")})
+    cfg._attn_implementation = "flex_attention" if device.type == "cuda" else "eager"
+    torch.manual_seed(a.seed)
+    draft = DFlashDraftModel(cfg).to(device=device, dtype=torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=getattr(torch, a.dtype)).to(device).eval()
+    target.requires_grad_(False)
+    online = OnlineDFlashModel(draft, target.lm_head, target.model.embed_tokens,
+                               mask_token_id=shape["dflash_config"]["mask_token_id"], block_size=shape["block_size"],
+                               attention_backend="flex_attention" if device.type == "cuda" else "sdpa",
+                               num_anchors=a.anchors, loss_decay_gamma=a.gamma, loss_type="dflash")
+    return draft, target, online, shape
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--shape", required=True, help="one of our exported drafters (config.json)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--warmup-ratio", type=float, default=0.04)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--anchors", type=int, default=512, help="anchors per row (SpecForge num_anchors)")
+    ap.add_argument("--gamma", type=float, default=7.0)
+    ap.add_argument("--token-budget", type=int, default=32768)
+    ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", help="the target's dtype and the drafter's autocast dtype")
+    a = ap.parse_args(argv)
+    for p in (os.path.join(a.target, "config.json"), a.data, os.path.join(a.shape, "config.json")):
+        if not os.path.isfile(p):
+            print(f"ERROR: {p} not found", file=sys.stderr)
+            return 2
+    if a.steps < 1:
+        print(f"ERROR: --steps: expected >= 1, got {a.steps}", file=sys.stderr)
+        return 2
+    device = torch.device(a.device)
+    draft, target, online, shape = build(a, device)
+    layer_ids = shape["dflash_config"]["target_layer_ids"]
+    docs = load_docs(a.data, a.max_seq_len)
+    opt = torch.optim.AdamW(draft.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay)
+    os.makedirs(a.out, exist_ok=True)
+    log = open(os.path.join(a.out, "loss.jsonl"), "w")
+    autocast = torch.autocast(device.type, dtype=getattr(torch, a.dtype), enabled=a.dtype != "float32")
+    t0 = time.time()
+    it = batches(docs, a.token_budget, a.seed)
+    for step in range(a.steps):
+        ids, mask = padded(next(it), device)
+        with torch.no_grad():
+            hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+            feats = torch.cat([hs[l + 1] for l in layer_ids], dim=-1)
+        lr = lr_at(a.lr, a.warmup_ratio, a.steps, step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with autocast:
+            loss, acc, _ = online(input_ids=ids, hidden_states=feats, loss_mask=mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if a.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), a.grad_clip)
+        opt.step()
+        log.write(json.dumps({"step": step + 1, "loss": loss.item(), "accuracy": acc.item(), "lr": lr}) + "\n")
+        if (step + 1) % 50 == 0 or step + 1 == a.steps:
+            log.flush()
+            print(f"step {step + 1}/{a.steps} loss {loss.item():.4f} acc {acc.item():.3f}", flush=True)
+    wall = time.time() - t0
+    out_dir = os.path.join(a.out, "drafter")
+    draft.config.dflash_config = shape["dflash_config"]
+    draft.config.block_size = shape["block_size"]
+    draft.config.num_target_layers = shape["num_target_layers"]
+    draft.config.architectures = ["DFlashDraftModel"]
+    draft.save_pretrained(out_dir, safe_serialization=True)
+    json.dump({"steps": a.steps, "wall_s": wall, "documents": len(docs), "args": vars(a)},
+              open(os.path.join(a.out, "summary.json"), "w"), indent=1)
+    print(f"saved {out_dir} after {a.steps} steps in {wall:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

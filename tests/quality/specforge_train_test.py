@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""scripts/quality/specforge_train.py on CPU with the tiny Qwen3 target of the golden_models fixture
+(usage: specforge_train_test.py SOURCE_DIR TESTDATA_DIR WORK). Checks:
+- 3 steps run; loss.jsonl has one finite loss per step and the lr of our schedule (warmup then cosine);
+- the saved drafter is in the z-lab format: z-lab's DFlashDraftModel loads it with no missing /
+  unexpected keys, with the block size, mask token and target layers of the shape it was given, and
+  its forward runs;
+- the harness refuses --steps 0 (exit 2).
+Exit 0 when all hold."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import torch
+
+
+def main():
+    src, testdata, work = sys.argv[1:4]
+    os.makedirs(work, exist_ok=True)
+    target = os.path.join(testdata, "qwen3")
+    t = json.load(open(os.path.join(target, "config.json")))
+    shape_dir = os.path.join(work, "shape")
+    os.makedirs(shape_dir, exist_ok=True)
+    shape = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": t["hidden_size"],
+             "num_attention_heads": t["num_attention_heads"], "num_key_value_heads": t["num_key_value_heads"],
+             "head_dim": t["head_dim"], "intermediate_size": 96, "num_hidden_layers": 2,
+             "rms_norm_eps": t["rms_norm_eps"], "rope_parameters": t["rope_parameters"],
+             "vocab_size": t["vocab_size"], "max_position_embeddings": 512, "tie_word_embeddings": False,
+             "block_size": 4, "num_target_layers": t["num_hidden_layers"],
+             "dflash_config": {"mask_token_id": t["vocab_size"] - 1, "target_layer_ids": [0, 2]}}
+    json.dump(shape, open(os.path.join(shape_dir, "config.json"), "w"))
+    data = os.path.join(work, "docs.jsonl")
+    with open(data, "w") as f:
+        for line in open(os.path.join(testdata, "docs.jsonl")):
+            if line.strip():
+                ids = json.loads(line)["input_ids"]
+                f.write(json.dumps({"input_ids": ids, "loss_mask": [0, 0] + [1] * (len(ids) - 2)}) + "\n")
+    out = os.path.join(work, "out")
+    script = os.path.join(src, "scripts", "quality", "specforge_train.py")
+    base = [sys.executable, script, "--target", target, "--data", data, "--shape", shape_dir, "--out", out,
+            "--device", "cpu", "--dtype", "float32", "--token-budget", "64", "--anchors", "8", "--gamma", "4",
+            "--lr", "1e-3", "--warmup-ratio", "0.34"]
+    fails = []
+    r = subprocess.run(base + ["--steps", "3"], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"FAIL harness exited {r.returncode}: {r.stderr[-3000:]}")
+        return 1
+    log = [json.loads(line) for line in open(os.path.join(out, "loss.jsonl"))]
+    want_lr = [1e-3 * (s + 1) / 2 if s < 2 else 1e-3 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 1)) for s in range(3)]
+    if [e["step"] for e in log] != [1, 2, 3] or not all(math.isfinite(e["loss"]) and e["loss"] > 0 for e in log):
+        fails.append(f"loss.jsonl: {log}")
+    if any(abs(e["lr"] - w) > 1e-12 for e, w in zip(log, want_lr)):
+        fails.append(f"lr {[e['lr'] for e in log]} != {want_lr}")
+
+    from dflash.model import DFlashDraftModel
+    m, info = DFlashDraftModel.from_pretrained(os.path.join(out, "drafter"), dtype=torch.float32,
+                                               output_loading_info=True)
+    for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        if info.get(k):
+            fails.append(f"z-lab load {k}: {info[k]}")
+    if (m.block_size, m.mask_token_id, list(m.target_layer_ids)) != (4, t["vocab_size"] - 1, [0, 2]):
+        fails.append(f"z-lab sees block {m.block_size}, mask {m.mask_token_id}, layers {m.target_layer_ids}")
+    S, B, H = 7, 4, t["hidden_size"]
+    with torch.no_grad():
+        h = m(position_ids=torch.arange(S + B).unsqueeze(0), noise_embedding=torch.randn(1, B, H),
+              target_hidden=torch.randn(1, S, 2 * H), attention_mask=None, use_cache=False)
+    if tuple(h.shape) != (1, B, H) or not torch.isfinite(h).all():
+        fails.append(f"z-lab forward: shape {tuple(h.shape)}")
+    r = subprocess.run(base + ["--steps", "0"], capture_output=True, text=True)
+    if r.returncode != 2 or "--steps" not in r.stderr:
+        fails.append(f"--steps 0: exit {r.returncode}, stderr {r.stderr[-300:]}")
+    print(f"losses {[round(e['loss'], 4) for e in log]}")
+    if fails:
+        print("FAIL\n  " + "\n  ".join(fails))
+        return 1
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
