@@ -20,6 +20,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/process.h"
 #include "core/util/switches.h"
 #include "services/coordinator/build_paths.h"
 
@@ -274,7 +275,7 @@ int cmd_data(int argc, char** argv) {
     std::cerr << (argc >= 1 ? std::string("unknown data command: ") + argv[0] + "\n" : std::string()) << kDataUsage;
     return kExitConfig;
   } catch (const std::exception& e) {
-    LOG_ERROR(e.what());
+    LOG_ERROR(user_message(e));
     return exit_code_for(e);
   }
 }

@@ -16,6 +16,7 @@
 #include "core/util/flags.h"
 #include "core/util/log.h"
 #include "core/util/process.h"
+#include "core/util/progress.h"
 
 namespace dflash::cli {
 namespace {
@@ -69,13 +70,16 @@ int run_eval(int argc, char** argv) {
   nlohmann::json results = nlohmann::json::array();
   int64_t rounds = 0, accepted = 0, generated = 0;
   const auto t0 = std::chrono::steady_clock::now();
+  Progress progress(Progress::for_stderr("eval", "prompts", static_cast<int64_t>(prompts.size())));
   for (const auto& prompt : prompts) {
     const eval::SpecDecodeResult r = decoder.generate(prompt, opt);
+    progress.add(1);
     results.push_back({{"output_ids", r.output_ids}, {"acceptance_lengths", r.acceptance_lengths}});
     rounds += r.acceptance_lengths.size();
     for (auto a : r.acceptance_lengths) accepted += a;
     generated += r.output_ids.size();
   }
+  progress.finish();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double tau = rounds > 0 ? double(accepted) / double(rounds) : 0.0;
   const double tps = seconds > 0 ? double(generated) / seconds : 0.0;
