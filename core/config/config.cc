@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "core/util/error.h"
+#include "core/util/flags.h"
 #include "core/util/utf8.h"
 
 namespace dflash::config {
@@ -338,40 +339,6 @@ std::string describe(const YAML::Node& n) {
   return "\"" + n.Scalar() + "\"";
 }
 
-// Optimal-string-alignment distance: insertions, deletions, substitutions, transpositions.
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev2(b.size() + 1), prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t subst = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, subst});
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
-        cur[j] = std::min(cur[j], prev2[j - 2] + 1);  // adjacent transposition
-      }
-    }
-    prev2 = prev;
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
-}
-
-// The closest candidate within a third of the key's length (at least 1 edit), or "".
-std::string suggest(const std::string& key, const std::vector<std::string>& candidates) {
-  const size_t limit = std::max<size_t>(1, key.size() / 3);
-  std::string best;
-  size_t best_d = limit + 1;
-  for (const auto& c : candidates) {
-    const size_t d = edit_distance(key, c);
-    if (d < best_d) {
-      best_d = d;
-      best = c;
-    }
-  }
-  return best;
-}
-
 std::string join_list(const std::vector<std::string>& items, const char* sep) {
   std::string out;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -550,7 +517,7 @@ void read_value(const YAML::Node& n, const std::string& path, E& out, Ctx& ctx) 
     }
   }
   std::string msg = "expected " + expected + ", got " + describe(n);
-  const std::string hint = suggest(n.Scalar(), enum_names<E>());
+  const std::string hint = closest_match(n.Scalar(), enum_names<E>());
   if (!hint.empty()) msg += " (did you mean '" + hint + "'?)";
   ctx.add(path, msg, pos_of(n));
 }
@@ -597,7 +564,7 @@ class Reader {
         continue;
       }
       if (std::find(known_.begin(), known_.end(), name) != known_.end()) continue;
-      const std::string hint = suggest(name, known_);
+      const std::string hint = closest_match(name, known_);
       ctx_->add(path,
                 hint.empty() ? "unknown key (expected one of: " + join_list(known_, ", ") + ")"
                              : "unknown key (did you mean '" + hint + "'?)",
@@ -930,7 +897,7 @@ void validate(RunConfig& c, Ctx& ctx) {
       for (const auto& entry : c.launch) names.push_back(entry.first);
       std::string msg = "expected 'local' or a launch template name (" + join_list(names, ", ") +
                         "), got \"" + host.launch + "\"";
-      const std::string hint = suggest(host.launch, names);
+      const std::string hint = closest_match(host.launch, names);
       if (!hint.empty()) msg += " (did you mean '" + hint + "'?)";
       ctx.check(hp + ".launch", msg);
     } else if (host.launch != "local") {

@@ -130,22 +130,25 @@ std::vector<int64_t> Flags::get_int_list(const std::string& name) const {
 }
 
 size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  std::vector<size_t> prev2(b.size() + 1), prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
   for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];  // row[i-1][j-1]
-    row[0] = i;
+    cur[0] = i;
     for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
+      const size_t subst = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, subst});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
+        cur[j] = std::min(cur[j], prev2[j - 2] + 1);  // adjacent transposition
+      }
     }
+    prev2 = prev;
+    std::swap(prev, cur);
   }
-  return row[b.size()];
+  return prev[b.size()];
 }
 
 std::string closest_match(const std::string& word, const std::vector<std::string>& candidates) {
-  const size_t limit = std::max<size_t>(2, word.size() / 3);
+  const size_t limit = std::max<size_t>(1, word.size() / 3);
   std::string best;
   size_t best_d = limit + 1;
   for (const auto& c : candidates) {

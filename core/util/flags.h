@@ -45,11 +45,13 @@ class Flags {
 
 std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what);
 
-// Levenshtein distance of `a` and `b` (insertions, deletions, substitutions each cost 1).
+// Optimal-string-alignment distance of `a` and `b`: insertions, deletions, substitutions and
+// adjacent transpositions each cost 1.
 size_t edit_distance(const std::string& a, const std::string& b);
 
-// The candidate closest to `word` by edit_distance when it is close (distance <= max(2, |word|/3)),
-// else "". Ties: the first in `candidates`' order.
+// The candidate closest to `word` by edit_distance when it is close (distance <= max(1, |word|/3)),
+// else "": the "did you mean" of unknown flags, commands and config keys. Ties: the first in
+// `candidates`' order.
 std::string closest_match(const std::string& word, const std::vector<std::string>& candidates);
 
 // True when a command's arguments hold --help or -h; then `usage` has been printed on stdout.
