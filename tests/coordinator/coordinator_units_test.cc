@@ -325,7 +325,7 @@ TEST(Launcher, TemplatesQuoteTheCommandAndCarryTheEnvironment) {
 // The Slurm template through a fake `srun` on PATH (tests/deploy/fake-bin/srun: logs its argv, checks
 // the options, execs the command with CUDA_VISIBLE_DEVICES=0 for a --gres GPU, as Slurm does).
 TEST(Launcher, SlurmTemplateRunsTheWorkerThroughSrun) {
-  const std::string fakes = std::string(std::getenv("DFLASH_SOURCE_DIR")) + "/tests/deploy/fake-bin";
+  const std::string fakes = dflash::testing::test_env("DFLASH_SOURCE_DIR") + "/tests/deploy/fake-bin";
   const std::string old_path = std::getenv("PATH");
   ::setenv("PATH", (fakes + ":" + old_path).c_str(), 1);
   ::setenv("FAKE_SRUN_LOG", tmp_path("srun.log").c_str(), 1);
