@@ -65,4 +65,17 @@ for b in dflash dflash-target dflash-drafter; do
     n=$((n + 1))
   done
 done
+# section.field=VALUE overrides are validated like the YAML (positional or --set), before any work.
+expect 2 "a bad override" "$bin/dflash" train "$src/configs/tiny-cpu.yaml" run.epochs=many
+grep -q "run.epochs: .*(override run.epochs=many)" "$work/err" || fail "train override: $(cat "$work/err")"
+expect 2 "an unknown override key" "$bin/dflash" run "$src/configs/tiny-cpu.yaml" --set train.lrr=1 --plan
+grep -q "train.lrr: .*did you mean 'lr'.*(override train.lrr=1)" "$work/err" || fail "run --set: $(cat "$work/err")"
+expect 2 "a stray argument after the config" "$bin/dflash" run "$src/configs/tiny-cpu.yaml" extra.yaml
+grep -q "unexpected argument 'extra.yaml'" "$work/err" || fail "run extra.yaml: $(cat "$work/err")"
+# User errors carry no source location unless DFLASH_LOG_LEVEL=debug.
+! grep -q '\.cc:[0-9]*\]' "$work/err" || fail "a source location in a user error: $(cat "$work/err")"
+expect 2 "debug level" env DFLASH_LOG_LEVEL=debug "$bin/dflash" run "$src/configs/tiny-cpu.yaml" extra.yaml
+grep -q '\.cc:[0-9]*\]' "$work/err" || fail "no source location at debug level: $(cat "$work/err")"
+grep -Eq '^E [0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}Z \[dflash\] ' "$work/err" ||
+  fail "log line format: $(cat "$work/err")"
 echo "PASS: $n commands of 3 binaries: --help/-h on stdout, --version with commit ${commit:-?}, unknown flags and commands"
