@@ -90,7 +90,9 @@ TEST(RunSummary, FinishedRunFromTheLedger) {
   fs::create_directories(dir / "export");
   {
     auto l = Ledger::open((dir / "ledger.jsonl").string());
-    l.append({{"type", "run"}, {"name", "tiny"}, {"schedule_steps", 4}, {"total_steps", 4}, {"token_budget", 576}, {"max_batch_size", 8}});
+    // The coordinator's run record holds the config (status names the run's shared memory by its run id).
+    l.append({{"type", "run"}, {"name", "tiny"}, {"schedule_steps", 4}, {"total_steps", 4}, {"token_budget", 576}, {"max_batch_size", 8},
+              {"config", "target:\n  model_dir: /m\ndata:\n  shard_dir: /d\n"}});
     l.append({{"type", "launch"}, {"attempt", 0}, {"start_step", 0}});
     for (int st = 1; st <= 3; ++st)
       l.append({{"type", "step"}, {"step", st}, {"rank", 0}, {"epoch", 0}, {"optimizer_step", st}, {"samples", {st}}, {"loss", 2.0}});
