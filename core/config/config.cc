@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "core/util/error.h"
+#include "core/util/flags.h"
 #include "core/util/utf8.h"
 
 namespace dflash::config {
@@ -50,7 +51,7 @@ DFLASH_ENUM_TABLE(Overlong, {Overlong::kTruncate, "truncate"}, {Overlong::kDrop,
 DFLASH_ENUM_TABLE(LossType, {LossType::kDflash, "dflash"}, {LossType::kDpace, "dpace"})
 DFLASH_ENUM_TABLE(Transport, {Transport::kShm, "shm"}, {Transport::kC10d, "c10d"})
 DFLASH_ENUM_TABLE(LaunchKind, {LaunchKind::kLocal, "local"}, {LaunchKind::kSsh, "ssh"},
-                  {LaunchKind::kPct, "pct"})
+                  {LaunchKind::kPct, "pct"}, {LaunchKind::kSlurm, "slurm"})
 DFLASH_ENUM_TABLE(FaultKind, {FaultKind::kCrash, "crash"}, {FaultKind::kOom, "oom"},
                   {FaultKind::kHang, "hang"}, {FaultKind::kCorruptCheckpoint, "corrupt_checkpoint"})
 DFLASH_ENUM_TABLE(Role, {Role::kTarget, "target"}, {Role::kDrafter, "drafter"},
@@ -344,40 +345,6 @@ std::string describe(const YAML::Node& n) {
   return "\"" + n.Scalar() + "\"";
 }
 
-// Optimal-string-alignment distance: insertions, deletions, substitutions, transpositions.
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev2(b.size() + 1), prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t subst = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, subst});
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
-        cur[j] = std::min(cur[j], prev2[j - 2] + 1);  // adjacent transposition
-      }
-    }
-    prev2 = prev;
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
-}
-
-// The closest candidate within a third of the key's length (at least 1 edit), or "".
-std::string suggest(const std::string& key, const std::vector<std::string>& candidates) {
-  const size_t limit = std::max<size_t>(1, key.size() / 3);
-  std::string best;
-  size_t best_d = limit + 1;
-  for (const auto& c : candidates) {
-    const size_t d = edit_distance(key, c);
-    if (d < best_d) {
-      best_d = d;
-      best = c;
-    }
-  }
-  return best;
-}
-
 std::string join_list(const std::vector<std::string>& items, const char* sep) {
   std::string out;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -556,7 +523,7 @@ void read_value(const YAML::Node& n, const std::string& path, E& out, Ctx& ctx) 
     }
   }
   std::string msg = "expected " + expected + ", got " + describe(n);
-  const std::string hint = suggest(n.Scalar(), enum_names<E>());
+  const std::string hint = closest_match(n.Scalar(), enum_names<E>());
   if (!hint.empty()) msg += " (did you mean '" + hint + "'?)";
   ctx.add(path, msg, pos_of(n));
 }
@@ -603,7 +570,7 @@ class Reader {
         continue;
       }
       if (std::find(known_.begin(), known_.end(), name) != known_.end()) continue;
-      const std::string hint = suggest(name, known_);
+      const std::string hint = closest_match(name, known_);
       ctx_->add(path,
                 hint.empty() ? "unknown key (expected one of: " + join_list(known_, ", ") + ")"
                              : "unknown key (did you mean '" + hint + "'?)",
@@ -834,7 +801,7 @@ void check_gpu_list(Ctx& ctx, const std::string& host_path, const char* list_nam
 }
 
 // Placeholders a launch command template may use.
-const std::vector<std::string> kPlaceholders = {"host", "ctid", "cmd", "qcmd"};
+const std::vector<std::string> kPlaceholders = {"host", "ctid", "cmd", "qcmd", "ngpu"};
 
 bool uses_placeholder(const std::string& tmpl, const std::string& name) {
   return tmpl.find("{" + name + "}") != std::string::npos;
@@ -941,7 +908,7 @@ void validate(RunConfig& c, Ctx& ctx) {
       for (const auto& entry : c.launch) names.push_back(entry.first);
       std::string msg = "expected 'local' or a launch template name (" + join_list(names, ", ") +
                         "), got \"" + host.launch + "\"";
-      const std::string hint = suggest(host.launch, names);
+      const std::string hint = closest_match(host.launch, names);
       if (!hint.empty()) msg += " (did you mean '" + hint + "'?)";
       ctx.check(hp + ".launch", msg);
     } else if (host.launch != "local") {
@@ -1097,7 +1064,9 @@ void validate(RunConfig& c, Ctx& ctx) {
     if (t.command_template.empty()) {
       ctx.check(lp + ".command_template",
                 std::string("required for kind ") + to_string(t.kind) + " (e.g. \"" +
-                    (t.kind == LaunchKind::kSsh ? "ssh {host} {qcmd}" : "pct exec {ctid} -- {cmd}") +
+                    (t.kind == LaunchKind::kSsh   ? "ssh {host} {qcmd}"
+                     : t.kind == LaunchKind::kPct ? "pct exec {ctid} -- {cmd}"
+                                                  : "srun --nodes=1 --ntasks=1 -w {host} --gres=gpu:{ngpu} --export=ALL {cmd}") +
                     "\")");
       continue;
     }
@@ -1109,7 +1078,7 @@ void validate(RunConfig& c, Ctx& ctx) {
       const std::string word = tmpl.substr(open + 1, close - open - 1);
       if (std::find(kPlaceholders.begin(), kPlaceholders.end(), word) == kPlaceholders.end()) {
         ctx.check(lp + ".command_template", "unknown placeholder {" + word +
-                                                "} (expected {host}, {ctid}, {cmd} or {qcmd})");
+                                                "} (expected {host}, {ctid}, {cmd}, {qcmd} or {ngpu})");
       }
     }
     if (!uses_placeholder(tmpl, "cmd") && !uses_placeholder(tmpl, "qcmd")) {
@@ -1142,7 +1111,83 @@ std::string format_problem(const std::string& source, const Problem& p) {
   return out + p.message;
 }
 
-ParseResult parse_config_string(const std::string& yaml, const std::string& source_name) {
+namespace {
+
+// Sets keys[i..] under `node` (a mapping) to `value`, creating mappings on the way; false when the
+// path runs through a value that is not a mapping. (Nodes are passed by value: yaml-cpp's Node
+// assignment would rebind the shared node.)
+bool set_path(YAML::Node node, const std::vector<std::string>& keys, size_t i, const YAML::Node& value) {
+  if (i + 1 == keys.size()) {
+    node[keys[i]] = value;
+    return true;
+  }
+  if (!node[keys[i]] || node[keys[i]].IsNull()) node[keys[i]] = YAML::Node(YAML::NodeType::Map);
+  YAML::Node child = node[keys[i]];
+  return child.IsMap() && set_path(child, keys, i + 1, value);
+}
+
+// Applies "a.b=VALUE" overrides to `root` (made a mapping when empty); returns the override paths
+// applied, and a Problem for each malformed one.
+std::vector<std::pair<std::string, std::string>> apply_overrides(YAML::Node& root, const std::vector<std::string>& overrides,
+                                                                 std::vector<Problem>& problems) {
+  std::vector<std::pair<std::string, std::string>> applied;
+  if (!overrides.empty() && (!root.IsDefined() || root.IsNull())) root = YAML::Node(YAML::NodeType::Map);
+  for (const auto& o : overrides) {
+    const auto eq = o.find('=');
+    std::vector<std::string> keys;
+    if (eq != std::string::npos) {
+      std::stringstream path(o.substr(0, eq));
+      for (std::string k; std::getline(path, k, '.');) keys.push_back(k);
+    }
+    const bool empty_key = keys.empty() || std::any_of(keys.begin(), keys.end(), [](const std::string& k) { return k.empty(); });
+    if (empty_key || o.substr(0, eq).back() == '.') {
+      problems.push_back({"", "override '" + o + "': expected section.field=VALUE", 0, 0});
+      continue;
+    }
+    YAML::Node value;
+    try {
+      value = YAML::Load(o.substr(eq + 1));
+    } catch (const YAML::Exception& e) {
+      problems.push_back({o.substr(0, eq), "override '" + o + "': the value is not YAML: " + e.msg, 0, 0});
+      continue;
+    }
+    if (!root.IsMap() || !set_path(root, keys, 0, value)) {
+      problems.push_back({o.substr(0, eq), "override '" + o + "': a parent of this key is not a mapping", 0, 0});
+      continue;
+    }
+    applied.emplace_back(o.substr(0, eq), o);
+  }
+  return applied;
+}
+
+// Problems about an overridden key carry no line (the value came from the command line) and name
+// the override.
+void attribute_to_overrides(std::vector<Problem>& problems, const std::vector<std::pair<std::string, std::string>>& applied) {
+  for (auto& p : problems)
+    for (const auto& [path, text] : applied)
+      if (p.path == path || p.path.rfind(path + ".", 0) == 0 || p.path.rfind(path + "[", 0) == 0) {
+        p.line = p.column = 0;
+        p.message += " (override " + text + ")";
+        break;
+      }
+}
+
+}  // namespace
+
+std::vector<std::string> command_line_overrides(const std::vector<std::string>& after_config,
+                                                const std::vector<std::string>& set_flags) {
+  std::vector<std::string> out;
+  for (const auto& a : after_config) {
+    DFLASH_CHECK(a.find('=') != std::string::npos, ConfigError,
+                 "unexpected argument '" << a << "' after the config (an override is section.field=VALUE)");
+    out.push_back(a);
+  }
+  out.insert(out.end(), set_flags.begin(), set_flags.end());
+  return out;
+}
+
+ParseResult parse_config_string(const std::string& yaml, const std::string& source_name,
+                                const std::vector<std::string>& overrides) {
   (void)source_name;  // Problems carry field paths; format_problem(source, p) adds the source
   ParseResult result;
   YAML::Node root;
@@ -1158,6 +1203,8 @@ ParseResult parse_config_string(const std::string& yaml, const std::string& sour
     result.problems.push_back(p);
     return result;
   }
+  std::vector<Problem> override_problems;
+  const auto applied = apply_overrides(root, overrides, override_problems);
   Ctx ctx;
   if (root.IsDefined() && !root.IsNull() && !root.IsMap()) {
     ctx.add("", "expected a mapping of sections at the top level, got " + describe(root),
@@ -1178,10 +1225,12 @@ ParseResult parse_config_string(const std::string& yaml, const std::string& sour
   }
   validate(result.config, ctx);
   result.problems = ctx.sorted_problems();
+  attribute_to_overrides(result.problems, applied);
+  result.problems.insert(result.problems.end(), override_problems.begin(), override_problems.end());
   return result;
 }
 
-ParseResult parse_config_file(const std::string& path) {
+ParseResult parse_config_file(const std::string& path, const std::vector<std::string>& overrides) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     ParseResult result;
@@ -1195,11 +1244,11 @@ ParseResult parse_config_file(const std::string& path) {
     result.problems.push_back(Problem{"", "cannot read file: I/O error", 0, 0});
     return result;
   }
-  return parse_config_string(text.str(), path);
+  return parse_config_string(text.str(), path, overrides);
 }
 
-RunConfig load_config_or_throw(const std::string& path) {
-  ParseResult result = parse_config_file(path);
+RunConfig load_config_or_throw(const std::string& path, const std::vector<std::string>& overrides) {
+  ParseResult result = parse_config_file(path, overrides);
   if (!result.ok()) {
     std::string msg = path + ": " + std::to_string(result.problems.size()) + " config problem(s)";
     for (const auto& p : result.problems) msg += "\n" + format_problem(path, p);

@@ -46,7 +46,7 @@ enum class NoiseType { kUniform, kGaussian, kNone };          // uniform | gauss
 enum class Overlong { kTruncate, kDrop };                     // truncate | drop
 enum class LossType { kDflash, kDpace };                      // dflash | dpace
 enum class Transport { kShm, kC10d };                         // shm | c10d
-enum class LaunchKind { kLocal, kSsh, kPct };                 // local | ssh | pct
+enum class LaunchKind { kLocal, kSsh, kPct, kSlurm };         // local | ssh | pct | slurm
 enum class FaultKind { kCrash, kOom, kHang, kCorruptCheckpoint };  // crash | oom | hang | corrupt_checkpoint
 enum class Role { kTarget, kDrafter, kCoordinator };          // target | drafter | coordinator
 
@@ -198,8 +198,10 @@ struct ResilienceSection {
 
 struct LaunchTemplate {
   LaunchKind kind = LaunchKind::kLocal;
-  // Placeholders: {host} {ctid} {cmd} {qcmd}. Required for ssh/pct and must contain {cmd} or {qcmd};
-  // pct templates must contain {ctid}. {cmd} is the worker's command line quoted for one shell
+  // Placeholders: {host} {ctid} {cmd} {qcmd} {ngpu}. Required for ssh/pct/slurm and must contain {cmd}
+  // or {qcmd}; pct templates must contain {ctid}. {ngpu}: the GPUs the worker uses (1 on CUDA, 0 on
+  // CPU). For kind slurm the worker's CUDA_VISIBLE_DEVICES is left to Slurm (the GPU --gres
+  // allocates), e.g. "srun --nodes=1 --ntasks=1 -w {host} --gres=gpu:{ngpu} --export=ALL {cmd}". {cmd} is the worker's command line quoted for one shell
   // (the local /bin/sh -c); {qcmd} quotes it once more, for templates whose command is parsed by a
   // second shell (ssh runs it through the remote login shell). E.g. "pct exec {ctid} -- {cmd}",
   // "ssh {host} {qcmd}", "ssh {host} pct exec {ctid} -- {qcmd}".
@@ -269,13 +271,25 @@ struct ParseResult {
   bool ok() const { return problems.empty(); }
 };
 
+// Command-line overrides (`dflash run|train CONFIG train.lr=1e-4 --set run.epochs=2`): each
+// "section.field=VALUE" (any depth of dotted keys, no list indices) replaces or adds that key of
+// the YAML before validation; VALUE is read as YAML (3, 1e-4, true, text, [1, 2]). The result is
+// validated exactly like the file, so a bad override is the same Problem naming the field; such a
+// problem has no line and its message ends with "(override PATH=VALUE)". A malformed override (no
+// '=', an empty key, a path through a non-mapping, VALUE not YAML) is a Problem naming it.
 // Parses and validates YAML text. source_name names the text for callers' messages; Problems
 // themselves hold only paths, so print them with format_problem(source_name, p).
-ParseResult parse_config_string(const std::string& yaml, const std::string& source_name);
+ParseResult parse_config_string(const std::string& yaml, const std::string& source_name,
+                                const std::vector<std::string>& overrides = {});
 // Reads and parses a file; an unreadable file is a Problem with an empty path.
-ParseResult parse_config_file(const std::string& path);
+ParseResult parse_config_file(const std::string& path, const std::vector<std::string>& overrides = {});
 // parse_config_file, throwing dflash::ConfigError (exit code 2) with every problem, one a line.
-RunConfig load_config_or_throw(const std::string& path);
+RunConfig load_config_or_throw(const std::string& path, const std::vector<std::string>& overrides = {});
+// The overrides of a command line: `after_config` (the positional arguments after CONFIG, each
+// section.field=VALUE) then the --set values. ConfigError (exit 2) for a positional argument without
+// '=' ("unexpected argument").
+std::vector<std::string> command_line_overrides(const std::vector<std::string>& after_config,
+                                                const std::vector<std::string>& set_flags);
 
 // YAML text holding every field (defaults included, environment references already expanded);
 // for a valid config, parse_config_string(to_yaml(c)) == c.

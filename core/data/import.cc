@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include "core/util/error.h"
 #include "core/util/fileio.h"
 #include "core/util/log.h"
+#include "core/util/progress.h"
 #include "core/util/utf8.h"
 
 namespace dflash::data {
@@ -109,6 +111,9 @@ ImportSummary import_jsonl(const ImportOptions& o) {
     wo.max_seq_len = o.max_seq_len;
     ShardWriter writer(tmp, wo);
     const uint64_t min_trainable = 2 * static_cast<uint64_t>(o.block_size);
+    int64_t total_bytes = 0, bytes_read = 0;
+    for (const std::string& path : o.inputs) total_bytes += static_cast<int64_t>(fs::file_size(path));
+    Progress progress(Progress::for_stderr("import", "bytes", total_bytes));
 
     for (const std::string& path : o.inputs) {
       std::ifstream in(path);
@@ -117,6 +122,8 @@ ImportSummary import_jsonl(const ImportOptions& o) {
       uint64_t line_no = 0;
       while (std::getline(in, line)) {
         ++line_no;
+        bytes_read += static_cast<int64_t>(line.size()) + 1;  // + '\n', which the last line may lack
+        progress.update(std::min(bytes_read, total_bytes));
         if (is_blank(line)) continue;
         ++s.lines;
         ParsedDoc doc;
@@ -145,6 +152,7 @@ ImportSummary import_jsonl(const ImportOptions& o) {
       }
       DFLASH_CHECK(!in.bad(), DataError, path << ": read error after line " << line_no);
     }
+    progress.finish();
     DFLASH_CHECK(writer.documents() > 0, DataError,
                  "data import: no document left to write (" << s.lines << " lines, " << s.skipped_bad
                                                             << " bad, " << s.dropped_short

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <regex>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -333,10 +334,27 @@ TargetConfig parse_hf_config_json(const std::string& json_text, const std::strin
   return c;
 }
 
+namespace {
+// True for "Org/Name" (one '/', hub-id characters, no leading '.' or '/'): what a user copies from
+// the Hugging Face hub where a local model directory is expected.
+bool looks_like_hub_id(const std::string& s) {
+  static const std::regex hub_id(R"(^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$)");
+  return std::regex_match(s, hub_id);
+}
+}  // namespace
+
 TargetConfig parse_hf_config(const std::string& model_dir) {
   struct stat st {};
+  const bool exists = ::stat(model_dir.c_str(), &st) == 0;
+  if (!exists && looks_like_hub_id(model_dir)) {
+    const std::string local = "models/" + model_dir.substr(model_dir.find('/') + 1);
+    DFLASH_FAIL(ConfigError, "'" << model_dir << "' is not a directory here but looks like a Hugging Face hub id; the "
+                                 << "pipeline reads local model directories: download it with\n  huggingface-cli download "
+                                 << model_dir << " --local-dir " << local << "\n(or: hf download " << model_dir
+                                 << " --local-dir " << local << ") and give " << local << " instead");
+  }
   std::string file = model_dir;
-  if (::stat(model_dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) file = model_dir + "/config.json";
+  if (exists && S_ISDIR(st.st_mode)) file = model_dir + "/config.json";
   std::ifstream in(file);
   DFLASH_CHECK(in, ConfigError, file << ": cannot open HF config");
   std::stringstream ss;

@@ -55,7 +55,9 @@ struct TargetConfig {
   std::string weight_prefix = "model.";  // or "model.language_model."; resolved from the weights
 };
 
-// Reads DIR/config.json, or `model_dir` itself when it is a path to a JSON file.
+// Reads DIR/config.json, or `model_dir` itself when it is a path to a JSON file. ConfigError (exit
+// 2) when it cannot be opened; for a missing path shaped like a hub id ("Qwen/Qwen3-8B") the message
+// gives the exact `huggingface-cli download ... --local-dir ...` command.
 TargetConfig parse_hf_config(const std::string& model_dir);
 // Parses config.json text; `source_name` is used in error messages.
 TargetConfig parse_hf_config_json(const std::string& json_text, const std::string& source_name);

@@ -6,12 +6,15 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <regex>
 #include <fstream>
 #include <set>
 #include <sstream>
 
 #include "core/util/error.h"
+#include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/log_level.h"
 
 namespace dflash {
 
@@ -37,34 +40,129 @@ std::string run_for_json(const std::string& cmd, const std::string& what) {
   return out.substr(brace);
 }
 
+std::string strip_source_locations(const std::string& text) {
+  static const std::regex location(R"( \[[^\[\]\s]+\.(cc|h|cu|cuh|cpp):[0-9]+\])");
+  return std::regex_replace(text, location, "");
+}
+
+std::string user_message(const std::exception& e) {
+  return log_level() == LogLevel::kDebug ? e.what() : strip_source_locations(e.what());
+}
+
 int run_command(const std::function<int()>& body) {
   try {
     return body();
   } catch (const std::exception& e) {
-    LOG_ERROR(e.what());
+    LOG_ERROR(user_message(e));
     return exit_code_for(e);
   }
 }
 
-std::string usage_text(const char* binary, std::initializer_list<Subcommand> commands) {
+std::string usage_text(const char* binary, const std::vector<Subcommand>& commands) {
   std::string out;
   for (const auto& c : commands)
     out += std::string(out.empty() ? "usage: " : "       ") + binary + " " + c.name + " " + c.usage + "\n";
   return out + "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
 }
 
-int dispatch_subcommand(int argc, char** argv, const char* binary, const char* role,
-                        std::initializer_list<Subcommand> commands) {
-  set_log_role(role);
-  const std::string usage = usage_text(binary, commands);
-  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    std::cerr << usage;
-    return argc < 2 ? kExitConfig : kExitOk;
+std::string version_line(const char* binary, const char* version, const char* commit) {
+  return std::string(binary) + " " + version + " (commit " + commit + ")\n";
+}
+
+namespace {
+bool is_arg(const char* a, std::initializer_list<const char*> any) {
+  for (const char* x : any)
+    if (!std::strcmp(a, x)) return true;
+  return false;
+}
+
+// The number of words of `name` ("bench target": 2) when argv[1..] starts with them, else 0.
+int matched_words(const char* name, int argc, char** argv) {
+  std::istringstream words(name);
+  std::string w;
+  int n = 0;
+  while (words >> w) {
+    if (1 + n >= argc || w != argv[1 + n]) return 0;
+    ++n;
   }
-  for (const auto& c : commands)
-    if (!std::strcmp(argv[1], c.name)) return run_command([&] { return c.run(argc - 2, argv + 2); });
-  std::cerr << "unknown command '" << argv[1] << "'\n" << usage;
+  return n;
+}
+
+// The commands whose first word is `group` (the "bench" of "bench target"), when it has several words.
+std::vector<Subcommand> group_commands(const Binary& b, const std::string& group) {
+  std::vector<Subcommand> out;
+  for (const auto& c : b.commands) {
+    const std::string name = c.name;
+    if (name.rfind(group + " ", 0) == 0) out.push_back(c);
+  }
+  return out;
+}
+
+// `argv[1]` (and argv[2] after a group word) matched no command: "did you mean" and the usage, exit 2.
+int unknown_command(const Binary& b, int argc, char** argv) {
+  std::string word = argv[1];
+  const bool group = !group_commands(b, word).empty();
+  if (group && argc > 2) word += std::string(" ") + argv[2];
+  std::vector<std::string> names;
+  for (const auto& c : b.commands) names.push_back(c.name);
+  if (word.rfind("--", 0) == 0) names = {"--help", "--version", "--list-commands"};
+  const std::string near = closest_match(word, names);
+  std::cerr << b.name << ": unknown " << (word.rfind("--", 0) == 0 ? "flag" : "command") << " '" << word << "'"
+            << (near.empty() ? "" : "; did you mean '" + near + "'?") << "\n"
+            << usage_text(b.name, group ? group_commands(b, argv[1]) : b.commands);
   return kExitConfig;
+}
+
+int run_registered(const Binary& b, const Subcommand& c, int argc, char** argv, const char* version, const char* commit) {
+  for (int i = 0; i < argc && std::strcmp(argv[i], "--"); ++i) {
+    if (!std::strcmp(argv[i], "--version")) {
+      std::cout << version_line(b.name, version, commit);
+      return kExitOk;
+    }
+  }
+  try {
+    return run_command([&] {
+      apply_log_level_switch();
+      return c.run(argc, argv);
+    });
+  } catch (const HelpRequested&) {
+    std::cout << usage_text(b.name, {c});
+    return kExitOk;
+  }
+}
+}  // namespace
+
+int dispatch_subcommand(int argc, char** argv, const Binary& b, const char* version, const char* commit) {
+  set_log_role(b.role);
+  if (argc < 2) {
+    std::cerr << usage_text(b.name, b.commands);
+    return kExitConfig;
+  }
+  if (is_arg(argv[1], {"--help", "-h", "help"})) {
+    std::cout << usage_text(b.name, b.commands);
+    return kExitOk;
+  }
+  if (is_arg(argv[1], {"--version"})) {
+    std::cout << version_line(b.name, version, commit);
+    return kExitOk;
+  }
+  if (is_arg(argv[1], {"--list-commands"})) {
+    for (const auto& c : b.commands) std::cout << c.name << "\n";
+    return kExitOk;
+  }
+  const Subcommand* best = nullptr;
+  int best_words = 0;
+  for (const auto& c : b.commands) {
+    const int n = matched_words(c.name, argc, argv);
+    if (n > best_words) best = &c, best_words = n;
+  }
+  if (best) return run_registered(b, *best, argc - 1 - best_words, argv + 1 + best_words, version, commit);
+  const auto group = group_commands(b, argv[1]);
+  if (!group.empty() && (argc == 2 || is_arg(argv[2], {"--help", "-h"}))) {
+    (argc == 2 ? std::cerr : std::cout) << usage_text(b.name, group);
+    return argc == 2 ? kExitConfig : kExitOk;
+  }
+  return unknown_command(b, argc, argv);
 }
 
 namespace {

@@ -1,8 +1,8 @@
 // Running CLI commands and the helper commands they start (benchmark baselines, launch templates).
 #pragma once
 #include <functional>
-#include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "core/util/error.h"
 
@@ -22,26 +22,52 @@ std::string shell_quote(const std::string& s);
 // cannot start, exits non-zero, or prints no '{'.
 std::string run_for_json(const std::string& cmd, const std::string& what);
 
+// The message of `e` as a user reads it: e.what() without the source locations DFLASH_CHECK adds
+// (" [path/file.cc:NN]"), unless the log level is debug (DFLASH_LOG_LEVEL=debug), which keeps them.
+std::string user_message(const std::exception& e);
+// `text` without its " [FILE.cc:NN]" source locations (.cc, .h, .cu, .cuh, .cpp).
+std::string strip_source_locations(const std::string& text);
+
 // Runs a CLI command's `body` and returns its exit code; an exception it throws is logged
-// (LOG_ERROR) and mapped to exit_code_for(e) (core/util/error.h) instead of escaping.
+// (LOG_ERROR, as user_message(e): no source locations below debug level) and mapped to
+// exit_code_for(e) (core/util/error.h) instead of escaping.
 int run_command(const std::function<int()>& body);
 
-// One subcommand of a worker binary: argv[1] == name runs `run` with the arguments after it.
-// `usage`: its flags, as printed after "usage: BINARY NAME ".
+// One command of a binary (the binary's command registry is a list of these; docs/cli.md).
+// `name`: one word ("capture") or a group and a word ("bench target"); `run` gets the arguments
+// after the name. `usage`: its arguments, as printed after "usage: BINARY NAME ", optionally
+// followed by indented description lines.
 struct Subcommand {
   const char* name;
   int (*run)(int argc, char** argv);
   const char* usage;
 };
 
-// "usage: BINARY NAME USAGE" for each command, then the exit codes.
-std::string usage_text(const char* binary, std::initializer_list<Subcommand> commands);
+// A binary: its name, its log role, and its commands.
+struct Binary {
+  const char* name;
+  const char* role;
+  std::vector<Subcommand> commands;
+};
 
-// A worker binary's main(): sets the log role; no arguments -> usage_text on stderr, exit 2;
-// --help or -h -> usage_text, exit 0; a known subcommand -> its exit code under run_command;
-// anything else -> "unknown command" and usage_text, exit 2.
-int dispatch_subcommand(int argc, char** argv, const char* binary, const char* role,
-                        std::initializer_list<Subcommand> commands);
+// "usage: BINARY NAME USAGE" for each command, then the exit codes.
+std::string usage_text(const char* binary, const std::vector<Subcommand>& commands);
+
+// "BINARY VERSION (commit COMMIT)": the --version line.
+std::string version_line(const char* binary, const char* version, const char* commit);
+
+// A binary's main() (the conventions of docs/cli.md): sets the log role, then
+// - no arguments -> usage_text on stderr, exit 2;
+// - --help, -h or help -> usage_text on stdout, exit 0; --version -> version_line on stdout, exit 0;
+//   --list-commands -> every command name, one per line, exit 0 (the CLI test iterates over them);
+// - a known command (its longest matching name): --version anywhere in its arguments -> version_line,
+//   exit 0; else the log level switch is applied (apply_log_level_switch) and the command runs under
+//   run_command; a HelpRequested (--help / -h, core/util/flags.h) -> usage_text of that command on
+//   stdout, exit 0;
+// - a group word alone ("bench") or with --help / -h -> the group's commands (stderr, exit 2, or
+//   stdout, exit 0);
+// - anything else -> "unknown command 'X'; did you mean 'Y'?" (edit distance) and usage, exit 2.
+int dispatch_subcommand(int argc, char** argv, const Binary& binary, const char* version, const char* commit);
 
 // Best effort, for error messages: "pid N (COMM)" of a process of this machine with a TCP socket
 // listening on `port` (found through /proc/net/tcp, /proc/net/tcp6 and /proc/*/fd), or "unknown"

@@ -44,6 +44,10 @@ const std::vector<Switch>& registry() {
        true, false},
       {"DFLASH_ADAMW", Kind::kChoice, {"plain", "fused"}, kAuto,
        "AdamW; auto: the fused multi-tensor step for CUDA parameters, else LibTorch ops.", true, false},
+      {"DFLASH_LOG_LEVEL", Kind::kChoice, {"debug", "info", "warn", "error"}, "info",
+       "Lowest level of the log lines printed on stderr; debug also shows the source location (file:line) of "
+       "error messages.",
+       false, false},
       {"DFLASH_PYTHON", Kind::kText, {}, "python3",
        "Python of the bench baselines (bench target/drafter/generate --baseline) and of data prepare/regenerate "
        "when --python is not given.", false, false},

@@ -30,6 +30,7 @@ as it returns them.
 """
 
 import argparse
+import difflib
 import json
 import os
 import subprocess
@@ -43,7 +44,7 @@ from .spans import Renderer, template_text
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="dflash data regenerate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="dflash data regenerate", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--target", default=None, help="HF model directory (weights, tokenizer, chat template)")
     p.add_argument("--input", required=True, help="chat JSONL or tokenized JSONL (output of prepare)")
     p.add_argument("--out", required=True, help="regenerated JSONL (appended to; resumable)")
@@ -63,6 +64,12 @@ def parse_args(argv):
     p.add_argument("--server-model", default=None, help="the model name the server knows (default: --target)")
     p.add_argument("--server-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--server-retries", type=int, default=3, help="attempts per request")
+    flags = sorted(p._option_string_actions)
+    for word in argv:  # an unknown flag: exit 2 naming the closest known one (as the dflash CLI does)
+        name = word.split("=", 1)[0]
+        if name.startswith("--") and name not in flags:
+            near = difflib.get_close_matches(name, flags, n=1)
+            p.error(f"unknown flag {name}" + (f"; did you mean {near[0]}?" if near else ""))
     a = p.parse_args(argv)
     if a.server is None and (a.target is None or a.dflash is None):
         p.error("--target (and --dflash, which `dflash data regenerate` sets) are required without --server")

@@ -143,7 +143,7 @@ struct WorkerOptions {
 
 // The flags of WorkerOptions plus --config, --coordinator and --attempt, and a command's own `extra`.
 inline std::set<std::string> worker_flags(std::set<std::string> extra) {
-  extra.insert({"config", "rank", "device", "run-id", "metrics-port", "coordinator", "attempt"});
+  extra.insert({"config", "set", "rank", "device", "run-id", "metrics-port", "coordinator", "attempt"});
   return extra;
 }
 
@@ -155,12 +155,12 @@ struct WorkerStart {
   std::unique_ptr<control::ControlClient> client;
 };
 
-// Loads --config, reads the common flags into `o`, connects to the coordinator when --coordinator
+// Loads --config (with the --set overrides the coordinator forwards), reads the common flags into `o`, connects to the coordinator when --coordinator
 // is given and takes its launch plan (else LaunchPlan::standalone). Positional arguments ->
 // ConfigError with `usage`.
 inline WorkerStart start_worker(const Flags& f, config::Role role, WorkerOptions& o, const std::string& usage) {
   DFLASH_CHECK(f.positional().empty(), ConfigError, usage);
-  WorkerStart w{config::load_config_or_throw(f.get("config")), {}, nullptr};
+  WorkerStart w{config::load_config_or_throw(f.get("config"), f.get_all("set")), {}, nullptr};
   o.rank = static_cast<int>(f.get_int("rank", -1));
   o.device = f.get("device", "cpu");
   o.run_id = run_id_of(w.cfg, f);

@@ -3,10 +3,14 @@
 
 #include <exception>
 #include <iostream>
+#include <optional>
+#include <set>
 #include <string>
 
 #include "core/config/config.h"
 #include "core/util/error.h"
+#include "core/util/flags.h"
+#include "core/util/process.h"
 
 namespace dflash::cli {
 
@@ -35,16 +39,24 @@ std::string summarize(const config::RunConfig& c) {
 }  // namespace
 
 int cmd_config_check(int argc, char** argv) {
-  if (argc == 1 && (std::string(argv[0]) == "-h" || std::string(argv[0]) == "--help")) {
+  std::optional<Flags> flags;
+  try {
+    flags.emplace(argc, argv, std::set<std::string>{"help"}, std::set<std::string>{"help"});
+  } catch (const ConfigError& e) {  // an unknown flag
+    std::cerr << "dflash config check: " << user_message(e) << "\n" << kUsage;
+    return kExitConfig;
+  }
+  const Flags& f = *flags;
+  if (f.has("help")) {
     std::cout << kUsage;
     return kExitOk;
   }
-  if (argc != 1) {
-    std::cerr << "dflash config check: expected exactly one FILE, got " << argc
+  if (f.positional().size() != 1) {
+    std::cerr << "dflash config check: expected exactly one FILE, got " << f.positional().size()
               << " argument(s)\n" << kUsage;
     return kExitConfig;
   }
-  const std::string file = argv[0];
+  const std::string file = f.positional()[0];
   try {
     const config::ParseResult result = config::parse_config_file(file);
     if (!result.ok()) {
@@ -55,7 +67,7 @@ int cmd_config_check(int argc, char** argv) {
     std::cout << file << ": ok\n" << summarize(result.config) << "\n";
     return kExitOk;
   } catch (const std::exception& e) {
-    std::cerr << file << ": " << e.what() << "\n";
+    std::cerr << file << ": " << user_message(e) << "\n";
     return exit_code_for(e);
   }
 }

@@ -3,8 +3,8 @@
 
 namespace dflash::cli {
 
-// argv holds the arguments AFTER `dflash config check` (argc == 1: the FILE; `-h`/`--help`
-// prints usage). Prints each problem as "FILE: field.path: line N: message" to stderr followed by
+// argv holds the arguments AFTER `dflash config check` (the FILE; `-h`/`--help` prints usage;
+// any other flag is a usage error naming it). Prints each problem as "FILE: field.path: line N: message" to stderr followed by
 // a count; on success prints "FILE: ok" and a one-line summary of the run to stdout.
 // Returns 0 when valid, dflash::kExitConfig (2) on any problem (unreadable file and YAML syntax
 // errors included) or on a usage error. Never throws.

@@ -68,14 +68,6 @@ std::string self_dir() {
   return ec ? std::string(".") : p.parent_path().string();
 }
 
-std::string fmt_duration(double s) {
-  if (!std::isfinite(s) || s < 0) return "?";
-  const int64_t t = static_cast<int64_t>(s);
-  std::ostringstream os;
-  os << t / 3600 << ":" << std::setw(2) << std::setfill('0') << (t / 60) % 60 << ":" << std::setw(2) << t % 60;
-  return os.str();
-}
-
 // --device, else cuda on a CUDA build whose host has an NVIDIA GPU (the config's GPU ids then
 // index them), else cpu. ConfigError for anything but cpu or cuda.
 std::string resolve_device(const std::optional<std::string>& flag) {
@@ -375,6 +367,7 @@ void Coordinator::launch_attempt(const CommitChoice& from) {
   build_assignment(start_step, from.dir);
   step_ = start_step;
   start_step_ = start_step;
+  eta_window_ = RateWindow(kEtaWindowS);  // this launch's steps only (a rollback moves step_ back)
   launch_all();
   LOG_INFO("attempt " << attempt_ << ": " << workers_.size() << " workers from step " << start_step << "/" << total_steps_
                       << (from.dir.empty() ? "" : " (resumed from " + from.dir + ")"));
@@ -431,6 +424,7 @@ Coordinator::WorkerState Coordinator::make_worker(const config::HostSpec& h, con
                  "--config", fs::absolute(opts_.config_path).string(), "--rank", std::to_string(rank),
                  "--coordinator", address_, "--attempt", std::to_string(attempt_), "--device", device_,
                  "--metrics-port", std::to_string(port)};
+  for (const auto& o : opts_.overrides) w.spec.argv.insert(w.spec.argv.end(), {"--set", o});
   if (h.launch != "local" && !cfg_.coordinator.token_file.empty())
     w.spec.env["DFLASH_CONTROL_TOKEN_FILE"] = cfg_.coordinator.token_file;  // not in remote argv
   else
@@ -634,13 +628,14 @@ void Coordinator::print_progress(bool final_line) {
   double tps = 0;
   for (const auto& [_, v] : tokens_per_s_) tps += v;
   const double frac = total_steps_ ? double(step_) / double(total_steps_) : 0;
-  const double elapsed = seconds_since(t0_);
-  const double rate = step_ > start_step_ ? (step_ - start_step_) / std::max(elapsed, 1e-9) : 0;
-  const double eta = rate > 0 ? (total_steps_ - step_) / rate : NAN;
+  // The ETA's rate: steps over the last kEtaWindowS seconds, sampled from this launch's first step on
+  // (start-up, worker loading and the first batch never count).
+  if (step_ > start_step_) eta_window_.add(seconds_since(t0_), step_);
+  const double eta = eta_window_.eta_s(total_steps_, step_);
   std::ostringstream os;
   os << "[dflash] step " << step_ << "/" << total_steps_ << " (" << int(100 * frac) << "%) epoch " << last_epoch_ << " | "
      << int64_t(tps) << " tok/s | loss " << std::setprecision(4) << last_loss_ << " | tau " << std::setprecision(3) << last_tau_
-     << " | ETA " << (final_line ? "0:00:00" : fmt_duration(eta)) << " | attempt " << attempt_;
+     << " | ETA " << (final_line ? "0:00:00" : format_duration(eta)) << " | attempt " << attempt_;
   std::cerr << os.str() << std::endl;
 }
 

@@ -63,6 +63,7 @@
 #include "control.grpc.pb.h"
 #include "core/config/config.h"
 #include "core/metrics/metrics.h"
+#include "core/util/progress.h"
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
 #include "services/coordinator/recovery_policy.h"
@@ -73,6 +74,7 @@ namespace dflash::coordinator {
 // The flags of `dflash run`.
 struct RunOptions {
   std::string config_path;
+  std::vector<std::string> overrides;  // section.field=VALUE (config.h), passed on to every worker as --set
   std::string resume;                 // --resume: "" | "latest" | "auto" | a committed checkpoint dir
   bool plan_only = false;             // --plan
   std::optional<std::string> device;  // --device cpu|cuda (default: cuda on a CUDA build whose host has an NVIDIA GPU)
@@ -218,6 +220,8 @@ class Coordinator final : public control::Coordinator::Service {
   double last_loss_ = 0, last_tau_ = 0;
   std::map<int, double> tokens_per_s_;
   Clock::time_point t0_ = Clock::now();
+  static constexpr double kEtaWindowS = 60;
+  RateWindow eta_window_{kEtaWindowS};  // the progress line's ETA (core/util/progress.h)
   std::shared_ptr<metrics::Registry> registry_;
   metrics::Gauge *m_alive_ = nullptr, *m_budget_ = nullptr, *m_step_ = nullptr, *m_committed_ = nullptr, *m_left_out_ = nullptr,
                  *m_total_steps_ = nullptr, *m_epoch_ = nullptr;

@@ -15,6 +15,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/process.h"
 #include "services/coordinator/python_module.h"
 
 namespace dflash::cli {
@@ -208,7 +209,7 @@ int cmd_data(int argc, char** argv) {
     std::cerr << (argc >= 1 ? std::string("unknown data command: ") + argv[0] + "\n" : std::string()) << kDataUsage;
     return kExitConfig;
   } catch (const std::exception& e) {
-    LOG_ERROR(e.what());
+    LOG_ERROR(user_message(e));
     return exit_code_for(e);
   }
 }

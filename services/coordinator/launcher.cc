@@ -78,7 +78,7 @@ std::string command_line(const WorkerSpec& w, bool with_env) {
 
 }  // namespace
 
-std::string render_template(const std::string& tmpl, const WorkerSpec& w) {
+std::string render_template(const std::string& tmpl, const WorkerSpec& w, config::LaunchKind kind) {
   DFLASH_CHECK(tmpl.find("{cmd}") != std::string::npos || tmpl.find("{qcmd}") != std::string::npos, ConfigError,
                "launch template '" << tmpl << "' has no {cmd} or {qcmd} placeholder");
   auto sub = [](std::string s, const std::string& key, const std::string& val) {
@@ -87,7 +87,10 @@ std::string render_template(const std::string& tmpl, const WorkerSpec& w) {
   };
   std::string out = sub(tmpl, "{host}", shell_quote(w.host));
   out = sub(out, "{ctid}", std::to_string(w.ctid));
-  const std::string cmd = command_line(w, true);
+  out = sub(out, "{ngpu}", w.env.count("CUDA_VISIBLE_DEVICES") ? "1" : "0");
+  WorkerSpec x = w;
+  if (kind == config::LaunchKind::kSlurm) x.env.erase("CUDA_VISIBLE_DEVICES");  // Slurm sets it for the --gres GPU
+  const std::string cmd = command_line(x, true);
   out = sub(out, "{qcmd}", shell_quote(cmd));
   return sub(out, "{cmd}", cmd);
 }
@@ -99,12 +102,12 @@ pid_t TemplateLauncher::start(const WorkerSpec& w) {
   WorkerSpec x = w;
   for (const auto& [k, v] : t_.env) x.env.emplace(k, v);
   // The token travels in the environment of the remote command; the local sh needs nothing else.
-  return spawn({"/bin/sh", "-c", render_template(t_.command_template, x)}, {}, w.log_path, true);
+  return spawn({"/bin/sh", "-c", render_template(t_.command_template, x, t_.kind)}, {}, w.log_path, true);
 }
 std::string TemplateLauncher::describe(const WorkerSpec& w) const {
   WorkerSpec x = w;
   x.env.erase("DFLASH_CONTROL_TOKEN");
-  return render_template(t_.command_template, x);
+  return render_template(t_.command_template, x, t_.kind);
 }
 
 ExitInfo poll_child(pid_t pid) {

@@ -4,7 +4,8 @@
 //             <run dir>/logs/<role>-<rank>.log, the environment extended by the worker's variables
 //             (CUDA_VISIBLE_DEVICES = the host's GPU id of the worker, DFLASH_CONTROL_TOKEN, the
 //             launch template's env), PR_SET_PDEATHSIG so a local worker dies with the coordinator.
-//   template  ssh / pct / anything: the host's launch template (placeholders {host} {ctid} {cmd}) with
+//   template  ssh / pct / slurm / anything: the host's launch template (placeholders {host} {ctid} {cmd}
+//             {qcmd} {ngpu}; slurm: `srun --nodes=1 --ntasks=1 -w {host} --gres=gpu:{ngpu} --export=ALL {cmd}`) with
 //             {cmd} replaced by the worker's command line, shell-quoted and prefixed with
 //             `env K=V ...`, run through /bin/sh -c as a local child (same process group, log and
 //             exit-status handling). A remote worker whose ssh dies notices the coordinator is gone
@@ -34,9 +35,12 @@ struct WorkerSpec {
 };
 
 using ::dflash::shell_quote;  // core/util/process.h
-// The command a template launcher runs: the template with {host}, {ctid} and {cmd} substituted.
+// The command a template launcher runs: the template with {host}, {ctid}, {cmd}, {qcmd} and {ngpu}
+// (1 when the worker has a CUDA_VISIBLE_DEVICES, else 0) substituted. For kind slurm, {cmd} leaves
+// CUDA_VISIBLE_DEVICES out: Slurm sets it to the GPU that --gres=gpu:{ngpu} allocates.
 // ConfigError naming the template when {cmd} is missing.
-std::string render_template(const std::string& tmpl, const WorkerSpec& w);
+std::string render_template(const std::string& tmpl, const WorkerSpec& w,
+                            config::LaunchKind kind = config::LaunchKind::kSsh);
 
 class Launcher {
  public:

@@ -101,32 +101,39 @@ void Ledger::apply(LedgerState& s, const io::JsonValue& r) {
   }
 }
 
-Ledger Ledger::open(const std::string& path) {
+LedgerState Ledger::replay(const std::string& path, int64_t* lines_out, uint64_t* keep_out) {
   LedgerState state;
   int64_t lines = 0;
   uint64_t keep = 0;  // bytes of complete records (the last one possibly without its newline)
-  {
-    std::ifstream in(path, std::ios::binary);
-    std::string line;
-    uint64_t offset = 0;
-    while (std::getline(in, line)) {
-      const bool complete = !in.eof();  // the last line without '\n' is torn (or lost only its newline)
-      std::optional<io::JsonDocument> doc;
-      try {
-        doc = io::JsonDocument::parse_text(line, io::JsonSource{path, lines + 1});
-      } catch (const DataError& e) {
-        DFLASH_CHECK(in.peek() == EOF, DataError,
-                     e.what() << " (an unreadable ledger record in the middle of the file, not a torn last write)");
-        LOG_WARN(path << ":" << lines + 1 << ": dropping a torn last record (" << line.size() << " bytes) left by a crash");
-        break;
-      }
-      apply(state, doc->root());
-      ++lines;
-      offset += line.size() + (complete ? 1 : 0);
-      keep = offset;  // a complete JSON record whose newline was lost is kept: open_at adds the newline
+  std::ifstream in(path, std::ios::binary);
+  std::string line;
+  uint64_t offset = 0;
+  while (std::getline(in, line)) {
+    const bool complete = !in.eof();  // the last line without '\n' is torn (or lost only its newline)
+    std::optional<io::JsonDocument> doc;
+    try {
+      doc = io::JsonDocument::parse_text(line, io::JsonSource{path, lines + 1});
+    } catch (const DataError& e) {
+      DFLASH_CHECK(in.peek() == EOF, DataError,
+                   e.what() << " (an unreadable ledger record in the middle of the file, not a torn last write)");
+      LOG_WARN(path << ":" << lines + 1 << ": dropping a torn last record (" << line.size() << " bytes) left by a crash");
+      break;
     }
-    DFLASH_CHECK(!in.bad(), DataError, path << ": read error after line " << lines);
+    apply(state, doc->root());
+    ++lines;
+    offset += line.size() + (complete ? 1 : 0);
+    keep = offset;  // a complete JSON record whose newline was lost is kept: open_at adds the newline
   }
+  DFLASH_CHECK(!in.bad(), DataError, path << ": read error after line " << lines);
+  if (lines_out) *lines_out = lines;
+  if (keep_out) *keep_out = keep;
+  return state;
+}
+
+Ledger Ledger::open(const std::string& path) {
+  int64_t lines = 0;
+  uint64_t keep = 0;
+  LedgerState state = replay(path, &lines, &keep);
   return Ledger(io::JsonlLog::open_at(path, keep), std::move(state), lines);
 }
 

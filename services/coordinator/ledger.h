@@ -107,6 +107,10 @@ class Ledger {
   // naming the file and line. A record that parses but has a missing or mistyped field -> DataError
   // naming the file, line and field.
   static Ledger open(const std::string& path);
+  // Replays `path` read-only (a missing file is an empty state; a torn last line is left out with
+  // LOG_WARN, not truncated): for `dflash status` of a run no coordinator holds. `lines` / `keep`:
+  // the complete records and their bytes. The same DataErrors as open().
+  static LedgerState replay(const std::string& path, int64_t* lines = nullptr, uint64_t* keep = nullptr);
 
   // Adds "time" (unix seconds), checks the record against the state (DataError when malformed:
   // nothing is written), writes the line and fsyncs, then applies it to state(). When the write

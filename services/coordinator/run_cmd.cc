@@ -8,12 +8,14 @@
 namespace dflash::coordinator {
 
 int cmd_run(int argc, char** argv) {
-  Flags f(argc, argv, {"resume", "plan", "device", "quiet", "metrics-port", "plan-samples", "plan-lengths"}, {"plan", "quiet"});
-  DFLASH_CHECK(f.positional().size() == 1, ConfigError,
-               "usage: dflash run CONFIG [--resume latest|auto|DIR] [--plan [--plan-samples N --plan-lengths L[:W],...]]\n"
-               "                  [--device cpu|cuda] [--quiet] [--metrics-port P]");
+  Flags f(argc, argv, {"resume", "plan", "device", "quiet", "metrics-port", "set", "plan-samples", "plan-lengths"},
+          {"plan", "quiet"});
+  DFLASH_CHECK(!f.positional().empty(), ConfigError,
+               "usage: dflash run CONFIG [section.field=VALUE ...] [--set section.field=VALUE] [--resume latest|auto|DIR] "
+               "[--plan [--plan-samples N --plan-lengths L[:W],...]] [--device cpu|cuda] [--quiet] [--metrics-port P]");
   RunOptions o;
   o.config_path = f.positional()[0];
+  o.overrides = config::command_line_overrides({f.positional().begin() + 1, f.positional().end()}, f.get_all("set"));
   o.resume = f.get("resume", "");
   o.plan_only = f.has("plan");
   if (f.has("device")) o.device = f.get("device");
@@ -24,7 +26,7 @@ int cmd_run(int argc, char** argv) {
     DFLASH_CHECK(o.plan_only, ConfigError, "--plan-samples/--plan-lengths size a run without data: add --plan");
     o.plan_lengths = stated_lengths(f.get_int("plan-samples", 0), f.get("plan-lengths"), "--plan-lengths");
   }
-  const auto cfg = config::load_config_or_throw(o.config_path);
+  const auto cfg = config::load_config_or_throw(o.config_path, o.overrides);
   if (f.has("metrics-port")) o.metrics_port = static_cast<int>(f.get_int("metrics-port", cfg.coordinator.metrics_port));
   Coordinator coord(cfg, o);
   return coord.run();

@@ -22,6 +22,7 @@
 #include "services/common/pipeline_common.h"
 #include "services/coordinator/control_token.h"
 #include "services/coordinator/run_lock.h"
+#include "services/coordinator/run_summary.h"
 
 namespace dflash::coordinator {
 namespace fs = std::filesystem;
@@ -62,18 +63,25 @@ std::vector<std::string> run_segments(uint64_t id) {
   return out;
 }
 
-// No `dflash run` holds `dir`/run.lock: says so with the run's leftover shared memory, then fails.
-[[noreturn]] void report_dead_run(const Flags& f, const std::string& dir) {
+// Names the leftover shared memory of the run in `dir` on stderr with the cleanup command; returns
+// how many segments there are.
+size_t print_leftovers(const Flags& f, const std::string& dir) {
   const auto left = run_segments(run_id_in(f, dir));
-  std::cerr << "no dflash run is running for " << dir << " (nobody holds " << (fs::path(dir) / "run.lock").string() << ")\n";
   if (!left.empty()) {
     std::cerr << "leftover shared memory of this run:";
     for (const auto& n : left) std::cerr << " /dev/shm/" << n;
     const std::string which = f.has("config") ? "--config " + f.get("config") : "--run-dir " + dir;
     std::cerr << "\nremove it with: dflash stop --cleanup " << which << "\n";
   }
+  return left.size();
+}
+
+// No `dflash run` holds `dir`/run.lock: says so with the run's leftover shared memory, then fails.
+[[noreturn]] void report_dead_run(const Flags& f, const std::string& dir) {
+  std::cerr << "no dflash run is running for " << dir << " (nobody holds " << (fs::path(dir) / "run.lock").string() << ")\n";
+  const size_t left = print_leftovers(f, dir);
   DFLASH_FAIL(ConfigError, "no coordinator is running for " << dir
-                           << (left.empty() ? "" : " (" + std::to_string(left.size()) + " leftover shared-memory segment(s))"));
+                           << (left == 0 ? "" : " (" + std::to_string(left) + " leftover shared-memory segment(s))"));
 }
 
 // `dflash stop --cleanup`: removes the shared memory a dead run left (holding the run's lock
@@ -155,10 +163,26 @@ void print_status(const json& s, std::ostream& os) {
     os << "restart: " << r.value("role", "?") << " " << r.value("rank", -1) << " attempt " << r.value("attempt", -1) << ": "
        << r.value("reason", "") << "\n";
 }
+
+// `dflash status` of a run no coordinator holds: its summary from the ledger, and its leftover
+// shared memory (with the cleanup command) on stderr.
+int print_ended_run(const Flags& f, const std::string& dir) {
+  const json s = summarize_run(dir);
+  if (f.has("json"))
+    std::cout << s.dump(2) << std::endl;
+  else
+    print_run_summary(s, std::cout);
+  if (fs::file_size(fs::path(dir) / "ledger.jsonl") > 0) print_leftovers(f, dir);  // its run record names the run id
+  return kExitOk;
+}
 }  // namespace
 
 int cmd_status(int argc, char** argv) {
   Flags f(argc, argv, {"coordinator", "run-dir", "config", "token-file", "json"}, {"json"});
+  if (!f.has("coordinator") && (f.has("run-dir") || f.has("config"))) {
+    const std::string dir = run_dir_of(f);
+    if (!RunLock::held(dir)) return print_ended_run(f, dir);
+  }
   const auto c = client_target(f);
   auto stub = stub_for(c);
   grpc::ClientContext ctx;

@@ -4,10 +4,13 @@
 // The coordinator is found by --coordinator HOST:PORT, or through --run-dir DIR / --config CONFIG
 // (run.output_dir) whose coordinator.json gives the address and the token file. The token: the
 // --token-file, else coordinator.json's token_file, else $DFLASH_CONTROL_TOKEN.
-// With --run-dir / --config, a run whose <output_dir>/run.lock nobody holds is dead: the command
-// lists the run's leftover /dev/shm segments (named by its run id, from --config or the ledger's
-// run record) on stderr and fails with ConfigError.
-// Exit codes: 0 ok; 2 (ConfigError) on a usage error, a dead run, no coordinator.json, an unreadable token
+// With --run-dir / --config, a run whose <output_dir>/run.lock nobody holds has ended (finished,
+// stopped, or failed / killed): `status` prints its summary from the ledger (run_summary.h; --json:
+// as JSON) and exits 0, and names the run's leftover /dev/shm segments (by its run id, from --config
+// or the ledger's run record) on stderr with the cleanup command; `stop` / `checkpoint` list those
+// segments on stderr and fail with ConfigError.
+// Exit codes: 0 ok; 2 (ConfigError) on a usage error, a dead run (stop / checkpoint), a directory
+// without a ledger (status), no coordinator.json, an unreadable token
 // file, or a call the coordinator refused for its token; 1 (TransportError) when the coordinator
 // cannot be reached or the call fails otherwise (10 s deadline).
 #pragma once
@@ -16,7 +19,8 @@ namespace dflash::coordinator {
 
 // `dflash status [--coordinator ADDR | --run-dir DIR | --config CONFIG] [--token-file F] [--json]`:
 // the run's step, loss, tau, tokens/s, packing generations, workers, restarts and left-out
-// workers as a table, or the coordinator's status JSON with --json. argv: the args after "status".
+// workers as a table, or the coordinator's status JSON with --json; for a run that has ended, its
+// summary from the ledger. argv: the args after "status".
 int cmd_status(int argc, char** argv);
 
 // `dflash stop|checkpoint [...]`: `action` is "stop" (the drafters finish their step, commit a

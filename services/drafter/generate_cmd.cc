@@ -23,6 +23,8 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/process.h"
+#include "core/util/progress.h"
 
 namespace dflash::cli {
 namespace {
@@ -159,27 +161,20 @@ void GenerateJob::generate() {
   auto target = model::load_target(model_dir_, load_);
   model::Generator gen(*target, opt_);
   const auto t0 = std::chrono::steady_clock::now();
-  auto last_report = t0;
-  size_t done = skipped;
-  int64_t tokens = 0;
-  auto report = [&](bool final) {
-    const auto now = std::chrono::steady_clock::now();
-    if (!final && now - last_report < std::chrono::seconds(1)) return;
-    last_report = now;
-    const double s = std::chrono::duration<double>(now - t0).count();
-    LOG_INFO("generate: " << done << "/" << total << " done, " << tokens << " tokens, "
-                          << (s > 0 ? tokens / s : 0.0) << " tokens/s");
-  };
+  int64_t done = static_cast<int64_t>(skipped), tokens = 0;
+  Progress progress(Progress::for_stderr("generate", "prompts", static_cast<int64_t>(total)));
+  progress.update(done);
   gen.run(requests, [&](model::GenerationResult&& r) {
     nlohmann::json line = todo[r.index]->line;
     line["output_ids"] = r.output_ids;
     line["finish_reason"] = model::finish_reason_name(r.finish);
     write_line(line.dump() + "\n");
-    ++done;
     tokens += r.output_ids.size();
-    report(false);
+    progress.update(++done);
   });
-  report(true);
+  progress.finish();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  LOG_INFO("generate: " << tokens << " tokens in " << s << " s (" << (s > 0 ? tokens / s : 0.0) << " tokens/s)");
 }
 
 int run_generate(int argc, char** argv) {
@@ -205,7 +200,7 @@ int cmd_generate(int argc, char** argv) {
   try {
     return run_generate(argc, argv);
   } catch (const std::exception& e) {
-    LOG_ERROR(e.what());
+    LOG_ERROR(user_message(e));
     return exit_code_for(e);
   }
 }

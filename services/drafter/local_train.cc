@@ -18,6 +18,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/progress.h"
 #include "services/common/run_plan.h"
 #include "services/drafter/train_loop.h"
 
@@ -97,9 +98,11 @@ class LocalSteps final : public StepHooks {
                  {"tokens", m.tokens}, {"anchors", m.anchors}, {"tokens_per_s", tok_s},
                  {"skipped_nonfinite", m.skipped_nonfinite}};
     metrics_log_.append(line);
+    steps_window_.add(secs, m.step);  // from the first step trained: loading and start-up never count
     if (!opt_.quiet && (m.step % 10 == 0 || m.step == total_steps_))
       LOG_INFO("step " << m.step << "/" << total_steps_ << " epoch " << r.epoch << " loss " << m.loss << " tau "
-                       << m.accept_len << " lr " << m.lr << " tok/s " << int(tok_s));
+                       << m.accept_len << " lr " << m.lr << " tok/s " << int(tok_s) << " ETA "
+                       << format_duration(steps_window_.eta_s(total_steps_, m.step)));
   }
 
   // The data position is (epoch, index of the next batch to train in its plan).
@@ -128,6 +131,7 @@ class LocalSteps final : public StepHooks {
   const fs::path ckpt_root_;
   io::JsonlLog metrics_log_;  // whole records, fsynced; DataError naming the file on a failed write
   const Clock::time_point t_loop_;
+  RateWindow steps_window_{30.0};  // steps per second over the last 30 s, for the ETA
 };
 
 // The schedule step a checkpoint's data position (epoch, next batch) resumes at; the schedule's
@@ -215,9 +219,12 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
 }
 
 int cmd_train(int argc, char** argv) {
-  Flags f(argc, argv, {"device", "max-steps", "export", "quiet"}, {"quiet"});
-  DFLASH_CHECK(f.positional().size() == 1, ConfigError, "usage: dflash train CONFIG [--device cpu|cuda] [--max-steps N] [--export DIR]");
-  auto cfg = config::load_config_or_throw(f.positional()[0]);
+  Flags f(argc, argv, {"device", "max-steps", "export", "quiet", "set"}, {"quiet"});
+  DFLASH_CHECK(!f.positional().empty(), ConfigError,
+               "usage: dflash train CONFIG [section.field=VALUE ...] [--set section.field=VALUE] [--device cpu|cuda] "
+               "[--max-steps N] [--export DIR]");
+  auto cfg = config::load_config_or_throw(
+      f.positional()[0], config::command_line_overrides({f.positional().begin() + 1, f.positional().end()}, f.get_all("set")));
   LocalTrainOptions o;
   o.device = f.get("device", "cpu");
   o.max_steps = f.get_int("max-steps", -1);

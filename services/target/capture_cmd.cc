@@ -8,6 +8,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/progress.h"
 
 namespace dflash::target {
 
@@ -32,6 +33,7 @@ CaptureSummary run_capture(const CaptureOptions& opt) {
 
   std::vector<std::pair<std::string, torch::Tensor>> out;
   CaptureSummary sum;
+  Progress progress(Progress::for_stderr("capture", "docs", static_cast<int64_t>(docs.size())));
   size_t next = 0;
   while (next < docs.size()) {
     // Greedy packing in input order under the token budget (a longer document goes alone).
@@ -58,7 +60,9 @@ CaptureSummary run_capture(const CaptureOptions& opt) {
     }
     sum.tokens += off;
     sum.batches += 1;
+    progress.update(static_cast<int64_t>(next));
   }
+  progress.finish();
   sum.documents = docs.size();
   std::string layers;
   for (auto l : opt.layers) layers += (layers.empty() ? "" : ",") + std::to_string(l);

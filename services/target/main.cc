@@ -1,11 +1,14 @@
 // dflash-target: the target server binary. Thin: dispatch a subcommand, map errors to exit codes.
 #include "core/util/process.h"
+#include "core/util/version.h"
 #include "services/target/capture_cmd.h"
 #include "services/target/serve.h"
 
 int main(int argc, char** argv) {
   using namespace dflash;
-  return dispatch_subcommand(argc, argv, "dflash-target", "target",
-                             {{"capture", target::cmd_capture, target::kCaptureUsage},
-                              {"serve", target::cmd_serve, target::kServeUsage}});
+  return dispatch_subcommand(argc, argv,
+                             {"dflash-target", "target",
+                              {{"capture", target::cmd_capture, target::kCaptureUsage},
+                               {"serve", target::cmd_serve, target::kServeUsage}}},
+                             build_version(), build_commit());
 }

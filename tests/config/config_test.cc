@@ -390,7 +390,7 @@ TEST(Config, CoordinatorAndLaunchChecks) {
             (std::vector<std::string>{"launch.p.command_template", "launch.s.command_template",
                                       "coordinator.listen", "coordinator.token"}))
       << dump(r);
-  EXPECT_EQ(r.problems[0].message, "unknown placeholder {id} (expected {host}, {ctid}, {cmd} or {qcmd})");
+  EXPECT_EQ(r.problems[0].message, "unknown placeholder {id} (expected {host}, {ctid}, {cmd}, {qcmd} or {ngpu})");
   EXPECT_EQ(r.problems[1].message, "required for kind ssh (e.g. \"ssh {host} {qcmd}\")");
   EXPECT_EQ(r.problems[2].message, "expected HOST:PORT with PORT in [0, 65535], got \"nohost\"");
   EXPECT_EQ(r.problems[3].message, "expected at most one of token and token_file");

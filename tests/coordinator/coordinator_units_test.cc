@@ -9,6 +9,8 @@
 #include "core/util/error.h"
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
+#include "services/coordinator/run_summary.h"
+#include "tests/common/cli_test_util.h"
 #include "tests/common/file_size_limit.h"
 
 using namespace dflash;
@@ -79,6 +81,77 @@ TEST(Ledger, DegradedRecordRestartsTheRoleBudget) {
   EXPECT_EQ(l.state().restart_budget_used("coordinator"), 0);
   ASSERT_EQ(l.state().degraded_log.size(), 1u);
   EXPECT_EQ(l.state().degraded_log[0]["gpu"], 3);
+}
+
+// `dflash status` of a run no coordinator holds: the summary from its ledger and metrics.jsonl.
+TEST(RunSummary, FinishedRunFromTheLedger) {
+  const fs::path dir = fs::path(tmp_path("finished-run"));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "export");
+  {
+    auto l = Ledger::open((dir / "ledger.jsonl").string());
+    // The coordinator's run record holds the config (status names the run's shared memory by its run id).
+    l.append({{"type", "run"}, {"name", "tiny"}, {"schedule_steps", 4}, {"total_steps", 4}, {"token_budget", 576}, {"max_batch_size", 8},
+              {"config", "target:\n  model_dir: /m\ndata:\n  shard_dir: /d\n"}});
+    l.append({{"type", "launch"}, {"attempt", 0}, {"start_step", 0}});
+    for (int st = 1; st <= 3; ++st)
+      l.append({{"type", "step"}, {"step", st}, {"rank", 0}, {"epoch", 0}, {"optimizer_step", st}, {"samples", {st}}, {"loss", 2.0}});
+    l.append({{"type", "checkpoint"}, {"step", 2}, {"dir", (dir / "step-2").string()}, {"optimizer_step", 2}});
+    l.append({{"type", "restart"}, {"role", "drafter"}, {"rank", 0}, {"attempt", 0}, {"reason", "exit 3: CUDA out of memory"}});
+    l.append({{"type", "rollback"}, {"to_step", 2}});
+    l.append({{"type", "launch"}, {"attempt", 1}, {"start_step", 2}});
+    for (int st = 3; st <= 4; ++st)
+      l.append({{"type", "step"}, {"step", st}, {"rank", 0}, {"epoch", 0}, {"optimizer_step", st}, {"samples", {st}}, {"loss", 1.5}});
+    l.append({{"type", "checkpoint"}, {"step", 4}, {"dir", (dir / "step-4").string()}, {"optimizer_step", 4}});
+    l.append({{"type", "finished"}, {"step", 4}});
+  }
+  {
+    std::ofstream m(dir / "metrics.jsonl");
+    // Step 3 twice: the first attempt's line is replaced by the second's.
+    for (const auto& [step, tokens, tau] : std::vector<std::tuple<int, int, double>>{{1, 100, 1.5}, {2, 100, 2.5}, {3, 999, 9.0}, {3, 100, 2.0}, {4, 100, 2.25}})
+      m << json{{"step", step}, {"tokens", tokens}, {"accept_len", tau}}.dump() << "\n";
+  }
+  std::ofstream(dir / "export" / "config.json") << "{}";
+  const json s = summarize_run(dir.string());
+  EXPECT_EQ(s["state"], "finished");
+  EXPECT_EQ(s["name"], "tiny");
+  EXPECT_EQ(s["steps"], 4);
+  EXPECT_EQ(s["total_steps"], 4);
+  EXPECT_EQ(s["committed_step"], 4);
+  EXPECT_EQ(s["attempts"], 2);
+  EXPECT_EQ(s["tokens"], 400);
+  EXPECT_DOUBLE_EQ(s["tau_final"].get<double>(), 2.25);
+  EXPECT_DOUBLE_EQ(s["tau_best"].get<double>(), 2.5);
+  EXPECT_DOUBLE_EQ(s["loss"].get<double>(), 1.5);
+  ASSERT_EQ(s["restarts"].size(), 1u);
+  EXPECT_EQ(s["restarts"][0]["reason"], "exit 3: CUDA out of memory");
+  EXPECT_EQ(s["restarts_by_role"]["drafter"], 1);
+  EXPECT_EQ(s["exports"], json::array({(dir / "export").string()}));
+  // The CLI: exit 0 (no coordinator holds the run) with the summary on stdout.
+  const std::string out = tmp_path("status.txt");
+  ASSERT_EQ(dflash::testing::run(dflash::testing::test_env("DFLASH_BIN_DIR") + "/dflash status --run-dir " + dir.string() + " > " + out), 0);
+  const std::string text = dflash::testing::read_file(out);
+  EXPECT_NE(text.find("run 'tiny' in " + dir.string() + ": finished"), std::string::npos) << text;
+  EXPECT_NE(text.find("steps 4/4, committed step 4"), std::string::npos) << text;
+  EXPECT_NE(text.find("tokens 400"), std::string::npos) << text;
+  EXPECT_NE(text.find("restart: drafter 0 attempt 0: exit 3: CUDA out of memory"), std::string::npos) << text;
+  EXPECT_NE(text.find("exports: " + (dir / "export").string()), std::string::npos) << text;
+  // A run that was killed: no finished or stopped record after its last launch.
+  const fs::path killed = fs::path(tmp_path("killed-run"));
+  fs::remove_all(killed);
+  {
+    auto l = Ledger::open((killed / "ledger.jsonl").string());
+    l.append({{"type", "run"}, {"schedule_steps", 4}, {"token_budget", 576}, {"max_batch_size", 8}});
+    l.append({{"type", "launch"}, {"attempt", 0}, {"start_step", 0}});
+    l.append({{"type", "step"}, {"step", 1}, {"rank", 0}, {"epoch", 0}, {"optimizer_step", 1}, {"samples", {1}}});
+  }
+  const json k = summarize_run(killed.string());
+  EXPECT_EQ(k["state"], "failed");
+  EXPECT_EQ(k["steps"], 1);
+  EXPECT_EQ(k["total_steps"], 4);  // the run record's schedule_steps when it has no total_steps
+  EXPECT_FALSE(k.contains("tokens"));  // no metrics.jsonl
+  EXPECT_EQ(k["exports"], json::array());
+  EXPECT_THROW(summarize_run(tmp_path("no-such-run")), ConfigError);
 }
 
 TEST(Config, WithoutWorkersRenumbersAndRefusesEmptyRoles) {
@@ -249,6 +322,45 @@ TEST(Launcher, TemplatesQuoteTheCommandAndCarryTheEnvironment) {
   EXPECT_EQ(shell_quote("plain-1.0/x"), "plain-1.0/x");
   TemplateLauncher t({config::LaunchKind::kPct, "pct exec {ctid} -- {cmd}", {}});
   EXPECT_EQ(t.describe(w).find("s3cret"), std::string::npos);  // the token never shows in logs
+}
+
+// The Slurm template through a fake `srun` on PATH (tests/deploy/fake-bin/srun: logs its argv, checks
+// the options, execs the command with CUDA_VISIBLE_DEVICES=0 for a --gres GPU, as Slurm does).
+TEST(Launcher, SlurmTemplateRunsTheWorkerThroughSrun) {
+  const std::string fakes = dflash::testing::test_env("DFLASH_SOURCE_DIR") + "/tests/deploy/fake-bin";
+  const std::string old_path = std::getenv("PATH");
+  ::setenv("PATH", (fakes + ":" + old_path).c_str(), 1);
+  ::setenv("FAKE_SRUN_LOG", tmp_path("srun.log").c_str(), 1);
+  fs::remove(tmp_path("srun.log"));
+  WorkerSpec w;
+  w.host = "gpu-node-3";
+  w.gpu = 5;
+  w.argv = {"/bin/sh", "-c", "echo \"$DFLASH_X|$CUDA_VISIBLE_DEVICES|$1\"", "sh", "it's"};
+  w.env = {{"CUDA_VISIBLE_DEVICES", "5"}, {"DFLASH_X", "a b"}};
+  w.log_path = tmp_path("slurm.log");
+  fs::remove(w.log_path);
+  const std::string tmpl = "srun --nodes=1 --ntasks=1 -w {host} --gres=gpu:{ngpu} --export=ALL {cmd}";
+  TemplateLauncher t({config::LaunchKind::kSlurm, tmpl, {}});
+  EXPECT_EQ(t.describe(w),
+            "srun --nodes=1 --ntasks=1 -w gpu-node-3 --gres=gpu:1 --export=ALL env 'DFLASH_X=a b' /bin/sh -c "
+            "'echo \"$DFLASH_X|$CUDA_VISIBLE_DEVICES|$1\"' sh 'it'\\''s'");
+  const pid_t pid = t.start(w);
+  ExitInfo e;
+  for (int i = 0; i < 500 && !e.exited; ++i) {
+    e = poll_child(pid);
+    usleep(10000);
+  }
+  ::setenv("PATH", old_path.c_str(), 1);
+  ASSERT_TRUE(e.exited);
+  EXPECT_EQ(e.code, 0) << dflash::testing::read_file(w.log_path);
+  // The worker's environment and argv arrive exactly; the GPU is Slurm's (0), not the host's id 5.
+  EXPECT_EQ(dflash::testing::read_file(w.log_path), "a b|0|it's\n");
+  EXPECT_NE(dflash::testing::read_file(tmp_path("srun.log")).find("srun --nodes=1 --ntasks=1 -w gpu-node-3 --gres=gpu:1 --export=ALL env "),
+            std::string::npos)
+      << dflash::testing::read_file(tmp_path("srun.log"));
+  // On CPU (no CUDA_VISIBLE_DEVICES) no GPU is asked for.
+  w.env.erase("CUDA_VISIBLE_DEVICES");
+  EXPECT_NE(t.describe(w).find("--gres=gpu:0 "), std::string::npos);
 }
 
 TEST(Launcher, LocalStartPollStop) {

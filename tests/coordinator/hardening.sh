@@ -228,7 +228,9 @@ shm_cleanup)
   [ -n "$left" ] || fail "kill -9 of the coordinator left no segment: nothing to clean up (prefix $prefix)"
   rc=0
   "$bin/dflash" status --config "$work/k.yaml" > "$work/status.txt" 2>&1 || rc=$?
-  [ $rc = 2 ] || fail "dflash status of a dead run: exit $rc, expected 2: $(cat "$work/status.txt")"
+  [ $rc = 0 ] || fail "dflash status of a dead run: exit $rc, expected 0 (its summary): $(cat "$work/status.txt")"
+  grep -q ": failed (the last launch has no finished or stopped record" "$work/status.txt" ||
+    fail "dflash status does not say the killed run failed: $(cat "$work/status.txt")"
   for f in $left; do grep -qF "$f" "$work/status.txt" || fail "dflash status does not name $f: $(cat "$work/status.txt")"; done
   "$bin/dflash" stop --cleanup --run-dir "$work/k" > "$work/cleanup.txt"
   cat "$work/cleanup.txt"

@@ -83,6 +83,26 @@ const char* kQwen36_27B = R"({
 
 nlohmann::json edit(const char* base) { return nlohmann::json::parse(base); }
 
+// A hub id where a model directory is expected: exit 2 with the exact download command.
+TEST(HfConfig, HubIdGetsTheDownloadCommand) {
+  try {
+    parse_hf_config("Qwen/Qwen3-8B");
+    FAIL() << "no error for a hub id";
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("looks like a Hugging Face hub id"), std::string::npos) << m;
+    EXPECT_NE(m.find("huggingface-cli download Qwen/Qwen3-8B --local-dir models/Qwen3-8B"), std::string::npos) << m;
+    EXPECT_NE(m.find("hf download Qwen/Qwen3-8B --local-dir models/Qwen3-8B"), std::string::npos) << m;
+  }
+  // A missing path that is not hub-shaped keeps the plain message.
+  try {
+    parse_hf_config("/no/such/model");
+    FAIL() << "no error for a missing directory";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("/no/such/model: cannot open HF config"), std::string::npos) << e.what();
+  }
+}
+
 TEST(HfConfig, Qwen3_8B) {
   const TargetConfig c = parse_hf_config_json(kQwen3_8B, "qwen3-8b");
   EXPECT_EQ(c.family, Family::kQwen3);

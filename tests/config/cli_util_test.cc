@@ -1,0 +1,175 @@
+// The CLI machinery of core/util and core/config (docs/cli.md): flags (did-you-mean, --help / -h,
+// "--"), user-facing error text, the log line format and level, the progress helper's moving-window
+// rate and ETA (fake clock), and section.field=VALUE config overrides validated like the YAML.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/util/error.h"
+#include "core/util/flags.h"
+#include "core/util/log.h"
+#include "core/util/log_level.h"
+#include "core/util/process.h"
+#include "core/util/progress.h"
+
+namespace dflash {
+namespace {
+
+// Flags over a list of words.
+Flags parse(std::vector<std::string> words, const std::set<std::string>& known, const std::set<std::string>& booleans = {}) {
+  std::vector<char*> argv;
+  for (auto& w : words) argv.push_back(w.data());
+  return Flags(static_cast<int>(argv.size()), argv.data(), known, booleans);
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "(no ConfigError)";
+}
+
+TEST(Flags, UnknownFlagSuggestsTheClosestKnownOne) {
+  const std::string e = error_of([] { parse({"--max-step", "3"}, {"max-steps", "device", "export"}); });
+  EXPECT_NE(e.find("unknown flag --max-step; did you mean --max-steps?"), std::string::npos) << e;
+  const std::string far = error_of([] { parse({"--zzzzzz"}, {"device", "export"}); });
+  EXPECT_NE(far.find("unknown flag --zzzzzz (flags: --device, --export)"), std::string::npos) << far;
+  const std::string none = error_of([] { parse({"--x"}, {}); });
+  EXPECT_NE(none.find("this command takes no flags"), std::string::npos) << none;
+  EXPECT_EQ(edit_distance("kitten", "sitting"), 3u);
+  EXPECT_EQ(edit_distance("", "abc"), 3u);
+  EXPECT_EQ(closest_match("devcie", {"export", "device"}), "device");
+  EXPECT_EQ(closest_match("qqqqqq", {"export", "device"}), "");
+}
+
+TEST(Flags, HelpAnywhereAndDashDash) {
+  EXPECT_THROW(parse({"config.yaml", "-h"}, {"plan"}), HelpRequested);  // `run -h` is not a config path
+  EXPECT_THROW(parse({"--help"}, {"plan"}), HelpRequested);
+  EXPECT_TRUE(parse({"-h"}, {"help", "out"}, {"help"}).has("help"));  // a command printing its own usage
+  const Flags f = parse({"--set", "a.b=1", "x", "--set=c.d=2", "--", "-h", "--plan"}, {"set", "plan"}, {"plan"});
+  EXPECT_EQ(f.get_all("set"), (std::vector<std::string>{"a.b=1", "c.d=2"}));
+  EXPECT_EQ(f.get("set"), "c.d=2");
+  EXPECT_EQ(f.positional(), (std::vector<std::string>{"x", "-h", "--plan"}));
+  EXPECT_FALSE(f.has("plan"));
+}
+
+TEST(ErrorText, SourceLocationsOnlyAtDebugLevel) {
+  EXPECT_EQ(strip_source_locations("bad value [/tmp/b/core/io/jsonl.cc:32] (while reading x [core/a.h:7])"),
+            "bad value (while reading x)");
+  EXPECT_EQ(strip_source_locations("keeps [brackets] and [a:b]"), "keeps [brackets] and [a:b]");
+  const ConfigError e("oops [/src/core/util/flags.cc:12]");
+  set_log_level(LogLevel::kInfo);
+  EXPECT_EQ(user_message(e), "oops");
+  set_log_level(LogLevel::kDebug);
+  EXPECT_EQ(user_message(e), "oops [/src/core/util/flags.cc:12]");
+  set_log_level(LogLevel::kInfo);
+}
+
+TEST(Log, Iso8601UtcLinesAndLevels) {
+  const auto t = std::chrono::system_clock::time_point(std::chrono::milliseconds(1796126400123LL));
+  EXPECT_EQ(iso8601_utc(t), "2026-12-01T12:00:00.123Z");
+  std::ostringstream captured;
+  auto* old = std::cerr.rdbuf(captured.rdbuf());
+  set_log_level(LogLevel::kWarn);
+  LOG_INFO("dropped");
+  LOG_WARN("kept " << 1);
+  set_log_level(LogLevel::kInfo);
+  LOG_INFO("info again");
+  std::cerr.rdbuf(old);
+  const std::string out = captured.str();
+  EXPECT_EQ(out.find("dropped"), std::string::npos) << out;
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(^W \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z \[\w+\] kept 1\n)"))) << out;
+  EXPECT_NE(out.find("] info again\n"), std::string::npos) << out;
+}
+
+class FakeClock : public ProgressClock {
+ public:
+  double now_s() const override { return t; }
+  double t = 0;
+};
+
+TEST(Progress, EtaFromAMovingWindowExcludesStartUp) {
+  RateWindow w(30);
+  EXPECT_EQ(w.rate(), 0);
+  EXPECT_LT(w.eta_s(100, 0), 0);  // unknown
+  // 600 s of start-up before the first report: it never counts (the first sample is the first report).
+  w.add(600, 0);
+  w.add(610, 100);  // 10/s
+  EXPECT_DOUBLE_EQ(w.rate(), 10);
+  EXPECT_DOUBLE_EQ(w.eta_s(1100, 100), 100);
+  // The rate doubles; 30 s later the window holds only the new rate.
+  for (int k = 1; k <= 30; ++k) w.add(610 + k, 100 + 20 * k);
+  EXPECT_DOUBLE_EQ(w.rate(), 20);
+  EXPECT_DOUBLE_EQ(w.eta_s(800, 700), 5);
+  EXPECT_EQ(w.eta_s(700, 700), 0);  // done
+  EXPECT_THROW(w.add(641, 10), Error);  // the count went backwards
+  EXPECT_EQ(format_duration(3725), "1:02:05");
+  EXPECT_EQ(format_duration(-1), "?");
+}
+
+TEST(Progress, PlainLinesEveryPeriodWhenNotATty) {
+  FakeClock clock;
+  std::ostringstream out;
+  Progress::Options o;
+  o.label = "import";
+  o.unit = "docs";
+  o.total = 1000;
+  o.out = &out;
+  o.clock = &clock;
+  o.plain_every_s = 10;
+  Progress p(o);
+  for (int s = 1; s <= 25; ++s) {
+    clock.t = s;
+    p.update(20 * s);
+  }
+  p.finish();
+  // Lines at t=1 (the first), 11, 21, and the final one.
+  EXPECT_EQ(out.str(),
+            "import: 20/1000 docs (2%) | 0 docs/s | ETA ?\n"
+            "import: 220/1000 docs (22%) | 20 docs/s | ETA 0:00:39\n"
+            "import: 420/1000 docs (42%) | 20 docs/s | ETA 0:00:29\n"
+            "import: 500/1000 docs (50%) | 20 docs/s | ETA 0:00:25\n");
+  std::ostringstream tty;
+  o.out = &tty;
+  o.tty = true;
+  {
+    Progress q(o);
+    clock.t = 100;
+    q.update(10);
+  }
+  EXPECT_EQ(tty.str(), "\rimport: 10/1000 docs (1%) | 0 docs/s | ETA ?\033[K\n");  // redrawn in place, ended
+}
+
+TEST(ConfigOverrides, ValidatedLikeTheYaml) {
+  const std::string yaml = "target:\n  model_dir: /models/t\ndata:\n  shard_dir: /data/s\n";
+  auto ok = config::parse_config_string(yaml, "t.yaml", {"train.lr=0.0005", "run.epochs=3", "run.name=x y"});
+  ASSERT_TRUE(ok.ok()) << config::format_problem("t.yaml", ok.problems.at(0));
+  EXPECT_DOUBLE_EQ(ok.config.train.lr, 0.0005);
+  EXPECT_EQ(ok.config.run.epochs, 3);
+  EXPECT_EQ(ok.config.run.name, "x y");
+  // The same problem as in the file, naming the field, without a line, naming the override.
+  const auto bad_type = config::parse_config_string(yaml, "t.yaml", {"run.epochs=many"});
+  const auto in_file = config::parse_config_string(yaml + "run:\n  epochs: many\n", "t.yaml");
+  ASSERT_EQ(bad_type.problems.size(), 1u);
+  ASSERT_EQ(in_file.problems.size(), 1u);
+  EXPECT_EQ(bad_type.problems[0].path, "run.epochs");
+  EXPECT_EQ(bad_type.problems[0].line, 0);
+  EXPECT_EQ(bad_type.problems[0].message, in_file.problems[0].message + " (override run.epochs=many)");
+  const auto unknown = config::parse_config_string(yaml, "t.yaml", {"train.lrr=1"});
+  ASSERT_EQ(unknown.problems.size(), 1u);
+  EXPECT_NE(unknown.problems[0].message.find("did you mean"), std::string::npos) << unknown.problems[0].message;
+  for (const std::string bad : {"train.lr", "=1", "train..lr=1", "train.=1", "target.model_dir.x=1"})
+    EXPECT_FALSE(config::parse_config_string(yaml, "t.yaml", {bad}).ok()) << bad;
+  EXPECT_EQ(config::command_line_overrides({"a.b=1"}, {"c.d=2"}), (std::vector<std::string>{"a.b=1", "c.d=2"}));
+  EXPECT_THROW(config::command_line_overrides({"extra.yaml"}, {}), ConfigError);
+}
+
+}  // namespace
+}  // namespace dflash
