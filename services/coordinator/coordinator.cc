@@ -62,12 +62,6 @@ bool stopped_by_signal(const ExitInfo& e) {
                                        e.code == 128 + SIGINT);
 }
 
-std::string self_dir() {
-  std::error_code ec;
-  auto p = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string(".") : p.parent_path().string();
-}
-
 std::string fmt_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   const int64_t t = static_cast<int64_t>(s);
@@ -114,6 +108,7 @@ int Coordinator::run() {
     }
     serve_control();
     const int rc = supervise();
+    drain_evals();
     finish();
     return rc;
   } catch (...) {
@@ -219,6 +214,7 @@ void Coordinator::serve_control() {
   start_server();
   write_run_files();
   start_metrics();
+  start_evals();
   LOG_INFO("control plane on " << address_ << " (token in " << (fs::path(cfg_.run.output_dir) / "control-token").string() << ")");
 }
 
@@ -427,7 +423,7 @@ Coordinator::WorkerState Coordinator::make_worker(const config::HostSpec& h, con
   w.launch_key = h.launch;
   const bool target = role == config::Role::kTarget;
   const int port = cfg_.coordinator.worker_metrics_port_base > 0 ? cfg_.coordinator.worker_metrics_port_base + index : -1;
-  w.spec.argv = {(fs::path(self_dir()) / (target ? "dflash-target" : "dflash-drafter")).string(), target ? "serve" : "train",
+  w.spec.argv = {worker_binary(target ? "dflash-target" : "dflash-drafter"), target ? "serve" : "train",
                  "--config", fs::absolute(opts_.config_path).string(), "--rank", std::to_string(rank),
                  "--coordinator", address_, "--attempt", std::to_string(attempt_), "--device", device_,
                  "--metrics-port", std::to_string(port)};
@@ -501,6 +497,7 @@ Coordinator::Outcome Coordinator::monitor() {
     if (m_alive_) m_alive_->set(alive);
     if (m_step_) m_step_->set(double(step_));
     if (m_committed_) m_committed_->set(double(ledger_->state().committed_step()));
+    poll_evals();
     if (out.worker >= 0 && !out.hang) blame_root_cause(out);
     if (out.worker >= 0) {
       count_failure(out);
@@ -656,6 +653,30 @@ int Coordinator::end_run(const Outcome& outcome) {
   LOG_INFO("run stopped at the committed step " << committed << "; continue with dflash run " << opts_.config_path
                                                 << " --resume latest");
   return kExitOk;
+}
+
+// The run's last attempt ended: the evals still queued (the final checkpoint's) run to their end;
+// a signal abandons them (a resumed run queues the pinned ones again).
+void Coordinator::drain_evals() {
+  const auto t0 = Clock::now();
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!eval_ || !eval_->busy()) break;
+      if (g_stop_signals.load() > 0) {
+        LOG_WARN("signal: abandoning the evals still queued");
+        eval_->stop();
+        break;
+      }
+      poll_evals();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!eval_) return;
+  const double run_s = seconds_since(t0_);
+  LOG_INFO("evals: " << eval_seconds_ << " s of eval workers beside " << run_s << " s of this dflash run ("
+                     << 100 * eval_seconds_ / std::max(run_s, 1e-9) << "%), " << seconds_since(t0) << " s of it after training ended");
 }
 
 // ---------------------------------------------------------------------------------------------
