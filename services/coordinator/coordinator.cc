@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "core/data/shards.h"
+#include "core/eval/train_eval.h"
 #include "core/stream/shm_transport.h"
 #include "core/train/checkpoint.h"
 #include "core/util/error.h"
@@ -139,6 +140,7 @@ json Coordinator::plan() {
   DFLASH_CHECK(sched0.total_steps() > 0, ConfigError,
                "the data gives no whole optimizer step (" << lengths_.size() << " samples, " << cfg_.num_drafters()
                                                           << " drafters, train.grad_accum=" << cfg_.train.grad_accum << ")");
+  if (cfg_.eval) eval::read_eval_prompts(cfg_.eval->prompts, cfg_.eval->max_prompts);  // readable before anything starts
   first_lr_schedule_steps_ = sched0.lr_schedule_steps();
   first_total_steps_ = sched0.total_steps();
   device_ = resolve_device(opts_.device);

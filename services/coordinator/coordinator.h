@@ -2,7 +2,8 @@
 // whose run() goes through these steps (each a method below):
 //
 // 1. plan(): opens the token shards (DataError, exit 4), checks that the data gives at least one
-//    optimizer step (ConfigError, exit 2), resolves the device (--device; ConfigError unless cpu or
+//    optimizer step (ConfigError, exit 2), reads the eval prompts when `eval:` is on (DataError,
+//    exit 4), resolves the device (--device; ConfigError unless cpu or
 //    cuda) and prints the plan: topology, GPUs per role, batches per epoch, tokens per step, steps,
 //    a memory estimate per role (services/coordinator/plan_report.h). `--plan` stops there.
 // 2. open_ledger(): takes the run directory's lock first (services/coordinator/run_lock.h;

@@ -1,7 +1,6 @@
 #include "services/drafter/eval_worker.h"
 
 #include <chrono>
-#include <iostream>
 #include <memory>
 #include <optional>
 #include <string>
