@@ -658,7 +658,8 @@ int Coordinator::end_run(const Outcome& outcome) {
 }
 
 // The run's last attempt ended: the evals still queued (the final checkpoint's) run to their end;
-// a signal abandons them (a resumed run queues the pinned ones again).
+// a signal abandons them (a resumed run queues the pinned ones again). Then retention runs once
+// more, for the checkpoints unpinned after the drafters' last pass.
 void Coordinator::drain_evals() {
   const auto t0 = Clock::now();
   for (;;) {
@@ -676,6 +677,14 @@ void Coordinator::drain_evals() {
   }
   std::lock_guard<std::mutex> lk(mu_);
   if (!eval_) return;
+  // Checkpoints unpinned after the drafters' last retention pass: one more pass (no worker runs now).
+  try {
+    const auto ckroot = (fs::path(cfg_.run.output_dir) / "checkpoints").string();
+    for (const auto& d : train::apply_retention(ckroot, cfg_.run.keep_last, cfg_.run.keep_every))
+      LOG_INFO("retention: removed " << d << " (evaluated, not the best)");
+  } catch (const std::exception& e) {
+    LOG_WARN("retention after the evals: " << e.what());
+  }
   const double run_s = seconds_since(t0_);
   LOG_INFO("evals: " << eval_seconds_ << " s of eval workers beside " << run_s << " s of this dflash run ("
                      << 100 * eval_seconds_ / std::max(run_s, 1e-9) << "%), " << seconds_since(t0) << " s of it after training ended");

@@ -48,11 +48,12 @@
 //    is pinned against retention (core/train/checkpoint.h kKeepMarker) before the commit is
 //    acknowledged and queued for the eval worker (services/coordinator/eval_runner.h), which runs
 //    beside training and is polled every monitor tick. A result becomes an "eval" ledger record, a
-//    metrics.jsonl line {"event": "eval"}, dflash_eval_tau{group} on /metrics and the "eval" part of
+//    metrics.jsonl line {"event": "eval"}, dflash_eval_tau_tokens{group} on /metrics and the "eval" part of
 //    the status; the best tau keeps its pin and its export becomes <output_dir>/export-best/; other
 //    checkpoints are unpinned. A failing eval is logged, counted ("eval_failed" record,
 //    dflash_eval_failures_total) and never stops the run. After the last attempt the queue is
-//    drained (the final checkpoint's eval); a signal abandons it. A resumed run re-queues the
+//    drained (the final checkpoint's eval; then one more retention pass for the checkpoints
+//    unpinned since the drafters' last one); a signal abandons it. A resumed run re-queues the
 //    pinned checkpoints that have no eval record.
 // Signals: the SIGINT/SIGTERM handler only counts; monitor() acts: the 1st starts the graceful
 // stop, the 2nd is ignored (logged), the 3rd forces it (workers killed, last commit kept), the 4th

@@ -53,9 +53,9 @@ void Coordinator::start_evals() {
   std::lock_guard<std::mutex> lk(mu_);
   eval_ = std::make_unique<EvalRunner>(o);
   auto& r = *registry_;
-  m_eval_best_ = &r.gauge("dflash_eval_best_tau", "best tau measured on a committed checkpoint of this run");
-  m_eval_step_ = &r.gauge("dflash_eval_step", "schedule step of the checkpoint of the latest eval");
-  m_eval_seconds_ = &r.gauge("dflash_eval_seconds", "wall seconds of the latest eval worker");
+  m_eval_best_ = &r.gauge("dflash_eval_best_tau_tokens", "best tau measured on a committed checkpoint of this run");
+  m_eval_step_ = &r.gauge("dflash_eval_checkpoint_steps", "schedule step of the checkpoint of the latest eval");
+  m_eval_seconds_ = &r.gauge("dflash_eval_wall_seconds", "wall seconds of the latest eval worker");
   m_eval_failures_ = &r.counter("dflash_eval_failures_total", "evals of committed checkpoints that failed");
   const auto& st = ledger_->state();
   if (!st.evals.empty()) set_eval_metrics(st.evals.back());
@@ -165,7 +165,7 @@ void Coordinator::set_eval_metrics(const LedgerEval& e) {
   auto gauge = [&](const std::string& group) -> metrics::Gauge& {
     auto it = m_eval_tau_.find(group);
     if (it == m_eval_tau_.end()) {
-      auto& g = registry_->gauge("dflash_eval_tau", "tau (mean acceptance length) of the latest eval by prompt group",
+      auto& g = registry_->gauge("dflash_eval_tau_tokens", "tau (mean acceptance length) of the latest eval by prompt group",
                                  {{"group", group}});
       it = m_eval_tau_.emplace(group, &g).first;
     }

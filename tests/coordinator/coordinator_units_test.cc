@@ -98,8 +98,8 @@ TEST(Ledger, EvalsGiveTheBestAndRollbackForgetsTheirs) {
     l.append(eval(11, 3.0));  // a tie: the earliest stays the best
     l.append({{"type", "eval_failed"}, {"step", 12}, {"dir", "/x/step-12"}, {"reason", "exit 3"}, {"wall_s", 0.5}});
     EXPECT_EQ(l.state().best_eval()->step, 10);
-    EXPECT_THROW(l.append({{"type", "eval"}, {"step", 13}, {"dir", "/x"}, {"tau", 1.0}, {"groups", 3}, {"wall_s", 1.0}}),
-                 DataError);
+    const json bad_groups = {{"type", "eval"}, {"step", 13}, {"dir", "/x"}, {"tau", 1.0}, {"groups", 3}, {"wall_s", 1.0}};
+    EXPECT_THROW(l.append(bad_groups), DataError);
   }
   auto l = Ledger::open(p);  // replay remembers the best
   ASSERT_EQ(l.state().evals.size(), 3u);

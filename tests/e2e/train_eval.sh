@@ -8,7 +8,7 @@
 #      floor), so every later checkpoint scores at most what the first part's did and the best-tau
 #      checkpoint is an early one that keep_last: 1 would delete. While the later evals run,
 #      `dflash status` (text and --json) shows the latest and the best tau, and /metrics has
-#      dflash_eval_tau for every prompt group and "overall". At the end the best checkpoint
+#      dflash_eval_tau_tokens for every prompt group and "overall". At the end the best checkpoint
 #      survives (the only pinned one), the ledger remembered it across the resume, every due
 #      checkpoint and the final one were evaluated, and export-best/ is that checkpoint exported:
 #      byte-identical to `dflash export` of it, and loaded by z-lab's DFlashDraftModel.
@@ -79,11 +79,11 @@ assert line and re.match(r"eval: latest tau 1(\.0)? \(step \d+\), best tau [0-9.
 ev = status["eval"]
 assert ev["latest"]["tau"] == 1 and ev["best"]["tau"] >= 1 and ev["best"]["step"] < ev["latest"]["step"], ev
 metrics = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[3]}/metrics", timeout=10).read().decode()
-taus = dict(re.findall(r'^dflash_eval_tau\{group="(\w+)"\} (\S+)$', metrics, re.M))
+taus = dict(re.findall(r'^dflash_eval_tau_tokens\{group="(\w+)"\} (\S+)$', metrics, re.M))
 assert set(taus) == {"overall", "even", "odd"} and float(taus["overall"]) == 1, metrics
-best = re.search(r"^dflash_eval_best_tau (\S+)$", metrics, re.M)
+best = re.search(r"^dflash_eval_best_tau_tokens (\S+)$", metrics, re.M)
 assert best and abs(float(best.group(1)) - ev["best"]["tau"]) < 1e-5, metrics
-print(f"while training: {line[0]}; /metrics dflash_eval_tau {taus}, best {best.group(1)}")
+print(f"while training: {line[0]}; /metrics dflash_eval_tau_tokens {taus}, best {best.group(1)}")
 PY
 wait $coord || fail "the resumed dflash run failed"
 t1=$(date +%s.%N)
@@ -92,8 +92,9 @@ grep "evals: .* s of eval workers beside" "$work/run.log" | tail -1
 import json, os, sys
 run, t0, t1 = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 recs = [json.loads(l) for l in open(f"{run}/ledger.jsonl")]
-assert recs[-1]["type"] == "finished", recs[-1]
-final = recs[-1]["step"]
+finished = [r for r in recs if r["type"] == "finished"]  # the final checkpoint's eval comes after it
+assert finished, "the run did not finish"
+final = finished[-1]["step"]
 committed = {r["step"]: r["dir"] for r in recs if r["type"] == "checkpoint"}
 evals = [r for r in recs if r["type"] == "eval"]
 assert not [r for r in recs if r["type"] == "eval_failed"], "an eval failed"
