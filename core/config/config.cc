@@ -285,6 +285,18 @@ void fields(V& v, LaunchTemplate& s) {
 }
 
 template <class V>
+void fields(V& v, EvalSection& s) {
+  v("prompts", s.prompts);
+  v("every_steps", s.every_steps);
+  v("max_new_tokens", s.max_new_tokens);
+  v("block_size", s.block_size);
+  v("max_prompts", s.max_prompts);
+  v("device", s.device);
+  v("gpu", s.gpu);
+  v("timeout_s", s.timeout_s);
+}
+
+template <class V>
 void fields(V& v, RunConfig& s) {
   v("run", s.run);
   v("target", s.target);
@@ -295,6 +307,7 @@ void fields(V& v, RunConfig& s) {
   v("coordinator", s.coordinator);
   v("resilience", s.resilience);
   v("launch", s.launch);
+  v("eval", s.eval);
 }
 
 // ---------------------------------------------------------------- helpers
@@ -538,6 +551,13 @@ template <class T>
 void read_value(const YAML::Node& n, const std::string& path, std::map<std::string, T>& out,
                 Ctx& ctx);
 
+// An optional section present in the file (even as `section:` with no value) is engaged.
+template <class T>
+void read_value(const YAML::Node& n, const std::string& path, std::optional<T>& out, Ctx& ctx) {
+  out.emplace();
+  read_value(n, path, *out, ctx);
+}
+
 // Visits a struct's fields against one YAML mapping; finish() reports unknown/duplicate keys.
 class Reader {
  public:
@@ -690,6 +710,10 @@ class Writer {
   void operator()(const char* key, const T& v) {
     *e_ << YAML::Key << key << YAML::Value;
     write_value(*e_, v);
+  }
+  template <class T>
+  void operator()(const char* key, const std::optional<T>& v) {  // an absent section is not written
+    if (v) (*this)(key, *v);
   }
 
  private:
@@ -1054,6 +1078,29 @@ void validate(RunConfig& c, Ctx& ctx) {
     }
   }
 
+  // eval
+  if (c.eval) {
+    const EvalSection& ev = *c.eval;
+    if (ev.prompts.empty()) ctx.check("eval.prompts", "required field is missing (a token JSONL of prompts)");
+    at_least(ctx, "eval.every_steps", ev.every_steps, 0);
+    if (ev.every_steps > 0 && c.run.save_interval_steps > 0 && ev.every_steps % c.run.save_interval_steps != 0) {
+      ctx.check("eval.every_steps", "expected 0 (every saved checkpoint) or a multiple of run.save_interval_steps (" +
+                                        num(c.run.save_interval_steps) + ": only saved checkpoints are evaluated), got " +
+                                        num(ev.every_steps));
+    }
+    at_least(ctx, "eval.max_new_tokens", ev.max_new_tokens, 1);
+    at_least(ctx, "eval.block_size", ev.block_size, 0);
+    at_least(ctx, "eval.max_prompts", ev.max_prompts, 1);
+    if (!ev.device.empty() && ev.device != "cpu" && ev.device != "cuda") {
+      ctx.check("eval.device", "expected \"\" (the run's device), cpu or cuda, got \"" + ev.device + "\"");
+    }
+    at_least(ctx, "eval.gpu", ev.gpu, -1);
+    if (!(ev.timeout_s > 0 && ev.timeout_s <= kMaxTimeoutS)) {
+      ctx.check("eval.timeout_s", "expected a value in (0, " + num(static_cast<int64_t>(kMaxTimeoutS)) +
+                                      "] seconds, got " + num(ev.timeout_s));
+    }
+  }
+
   // launch
   for (const auto& [name, t] : c.launch) {
     const std::string lp = join_key("launch", name);
@@ -1215,10 +1262,11 @@ ParseResult parse_config_string(const std::string& yaml, const std::string& sour
     r.finish();
   }
   RunConfig& c = result.config;
-  const std::pair<std::string*, const char*> path_fields[] = {
+  std::vector<std::pair<std::string*, const char*>> path_fields = {
       {&c.run.output_dir, "run.output_dir"},   {&c.target.model_dir, "target.model_dir"},
       {&c.drafter.init_from, "drafter.init_from"}, {&c.data.shard_dir, "data.shard_dir"},
       {&c.coordinator.token_file, "coordinator.token_file"}};
+  if (c.eval) path_fields.emplace_back(&c.eval->prompts, "eval.prompts");
   for (const auto& [field, path] : path_fields) {
     expand_env(*field, path, ctx);
     check_utf8(ctx, path, *field);  // an environment variable may hold any bytes

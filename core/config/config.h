@@ -7,12 +7,14 @@
 //     values, cross-field constraints) as a Problem naming the dotted field path
 //     ("train.lr", "topology.hosts[1].drafter_gpus[0]") and what was expected.
 //   - A key absent from the file keeps the default written in the struct below (the production
-//     values, docs/design.md#run-config). `section:` with no value is an empty section.
+//     values, docs/design.md#run-config). `section:` with no value is an empty section. The optional
+//     `eval:` section is absent from the struct (nullopt) unless the file has it; to_yaml writes it
+//     only when present.
 //   - Unknown keys are errors (with a "did you mean" suggestion when a known key is close).
 //   - Every string (values, mapping keys, expanded environment references) must be UTF-8 text:
 //     the config is recorded as JSON (the run ledger), which holds nothing else.
 //   - Path-like strings (run.output_dir, target.model_dir, drafter.init_from, data.shard_dir,
-//     coordinator.token_file) expand `${NAME}` and `${NAME:-default}` from the environment at
+//     coordinator.token_file, eval.prompts) expand `${NAME}` and `${NAME:-default}` from the environment at
 //     parse time; an unset NAME without a default is a problem.
 //   - When problems is empty, `config` is valid; otherwise `config` holds what could be parsed
 //     (defaults where not) and must not be used to run anything.
@@ -20,6 +22,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -209,6 +212,19 @@ struct LaunchTemplate {
   std::map<std::string, std::string> env;  // environment for workers started through it
 };
 
+// tau measured during training (docs/recipe.md#tau-during-training): the coordinator runs a
+// separate eval worker on each committed checkpoint that is due. Absent section = off.
+struct EvalSection {
+  std::string prompts;                    // REQUIRED: token JSONL, lines {"input_ids": [...], "group": "..."}
+  int every_steps = 0;                    // >= 0 optimizer steps; 0 = run.save_interval_steps; else a multiple of it
+  int max_new_tokens = 64;                // >= 1 tokens generated per prompt
+  int block_size = 0;                     // 0 = drafter.block_size; else >= 1
+  int max_prompts = 16;                   // >= 1: the file's first max_prompts prompts
+  std::string device;                     // "" = the run's device; else cpu | cuda
+  int gpu = -1;                           // cuda: GPU id on the coordinator's host; -1 = the first target GPU
+  double timeout_s = 3600.0;              // (0, kMaxTimeoutS]: a longer eval is killed and counted as failed
+};
+
 struct RunConfig {
   RunSection run;
   TargetSection target;
@@ -219,6 +235,7 @@ struct RunConfig {
   CoordinatorSection coordinator;
   ResilienceSection resilience;
   std::map<std::string, LaunchTemplate> launch;  // name -> template ("local" is built in)
+  std::optional<EvalSection> eval;               // absent = no eval during training
 
   int num_targets() const;   // target_gpus over all hosts
   int num_drafters() const;  // drafter_gpus over all hosts

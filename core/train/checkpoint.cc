@@ -452,6 +452,19 @@ int remove_stale_checkpoint_tmp(const std::string& parent) {
   return removed;
 }
 
+void set_keep_marker(const std::string& dir, const std::string& reason) {
+  atomic_write((fs::path(dir) / kKeepMarker).string(), reason + "\n");
+}
+
+void remove_keep_marker(const std::string& dir) {
+  const fs::path p = fs::path(dir) / kKeepMarker;
+  std::error_code ec;
+  fs::remove(p, ec);
+  DFLASH_CHECK(!ec, DataError, p.string() << ": cannot remove: " << ec.message());
+}
+
+bool has_keep_marker(const std::string& dir) { return fs::exists(fs::path(dir) / kKeepMarker); }
+
 std::vector<std::string> apply_retention(const std::string& parent, int64_t keep_last, int64_t keep_every) {
   DFLASH_CHECK(keep_last >= 0 && keep_every >= 0, ConfigError,
                "checkpoint retention: keep_last and keep_every must be >= 0, got " << keep_last << ", " << keep_every);
@@ -461,7 +474,7 @@ std::vector<std::string> apply_retention(const std::string& parent, int64_t keep
   for (size_t i = 0; i < all.size(); ++i) {
     const int64_t step = step_of_name(fs::path(all[i]).filename().string());
     const bool keep = static_cast<int64_t>(all.size() - i) <= keep_last || (keep_every > 0 && step % keep_every == 0) ||
-                      all[i] == newest_valid;
+                      all[i] == newest_valid || has_keep_marker(all[i]);
     if (keep) continue;
     const std::string tmp = unique_tmp_path(all[i]);
     rename_no_replace(all[i], tmp);

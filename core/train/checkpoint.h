@@ -97,8 +97,18 @@ std::string latest_valid_checkpoint(const std::string& parent);
 // Returns the number removed.
 int remove_stale_checkpoint_tmp(const std::string& parent);
 
+// A checkpoint directory holding a file named kKeepMarker is pinned: apply_retention never deletes
+// it (`dflash run` pins the checkpoints its eval worker has still to read and the best-tau one).
+// The marker is not part of the checkpoint (state.json does not list it; verification ignores it).
+// set_keep_marker writes it atomically with `reason` as its text (DataError naming the file when it
+// cannot); remove_keep_marker removes it (nothing when absent; DataError when it cannot).
+constexpr const char* kKeepMarker = "KEEP";
+void set_keep_marker(const std::string& dir, const std::string& reason);
+void remove_keep_marker(const std::string& dir);
+bool has_keep_marker(const std::string& dir);
+
 // Deletes checkpoints of `parent` except: the newest `keep_last`, those whose step is a multiple of
-// `keep_every` (when > 0), and always the newest valid one. Each victim is first renamed to a tmp
+// `keep_every` (when > 0), pinned ones (kKeepMarker), and always the newest valid one. Each victim is first renamed to a tmp
 // name, then removed, so a crash never leaves a half-deleted checkpoint that looks valid.
 // Returns the deleted paths.
 std::vector<std::string> apply_retention(const std::string& parent, int64_t keep_last, int64_t keep_every);

@@ -110,6 +110,7 @@ grpc::Status Coordinator::CommitCheckpoint(grpc::ServerContext* ctx, const pb::C
     if (!st.ok()) return st;
     checkpoint_requested_ = false;
     if (!opts_.quiet) LOG_INFO("committed checkpoint " << r->dir() << " (step " << r->step() << ")");
+    queue_eval(r->step(), r->dir());
     return grpc::Status::OK;
   });
 }
@@ -193,7 +194,7 @@ json Coordinator::status_json() const {  // mu_ held
           {"restarts", st.restart_log}, {"restarts_by_role", st.restarts}, {"packing", gens},
           {"packing_changes", st.packing_log}, {"nonfinite_steps", nonfinite_}, {"stop_requested", stop_requested_},
           {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()}, {"left_out", slots_json()},
-          {"degraded", st.degraded_log}};
+          {"degraded", st.degraded_log}, {"eval", eval_status()}};
 }
 
 void Coordinator::declare_metrics(metrics::Registry& r) {

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "core/data/shards.h"
+#include "core/eval/train_eval.h"
 #include "core/stream/shm_transport.h"
 #include "core/train/checkpoint.h"
 #include "core/util/error.h"
@@ -62,12 +63,6 @@ bool stopped_by_signal(const ExitInfo& e) {
                                        e.code == 128 + SIGINT);
 }
 
-std::string self_dir() {
-  std::error_code ec;
-  auto p = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string(".") : p.parent_path().string();
-}
-
 // --device, else cuda on a CUDA build whose host has an NVIDIA GPU (the config's GPU ids then
 // index them), else cpu. ConfigError for anything but cpu or cuda.
 std::string resolve_device(const std::optional<std::string>& flag) {
@@ -106,6 +101,7 @@ int Coordinator::run() {
     }
     serve_control();
     const int rc = supervise();
+    drain_evals();
     finish();
     return rc;
   } catch (...) {
@@ -135,6 +131,7 @@ json Coordinator::plan() {
   DFLASH_CHECK(sched0.total_steps() > 0, ConfigError,
                "the data gives no whole optimizer step (" << lengths_.size() << " samples, " << cfg_.num_drafters()
                                                           << " drafters, train.grad_accum=" << cfg_.train.grad_accum << ")");
+  if (cfg_.eval) eval::read_eval_prompts(cfg_.eval->prompts, cfg_.eval->max_prompts);  // readable before anything starts
   first_lr_schedule_steps_ = sched0.lr_schedule_steps();
   first_total_steps_ = sched0.total_steps();
   device_ = resolve_device(opts_.device);
@@ -210,6 +207,7 @@ void Coordinator::serve_control() {
   start_server();
   write_run_files();
   start_metrics();
+  start_evals();
   LOG_INFO("control plane on " << address_ << " (token in " << (fs::path(cfg_.run.output_dir) / "control-token").string() << ")");
 }
 
@@ -420,7 +418,7 @@ Coordinator::WorkerState Coordinator::make_worker(const config::HostSpec& h, con
   w.launch_key = h.launch;
   const bool target = role == config::Role::kTarget;
   const int port = cfg_.coordinator.worker_metrics_port_base > 0 ? cfg_.coordinator.worker_metrics_port_base + index : -1;
-  w.spec.argv = {(fs::path(self_dir()) / (target ? "dflash-target" : "dflash-drafter")).string(), target ? "serve" : "train",
+  w.spec.argv = {worker_binary(target ? "dflash-target" : "dflash-drafter"), target ? "serve" : "train",
                  "--config", fs::absolute(opts_.config_path).string(), "--rank", std::to_string(rank),
                  "--coordinator", address_, "--attempt", std::to_string(attempt_), "--device", device_,
                  "--metrics-port", std::to_string(port)};
@@ -497,6 +495,7 @@ Coordinator::Outcome Coordinator::monitor() {
     if (m_total_steps_) m_total_steps_->set(double(total_steps_));
     if (m_epoch_) m_epoch_->set(double(last_epoch_));
     if (m_committed_) m_committed_->set(double(ledger_->state().committed_step()));
+    poll_evals();
     if (out.worker >= 0 && !out.hang) blame_root_cause(out);
     if (out.worker >= 0) {
       count_failure(out);
@@ -653,6 +652,39 @@ int Coordinator::end_run(const Outcome& outcome) {
   LOG_INFO("run stopped at the committed step " << committed << "; continue with dflash run " << opts_.config_path
                                                 << " --resume latest");
   return kExitOk;
+}
+
+// The run's last attempt ended: the evals still queued (the final checkpoint's) run to their end;
+// a signal abandons them (a resumed run queues the pinned ones again). Then retention runs once
+// more, for the checkpoints unpinned after the drafters' last pass.
+void Coordinator::drain_evals() {
+  const auto t0 = Clock::now();
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!eval_ || !eval_->busy()) break;
+      if (g_stop_signals.load() > 0) {
+        LOG_WARN("signal: abandoning the evals still queued");
+        eval_->stop();
+        break;
+      }
+      poll_evals();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!eval_) return;
+  // Checkpoints unpinned after the drafters' last retention pass: one more pass (no worker runs now).
+  try {
+    const auto ckroot = (fs::path(cfg_.run.output_dir) / "checkpoints").string();
+    for (const auto& d : train::apply_retention(ckroot, cfg_.run.keep_last, cfg_.run.keep_every))
+      LOG_INFO("retention: removed " << d << " (evaluated, not the best)");
+  } catch (const std::exception& e) {
+    LOG_WARN("retention after the evals: " << e.what());
+  }
+  const double run_s = seconds_since(t0_);
+  LOG_INFO("evals: " << eval_seconds_ << " s of eval workers beside " << run_s << " s of this dflash run ("
+                     << 100 * eval_seconds_ / std::max(run_s, 1e-9) << "%), " << seconds_since(t0) << " s of it after training ended");
 }
 
 // ---------------------------------------------------------------------------------------------

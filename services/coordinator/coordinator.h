@@ -2,7 +2,8 @@
 // whose run() goes through these steps (each a method below):
 //
 // 1. plan(): opens the token shards (DataError, exit 4), checks that the data gives at least one
-//    optimizer step (ConfigError, exit 2), resolves the device (--device; ConfigError unless cpu or
+//    optimizer step (ConfigError, exit 2), reads the eval prompts when `eval:` is on (DataError,
+//    exit 4), resolves the device (--device; ConfigError unless cpu or
 //    cuda) and prints the plan: topology, GPUs per role, batches per epoch, tokens per step, steps,
 //    a memory estimate per role (services/coordinator/plan_report.h). `--plan` stops there.
 // 2. open_ledger(): takes the run directory's lock first (services/coordinator/run_lock.h;
@@ -42,6 +43,18 @@
 //    the drafters stopped with a checkpoint (a "stopped" record). The server stops,
 //    coordinator.json is removed and the run's dead /dev/shm segments are unlinked (also on the
 //    way out after an error, and at the start for leftovers of a killed launch).
+// tau during training (config `eval:`, docs/recipe.md#tau-during-training; coordinator_eval.cc):
+//    a committed checkpoint that is due (schedule step % eval.every_steps == 0, or the final one)
+//    is pinned against retention (core/train/checkpoint.h kKeepMarker) before the commit is
+//    acknowledged and queued for the eval worker (services/coordinator/eval_runner.h), which runs
+//    beside training and is polled every monitor tick. A result becomes an "eval" ledger record, a
+//    metrics.jsonl line {"event": "eval"}, dflash_eval_tau_tokens{group} on /metrics and the "eval" part of
+//    the status; the best tau keeps its pin and its export becomes <output_dir>/export-best/; other
+//    checkpoints are unpinned. A failing eval is logged, counted ("eval_failed" record,
+//    dflash_eval_failures_total) and never stops the run. After the last attempt the queue is
+//    drained (the final checkpoint's eval; then one more retention pass for the checkpoints
+//    unpinned since the drafters' last one); a signal abandons it. A resumed run re-queues the
+//    pinned checkpoints that have no eval record.
 // Signals: the SIGINT/SIGTERM handler only counts; monitor() acts: the 1st starts the graceful
 // stop, the 2nd is ignored (logged), the 3rd forces it (workers killed, last commit kept), the 4th
 // exits at once. Workers ended by SIGTERM/SIGINT after the coordinator got one are not crashes.
@@ -64,6 +77,7 @@
 #include "core/config/config.h"
 #include "core/metrics/metrics.h"
 #include "core/util/progress.h"
+#include "services/coordinator/eval_runner.h"
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
 #include "services/coordinator/recovery_policy.h"
@@ -182,6 +196,18 @@ class Coordinator final : public control::Coordinator::Service {
   void open_oom_generation(const WorkerState& w, const RecoveryDecision& d);
   void print_progress(bool final_line);
 
+  // tau during training (coordinator_eval.cc; mu_ held unless noted).
+  void start_evals();
+  void queue_eval(int64_t step, const std::string& dir);
+  void poll_evals();
+  void record_eval(const EvalDone& d);
+  void record_eval_failure(const EvalJob& job, const std::string& reason, double wall_s);
+  void unpin_unless_best(const std::string& dir);
+  void append_metrics_line(const nlohmann::json& line) const;
+  void set_eval_metrics(const LedgerEval& e);
+  nlohmann::json eval_status() const;
+  void drain_evals();  // mu_ not held: takes it every 100 ms
+
   // Control-plane helpers (mu_ held where they read state).
   grpc::Status auth(grpc::ServerContext* ctx) const;
   // The frame of every handler: checks the token and takes mu_ (worker_handler also finds the
@@ -227,6 +253,11 @@ class Coordinator final : public control::Coordinator::Service {
                  *m_total_steps_ = nullptr, *m_epoch_ = nullptr;
   metrics::Counter *m_oom_ = nullptr, *m_packing_ = nullptr;
   std::map<std::string, metrics::Counter*> m_restart_;
+  std::unique_ptr<EvalRunner> eval_;  // when cfg_.eval is set, from serve_control()
+  double eval_seconds_ = 0;           // wall seconds of the evals of this process
+  metrics::Gauge *m_eval_best_ = nullptr, *m_eval_step_ = nullptr, *m_eval_seconds_ = nullptr;
+  metrics::Counter* m_eval_failures_ = nullptr;
+  std::map<std::string, metrics::Gauge*> m_eval_tau_;  // by group ("overall": every prompt)
   // Last: destroyed first, so no call arrives while the state above is torn down.
   std::unique_ptr<metrics::MetricsServer> metrics_server_;
   std::unique_ptr<grpc::Server> server_;

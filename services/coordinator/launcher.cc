@@ -110,6 +110,12 @@ std::string TemplateLauncher::describe(const WorkerSpec& w) const {
   return render_template(t_.command_template, x, t_.kind);
 }
 
+std::string worker_binary(const std::string& name) {
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ((ec ? std::filesystem::path(".") : exe.parent_path()) / name).string();
+}
+
 ExitInfo poll_child(pid_t pid) {
   ExitInfo e;
   int st = 0;

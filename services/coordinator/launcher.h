@@ -77,6 +77,10 @@ struct ExitInfo {
 // Non-blocking: the child's exit when it has ended, else exited == false.
 ExitInfo poll_child(pid_t pid);
 
+// The worker binary `name` (dflash-target, dflash-drafter) beside this process's executable
+// ("./name" when /proc/self/exe cannot be read).
+std::string worker_binary(const std::string& name);
+
 // A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, read back, closed).
 // TransportError when no socket can be bound.
 int free_loopback_port();

@@ -1,5 +1,6 @@
 #include "services/coordinator/ledger.h"
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <iterator>
@@ -92,6 +93,18 @@ void Ledger::apply(LedgerState& s, const io::JsonValue& r) {
     for (auto it = s.latest_by_rank.begin(); it != s.latest_by_rank.end();)
       it = it->second.step > to ? s.latest_by_rank.erase(it) : std::next(it);
     while (!s.checkpoints.empty() && s.checkpoints.back().step > to) s.checkpoints.pop_back();
+    s.evals.erase(std::remove_if(s.evals.begin(), s.evals.end(), [&](const LedgerEval& e) { return e.step > to; }),
+                  s.evals.end());
+  } else if (type == "eval") {
+    LedgerEval e{r.get<int64_t>("step"), r.get<std::string>("dir"), r.get<double>("tau"), {}, r.get<double>("wall_s")};
+    const io::JsonValue groups = r.at("groups");
+    if (!groups.raw().is_object()) groups.fail("must be an object {group: tau}");
+    for (auto it = groups.raw().begin(); it != groups.raw().end(); ++it) e.groups[it.key()] = groups.get<double>(it.key());
+    s.evals.push_back(std::move(e));
+  } else if (type == "eval_failed") {
+    r.get<int64_t>("step");
+    r.get<std::string>("reason");
+    s.eval_failures.push_back(r.raw());
   } else if (type == "finished") {
     s.finished = true;
   } else if (type == "stopped") {

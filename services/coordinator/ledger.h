@@ -22,6 +22,10 @@
 //               budget starts afresh
 //   rollback    steps > S are discarded (the run restarts from the checkpoint at S); checkpoints
 //               above S (e.g. one that failed verification) are forgotten
+//   eval        the eval worker measured committed checkpoint DIR (schedule step S): tau overall
+//               and per group, wall seconds (config `eval:`); the best tau among the evals not
+//               rolled back names the run's best checkpoint (export-best/, never deleted by retention)
+//   eval_failed the eval of checkpoint DIR (step S) failed (reason): counted, the run goes on
 //   finished / stopped   the run ended (stopped: with a reason; resumable)
 //
 // Replaying gives LedgerState: what is committed, which generations exist, how often each role
@@ -47,6 +51,15 @@ struct LedgerCheckpoint {
   int64_t step = 0;
   int64_t optimizer_step = 0;
   std::string dir;
+};
+
+// One eval of a committed checkpoint.
+struct LedgerEval {
+  int64_t step = 0;  // schedule step of the checkpoint
+  std::string dir;
+  double tau = 0;
+  std::map<std::string, double> groups;  // tau per prompt group
+  double wall_s = 0;
 };
 
 // One drafter rank's report of one schedule step.
@@ -86,6 +99,8 @@ struct LedgerState {
   std::map<std::string, int> restarts_at_degrade;     // role -> restarts when it last went degraded
   std::vector<nlohmann::json> degraded_log;
   std::vector<nlohmann::json> packing_log;
+  std::vector<LedgerEval> evals;                      // in the order recorded, rolled-back steps dropped
+  std::vector<nlohmann::json> eval_failures;          // eval_failed records
   bool finished = false;
   std::string stopped_reason;                         // last "stopped" record's reason ("" if none after the last launch)
   int64_t records = 0;
@@ -93,6 +108,13 @@ struct LedgerState {
   int64_t committed_step() const { return checkpoints.empty() ? 0 : checkpoints.back().step; }
   // The highest reported step not rolled back (0 when none).
   int64_t last_step() const { return reported_steps.last(); }
+  // The eval with the highest tau (the earliest on ties); null when there is none.
+  const LedgerEval* best_eval() const {
+    const LedgerEval* best = nullptr;
+    for (const auto& e : evals)
+      if (!best || e.tau > best->tau) best = &e;
+    return best;
+  }
   // Restarts of `role` counted against resilience.max_restarts (since it last went degraded).
   int restart_budget_used(const std::string& role) const {
     auto r = restarts.find(role), d = restarts_at_degrade.find(role);

@@ -162,6 +162,13 @@ void print_status(const json& s, std::ostream& os) {
   for (const auto& r : s["restarts"])
     os << "restart: " << r.value("role", "?") << " " << r.value("rank", -1) << " attempt " << r.value("attempt", -1) << ": "
        << r.value("reason", "") << "\n";
+  if (const json e = s.value("eval", json()); e.is_object()) {  // config `eval:`
+    auto tau_at = [](const json& x) {
+      return x.is_null() ? std::string("-") : x["tau"].dump() + " (step " + x["step"].dump() + ")";
+    };
+    os << "eval: latest tau " << tau_at(e["latest"]) << ", best tau " << tau_at(e["best"]) << ", " << e["evals"] << " eval(s), "
+       << e["failures"] << " failed" << (e.value("busy", false) ? ", one running or queued" : "") << "\n";
+  }
 }
 
 // `dflash status` of a run no coordinator holds: its summary from the ledger, and its leftover

@@ -1,11 +1,14 @@
 // dflash-drafter: the drafter trainer binary. Thin: dispatch a subcommand, map errors to exit codes.
 #include "core/util/process.h"
 #include "core/util/version.h"
+#include "services/drafter/eval_worker.h"
 #include "services/drafter/trainer_service.h"
 
 int main(int argc, char** argv) {
   using namespace dflash;
   return dispatch_subcommand(argc, argv,
-                             {"dflash-drafter", "drafter", {{"train", drafter::cmd_train_service, drafter::kTrainServiceUsage}}},
+                             {"dflash-drafter", "drafter",
+                              {{"train", drafter::cmd_train_service, drafter::kTrainServiceUsage},
+                               {"eval-checkpoint", drafter::cmd_eval_checkpoint, drafter::kEvalCheckpointUsage}}},
                              build_version(), build_commit());
 }

@@ -362,6 +362,40 @@ TEST(Config, ProgressTimeout) {
   EXPECT_EQ(r.problems[0].message, "expected 0 (off) or a value in [2, 86400] seconds, got 1");
 }
 
+TEST(Config, EvalSectionIsOffWhenAbsentAndValidatedWhenPresent) {
+  EXPECT_FALSE(parse(kMinimal).config.eval.has_value());
+  EXPECT_EQ(to_yaml(parse(kMinimal).config).find("eval"), std::string::npos);
+  ParseResult ok = parse(kMinimal + "eval: {prompts: /p.jsonl}\n");
+  ASSERT_TRUE(ok.ok()) << dump(ok);
+  ASSERT_TRUE(ok.config.eval.has_value());
+  EXPECT_EQ(ok.config.eval->every_steps, 0);
+  EXPECT_EQ(ok.config.eval->max_new_tokens, 64);
+  EXPECT_EQ(ok.config.eval->max_prompts, 16);
+  EXPECT_EQ(ok.config.eval->gpu, -1);
+  ParseResult again = parse(to_yaml(ok.config));
+  ASSERT_TRUE(again.ok()) << dump(again);
+  EXPECT_TRUE(again.config == ok.config);
+  EXPECT_EQ(again.config.eval->prompts, "/p.jsonl");
+
+  ParseResult empty = parse(kMinimal + "eval:\n");  // present but empty: on, and prompts is required
+  EXPECT_EQ(paths_of(empty), (std::vector<std::string>{"eval.prompts"})) << dump(empty);
+
+  ParseResult bad = parse(kMinimal + "run: {save_interval_steps: 100}\n"
+                          "eval: {bogus: 1, prompts: /p, every_steps: 150, max_new_tokens: 0, block_size: -1, max_prompts: 0, "
+                          "device: tpu, gpu: -2, timeout_s: 0}\n");
+  EXPECT_EQ(paths_of(bad), (std::vector<std::string>{"eval.bogus", "eval.every_steps", "eval.max_new_tokens", "eval.block_size",
+                                                      "eval.max_prompts", "eval.device", "eval.gpu", "eval.timeout_s"}))
+      << dump(bad);
+  EXPECT_EQ(bad.problems[1].message,
+            "expected 0 (every saved checkpoint) or a multiple of run.save_interval_steps (100: only saved checkpoints "
+            "are evaluated), got 150");
+  EXPECT_TRUE(parse(kMinimal + "run: {save_interval_steps: 100}\neval: {prompts: /p, every_steps: 300}\n").ok());
+
+  setenv("DFLASH_TEST_EVAL_DIR", "/e", 1);
+  EXPECT_EQ(parse(kMinimal + "eval: {prompts: '${DFLASH_TEST_EVAL_DIR}/p.jsonl'}\n").config.eval->prompts, "/e/p.jsonl");
+  unsetenv("DFLASH_TEST_EVAL_DIR");
+}
+
 TEST(Config, C10dPortBaseLeavesRoomForEveryLink) {
   const std::string topo = "topology:\n  transport: c10d\n  c10d_port_base: PORT\n"
                            "  hosts:\n    - {name: localhost, target_gpus: [0, 1], drafter_gpus: [2, 3]}\n";

@@ -1,4 +1,4 @@
-// Run ledger (crash safety, replay semantics) and launcher command rendering.
+// Run ledger (crash safety, replay semantics), launcher command rendering, the eval runner.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -7,6 +7,7 @@
 
 #include "core/config/config.h"
 #include "core/util/error.h"
+#include "services/coordinator/eval_runner.h"
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
 #include "services/coordinator/run_summary.h"
@@ -152,6 +153,35 @@ TEST(RunSummary, FinishedRunFromTheLedger) {
   EXPECT_FALSE(k.contains("tokens"));  // no metrics.jsonl
   EXPECT_EQ(k["exports"], json::array());
   EXPECT_THROW(summarize_run(tmp_path("no-such-run")), ConfigError);
+}
+
+TEST(Ledger, EvalsGiveTheBestAndRollbackForgetsTheirs) {
+  const auto p = tmp_path("e.jsonl");
+  fs::remove(p);
+  auto eval = [](int step, double tau) {
+    return json{{"type", "eval"}, {"step", step}, {"dir", "/x/step-" + std::to_string(step)}, {"tau", tau},
+                {"groups", {{"a", tau - 0.5}, {"b", tau + 0.5}}}, {"wall_s", 1.5}};
+  };
+  {
+    auto l = Ledger::open(p);
+    run_records(l);
+    EXPECT_EQ(l.state().best_eval(), nullptr);
+    l.append(eval(5, 2.0));
+    l.append(eval(10, 3.0));
+    l.append(eval(11, 3.0));  // a tie: the earliest stays the best
+    l.append({{"type", "eval_failed"}, {"step", 12}, {"dir", "/x/step-12"}, {"reason", "exit 3"}, {"wall_s", 0.5}});
+    EXPECT_EQ(l.state().best_eval()->step, 10);
+    const json bad_groups = {{"type", "eval"}, {"step", 13}, {"dir", "/x"}, {"tau", 1.0}, {"groups", 3}, {"wall_s", 1.0}};
+    EXPECT_THROW(l.append(bad_groups), DataError);
+  }
+  auto l = Ledger::open(p);  // replay remembers the best
+  ASSERT_EQ(l.state().evals.size(), 3u);
+  EXPECT_EQ(l.state().best_eval()->dir, "/x/step-10");
+  EXPECT_EQ(l.state().evals[0].groups, (std::map<std::string, double>{{"a", 1.5}, {"b", 2.5}}));
+  EXPECT_EQ(l.state().eval_failures.size(), 1u);
+  l.append({{"type", "rollback"}, {"to_step", 9}});
+  ASSERT_EQ(l.state().evals.size(), 1u);
+  EXPECT_EQ(l.state().best_eval()->step, 5);
 }
 
 TEST(Config, WithoutWorkersRenumbersAndRefusesEmptyRoles) {
@@ -386,4 +416,77 @@ TEST(Launcher, LocalStartPollStop) {
   const pid_t p2 = l.start(w);
   stop_process_groups({p2}, 1.0);
   EXPECT_TRUE(poll_child(p2).exited);  // reaped: waitpid reports ECHILD
+}
+
+namespace {
+// A stand-in for `dflash-drafter eval-checkpoint`: its arguments are those EvalRunner passes
+// ($7 = --out, $11 = --export-dir, $13 = --export-above); `body` runs with them.
+std::string fake_eval_worker(const std::string& name, const std::string& body) {
+  const std::string path = tmp_path(name);
+  std::ofstream(path) << "#!/bin/sh\n" << body << "\n";
+  fs::permissions(path, fs::perms::owner_all);
+  return path;
+}
+EvalDone wait_for_outcome(EvalRunner& r, double export_above) {
+  for (int i = 0; i < 500; ++i) {
+    if (auto d = r.poll(export_above)) return *d;
+    usleep(10000);
+  }
+  ADD_FAILURE() << "no outcome within 5 s";
+  return {};
+}
+}  // namespace
+
+TEST(EvalRunner, RunsJobsInOrderAndReportsResultsFailuresAndTimeouts) {
+  EvalRunnerOptions o;
+  o.binary = fake_eval_worker(
+      "ok.sh", "echo \"{\\\"tau\\\": 2.5, \\\"groups\\\": {}, \\\"above\\\": ${13}, \\\"exported\\\": true}\" > \"$7\"; mkdir -p \"${11}\"");
+  o.config_path = "/c.yaml";
+  o.device = "cpu";
+  o.work_dir = tmp_path("evals");
+  fs::remove_all(o.work_dir);
+  {
+    EvalRunner r(o);
+    EXPECT_FALSE(r.busy());
+    r.enqueue({5, "/x/step-5"});
+    r.enqueue({10, "/x/step-10"});
+    EXPECT_TRUE(r.busy());
+    EvalDone d = wait_for_outcome(r, 1.25);
+    ASSERT_TRUE(d.ok) << d.error;
+    EXPECT_EQ(d.job.step, 5);
+    EXPECT_EQ(d.result["tau"], 2.5);
+    EXPECT_EQ(d.result["above"], 1.25);  // --export-above as given
+    EXPECT_EQ(d.export_dir, o.work_dir + "/export-step-5");
+    EXPECT_TRUE(fs::is_directory(d.export_dir));
+    d = wait_for_outcome(r, -1);
+    EXPECT_EQ(d.job.step, 10);
+    EXPECT_FALSE(r.busy());
+  }
+  o.binary = fake_eval_worker("fail.sh", "echo broken; exit 4");
+  {
+    EvalRunner r(o);
+    r.enqueue({15, "/x/step-15"});
+    const EvalDone d = wait_for_outcome(r, 0);
+    EXPECT_FALSE(d.ok);
+    EXPECT_NE(d.error.find("exit 4"), std::string::npos) << d.error;
+    EXPECT_NE(d.error.find(o.work_dir + "/step-15.log"), std::string::npos) << d.error;
+  }
+  o.binary = fake_eval_worker("nothing.sh", "exit 0");  // exit 0 without a result is a failure
+  {
+    EvalRunner r(o);
+    r.enqueue({20, "/x/step-20"});
+    const EvalDone d = wait_for_outcome(r, 0);
+    EXPECT_FALSE(d.ok);
+    EXPECT_NE(d.error.find("is not a result"), std::string::npos) << d.error;
+  }
+  o.binary = fake_eval_worker("slow.sh", "exec sleep 30");
+  o.timeout_s = 0.2;
+  {
+    EvalRunner r(o);
+    r.enqueue({25, "/x/step-25"});
+    const EvalDone d = wait_for_outcome(r, 0);
+    EXPECT_FALSE(d.ok);
+    EXPECT_NE(d.error.find("timed out"), std::string::npos) << d.error;
+    EXPECT_LT(d.wall_s, 5.0);
+  }
 }

@@ -349,6 +349,25 @@ TEST(Checkpoint, RetentionKeepsWhatItMust) {
   EXPECT_THROW(apply_retention(tmp.path(), -1, 0), ConfigError);
 }
 
+TEST(Checkpoint, RetentionNeverDeletesAPinnedCheckpoint) {
+  ScratchDir tmp;
+  for (int64_t s = 1; s <= 4; ++s) save_step(tmp.path(), s);
+  set_keep_marker(tmp.file("step-00000002"), "best tau");
+  EXPECT_TRUE(has_keep_marker(tmp.file("step-00000002")));
+  EXPECT_FALSE(has_keep_marker(tmp.file("step-00000001")));
+  // The marker is not part of the checkpoint: it still verifies.
+  EXPECT_NO_THROW(load_checkpoint(tmp.file("step-00000002"), nullptr, nullptr));
+  const auto deleted = apply_retention(tmp.path(), /*keep_last=*/1, /*keep_every=*/0);
+  EXPECT_EQ(deleted, (std::vector<std::string>{tmp.file("step-00000001"), tmp.file("step-00000003")}));
+  EXPECT_EQ(list_checkpoints(tmp.path()), (std::vector<std::string>{tmp.file("step-00000002"), tmp.file("step-00000004")}));
+  // Unpinned, it goes at the next retention pass; removing an absent marker is fine.
+  remove_keep_marker(tmp.file("step-00000002"));
+  remove_keep_marker(tmp.file("step-00000002"));
+  EXPECT_FALSE(has_keep_marker(tmp.file("step-00000002")));
+  apply_retention(tmp.path(), 1, 0);
+  EXPECT_EQ(list_checkpoints(tmp.path()), std::vector<std::string>{tmp.file("step-00000004")});
+}
+
 TEST(Checkpoint, ChecksumDetectsSingleWordChanges) {
   ScratchDir tmp;
   std::string bytes(1000, '\0');
