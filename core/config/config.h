@@ -81,7 +81,7 @@ struct TargetSection {
 struct DrafterSection {
   int num_layers = 5;                     // >= 1
   int block_size = 32;                    // >= 2
-  int64_t mask_token_id = -1;             // -1 = unset: the target's last vocabulary id (warned)
+  int64_t mask_token_id = -1;             // -1 = from the target's tokenizer (core/io/hf_tokenizer.h; warned)
   // Layer shapes: 0 = the target's value.
   int hidden_size = 0;
   int num_heads = 0;

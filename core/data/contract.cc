@@ -201,6 +201,18 @@ void check_prompt_contract(const DataContract& trained, const std::string& train
                                         "--thinking, or pass --allow-mismatch");
 }
 
+void check_eval_prompts(const std::string& export_dir, const std::string& prompts_jsonl, bool allow_mismatch) {
+  const std::string config_path = export_dir + "/config.json";
+  json config;
+  try {
+    config = read_json_file(config_path);
+  } catch (const DataError& e) {
+    DFLASH_FAIL(ConfigError, e.what() << " (not a DFlash drafter export directory?)");
+  }
+  check_prompt_contract(contract_of_export_config(config), config_path, contract_of_jsonl(prompts_jsonl),
+                        prompts_jsonl + ".meta.json", allow_mismatch);
+}
+
 std::string sha256_hex(const std::string& bytes) {
   Sha256 h;
   h.update(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());

@@ -61,6 +61,11 @@ std::vector<ContractMismatch> compare_contracts(const DataContract& trained, con
 void check_prompt_contract(const DataContract& trained, const std::string& trained_source, const DataContract& prompts,
                            const std::string& prompts_source, bool allow_mismatch);
 
+// `dflash eval`'s check: the contract of the drafter export EXPORT_DIR/config.json against the
+// prompts' (PROMPTS.meta.json), as check_prompt_contract. ConfigError when config.json is missing or
+// not JSON. (The in-training eval compares contract_of_shards(data.shard_dir) with its prompts'.)
+void check_eval_prompts(const std::string& export_dir, const std::string& prompts_jsonl, bool allow_mismatch);
+
 // Lower-case hex SHA-256 of bytes, and of a file's contents (DataError naming an unreadable file).
 std::string sha256_hex(const std::string& bytes);
 std::string sha256_file(const std::string& path);

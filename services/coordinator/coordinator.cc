@@ -23,6 +23,7 @@
 #include "core/util/switches.h"
 #include "core/io/hf_config.h"
 #include "services/common/pipeline_common.h"
+#include "services/common/provenance.h"
 #include "services/common/run_plan.h"
 #include "services/coordinator/control_token.h"
 #include "services/coordinator/plan_report.h"
@@ -185,7 +186,7 @@ bool Coordinator::open_ledger() {
                      {"block_size", cfg_.drafter.block_size}, {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()},
                      {"epochs", cfg_.run.epochs}, {"samples", lengths_.size()}, {"config", config::to_yaml(redacted(cfg_))},
                      {"plan", pipeline::RunPlan::build(cfg_, io::parse_hf_config(cfg_.target.model_dir), device_).to_json()},
-                     {"switches", switches::to_json()}});
+                     {"switches", switches::to_json()}, {"provenance", pipeline::run_provenance(cfg_)}});
   } else {
     resume_ledger();
   }

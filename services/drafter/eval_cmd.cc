@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/data/contract.h"
 #include "core/eval/spec_decode.h"
 #include "core/io/jsonl.h"
 #include "core/model/drafter.h"
@@ -23,21 +24,25 @@ namespace {
 const char* kEvalUsage =
     "usage: dflash eval --target DIR --drafter DIR --input FILE.jsonl [--max-new-tokens N (64)]\n"
     "                   [--block-size B (the drafter's)] [--device cpu|cuda] [--dtype float32|bfloat16]\n"
-    "                   [--stop-token-ids a,b]\n"
+    "                   [--stop-token-ids a,b] [--allow-mismatch]\n"
     "  greedy speculative decoding of each prompt line {\"input_ids\": [...]}; prints JSON\n"
-    "  {\"results\": [{\"output_ids\", \"acceptance_lengths\"}...], \"tau\", \"tokens_per_second\"}\n";
+    "  {\"results\": [{\"output_ids\", \"acceptance_lengths\"}...], \"tau\", \"tokens_per_second\"}\n"
+    "  prompts prepared with another chat template, tokenizer, system prompt or thinking mode than the\n"
+    "  drafter's training data (FILE.jsonl.meta.json vs the export's provenance) exit 2 unless --allow-mismatch\n";
 
 int run_eval(int argc, char** argv) {
   Flags flags(argc, argv,
               {"target", "drafter", "input", "max-new-tokens", "block-size", "device", "dtype", "stop-token-ids",
-               "help"},
-              {"help"});
+               "allow-mismatch", "help"},
+              {"allow-mismatch", "help"});
   if (flags.has("help")) {
     std::cout << kEvalUsage;
     return kExitOk;
   }
   DFLASH_CHECK(flags.positional().empty(), ConfigError, "eval: unexpected argument '" << flags.positional().front() << "'");
   const std::string target_dir = flags.get("target"), drafter_dir = flags.get("drafter"), input = flags.get("input");
+  // Prompts prepared unlike the drafter's training data (core/data/contract.h): exit 2 unless allowed.
+  data::check_eval_prompts(drafter_dir, input, flags.has("allow-mismatch"));
   eval::SpecDecodeOptions opt;
   opt.max_new_tokens = flags.get_int("max-new-tokens", 64);
   opt.block_size = flags.get_int("block-size", 0);
