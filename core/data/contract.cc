@@ -158,6 +158,13 @@ DataContract contract_of_jsonl(const std::string& jsonl_path) {
   return contract_from_meta(read_json_file(side));
 }
 
+json read_input_sidecars(const std::vector<std::string>& inputs) {
+  json meta;  // null until an input has a sidecar
+  for (const std::string& in : inputs)
+    if (std::ifstream(in + ".meta.json")) meta[in] = read_json_file(in + ".meta.json");
+  return meta;
+}
+
 DataContract contract_of_export_config(const json& config) {
   const json* p = &config;
   for (const char* key : {"dflash_config", "provenance", "data_contract"}) {

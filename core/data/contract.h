@@ -47,6 +47,11 @@ DataContract contract_of_jsonl(const std::string& jsonl_path);
 // when the export records none.
 DataContract contract_of_export_config(const nlohmann::json& config);
 
+// The sidecars of JSONL inputs by file ({FILE: parsed FILE.meta.json}, only the inputs that have one;
+// null when none has): what `dflash data import` records as the manifest's import.input_meta.
+// DataError naming a sidecar that is not JSON.
+nlohmann::json read_input_sidecars(const std::vector<std::string>& inputs);
+
 struct ContractMismatch {
   std::string key;
   nlohmann::json trained, prompts;

@@ -24,6 +24,7 @@
 #include "core/io/hf_config.h"
 #include "services/common/pipeline_common.h"
 #include "services/common/provenance.h"
+#include "services/common/run_data.h"
 #include "services/common/run_plan.h"
 #include "services/coordinator/control_token.h"
 #include "services/coordinator/plan_report.h"
@@ -138,6 +139,7 @@ void Coordinator::remove_run_segments(const char* when) {
 // Step 1: the plan.
 
 json Coordinator::plan() {
+  if (auto imported = pipeline::import_run_data(cfg_)) data_import_ = *imported;  // data.jsonl, once per run dir
   auto shards = data::ShardReader::open(cfg_.data.shard_dir);
   lengths_ = shards.lengths();
   const auto sched0 = pipeline::build_schedule(
@@ -186,7 +188,7 @@ bool Coordinator::open_ledger() {
                      {"block_size", cfg_.drafter.block_size}, {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()},
                      {"epochs", cfg_.run.epochs}, {"samples", lengths_.size()}, {"config", config::to_yaml(redacted(cfg_))},
                      {"plan", pipeline::RunPlan::build(cfg_, io::parse_hf_config(cfg_.target.model_dir), device_).to_json()},
-                     {"switches", switches::to_json()}, {"provenance", pipeline::run_provenance(cfg_)}});
+                     {"switches", switches::to_json()}, {"provenance", pipeline::run_provenance(cfg_)}, {"data_import", data_import_}});
   } else {
     resume_ledger();
   }

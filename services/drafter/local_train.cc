@@ -19,6 +19,7 @@
 #include "core/util/flags.h"
 #include "core/util/log.h"
 #include "services/common/provenance.h"
+#include "services/common/run_data.h"
 #include "services/common/run_plan.h"
 #include "services/drafter/train_loop.h"
 
@@ -163,6 +164,7 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
 
   // One target, one drafter: the schedule is the epoch plans in order, cut to whole steps per epoch.
+  pipeline::import_run_data(cfg);  // data.jsonl: into data.shard_dir, once per run dir
   auto shards = data::ShardReader::open(cfg.data.shard_dir);
   const auto sched = stream::RunSchedule::build(shards.lengths(), cfg.run.epochs, {1, 1, cfg.train.grad_accum},
                                                 {stream::Generation{0, plan.packing, 1}});
