@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/io/json_file.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -82,15 +83,7 @@ class Sha256 {
   uint64_t bytes_ = 0;
 };
 
-json read_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DFLASH_CHECK(in, DataError, path << ": cannot open");
-  try {
-    return json::parse(in);
-  } catch (const json::exception& e) {
-    DFLASH_FAIL(DataError, path << ": not valid JSON (" << e.what() << ")");
-  }
-}
+json read_json_file(const std::string& path) { return io::JsonDocument::parse_file(path).json(); }
 
 std::string value_text(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
 

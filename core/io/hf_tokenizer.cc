@@ -2,11 +2,11 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <optional>
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_file.h"
 #include "core/util/error.h"
 
 namespace dflash::io {
@@ -14,15 +14,7 @@ namespace {
 
 using json = nlohmann::json;
 
-json read_json(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DFLASH_CHECK(in, ConfigError, path << ": cannot open");
-  try {
-    return json::parse(in);
-  } catch (const json::exception& e) {
-    DFLASH_FAIL(ConfigError, path << ": not valid JSON (" << e.what() << ")");
-  }
-}
+json read_json(const std::string& path) { return JsonDocument::parse_file(path, /*config_errors=*/true).json(); }
 
 // tokenizer_config.json's "mask_token": a string or {"content": ...}; none when absent or null.
 std::optional<std::string> mask_token_text(const std::string& model_dir) {

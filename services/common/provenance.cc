@@ -1,10 +1,8 @@
 #include "services/common/provenance.h"
 
-#include <fstream>
-
 #include "core/data/contract.h"
 #include "core/data/shards.h"
-#include "core/util/error.h"
+#include "core/io/json_file.h"
 
 namespace dflash::pipeline {
 
@@ -31,14 +29,7 @@ json data_inputs(const json& manifest) {
 
 json run_provenance(const config::RunConfig& cfg) {
   const std::string manifest_path = cfg.data.shard_dir + "/" + data::kManifestFile;
-  std::ifstream in(manifest_path, std::ios::binary);
-  DFLASH_CHECK(in, DataError, manifest_path << ": cannot open");
-  json manifest;
-  try {
-    manifest = json::parse(in);
-  } catch (const json::exception& e) {
-    DFLASH_FAIL(DataError, manifest_path << ": not valid JSON (" << e.what() << ")");
-  }
+  const json manifest = io::JsonDocument::parse_file(manifest_path).json();
   json data = {{"shard_dir", cfg.data.shard_dir},
                {"manifest_sha256", data::sha256_file(manifest_path)},
                {"index_sha256", data::sha256_file(cfg.data.shard_dir + "/" + data::kIndexFile)},

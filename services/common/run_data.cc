@@ -1,11 +1,11 @@
 #include "services/common/run_data.h"
 
 #include <filesystem>
-#include <fstream>
 
 #include "core/data/contract.h"
 #include "core/data/import.h"
 #include "core/data/shards.h"
+#include "core/io/json_file.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -18,13 +18,7 @@ std::optional<json> import_run_data(const config::RunConfig& cfg) {
   if (inputs.empty()) return std::nullopt;
   const std::string manifest_path = cfg.data.shard_dir + "/" + data::kManifestFile;
   if (std::filesystem::exists(manifest_path)) {
-    std::ifstream in(manifest_path, std::ios::binary);
-    json manifest;
-    try {
-      manifest = json::parse(in);
-    } catch (const json::exception& e) {
-      DFLASH_FAIL(DataError, manifest_path << ": not valid JSON (" << e.what() << ")");
-    }
+    const json manifest = io::JsonDocument::parse_file(manifest_path).json();
     const json imported = manifest.value("import", json::object()).value("inputs", json());
     DFLASH_CHECK(imported == json(inputs), ConfigError,
                  "data.jsonl is " << json(inputs).dump() << " but data.shard_dir " << cfg.data.shard_dir
