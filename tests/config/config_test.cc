@@ -98,7 +98,7 @@ TEST(Config, MinimalIsValidAndHasProductionDefaults) {
 TEST(Config, DataJsonlDefaultsTheShardDirIntoTheRunDir) {
   setenv("DFLASH_TEST_DATA_DIR", "/prepared", 1);
   ParseResult r = parse("run: {output_dir: /runs/a}\ntarget: {model_dir: /m}\n"
-                        "data: {jsonl: [${DFLASH_TEST_DATA_DIR}/a.jsonl, /b.jsonl]}\n");
+                        "data: {jsonl: [\"${DFLASH_TEST_DATA_DIR}/a.jsonl\", /b.jsonl]}\n");
   ASSERT_TRUE(r.problems.empty()) << dump(r);
   EXPECT_EQ(r.config.data.jsonl, (std::vector<std::string>{"/prepared/a.jsonl", "/b.jsonl"}));
   EXPECT_EQ(r.config.data.shard_dir, "/runs/a/shards");
@@ -110,7 +110,7 @@ TEST(Config, DataJsonlDefaultsTheShardDirIntoTheRunDir) {
   // Neither: shard_dir is still required.
   EXPECT_EQ(only_problem(parse("target: {model_dir: /m}\ndata: {jsonl: []}\n")).path, "data.shard_dir");
   unsetenv("DFLASH_TEST_DATA_DIR");
-  EXPECT_EQ(only_problem(parse("target: {model_dir: /m}\ndata: {jsonl: [${DFLASH_TEST_DATA_DIR}/a.jsonl]}\n")).path,
+  EXPECT_EQ(only_problem(parse("target: {model_dir: /m}\ndata: {jsonl: [\"${DFLASH_TEST_DATA_DIR}/a.jsonl\"]}\n")).path,
             "data.jsonl[0]");
 }
 
