@@ -209,6 +209,7 @@ void fields(V& v, TrainSection& s) {
 template <class V>
 void fields(V& v, DataSection& s) {
   v("shard_dir", s.shard_dir);
+  v("jsonl", s.jsonl);
   v("token_budget", s.token_budget);
   v("max_seq_len", s.max_seq_len);
   v("max_batch_size", s.max_batch_size);
@@ -899,7 +900,7 @@ void validate(RunConfig& c, Ctx& ctx) {
   }
 
   // data
-  if (c.data.shard_dir.empty()) ctx.check("data.shard_dir", "required field is missing");
+  if (c.data.shard_dir.empty()) ctx.check("data.shard_dir", "required field is missing");  // data.jsonl sets a default
   at_least(ctx, "data.max_batch_size", c.data.max_batch_size, 1);
   at_least<int64_t>(ctx, "data.shuffle_seed", c.data.shuffle_seed, 0);
   if (c.data.max_seq_len < 2 * c.drafter.block_size) {
@@ -1271,6 +1272,13 @@ ParseResult parse_config_string(const std::string& yaml, const std::string& sour
     expand_env(*field, path, ctx);
     check_utf8(ctx, path, *field);  // an environment variable may hold any bytes
   }
+  for (size_t i = 0; i < c.data.jsonl.size(); ++i) {
+    const std::string path = join_index("data.jsonl", i);
+    expand_env(c.data.jsonl[i], path, ctx);
+    check_utf8(ctx, path, c.data.jsonl[i]);
+  }
+  // data.jsonl without data.shard_dir: the run imports it into its own directory.
+  if (c.data.shard_dir.empty() && !c.data.jsonl.empty()) c.data.shard_dir = c.run.output_dir + "/shards";
   validate(result.config, ctx);
   result.problems = ctx.sorted_problems();
   attribute_to_overrides(result.problems, applied);

@@ -14,7 +14,7 @@
 //   - Every string (values, mapping keys, expanded environment references) must be UTF-8 text:
 //     the config is recorded as JSON (the run ledger), which holds nothing else.
 //   - Path-like strings (run.output_dir, target.model_dir, drafter.init_from, data.shard_dir,
-//     coordinator.token_file, eval.prompts) expand `${NAME}` and `${NAME:-default}` from the environment at
+//     data.jsonl[i], coordinator.token_file, eval.prompts) expand `${NAME}` and `${NAME:-default}` from the environment at
 //     parse time; an unset NAME without a default is a problem.
 //   - When problems is empty, `config` is valid; otherwise `config` holds what could be parsed
 //     (defaults where not) and must not be used to run anything.
@@ -86,7 +86,7 @@ struct TargetSection {
 struct DrafterSection {
   int num_layers = 5;                     // >= 1
   int block_size = 32;                    // >= 2
-  int64_t mask_token_id = -1;             // -1 = unset: the target's last vocabulary id (warned)
+  int64_t mask_token_id = -1;             // -1 = from the target's tokenizer (core/io/hf_tokenizer.h; warned)
   // Layer shapes: 0 = the target's value.
   int hidden_size = 0;
   int num_heads = 0;
@@ -125,7 +125,11 @@ struct TrainSection {
 };
 
 struct DataSection {
-  std::string shard_dir;                  // REQUIRED: token shards
+  std::string shard_dir;                  // REQUIRED unless jsonl is set: token shards
+  // Tokenized JSONL (`dflash data prepare` / `regenerate` output) that `dflash run` / `dflash train`
+  // import into shard_dir once (services/common/run_data.h); shard_dir then defaults to
+  // <run.output_dir>/shards. Empty: shard_dir is an imported dataset.
+  std::vector<std::string> jsonl;
   int64_t token_budget = 49152;           // [max_seq_len, kMaxTokenBudget], tokens per packed batch
   int max_seq_len = 8192;                 // >= 2 * drafter.block_size
   int max_batch_size = 64;                // >= 1 documents per packed batch

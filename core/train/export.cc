@@ -68,7 +68,7 @@ json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dty
   j["num_target_layers"] = c.num_target_layers;
   j["block_size"] = c.block_size;
   j["dflash_config"] = {{"target_layer_ids", c.target_layer_ids}, {"mask_token_id", c.mask_token_id}};
-  j["torch_dtype"] = export_dtype_name(dtype);
+  j["dtype"] = export_dtype_name(dtype);
   json rope{{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
   const int64_t rotary = c.rope.rotary_dim > 0 ? c.rope.rotary_dim : c.head_dim;
   if (rotary != c.head_dim) {
@@ -155,7 +155,8 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
   return c;
 }
 
-void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype) {
+void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype,
+               const ExportProvenance& provenance) {
   const std::string dtype_name = export_dtype_name(dtype);
   std::error_code ec;
   if (fs::exists(fs::symlink_status(out_dir))) {
@@ -176,8 +177,10 @@ void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch:
     }
     io::save_safetensors(tmp + "/model.safetensors", tensors, {{"format", "pt"}});
     tensors.clear();
-    const std::string cfg_path = tmp + "/config.json";
-    write_file_synced(cfg_path, hf_drafter_config_json(drafter.config(), dtype).dump(2) + "\n");
+    json config = hf_drafter_config_json(drafter.config(), dtype);
+    config["dflash_config"]["provenance"] = provenance_json(provenance);
+    write_file_synced(tmp + "/config.json", config.dump(2) + "\n");
+    write_file_synced(tmp + "/README.md", model_card(config, fs::absolute(out_dir).lexically_normal().string()));
     fsync_file(tmp + "/model.safetensors");
     fsync_dir(tmp);
     if (fs::is_directory(out_dir)) fs::remove(out_dir, ec);  // empty (checked above)

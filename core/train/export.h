@@ -3,9 +3,13 @@
 //
 //   OUT/config.json        a Qwen3 config: architectures ["DFlashDraftModel"], model_type "qwen3",
 //                          num_hidden_layers = draft layers, num_target_layers, block_size,
-//                          dflash_config {target_layer_ids, mask_token_id}, shapes, rope, dtype
+//                          dflash_config {target_layer_ids, mask_token_id, provenance}, shapes,
+//                          rope, "dtype" (the name transformers >= 4.56 reads; the older
+//                          "torch_dtype" is not written)
 //   OUT/model.safetensors  exactly the drafter's parameter names (fc.weight, hidden_norm.weight,
 //                          norm.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight, ...)
+//   OUT/README.md          the model card (model_card below): target, drafter shape, data and its
+//                          contract, steps, τ, our version, and the vLLM / SGLang serving commands
 //
 // Contracts:
 // - export_hf writes into OUT.tmp-<pid>-<n>/, fsyncs the files and the directory, then renames it to
@@ -24,6 +28,7 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,7 +47,31 @@ nlohmann::json hf_drafter_config_json(const model::DrafterConfig& c, torch::Scal
 // Parses an HF DFlash config.json text; `source` names the file in errors (ConfigError).
 model::DrafterConfig drafter_config_from_hf_json(const std::string& json_text, const std::string& source);
 
-void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype = torch::kBFloat16);
+// Where an export came from (docs/recipe.md#export-provenance). Unknown parts stay null in
+// config.json and read "unknown" in the model card.
+struct ExportProvenance {
+  // What the run recorded (services/common/provenance.h run_provenance): {"target": {model_dir,
+  // config_sha256}, "data": {shard_dir, manifest_sha256, index_sha256, documents, tokens, inputs},
+  // "data_contract": {...} (core/data/contract.h)}; null when the export is not from a run.
+  nlohmann::json run = nullptr;
+  std::optional<int64_t> steps;     // training steps behind the exported weights
+  std::optional<double> tau_final;  // mean acceptance length of the run's last eval, when it evaluated
+  std::optional<double> tau_best;   // ... of its best eval
+};
+
+// dflash_config.provenance: the run's keys (target, data, data_contract; null when absent), steps,
+// tau_final, tau_best (null when unknown), dflash_version and dflash_commit (this build's, fixed when
+// CMake configured it).
+nlohmann::json provenance_json(const ExportProvenance& p);
+
+// The model card (README.md, Markdown with a YAML header) for an export's config.json object: what
+// the drafter is, where it came from (dflash_config.provenance) and the commands that serve it from
+// `export_dir` in vLLM and SGLang.
+std::string model_card(const nlohmann::json& config, const std::string& export_dir);
+
+// Writes OUT (config.json with dflash_config.provenance, model.safetensors, README.md); contract above.
+void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype = torch::kBFloat16,
+               const ExportProvenance& provenance = {});
 
 struct ImportedDrafter {
   model::DrafterConfig config;

@@ -23,6 +23,10 @@ from .spans import Renderer, assistant_spans, mask_from_offsets, template_text
 EXIT_CONFIG = 2
 EXIT_DATA = 4
 MAX_BAD_EXAMPLES = 20
+# The data contract (core/data/contract.h): the keys of the meta JSON that say how the token ids were
+# made; `dflash data import` carries them to the shards, the run ledger and the export.
+CONTRACT_KEYS = ("tokenizer_sha256", "chat_template_sha256", "thinking", "system_sha256", "last_turn_only",
+                 "max_seq_len", "format")
 
 
 class Fatal(Exception):
@@ -106,6 +110,7 @@ class Preparer:
         self.stats = {"records": 0, "documents": 0, "tokens": 0, "assistant_tokens": 0, "truncated": 0,
                       "formats": {}, "skipped_bad": {}, "dropped": {}, "bad_examples": []}
         self.ids = set()
+        self.out_hash = hashlib.sha256()  # of the JSONL written (the data hash an export records)
 
     def document(self, obj, source):
         """-> (record dict, format, truncated); raises Dropped or BadRecord. Touches no shared state
@@ -222,6 +227,7 @@ class Preparer:
         _, rid, text, (fmt, truncated, n_tokens, n_trained) = result
         self.ids.add(rid)
         out.write(text)
+        self.out_hash.update(text.encode("utf-8"))
         self._count("formats", fmt)
         self.stats["truncated"] += truncated
         self.stats["documents"] += 1
@@ -304,6 +310,7 @@ def run(argv):
             "max_seq_len": a.max_seq_len,
             "prompts_only": a.prompts_only,
             "system_sha256": sha256_text(a.system) if a.system is not None else None,
+            "out_sha256": p.out_hash.hexdigest(),
             "stats": s,
         }
         write_json_atomic(a.out + ".meta.json", meta)

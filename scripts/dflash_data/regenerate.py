@@ -38,7 +38,7 @@ import sys
 import time
 
 from .formats import BadRecord, record_messages
-from .prepare import EXIT_CONFIG, EXIT_DATA, MAX_BAD_EXAMPLES, Fatal, write_json_atomic
+from .prepare import CONTRACT_KEYS, EXIT_CONFIG, EXIT_DATA, MAX_BAD_EXAMPLES, Fatal, sha256_file, write_json_atomic
 from .server import server_round
 from .spans import Renderer, template_text
 
@@ -406,17 +406,38 @@ class Regenerator:
             for name in sorted(os.listdir(self.work)):
                 os.remove(os.path.join(self.work, name))
             os.rmdir(self.work)
-        write_json_atomic(a.out + ".meta.json", {
-            "kind": "dflash-regenerated-jsonl", "target": a.target and os.path.abspath(a.target),
-            "server": a.server, "input": a.input,
-            "thinking": a.thinking, "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
-            "stop_token_ids": self.stops, "stats": self.stats})
+        meta = {"kind": "dflash-regenerated-jsonl", "target": a.target and os.path.abspath(a.target),
+                "server": a.server, "input": a.input,
+                "thinking": a.thinking, "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
+                "stop_token_ids": self.stops, "out_sha256": sha256_file(a.out), "stats": self.stats}
+        contract = input_contract(a.input)
+        if contract:  # "thinking" is then the data's (the input's); this run's option is kept beside it
+            meta["regenerate_thinking"] = meta.pop("thinking")
+            meta.update(contract)
+        write_json_atomic(a.out + ".meta.json", meta)
         print(json.dumps(self.stats, indent=2))
         if failed:
             print(f"error: {self.stats['skipped']['server_error']} records got no answer from {a.server}; "
                   "rerun the same command to ask again", file=sys.stderr)
             return 1
         return 0
+
+
+def input_contract(path):
+    """The data contract of a prepared input (its prepare sidecar): the regenerated tokenized lines keep
+    the input's context tokens, so they keep its contract. {} when the input has no sidecar (chat lines:
+    their output is tokenized by `dflash data prepare`, which records the contract then)."""
+    side = path + ".meta.json"
+    if not os.path.isfile(side):
+        return {}
+    with open(side, encoding="utf-8") as f:
+        try:
+            meta = json.load(f)
+        except ValueError as e:
+            raise Fatal(EXIT_DATA, f"{side}: not valid JSON ({e})")
+    if "tokenizer_sha256" not in meta:
+        return {}
+    return {k: meta[k] for k in CONTRACT_KEYS if k in meta}
 
 
 def main(argv):

@@ -1,5 +1,6 @@
 #include "services/common/run_plan.h"
 
+#include "core/io/hf_tokenizer.h"
 #include "core/train/checkpoint.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
@@ -21,8 +22,9 @@ model::DrafterConfig drafter_config(const config::RunConfig& cfg, const io::Targ
   over.block_size = cfg.drafter.block_size;
   over.mask_token_id = cfg.drafter.mask_token_id;
   if (over.mask_token_id < 0) {
-    over.mask_token_id = target.vocab_size - 1;
-    LOG_WARN("drafter.mask_token_id not set: using the last vocabulary id " << over.mask_token_id);
+    const io::MaskTokenChoice m = io::default_mask_token_id(cfg.target.model_dir, target.vocab_size);
+    over.mask_token_id = m.id;
+    LOG_WARN("drafter.mask_token_id not set: using " << m.id << ", " << m.rule << " of " << cfg.target.model_dir);
   }
   over.hidden_size = cfg.drafter.hidden_size;
   over.num_heads = cfg.drafter.num_heads;

@@ -76,8 +76,9 @@ struct RunPlan {
   // Every field above (dtype names as in dtype_name; the drafter config as checkpoints write it).
   nlohmann::json to_json() const;
 
-  // The plan of `cfg` for the target described by `target` on `device`. Logs a warning when
-  // drafter.mask_token_id is unset (the last vocabulary id is used).
+  // The plan of `cfg` for the target described by `target` on `device`. When drafter.mask_token_id
+  // is unset (-1) the id comes from the tokenizer in target.model_dir (core/io/hf_tokenizer.h), with
+  // a warning naming it and the rule.
   static RunPlan build(const config::RunConfig& cfg, const io::TargetConfig& target, const std::string& device);
   // build() with target.model_dir/config.json; its parse errors as ConfigError "target.model_dir: ...".
   static RunPlan load(const config::RunConfig& cfg, const std::string& device);

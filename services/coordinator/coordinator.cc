@@ -24,6 +24,8 @@
 #include "core/util/switches.h"
 #include "core/io/hf_config.h"
 #include "services/common/pipeline_common.h"
+#include "services/common/provenance.h"
+#include "services/common/run_data.h"
 #include "services/common/run_plan.h"
 #include "services/coordinator/control_token.h"
 #include "services/coordinator/plan_report.h"
@@ -125,7 +127,12 @@ void Coordinator::remove_run_segments(const char* when) {
 // Step 1: the plan.
 
 json Coordinator::plan() {
-  lengths_ = opts_.plan_lengths.empty() ? data::ShardReader::open(cfg_.data.shard_dir).lengths() : opts_.plan_lengths;
+  if (opts_.plan_lengths.empty()) {
+    if (auto imported = pipeline::import_run_data(cfg_)) data_import_ = *imported;  // data.jsonl, once per run dir
+    lengths_ = data::ShardReader::open(cfg_.data.shard_dir).lengths();
+  } else {
+    lengths_ = opts_.plan_lengths;  // --plan-samples: sized before any data exists
+  }
   const auto sched0 = pipeline::build_schedule(
       cfg_, lengths_, std::vector<control::GenerationSpec>{{0, cfg_.data.token_budget, cfg_.data.max_batch_size, cfg_.num_drafters()}});
   DFLASH_CHECK(sched0.total_steps() > 0, ConfigError,
@@ -173,7 +180,7 @@ bool Coordinator::open_ledger() {
                      {"block_size", cfg_.drafter.block_size}, {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()},
                      {"epochs", cfg_.run.epochs}, {"samples", lengths_.size()}, {"config", config::to_yaml(redacted(cfg_))},
                      {"plan", pipeline::RunPlan::build(cfg_, io::parse_hf_config(cfg_.target.model_dir), device_).to_json()},
-                     {"switches", switches::to_json()}});
+                     {"switches", switches::to_json()}, {"provenance", pipeline::run_provenance(cfg_)}, {"data_import", data_import_}});
   } else {
     resume_ledger();
   }

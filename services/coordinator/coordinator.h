@@ -234,6 +234,7 @@ class Coordinator final : public control::Coordinator::Service {
   std::optional<Ledger> ledger_;  // from open_ledger()
   std::vector<uint32_t> lengths_;
   int64_t first_lr_schedule_steps_ = 0, first_total_steps_ = 0;  // generation 0, from plan()
+  nlohmann::json data_import_;  // plan(): the import of data.jsonl this launch made (null: none), for the ledger
   std::string token_, address_;
   control::Assignment assignment_;
   int attempt_ = 0;

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/data/contract.h"
 #include "core/data/import.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
@@ -60,22 +61,6 @@ std::vector<std::string> split_commas(const std::string& s) {
   return out;
 }
 
-// The manifest records each input's `data prepare` sidecar (FILE.meta.json) when there is one.
-json read_sidecars(const std::vector<std::string>& inputs) {
-  json meta;
-  for (const std::string& in : inputs) {
-    const std::string side = in + ".meta.json";
-    std::ifstream f(side);
-    if (!f) continue;
-    try {
-      meta[in] = json::parse(f);
-    } catch (const json::exception& e) {
-      DFLASH_FAIL(DataError, side << ": not valid JSON (" << e.what() << ")");
-    }
-  }
-  return meta;
-}
-
 int cmd_data_import(int argc, char** argv) {
   Flags flags(argc, argv, {"input", "out", "max-seq-len", "block-size", "skip-bad", "shard-tokens", "help"},
               {"skip-bad", "help"});
@@ -92,7 +77,7 @@ int cmd_data_import(int argc, char** argv) {
   o.block_size = flags.get_int("block-size", 16);
   o.skip_bad = flags.has("skip-bad") && flags.get("skip-bad") != "0" && flags.get("skip-bad") != "false";
   o.shard_tokens = flags.get_int("shard-tokens", o.shard_tokens);
-  o.input_meta = read_sidecars(o.inputs);
+  o.input_meta = data::read_input_sidecars(o.inputs);  // the manifest keeps each input's FILE.meta.json
   const data::ImportSummary s = data::import_jsonl(o);
   std::cout << s.to_json().dump(2) << std::endl;
   return kExitOk;
@@ -157,7 +142,7 @@ int cmd_data_prepare(int argc, char** argv) {
     o.max_seq_len = flags.get_int("max-seq-len", 0);
     o.block_size = flags.get_int("block-size", 16);
     o.shard_tokens = flags.get_int("shard-tokens", o.shard_tokens);
-    const json sidecars = read_sidecars(o.inputs);
+    const json sidecars = data::read_input_sidecars(o.inputs);
     DFLASH_CHECK(sidecars.contains(jsonl), DataError, jsonl << ".meta.json: missing after prepare");
     o.input_meta = {{"prepare", sidecars[jsonl]}};
     const data::ImportSummary s = data::import_jsonl(o);

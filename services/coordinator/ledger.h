@@ -8,7 +8,9 @@
 // of the wrong type is a DataError naming the file, the line and the field.
 //
 // Records ("type"):
-//   run         first record: config hash, lr schedule length, generation 0 packing, shape
+//   run         first record: config hash, lr schedule length, generation 0 packing, shape, and
+//               "provenance" (services/common/provenance.h: target, data hashes, data contract),
+//               "data_import" (the import summary when this run imported data.jsonl, else null)
 //   launch      attempt N starts at schedule step S (from checkpoint DIR or fresh)
 //   step        drafter rank R finished schedule step S (1-based) with these sample ids (epoch,
 //               optimizer step, skipped_nonfinite, loss)

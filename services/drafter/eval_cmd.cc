@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/data/contract.h"
 #include "core/eval/evaluate.h"
 #include "core/io/jsonl.h"
 #include "core/model/drafter.h"
@@ -24,24 +25,28 @@ const char* kEvalUsage =
     "usage: dflash eval --target DIR --drafter DIR --input FILE.jsonl [--max-new-tokens N (64)]\n"
     "                   [--block-size B (the drafter's)] [--device cpu|cuda] [--dtype float32|bfloat16]\n"
     "                   [--stop-token-ids a,b] [--batch-size B (1)] [--no-baseline] [--out FILE.json]\n"
-    "                   [--temperature T (0: greedy) [--top-p P (1)] [--top-k K (0)] [--seed S (0)]]\n"
+    "                   [--temperature T (0: greedy) [--top-p P (1)] [--top-k K (0)] [--seed S (0)]] [--allow-mismatch]\n"
     "  speculative decoding of each prompt line {\"input_ids\": [...], \"group\"|\"benchmark\": ...},\n"
     "  and the target's own greedy decoding of the same prompts (speedup); prints the JSON report\n"
     "  {\"results\": [{\"output_ids\", \"acceptance_lengths\", \"group\"}...], \"tau\", \"tokens_per_second\",\n"
     "   \"acceptance_histogram\", \"position_acceptance\", \"baseline_tokens_per_second\", \"speedup\",\n"
-    "   \"groups\": {...}, ...} (core/eval/evaluate.h)\n";
+    "   \"groups\": {...}, ...} (core/eval/evaluate.h)\n"
+    "  prompts prepared with another chat template, tokenizer, system prompt or thinking mode than the\n"
+    "  drafter's training data (FILE.jsonl.meta.json vs the export's provenance) exit 2 unless --allow-mismatch\n";
 
 int run_eval(int argc, char** argv) {
   Flags flags(argc, argv,
               {"target", "drafter", "input", "max-new-tokens", "block-size", "device", "dtype", "stop-token-ids",
-               "batch-size", "no-baseline", "out", "temperature", "top-p", "top-k", "seed", "help"},
-              {"help", "no-baseline"});
+               "batch-size", "no-baseline", "out", "temperature", "top-p", "top-k", "seed", "allow-mismatch", "help"},
+              {"help", "no-baseline", "allow-mismatch"});
   if (flags.has("help")) {
     std::cout << kEvalUsage;
     return kExitOk;
   }
   DFLASH_CHECK(flags.positional().empty(), ConfigError, "eval: unexpected argument '" << flags.positional().front() << "'");
   const std::string target_dir = flags.get("target"), drafter_dir = flags.get("drafter"), input = flags.get("input");
+  // Prompts prepared unlike the drafter's training data (core/data/contract.h): exit 2 unless allowed.
+  data::check_eval_prompts(drafter_dir, input, flags.has("allow-mismatch"));
   eval::EvalOptions opt;
   opt.baseline = !flags.has("no-baseline");
   eval::SpecDecodeOptions& dec = opt.decode;

@@ -17,7 +17,9 @@ namespace {
 
 const char* kExportUsage =
     "usage: dflash export --checkpoint DIR --out DIR [--dtype bfloat16|float16|float32 (bfloat16)]\n"
-    "  writes OUT/config.json + OUT/model.safetensors (HF DFlash format, loadable by z-lab DFlashDraftModel)\n";
+    "  writes OUT/config.json + OUT/model.safetensors (HF DFlash format, loadable by z-lab DFlashDraftModel)\n"
+    "  and the model card OUT/README.md; config.json's dflash_config.provenance names the target, the data\n"
+    "  and its contract, the steps and this build (from the checkpoint's run_info)\n";
 
 int run_export(int argc, char** argv) {
   Flags flags(argc, argv, {"checkpoint", "out", "dtype", "help"}, {"help"});
@@ -35,7 +37,12 @@ int run_export(int argc, char** argv) {
   const train::LoadedCheckpoint meta = train::inspect_checkpoint(ckpt);
   model::Drafter drafter(meta.config, torch::kCPU, /*init_seed=*/0);
   const train::LoadedCheckpoint loaded = train::load_checkpoint(ckpt, &drafter, nullptr);
-  train::export_hf(drafter, out, dtype);
+  // The run's provenance travels in the checkpoint (state.json run_info.provenance; absent in
+  // checkpoints written before it did: the export's provenance then names only the steps).
+  train::ExportProvenance prov;
+  if (loaded.state.run_info.is_object()) prov.run = loaded.state.run_info.value("provenance", nlohmann::json());
+  prov.steps = loaded.state.step;
+  train::export_hf(drafter, out, dtype, prov);
   const nlohmann::json summary{{"out", out},
                                {"checkpoint", ckpt},
                                {"step", loaded.state.step},

@@ -19,6 +19,8 @@
 #include "core/util/flags.h"
 #include "core/util/log.h"
 #include "core/util/progress.h"
+#include "services/common/provenance.h"
+#include "services/common/run_data.h"
 #include "services/common/run_plan.h"
 #include "services/drafter/train_loop.h"
 
@@ -82,8 +84,9 @@ class StepLimit final : public StepRequests {
 class LocalSteps final : public StepHooks {
  public:
   LocalSteps(const config::RunConfig& cfg, const LocalTrainOptions& opt, model::Drafter& drafter, train::Trainer& trainer,
-             int64_t total_steps, LocalTrainResult& res)
+             int64_t total_steps, LocalTrainResult& res, const json& provenance)
       : cfg_(cfg), opt_(opt), drafter_(drafter), trainer_(trainer), total_steps_(total_steps), res_(res),
+        provenance_(provenance),
         ckpt_root_(fs::path(cfg.run.output_dir) / "checkpoints"),
         metrics_log_(io::JsonlLog::open((fs::path(cfg.run.output_dir) / "metrics.jsonl").string(), io::JsonlLog::Mode::kAppend)),
         t_loop_(Clock::now()) {}
@@ -116,6 +119,7 @@ class LocalSteps final : public StepHooks {
     st.data_position = {{"epoch", r.epoch}, {"batch", r.last_batch_index + 1}};
     st.seed = to.seed;
     st.scheduler = {{"lr", to.schedule.lr}, {"warmup_ratio", to.schedule.warmup_ratio}, {"total_steps", total_steps_}};
+    st.run_info = {{"provenance", provenance_}};
     train::save_checkpoint(dir, drafter_, trainer_.optimizer(), st);
     train::apply_retention(ckpt_root_.string(), cfg_.run.keep_last, cfg_.run.keep_every);
     res_.last_checkpoint = dir;
@@ -128,6 +132,7 @@ class LocalSteps final : public StepHooks {
   train::Trainer& trainer_;
   const int64_t total_steps_;
   LocalTrainResult& res_;
+  const json& provenance_;  // run_provenance(): into every checkpoint
   const fs::path ckpt_root_;
   io::JsonlLog metrics_log_;  // whole records, fsynced; DataError naming the file on a failed write
   const Clock::time_point t_loop_;
@@ -163,6 +168,7 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
 
   // One target, one drafter: the schedule is the epoch plans in order, cut to whole steps per epoch.
+  pipeline::import_run_data(cfg);  // data.jsonl: into data.shard_dir, once per run dir
   auto shards = data::ShardReader::open(cfg.data.shard_dir);
   const auto sched = stream::RunSchedule::build(shards.lengths(), cfg.run.epochs, {1, 1, cfg.train.grad_accum},
                                                 {stream::Generation{0, plan.packing, 1}});
@@ -196,7 +202,8 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   LocalTrainResult res;
   CaptureSource source(*target, shards, {plan.target_layer_ids, cfg.train.soft_labels.enabled}, device);
   SingleRankGroup single;
-  LocalSteps hooks(cfg, opt, drafter, trainer, total_steps, res);
+  const json provenance = pipeline::run_provenance(cfg);
+  LocalSteps hooks(cfg, opt, drafter, trainer, total_steps, res, provenance);
   StepLimit limit(opt.max_steps);
   TrainLoopOptions lopt;
   lopt.device = device;
@@ -211,7 +218,10 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   if (!r.stopped) {
     res.export_dir = opt.export_dir.empty() ? (out / "export").string() : opt.export_dir;
     if (fs::exists(res.export_dir)) fs::remove_all(res.export_dir);
-    train::export_hf(drafter, res.export_dir, plan.export_dtype);
+    train::ExportProvenance prov;
+    prov.run = provenance;
+    prov.steps = res.steps;
+    train::export_hf(drafter, res.export_dir, plan.export_dtype, prov);
   }
   LOG_INFO("trained " << res.steps << " steps in " << std::chrono::duration<double>(Clock::now() - t_start).count() << " s"
                       << (res.export_dir.empty() ? "" : ", exported to " + res.export_dir));

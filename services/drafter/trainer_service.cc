@@ -32,6 +32,7 @@
 #include "core/train/export.h"
 #include "core/train/trainer.h"
 #include "services/common/pipeline_common.h"
+#include "services/common/provenance.h"
 #include "services/common/run_plan.h"
 #include "services/common/transport_factory.h"
 #include "services/drafter/train_loop.h"
@@ -451,6 +452,7 @@ class DrafterRank final : private pipeline::WorkerBase, private StepHooks {
   std::optional<io::JsonlLog> steplog_, metrics_log_;  // whole records, fsynced (core/io/jsonl_log.h)
   TrainServiceResult res_;
   bool stopped_ = false;
+  nlohmann::json provenance_;  // run_provenance(): into every checkpoint and the export
 };
 
 DrafterRank::DrafterRank(const config::RunConfig& cfg, const TrainServiceOptions& opt, const control::LaunchPlan& launch,
@@ -540,6 +542,7 @@ void DrafterRank::build() {
 
   auto shards = data::ShardReader::open(cfg_.data.shard_dir);
   sched_.emplace(pipeline::build_schedule(cfg_, shards.lengths(), launch_));
+  provenance_ = pipeline::run_provenance(cfg_);
   // Learning-rate schedule length as `dflash train` computes it; fixed by the coordinator at run
   // start (packing changes never change it). The steps actually run drop each epoch's tail that
   // does not fill a whole step.
@@ -770,6 +773,7 @@ void DrafterRank::commit_checkpoint(int64_t epoch, int64_t steps_done) {
                       {"generations", static_cast<int64_t>(launch_.generations.size())}};
   st.seed = to_.seed;
   st.scheduler = {{"lr", to_.schedule.lr}, {"warmup_ratio", to_.schedule.warmup_ratio}, {"total_steps", schedule_steps_}};
+  st.run_info = {{"provenance", provenance_}};
   train::save_checkpoint(dir, *drafter_, trainer_->optimizer(), st);
   if (client_) client_->commit_checkpoint(steps_done, dir, st.optimizer_steps);
   train::apply_retention(ckpt_root_.string(), cfg_.run.keep_last, cfg_.run.keep_every);
@@ -820,7 +824,10 @@ void DrafterRank::export_drafter() {
   control::BlockedOn blocked("export");
   res_.export_dir = (out_ / "export").string();
   if (fs::exists(res_.export_dir)) fs::remove_all(res_.export_dir);
-  train::export_hf(*drafter_, res_.export_dir, plan_->export_dtype);
+  train::ExportProvenance prov;
+  prov.run = provenance_;
+  prov.steps = total_steps_;
+  train::export_hf(*drafter_, res_.export_dir, plan_->export_dtype, prov);
 }
 
 void DrafterRank::finish() {

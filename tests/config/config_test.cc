@@ -95,6 +95,25 @@ TEST(Config, MinimalIsValidAndHasProductionDefaults) {
   EXPECT_EQ(c.topology.transport, Transport::kShm);
 }
 
+TEST(Config, DataJsonlDefaultsTheShardDirIntoTheRunDir) {
+  setenv("DFLASH_TEST_DATA_DIR", "/prepared", 1);
+  ParseResult r = parse("run: {output_dir: /runs/a}\ntarget: {model_dir: /m}\n"
+                        "data: {jsonl: [\"${DFLASH_TEST_DATA_DIR}/a.jsonl\", /b.jsonl]}\n");
+  ASSERT_TRUE(r.problems.empty()) << dump(r);
+  EXPECT_EQ(r.config.data.jsonl, (std::vector<std::string>{"/prepared/a.jsonl", "/b.jsonl"}));
+  EXPECT_EQ(r.config.data.shard_dir, "/runs/a/shards");
+  // An explicit shard_dir is kept; the round trip through to_yaml keeps both.
+  r = parse("target: {model_dir: /m}\ndata: {shard_dir: /s, jsonl: [/b.jsonl]}\n");
+  ASSERT_TRUE(r.problems.empty()) << dump(r);
+  EXPECT_EQ(r.config.data.shard_dir, "/s");
+  EXPECT_TRUE(parse(to_yaml(r.config)).config == r.config);
+  // Neither: shard_dir is still required.
+  EXPECT_EQ(only_problem(parse("target: {model_dir: /m}\ndata: {jsonl: []}\n")).path, "data.shard_dir");
+  unsetenv("DFLASH_TEST_DATA_DIR");
+  EXPECT_EQ(only_problem(parse("target: {model_dir: /m}\ndata: {jsonl: [\"${DFLASH_TEST_DATA_DIR}/a.jsonl\"]}\n")).path,
+            "data.jsonl[0]");
+}
+
 TEST(Config, EmptyDocumentReportsBothRequiredFields) {
   ParseResult r = parse("");
   EXPECT_EQ(paths_of(r), (std::vector<std::string>{"target.model_dir", "data.shard_dir"})) << dump(r);

@@ -23,7 +23,13 @@ int check_against_zlab(int64_t block_size, int64_t ctx_len, const std::string& t
   perturb_norms(drafter, 12);
   const std::string export_dir = test_data_dir() + "/zlab_export_" + tag;
   std::filesystem::remove_all(export_dir);
-  train::export_hf(drafter, export_dir, torch::kFloat32);
+  // With a full provenance block (and the model card beside it): z-lab's loader must not mind them.
+  train::ExportProvenance prov;
+  prov.run = {{"target", {{"model_dir", tdir}, {"config_sha256", "0"}}},
+              {"data", {{"shard_dir", "/data"}, {"documents", 1}}},
+              {"data_contract", {{"tokenizer_sha256", "1"}, {"thinking", "off"}}}};
+  prov.steps = 5, prov.tau_final = 2.5, prov.tau_best = 3.0;
+  train::export_hf(drafter, export_dir, torch::kFloat32, prov);
 
   auto mb = make_micro_batch(*target, {ctx_len + 1}, 5);
   auto feats = mb.features_TKH.narrow(0, 0, ctx_len);  // context strictly before the block

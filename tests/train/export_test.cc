@@ -147,7 +147,8 @@ TEST(Export, ConfigJsonHasTheHFFields) {
   EXPECT_EQ(j["block_size"], 8);
   EXPECT_EQ(j["dflash_config"]["target_layer_ids"], json::array({0, 2}));
   EXPECT_EQ(j["dflash_config"]["mask_token_id"], 255);
-  EXPECT_EQ(j["torch_dtype"], "bfloat16");
+  EXPECT_EQ(j["dtype"], "bfloat16");          // the key transformers >= 4.56 reads
+  EXPECT_FALSE(j.contains("torch_dtype"));    // the legacy spelling is no longer written
   EXPECT_EQ(j["tie_word_embeddings"], false);
   EXPECT_EQ(j["head_dim"], 16);
   EXPECT_EQ(j["rope_parameters"]["rope_type"], "default");
@@ -158,6 +159,60 @@ TEST(Export, ConfigJsonHasTheHFFields) {
   int entries = 0;
   for (auto& e : fs::directory_iterator(tmp.path())) (void)e, ++entries;
   EXPECT_EQ(entries, 1);
+}
+
+TEST(Export, ProvenanceBlockAndModelCard) {
+  ScratchDir tmp;
+  model::Drafter d(standalone_drafter_config(), torch::kCPU, 1);
+  ExportProvenance p;
+  p.run = {{"target", {{"model_dir", "/models/Qwen3-8B"}, {"config_sha256", "abc123"}}},
+           {"data", {{"shard_dir", "/data/shards"}, {"manifest_sha256", "m5"}, {"documents", 42}, {"tokens", 4200}}},
+           {"data_contract", {{"tokenizer_sha256", "tok9"}, {"chat_template_sha256", "tpl7"}, {"thinking", "off"},
+                              {"system_sha256", nullptr}}},
+           {"ignored", "not part of the block"}};
+  p.steps = 1234;
+  p.tau_final = 3.25;
+  export_hf(d, tmp.file("out"), torch::kBFloat16, p);
+  const json j = json::parse(read_file(tmp.file("out/config.json")));
+  const json& prov = j["dflash_config"]["provenance"];
+  EXPECT_EQ(prov["target"], p.run["target"]);
+  EXPECT_EQ(prov["data"], p.run["data"]);
+  EXPECT_EQ(prov["data_contract"], p.run["data_contract"]);
+  EXPECT_FALSE(prov.contains("ignored"));
+  EXPECT_EQ(prov["steps"], 1234);
+  EXPECT_EQ(prov["tau_final"], 3.25);
+  EXPECT_TRUE(prov["tau_best"].is_null());
+  EXPECT_FALSE(prov["dflash_version"].get<std::string>().empty());
+  EXPECT_FALSE(prov["dflash_commit"].get<std::string>().empty());
+  // The import ignores the block: the config round-trips as before.
+  EXPECT_EQ(drafter_config_difference(import_hf(tmp.file("out")).config, d.config()), "");
+
+  const std::string card = read_file(tmp.file("out/README.md"));
+  const std::string out = fs::absolute(tmp.file("out")).lexically_normal().string();
+  for (const std::string& want :
+       {std::string("# DFlash drafter for `/models/Qwen3-8B`"), std::string("config.json sha256 `abc123`"),
+        std::string("| training steps | 1234 |"), std::string("final 3.25, best unknown"),
+        std::string("42 documents, 4200 tokens"), std::string("| thinking mode | off |"),
+        std::string("| system prompt sha256 | none |"), std::string("`tok9`"), std::string("`tpl7`"),
+        std::string("block size 8"), std::string("mask token id 255"),
+        // vLLM: num_speculative_tokens = block_size - 1; SGLang: num_draft_tokens = block_size.
+        "vllm serve /models/Qwen3-8B \\\n  --speculative-config '{\"method\": \"dflash\", \"model\": \"" + out +
+            "\", \"num_speculative_tokens\": 7}'",
+        "python -m sglang.launch_server \\\n  --model-path /models/Qwen3-8B \\\n  --speculative-algorithm DFLASH \\\n"
+        "  --speculative-draft-model-path " + out + " \\\n  --speculative-num-draft-tokens 8",
+        std::string("thinking mode `off`")})
+    EXPECT_TRUE(contains(card, want)) << "model card lacks: " << want << "\n" << card;
+
+  // Outside a run: every provenance field is null, the card says unknown, the version is still there.
+  export_hf(d, tmp.file("bare"));
+  const json b = json::parse(read_file(tmp.file("bare/config.json")))["dflash_config"]["provenance"];
+  for (const char* k : {"target", "data", "data_contract", "steps", "tau_final", "tau_best"})
+    EXPECT_TRUE(b[k].is_null()) << k;
+  EXPECT_EQ(b["dflash_version"], prov["dflash_version"]);
+  const std::string bare_card = read_file(tmp.file("bare/README.md"));
+  EXPECT_TRUE(contains(bare_card, "# DFlash drafter for `unknown`")) << bare_card;
+  EXPECT_TRUE(contains(bare_card, "vllm serve TARGET_MODEL_DIR")) << bare_card;
+  EXPECT_TRUE(contains(bare_card, "not measured during training")) << bare_card;
 }
 
 TEST(Export, ImportRoundTripBf16AndFloat32) {

@@ -1,0 +1,99 @@
+// The export's provenance block and model card (core/train/export.h).
+#include <sstream>
+
+#include "core/train/build_version.h"
+#include "core/train/export.h"
+
+namespace dflash::train {
+namespace {
+
+using json = nlohmann::json;
+
+// obj[k1][k2]... as text for the card: strings bare, numbers and booleans as JSON, "unknown" when
+// absent or null.
+std::string field(const json& obj, std::initializer_list<const char*> path) {
+  const json* p = &obj;
+  for (const char* k : path) {
+    if (!p->is_object() || !p->contains(k) || (*p)[k].is_null()) return "unknown";
+    p = &(*p)[k];
+  }
+  return p->is_string() ? p->get<std::string>() : p->dump();
+}
+
+// A contract value: null means "none" there (no template, no --system); {"mixed": [...]} as JSON.
+std::string contract_field(const json& contract, const char* key) {
+  if (!contract.is_object() || !contract.contains(key)) return "unknown";
+  const json& v = contract[key];
+  return v.is_null() ? "none" : v.is_string() ? v.get<std::string>() : v.dump();
+}
+
+std::string tau_text(const json& prov) {
+  const std::string fin = field(prov, {"tau_final"}), best = field(prov, {"tau_best"});
+  if (fin == "unknown" && best == "unknown") return "not measured during training (run `dflash eval`)";
+  return "final " + fin + ", best " + best;
+}
+
+}  // namespace
+
+json provenance_json(const ExportProvenance& p) {
+  json out;
+  for (const char* key : {"target", "data", "data_contract"})
+    out[key] = p.run.is_object() && p.run.contains(key) ? p.run[key] : json();
+  out["steps"] = p.steps ? json(*p.steps) : json();
+  out["tau_final"] = p.tau_final ? json(*p.tau_final) : json();
+  out["tau_best"] = p.tau_best ? json(*p.tau_best) : json();
+  out["dflash_version"] = DFLASH_BUILD_VERSION;
+  out["dflash_commit"] = DFLASH_BUILD_COMMIT;
+  return out;
+}
+
+std::string model_card(const json& config, const std::string& export_dir) {
+  const json& dc = config["dflash_config"];
+  const json prov = dc.value("provenance", json::object());
+  const json contract = prov.value("data_contract", json());
+  const std::string target = field(prov, {"target", "model_dir"});
+  const std::string target_arg = target == "unknown" ? "TARGET_MODEL_DIR" : target;
+  const int64_t block = config["block_size"].get<int64_t>();
+  std::ostringstream o;
+  o << "---\ntags:\n- dflash\n- speculative-decoding\n- draft-model\n---\n\n"
+    << "# DFlash drafter for `" << target << "`\n\n"
+    << "A DFlash block-diffusion draft model for speculative decoding: it proposes " << block - 1
+    << " tokens per step from the target's hidden states, and the target verifies them. Trained and exported by "
+    << "dflash-pipeline " << field(prov, {"dflash_version"}) << " (commit `" << field(prov, {"dflash_commit"})
+    << "`).\n\n"
+    << "| | |\n|---|---|\n"
+    << "| target | `" << target << "` (config.json sha256 `" << field(prov, {"target", "config_sha256"}) << "`) |\n"
+    << "| drafter | " << config["num_hidden_layers"] << " layers, hidden size " << config["hidden_size"]
+    << ", block size " << block << ", target layers " << dc["target_layer_ids"].dump() << ", mask token id "
+    << dc["mask_token_id"] << " |\n"
+    << "| weights | " << field(config, {"dtype"}) << ", model.safetensors |\n"
+    << "| training steps | " << field(prov, {"steps"}) << " |\n"
+    << "| τ (mean acceptance length) | " << tau_text(prov) << " |\n"
+    << "| data | " << field(prov, {"data", "documents"}) << " documents, " << field(prov, {"data", "tokens"})
+    << " tokens (`" << field(prov, {"data", "shard_dir"}) << "`, manifest sha256 `"
+    << field(prov, {"data", "manifest_sha256"}) << "`) |\n"
+    << "| chat template sha256 | `" << contract_field(contract, "chat_template_sha256") << "` |\n"
+    << "| tokenizer sha256 | `" << contract_field(contract, "tokenizer_sha256") << "` |\n"
+    << "| thinking mode | " << contract_field(contract, "thinking") << " |\n"
+    << "| system prompt sha256 | " << contract_field(contract, "system_sha256") << " |\n\n"
+    << "Everything above is in config.json under `dflash_config.provenance`.\n\n"
+    << "## Serve\n\n"
+    << "vLLM (speculative method `dflash`):\n\n"
+    << "```bash\nvllm serve " << target_arg << " \\\n"
+    << "  --speculative-config '{\"method\": \"dflash\", \"model\": \"" << export_dir
+    << "\", \"num_speculative_tokens\": " << block - 1 << "}' \\\n"
+    << "  --attention-backend flash_attn \\\n  --max-num-batched-tokens 32768\n```\n\n"
+    << "SGLang (speculative algorithm `DFLASH`):\n\n"
+    << "```bash\npython -m sglang.launch_server \\\n  --model-path " << target_arg << " \\\n"
+    << "  --speculative-algorithm DFLASH \\\n  --speculative-draft-model-path " << export_dir << " \\\n"
+    << "  --speculative-num-draft-tokens " << block << " \\\n  --trust-remote-code\n```\n\n"
+    << "## Prompts\n\n"
+    << "The drafter learned the target's tokens as the training data rendered them: serve with the same "
+    << "chat template and system prompt, and with thinking mode `" << contract_field(contract, "thinking")
+    << "` (`on`: `enable_thinking=True`, `off`: `enable_thinking=False`, e.g. `chat_template_kwargs` in "
+       "OpenAI-compatible requests; `keep`: the template's default). Acceptance drops several-fold when "
+       "they differ.\n";
+  return o.str();
+}
+
+}  // namespace dflash::train
