@@ -151,6 +151,7 @@ EvalReport evaluate(model::TargetModel& target, const model::Drafter& drafter, c
   for (const auto& p : prompts) check_prompt(p.input_ids, target.config().vocab_size);  // before any work
   rep.results.resize(prompts.size());
   rep.groups_of.resize(prompts.size());
+  int64_t done_before = 0;  // prompts of earlier groups, for the progress callback
   for (const auto& [name, indices] : order) {
     std::vector<std::vector<int64_t>> group_prompts;
     for (auto i : indices) group_prompts.push_back(prompts[i].input_ids);
@@ -159,7 +160,10 @@ EvalReport evaluate(model::TargetModel& target, const model::Drafter& drafter, c
     s.acceptance_histogram.assign(rep.block_size, 0);
     model::synchronize(target.options().device);
     const auto t0 = std::chrono::steady_clock::now();
-    auto results = decoder.generate_batch(group_prompts, options.decode);
+    SpecDecodeOptions decode = options.decode;
+    if (options.on_prompts_done) decode.on_prompt_done = [&](int64_t n) { options.on_prompts_done(done_before + n); };
+    auto results = decoder.generate_batch(group_prompts, decode);
+    done_before += static_cast<int64_t>(indices.size());
     model::synchronize(target.options().device);
     s.seconds = seconds_since(t0);
     for (size_t j = 0; j < indices.size(); ++j) {

@@ -34,6 +34,7 @@
 #pragma once
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -58,6 +59,8 @@ std::vector<EvalPrompt> read_eval_prompts(const std::string& path);
 struct EvalOptions {
   SpecDecodeOptions decode;  // block size, max_new_tokens, stop tokens, batch size, sampling, seed
   bool baseline = true;      // also time the target's own greedy decoding (speedup)
+  // Called as prompts finish their speculative decoding, with the count over all groups so far.
+  std::function<void(int64_t)> on_prompts_done;
 };
 
 struct EvalStats {

@@ -142,6 +142,7 @@ std::vector<SpecDecodeResult> SpeculativeDecoder::generate_batch(const std::vect
                                                    target_.options().device, target_.options().dtype);
   std::vector<Slot> slots(S);
   size_t next = 0;
+  int64_t finished = 0;
   const auto running = [&] { return std::any_of(slots.begin(), slots.end(), [](const Slot& s) { return s.active; }); };
   while (next < prompts.size() || running()) {
     for (auto& s : slots)  // retire
@@ -150,6 +151,7 @@ std::vector<SpecDecodeResult> SpeculativeDecoder::generate_batch(const std::vect
         s.res.output_ids.assign(s.seq.begin() + s.n, s.seq.begin() + end);
         out[s.index] = std::move(s.res);
         s = Slot{};
+        if (opt.on_prompt_done) opt.on_prompt_done(++finished);
       }
     admit(cache.get(), slots, prompts, next, B, opt);
     round(cache.get(), slots, B, opt);

@@ -61,6 +61,7 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -86,6 +87,9 @@ struct SpecDecodeOptions {
   // dflash eval did before the cache. The same rounds and results (up to floating-point
   // differences between the full forward and the cached extend).
   bool uncached_target = false;
+  // Called after each prompt of a generate_batch call finishes, with the number finished so far
+  // in that call (progress lines); empty: nothing is called.
+  std::function<void(int64_t)> on_prompt_done;
 };
 
 struct SpecDecodeResult {

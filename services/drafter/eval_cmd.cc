@@ -17,6 +17,7 @@
 #include "core/util/flags.h"
 #include "core/util/log.h"
 #include "core/util/process.h"
+#include "core/util/progress.h"
 
 namespace dflash::cli {
 namespace {
@@ -88,7 +89,10 @@ int run_eval(int argc, char** argv) {
                     << (dec.block_size > 0 ? dec.block_size : imported.config.block_size) << ", batch size "
                     << dec.batch_size << ", max new tokens " << dec.max_new_tokens);
 
+  Progress progress(Progress::for_stderr("eval", "prompts", static_cast<int64_t>(prompts.size())));
+  opt.on_prompts_done = [&](int64_t done) { progress.update(done); };
   const eval::EvalReport report = eval::evaluate(*target, drafter, prompts, opt);
+  progress.finish();
   const auto& o = report.overall;
   LOG_INFO("eval: " << o.generated_tokens << " tokens in " << o.rounds << " rounds, tau " << o.tau() << ", "
                     << o.tokens_per_second() << " tokens/s"
