@@ -73,6 +73,12 @@ std::string model_card(const nlohmann::json& config, const std::string& export_d
 void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype = torch::kBFloat16,
                const ExportProvenance& provenance = {});
 
+// Sets dflash_config.provenance.tau_final / tau_best of the export in `export_dir` (config.json,
+// replaced atomically) and rewrites its model card; the weights are not touched. The coordinator
+// calls it once the run's evals are done (they finish after the export is written). DataError when
+// config.json is missing or is not a DFlash export of ours (no dflash_config.provenance).
+void set_export_tau(const std::string& export_dir, std::optional<double> tau_final, std::optional<double> tau_best);
+
 struct ImportedDrafter {
   model::DrafterConfig config;
   std::vector<std::pair<std::string, torch::Tensor>> tensors;  // fp32 CPU, in the Drafter's order

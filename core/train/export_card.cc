@@ -1,8 +1,12 @@
 // The export's provenance block and model card (core/train/export.h).
+#include <filesystem>
+#include <fstream>
 #include <sstream>
 
 #include "core/train/build_version.h"
 #include "core/train/export.h"
+#include "core/util/error.h"
+#include "core/util/fileio.h"
 
 namespace dflash::train {
 namespace {
@@ -94,6 +98,27 @@ std::string model_card(const json& config, const std::string& export_dir) {
        "OpenAI-compatible requests; `keep`: the template's default). Acceptance drops several-fold when "
        "they differ.\n";
   return o.str();
+}
+
+void set_export_tau(const std::string& export_dir, std::optional<double> tau_final, std::optional<double> tau_best) {
+  const std::string path = export_dir + "/config.json";
+  std::ifstream in(path);
+  DFLASH_CHECK(in, DataError, path << ": cannot open (no export to record tau in)");
+  json config;
+  try {
+    config = json::parse(in);
+  } catch (const json::exception& e) {
+    DFLASH_FAIL(DataError, path << ": not JSON: " << e.what());
+  }
+  DFLASH_CHECK(config.contains("dflash_config") && config["dflash_config"].is_object() &&
+                   config["dflash_config"].contains("provenance") && config["dflash_config"]["provenance"].is_object(),
+               DataError, path << ": no dflash_config.provenance (not an export of this project)");
+  json& prov = config["dflash_config"]["provenance"];
+  prov["tau_final"] = tau_final ? json(*tau_final) : json();
+  prov["tau_best"] = tau_best ? json(*tau_best) : json();
+  atomic_write(path, config.dump(2) + "\n");
+  atomic_write(export_dir + "/README.md",
+               model_card(config, std::filesystem::absolute(export_dir).lexically_normal().string()));
 }
 
 }  // namespace dflash::train

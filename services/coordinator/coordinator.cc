@@ -689,6 +689,7 @@ void Coordinator::drain_evals() {
   } catch (const std::exception& e) {
     LOG_WARN("retention after the evals: " << e.what());
   }
+  record_tau_in_exports();
   const double run_s = seconds_since(t0_);
   LOG_INFO("evals: " << eval_seconds_ << " s of eval workers beside " << run_s << " s of this dflash run ("
                      << 100 * eval_seconds_ / std::max(run_s, 1e-9) << "%), " << seconds_since(t0) << " s of it after training ended");

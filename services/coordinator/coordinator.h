@@ -207,6 +207,7 @@ class Coordinator final : public control::Coordinator::Service {
   void set_eval_metrics(const LedgerEval& e);
   nlohmann::json eval_status() const;
   void drain_evals();  // mu_ not held: takes it every 100 ms
+  void record_tau_in_exports();  // mu_ held
 
   // Control-plane helpers (mu_ held where they read state).
   grpc::Status auth(grpc::ServerContext* ctx) const;

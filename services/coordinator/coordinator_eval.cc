@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "core/train/checkpoint.h"
+#include "core/train/export.h"
 #include "core/util/error.h"
 #include "core/util/fileio.h"
 #include "core/util/log.h"
@@ -186,6 +187,24 @@ void Coordinator::append_metrics_line(const json& line) const {
   ::fsync(fd);
   ::close(fd);
   DFLASH_CHECK(n == ssize_t(text.size()), DataError, path << ": the eval line was not written whole");
+}
+
+// The last and the best tau into export/ and export-best/ (their provenance and model card): the
+// final checkpoint's eval ends after the drafter wrote the export. A failure is logged, never fatal.
+void Coordinator::record_tau_in_exports() {
+  const auto& st = ledger_->state();
+  if (st.evals.empty()) return;
+  const double last = st.evals.back().tau, best = st.best_eval()->tau;
+  for (const char* name : {"export", "export-best"}) {
+    const fs::path dir = fs::path(cfg_.run.output_dir) / name;
+    if (!fs::exists(dir / "config.json")) continue;
+    try {
+      train::set_export_tau(dir.string(), last, best);
+      LOG_INFO(dir.string() << ": provenance tau_final " << last << ", tau_best " << best);
+    } catch (const std::exception& e) {
+      LOG_WARN(dir.string() << ": could not record tau in the export: " << e.what());
+    }
+  }
 }
 
 json Coordinator::eval_status() const {

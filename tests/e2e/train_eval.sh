@@ -121,6 +121,12 @@ print(f"evals: steps {[e['step'] for e in evals]}, tau {[round(e['tau'], 3) for 
 print(f"best: step {best['step']} tau {best['tau']:.3f}, kept beside the final step {final} with keep_last 1")
 print(f"cost: {eval_s:.1f} s of eval workers beside {t1 - t0:.1f} s of run wall time ({100 * eval_s / (t1 - t0):.0f}%; "
       f"an eval every 16 steps of a tiny model, far from the default settings)")
+# Both exports record the last and the best tau in their provenance and model card.
+for name in ("export", "export-best"):
+    prov = json.load(open(f"{run}/{name}/config.json"))["dflash_config"]["provenance"]
+    assert prov["tau_best"] == best["tau"] and prov["tau_final"] == evals[-1]["tau"], (name, prov)
+    card = open(f"{run}/{name}/README.md").read()
+    assert f"{best['tau']}"[:5] in card, (name, "tau_best not in the model card")
 with open(f"{run}/best_dir", "w") as f:
     f.write(best["dir"])
 PY
