@@ -69,7 +69,7 @@ const model::Drafter& SpeculativeDecoder::drafter_for(int64_t V) {
   if (it != by_block_size_.end()) return *it->second;
   model::DrafterConfig c = cfg_;
   c.block_size = V;
-  auto d = std::make_unique<model::Drafter>(c, target_.options().device, /*init_seed=*/0);
+  auto d = std::make_unique<model::Drafter>(c, target_.options().device, model::Drafter::Uninitialized{});
   auto& params = d->parameters();
   DFLASH_CHECK(params.size() == weights_.size(), ConfigError, "drafter parameter count mismatch");
   for (size_t i = 0; i < params.size(); ++i) params[i].second = weights_[i];  // shared, no copy

@@ -70,14 +70,21 @@ FrozenTargetParts load_frozen_target_parts(const std::string& dir, torch::Device
   return p;
 }
 
-Drafter::Drafter(const DrafterConfig& cfg, torch::Device device, uint64_t seed) : cfg_(cfg), device_(device) {
+Drafter::Drafter(const DrafterConfig& cfg, torch::Device device, uint64_t seed)
+    : Drafter(cfg, device, std::optional<uint64_t>(seed)) {}
+
+Drafter::Drafter(const DrafterConfig& cfg, torch::Device device, Uninitialized)
+    : Drafter(cfg, device, std::optional<uint64_t>()) {}
+
+Drafter::Drafter(const DrafterConfig& cfg, torch::Device device, std::optional<uint64_t> seed) : cfg_(cfg), device_(device) {
   const int64_t H = cfg.hidden_size, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
   const int64_t I = cfg.intermediate_size, KH = cfg.num_context_layers() * H;
-  auto gen = at::detail::createCPUGenerator(seed);
+  auto gen = at::detail::createCPUGenerator(seed.value_or(0));
   auto add = [&](const std::string& name, std::vector<int64_t> shape, bool ones) {
-    auto t = ones ? torch::ones(shape) : torch::randn(shape, gen) * 0.02;
+    auto t = !seed ? torch::zeros(shape, torch::TensorOptions().device(device))
+                   : (ones ? torch::ones(shape) : torch::randn(shape, gen) * 0.02).to(device);
     index_[name] = params_.size();
-    params_.emplace_back(name, t.to(device).set_requires_grad(true));
+    params_.emplace_back(name, t.set_requires_grad(true));
   };
   add("fc.weight", {H, KH}, false);
   add("hidden_norm.weight", {H}, true);

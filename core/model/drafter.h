@@ -8,6 +8,7 @@
 // layers.{i}.self_attn.q_proj.weight, ...). forward() computes in `compute_dtype` (bf16 on GPU) by
 // casting weights on the fly, so gradients land in the fp32 masters.
 #pragma once
+#include <optional>
 #include <torch/torch.h>
 
 #include <string>
@@ -69,7 +70,14 @@ struct BlockAttention {
 
 class Drafter {
  public:
+  // Parameters drawn from N(0, 0.02) (norms 1) with a CPU generator seeded `init_seed`, then moved to
+  // `device`: the same values on every device.
   Drafter(const DrafterConfig& cfg, torch::Device device, uint64_t init_seed);
+  // Structure only: every parameter zero on `device`, no random draw and no host copy. For a caller
+  // that replaces every tensor at once (the speculative decoder shares one weight set between its
+  // per-verify-size drafters); drawing the initialisation of a large drafter costs seconds.
+  struct Uninitialized {};
+  Drafter(const DrafterConfig& cfg, torch::Device device, Uninitialized);
   const DrafterConfig& config() const { return cfg_; }
   torch::Device device() const { return device_; }
 
@@ -89,6 +97,7 @@ class Drafter {
                         bool recompute_mlp = false) const;
 
  private:
+  Drafter(const DrafterConfig& cfg, torch::Device device, std::optional<uint64_t> seed);  // nullopt: zeros
   torch::Tensor w(const std::string& name, torch::ScalarType compute) const;
   // One masked attention call: blocks [first, first+count) over context rows [ctx_start, ctx_start+ctx_keys).
   struct AttnGroup {
