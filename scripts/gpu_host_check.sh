@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-drafter|mem-drafter|bench-pipeline|run-gpu|run-colocated|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-drafter|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
 # (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps, and
 # run-colocated, ~4 min: a Qwen3-8B-shaped run on one GPU.)
 set -uo pipefail
@@ -42,9 +42,13 @@ if has run-colocated; then
   sed -e "s|^  output_dir: .*|  output_dir: $w/run|" -e "s|^  model_dir: .*|  model_dir: $w/model|" \
       -e "s|^  shard_dir: .*|  shard_dir: $w/shards|" -e "s/^  epochs: .*/  epochs: 1/" \
       -e "s/^  save_interval_steps: .*/  save_interval_steps: 1000/" "$root/configs/qwen3-8b-1gpu.yaml" > "$w/cfg.yaml"
+  # tau during training at the eval section's defaults (16 prompts, 64 new tokens) on the final
+  # checkpoint (the one a run always evaluates): its wall time is the eval's cost on this target.
+  head -16 "$w/train.jsonl" | python3 -c "import json,sys; [print(json.dumps({'input_ids': json.loads(l)['input_ids'][:128], 'group': 'random'})) for l in sys.stdin]" > "$w/eval_prompts.jsonl"
+  printf 'eval:\n  prompts: %s\n' "$w/eval_prompts.jsonl" >> "$w/cfg.yaml"
   "$build/bin/dflash" run "$w/cfg.yaml" --device cuda --plan > "$out/run_colocated_plan.txt" 2>&1; echo "plan rc=$?"
   t1=$(date +%s)
-  "$build/bin/dflash" run "$w/cfg.yaml" --device cuda --quiet > "$out/run_colocated.out" 2> "$out/run_colocated.err"
+  timeout "${DFLASH_COLOCATED_TIMEOUT:-600}" "$build/bin/dflash" run "$w/cfg.yaml" --device cuda --quiet > "$out/run_colocated.out" 2> "$out/run_colocated.err"
   echo "colocated run rc=$? in $(( $(date +%s) - t1 )) s"
   cp "$w/run/ledger.jsonl" "$out/run_colocated_ledger.jsonl"; cp "$w/run/metrics.jsonl" "$out/run_colocated_metrics.jsonl" 2>/dev/null
   python3 - "$w/run" <<'PY'
@@ -53,6 +57,8 @@ recs = [json.loads(l) for l in open(sys.argv[1] + "/ledger.jsonl")]
 steps = [r for r in recs if r.get("type") == "step"]
 print("colocated:", len(steps), "steps; last:", {k: steps[-1].get(k) for k in ("step", "loss", "tokens", "tokens_per_s")} if steps else None,
       "; final record:", recs[-1].get("type"))
+evals = [r for r in recs if r.get("type") in ("eval", "eval_failed")]
+print("evals:", [{k: r.get(k) for k in ("type", "step", "tau", "wall_s", "prompts", "tokens", "rounds", "error")} for r in evals])
 PY
   tail -3 "$out/run_colocated.err"
 fi
@@ -90,6 +96,32 @@ if has run-gpu; then
   grep -E '^dflash_drafter_gpu_(utilization_ratio|memory_peak_bytes)' "$out/run_gpu_drafter_metrics.txt"
   python3 "$root/tests/coordinator/check_run.py" "$w/run" --samples 300 --expect-restarts 2 --expect-oom | tee "$out/run_gpu_check.txt"
   cp "$w/run/ledger.jsonl" "$out/run_gpu_ledger.jsonl"; cp "$w"/run/logs/*.log "$out/" 2>/dev/null
+fi
+if has bench-generate; then
+  # The generation engine (issue 25's decode goals): Qwen3-8B shape at batch 1 and 64 against HF generate
+  # in the same invocation, then the static step's attention A/B (SDPA over every cached row), ours only.
+  timeout 300 "$build/bin/dflash" bench generate --shape qwen3-8b --batches 1x128,64x128 --new-tokens 128 --baseline \
+    > "$out/bench_generate_qwen3_8b.json" 2> "$out/bench_generate_qwen3_8b.err"; echo "bench generate qwen3-8b rc=$?"
+  DFLASH_DECODE_ATTENTION=sdpa timeout 120 "$build/bin/dflash" bench generate --shape qwen3-8b --batches 1x128,64x128 \
+    --new-tokens 128 > "$out/bench_generate_qwen3_8b_sdpa.json" 2> "$out/bench_generate_qwen3_8b_sdpa.err"
+  echo "bench generate qwen3-8b (sdpa decode attention) rc=$?"
+fi
+if has bench-eval; then
+  # `dflash eval`'s engine at 1,024 new tokens: batched and cached (16 prompts at once) against the eval
+  # before the cache (uncached, one prompt at a time; its tokens/s does not depend on the prompt count).
+  timeout 400 "$build/bin/dflash" bench generate --eval --shape qwen3-8b --prompts 16 --batch-size 16 \
+    --baseline-prompts 1 --max-new-tokens 1024 > "$out/bench_eval_qwen3_8b.json" 2> "$out/bench_eval_qwen3_8b.err"
+  echo "bench eval qwen3-8b rc=$?"; tail -3 "$out/bench_eval_qwen3_8b.err"
+fi
+if has bench-regenerate; then
+  # `dflash data regenerate` throughput on a Qwen3-8B-shaped model (random bf16 weights) at batch 256
+  # against HF generate at batch 64 on the same weights (issue 26).
+  w=/tmp/dflash-run-colocated
+  [ -f "$w/model/config.json" ] || python3 "$root/scripts/reference/make_shape_model.py" --shape qwen3-8b --out "$w/model" \
+    > "$out/regenerate_prep.log" 2>&1 || { tail -5 "$out/regenerate_prep.log"; exit 1; }
+  timeout 420 "$build/bin/dflash" bench regenerate --target "$w/model" --records 2048 --batch-size 256 --new-tokens 128 \
+    --baseline --baseline-batch 64 > "$out/bench_regenerate_qwen3_8b.json" 2> "$out/bench_regenerate_qwen3_8b.err"
+  echo "bench regenerate qwen3-8b rc=$?"; tail -3 "$out/bench_regenerate_qwen3_8b.err"
 fi
 if has bench-target; then
   "$build/bin/dflash" bench target --shape qwen3-8b --baseline --profile > "$out/bench_target_qwen3_8b.json" 2> "$out/bench_target_qwen3_8b.err"

@@ -75,19 +75,32 @@ class DenseTarget : public TargetBase {
                        CaptureResult out) override {
     torch::NoGradGuard no_grad;
     auto step = cache.begin(batch);
+    // A static decode step with the flash decode kernel: q/k/v norm, RoPE and the cache write in one
+    // fused kernel per layer (SequenceCache::attend_static_qkv) when the fused bf16 path runs.
+    QkvAttendFn qkv_attend;
+    if (step.is_static && cache.flash_decode() && cfg_.head_dim % 32 == 0 && cfg_.head_dim <= 256)
+      qkv_attend = [&](int64_t l, const torch::Tensor& qkv, const RopeTable& rope) {
+        const auto& L = layers_[l];
+        return cache.attend_static_qkv(l, step, qkv, L.q_norm, L.k_norm, cfg_.rms_norm_eps, rope.cos, rope.sin,
+                                       cfg_.num_heads, scale());
+      };
     out = run(batch.input_ids_T, step.positions_T, spec, std::move(out),
               [&](int64_t l, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
                 return cache.attend(l, step, q, k, v, scale());
-              });
+              },
+              qkv_attend);
     cache.commit(step);
     return out;
   }
 
   // The forward of tokens at the given positions; attend(layer, q, k, v) is their attention.
+  // qkv_attend (optional; used only on the fused path): the attention straight from the fused qkv
+  // projection [T, (Hq + 2 Hkv) D], returning [T, Hq, D].
   using AttendFn =
       std::function<torch::Tensor(int64_t, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
+  using QkvAttendFn = std::function<torch::Tensor(int64_t, const torch::Tensor&, const RopeTable&)>;
   CaptureResult run(const torch::Tensor& ids_T, const torch::Tensor& pos_T, const CaptureSpec& spec, CaptureResult out,
-                    const AttendFn& attend) const {
+                    const AttendFn& attend, const QkvAttendFn& qkv_attend = {}) const {
     const int64_t T = ids_T.size(0), D = cfg_.head_dim;
     const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
     return run_layers(ids_T, pos_T, spec, std::move(out),
@@ -95,12 +108,17 @@ class DenseTarget : public TargetBase {
                         const auto& L = layers_[l];
                         auto x = add_norm(h, delta, L.ln1, fused);
                         auto qkv = L.qkv_b.defined() ? F::linear(x, L.qkv_w, L.qkv_b) : F::linear(x, L.qkv_w);
-                        auto q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
-                        auto k = qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D});
-                        auto v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D});
-                        q = norm_rope(q, L.q_norm, rope, fused);
-                        k = norm_rope(k, L.k_norm, rope, fused);
-                        auto a = attend(l, q, k, v).reshape({T, Hq * D});
+                        torch::Tensor a;
+                        if (fused && qkv_attend) {
+                          a = qkv_attend(l, qkv, rope).reshape({T, Hq * D});
+                        } else {
+                          auto q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
+                          auto k = qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D});
+                          auto v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D});
+                          q = norm_rope(q, L.q_norm, rope, fused);
+                          k = norm_rope(k, L.k_norm, rope, fused);
+                          a = attend(l, q, k, v).reshape({T, Hq * D});
+                        }
                         delta = L.o_b.defined() ? F::linear(a, L.o_w, L.o_b) : F::linear(a, L.o_w);
                         x = add_norm(h, delta, L.ln2, fused);
                         return mlp(x, L, fused);

@@ -3,8 +3,14 @@
 #include <algorithm>
 #include <set>
 
+#include <ATen/ops/_flash_attention_forward.h>
+
 #include "core/model/layers.h"
 #include "core/util/error.h"
+#include "core/util/switches.h"
+#ifdef DFLASH_WITH_CUDA
+#include "core/model/cuda/fused_ops.h"
+#endif
 
 namespace dflash::model {
 
@@ -44,6 +50,13 @@ SequenceCache::SequenceCache(const io::TargetConfig& cfg, int64_t slots, int64_t
   slot_ids_S_ = torch::arange(slots, i64);
   row_base_S_ = slot_ids_S_ * max_len;
   key_ids_M_ = torch::arange(max_len, i64);
+  flash_decode_ = device.is_cuda() && (dtype == torch::kBFloat16 || dtype == torch::kHalf) && cfg.head_dim % 8 == 0 &&
+                  cfg.head_dim <= 256 && switches::get("DFLASH_DECODE_ATTENTION") != "sdpa";
+  if (flash_decode_) {
+    const auto i32 = torch::TensorOptions().dtype(torch::kInt32).device(device);
+    cu_query_S1_ = torch::arange(slots + 1, i32);
+    cu_key_S1_ = cu_query_S1_ * static_cast<int32_t>(max_len);
+  }
   k_.resize(cfg.num_layers);
   v_.resize(cfg.num_layers);
   window_.resize(cfg.num_layers);
@@ -206,7 +219,20 @@ SequenceCache::Step SequenceCache::begin(const ExtendBatch& b) const {
   st.slot_B = upload(b.slots);
   st.positions_T = upload(pos);
   st.kv_rows_T = upload(rows);
-  if (!st.fresh) {
+  if (!st.fresh && flash_decode_) {
+    std::vector<int32_t> used, cu_q, cu_k;
+    for (int64_t i = 0; i < B; ++i) {
+      used.push_back(static_cast<int32_t>(st.start[i] + b.lengths[i]));
+      cu_q.push_back(static_cast<int32_t>(st.offset[i]));
+      cu_k.push_back(static_cast<int32_t>(b.slots[i] * max_len_));
+    }
+    cu_q.push_back(static_cast<int32_t>(st.tokens));
+    cu_k.push_back(static_cast<int32_t>(slots() * max_len_));  // not read (the used-key counts end each sequence)
+    auto upload32 = [&](const std::vector<int32_t>& v) { return to_device_async(torch::tensor(v, torch::kInt32), dev); };
+    st.used_keys_S = upload32(used);
+    st.cu_query_B1 = upload32(cu_q);
+    st.cu_key_B1 = upload32(cu_k);
+  } else if (!st.fresh) {
     auto i64 = torch::TensorOptions().dtype(torch::kInt64).device(dev);
     auto limit = upload(st.start).view({B, 1, 1, 1}) + torch::arange(N, i64).view({1, 1, N, 1});
     st.mask_B1NL = torch::arange(st.max_end, i64).view({1, 1, 1, st.max_end}) <= limit;
@@ -252,7 +278,13 @@ SequenceCache::Step SequenceCache::begin_static(const ExtendBatch& b) const {
   st.slot_B = slot_ids_S_;
   st.positions_T = b.positions_T;
   st.kv_rows_T = row_base_S_ + b.positions_T;
-  st.mask_B1NL = key_ids_M_.view({1, 1, 1, max_len_}) <= b.positions_T.view({S, 1, 1, 1});
+  if (flash_decode_) {
+    st.used_keys_S = (b.positions_T + 1).to(torch::kInt32);
+    st.cu_query_B1 = cu_query_S1_;
+    st.cu_key_B1 = cu_key_S1_;
+  }
+  else
+    st.mask_B1NL = key_ids_M_.view({1, 1, 1, max_len_}) <= b.positions_T.view({S, 1, 1, 1});
   return st;
 }
 
@@ -263,6 +295,7 @@ torch::Tensor SequenceCache::attend(int64_t layer, const Step& st, const torch::
   k_[layer].view({S * max_len_, Hkv, D}).index_copy_(0, st.kv_rows_T, k);
   v_[layer].view({S * max_len_, Hkv, D}).index_copy_(0, st.kv_rows_T, v);
   if (st.fresh) return causal_attention_varlen(q, k, v, st.batch.lengths, scale);
+  if (st.used_keys_S.defined()) return flash_decode_attention(layer, st, q, scale);
   torch::Tensor q_BNHD;  // the queries as [B, max_new] rows (zero rows where a sequence has fewer)
   if (st.pad_BN.defined())
     q_BNHD = torch::cat({q, torch::zeros_like(q.narrow(0, 0, 1))}).index_select(0, st.pad_BN).view({B, N, Hq, D});
@@ -279,6 +312,32 @@ torch::Tensor SequenceCache::attend(int64_t layer, const Step& st, const torch::
                                             /*is_causal=*/false, scale, /*enable_gqa=*/true)
                .transpose(1, 2);  // [B, N, Hq, D]
   return st.unpad_T.defined() ? o.reshape({B * N, Hq, D}).index_select(0, st.unpad_T) : o.reshape({T, Hq, D});
+}
+
+// Flash decode: each sequence's query rows over its cache rows 0..start+length-1 (causal, aligned
+// to the last key), K/V read in place.
+torch::Tensor SequenceCache::flash_decode_attention(int64_t layer, const Step& st, const torch::Tensor& q, double scale) {
+  const int64_t S = slots(), Hkv = k_[layer].size(2), D = k_[layer].size(3);
+  return std::get<0>(at::_flash_attention_forward(
+      q.contiguous(), k_[layer].view({S * max_len_, Hkv, D}), v_[layer].view({S * max_len_, Hkv, D}), st.cu_query_B1,
+      st.cu_key_B1, /*max_q=*/st.max_new, /*max_k=*/st.max_end, 0.0, /*is_causal=*/st.max_new > 1,
+      /*return_debug_mask=*/false, scale, std::nullopt, std::nullopt, st.used_keys_S));
+}
+
+torch::Tensor SequenceCache::attend_static_qkv(int64_t layer, const Step& st, const torch::Tensor& qkv,
+                                               const torch::Tensor& q_norm_w, const torch::Tensor& k_norm_w, double eps,
+                                               const torch::Tensor& cos, const torch::Tensor& sin, int64_t Hq,
+                                               double scale) {
+  DFLASH_CHECK(st.is_static && st.used_keys_S.defined(), ConfigError,
+               "attend_static_qkv: needs a static step with the flash decode kernel (flash_decode())");
+#ifdef DFLASH_WITH_CUDA
+  auto q = fused::decode_qkv(qkv, q_norm_w, k_norm_w, eps, cos, sin, st.kv_rows_T, k_[layer], v_[layer], Hq);
+  return flash_decode_attention(layer, st, q, scale);
+#else
+  (void)layer, (void)qkv, (void)q_norm_w, (void)k_norm_w, (void)eps, (void)cos, (void)sin, (void)Hq, (void)scale;
+  DFLASH_FAIL(ConfigError, "attend_static_qkv: this build has no CUDA");
+  return torch::Tensor();
+#endif
 }
 
 torch::Tensor SequenceCache::conv(int64_t layer, Step& st, const torch::Tensor& x_TC, const torch::Tensor& w_CK) {

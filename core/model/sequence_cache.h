@@ -71,6 +71,7 @@ class SequenceCache {
   int64_t length(int64_t slot) const;          // tokens the slot holds
   int64_t rollback_floor(int64_t slot) const;  // the smallest length truncate accepts (see above)
   int64_t bytes() const;                       // device memory of the cache buffers
+  bool flash_decode() const { return flash_decode_; }  // static steps use the flash decode kernel (attend)
 
   // Empties the slot (length 0; recurrent state and conv window zeroed) for a new sequence.
   void reset(int64_t slot);
@@ -94,6 +95,10 @@ class SequenceCache {
     torch::Tensor positions_T;    // int64 [T]: start[i] + r for the r-th token of sequence i
     torch::Tensor kv_rows_T;      // int64 [T]: slot * M + position, rows of a [S * M, ...] view
     torch::Tensor mask_B1NL;      // bool [B, 1, max_new, max_end]: row r of sequence i sees keys <= start + r
+    // Flash decode kernel (flash_decode(), not fresh): int32 keys used per sequence (start + length),
+    // and the cumulative query rows / each sequence's first cache row ([B + 1]; the cache's own
+    // tensors for a static step).
+    torch::Tensor used_keys_S, cu_query_B1, cu_key_B1;
     torch::Tensor pad_BN, unpad_T;  // int64: packed row -> [B, max_new] and back (when lengths differ)
     torch::Tensor conv_src_E, conv_keep_T, conv_tail_BW;  // int64: conv layout (hybrids, see conv(); not single)
     std::vector<int64_t> conv_lens;  // lengths[i] + Kc - 1
@@ -121,6 +126,14 @@ class SequenceCache {
   // otherwise one SDPA over [B, max_new] query rows and [B, max_end] cached keys with a mask.
   torch::Tensor attend(int64_t layer, const Step& step, const torch::Tensor& q, const torch::Tensor& k,
                        const torch::Tensor& v, double scale);
+  // attend() of a static step with the flash decode kernel (flash_decode()), its q/k/v taken from the
+  // fused projection row in one fused CUDA kernel (core/model/cuda/fused_ops.h, decode_qkv): q and k
+  // heads get the per-head norm (bf16 weights [D], or undefined: none) and RoPE, k/v go straight into
+  // the cache. qkv: bf16 [S, (Hq + 2 Hkv) D]. The same values as splitting qkv, head_norm_rope and
+  // attend(). ConfigError when the step is not static, flash_decode() is off, or the build has no CUDA.
+  torch::Tensor attend_static_qkv(int64_t layer, const Step& step, const torch::Tensor& qkv, const torch::Tensor& q_norm_w,
+                                  const torch::Tensor& k_norm_w, double eps, const torch::Tensor& cos,
+                                  const torch::Tensor& sin, int64_t Hq, double scale);
   // Gated DeltaNet layer `layer`: causal conv + SiLU (fp32) of the appended conv inputs x_TC
   // [T, C] continuing each slot's conv window; updates the window. Returns [T, C] fp32.
   // Single-token steps (Step::single) take the decode fast path: y = silu(sum_j w[:, j] x_j) over
@@ -149,6 +162,7 @@ class SequenceCache {
  private:
   struct Kept;  // per slot: the extend whose rollback data it may use
   Step begin_static(const ExtendBatch& batch) const;
+  torch::Tensor flash_decode_attention(int64_t layer, const Step& step, const torch::Tensor& q, double scale);
 
   const io::TargetConfig cfg_;
   const int64_t max_len_;
@@ -160,6 +174,8 @@ class SequenceCache {
   std::vector<torch::Tensor> state_;    // Gated DeltaNet layers: [S, Hv, dk, dv] fp32
   std::vector<std::unique_ptr<Kept>> kept_;  // per slot
   torch::Tensor slot_ids_S_, row_base_S_, key_ids_M_;  // int64 on the device: arange(S), arange(S) * M, arange(M)
+  torch::Tensor cu_query_S1_, cu_key_S1_;  // int32 on the device: arange(S + 1), arange(S + 1) * M (flash decode)
+  bool flash_decode_ = false;              // static steps attend with the flash decode kernel (see attend)
   bool has_delta_ = false;
 };
 

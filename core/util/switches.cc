@@ -17,6 +17,10 @@ const std::vector<Switch>& registry() {
   static const std::vector<Switch> r = {
       {"DFLASH_TARGET_ATTENTION", Kind::kChoice, {"cudnn", "flash"}, "cudnn",
        "Target attention on CUDA bf16/fp16: cuDNN fused SDPA, or the varlen flash kernel (A/B).", true, false},
+      {"DFLASH_DECODE_ATTENTION", Kind::kChoice, {"flash", "sdpa"}, "flash",
+       "Attention of the static decode step (generation engine) on CUDA bf16/fp16: the varlen flash kernel on the "
+       "cache with per-slot used-key counts, or SDPA over every cached row with a mask (A/B).",
+       true, false},
       {"DFLASH_GDN_FP32", Kind::kChoice, {"0", "1"}, "0",
        "1: the Gated DeltaNet of bf16 hybrid targets keeps every operand fp32 instead of rounding to bf16 where "
        "HF does (speed and error A/B).",

@@ -8,7 +8,10 @@ For each --batches item BxP: B prompts of P random token ids, --warmup untimed r
 {"results": [{"batch", "prompt", "new_tokens", "tokens_per_s" (B * new_tokens / median seconds),
 "median_s", "times_s", "peak_gib"}...], "shape", "dtype", "device", "transformers"}.
 
-Usage: bench_hf_generate.py --shape qwen3-8b --batches 1x128,64x128 --new-tokens 128
+With --model DIR instead of --shape: that model's weights (from_pretrained), e.g. the model a
+`dflash bench regenerate` run generated with, so both sides run the same weights.
+
+Usage: bench_hf_generate.py --shape qwen3-8b | --model DIR --batches 1x128,64x128 --new-tokens 128
                             [--device cuda] [--dtype bfloat16] [--warmup 1] [--repeats 3]"""
 import argparse
 import json
@@ -39,7 +42,8 @@ def sync(device):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", required=True)
+    ap.add_argument("--shape", default=None)
+    ap.add_argument("--model", default=None, help="an HF model folder (instead of --shape)")
     ap.add_argument("--batches", default="1x128")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
@@ -47,10 +51,16 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    if (a.shape is None) == (a.model is None):
+        sys.exit("bench_hf_generate.py: give exactly one of --shape and --model")
     dtype = getattr(torch, a.dtype)
-    cfg = build_config(a.shape)
-    with torch.device(a.device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    if a.model:
+        model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype).to(a.device).eval()
+        cfg = model.config
+    else:
+        cfg = build_config(a.shape)
+        with torch.device(a.device):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     g = torch.Generator(device="cpu").manual_seed(0)
     results = []
     for batch, prompt in parse_batches(a.batches):
@@ -81,7 +91,7 @@ def main():
                         "tokens_per_s": batch * a.new_tokens / med, "median_s": med, "times_s": times,
                         "peak_gib": peak})
         empty_cache(a.device)
-    print(json.dumps({"results": results, "shape": a.shape, "dtype": a.dtype, "device": a.device,
+    print(json.dumps({"results": results, "shape": a.shape or a.model, "dtype": a.dtype, "device": a.device,
                       "transformers": transformers.__version__}))
 
 

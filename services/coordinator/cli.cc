@@ -78,6 +78,9 @@ const Binary& binary() {
           {"bench pipeline", cmd_bench_pipeline,
            "[--transport shm|c10d --shape qwen3-8b|tiny | --model DIR --device cuda --target-gpu 0 --drafter-gpu 1 ...]\n"
            "    1 target server + 1 drafter trainer as processes, as JSON (--help for all flags)"},
+          {"bench regenerate", cmd_bench_regenerate,
+           "--target DIR [--records 1024 --batch-size 256 --new-tokens 128 --baseline ...]\n"
+           "    `dflash data regenerate` throughput against HF generate on the same weights, as JSON"},
           {"bench generate", target::cmd_bench_generate,
            "[--shape qwen3-8b --batches 1x128,64x128 --new-tokens 128 --baseline ...] | --eval [...]\n"
            "    greedy decoding tokens/s, prefill, decode rate and roofline as JSON; --eval: the KV-cached\n"

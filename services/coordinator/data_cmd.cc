@@ -45,6 +45,14 @@ const char* kDataUsage =
     "  the target rewrites every assistant reply, turn by turn, with `dflash generate`; chat lines ->\n"
     "  {id, messages}, tokenized lines -> {id, input_ids, loss_mask}; resumable (docs/data.md).\n";
 
+const char* kBenchRegenerateUsage =
+    "usage: dflash bench regenerate --target MODEL_DIR [--records 1024] [--prompt-len 128] [--new-tokens 128]\n"
+    "                               [--batch-size 256] [--device cuda|cpu] [--dtype bfloat16|float32]\n"
+    "                               [--baseline [--baseline-batch 64] [--baseline-repeats 2]] [--work DIR] [--python PY]\n"
+    "  `dflash data regenerate` over --records random tokenized prompts on MODEL_DIR (generation tokens/s from\n"
+    "  the engine's log, and wall tokens/s), against HF transformers generate on the same weights at\n"
+    "  --baseline-batch (same invocation); JSON on stdout (scripts/dflash_data/bench_regenerate.py).\n";
+
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
@@ -155,15 +163,15 @@ int cmd_data_prepare(int argc, char** argv) {
   return kExitOk;
 }
 
-// `data regenerate`: the flags go to scripts/dflash_data/regenerate.py as they are (it validates
-// them: exit 2), with this binary as the `dflash generate` it runs.
-int cmd_data_regenerate(int argc, char** argv) {
-  std::vector<std::string> args = {"regenerate"};
+// Runs `python -m dflash_data SUBCOMMAND FLAGS... --dflash THIS_BINARY`: the flags go to the
+// Python tool as they are (it validates them: exit 2); --help / -h print `usage` here.
+int forward_to_dflash_data(const char* subcommand, const char* what, const char* usage, int argc, char** argv) {
+  std::vector<std::string> args = {subcommand};
   std::string python_flag;
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
-      std::cout << kDataUsage;
+      std::cout << usage;
       return kExitOk;
     }
     if (a == "--python" || a.rfind("--python=", 0) == 0) {
@@ -175,12 +183,34 @@ int cmd_data_regenerate(int argc, char** argv) {
   }
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  DFLASH_CHECK(!ec, ConfigError, "data regenerate: cannot find this binary (/proc/self/exe): " << ec.message());
+  DFLASH_CHECK(!ec, ConfigError, what << ": cannot find this binary (/proc/self/exe): " << ec.message());
   args.insert(args.end(), {"--dflash", self.string()});
   return run_python_module(python_interpreter(python_flag), python_scripts_dir("dflash_data"), "dflash_data", args, false);
 }
 
+// `data regenerate`: scripts/dflash_data/regenerate.py, with this binary as the `dflash generate` it runs.
+int cmd_data_regenerate(int argc, char** argv) {
+  return forward_to_dflash_data("regenerate", "data regenerate", kDataUsage, argc, argv);
+}
+
 }  // namespace
+
+int cmd_bench_regenerate(int argc, char** argv) {
+  try {
+    if (!help_requested(argc, argv, kBenchRegenerateUsage)) {  // flags checked here for did-you-mean; Python re-checks values
+      Flags f(argc, argv,
+              {"target", "records", "prompt-len", "new-tokens", "batch-size", "device", "dtype", "baseline",
+               "baseline-batch", "baseline-repeats", "work", "python"},
+              {"baseline"});
+      DFLASH_CHECK(f.positional().empty(), ConfigError,
+                   "bench regenerate: unexpected argument '" << f.positional().front() << "'\n" << kBenchRegenerateUsage);
+    }
+    return forward_to_dflash_data("bench-regenerate", "bench regenerate", kBenchRegenerateUsage, argc, argv);
+  } catch (const std::exception& e) {
+    LOG_ERROR(user_message(e));
+    return exit_code_for(e);
+  }
+}
 
 int cmd_data(int argc, char** argv) {
   try {

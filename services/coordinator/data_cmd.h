@@ -20,5 +20,7 @@ namespace dflash::cli {
 // input, missing tokenizer files), 4 on bad data (a bad line without --skip-bad: nothing is
 // written), 1 on anything else (e.g. the Python died). Never throws.
 int cmd_data(int argc, char** argv);
+// `dflash bench regenerate ...`: the regeneration throughput bench (scripts/dflash_data/bench_regenerate.py).
+int cmd_bench_regenerate(int argc, char** argv);
 
 }  // namespace dflash::cli

@@ -23,10 +23,12 @@ using json = nlohmann::json;
 const char* kUsage =
     "usage: dflash bench generate --eval [--shape qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid] [--device cuda|cpu]\n"
     "         [--dtype bfloat16|float32] [--prompts 1] [--prompt-len 128] [--max-new-tokens 1024]\n"
-    "         [--block-size 16] [--draft-layers 5] [--batch-size (--prompts)]\n"
-    "Speculative decoding as dflash eval runs it (the target on its cache) against the uncached\n"
-    "reference (the target re-runs the whole sequence every round), random target and drafter,\n"
-    "greedy; JSON: ours, baseline, ratio, peak memory, same_output_ids.\n";
+    "         [--block-size 16] [--draft-layers 5] [--batch-size (--prompts)] [--baseline-prompts (--prompts)]\n"
+    "Speculative decoding as dflash eval runs it (batched, the target on its cache) against the eval\n"
+    "before the cache (one prompt at a time, the target re-running the whole sequence every round)\n"
+    "on the first --baseline-prompts prompts (its tokens/s does not depend on how many: it decodes\n"
+    "them one after another), random target and drafter, greedy; JSON: ours, baseline, ratio of\n"
+    "tokens/s, peak memory, same_output_ids (on the prompts both ran). Progress lines on stderr.\n";
 
 struct Run {
   std::vector<eval::SpecDecodeResult> results;
@@ -34,7 +36,13 @@ struct Run {
 };
 
 Run time_decode(eval::SpeculativeDecoder& dec, const std::vector<std::vector<int64_t>>& prompts,
-                const eval::SpecDecodeOptions& opt, torch::Device device) {
+                eval::SpecDecodeOptions opt, torch::Device device, const std::string& what) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto total = static_cast<int64_t>(prompts.size());
+  opt.on_prompt_done = [&](int64_t done) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::cerr << "bench eval (" << what << "): " << done << "/" << total << " prompts, " << s << " s" << std::endl;
+  };
   model::synchronize(device);
   model::reset_peak_memory(device);
   const auto t0 = std::chrono::steady_clock::now();
@@ -62,13 +70,14 @@ int cmd_bench_eval(int argc, char** argv) {
   if (help_requested(argc, argv, kUsage)) return kExitOk;
   Flags f(argc, argv,
           {"eval", "shape", "device", "dtype", "prompts", "prompt-len", "max-new-tokens", "block-size", "draft-layers",
-           "batch-size"},
+           "batch-size", "baseline-prompts"},
           {"eval"});
   DFLASH_CHECK(f.positional().empty(), ConfigError,
                "bench generate --eval: unexpected argument '" << f.positional().front() << "'\n" << kUsage);
   const std::string shape = f.get("shape", "qwen3-8b");
   const int64_t prompts_n = f.get_int("prompts", 1), prompt_len = f.get_int("prompt-len", 128);
   const int64_t draft_layers = f.get_int("draft-layers", 5);
+  const int64_t baseline_n = f.get_int("baseline-prompts", prompts_n);
   eval::SpecDecodeOptions opt;
   opt.max_new_tokens = f.get_int("max-new-tokens", 1024);
   opt.block_size = f.get_int("block-size", 16);
@@ -78,6 +87,8 @@ int cmd_bench_eval(int argc, char** argv) {
   DFLASH_CHECK(opt.max_new_tokens >= 1, ConfigError, "--max-new-tokens must be >= 1, got " << opt.max_new_tokens);
   DFLASH_CHECK(opt.block_size >= 1, ConfigError, "--block-size must be >= 1, got " << opt.block_size);
   DFLASH_CHECK(opt.batch_size >= 1, ConfigError, "--batch-size must be >= 1, got " << opt.batch_size);
+  DFLASH_CHECK(baseline_n >= 1 && baseline_n <= prompts_n, ConfigError,
+               "--baseline-prompts must be in [1, --prompts = " << prompts_n << "], got " << baseline_n);
   DFLASH_CHECK(draft_layers >= 1, ConfigError, "--draft-layers must be >= 1, got " << draft_layers);
   model::LoadOptions lo;
   lo.device = model::parse_device(f.get("device", "cuda"));
@@ -99,11 +110,13 @@ int cmd_bench_eval(int argc, char** argv) {
   for (int64_t i = 0; i < prompts_n; ++i)
     prompts.emplace_back(ids[i].data_ptr<int64_t>(), ids[i].data_ptr<int64_t>() + prompt_len);
 
-  const Run ours = time_decode(*dec, prompts, opt, lo.device);
+  const Run ours = time_decode(*dec, prompts, opt, lo.device, "cached, batched");
   opt.uncached_target = true;
-  const Run base = time_decode(*dec, prompts, opt, lo.device);
+  opt.batch_size = 1;
+  const std::vector<std::vector<int64_t>> base_prompts(prompts.begin(), prompts.begin() + baseline_n);
+  const Run base = time_decode(*dec, base_prompts, opt, lo.device, "uncached, one at a time");
   bool same = true;
-  for (size_t i = 0; i < prompts.size(); ++i)
+  for (size_t i = 0; i < base_prompts.size(); ++i)
     same = same && ours.results[i].output_ids == base.results[i].output_ids &&
            ours.results[i].acceptance_lengths == base.results[i].acceptance_lengths;
   json report{{"bench", "eval"},
@@ -115,7 +128,9 @@ int cmd_bench_eval(int argc, char** argv) {
               {"max_new_tokens", opt.max_new_tokens},
               {"block_size", opt.block_size},
               {"draft_layers", draft_layers},
-              {"batch_size", opt.batch_size},
+              {"batch_size", f.get_int("batch-size", prompts_n)},
+              {"baseline_prompts", baseline_n},
+              {"baseline_batch_size", 1},
               {"ours", ours.stats},
               {"baseline", base.stats},
               {"ratio", ours.stats["tokens_per_s"].get<double>() / base.stats["tokens_per_s"].get<double>()},

@@ -35,7 +35,9 @@ const char* kUsage =
     "per cache slot. Per batch: tokens_per_s (B * new / seconds of the whole run, as HF's is\n"
     "measured), prefill_s (the same run with one new token), decode_tokens_per_s (B * (new - 1) over\n"
     "the rest) and decode_roofline (the time to read the weights once at --hbm-gbps over the time of\n"
-    "one decode step). --baseline adds HF transformers generate of the same shape and batches,\n"
+    "one decode step); decode_roofline_with_cache also counts the cache a step must touch at least:\n"
+    "the K/V rows of every attention layer at the mean context (P + new/2 tokens per slot), and for\n"
+    "hybrids the Gated DeltaNet states (fp32, read and written) and conv windows. --baseline adds HF transformers generate of the same shape and batches,\n"
     "measured in this invocation, and speedup_vs_baseline per batch.\n"
     "dflash bench generate --eval ...: speculative decoding vs its uncached reference (--eval --help).\n";
 
@@ -66,8 +68,28 @@ double time_run(model::TargetModel& target, const std::vector<model::GenerationR
   return times[times.size() / 2];
 }
 
+// Bytes of decoding state one decode step of `b` must touch at least (see kUsage), element size
+// `elem` for K/V and conv windows.
+double cache_bytes_per_step(const io::TargetConfig& cfg, const BatchShape& b, int64_t new_tokens, double elem) {
+  const double context = double(b.len) + double(new_tokens) / 2.0;
+  const bool hybrid = cfg.family == io::Family::kQwen3_5;
+  double per_slot = 0.0;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    if (hybrid && cfg.layer_types.at(l) == "linear_attention") {
+      const double C = 2.0 * cfg.linear_num_key_heads * cfg.linear_key_head_dim +
+                       double(cfg.linear_num_value_heads) * cfg.linear_value_head_dim;
+      per_slot += 2.0 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4.0 +
+                  (cfg.linear_conv_kernel_dim - 1) * C * elem;
+    } else {
+      per_slot += context * 2.0 * cfg.num_kv_heads * cfg.head_dim * elem;
+    }
+  }
+  return per_slot * double(b.docs);
+}
+
 json measure(model::TargetModel& target, const io::TargetConfig& cfg, const BatchShape& b, int64_t new_tokens,
-             int64_t warmup, int64_t repeats, double weight_bytes, double hbm_gbps, torch::Device device) {
+             int64_t warmup, int64_t repeats, double weight_bytes, double hbm_gbps, torch::Device device,
+             double elem) {
   std::vector<model::GenerationRequest> requests(b.docs);
   auto ids = torch::randint(0, cfg.vocab_size - 8, {b.docs, b.len}, torch::TensorOptions().dtype(torch::kInt64));
   for (int64_t i = 0; i < b.docs; ++i) {
@@ -88,7 +110,12 @@ json measure(model::TargetModel& target, const io::TargetConfig& cfg, const Batc
          {"decode_step_ms", step * 1e3},
          {"decode_tokens_per_s", double(b.docs * (new_tokens - 1)) / decode},
          {"peak_gib", peak_gib}};
-  if (hbm_gbps > 0 && weight_bytes > 0) r["decode_roofline"] = weight_bytes / (hbm_gbps * 1e9) / step;
+  if (hbm_gbps > 0 && weight_bytes > 0) {
+    const double cache = cache_bytes_per_step(cfg, b, new_tokens, elem);
+    r["decode_roofline"] = weight_bytes / (hbm_gbps * 1e9) / step;
+    r["decode_cache_gb_per_step"] = cache / 1e9;
+    r["decode_roofline_with_cache"] = (weight_bytes + cache) / (hbm_gbps * 1e9) / step;
+  }
   return r;
 }
 
@@ -138,7 +165,8 @@ int cmd_bench_generate(int argc, char** argv) {
   const double weight_bytes = lo.device.is_cuda() ? model::device_memory(lo.device).allocated_gib * double(1ull << 30) : 0.0;
   json ours = json::array();
   for (const auto& b : parse_batch_shapes(batches))
-    ours.push_back(measure(*target, cfg, b, new_tokens, warmup, repeats, weight_bytes, hbm_gbps, lo.device));
+    ours.push_back(measure(*target, cfg, b, new_tokens, warmup, repeats, weight_bytes, hbm_gbps, lo.device,
+                           double(torch::elementSize(lo.dtype))));
   json report{{"bench", "generate"},
               {"shape", shape},
               {"device", f.get("device", "cuda")},

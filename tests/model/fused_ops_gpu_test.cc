@@ -23,13 +23,17 @@ TEST(FusedOps, RmsNormMatchesPlain) {
   EXPECT_LT(rel_err(fused::rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6)), kTol);
 }
 
+// 16-byte vector kernel (n % 8 == 0: 128 to 1024 threads by width, a decode step's single row) and
+// the scalar kernel (n % 8 != 0).
 TEST(FusedOps, AddRmsNormMatchesPlain) {
-  auto h = torch::randn({777, 4096}, bf16()) * 3, d = torch::randn({777, 4096}, bf16());
-  auto w = torch::randn({4096}, bf16());
-  auto sum = h + d;
-  auto x = fused::add_rms_norm(h, d, w, 1e-6);  // h updated in place
-  EXPECT_EQ(rel_err(h, sum), 0.0);
-  EXPECT_LT(rel_err(x, rms_norm(sum, w, 1e-6)), kTol);
+  for (auto [rows, n] : {std::pair<int64_t, int64_t>{777, 4096}, {1, 4096}, {3, 5120}, {2, 512}, {4, 16384}, {5, 4100}}) {
+    auto h = torch::randn({rows, n}, bf16()) * 3, d = torch::randn({rows, n}, bf16());
+    auto w = torch::randn({n}, bf16());
+    auto sum = h + d;
+    auto x = fused::add_rms_norm(h, d, w, 1e-6);  // h updated in place
+    EXPECT_EQ(rel_err(h, sum), 0.0) << rows << "x" << n;
+    EXPECT_LT(rel_err(x, rms_norm(sum, w, 1e-6)), kTol) << rows << "x" << n;
+  }
 }
 
 TEST(FusedOps, SiluMulMatchesPlain) {
@@ -86,6 +90,36 @@ TEST(FusedOps, HeadNormRopeMatchesPlainFullAndPartial) {
     auto plain = apply_rope(rms_norm(q, w, 1e-6), rope);
     EXPECT_LT(rel_err(fused::head_norm_rope(q, w, 1e-6, rope.cos, rope.sin), plain), kTol) << "R=" << R;
     EXPECT_LT(rel_err(fused::head_norm_rope(q, torch::Tensor(), 1e-6, rope.cos, rope.sin), apply_rope(q, rope)), kTol);
+  }
+}
+// The static decode step's fused q/k/v kernel against its unfused twin (split, head_norm_rope of q
+// and k, index_copy_ of k and v into the cache rows): equal bits, with and without the q/k norm,
+// full and partial RoPE; cache rows not written stay as they were.
+TEST(FusedOps, DecodeQkvEqualsHeadNormRopeAndCacheWrites) {
+  for (int64_t R : {128, 64}) {
+    for (bool norm : {true, false}) {
+      const int64_t T = 5, Hq = 32, Hkv = 8, D = 128, rows = 40;
+      auto qkv = torch::randn({T, (Hq + 2 * Hkv) * D}, bf16());
+      auto qw = norm ? torch::randn({D}, bf16()) : torch::Tensor(), kw = norm ? torch::randn({D}, bf16()) : torch::Tensor();
+      RopeOptions ro;
+      ro.theta = 1e6;
+      ro.rotary_dim = R;
+      auto pos = torch::tensor({3, 0, 17, 9, 30}, torch::kInt64).cuda();
+      auto rope = rope_table(rope_inv_freq(ro).cuda(), pos, torch::kBFloat16);
+      // Distinct rows (a duplicate makes index_copy_'s result order-dependent).
+      auto kv_rows = torch::tensor({3, 10, 25, 17, 38}, torch::kInt64).cuda();
+      auto k_ref = torch::randn({rows, Hkv, D}, bf16()), v_ref = torch::randn({rows, Hkv, D}, bf16());
+      auto k_fused = k_ref.clone(), v_fused = v_ref.clone();
+      auto q_ref = fused::head_norm_rope(qkv.narrow(1, 0, Hq * D).view({T, Hq, D}), qw, 1e-6, rope.cos, rope.sin);
+      k_ref.index_copy_(0, kv_rows,
+                        fused::head_norm_rope(qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D}), kw, 1e-6, rope.cos, rope.sin));
+      v_ref.index_copy_(0, kv_rows, qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D}));
+      auto q = fused::decode_qkv(qkv, qw, kw, 1e-6, rope.cos, rope.sin, kv_rows, k_fused, v_fused, Hq);
+      const std::string what = "R=" + std::to_string(R) + (norm ? " norm" : " no norm");
+      EXPECT_TRUE(torch::equal(q, q_ref)) << what;
+      EXPECT_TRUE(torch::equal(k_fused, k_ref)) << what;
+      EXPECT_TRUE(torch::equal(v_fused, v_ref)) << what;
+    }
   }
 }
 }  // namespace

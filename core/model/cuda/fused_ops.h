@@ -26,6 +26,15 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up);
 torch::Tensor head_norm_rope(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
                              const torch::Tensor& cos, const torch::Tensor& sin, bool zero_centred = false);
 
+// The static decode step's q/k/v in one launch: qkv [T, (Hq + 2 Hkv) D] (unit column stride) is
+// the fused projection; q heads get head_norm_rope(q_norm_w) into the returned [T, Hq, D]; k heads
+// head_norm_rope(k_norm_w) written straight to row kv_rows[t] of k_cache [rows, Hkv, D]; v heads are
+// copied to the same row of v_cache. Norm weights bf16 [D] or undefined (no norm); the same rounding
+// points as head_norm_rope and index_copy_ (equal bits).
+torch::Tensor decode_qkv(const torch::Tensor& qkv, const torch::Tensor& q_norm_w, const torch::Tensor& k_norm_w,
+                         double eps, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& kv_rows,
+                         torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t Hq);
+
 // Qwen3.5's gated attention output: a * sigmoid(gate) in bf16 (sigmoid rounded to bf16, as the plain
 // ops). a: [T, heads * D] (or any shape of that many elements), gate: [T, heads, D] with unit stride
 // over D (a strided view of the q|gate projection). Returns a's shape, contiguous.
