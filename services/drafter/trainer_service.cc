@@ -24,6 +24,7 @@
 #include "core/data/shards.h"
 #include "core/io/json_file.h"
 #include "core/io/jsonl_log.h"
+#include "core/stream/cuda_copy_completion.h"
 #include "core/stream/deferred_release.h"
 #include "core/util/process.h"
 #include "core/model/drafter.h"
@@ -212,19 +213,6 @@ void check_against_plan(const stream::PackedBatchView& v, uint64_t run_id, int64
                        << " tokens), the plan says sample " << b.sample_ids[j] << " (" << b.lengths[j] << " tokens)");
 }
 
-#ifdef DFLASH_WITH_CUDA
-// The end of one batch's host-to-device copies (a CUDA event on the copy stream), for
-// stream::DeferredRelease: the slot goes back once the copies have read it.
-class CudaCopyCompletion final : public stream::CopyCompletion {
- public:
-  explicit CudaCopyCompletion(std::unique_ptr<at::cuda::CUDAEvent> copied) : copied_(std::move(copied)) {}
-  void wait() override { copied_->synchronize(); }
-
- private:
-  std::unique_ptr<at::cuda::CUDAEvent> copied_;
-};
-#endif
-
 // A received batch as a MicroBatch. CPU: views of the slot memory (input ids converted to int64,
 // the loss mask also copied for the anchor sampler), valid while the slot is held. CUDA:
 // non-blocking copies from the pinned slot (registered shm mapping or c10d's pinned slots) on a
@@ -283,7 +271,10 @@ class BatchUpload {
   // null on CPU, where the micro-batch read the slot itself and has been trained when this is asked.
   std::unique_ptr<stream::CopyCompletion> copy_completion() {
 #ifdef DFLASH_WITH_CUDA
-    if (copy_) return std::make_unique<CudaCopyCompletion>(std::move(copied_));
+    if (copy_) {
+      DFLASH_CHECK(copied_ != nullptr, TransportError, "BatchUpload: copy_completion() without a start() before it");
+      return std::make_unique<stream::CudaCopyCompletion>(std::move(copied_));
+    }
 #endif
     return nullptr;
   }
