@@ -9,6 +9,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -61,23 +63,40 @@ std::string copied_batch_problem(const std::vector<uint8_t>& bytes, uint64_t id)
   }
 }
 
-FakeLinkOptions one_slot() {
-  FakeLinkOptions o;
-  o.slots = 1;
-  o.slot_bytes = 1 << 16;
-  return o;
-}
+// A fake link of `slots` slots with its two ends.
+struct Link {
+  explicit Link(uint32_t slots) {
+    FakeLinkOptions o;
+    o.slots = slots;
+    o.slot_bytes = 1 << 16;
+    link = FakeLink::create(o);
+    tx = link->sender();
+    rx = link->receiver();
+  }
+  std::shared_ptr<FakeLink> link;
+  std::unique_ptr<Sender> tx;
+  std::unique_ptr<Receiver> rx;
+};
 
-TEST(DeferredRelease, SlotIsNotReusedBeforeTheCopyReadIt) {
-  auto link = FakeLink::create(one_slot());
-  auto tx = link->sender();
-  auto rx = link->receiver();
-  testing::send_pattern_batch(*tx, 0, shape());
-  auto b = rx->receive(1s);
-  ASSERT_TRUE(b.has_value());
+// A link of one slot holding batch 0, received (`b`), and `copy`, its fake copy, waiting for `go`.
+class DeferredReleaseOneSlot : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    testing::send_pattern_batch(*tx, 0, shape());
+    b = rx->receive(1s);
+    ASSERT_TRUE(b.has_value());
+    copy = std::make_unique<FakeAsyncCopy>(*b, copied, &go);
+  }
+  Link l{1};
+  Sender* tx = l.tx.get();
+  Receiver* rx = l.rx.get();
+  std::optional<ReceivedBatch> b;
   std::vector<uint8_t> copied;
   ManualCompletion go;
-  auto copy = std::make_unique<FakeAsyncCopy>(*b, copied, &go);
+  std::unique_ptr<FakeAsyncCopy> copy;
+};
+
+TEST_F(DeferredReleaseOneSlot, SlotIsNotReusedBeforeTheCopyReadIt) {
   DeferredRelease deferred;
   deferred.release_when_done(*rx, std::move(*b), std::move(copy));  // returns at once
   EXPECT_EQ(deferred.pending(), 1u);
@@ -95,20 +114,11 @@ TEST(DeferredRelease, SlotIsNotReusedBeforeTheCopyReadIt) {
 
 // The control: giving the slot back before the copy ran lets the sender overwrite what the copy
 // reads, and the check above sees it (so the test can fail).
-TEST(DeferredRelease, ReleasingBeforeTheCopyIsCaughtByTheCheck) {
-  auto link = FakeLink::create(one_slot());
-  auto tx = link->sender();
-  auto rx = link->receiver();
-  testing::send_pattern_batch(*tx, 0, shape());
-  auto b = rx->receive(1s);
-  ASSERT_TRUE(b.has_value());
-  std::vector<uint8_t> copied;
-  ManualCompletion go;
-  FakeAsyncCopy copy(*b, copied, &go);
+TEST_F(DeferredReleaseOneSlot, ReleasingBeforeTheCopyIsCaughtByTheCheck) {
   rx->release(std::move(*b));                    // too early
   testing::send_pattern_batch(*tx, 1, shape());  // reuses the slot
   go.complete();
-  copy.wait();
+  copy->wait();
   EXPECT_NE(copied_batch_problem(copied, 0), "");
 }
 
@@ -116,11 +126,9 @@ TEST(DeferredRelease, ReleasingBeforeTheCopyIsCaughtByTheCheck) {
 // every slot as soon as it comes back: every copy holds exactly its own batch, and the train loop
 // (this thread) never waits for a copy.
 TEST(DeferredRelease, ManyBatchesTwoSlotsEveryCopyIntact) {
-  FakeLinkOptions o = one_slot();
-  o.slots = 2;
-  auto link = FakeLink::create(o);
-  auto tx = link->sender();
-  auto rx = link->receiver();
+  Link l(2);
+  auto& tx = l.tx;
+  auto& rx = l.rx;
   constexpr uint64_t kBatches = 300;
   std::thread producer([&] {
     for (uint64_t i = 0; i < kBatches; ++i) testing::send_pattern_batch(*tx, i, shape());
@@ -153,11 +161,9 @@ class FailingCompletion final : public CopyCompletion {
 // A completion that fails: the error comes back from drain(), the batch is held (not released:
 // its copy may still run), and later batches still go back.
 TEST(DeferredRelease, FailedCompletionIsRethrownAndItsSlotHeld) {
-  FakeLinkOptions o = one_slot();
-  o.slots = 2;
-  auto link = FakeLink::create(o);
-  auto tx = link->sender();
-  auto rx = link->receiver();
+  Link l(2);
+  auto& tx = l.tx;
+  auto& rx = l.rx;
   testing::send_pattern_batch(*tx, 0, shape());
   testing::send_pattern_batch(*tx, 1, shape());
   DeferredRelease deferred;
