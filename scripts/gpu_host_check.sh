@@ -139,17 +139,25 @@ if has bench-hybrid; then
   echo "bench target qwen3.6-27b rc=$?"
 fi
 if has bench-drafter; then
-  # --baseline: scripts/reference/bench_drafter_baseline.py (eager PyTorch) in the same invocation.
-  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --soft-labels --repeats 10 --baseline \
+  # --baseline eager: scripts/reference/bench_drafter_baseline.py (eager PyTorch) in the same invocation.
+  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --soft-labels --repeats 10 --baseline eager \
     > "$out/bench_drafter_4k.json" 2> "$out/bench_drafter_4k.err"
   echo "bench drafter 4k rc=$?"
-  "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels --baseline \
+  "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels --baseline eager \
     > "$out/bench_drafter_8k.json" 2> "$out/bench_drafter_8k.err"
   echo "bench drafter 8k rc=$?"
   # The long-context setting (train.recompute_mlp: true): the MLP saves only its input.
-  "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels --recompute-mlp --baseline \
+  "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels --recompute-mlp --baseline eager \
     > "$out/bench_drafter_8k_recompute.json" 2> "$out/bench_drafter_8k_recompute.err"
   echo "bench drafter 8k recompute-mlp rc=$?"
+  # --baseline specforge: SpecForge 0.2.0's own DFlash step (flex_attention, bf16 + fp32 master AdamW,
+  # FSDP, checkpointed objective chunks), hard labels on both sides (its objective has no KL).
+  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --repeats 10 --baseline specforge \
+    > "$out/bench_drafter_4k_specforge.json" 2> "$out/bench_drafter_4k_specforge.err"
+  echo "bench drafter 4k specforge rc=$?"
+  "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --repeats 10 --baseline specforge \
+    > "$out/bench_drafter_8k_specforge.json" 2> "$out/bench_drafter_8k_specforge.err"
+  echo "bench drafter 8k specforge rc=$?"
 fi
 if has mem-drafter; then
   # Peak allocated / reserved memory at steps 1, 10 and 1000 and the largest growth (creep).

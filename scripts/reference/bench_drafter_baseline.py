@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Baseline for `dflash bench drafter --baseline`: one DFlash drafter training step in eager PyTorch,
+"""Baseline for `dflash bench drafter --baseline eager`: one DFlash drafter training step in eager PyTorch,
 the way users run it today (issue 6), written from the training recipe (docs/recipe.md); it does
 not read or call the C++ code.
 

@@ -248,6 +248,8 @@ json bench_ours(const Flags& f, const torch::Device& device) {
               {"docs", docs},
               {"anchors", to.max_anchors},
               {"block_size", cfg.block_size},
+              {"context_layers", cfg.num_context_layers()},
+              {"gamma", to.loss.gamma},
               {"soft_labels", to.loss.soft_labels},
               {"recompute_mlp", to.loss.recompute_mlp},
               {"logits_chunk_rows", to.loss.logits_chunk_rows},
@@ -256,6 +258,7 @@ json bench_ours(const Flags& f, const torch::Device& device) {
               {"repeats", repeats},
               {"median_step_s", med},
               {"median_step_ms", med * 1e3},
+              {"tokens_per_s", double(ctx * docs) / med},
               {"tflops", tflops},
               {"mfu", tflops / f.get_double("peak-tflops", 790.0)},
               {"peak_gib", mem.peak_allocated},
@@ -270,6 +273,82 @@ json bench_ours(const Flags& f, const torch::Device& device) {
   return out;
 }
 
+// " --FLAG VALUE" for the shape and timing flags both baselines take (values as our JSON reports
+// them), plus `extra` (flag, JSON key) pairs.
+std::string shape_flags(const json& ours, const std::vector<std::pair<std::string, std::string>>& extra) {
+  std::vector<std::pair<std::string, std::string>> pairs{
+      {"hidden", "hidden"},   {"layers", "layers"},       {"heads", "heads"},     {"kv-heads", "kv_heads"},
+      {"head-dim", "head_dim"}, {"intermediate", "intermediate"}, {"vocab", "vocab"}, {"context", "context"},
+      {"anchors", "anchors"}, {"block-size", "block_size"}, {"warmup", "warmup"}, {"repeats", "repeats"}};
+  pairs.insert(pairs.end(), extra.begin(), extra.end());
+  std::string flags;
+  for (const auto& [flag, key] : pairs) flags += " --" + flag + " " + std::to_string(ours.at(key).get<int64_t>());
+  return flags;
+}
+
+// --baseline eager: the eager PyTorch step (issue 6), scripts/reference/bench_drafter_baseline.py,
+// same shapes, same FLOP formula; it keeps its own loss chunking (2048 rows, as first measured).
+std::string eager_baseline_command(const Flags& f, const json& ours) {
+  const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/reference/bench_drafter_baseline.py";
+  std::string cmd = shell_quote(script) + " --device " + shell_quote(f.get("device", "cuda"));
+  cmd += shape_flags(ours, {{"docs", "docs"}});
+  cmd += " --chunk-rows " + std::to_string(f.get_int("baseline-chunk-rows", 2048));
+  cmd += " --peak-tflops " + std::to_string(f.get_double("peak-tflops", 790.0));
+  if (ours.at("soft_labels").get<bool>()) cmd += " --soft-labels";
+  return cmd;
+}
+
+// --baseline specforge: SpecForge 0.2.0's own DFlash step (scripts/bench/specforge_drafter_step.py)
+// at our shapes and gamma, with SpecForge's defaults on CUDA (flex_attention, bf16 + fp32 master
+// AdamW, FSDP, its checkpointed objective chunks). On CPU (tests): sdpa, fp32, no FSDP, because
+// torch has no flex_attention backward and FSDP no CPU support. Its objective is hard-label only.
+std::string specforge_baseline_command(const Flags& f, const json& ours) {
+  DFLASH_CHECK(ours.at("docs").get<int64_t>() == 1, ConfigError,
+               "--baseline specforge: needs --docs 1 (SpecForge's batch is one document of --context tokens)");
+  const std::string device = f.get("device", "cuda");
+  const bool cuda = model::parse_device(device).is_cuda();
+  const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/bench/specforge_drafter_step.py";
+  std::string cmd = shell_quote(script) + " --device " + shell_quote(device);
+  cmd += shape_flags(ours, {{"context-layers", "context_layers"}});
+  cmd += " --gamma " + std::to_string(ours.at("gamma").get<double>());
+  cmd += cuda ? " --dtype bfloat16 --attention flex_attention --wrap fsdp" : " --dtype float32 --attention sdpa --wrap none";
+  return cmd;
+}
+
+// Runs the baseline `kind` after ours and adds it to `out`: "baseline" (its JSON), its ms/step,
+// tokens/s, peak and MFU (SpecForge's from our FLOP formula: the same work), and the ratios.
+void add_baseline(const Flags& f, const std::string& kind, json& out) {
+  const bool specforge = kind == "specforge";
+  const std::string py = f.get("python", switches::get("DFLASH_PYTHON"));
+  const std::string cmd =
+      shell_quote(py) + " " + (specforge ? specforge_baseline_command(f, out) : eager_baseline_command(f, out));
+  json base = json::parse(run_for_json(cmd, "baseline " + kind));
+  const double base_s = base.at("median_step_s").get<double>(), base_peak = base.at("peak_gib").get<double>();
+  if (specforge) {
+    const auto cfg = bench_drafter_config(f);
+    const double tflops = step_flops(cfg, out.at("anchors").get<int64_t>(), out.at("context").get<int64_t>(),
+                                     out.at("context").get<int64_t>()) / base_s / 1e12;
+    base["tflops"] = tflops;
+    base["mfu"] = tflops / f.get_double("peak-tflops", 790.0);
+    base["mfu_note"] = "FLOPs of services/drafter/bench_drafter.cc step_flops (the same work as ours)";
+    const bool soft = out.at("soft_labels").get<bool>();
+    out["baseline_objective"] = soft ? "hard-label CE only: SpecForge 0.2.0's DFlash objective has no soft-label "
+                                       "(KL) term, while ours ran with soft labels; the ratio compares different "
+                                       "objectives (for a KL baseline use --baseline eager)"
+                                     : "hard-label CE on both sides";
+    out["baseline_same_objective"] = !soft;
+  }
+  out["baseline_kind"] = kind;
+  out["baseline"] = base;
+  out["baseline_median_step_ms"] = base_s * 1e3;
+  out["baseline_tokens_per_s"] = double(out.at("context").get<int64_t>() * out.at("docs").get<int64_t>()) / base_s;
+  out["baseline_peak_gib"] = base_peak;
+  out["baseline_mfu"] = base.at("mfu").get<double>();
+  // Speed: baseline time / ours (> 1: we are faster). Memory: our peak / the baseline's (< 1: leaner).
+  out["speedup_vs_baseline"] = base_s / out["median_step_s"].get<double>();
+  out["memory_ratio_vs_baseline"] = base_peak > 0 ? out["peak_gib"].get<double>() / base_peak : 0.0;
+}
+
 }  // namespace
 
 int cmd_bench_drafter(int argc, char** argv) {
@@ -278,35 +357,14 @@ int cmd_bench_drafter(int argc, char** argv) {
            "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
            "baseline-chunk-rows", "recompute-mlp",
            "python"},
-          {"soft-labels", "profile", "baseline", "recompute-mlp"});
+          {"soft-labels", "profile", "recompute-mlp"});
+  const std::string baseline = f.get("baseline", "");
+  DFLASH_CHECK(baseline.empty() || baseline == "eager" || baseline == "specforge", ConfigError,
+               "--baseline: expected eager or specforge, got '" << baseline << "'");
   auto device = model::parse_device(f.get("device", "cuda"));
   json out = bench_ours(f, device);
   model::release_cached_memory(device);  // the baseline needs the memory
-  if (f.has("baseline")) {
-    // The eager PyTorch baseline (issue 6) in its own process, same shapes, same FLOP formula.
-    const std::string py = f.get("python", switches::get("DFLASH_PYTHON"));
-    const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/reference/bench_drafter_baseline.py";
-    std::string cmd = shell_quote(py) + " " + shell_quote(script) + " --device " + shell_quote(f.get("device", "cuda"));
-    for (const auto& [flag, key] : std::vector<std::pair<std::string, std::string>>{
-             {"hidden", "hidden"}, {"layers", "layers"}, {"heads", "heads"}, {"kv-heads", "kv_heads"},
-             {"head-dim", "head_dim"}, {"intermediate", "intermediate"}, {"vocab", "vocab"}, {"context", "context"},
-             {"docs", "docs"}, {"anchors", "anchors"}, {"block-size", "block_size"}, {"warmup", "warmup"},
-             {"repeats", "repeats"}})
-      cmd += " --" + flag + " " + std::to_string(out.at(key).get<int64_t>());
-    // The baseline keeps its own loss chunking (2048 rows, as first measured) whatever ours is.
-    cmd += " --chunk-rows " + std::to_string(f.get_int("baseline-chunk-rows", 2048));
-    cmd += " --peak-tflops " + std::to_string(f.get_double("peak-tflops", 790.0));
-    if (out.at("soft_labels").get<bool>()) cmd += " --soft-labels";
-    auto base = json::parse(run_for_json(cmd, "baseline"));
-    const double base_s = base.at("median_step_s").get<double>(), base_peak = base.at("peak_gib").get<double>();
-    out["baseline"] = base;
-    out["baseline_median_step_ms"] = base_s * 1e3;
-    out["baseline_peak_gib"] = base_peak;
-    out["baseline_mfu"] = base.at("mfu").get<double>();
-    // Speed: baseline time / ours (> 1: we are faster). Memory: our peak / the baseline's (< 1: leaner).
-    out["speedup_vs_baseline"] = base_s / out["median_step_s"].get<double>();
-    out["memory_ratio_vs_baseline"] = base_peak > 0 ? out["peak_gib"].get<double>() / base_peak : 0.0;
-  }
+  if (!baseline.empty()) add_baseline(f, baseline, out);
   std::cout << out.dump(2) << std::endl;
   return kExitOk;
 }

@@ -24,6 +24,8 @@
 #include "core/data/shards.h"
 #include "core/io/json_file.h"
 #include "core/io/jsonl_log.h"
+#include "core/stream/cuda_copy_completion.h"
+#include "core/stream/deferred_release.h"
 #include "core/util/process.h"
 #include "core/model/drafter.h"
 #include "core/model/target.h"
@@ -216,7 +218,8 @@ void check_against_plan(const stream::PackedBatchView& v, uint64_t run_id, int64
 // non-blocking copies from the pinned slot (registered shm mapping or c10d's pinned slots) on a
 // stream of their own, so they do not queue behind the compute of earlier micro-batches; the
 // compute stream waits for them before using the tensors (allocated on the copy stream, marked as
-// used by the compute stream).
+// used by the compute stream). The slot is needed only until the copies have run:
+// copy_completion() hands their event over, so nothing on the host waits for them.
 class BatchUpload {
  public:
   explicit BatchUpload(torch::Device device) : device_(device) {
@@ -249,9 +252,10 @@ class BatchUpload {
         mask_T = mask_T.to(device_, torch::kUInt8, /*non_blocking=*/true);
         feats = feats.to(device_, dt, /*non_blocking=*/true);
         if (hl.defined()) hl = hl.to(device_, dt, /*non_blocking=*/true);
-        copied_.record(*copy_);
+        copied_ = std::make_unique<at::cuda::CUDAEvent>();
+        copied_->record(*copy_);
       }
-      copied_.block(compute);
+      copied_->block(compute);
       for (auto* t : {&ids, &mask_T, &feats, &hl})
         if (t->defined()) t->record_stream(compute);
     }
@@ -263,15 +267,26 @@ class BatchUpload {
     return mb;
   }
 
-  // Call once the micro-batch's work is enqueued; returns when its slot may go back to the sender.
-  // CUDA: once its copies have run and the micro-batch before it has been trained: the GPU has
-  // this one queued meanwhile, and the host runs at most one micro-batch ahead of it (which bounds
-  // the inputs alive on the copy stream to two batches). CPU: at once (it has been trained).
+  // The completion of the last start()'s copies (the slot may go back once it has completed);
+  // null on CPU, where the micro-batch read the slot itself and has been trained when this is asked.
+  std::unique_ptr<stream::CopyCompletion> copy_completion() {
+#ifdef DFLASH_WITH_CUDA
+    if (copy_) {
+      DFLASH_CHECK(copied_ != nullptr, TransportError, "BatchUpload: copy_completion() without a start() before it");
+      return std::make_unique<stream::CudaCopyCompletion>(std::move(copied_));
+    }
+#endif
+    return nullptr;
+  }
+
+  // Call once the micro-batch's work is enqueued (and its slot handed over); returns once the
+  // micro-batch before it has been trained: the GPU has this one queued meanwhile, and the host
+  // runs at most one micro-batch ahead of it (which bounds the inputs alive on the copy stream to
+  // two batches). CPU: at once (it has been trained).
   void finish() {
 #ifdef DFLASH_WITH_CUDA
     if (!copy_) return;
     trained_.record(c10::cuda::getCurrentCUDAStream(device_.index()));
-    copied_.synchronize();
     trained_before_.synchronize();  // a no-op before the first micro-batch
     std::swap(trained_, trained_before_);
 #endif
@@ -281,7 +296,8 @@ class BatchUpload {
   torch::Device device_;
 #ifdef DFLASH_WITH_CUDA
   std::optional<c10::cuda::CUDAStream> copy_;
-  at::cuda::CUDAEvent copied_, trained_, trained_before_;
+  std::unique_ptr<at::cuda::CUDAEvent> copied_;  // recorded after the current batch's copies
+  at::cuda::CUDAEvent trained_, trained_before_;
 #endif
 };
 
@@ -299,7 +315,8 @@ LinkTotals link_totals(const std::vector<std::unique_ptr<stream::Receiver>>& lin
 }
 
 // The train loop's data source: micro-batch c of the launch is received from target c mod N,
-// checked against the plan, and uploaded; its slot goes back once its work is enqueued.
+// checked against the plan, and uploaded; its slot goes back once its work is enqueued (CPU) or,
+// on CUDA, as soon as its copies have run (stream::DeferredRelease: the loop does not wait).
 class LinkSource final : public MicroBatchSource {
  public:
   LinkSource(std::vector<std::unique_ptr<stream::Receiver>>& links, const pipeline::RunPlan& plan, const TrainServiceOptions& opt,
@@ -335,10 +352,13 @@ class LinkSource final : public MicroBatchSource {
   }
 
   void release(const PlannedMicroBatch&) override {
-    group_.host_wait([&] { upload_.finish(); });
     const size_t bytes = held_->size();
-    links_[held_link_]->release(std::move(*held_));
+    if (auto copied = upload_.copy_completion())
+      deferred_.release_when_done(*links_[held_link_], std::move(*held_), std::move(copied));
+    else
+      links_[held_link_]->release(std::move(*held_));
     held_.reset();
+    group_.host_wait([&] { upload_.finish(); });
     met_.bytes->inc(double(bytes));
     const auto l = link_totals(links_);
     met_.queue_depth->set(l.ready);
@@ -357,6 +377,7 @@ class LinkSource final : public MicroBatchSource {
   BatchUpload upload_;
   std::optional<stream::ReceivedBatch> held_;
   int held_link_ = 0;
+  stream::DeferredRelease deferred_;  // last: destroyed first, giving back what it still holds
 };
 
 // `dflash stop` / `dflash checkpoint`, reaching every rank through the coordinator's heartbeats.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The eager PyTorch baseline of `dflash bench drafter --baseline`
+"""The eager PyTorch baseline of `dflash bench drafter --baseline eager`
 (scripts/reference/bench_drafter_baseline.py) computes the DFlash loss: its loss and parameter
 gradients in float64 on CPU agree with the independent per-block reference
 (scripts/reference/dflash_train_ref.py) for several documents of different lengths, a random loss

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""`dflash bench drafter --device cpu --baseline --steps 3` at small shapes: the JSON carries our
+"""`dflash bench drafter --device cpu --baseline eager --steps 3` at small shapes: the JSON carries our
 numbers, the eager PyTorch baseline's (scripts/reference/bench_drafter_baseline.py, run by the same
 invocation), the ratios and the memory over steps, all finite and positive (creep >= 0).
 Usage: bench_baseline_check.py DFLASH_BIN. Env: DFLASH_PYTHON, DFLASH_SOURCE_DIR (set by ctest)."""
@@ -10,7 +10,8 @@ import sys
 
 cmd = [sys.argv[1], "bench", "drafter", "--device", "cpu", "--hidden", "64", "--vocab", "512", "--context", "128",
        "--anchors", "8", "--block-size", "4", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-       "--intermediate", "128", "--repeats", "2", "--warmup", "1", "--steps", "3", "--soft-labels", "--baseline"]
+       "--intermediate", "128", "--repeats", "2", "--warmup", "1", "--steps", "3", "--soft-labels", "--baseline",
+       "eager"]
 print(" ".join(cmd), flush=True)
 r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
 sys.stderr.write(r.stderr[-4000:])
