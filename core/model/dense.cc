@@ -1,10 +1,13 @@
 // Forward pass of dense decoders (docs/models.md#dense-decoders), read top to bottom:
 //   h = embed(ids); per layer: h += o(attn(rope(qk_norm(qkv(norm(h)))))); h += mlp(norm(h)); capture.
+// Qwen3-MoE (qwen3_moe) is this body with the sparse MoE block (moe.h) as the MLP of its sparse layers.
 #include "core/model/dense.h"
 
 #include <functional>
+#include <optional>
 
 #include "core/model/layers.h"
+#include "core/model/moe.h"
 #include "core/model/target_base.h"
 #include "core/util/error.h"
 #ifdef DFLASH_WITH_CUDA
@@ -21,8 +24,9 @@ struct DenseLayer {
   torch::Tensor qkv_b;        // [(Hq + 2 Hkv) D] or undefined
   torch::Tensor o_w, o_b;     // [H, Hq D]
   torch::Tensor q_norm, k_norm;  // [D] (qwen3) or undefined
-  torch::Tensor gate_up_w;    // [2 I, H]
+  torch::Tensor gate_up_w;    // [2 I, H] (dense MLP)
   torch::Tensor down_w;       // [H, I]
+  std::optional<MoeBlock> moe;  // sparse layers (io::is_moe_layer) instead of the dense MLP
 };
 
 class DenseTarget : public TargetBase {
@@ -51,9 +55,13 @@ class DenseTarget : public TargetBase {
         L.k_norm = w.get(lp + "self_attn.k_norm.weight", {D}, Init::kOnes);
       }
       DFLASH_CHECK(!cfg.mlp_bias, ConfigError, "mlp_bias=true is not supported");
-      L.gate_up_w = torch::cat({w.get(lp + "mlp.gate_proj.weight", {I, H}, Init::kNormal),
-                                w.get(lp + "mlp.up_proj.weight", {I, H}, Init::kNormal)});
-      L.down_w = w.get(lp + "mlp.down_proj.weight", {H, I}, Init::kNormal);
+      if (io::is_moe_layer(cfg, l)) {
+        L.moe = load_moe_block(w, lp + "mlp.", cfg, l);
+      } else {
+        L.gate_up_w = torch::cat({w.get(lp + "mlp.gate_proj.weight", {I, H}, Init::kNormal),
+                                  w.get(lp + "mlp.up_proj.weight", {I, H}, Init::kNormal)});
+        L.down_w = w.get(lp + "mlp.down_proj.weight", {H, I}, Init::kNormal);
+      }
       layers_.push_back(std::move(L));
     }
     norm_ = w.get(p + "norm.weight", {H}, Init::kOnes);
@@ -137,6 +145,7 @@ class DenseTarget : public TargetBase {
     return apply_rope(y, rope);
   }
   torch::Tensor mlp(const torch::Tensor& x, const DenseLayer& L, bool fused_ok) const {
+    if (L.moe) return moe_forward(*L.moe, x, cfg_);
 #ifdef DFLASH_WITH_CUDA
     if (fused_ok) return F::linear(fused::silu_mul(F::linear(x, L.gate_up_w)), L.down_w);
 #endif

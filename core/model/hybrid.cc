@@ -2,6 +2,8 @@
 // bottom:
 //   h = embed(ids); per layer: h += mixer(norm(h)); h += mlp(norm(h)); capture.
 //   mixer = gated_delta_net (layer_types "linear_attention") or gated_attention ("full_attention").
+// Qwen3.5-MoE (qwen3_5_moe): the same layers with the sparse MoE block and its shared expert (moe.h)
+// as every layer's MLP.
 // Every RMSNorm except the GDN output norm is zero-centred: (1 + w) * norm(x), in fp32.
 // The GDN keeps conv, l2norm, g/beta, the delta rule and the gated norm in fp32 whatever the model
 // dtype; projections run in the model dtype. (Storing q/k/v and the rule's output in bf16, as HF
@@ -10,11 +12,13 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <utility>
 
 #include "core/model/gated_delta.h"
 #include "core/model/layers.h"
+#include "core/model/moe.h"
 #include "core/model/target_base.h"
 #include "core/util/error.h"
 #include "core/util/switches.h"
@@ -48,8 +52,9 @@ struct HybridLayer {
   torch::Tensor ln1, ln2;     // [H] fp32, zero-centred
   GatedAttention attn;
   GatedDeltaNet gdn;
-  torch::Tensor gate_up_w;    // [2 I, H]
+  torch::Tensor gate_up_w;    // [2 I, H] (dense MLP)
   torch::Tensor down_w;       // [H, I]
+  std::optional<MoeBlock> moe;  // qwen3_5_moe: instead of the dense MLP
 };
 
 // bf16 models run the Gated DeltaNet's fused CUDA path in bf16 where HF's model rounds to bf16
@@ -119,9 +124,13 @@ class HybridTarget : public TargetBase {
         A.q_norm = w.get(ap + "q_norm.weight", {D}, Init::kZeros, true);
         A.k_norm = w.get(ap + "k_norm.weight", {D}, Init::kZeros, true);
       }
-      L.gate_up_w = torch::cat({w.get(lp + "mlp.gate_proj.weight", {I, H}, Init::kNormal),
-                                w.get(lp + "mlp.up_proj.weight", {I, H}, Init::kNormal)});
-      L.down_w = w.get(lp + "mlp.down_proj.weight", {H, I}, Init::kNormal);
+      if (io::is_moe_layer(cfg, l)) {
+        L.moe = load_moe_block(w, lp + "mlp.", cfg, l);
+      } else {
+        L.gate_up_w = torch::cat({w.get(lp + "mlp.gate_proj.weight", {I, H}, Init::kNormal),
+                                  w.get(lp + "mlp.up_proj.weight", {I, H}, Init::kNormal)});
+        L.down_w = w.get(lp + "mlp.down_proj.weight", {H, I}, Init::kNormal);
+      }
       layers_.push_back(std::move(L));
     }
     norm_ = w.get(p + "norm.weight", {H}, Init::kZeros, true);
@@ -211,6 +220,7 @@ class HybridTarget : public TargetBase {
     return rms_norm_zero_centred(h, w, cfg_.rms_norm_eps);
   }
   torch::Tensor mlp(const torch::Tensor& x, torch::Tensor& h, const HybridLayer& L, bool fused_ok) const {
+    if (L.moe) return moe_forward(*L.moe, x, cfg_);
 #ifdef DFLASH_WITH_CUDA
     if (fused_ok) return project_residual(h, fused::silu_mul(project(x, L.gate_up_w, true)), L.down_w, true);
 #endif
