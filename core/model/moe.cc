@@ -57,6 +57,19 @@ MoeBlock load_moe_block(WeightSource& w, const std::string& p, const io::TargetC
   return b;
 }
 
+LayerMlp load_layer_mlp(WeightSource& w, const std::string& p, const io::TargetConfig& cfg, int64_t layer) {
+  LayerMlp m;
+  if (io::is_moe_layer(cfg, layer)) {
+    m.moe = load_moe_block(w, p, cfg, layer);
+    return m;
+  }
+  const int64_t H = cfg.hidden_size, I = cfg.intermediate_size;
+  m.gate_up_w = torch::cat({w.get(p + "gate_proj.weight", {I, H}, Init::kNormal),
+                            w.get(p + "up_proj.weight", {I, H}, Init::kNormal)});
+  m.down_w = w.get(p + "down_proj.weight", {H, I}, Init::kNormal);
+  return m;
+}
+
 Routing route(const MoeBlock& b, const torch::Tensor& x_TH, const io::TargetConfig& cfg) {
   auto probs = torch::softmax(F::linear(x_TH, b.router_w), /*dim=*/-1, torch::kFloat32);
   auto [top, experts] = torch::topk(probs, cfg.num_experts_per_tok, /*dim=*/-1);

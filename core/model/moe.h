@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "core/io/hf_config.h"
@@ -40,6 +41,16 @@ struct MoeBlock {
 //   "shared_expert_gate.weight" [1, H].
 // Errors: DataError (from the source) naming a missing or misshapen tensor.
 MoeBlock load_moe_block(WeightSource& w, const std::string& mlp_prefix, const io::TargetConfig& cfg, int64_t layer);
+
+// The MLP of one decoder layer: the dense SwiGLU's weights, or for a sparse layer (io::is_moe_layer)
+// the block. Loaded under `mlp_prefix`: "gate_proj.weight" [I, H], "up_proj.weight" [I, H] and
+// "down_proj.weight" [H, I] (I = cfg.intermediate_size), or load_moe_block's tensors.
+struct LayerMlp {
+  torch::Tensor gate_up_w;      // [2 I, H]: gate rows, then up rows (dense layers)
+  torch::Tensor down_w;         // [H, I]
+  std::optional<MoeBlock> moe;  // sparse layers
+};
+LayerMlp load_layer_mlp(WeightSource& w, const std::string& mlp_prefix, const io::TargetConfig& cfg, int64_t layer);
 
 struct Routing {
   torch::Tensor experts_TK;  // int64 [T, K], in topk's order

@@ -33,6 +33,8 @@ from safetensors.torch import save_file
 import transformers
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
+from make_tiny_hybrid import golden as layer_golden  # ids, layer.{d}.{l}, final.{d}, per document
+
 DOC_LENGTHS = [5, 64, 77, 1, 130, 3, 40]
 VOCAB = 256
 TIE_LAYER = 3
@@ -129,28 +131,22 @@ def save_model(model, out_dir, stacked, vlm, seed):
 
 @torch.no_grad()
 def golden(model, docs):
-    model = model.eval()
-    captured, routes = {}, {}
-    hooks = [model.model.norm.register_forward_pre_hook(lambda m, args: captured.__setitem__("last", args[0]))]
+    """make_tiny_hybrid's per-document goldens plus route.{d}.{l}: the router's selection, taken with a
+    forward hook on each sparse layer's mlp.gate (it returns logits, weights, indices)."""
+    routes = {}
+    hooks = []
     for l, layer in enumerate(model.model.layers):
         gate = getattr(layer.mlp, "gate", None)
         if isinstance(gate, torch.nn.Module) and hasattr(gate, "top_k"):
-            hooks.append(gate.register_forward_hook(lambda m, a, out, l=l: routes.__setitem__(l, out[2])))
-    out = {}
-    L = model.config.num_hidden_layers
-    for d, ids in enumerate(docs):
-        routes.clear()
-        t = torch.tensor([ids])
-        r = model(input_ids=t, output_hidden_states=True)
-        out[f"ids.{d}"] = t[0]
-        for l in range(L - 1):
-            out[f"layer.{d}.{l}"] = r.hidden_states[l + 1][0].float().contiguous()
-        out[f"layer.{d}.{L - 1}"] = captured["last"][0].float().contiguous()
-        out[f"final.{d}"] = r.hidden_states[L][0].float().contiguous()
-        for l, idx in routes.items():
-            out[f"route.{d}.{l}"] = idx.to(torch.int64).contiguous()
+            routes[l] = []
+            hooks.append(gate.register_forward_hook(lambda m, a, out, l=l: routes[l].append(out[2])))
+    out = layer_golden(model, docs)
     for h in hooks:
         h.remove()
+    for l, per_doc in routes.items():
+        assert len(per_doc) == len(docs), (l, len(per_doc))
+        for d, idx in enumerate(per_doc):
+            out[f"route.{d}.{l}"] = idx.to(torch.int64).contiguous()
     return out
 
 
