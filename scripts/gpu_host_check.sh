@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-drafter|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-drafter|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
 # (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps, and
-# run-colocated, ~4 min: a Qwen3-8B-shaped run on one GPU.)
+# run-colocated, ~4 min: a Qwen3-8B-shaped run on one GPU, and bench-moe, two MoE-shaped benches
+# with HF baselines.)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out/gpu}
@@ -13,7 +14,7 @@ export PYTHONUNBUFFERED=1 DFLASH_SOURCE_DIR=$root DFLASH_PYTHON=${DFLASH_PYTHON:
 export DFLASH_GPU_DEBS=${DFLASH_GPU_DEBS:-$root/.gpu-deps/debs} DFLASH_DEPS_PREFIX=${DFLASH_DEPS_PREFIX:-/tmp/dflash-deps}
 export LD_LIBRARY_PATH=$DFLASH_DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ]; } && return 0; done; return 1; }
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ]; } && return 0; done; return 1; }
 t0=$(date +%s)
 # Always through scripts/gpu-host/build.sh: an incremental build is a no-op when nothing changed, and
 # a binary left by an earlier call must not hide changed sources.
@@ -137,6 +138,15 @@ if has bench-hybrid; then
   "$build/bin/dflash" bench target --shape qwen3.6-27b --batches 1x4096,2x8192 --baseline --profile \
     > "$out/bench_target_qwen36_27b.json" 2> "$out/bench_target_qwen36_27b.err"
   echo "bench target qwen3.6-27b rc=$?"
+fi
+if has bench-moe; then
+  # MoE targets (issue 27; not part of `all`): Qwen3-30B-A3B and Qwen3.5-35B-A3B shapes vs HF in the same invocation.
+  "$build/bin/dflash" bench target --shape qwen3-30b-a3b --batches 1x4096,4x4096 --baseline --profile \
+    > "$out/bench_target_qwen3_30b_a3b.json" 2> "$out/bench_target_qwen3_30b_a3b.err"
+  echo "bench target qwen3-30b-a3b rc=$?"
+  "$build/bin/dflash" bench target --shape qwen3.5-35b-a3b --batches 1x4096,2x8192 --baseline --profile \
+    > "$out/bench_target_qwen35_35b_a3b.json" 2> "$out/bench_target_qwen35_35b_a3b.err"
+  echo "bench target qwen3.5-35b-a3b rc=$?"
 fi
 if has bench-drafter; then
   # --baseline eager: scripts/reference/bench_drafter_baseline.py (eager PyTorch) in the same invocation.

@@ -17,7 +17,8 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr const char* kSupportedModelTypes = "llama, qwen2, qwen3, qwen3_5, qwen3_5_text";
+constexpr const char* kSupportedModelTypes =
+    "llama, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text";
 
 // Field lookup over the text section (text_config for VLM-style configs) with a fallback to the
 // top level. Errors name the source and the field path where the value was (or was looked) found.
@@ -221,7 +222,49 @@ void parse_hybrid(const Fields& f, TargetConfig* c) {
   }
 }
 
+// Mixture-of-experts fields (after num_layers is known). `shared`: qwen3_5_moe (every layer sparse,
+// top-k weights always renormalised, a sigmoid-gated shared expert).
+void parse_moe(const Fields& f, bool shared, TargetConfig* c) {
+  std::string path;
+  // transformers 5.x writes Qwen3MoeConfig's num_experts as num_local_experts (its attribute_map).
+  c->num_experts = f.find("num_experts", &path) == nullptr && f.find("num_local_experts", &path) != nullptr
+                       ? f.get_positive("num_local_experts")
+                       : f.get_positive("num_experts");
+  f.find("num_experts_per_tok", &path);
+  c->num_experts_per_tok = f.get_positive("num_experts_per_tok");
+  if (c->num_experts_per_tok > c->num_experts)
+    f.fail(path, "is " + std::to_string(c->num_experts_per_tok) + ", more than num_experts (" +
+                     std::to_string(c->num_experts) + ")");
+  c->moe_intermediate_size = f.get_positive("moe_intermediate_size");
+  if (shared) {
+    c->norm_topk_prob = true;  // Qwen3_5MoeTopKRouter always renormalises
+    c->shared_expert_intermediate_size = f.get_positive("shared_expert_intermediate_size");
+    return;
+  }
+  c->norm_topk_prob = f.get_bool("norm_topk_prob", false);
+  f.find("decoder_sparse_step", &path);
+  c->decoder_sparse_step = f.get_int("decoder_sparse_step", 1);
+  if (c->decoder_sparse_step <= 0) f.fail(path, "must be positive, got " + std::to_string(c->decoder_sparse_step));
+  if (const json* only = f.find("mlp_only_layers", &path)) {
+    if (!only->is_array()) f.fail(path, "must be an array of layer indices");
+    for (size_t i = 0; i < only->size(); ++i) {
+      const int64_t l = f.as_int((*only)[i], path + "[" + std::to_string(i) + "]");
+      if (l < 0 || l >= c->num_layers)
+        f.fail(path + "[" + std::to_string(i) + "]", "is " + std::to_string(l) + ", not a layer index (0.." +
+                                                          std::to_string(c->num_layers - 1) + ")");
+      c->mlp_only_layers.push_back(l);
+    }
+  }
+}
+
 }  // namespace
+
+bool is_moe_layer(const TargetConfig& c, int64_t layer) {
+  if (c.num_experts <= 0 || (layer + 1) % c.decoder_sparse_step != 0) return false;
+  for (auto l : c.mlp_only_layers)
+    if (l == layer) return false;
+  return true;
+}
 
 const char* family_name(Family f) {
   switch (f) {
@@ -248,9 +291,10 @@ TargetConfig parse_hf_config_json(const std::string& json_text, const std::strin
     c.family = Family::kLlama;
   } else if (c.model_type == "qwen2") {
     c.family = Family::kQwen2;
-  } else if (c.model_type == "qwen3") {
+  } else if (c.model_type == "qwen3" || c.model_type == "qwen3_moe") {
     c.family = Family::kQwen3;
-  } else if (c.model_type == "qwen3_5" || c.model_type == "qwen3_5_text") {
+  } else if (c.model_type == "qwen3_5" || c.model_type == "qwen3_5_text" || c.model_type == "qwen3_5_moe" ||
+             c.model_type == "qwen3_5_moe_text") {
     c.family = Family::kQwen3_5;
   } else {
     DFLASH_FAIL(ConfigError, source_name << ": field 'model_type' is '" << c.model_type
@@ -271,7 +315,10 @@ TargetConfig parse_hf_config_json(const std::string& json_text, const std::strin
 
   c.vocab_size = f.get_positive("vocab_size");
   c.hidden_size = f.get_positive("hidden_size");
-  c.intermediate_size = f.get_positive("intermediate_size");
+  const bool moe = c.model_type == "qwen3_moe" || c.model_type == "qwen3_5_moe" || c.model_type == "qwen3_5_moe_text";
+  const bool shared_moe = moe && c.family == Family::kQwen3_5;
+  // qwen3_5_moe has no dense MLP, hence no intermediate_size.
+  if (!shared_moe) c.intermediate_size = f.get_positive("intermediate_size");
   c.num_layers = f.get_positive("num_hidden_layers");
   c.num_heads = f.get_positive("num_attention_heads");
   std::string path;
@@ -331,6 +378,7 @@ TargetConfig parse_hf_config_json(const std::string& json_text, const std::strin
       parse_hybrid(f, &c);
       break;
   }
+  if (moe) parse_moe(f, shared_moe, &c);
   return c;
 }
 

@@ -4,14 +4,16 @@
 // - parse_* validate everything they read; every failure throws dflash::ConfigError naming the
 //   source (file path or given name) and the field path (e.g. "text_config.head_dim").
 // - Families come from the top-level `model_type`: llama, qwen2, qwen3, qwen3_5 / qwen3_5_text.
-//   For qwen3_5 the text fields are read from `text_config` when present (falling back to the top
+//   Mixture-of-experts variants share their dense family's attention and layer body: qwen3_moe is
+//   family kQwen3, qwen3_5_moe / qwen3_5_moe_text family kQwen3_5, both with num_experts > 0 (the
+//   moe fields below; model_type keeps the spelling). For qwen3_5 the text fields are read from `text_config` when present (falling back to the top
 //   level field by field).
 // - head_dim is read from the config; hidden_size / num_attention_heads is used only when absent.
 // - RoPE: `rope_parameters` first (rope_type, rope_theta, partial_rotary_factor, llama3 fields),
 //   then top-level `rope_theta` / `rope_scaling`; partial_rotary_factor may also sit at the top
 //   level. Only rope types "default" and "llama3" are accepted.
 // - Features the model code does not implement (active sliding window, non-SiLU activation, MoE
-//   families) are refused with ConfigError rather than silently ignored.
+//   families other than the two above) are refused with ConfigError rather than silently ignored.
 // - weight_prefix is left at "model."; the model loader resolves it from the weight names.
 #pragma once
 
@@ -53,7 +55,18 @@ struct TargetConfig {
   int64_t linear_num_key_heads = 0, linear_num_value_heads = 0, linear_key_head_dim = 0,
           linear_value_head_dim = 0, linear_conv_kernel_dim = 0;
   std::string weight_prefix = "model.";  // or "model.language_model."; resolved from the weights
+  // Mixture of experts (qwen3_moe, qwen3_5_moe; docs/models.md#mixture-of-experts). num_experts = 0:
+  // no sparse layer. qwen3_5_moe: every layer sparse, norm_topk_prob true, a shared expert (its
+  // intermediate_size is then 0: the config has no dense MLP).
+  int64_t num_experts = 0, num_experts_per_tok = 0, moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
+  int64_t decoder_sparse_step = 1;       // qwen3_moe: layer l is sparse when (l + 1) % step == 0 ...
+  std::vector<int64_t> mlp_only_layers;  // ... and l is not listed here
+  int64_t shared_expert_intermediate_size = 0;  // > 0: sigmoid-gated shared expert in every sparse block
 };
+
+// True when decoder layer `layer`'s MLP is the sparse MoE block (HF Qwen3MoeDecoderLayer's rule).
+bool is_moe_layer(const TargetConfig& c, int64_t layer);
 
 // Reads DIR/config.json, or `model_dir` itself when it is a path to a JSON file. ConfigError (exit
 // 2) when it cannot be opened; for a missing path shaped like a hub id ("Qwen/Qwen3-8B") the message
@@ -67,7 +80,7 @@ TargetConfig parse_hf_config_json(const std::string& json_text, const std::strin
 // tie_word_embeddings, attention_bias (c.qkv_bias) and hidden_act "silu". The caller adds
 // architectures, torch_dtype and anything model-specific.
 nlohmann::json hf_dense_config_json(const TargetConfig& c);
-// "llama", "qwen2", "qwen3", "qwen3_5".
+// "llama", "qwen2", "qwen3", "qwen3_5" (MoE variants: the family of their dense layer body).
 const char* family_name(Family f);
 
 }  // namespace dflash::io

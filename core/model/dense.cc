@@ -1,10 +1,12 @@
 // Forward pass of dense decoders (docs/models.md#dense-decoders), read top to bottom:
 //   h = embed(ids); per layer: h += o(attn(rope(qk_norm(qkv(norm(h)))))); h += mlp(norm(h)); capture.
+// Qwen3-MoE (qwen3_moe) is this body with the sparse MoE block (moe.h) as the MLP of its sparse layers.
 #include "core/model/dense.h"
 
 #include <functional>
 
 #include "core/model/layers.h"
+#include "core/model/moe.h"
 #include "core/model/target_base.h"
 #include "core/util/error.h"
 #ifdef DFLASH_WITH_CUDA
@@ -21,15 +23,14 @@ struct DenseLayer {
   torch::Tensor qkv_b;        // [(Hq + 2 Hkv) D] or undefined
   torch::Tensor o_w, o_b;     // [H, Hq D]
   torch::Tensor q_norm, k_norm;  // [D] (qwen3) or undefined
-  torch::Tensor gate_up_w;    // [2 I, H]
-  torch::Tensor down_w;       // [H, I]
+  LayerMlp ffn;               // dense SwiGLU, or the sparse MoE block (qwen3_moe)
 };
 
 class DenseTarget : public TargetBase {
  public:
   DenseTarget(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt) : TargetBase(cfg, opt) {
     const int64_t H = cfg.hidden_size, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
-    const int64_t I = cfg.intermediate_size, V = cfg.vocab_size;
+    const int64_t V = cfg.vocab_size;
     const std::string p = "model.";
     embed_ = w.get(p + "embed_tokens.weight", {V, H}, Init::kNormal);
     for (int64_t l = 0; l < cfg.num_layers; ++l) {
@@ -51,9 +52,7 @@ class DenseTarget : public TargetBase {
         L.k_norm = w.get(lp + "self_attn.k_norm.weight", {D}, Init::kOnes);
       }
       DFLASH_CHECK(!cfg.mlp_bias, ConfigError, "mlp_bias=true is not supported");
-      L.gate_up_w = torch::cat({w.get(lp + "mlp.gate_proj.weight", {I, H}, Init::kNormal),
-                                w.get(lp + "mlp.up_proj.weight", {I, H}, Init::kNormal)});
-      L.down_w = w.get(lp + "mlp.down_proj.weight", {H, I}, Init::kNormal);
+      L.ffn = load_layer_mlp(w, lp + "mlp.", cfg, l);
       layers_.push_back(std::move(L));
     }
     norm_ = w.get(p + "norm.weight", {H}, Init::kOnes);
@@ -155,10 +154,11 @@ class DenseTarget : public TargetBase {
     return apply_rope(y, rope);
   }
   torch::Tensor mlp(const torch::Tensor& x, const DenseLayer& L, bool fused_ok) const {
+    if (L.ffn.moe) return moe_forward(*L.ffn.moe, x, cfg_);
 #ifdef DFLASH_WITH_CUDA
-    if (fused_ok) return F::linear(fused::silu_mul(F::linear(x, L.gate_up_w)), L.down_w);
+    if (fused_ok) return F::linear(fused::silu_mul(F::linear(x, L.ffn.gate_up_w)), L.ffn.down_w);
 #endif
-    return swiglu_mlp(x, L.gate_up_w, L.down_w);
+    return swiglu_mlp(x, L.ffn.gate_up_w, L.ffn.down_w);
   }
 
   torch::Tensor final_norm(const torch::Tensor& h) const override { return rms_norm(h, norm_, cfg_.rms_norm_eps); }

@@ -32,6 +32,9 @@ DrafterConfig drafter_config_for_target(const io::TargetConfig& t, const Drafter
   c.num_kv_heads = pick(o.num_kv_heads, t.num_kv_heads);
   c.head_dim = pick(o.head_dim, t.head_dim);
   c.intermediate_size = pick(o.intermediate_size, t.intermediate_size);
+  DFLASH_CHECK(c.intermediate_size > 0, ConfigError,
+               "drafter.intermediate_size must be set: the target (" << t.model_type << ") has no dense MLP width "
+               "(intermediate_size) to default to");
   c.vocab_size = t.vocab_size;
   c.rms_norm_eps = t.rms_norm_eps;
   c.rope = rope_options(t.rope, c.head_dim);

@@ -2,6 +2,8 @@
 // bottom:
 //   h = embed(ids); per layer: h += mixer(norm(h)); h += mlp(norm(h)); capture.
 //   mixer = gated_delta_net (layer_types "linear_attention") or gated_attention ("full_attention").
+// Qwen3.5-MoE (qwen3_5_moe): the same layers with the sparse MoE block and its shared expert (moe.h)
+// as every layer's MLP.
 // Every RMSNorm except the GDN output norm is zero-centred: (1 + w) * norm(x), in fp32.
 // The GDN keeps conv, l2norm, g/beta, the delta rule and the gated norm in fp32 whatever the model
 // dtype; projections run in the model dtype. (Storing q/k/v and the rule's output in bf16, as HF
@@ -15,6 +17,7 @@
 
 #include "core/model/gated_delta.h"
 #include "core/model/layers.h"
+#include "core/model/moe.h"
 #include "core/model/target_base.h"
 #include "core/util/error.h"
 #include "core/util/switches.h"
@@ -48,8 +51,7 @@ struct HybridLayer {
   torch::Tensor ln1, ln2;     // [H] fp32, zero-centred
   GatedAttention attn;
   GatedDeltaNet gdn;
-  torch::Tensor gate_up_w;    // [2 I, H]
-  torch::Tensor down_w;       // [H, I]
+  LayerMlp ffn;               // dense SwiGLU, or the sparse MoE block (qwen3_5_moe)
 };
 
 // bf16 models run the Gated DeltaNet's fused CUDA path in bf16 where HF's model rounds to bf16
@@ -70,7 +72,7 @@ class HybridTarget : public TargetBase {
  public:
   HybridTarget(const io::TargetConfig& cfg, WeightSource& w, const LoadOptions& opt) : TargetBase(cfg, opt) {
     const int64_t H = cfg.hidden_size, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
-    const int64_t I = cfg.intermediate_size, V = cfg.vocab_size;
+    const int64_t V = cfg.vocab_size;
     const int64_t Hk = cfg.linear_num_key_heads, Hv = cfg.linear_num_value_heads;
     const int64_t dk = cfg.linear_key_head_dim, dv = cfg.linear_value_head_dim, Kc = cfg.linear_conv_kernel_dim;
     const int64_t key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
@@ -119,9 +121,7 @@ class HybridTarget : public TargetBase {
         A.q_norm = w.get(ap + "q_norm.weight", {D}, Init::kZeros, true);
         A.k_norm = w.get(ap + "k_norm.weight", {D}, Init::kZeros, true);
       }
-      L.gate_up_w = torch::cat({w.get(lp + "mlp.gate_proj.weight", {I, H}, Init::kNormal),
-                                w.get(lp + "mlp.up_proj.weight", {I, H}, Init::kNormal)});
-      L.down_w = w.get(lp + "mlp.down_proj.weight", {H, I}, Init::kNormal);
+      L.ffn = load_layer_mlp(w, lp + "mlp.", cfg, l);
       layers_.push_back(std::move(L));
     }
     norm_ = w.get(p + "norm.weight", {H}, Init::kZeros, true);
@@ -211,11 +211,12 @@ class HybridTarget : public TargetBase {
     return rms_norm_zero_centred(h, w, cfg_.rms_norm_eps);
   }
   torch::Tensor mlp(const torch::Tensor& x, torch::Tensor& h, const HybridLayer& L, bool fused_ok) const {
+    if (L.ffn.moe) return moe_forward(*L.ffn.moe, x, cfg_);
 #ifdef DFLASH_WITH_CUDA
-    if (fused_ok) return project_residual(h, fused::silu_mul(project(x, L.gate_up_w, true)), L.down_w, true);
+    if (fused_ok) return project_residual(h, fused::silu_mul(project(x, L.ffn.gate_up_w, true)), L.ffn.down_w, true);
 #endif
     (void)fused_ok;
-    return swiglu_mlp(x, L.gate_up_w, L.down_w);
+    return swiglu_mlp(x, L.ffn.gate_up_w, L.ffn.down_w);
   }
 
   // Full attention with a sigmoid output gate: q_proj rows are per head [q (D) | gate (D)].

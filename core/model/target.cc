@@ -71,21 +71,34 @@ void validate_capture(const io::TargetConfig& cfg, const CaptureSpec& spec) {
                "nothing to capture: give at least one layer id or ask for the last hidden state");
 }
 
+namespace {
+// Per-token multiply-adds of layer l's MLP: the dense SwiGLU, or for a sparse layer the router, the
+// K active experts and the shared expert with its gate (docs/models.md#mixture-of-experts).
+double mlp_params(const io::TargetConfig& c, int64_t l) {
+  const double H = c.hidden_size;
+  if (!io::is_moe_layer(c, l)) return 3.0 * H * c.intermediate_size;
+  const double shared = c.shared_expert_intermediate_size > 0 ? 3.0 * H * c.shared_expert_intermediate_size + H : 0;
+  return H * c.num_experts + 3.0 * H * c.moe_intermediate_size * c.num_experts_per_tok + shared;
+}
+}  // namespace
+
 double forward_flops(const io::TargetConfig& c, const std::vector<int64_t>& doc_lens) {
-  const double H = c.hidden_size, D = c.head_dim, Hq = c.num_heads, Hkv = c.num_kv_heads, I = c.intermediate_size;
+  const double H = c.hidden_size, D = c.head_dim, Hq = c.num_heads, Hkv = c.num_kv_heads;
   double tokens = 0, attn = 0, chunks64 = 0;
   for (auto n : doc_lens) {
     tokens += n;
     attn += 2.0 * 2.0 * Hq * D * (static_cast<double>(n) * (n + 1) / 2.0);  // QK^T + PV, causal half
     chunks64 += static_cast<double>((n + 63) / 64);
   }
-  const double mlp = 3.0 * H * I;
   if (c.family != io::Family::kQwen3_5) {
-    const double per_token_params = H * (Hq + 2 * Hkv) * D + Hq * D * H + mlp;
-    return c.num_layers * (2.0 * tokens * per_token_params + attn);
+    const double attn_params = H * (Hq + 2 * Hkv) * D + Hq * D * H;
+    if (c.num_experts == 0) return c.num_layers * (2.0 * tokens * (attn_params + mlp_params(c, 0)) + attn);
+    double total = 0;
+    for (int64_t l = 0; l < c.num_layers; ++l) total += 2.0 * tokens * (attn_params + mlp_params(c, l)) + attn;
+    return total;
   }
   // Hybrid (docs/models.md#hybrid-decoders). Gated attention: q_proj has 2 Hq D rows (q | gate).
-  const double attn_params = H * (2 * Hq + 2 * Hkv) * D + Hq * D * H + mlp;
+  const double attn_params = H * (2 * Hq + 2 * Hkv) * D + Hq * D * H;
   // Gated DeltaNet: in_proj qkv | z | b | a, out_proj, causal conv (Kc taps over conv_dim channels),
   // and the chunked delta rule (C = 64) per chunk and value head:
   //   K K^T and Q K^T: 4 C^2 dk; triangular solve for [U | W]: C^2 (dv + dk);
@@ -93,14 +106,15 @@ double forward_flops(const io::TargetConfig& c, const std::vector<int64_t>& doc_
   const double Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads, dk = c.linear_key_head_dim;
   const double dv = c.linear_value_head_dim, Kc = c.linear_conv_kernel_dim, C = 64;
   const double key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
-  const double gdn_params = H * (conv_dim + value_dim + 2 * Hv) + value_dim * H + mlp;
+  const double gdn_params = H * (conv_dim + value_dim + 2 * Hv) + value_dim * H;
   const double rule_per_chunk = 4 * C * C * dk + C * C * (dv + dk) + 6 * C * dk * dv + C * C * dv;
   double total = 0;
-  for (const auto& type : c.layer_types) {
-    if (type == "linear_attention")
-      total += 2.0 * tokens * gdn_params + 2.0 * tokens * Kc * conv_dim + chunks64 * Hv * rule_per_chunk;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const double mlp = mlp_params(c, l);
+    if (c.layer_types[l] == "linear_attention")
+      total += 2.0 * tokens * (gdn_params + mlp) + 2.0 * tokens * Kc * conv_dim + chunks64 * Hv * rule_per_chunk;
     else
-      total += 2.0 * tokens * attn_params + attn;
+      total += 2.0 * tokens * (attn_params + mlp) + attn;
   }
   return total;
 }

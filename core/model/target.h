@@ -92,6 +92,7 @@ void validate_capture(const io::TargetConfig& cfg, const CaptureSpec& spec);
 // FLOPs of one forward over documents of these lengths (matmuls + causal attention; no lm_head).
 // Hybrids (qwen3_5) count per layer type: gated attention (q_proj with its gate rows) or Gated
 // DeltaNet (projections, conv, and the chunked delta rule at chunk 64); elementwise ops not counted.
+// Sparse MoE layers count the router, the num_experts_per_tok active experts and the shared expert.
 double forward_flops(const io::TargetConfig& cfg, const std::vector<int64_t>& doc_lens);
 
 }  // namespace dflash::model

@@ -121,16 +121,44 @@ def load_manifest_weights(model, path, device, round_to=None):
     return len(entries)
 
 
+# Mixture-of-experts shapes: Qwen3-30B-A3B (qwen3_moe, every layer sparse) and the Qwen3.5-35B-A3B text
+# tower (hybrid + experts + shared expert), and tiny ones of each (the CPU tests of the HF check).
+MOE_SHAPES = {
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
+    "tiny-moe": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=64,
+                     num_experts=16, num_experts_per_tok=4, norm_topk_prob=True),
+}
+HYBRID_MOE_SHAPES = {
+    "qwen3.5-35b-a3b": dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                            max_position_embeddings=262144, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"]),
+    "tiny-hybrid-moe": dict(vocab_size=512, hidden_size=128, num_hidden_layers=8, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
+                            linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                            moe_intermediate_size=64, shared_expert_intermediate_size=96, num_experts=16,
+                            num_experts_per_tok=4, layer_types=["linear_attention"] * 3 + ["full_attention"]),
+}
+
+
 def build_config(shape_name):
-    if shape_name in HYBRID_SHAPES:
-        shape = dict(HYBRID_SHAPES[shape_name])
+    if shape_name in HYBRID_SHAPES or shape_name in HYBRID_MOE_SHAPES:
+        moe = shape_name in HYBRID_MOE_SHAPES
+        shape = dict((HYBRID_MOE_SHAPES if moe else HYBRID_SHAPES)[shape_name])
         shape["layer_types"] = shape["layer_types"] * (shape["num_hidden_layers"] // 4)
-        cfg = transformers.Qwen3_5TextConfig(
+        cfg = (transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig)(
             rms_norm_eps=1e-6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}, **shape)
-    elif shape_name in SHAPES:
-        cfg = transformers.Qwen3Config(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                                       tie_word_embeddings=False, **SHAPES[shape_name])
+    elif shape_name in SHAPES or shape_name in MOE_SHAPES:
+        moe = shape_name in MOE_SHAPES
+        cfg = (transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config)(
+            rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+            **(MOE_SHAPES if moe else SHAPES)[shape_name])
     else:
         fail(f"unknown --shape {shape_name!r}")
     cfg._attn_implementation = "sdpa"

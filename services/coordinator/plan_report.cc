@@ -1,5 +1,6 @@
 #include "services/coordinator/plan_report.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <iomanip>
 #include <map>
@@ -49,7 +50,13 @@ MemoryItems memory_items(const config::RunConfig& cfg, const std::string& device
   for (const auto& e : fs::directory_iterator(cfg.target.model_dir))
     if (e.path().extension() == ".safetensors") m.target_weights += double(e.file_size());
   m.capture_buffers = double(T) * (K + 1) * H * elt;
-  m.activations_per_layer = double(T) * (3 * H + 2 * tc.intermediate_size) * elt;
+  // The MLP's width per token: the dense SwiGLU's gate/up, or for a sparse MoE layer its K routed
+  // copies (gathered x, gate/up, product, output) and the shared expert; the larger of the two kinds.
+  // (The weights, every expert included, are the safetensors files' sizes above.)
+  const double moe_width = tc.num_experts > 0 ? tc.num_experts_per_tok * (2.0 * H + 3.0 * tc.moe_intermediate_size) +
+                                                    2.0 * tc.shared_expert_intermediate_size
+                                              : 0.0;
+  m.activations_per_layer = double(T) * (3 * H + std::max(2.0 * tc.intermediate_size, moe_width)) * elt;
   const double slot = double(run_plan.slot_bytes);
   const int64_t dh = cfg.drafter.hidden_size ? cfg.drafter.hidden_size : H;
   const int64_t di = cfg.drafter.intermediate_size ? cfg.drafter.intermediate_size : tc.intermediate_size;

@@ -36,13 +36,15 @@ using json = nlohmann::json;
 namespace fs = std::filesystem;
 
 const char* kUsage =
-    "usage: dflash bench target [--shape qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid] [--device cuda|cpu]\n"
+    "usage: dflash bench target [--shape qwen3-8b|qwen3.6-27b|qwen3-30b-a3b|qwen3.5-35b-a3b|tiny|tiny-hybrid|\n"
+    "         tiny-moe|tiny-hybrid-moe] [--device cuda|cpu]\n"
     "         [--dtype bfloat16|float32] [--batches 1x4096,4x4096,16x1024] [--layers IDS] [--no-last-hidden]\n"
     "         [--warmup 2] [--repeats 5] [--peak-tflops 790] [--baseline [--python PY] [--check-dir DIR]]\n"
     "         [--profile [--profile-top 25]]\n"
     "  Forward + capture of a random-weight target on batches DOCSxLEN (documents of LEN tokens);\n"
     "  JSON on stdout: tokens/s, MFU, peak memory per batch. --layers defaults: 3,15,31,47,59\n"
-    "  (qwen3.6-27b), 1,3,5 (tiny), 0,3,5,7 (tiny-hybrid), 1,9,17,25,33 (qwen3-8b).\n"
+    "  (qwen3.6-27b), 1,3,5 (tiny, tiny-moe), 0,3,5,7 (tiny-hybrid, tiny-hybrid-moe), 1,9,17,25,33\n"
+    "  (qwen3-8b), 1,12,23,34,45 (qwen3-30b-a3b), 1,10,19,28,37 (qwen3.5-35b-a3b).\n"
     "  --baseline: after our model is freed, runs scripts/reference/bench_hf_target.py (HF transformers;\n"
     "  --python, else $DFLASH_PYTHON, else python3; the script under $DFLASH_SOURCE_DIR, else .) on the\n"
     "  same batches (speedup_vs_baseline), and checks our output against it: the weights are drawn per\n"
@@ -102,7 +104,20 @@ io::TargetConfig shape_config(const std::string& shape) {
   } else if (shape == "tiny") {
     c.vocab_size = 512, c.hidden_size = 128, c.intermediate_size = 256, c.num_layers = 6;
     c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 32;
-  } else if (shape == "qwen3.6-27b" || shape == "tiny-hybrid") {
+  } else if (shape == "qwen3-30b-a3b" || shape == "tiny-moe") {
+    // Qwen3-MoE: every layer sparse, top-8 of 128 experts, renormalised (Qwen3-30B-A3B's config).
+    c.model_type = "qwen3_moe";
+    c.num_experts = 128, c.num_experts_per_tok = 8, c.norm_topk_prob = true;
+    if (shape == "qwen3-30b-a3b") {
+      c.vocab_size = 151936, c.hidden_size = 2048, c.intermediate_size = 6144, c.num_layers = 48;
+      c.num_heads = 32, c.num_kv_heads = 4, c.head_dim = 128, c.moe_intermediate_size = 768;
+    } else {
+      c.vocab_size = 512, c.hidden_size = 128, c.intermediate_size = 256, c.num_layers = 6;
+      c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 32, c.moe_intermediate_size = 64;
+      c.num_experts = 16, c.num_experts_per_tok = 4;
+    }
+  } else if (shape == "qwen3.6-27b" || shape == "tiny-hybrid" || shape == "qwen3.5-35b-a3b" ||
+             shape == "tiny-hybrid-moe") {
     // Qwen3.5 hybrid: 3 Gated DeltaNet layers + 1 gated full-attention layer, repeated (27B: 48 + 16).
     c.family = io::Family::kQwen3_5;
     c.model_type = "qwen3_5";
@@ -114,16 +129,31 @@ io::TargetConfig shape_config(const std::string& shape) {
       c.num_heads = 24, c.num_kv_heads = 4, c.head_dim = 256, c.max_position_embeddings = 262144;
       c.linear_num_key_heads = 16, c.linear_num_value_heads = 48, c.linear_key_head_dim = 128;
       c.linear_value_head_dim = 128;
+    } else if (shape == "qwen3.5-35b-a3b") {
+      // Qwen3.5-MoE: every layer sparse (top-8 of 256, renormalised) plus the gated shared expert.
+      c.model_type = "qwen3_5_moe_text";
+      c.vocab_size = 248320, c.hidden_size = 2048, c.intermediate_size = 0, c.num_layers = 40;
+      c.num_heads = 16, c.num_kv_heads = 2, c.head_dim = 256, c.max_position_embeddings = 262144;
+      c.linear_num_key_heads = 16, c.linear_num_value_heads = 32, c.linear_key_head_dim = 128;
+      c.linear_value_head_dim = 128;
+      c.num_experts = 256, c.num_experts_per_tok = 8, c.norm_topk_prob = true;
+      c.moe_intermediate_size = 512, c.shared_expert_intermediate_size = 512;
     } else {
       c.vocab_size = 512, c.hidden_size = 128, c.intermediate_size = 256, c.num_layers = 8;
       c.num_heads = 4, c.num_kv_heads = 2, c.head_dim = 32;
       c.linear_num_key_heads = 4, c.linear_num_value_heads = 8, c.linear_key_head_dim = 32;
       c.linear_value_head_dim = 32;
+      if (shape == "tiny-hybrid-moe") {
+        c.model_type = "qwen3_5_moe_text", c.intermediate_size = 0;
+        c.num_experts = 16, c.num_experts_per_tok = 4, c.norm_topk_prob = true;
+        c.moe_intermediate_size = 64, c.shared_expert_intermediate_size = 96;
+      }
     }
     for (int64_t i = 0; i < c.num_layers; ++i)
       c.layer_types.push_back((i + 1) % 4 == 0 ? "full_attention" : "linear_attention");
   } else {
-    DFLASH_FAIL(ConfigError, "--shape: expected qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid, got '" << shape << "'");
+    DFLASH_FAIL(ConfigError, "--shape: expected qwen3-8b|qwen3.6-27b|qwen3-30b-a3b|qwen3.5-35b-a3b|tiny|tiny-hybrid|"
+                             "tiny-moe|tiny-hybrid-moe, got '" << shape << "'");
   }
   return c;
 }
@@ -132,8 +162,10 @@ io::TargetConfig shape_config(const std::string& shape) {
 // both layer kinds and the last layer (whose HF hidden state comes after the final norm).
 std::string default_layers(const std::string& shape) {
   if (shape == "qwen3.6-27b") return "3,15,31,47,59";
-  if (shape == "tiny") return "1,3,5";
-  if (shape == "tiny-hybrid") return "0,3,5,7";
+  if (shape == "qwen3-30b-a3b") return "1,12,23,34,45";
+  if (shape == "qwen3.5-35b-a3b") return "1,10,19,28,37";
+  if (shape == "tiny" || shape == "tiny-moe") return "1,3,5";
+  if (shape == "tiny-hybrid" || shape == "tiny-hybrid-moe") return "0,3,5,7";
   return "1,9,17,25,33";
 }
 

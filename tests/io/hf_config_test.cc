@@ -338,11 +338,15 @@ TEST(HfConfig, Errors) {
       << msg;
 
   j = edit(kQwen3_8B);
-  j["model_type"] = "qwen3_moe";
+  j["model_type"] = "deepseek_v3";  // an MoE family we do not implement (qwen3_moe is supported)
   msg = error_of<ConfigError>([&] { parse_hf_config_json(j.dump(), "m.json"); });
-  EXPECT_TRUE(contains(msg, "m.json: field 'model_type' is 'qwen3_moe'") &&
-              contains(msg, "supported: llama, qwen2, qwen3, qwen3_5, qwen3_5_text"))
+  EXPECT_TRUE(contains(msg, "m.json: field 'model_type' is 'deepseek_v3'") &&
+              contains(msg, "supported: llama, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_text, qwen3_5_moe, "
+                            "qwen3_5_moe_text"))
       << msg;
+  j["model_type"] = "qwen3_moe";  // without its expert fields
+  msg = error_of<ConfigError>([&] { parse_hf_config_json(j.dump(), "m.json"); });
+  EXPECT_TRUE(contains(msg, "m.json: field 'num_experts' is required but missing")) << msg;
 
   j = edit(kLlama31_8B);
   j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};

@@ -3,8 +3,8 @@
 weights: our per-name random weights are rebuilt by scripts/reference/bench_hf_target.py from the
 manifest, and the first batch's capture is compared segment by segment (error_vs_hf).
 
-On CPU in fp32, for --shape tiny (dense Qwen3) and tiny-hybrid (Qwen3.5: Gated DeltaNet + gated
-attention), documents of 100 tokens (not a multiple of the GDN chunk 64):
+On CPU in fp32, for --shape tiny (dense Qwen3), tiny-hybrid (Qwen3.5: Gated DeltaNet + gated
+attention), tiny-moe (Qwen3-MoE) and tiny-hybrid-moe (Qwen3.5-MoE with its shared expert), documents of 100 tokens (not a multiple of the GDN chunk 64):
   - every captured layer and the last hidden state has a segment, worst_rel_fro < 1e-4;
   - the manifest's seeds follow the documented rule (seed XOR FNV-1a-64(name), 63 bits);
   - the check has teeth: one randn tensor drawn from another seed gives a large error from its layer
@@ -33,7 +33,8 @@ py = os.environ.get("DFLASH_PYTHON", sys.executable)
 shutil.rmtree(work, ignore_errors=True)
 os.makedirs(os.path.join(work, "tmp"))
 errors = []
-LAYERS = {"tiny": [1, 3, 5], "tiny-hybrid": [0, 3, 5, 7]}  # the bench's defaults for these shapes
+LAYERS = {"tiny": [1, 3, 5], "tiny-hybrid": [0, 3, 5, 7],  # the bench's defaults for these shapes
+          "tiny-moe": [1, 3, 5], "tiny-hybrid-moe": [0, 3, 5, 7]}
 
 
 def run(cmd, env=None):
@@ -108,7 +109,7 @@ def check_reference(shape, e):
             errors.append(f"{shape} bf16: worst_{k} = {e.get('worst_' + k)!r} is not the max over the segments")
 
 
-for shape in ["tiny", "tiny-hybrid"]:
+for shape in ["tiny", "tiny-hybrid", "tiny-moe", "tiny-hybrid-moe"]:
     cmd = [dflash, "bench", "target", "--shape", shape, "--device", "cpu", "--dtype", "float32", "--batches",
            "2x100", "--warmup", "0", "--repeats", "1", "--baseline"]
     keep = os.path.join(work, shape)
