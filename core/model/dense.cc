@@ -3,7 +3,9 @@
 #include "core/model/dense.h"
 
 #include <functional>
+#include <tuple>
 
+#include "core/model/fp8.h"
 #include "core/model/layers.h"
 #include "core/model/target_base.h"
 #include "core/util/error.h"
@@ -23,6 +25,9 @@ struct DenseLayer {
   torch::Tensor q_norm, k_norm;  // [D] (qwen3) or undefined
   torch::Tensor gate_up_w;    // [2 I, H]
   torch::Tensor down_w;       // [H, I]
+  // FP8 GEMMs (core/model/fp8.h): the block scales of qkv_w, o_w, gate_up_w, down_w when these are
+  // float8_e4m3fn; undefined otherwise.
+  torch::Tensor qkv_s, o_s, gate_up_s, down_s;
 };
 
 class DenseTarget : public TargetBase {
@@ -37,23 +42,23 @@ class DenseTarget : public TargetBase {
       DenseLayer L;
       L.ln1 = w.get(lp + "input_layernorm.weight", {H}, Init::kOnes);
       L.ln2 = w.get(lp + "post_attention_layernorm.weight", {H}, Init::kOnes);
-      L.qkv_w = torch::cat({w.get(lp + "self_attn.q_proj.weight", {Hq * D, H}, Init::kNormal),
-                            w.get(lp + "self_attn.k_proj.weight", {Hkv * D, H}, Init::kNormal),
-                            w.get(lp + "self_attn.v_proj.weight", {Hkv * D, H}, Init::kNormal)});
+      std::tie(L.qkv_w, L.qkv_s) = fp8::load_projection(w, {{lp + "self_attn.q_proj.weight", {Hq * D, H}},
+                                                            {lp + "self_attn.k_proj.weight", {Hkv * D, H}},
+                                                            {lp + "self_attn.v_proj.weight", {Hkv * D, H}}});
       if (cfg.qkv_bias)
         L.qkv_b = torch::cat({w.get(lp + "self_attn.q_proj.bias", {Hq * D}, Init::kZeros),
                               w.get(lp + "self_attn.k_proj.bias", {Hkv * D}, Init::kZeros),
                               w.get(lp + "self_attn.v_proj.bias", {Hkv * D}, Init::kZeros)});
-      L.o_w = w.get(lp + "self_attn.o_proj.weight", {H, Hq * D}, Init::kNormal);
+      std::tie(L.o_w, L.o_s) = fp8::load_projection(w, {{lp + "self_attn.o_proj.weight", {H, Hq * D}}});
       if (cfg.o_bias) L.o_b = w.get(lp + "self_attn.o_proj.bias", {H}, Init::kZeros);
       if (cfg.qk_norm) {
         L.q_norm = w.get(lp + "self_attn.q_norm.weight", {D}, Init::kOnes);
         L.k_norm = w.get(lp + "self_attn.k_norm.weight", {D}, Init::kOnes);
       }
       DFLASH_CHECK(!cfg.mlp_bias, ConfigError, "mlp_bias=true is not supported");
-      L.gate_up_w = torch::cat({w.get(lp + "mlp.gate_proj.weight", {I, H}, Init::kNormal),
-                                w.get(lp + "mlp.up_proj.weight", {I, H}, Init::kNormal)});
-      L.down_w = w.get(lp + "mlp.down_proj.weight", {H, I}, Init::kNormal);
+      std::tie(L.gate_up_w, L.gate_up_s) =
+          fp8::load_projection(w, {{lp + "mlp.gate_proj.weight", {I, H}}, {lp + "mlp.up_proj.weight", {I, H}}});
+      std::tie(L.down_w, L.down_s) = fp8::load_projection(w, {{lp + "mlp.down_proj.weight", {H, I}}});
       layers_.push_back(std::move(L));
     }
     norm_ = w.get(p + "norm.weight", {H}, Init::kOnes);
@@ -94,14 +99,14 @@ class DenseTarget : public TargetBase {
                       [&](int64_t l, torch::Tensor& h, torch::Tensor& delta, const RopeTable& rope, bool fused) {
                         const auto& L = layers_[l];
                         auto x = add_norm(h, delta, L.ln1, fused);
-                        auto qkv = L.qkv_b.defined() ? F::linear(x, L.qkv_w, L.qkv_b) : F::linear(x, L.qkv_w);
+                        auto qkv = fp8::linear(x, L.qkv_w, L.qkv_s, L.qkv_b);
                         auto q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
                         auto k = qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D});
                         auto v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D});
                         q = norm_rope(q, L.q_norm, rope, fused);
                         k = norm_rope(k, L.k_norm, rope, fused);
                         auto a = attend(l, q, k, v).reshape({T, Hq * D});
-                        delta = L.o_b.defined() ? F::linear(a, L.o_w, L.o_b) : F::linear(a, L.o_w);
+                        delta = fp8::linear(a, L.o_w, L.o_s, L.o_b);
                         x = add_norm(h, delta, L.ln2, fused);
                         return mlp(x, L, fused);
                       });
@@ -138,7 +143,8 @@ class DenseTarget : public TargetBase {
   }
   torch::Tensor mlp(const torch::Tensor& x, const DenseLayer& L, bool fused_ok) const {
 #ifdef DFLASH_WITH_CUDA
-    if (fused_ok) return F::linear(fused::silu_mul(F::linear(x, L.gate_up_w)), L.down_w);
+    if (fused_ok || L.gate_up_s.defined())  // FP8 GEMMs only run on bf16 CUDA models
+      return fp8::linear(fused::silu_mul(fp8::linear(x, L.gate_up_w, L.gate_up_s)), L.down_w, L.down_s);
 #endif
     return swiglu_mlp(x, L.gate_up_w, L.down_w);
   }

@@ -21,6 +21,9 @@ class FileWeights : public WeightSource {
   bool has(const std::string& name) const override { return model_.has(name); }
   torch::Tensor get(const std::string& name, const std::vector<int64_t>& shape, Init, bool keep_fp32) override {
     auto t = model_.load(name);
+    DFLASH_CHECK(t.scalar_type() != torch::kFloat8_e4m3fn, DataError,
+                 dir_ << ": tensor '" << name << "' is F8_E4M3 but config.json has no FP8 quantization_config "
+                      << "(core/model/fp8.h: its block scales would be ignored)");
     DFLASH_CHECK(t.sizes() == at::IntArrayRef(shape), DataError,
                  dir_ << ": tensor '" << name << "' has shape " << shape_str(t.sizes()) << ", the config implies "
                       << shape_str(shape));
