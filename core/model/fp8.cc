@@ -195,7 +195,7 @@ Quantized quantize(const torch::Tensor& w) {
 
 std::unique_ptr<WeightSource> random_fp8_weights(uint64_t seed, torch::Device device, torch::ScalarType dtype,
                                                  double std, bool fp8_gemm) {
-  return std::make_unique<RandomFp8Weights>(seed, device, dtype, std, fp8_gemm);
+  return std::make_unique<RandomFp8Weights>(seed, device, dtype, std, fp8_gemm && fp8_gemm_supported(device, dtype));
 }
 
 bool fp8_gemm_supported(torch::Device device, torch::ScalarType dtype) {

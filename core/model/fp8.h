@@ -75,7 +75,8 @@ std::unique_ptr<WeightSource> checkpoint_weights(const std::string& dir, torch::
 // releases keep in bf16) is drawn as random_weights(seed, device, fp32, std, per_name) draws it, each
 // 128x128 block multiplied by exp(0.5 n) (n standard normal per block, from a CPU generator seeded
 // name_seed(seed + 1, name): block scales spread as in trained checkpoints), then quantize()d.
-// get() gives it dequantized in `dtype` (or fp32), get_fp8() its FP8 form when `fp8_gemm`; every
+// get() gives it dequantized in `dtype` (or fp32), get_fp8() its FP8 form when `fp8_gemm` and
+// fp8_gemm_supported(device, dtype) (so a model on it runs FP8 GEMMs wherever they exist); every
 // other tensor comes from random_weights(seed, device, dtype, std, per_name = true). So sources of
 // one seed and std agree on every dequantized weight whatever their dtype and fp8_gemm.
 std::unique_ptr<WeightSource> random_fp8_weights(uint64_t seed, torch::Device device, torch::ScalarType dtype,
