@@ -45,6 +45,9 @@ struct GatedDeltaNet {
   torch::Tensor norm_w;       // [dv] fp32, plain weight
   torch::Tensor out_w;        // [H, value_dim]
   torch::Tensor in_s, out_s;  // FP8 block scales (core/model/fp8.h) or undefined
+  // FP8 checkpoints: in_w holds only in_proj_qkv | in_proj_z and ba_w [2 Hv, H] in_proj_b | in_proj_a
+  // (each FP8 or not: the releases keep b and a in bf16); undefined otherwise.
+  torch::Tensor ba_w, ba_s;
 };
 
 struct HybridLayer {
@@ -98,10 +101,12 @@ class HybridTarget : public TargetBase {
       if (L.linear) {
         const std::string ap = lp + "linear_attn.";
         auto& G = L.gdn;
+        // One GEMM for qkv | z | b | a; with FP8 weights two, so that qkv | z stays FP8 beside a bf16 b | a.
         std::tie(G.in_w, G.in_s) = fp8::load_projection(w, {{ap + "in_proj_qkv.weight", {conv_dim, H}},
-                                                            {ap + "in_proj_z.weight", {value_dim, H}},
-                                                            {ap + "in_proj_b.weight", {Hv, H}},
-                                                            {ap + "in_proj_a.weight", {Hv, H}}});
+                                                            {ap + "in_proj_z.weight", {value_dim, H}}});
+        std::tie(G.ba_w, G.ba_s) =
+            fp8::load_projection(w, {{ap + "in_proj_b.weight", {Hv, H}}, {ap + "in_proj_a.weight", {Hv, H}}});
+        if (!G.in_s.defined() && !G.ba_s.defined()) G.in_w = torch::cat({G.in_w, std::exchange(G.ba_w, {})});
         // Stored taps-outermost ([Kc, C] in memory, seen as [C, Kc]): the layout the CUDA conv kernel
         // reads, so its launcher does not transpose the weights on every forward.
         G.conv_w = w.get(ap + "conv1d.weight", {conv_dim, 1, Kc}, Init::kNormal).view({conv_dim, Kc}).t().contiguous().t();
@@ -276,7 +281,7 @@ class HybridTarget : public TargetBase {
     const int64_t T = x_TH.size(0), Hk = cfg_.linear_num_key_heads, Hv = cfg_.linear_num_value_heads;
     const int64_t dk = cfg_.linear_key_head_dim, dv = cfg_.linear_value_head_dim;
     const int64_t key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
-    auto proj = project(x_TH, G.in_w, G.in_s, fused_ok);  // [T, conv_dim + value_dim + 2 Hv], model dtype
+    auto proj = project(x_TH, G.in_w, G.in_s, fused_ok);  // [T, conv_dim + value_dim (+ 2 Hv)], model dtype
     GatedDeltaInputs in;
     torch::Tensor mixed_TC;  // conv + SiLU (fp32; bf16 from the fused kernel, gdn_bf16); q and k l2-normalised
 #ifdef DFLASH_WITH_CUDA
@@ -298,8 +303,10 @@ class HybridTarget : public TargetBase {
     in.allow_tf32 = opt_.dtype != torch::kFloat32;
     in.bf16_work = in.allow_tf32 && gdn_bf16();
     auto z_THV = proj.narrow(1, conv_dim, value_dim).view({T, Hv, dv});
-    auto b_TH = proj.narrow(1, conv_dim + value_dim, Hv).to(torch::kFloat32);
-    auto a_TH = proj.narrow(1, conv_dim + value_dim + Hv, Hv).to(torch::kFloat32);
+    const auto ba = G.ba_w.defined() ? project(x_TH, G.ba_w, G.ba_s, fused_ok)
+                                     : proj.narrow(1, conv_dim + value_dim, 2 * Hv);
+    auto b_TH = ba.narrow(1, 0, Hv).to(torch::kFloat32);
+    auto a_TH = ba.narrow(1, Hv, Hv).to(torch::kFloat32);
     in.beta_TH = torch::sigmoid(b_TH);
     in.g_TH = -G.A_log.exp() * torch::softplus(a_TH + G.dt_bias, /*beta=*/1, /*threshold=*/20);
     const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
