@@ -3,7 +3,6 @@
 #include <sys/stat.h>
 
 #include <mutex>
-#include <sstream>
 
 #include "core/io/json_file.h"
 #include "core/io/safetensors.h"
@@ -20,14 +19,6 @@ constexpr const char* kSupported =
     "supported: quant_method \"fp8\" with fmt \"e4m3\", weight_block_size [128, 128] and activation_scheme "
     "\"dynamic\" (the HF fine-grained FP8 format); awq, gptq, nvfp4, mxfp4, compressed-tensors, bitsandbytes and "
     "other methods are not implemented";
-
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
-}
 
 int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
@@ -88,9 +79,7 @@ class Fp8Weights : public WeightSource {
                  dir_ << ": tensor '" << name << "' is F8_E4M3 but its block scales '" << scale_name(name)
                       << "' are missing");
     auto w_q = model_.load(name), scale_inv = model_.load(scale_name(name));
-    DFLASH_CHECK(w_q.sizes() == at::IntArrayRef(shape), DataError,
-                 dir_ << ": tensor '" << name << "' has shape " << shape_str(w_q.sizes()) << ", the config implies "
-                      << shape_str(shape));
+    check_shape(dir_, name, w_q, shape);
     check_scale(w_q, scale_inv, dir_ + ": tensor '" + name + "'");
     return {w_q, scale_inv};
   }

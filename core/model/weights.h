@@ -32,6 +32,12 @@ class WeightSource {
   }
 };
 
+// "[a, b, c]", for error messages.
+std::string shape_str(at::IntArrayRef s);
+// DataError "DIR: tensor 'NAME' has shape [..], the config implies [..]" unless t.sizes() == shape.
+void check_shape(const std::string& dir, const std::string& name, const torch::Tensor& t,
+                 const std::vector<int64_t>& shape);
+
 // Tensors of the checkpoint in DIR, as stored (any float dtype) converted to `dtype`. An F8_E4M3
 // tensor is a DataError: FP8 checkpoints load through fp8::checkpoint_weights (core/model/fp8.h).
 std::unique_ptr<WeightSource> file_weights(const std::string& dir, torch::Device device, torch::ScalarType dtype);

@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from safetensors.torch import save_file
 import transformers
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3_5ForCausalLM
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,13 +53,9 @@ def dense_config():
 
 
 def hybrid_config():
-    return Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=32,
-        linear_conv_kernel_dim=4, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        hidden_act="silu", attention_bias=False)
+    return make_tiny_hybrid.text_config(
+        hidden_size=256, intermediate_size=384, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=64, linear_key_head_dim=64, linear_value_head_dim=32)
 
 
 def quantize_blocks(w):
