@@ -34,7 +34,7 @@ constexpr DtypeEntry kDtypes[] = {
     {"BF16", torch::kBFloat16, 2}, {"F16", torch::kHalf, 2},  {"F32", torch::kFloat, 4},
     {"F64", torch::kDouble, 8},    {"I64", torch::kLong, 8},  {"I32", torch::kInt, 4},
     {"I16", torch::kShort, 2},     {"I8", torch::kChar, 1},   {"U8", torch::kByte, 1},
-    {"BOOL", torch::kBool, 1},
+    {"BOOL", torch::kBool, 1},     {"F8_E4M3", torch::kFloat8_e4m3fn, 1},
 };
 
 const DtypeEntry* find_dtype(const std::string& s) {
@@ -151,7 +151,7 @@ bool is_directory(const std::string& p) {
 }  // namespace
 
 const char* supported_safetensors_dtypes() {
-  return "BF16, F16, F32, F64, I64, I32, I16, I8, U8, BOOL";
+  return "BF16, F16, F32, F64, I64, I32, I16, I8, U8, BOOL, F8_E4M3";
 }
 
 bool safetensors_dtype_to_torch(const std::string& dtype, torch::ScalarType* out) {

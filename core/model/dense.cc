@@ -4,7 +4,9 @@
 #include "core/model/dense.h"
 
 #include <functional>
+#include <tuple>
 
+#include "core/model/fp8.h"
 #include "core/model/layers.h"
 #include "core/model/moe.h"
 #include "core/model/target_base.h"
@@ -23,6 +25,9 @@ struct DenseLayer {
   torch::Tensor qkv_b;        // [(Hq + 2 Hkv) D] or undefined
   torch::Tensor o_w, o_b;     // [H, Hq D]
   torch::Tensor q_norm, k_norm;  // [D] (qwen3) or undefined
+  // FP8 GEMMs (core/model/fp8.h): the block scales of qkv_w and o_w when these are float8_e4m3fn;
+  // undefined otherwise (the MLP's are in ffn).
+  torch::Tensor qkv_s, o_s;
   LayerMlp ffn;               // dense SwiGLU, or the sparse MoE block (qwen3_moe)
 };
 
@@ -38,14 +43,14 @@ class DenseTarget : public TargetBase {
       DenseLayer L;
       L.ln1 = w.get(lp + "input_layernorm.weight", {H}, Init::kOnes);
       L.ln2 = w.get(lp + "post_attention_layernorm.weight", {H}, Init::kOnes);
-      L.qkv_w = torch::cat({w.get(lp + "self_attn.q_proj.weight", {Hq * D, H}, Init::kNormal),
-                            w.get(lp + "self_attn.k_proj.weight", {Hkv * D, H}, Init::kNormal),
-                            w.get(lp + "self_attn.v_proj.weight", {Hkv * D, H}, Init::kNormal)});
+      std::tie(L.qkv_w, L.qkv_s) = fp8::load_projection(w, {{lp + "self_attn.q_proj.weight", {Hq * D, H}},
+                                                            {lp + "self_attn.k_proj.weight", {Hkv * D, H}},
+                                                            {lp + "self_attn.v_proj.weight", {Hkv * D, H}}});
       if (cfg.qkv_bias)
         L.qkv_b = torch::cat({w.get(lp + "self_attn.q_proj.bias", {Hq * D}, Init::kZeros),
                               w.get(lp + "self_attn.k_proj.bias", {Hkv * D}, Init::kZeros),
                               w.get(lp + "self_attn.v_proj.bias", {Hkv * D}, Init::kZeros)});
-      L.o_w = w.get(lp + "self_attn.o_proj.weight", {H, Hq * D}, Init::kNormal);
+      std::tie(L.o_w, L.o_s) = fp8::load_projection(w, {{lp + "self_attn.o_proj.weight", {H, Hq * D}}});
       if (cfg.o_bias) L.o_b = w.get(lp + "self_attn.o_proj.bias", {H}, Init::kZeros);
       if (cfg.qk_norm) {
         L.q_norm = w.get(lp + "self_attn.q_norm.weight", {D}, Init::kOnes);
@@ -106,7 +111,7 @@ class DenseTarget : public TargetBase {
                       [&](int64_t l, torch::Tensor& h, torch::Tensor& delta, const RopeTable& rope, bool fused) {
                         const auto& L = layers_[l];
                         auto x = add_norm(h, delta, L.ln1, fused);
-                        auto qkv = L.qkv_b.defined() ? F::linear(x, L.qkv_w, L.qkv_b) : F::linear(x, L.qkv_w);
+                        auto qkv = fp8::linear(x, L.qkv_w, L.qkv_s, L.qkv_b);
                         torch::Tensor a;
                         if (fused && qkv_attend) {
                           a = qkv_attend(l, qkv, rope).reshape({T, Hq * D});
@@ -118,7 +123,7 @@ class DenseTarget : public TargetBase {
                           k = norm_rope(k, L.k_norm, rope, fused);
                           a = attend(l, q, k, v).reshape({T, Hq * D});
                         }
-                        delta = L.o_b.defined() ? F::linear(a, L.o_w, L.o_b) : F::linear(a, L.o_w);
+                        delta = fp8::linear(a, L.o_w, L.o_s, L.o_b);
                         x = add_norm(h, delta, L.ln2, fused);
                         return mlp(x, L, fused);
                       });
@@ -156,7 +161,8 @@ class DenseTarget : public TargetBase {
   torch::Tensor mlp(const torch::Tensor& x, const DenseLayer& L, bool fused_ok) const {
     if (L.ffn.moe) return moe_forward(*L.ffn.moe, x, cfg_);
 #ifdef DFLASH_WITH_CUDA
-    if (fused_ok) return F::linear(fused::silu_mul(F::linear(x, L.ffn.gate_up_w)), L.ffn.down_w);
+    if (fused_ok || L.ffn.gate_up_s.defined())  // FP8 GEMMs only run on bf16 CUDA models
+      return fp8::linear(fused::silu_mul(fp8::linear(x, L.ffn.gate_up_w, L.ffn.gate_up_s)), L.ffn.down_w, L.ffn.down_s);
 #endif
     return swiglu_mlp(x, L.ffn.gate_up_w, L.ffn.down_w);
   }

@@ -13,8 +13,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <utility>
 
+#include "core/model/fp8.h"
 #include "core/model/gated_delta.h"
 #include "core/model/layers.h"
 #include "core/model/moe.h"
@@ -36,6 +38,7 @@ struct GatedAttention {
   torch::Tensor qkv_b;           // or undefined
   torch::Tensor o_w, o_b;        // [H, Hq D]
   torch::Tensor q_norm, k_norm;  // [D] fp32, zero-centred
+  torch::Tensor qkv_s, o_s;      // FP8 block scales (core/model/fp8.h) or undefined
 };
 
 struct GatedDeltaNet {
@@ -44,6 +47,10 @@ struct GatedDeltaNet {
   torch::Tensor A_log, dt_bias;  // [Hv] fp32
   torch::Tensor norm_w;       // [dv] fp32, plain weight
   torch::Tensor out_w;        // [H, value_dim]
+  torch::Tensor in_s, out_s;  // FP8 block scales (core/model/fp8.h) or undefined
+  // FP8 checkpoints: in_w holds only in_proj_qkv | in_proj_z and ba_w [2 Hv, H] in_proj_b | in_proj_a
+  // (each FP8 or not: the releases keep b and a in bf16); undefined otherwise.
+  torch::Tensor ba_w, ba_s;
 };
 
 struct HybridLayer {
@@ -95,28 +102,30 @@ class HybridTarget : public TargetBase {
       if (L.linear) {
         const std::string ap = lp + "linear_attn.";
         auto& G = L.gdn;
-        G.in_w = torch::cat({w.get(ap + "in_proj_qkv.weight", {conv_dim, H}, Init::kNormal),
-                             w.get(ap + "in_proj_z.weight", {value_dim, H}, Init::kNormal),
-                             w.get(ap + "in_proj_b.weight", {Hv, H}, Init::kNormal),
-                             w.get(ap + "in_proj_a.weight", {Hv, H}, Init::kNormal)});
+        // One GEMM for qkv | z | b | a; with FP8 weights two, so that qkv | z stays FP8 beside a bf16 b | a.
+        std::tie(G.in_w, G.in_s) = fp8::load_projection(w, {{ap + "in_proj_qkv.weight", {conv_dim, H}},
+                                                            {ap + "in_proj_z.weight", {value_dim, H}}});
+        std::tie(G.ba_w, G.ba_s) =
+            fp8::load_projection(w, {{ap + "in_proj_b.weight", {Hv, H}}, {ap + "in_proj_a.weight", {Hv, H}}});
+        if (!G.in_s.defined() && !G.ba_s.defined()) G.in_w = torch::cat({G.in_w, std::exchange(G.ba_w, {})});
         // Stored taps-outermost ([Kc, C] in memory, seen as [C, Kc]): the layout the CUDA conv kernel
         // reads, so its launcher does not transpose the weights on every forward.
         G.conv_w = w.get(ap + "conv1d.weight", {conv_dim, 1, Kc}, Init::kNormal).view({conv_dim, Kc}).t().contiguous().t();
         G.A_log = w.get(ap + "A_log", {Hv}, Init::kZeros, true);
         G.dt_bias = w.get(ap + "dt_bias", {Hv}, Init::kOnes, true);
         G.norm_w = w.get(ap + "norm.weight", {dv}, Init::kOnes, true);
-        G.out_w = w.get(ap + "out_proj.weight", {H, value_dim}, Init::kNormal);
+        std::tie(G.out_w, G.out_s) = fp8::load_projection(w, {{ap + "out_proj.weight", {H, value_dim}}});
       } else {
         const std::string ap = lp + "self_attn.";
         auto& A = L.attn;
-        A.qkv_w = torch::cat({w.get(ap + "q_proj.weight", {Hq * 2 * D, H}, Init::kNormal),
-                              w.get(ap + "k_proj.weight", {Hkv * D, H}, Init::kNormal),
-                              w.get(ap + "v_proj.weight", {Hkv * D, H}, Init::kNormal)});
+        std::tie(A.qkv_w, A.qkv_s) = fp8::load_projection(w, {{ap + "q_proj.weight", {Hq * 2 * D, H}},
+                                                              {ap + "k_proj.weight", {Hkv * D, H}},
+                                                              {ap + "v_proj.weight", {Hkv * D, H}}});
         if (cfg.qkv_bias)
           A.qkv_b = torch::cat({w.get(ap + "q_proj.bias", {Hq * 2 * D}, Init::kZeros),
                                 w.get(ap + "k_proj.bias", {Hkv * D}, Init::kZeros),
                                 w.get(ap + "v_proj.bias", {Hkv * D}, Init::kZeros)});
-        A.o_w = w.get(ap + "o_proj.weight", {H, Hq * D}, Init::kNormal);
+        std::tie(A.o_w, A.o_s) = fp8::load_projection(w, {{ap + "o_proj.weight", {H, Hq * D}}});
         if (cfg.o_bias) A.o_b = w.get(ap + "o_proj.bias", {H}, Init::kZeros);
         A.q_norm = w.get(ap + "q_norm.weight", {D}, Init::kZeros, true);
         A.k_norm = w.get(ap + "k_norm.weight", {D}, Init::kZeros, true);
@@ -178,7 +187,9 @@ class HybridTarget : public TargetBase {
   // use_fused (TargetBase): the fused CUDA kernels have the same fp32 arithmetic and bf16 rounding
   // points as the plain ops; tests/model/gated_delta_gpu_test.cc compares each pair.
   // A projection x w^T: on the fused path cuBLASLt with the per-shape timed algorithm (tuned_gemm.h).
-  static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, bool fused_ok) {
+  // With FP8 block scales s (defined): the FP8 GEMM (fp8::linear).
+  static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s, bool fused_ok) {
+    if (s.defined()) return fp8::linear(x, w, s);
 #ifdef DFLASH_WITH_CUDA
     if (fused_ok && cuda_gemm::supported(x, w)) return cuda_gemm::linear(x, w);
 #endif
@@ -187,8 +198,10 @@ class HybridTarget : public TargetBase {
   }
   // A sublayer's output projection. On the fused path it is added to the residual stream h inside the
   // GEMM's epilogue (in fp32, x w^T not rounded to bf16 first) and the returned delta is undefined;
-  // otherwise it returns x w^T as the delta that the next add_norm adds.
-  static torch::Tensor project_residual(torch::Tensor& h, const torch::Tensor& x, const torch::Tensor& w, bool fused_ok) {
+  // otherwise (FP8 GEMMs included) it returns x w^T as the delta that the next add_norm adds.
+  static torch::Tensor project_residual(torch::Tensor& h, const torch::Tensor& x, const torch::Tensor& w,
+                                        const torch::Tensor& s, bool fused_ok) {
+    if (s.defined()) return fp8::linear(x, w, s);
 #ifdef DFLASH_WITH_CUDA
     if (fused_ok && cuda_gemm::supported(x, w) && h.is_contiguous()) {
       cuda_gemm::linear_add_(h, x, w);
@@ -213,7 +226,8 @@ class HybridTarget : public TargetBase {
   torch::Tensor mlp(const torch::Tensor& x, torch::Tensor& h, const HybridLayer& L, bool fused_ok) const {
     if (L.ffn.moe) return moe_forward(*L.ffn.moe, x, cfg_);
 #ifdef DFLASH_WITH_CUDA
-    if (fused_ok) return project_residual(h, fused::silu_mul(project(x, L.ffn.gate_up_w, true)), L.ffn.down_w, true);
+    if (fused_ok || L.ffn.gate_up_s.defined())  // FP8 GEMMs only run on bf16 CUDA models
+      return project_residual(h, fused::silu_mul(project(x, L.ffn.gate_up_w, L.ffn.gate_up_s, true)), L.ffn.down_w, L.ffn.down_s, true);
 #endif
     (void)fused_ok;
     return swiglu_mlp(x, L.ffn.gate_up_w, L.ffn.down_w);
@@ -224,7 +238,8 @@ class HybridTarget : public TargetBase {
                                 const RopeTable& rope, const std::vector<int64_t>& doc_lens, bool fused_ok,
                                 Cached* cached) const {
     const int64_t T = x_TH.size(0), D = cfg_.head_dim, Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
-    auto qkv = A.qkv_b.defined() ? F::linear(x_TH, A.qkv_w, A.qkv_b) : project(x_TH, A.qkv_w, fused_ok);
+    auto qkv = A.qkv_b.defined() ? fp8::linear(x_TH, A.qkv_w, A.qkv_s, A.qkv_b)
+                                 : project(x_TH, A.qkv_w, A.qkv_s, fused_ok);
     auto qg_THD2 = qkv.narrow(1, 0, Hq * 2 * D).view({T, Hq, 2 * D});
     auto q_raw = qg_THD2.narrow(2, 0, D), gate_THD = qg_THD2.narrow(2, D, D);
     auto k_raw = qkv.narrow(1, Hq * 2 * D, Hkv * D).view({T, Hkv, D});
@@ -250,7 +265,7 @@ class HybridTarget : public TargetBase {
       a_TQ = attend(q_THD, k_THD, v_THD).reshape({T, Hq * D});
       a_TQ = a_TQ * torch::sigmoid(gate_THD.reshape({T, Hq * D}));
     }
-    return A.o_b.defined() ? F::linear(a_TQ, A.o_w, A.o_b) : project_residual(h, a_TQ, A.o_w, fused_ok);
+    return A.o_b.defined() ? fp8::linear(a_TQ, A.o_w, A.o_s, A.o_b) : project_residual(h, a_TQ, A.o_w, A.o_s, fused_ok);
   }
 
   // Gated DeltaNet: conv + SiLU, l2norm(q, k), g/beta, chunked gated delta rule, gated RMSNorm.
@@ -266,7 +281,7 @@ class HybridTarget : public TargetBase {
     const int64_t T = x_TH.size(0), Hk = cfg_.linear_num_key_heads, Hv = cfg_.linear_num_value_heads;
     const int64_t dk = cfg_.linear_key_head_dim, dv = cfg_.linear_value_head_dim;
     const int64_t key_dim = Hk * dk, value_dim = Hv * dv, conv_dim = 2 * key_dim + value_dim;
-    auto proj = project(x_TH, G.in_w, fused_ok);  // [T, conv_dim + value_dim + 2 Hv], model dtype
+    auto proj = project(x_TH, G.in_w, G.in_s, fused_ok);  // [T, conv_dim + value_dim (+ 2 Hv)], model dtype
     GatedDeltaInputs in;
     torch::Tensor mixed_TC;  // conv + SiLU (fp32; bf16 from the fused kernel, gdn_bf16); q and k l2-normalised
 #ifdef DFLASH_WITH_CUDA
@@ -288,8 +303,10 @@ class HybridTarget : public TargetBase {
     in.allow_tf32 = opt_.dtype != torch::kFloat32;
     in.bf16_work = in.allow_tf32 && gdn_bf16();
     auto z_THV = proj.narrow(1, conv_dim, value_dim).view({T, Hv, dv});
-    auto b_TH = proj.narrow(1, conv_dim + value_dim, Hv).to(torch::kFloat32);
-    auto a_TH = proj.narrow(1, conv_dim + value_dim + Hv, Hv).to(torch::kFloat32);
+    const auto ba = G.ba_w.defined() ? project(x_TH, G.ba_w, G.ba_s, fused_ok)
+                                     : proj.narrow(1, conv_dim + value_dim, 2 * Hv);
+    auto b_TH = ba.narrow(1, 0, Hv).to(torch::kFloat32);
+    auto a_TH = ba.narrow(1, Hv, Hv).to(torch::kFloat32);
     in.beta_TH = torch::sigmoid(b_TH);
     in.g_TH = -G.A_log.exp() * torch::softplus(a_TH + G.dt_bias, /*beta=*/1, /*threshold=*/20);
     const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
@@ -303,7 +320,7 @@ class HybridTarget : public TargetBase {
     if (!y_TV.defined())
       y_TV = gated_rms_norm(o_THV, z_THV, G.norm_w, cfg_.rms_norm_eps).to(opt_.dtype).reshape({T, value_dim});
     (void)pos_T;
-    return project_residual(h, y_TV, G.out_w, fused_ok);
+    return project_residual(h, y_TV, G.out_w, G.out_s, fused_ok);
   }
 
   std::vector<HybridLayer> layers_;

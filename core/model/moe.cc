@@ -2,9 +2,11 @@
 // router, and the reference expert loop.
 #include "core/model/moe.h"
 
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "core/model/fp8.h"
 #include "core/model/layers.h"
 #include "core/util/error.h"
 
@@ -64,9 +66,9 @@ LayerMlp load_layer_mlp(WeightSource& w, const std::string& p, const io::TargetC
     return m;
   }
   const int64_t H = cfg.hidden_size, I = cfg.intermediate_size;
-  m.gate_up_w = torch::cat({w.get(p + "gate_proj.weight", {I, H}, Init::kNormal),
-                            w.get(p + "up_proj.weight", {I, H}, Init::kNormal)});
-  m.down_w = w.get(p + "down_proj.weight", {H, I}, Init::kNormal);
+  std::tie(m.gate_up_w, m.gate_up_s) =
+      fp8::load_projection(w, {{p + "gate_proj.weight", {I, H}}, {p + "up_proj.weight", {I, H}}});
+  std::tie(m.down_w, m.down_s) = fp8::load_projection(w, {{p + "down_proj.weight", {H, I}}});
   return m;
 }
 

@@ -48,6 +48,7 @@ MoeBlock load_moe_block(WeightSource& w, const std::string& mlp_prefix, const io
 struct LayerMlp {
   torch::Tensor gate_up_w;      // [2 I, H]: gate rows, then up rows (dense layers)
   torch::Tensor down_w;         // [H, I]
+  torch::Tensor gate_up_s, down_s;  // FP8 block scales of the two (core/model/fp8.h), or undefined
   std::optional<MoeBlock> moe;  // sparse layers
 };
 LayerMlp load_layer_mlp(WeightSource& w, const std::string& mlp_prefix, const io::TargetConfig& cfg, int64_t layer);

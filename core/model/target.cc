@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "core/model/dense.h"
+#include "core/model/fp8.h"
 #include "core/model/hybrid.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
@@ -50,7 +51,7 @@ void finish_capture(torch::Tensor& h, torch::Tensor& delta, const CaptureSpec& s
 
 std::unique_ptr<TargetModel> load_target(const std::string& dir, const LoadOptions& opt) {
   auto cfg = io::parse_hf_config(dir);
-  auto w = file_weights(dir, opt.device, opt.dtype);
+  auto w = fp8::checkpoint_weights(dir, opt.device, opt.dtype);
   return make_target(cfg, *w, opt);
 }
 

@@ -75,7 +75,8 @@ class TargetModel {
   virtual const torch::Tensor& lm_head_weight() const = 0;  // the embedding when tied
 };
 
-// Loads DIR (config.json + model.safetensors[.index.json]). Throws ConfigError / DataError.
+// Loads DIR (config.json + model.safetensors[.index.json]; an HF fine-grained FP8 checkpoint is
+// dequantized at load, core/model/fp8.h). Throws ConfigError / DataError.
 std::unique_ptr<TargetModel> load_target(const std::string& dir, const LoadOptions& opt);
 
 // A model of the given shape with random weights (for benchmarks; no files).

@@ -4,7 +4,6 @@
 #include "core/util/error.h"
 
 namespace dflash::model {
-namespace {
 
 std::string shape_str(at::IntArrayRef s) {
   std::ostringstream o;
@@ -14,6 +13,15 @@ std::string shape_str(at::IntArrayRef s) {
   return o.str();
 }
 
+void check_shape(const std::string& dir, const std::string& name, const torch::Tensor& t,
+                 const std::vector<int64_t>& shape) {
+  DFLASH_CHECK(t.sizes() == at::IntArrayRef(shape), DataError,
+               dir << ": tensor '" << name << "' has shape " << shape_str(t.sizes()) << ", the config implies "
+                   << shape_str(shape));
+}
+
+namespace {
+
 class FileWeights : public WeightSource {
  public:
   FileWeights(const std::string& dir, torch::Device device, torch::ScalarType dtype)
@@ -21,9 +29,10 @@ class FileWeights : public WeightSource {
   bool has(const std::string& name) const override { return model_.has(name); }
   torch::Tensor get(const std::string& name, const std::vector<int64_t>& shape, Init, bool keep_fp32) override {
     auto t = model_.load(name);
-    DFLASH_CHECK(t.sizes() == at::IntArrayRef(shape), DataError,
-                 dir_ << ": tensor '" << name << "' has shape " << shape_str(t.sizes()) << ", the config implies "
-                      << shape_str(shape));
+    DFLASH_CHECK(t.scalar_type() != torch::kFloat8_e4m3fn, DataError,
+                 dir_ << ": tensor '" << name << "' is F8_E4M3 but config.json has no FP8 quantization_config "
+                      << "(core/model/fp8.h: its block scales would be ignored)");
+    check_shape(dir_, name, t, shape);
     return t.to(device_, keep_fp32 ? torch::kFloat32 : dtype_).contiguous();
   }
 

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dflash::io {
@@ -23,8 +24,22 @@ class WeightSource {
   // Returns the tensor on `device` in `dtype` (fp32 when keep_fp32). Throws DataError on a shape mismatch.
   virtual torch::Tensor get(const std::string& name, const std::vector<int64_t>& shape, Init init,
                             bool keep_fp32 = false) = 0;
+  // FP8 projections (core/model/fp8.h): {w_q, scale_inv} of `name` on the device when this source
+  // runs FP8 weights as FP8 GEMMs and `name` is stored in FP8; {} (undefined) otherwise: use get().
+  virtual std::pair<torch::Tensor, torch::Tensor> get_fp8(const std::string& name, const std::vector<int64_t>& shape) {
+    (void)name, (void)shape;
+    return {};
+  }
 };
 
+// "[a, b, c]", for error messages.
+std::string shape_str(at::IntArrayRef s);
+// DataError "DIR: tensor 'NAME' has shape [..], the config implies [..]" unless t.sizes() == shape.
+void check_shape(const std::string& dir, const std::string& name, const torch::Tensor& t,
+                 const std::vector<int64_t>& shape);
+
+// Tensors of the checkpoint in DIR, as stored (any float dtype) converted to `dtype`. An F8_E4M3
+// tensor is a DataError: FP8 checkpoints load through fp8::checkpoint_weights (core/model/fp8.h).
 std::unique_ptr<WeightSource> file_weights(const std::string& dir, torch::Device device, torch::ScalarType dtype);
 
 // One tensor a RandomWeights source handed out: enough to rebuild it elsewhere (per-name mode).

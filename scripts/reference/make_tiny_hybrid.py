@@ -38,14 +38,17 @@ DOC_LENGTHS = [5, 64, 77, 1, 130, 3, 40]
 VOCAB = 256
 
 
-def text_config():
-    return Qwen3_5TextConfig(
+def text_config(**overrides):
+    """The tiny hybrid's config; `overrides` replace fields (make_tiny_fp8.py: other sizes)."""
+    fields = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
         linear_conv_kernel_dim=4, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         hidden_act="silu", attention_bias=False)
+    fields.update(overrides)
+    return Qwen3_5TextConfig(**fields)
 
 
 def randomize_(model, seed):

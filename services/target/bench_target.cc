@@ -1,4 +1,5 @@
 #include "services/target/bench_target.h"
+#include "services/target/bench_fp8.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -40,7 +41,7 @@ const char* kUsage =
     "         tiny-moe|tiny-hybrid-moe] [--device cuda|cpu]\n"
     "         [--dtype bfloat16|float32] [--batches 1x4096,4x4096,16x1024] [--layers IDS] [--no-last-hidden]\n"
     "         [--warmup 2] [--repeats 5] [--peak-tflops 790] [--baseline [--python PY] [--check-dir DIR]]\n"
-    "         [--profile [--profile-top 25]]\n"
+    "         [--profile [--profile-top 25]] [--fp8]\n"
     "  Forward + capture of a random-weight target on batches DOCSxLEN (documents of LEN tokens);\n"
     "  JSON on stdout: tokens/s, MFU, peak memory per batch. --layers defaults: 3,15,31,47,59\n"
     "  (qwen3.6-27b), 1,3,5 (tiny, tiny-moe), 0,3,5,7 (tiny-hybrid, tiny-hybrid-moe), 1,9,17,25,33\n"
@@ -54,7 +55,10 @@ const char* kUsage =
     "  fp32 of the model-dtype values, and worst_rel_fro. The check's files (capture.safetensors,\n"
     "  weights.json) go to a temp dir that is removed, or to --check-dir DIR, kept.\n"
     "  --profile: one more forward per batch under the Kineto profiler (after the timed ones, not in\n"
-    "  them): \"profile\" gives the GPU time per kernel name (the --profile-top largest) and their total.\n";
+    "  them): \"profile\" gives the GPU time per kernel name (the --profile-top largest) and their total.\n"
+    "  --fp8: random FP8 weights (128x128 block scales), FP8 GEMMs on Hopper with bf16, else dequantized;\n"
+    "  with --baseline our bf16 path on the same dequantized weights instead of HF (speedup_vs_bf16,\n"
+    "  weights_gib) and per-layer error of both vs fp32 on those weights (services/target/bench_fp8.h).\n";
 
 // GPU time per kernel name of one call of `fn` (Kineto, CUDA activity only): the `top` largest
 // names (truncated to 160 characters) and the total, in ms.
@@ -190,14 +194,13 @@ std::vector<BatchShape> parse_batch_shapes(const std::string& s) {
 }
 
 
-namespace {
-
-// GiB allocated on a CUDA device: now, or at the peak since the last reset_peak_memory; 0 elsewhere.
 double allocated_gib(const torch::Device& d, bool peak) {
   if (!d.is_cuda()) return 0.0;
   const auto m = model::device_memory(d);
   return peak ? m.peak_allocated_gib : m.allocated_gib;
 }
+
+namespace {
 
 // Where --baseline puts the HF check's files: --check-dir DIR (created, kept) or a fresh temp dir,
 // removed when the bench returns or throws.
@@ -255,9 +258,8 @@ void write_check_files(const fs::path& dir, const std::string& batch, const torc
   out << m.dump(1) << "\n";
   DFLASH_CHECK(out.good(), BenchError, "could not write " << path.string());
 }
+}  // namespace
 
-// Forward + capture of one DOCSxLEN batch of random ids: `warmup` untimed calls, then `repeats`
-// timed ones; their median gives tokens/s, TFLOP/s and MFU. `buf` keeps the last capture.
 json measure_batch(const std::string& name, model::TargetModel& target, const io::TargetConfig& cfg,
                    const model::CaptureSpec& spec, const torch::Tensor& ids, const std::vector<int64_t>& lens,
                    const torch::Device& device, int64_t warmup, int64_t repeats, double peak_tflops,
@@ -285,6 +287,8 @@ json measure_batch(const std::string& name, model::TargetModel& target, const io
           {"mfu", tflops / peak_tflops},
           {"peak_gib", allocated_gib(device, true)}};
 }
+
+namespace {
 
 // --baseline: runs scripts/reference/bench_hf_target.py on the same batches (after our model is
 // freed) and adds its report, its error_vs_hf and speedup_vs_baseline per batch to `report`.
@@ -317,8 +321,8 @@ int cmd_bench_target(int argc, char** argv) {
   if (help_requested(argc, argv, kUsage)) return kExitOk;
   Flags f(argc, argv,
           {"shape", "device", "dtype", "batches", "layers", "warmup", "repeats", "baseline", "python", "peak-tflops",
-           "no-last-hidden", "check-dir", "profile", "profile-top"},
-          {"baseline", "no-last-hidden", "profile"});
+           "no-last-hidden", "check-dir", "profile", "profile-top", "fp8"},
+          {"baseline", "no-last-hidden", "profile", "fp8"});
   DFLASH_CHECK(f.positional().empty(), ConfigError,
                "bench target: unexpected argument '" << f.positional().front() << "'\n" << kUsage);
   const std::string shape = f.get("shape", "qwen3-8b");
@@ -336,6 +340,19 @@ int cmd_bench_target(int argc, char** argv) {
   auto cfg = shape_config(shape);
   model::CaptureSpec spec{parse_int_list(layers_s, "--layers"), !f.has("no-last-hidden")};
   model::validate_capture(cfg, spec);
+  if (f.has("fp8")) {
+    DFLASH_CHECK(!f.has("profile") && !f.has("check-dir"), ConfigError,
+                 "--fp8 takes neither --profile nor --check-dir");
+    json report = {{"bench", "target"},
+                   {"shape", shape},
+                   {"device", f.get("device", "cuda")},
+                   {"dtype", f.get("dtype", "bfloat16")},
+                   {"layers", spec.layer_ids},
+                   {"last_hidden", spec.last_hidden}};
+    report["fp8"] = bench_fp8(cfg, spec, parse_batch_shapes(batches_s), {lo, warmup, repeats, peak_tflops, baseline});
+    std::cout << report.dump(2) << std::endl;
+    return kExitOk;
+  }
   // Per-name random weights: the HF baseline rebuilds the same values from the manifest.
   auto weights = model::random_weights(kWeightSeed, lo.device, lo.dtype, kWeightStd, /*per_name=*/true);
   auto target = model::make_target(cfg, *weights, lo);
