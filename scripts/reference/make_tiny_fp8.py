@@ -113,12 +113,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=2468)
     a = ap.parse_args()
-    os.makedirs(a.out, exist_ok=True)
-    g = torch.Generator().manual_seed(a.seed)
-    docs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in DOC_LENGTHS]
-    with open(os.path.join(a.out, "docs.jsonl"), "w") as f:
-        for ids in docs:
-            f.write(json.dumps({"input_ids": ids}) + "\n")
+    docs = make_tiny_hybrid.write_docs(a.out, a.seed, VOCAB, DOC_LENGTHS)
     families = [
         ("qwen3_fp8", dense_config, Qwen3ForCausalLM, make_tiny_models.randomize_, []),
         ("qwen3_5_fp8", hybrid_config, Qwen3_5ForCausalLM, make_tiny_hybrid.randomize_, ["in_proj_a", "in_proj_b"]),

@@ -75,9 +75,16 @@ def randomize_(model, seed):
                 p.copy_(0.08 * rn(p.shape))
 
 
-def make_docs(seed):
+def write_docs(out_dir, seed, vocab=VOCAB, lengths=DOC_LENGTHS):
+    """Random documents (ids in [0, vocab), one per length) from a generator seeded `seed`, written to
+    out_dir/docs.jsonl ({"input_ids": [...]} per line; out_dir is created); returns them."""
+    os.makedirs(out_dir, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in DOC_LENGTHS]
+    docs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    with open(os.path.join(out_dir, "docs.jsonl"), "w") as f:
+        for ids in docs:
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+    return docs
 
 
 def save_text_only(model, out_dir):
@@ -138,11 +145,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=4321)
     a = ap.parse_args()
-    os.makedirs(a.out, exist_ok=True)
-    docs = make_docs(a.seed)
-    with open(os.path.join(a.out, "docs.jsonl"), "w") as f:
-        for ids in docs:
-            f.write(json.dumps({"input_ids": ids}) + "\n")
+    docs = write_docs(a.out, a.seed)
     for i, name in enumerate(["qwen3_5_text", "qwen3_5_vlm"]):
         torch.manual_seed(a.seed + i)
         cfg = text_config()

@@ -34,6 +34,7 @@ import transformers
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from make_tiny_hybrid import golden as layer_golden  # ids, layer.{d}.{l}, final.{d}, per document
+from make_tiny_hybrid import write_docs
 
 DOC_LENGTHS = [5, 64, 77, 1, 130, 3, 40]
 VOCAB = 256
@@ -155,12 +156,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=2727)
     a = ap.parse_args()
-    os.makedirs(a.out, exist_ok=True)
-    g = torch.Generator().manual_seed(a.seed)
-    docs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in DOC_LENGTHS]
-    with open(os.path.join(a.out, "docs.jsonl"), "w") as f:
-        for ids in docs:
-            f.write(json.dumps({"input_ids": ids}) + "\n")
+    docs = write_docs(a.out, a.seed, VOCAB, DOC_LENGTHS)
     models = [  # name, config, class, stacked experts, VLM layout
         ("qwen3_moe_norm", lambda: qwen3_moe_config(True, 1, [1]), Qwen3MoeForCausalLM, False, False),
         ("qwen3_moe_nonorm", lambda: qwen3_moe_config(False, 2, []), Qwen3MoeForCausalLM, True, False),
