@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-drafter|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-fp8|bench-drafter|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
 # (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps, and
-# run-colocated, ~4 min: a Qwen3-8B-shaped run on one GPU, and bench-moe, two MoE-shaped benches
-# with HF baselines.)
+# run-colocated, ~4 min: a Qwen3-8B-shaped run on one GPU, bench-moe, two MoE-shaped benches
+# with HF baselines, and bench-fp8, the FP8 targets against our bf16 path.)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out/gpu}
@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 DFLASH_SOURCE_DIR=$root DFLASH_PYTHON=${DFLASH_PYTHON:
 export DFLASH_GPU_DEBS=${DFLASH_GPU_DEBS:-$root/.gpu-deps/debs} DFLASH_DEPS_PREFIX=${DFLASH_DEPS_PREFIX:-/tmp/dflash-deps}
 export LD_LIBRARY_PATH=$DFLASH_DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ]; } && return 0; done; return 1; }
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ]; } && return 0; done; return 1; }
 t0=$(date +%s)
 # Always through scripts/gpu-host/build.sh: an incremental build is a no-op when nothing changed, and
 # a binary left by an earlier call must not hide changed sources.
@@ -141,12 +141,22 @@ if has bench-hybrid; then
 fi
 if has bench-moe; then
   # MoE targets (issue 27; not part of `all`): Qwen3-30B-A3B and Qwen3.5-35B-A3B shapes vs HF in the same invocation.
-  "$build/bin/dflash" bench target --shape qwen3-30b-a3b --batches 1x4096,4x4096 --baseline --profile \
+  timeout 420 "$build/bin/dflash" bench target --shape qwen3-30b-a3b --batches 1x4096,4x4096 --baseline --profile \
     > "$out/bench_target_qwen3_30b_a3b.json" 2> "$out/bench_target_qwen3_30b_a3b.err"
   echo "bench target qwen3-30b-a3b rc=$?"
-  "$build/bin/dflash" bench target --shape qwen3.5-35b-a3b --batches 1x4096,2x8192 --baseline --profile \
+  timeout 420 "$build/bin/dflash" bench target --shape qwen3.5-35b-a3b --batches 1x4096,2x8192 --baseline --profile \
     > "$out/bench_target_qwen35_35b_a3b.json" 2> "$out/bench_target_qwen35_35b_a3b.err"
   echo "bench target qwen3.5-35b-a3b rc=$?"
+fi
+if has bench-fp8; then
+  # FP8 targets (issue 24; not part of `all`): random FP8 weights with 128x128 block scales, FP8 GEMMs
+  # against our bf16 path on the same dequantized weights, per-layer error of both vs fp32.
+  timeout 300 "$build/bin/dflash" bench target --shape qwen3-8b --batches 1x4096,4x4096 --fp8 --baseline --profile \
+    > "$out/bench_target_fp8_qwen3_8b.json" 2> "$out/bench_target_fp8_qwen3_8b.err"
+  echo "bench target --fp8 qwen3-8b rc=$?"; tail -2 "$out/bench_target_fp8_qwen3_8b.err"
+  timeout 300 "$build/bin/dflash" bench target --shape qwen3.6-27b --batches 1x4096,2x8192 --fp8 --baseline --profile \
+    > "$out/bench_target_fp8_qwen36_27b.json" 2> "$out/bench_target_fp8_qwen36_27b.err"
+  echo "bench target --fp8 qwen3.6-27b rc=$?"; tail -2 "$out/bench_target_fp8_qwen36_27b.err"
 fi
 if has bench-drafter; then
   # --baseline eager: scripts/reference/bench_drafter_baseline.py (eager PyTorch) in the same invocation.
@@ -162,7 +172,7 @@ if has bench-drafter; then
   echo "bench drafter 8k recompute-mlp rc=$?"
   # --baseline specforge: SpecForge 0.2.0's own DFlash step (flex_attention, bf16 + fp32 master AdamW,
   # FSDP, checkpointed objective chunks), hard labels on both sides (its objective has no KL).
-  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --repeats 10 --baseline specforge \
+  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --repeats 10 --baseline specforge --profile \
     > "$out/bench_drafter_4k_specforge.json" 2> "$out/bench_drafter_4k_specforge.err"
   echo "bench drafter 4k specforge rc=$?"
   "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --repeats 10 --baseline specforge \
