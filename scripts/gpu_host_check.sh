@@ -151,10 +151,10 @@ fi
 if has bench-fp8; then
   # FP8 targets (issue 24; not part of `all`): random FP8 weights with 128x128 block scales, FP8 GEMMs
   # against our bf16 path on the same dequantized weights, per-layer error of both vs fp32.
-  timeout 300 "$build/bin/dflash" bench target --shape qwen3-8b --batches 1x4096,4x4096 --fp8 --baseline --profile \
+  timeout 300 "$build/bin/dflash" bench target --shape qwen3-8b --batches 1x4096,4x4096 --fp8 --baseline \
     > "$out/bench_target_fp8_qwen3_8b.json" 2> "$out/bench_target_fp8_qwen3_8b.err"
   echo "bench target --fp8 qwen3-8b rc=$?"; tail -2 "$out/bench_target_fp8_qwen3_8b.err"
-  timeout 300 "$build/bin/dflash" bench target --shape qwen3.6-27b --batches 1x4096,2x8192 --fp8 --baseline --profile \
+  timeout 300 "$build/bin/dflash" bench target --shape qwen3.6-27b --batches 1x4096,2x8192 --fp8 --baseline \
     > "$out/bench_target_fp8_qwen36_27b.json" 2> "$out/bench_target_fp8_qwen36_27b.err"
   echo "bench target --fp8 qwen3.6-27b rc=$?"; tail -2 "$out/bench_target_fp8_qwen36_27b.err"
 fi

@@ -9,6 +9,9 @@
 #include "core/model/fp8.h"
 #include "core/model/layers.h"
 #include "core/util/error.h"
+#ifdef DFLASH_WITH_CUDA
+#include "core/model/cuda/fused_ops.h"
+#endif
 
 namespace dflash::model {
 namespace F = torch::nn::functional;
@@ -138,6 +141,17 @@ torch::Tensor moe_forward_grouped(const MoeBlock& b, const torch::Tensor& x_TH, 
   auto x_sorted = x_TH.index_select(0, torch::div(order, K, "floor"));
   // Weights [E, out, in] seen as [E, in, out] (column-major per expert): x W_e^T per group.
   auto gu = at::_grouped_mm(x_sorted, b.gate_up_w.transpose(1, 2), offs);  // [T K, 2I]
+#ifdef DFLASH_WITH_CUDA
+  if (fused::supported(gu)) {
+    // CUDA bf16: the SwiGLU in one pass (fused::silu_mul, the same rounding points as the plain ops),
+    // and the combine in one pass that reads each token's K rows where the grouped GEMM left them
+    // (fused::moe_combine; inv = the sorted row of each slot) instead of scattering them back to slot
+    // order and multiplying [T, 1, K] x [T, K, H].
+    auto out_sorted = at::_grouped_mm(fused::silu_mul(gu), b.down_w.transpose(1, 2), offs);  // [T K, H]
+    auto inv = torch::empty_like(order).scatter_(0, order, torch::arange(order.size(0), order.options()));
+    return add_shared_expert(b, x_TH, fused::moe_combine(out_sorted, inv, r.weights_TK));
+  }
+#endif
   auto act = F::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
   auto out_sorted = at::_grouped_mm(act, b.down_w.transpose(1, 2), offs);  // [T K, H]
   // Combine: back to slot order, then each token's weighted sum over its K outputs as one batched

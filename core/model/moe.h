@@ -65,9 +65,11 @@ Routing route(const MoeBlock& b, const torch::Tensor& x_TH, const io::TargetConf
 torch::Tensor moe_forward(const MoeBlock& b, const torch::Tensor& x_TH, const io::TargetConfig& cfg);
 // Routed once per layer, without reading anything back to the host: the T K (token, choice) slots
 // sorted by expert, per-expert counts and offsets kept on the device, the experts' gate/up and down
-// GEMMs as two grouped GEMMs (at::_grouped_mm over the stacked weights), and the combine as one
-// batched GEMM of each token's K outputs with its K weights. Any device where at::_grouped_mm runs
-// (CUDA bf16; the CPU in fp32, where the tests compare it with the reference path).
+// GEMMs as two grouped GEMMs (at::_grouped_mm over the stacked weights). The combine: on CUDA bf16
+// one fused pass (fused::silu_mul between the GEMMs, then fused::moe_combine reads each token's K
+// rows in expert order and sums them with its weights in fp32); elsewhere the plain ops (scatter
+// back to slot order, one batched GEMM [T, 1, K] x [T, K, H]). Any device where at::_grouped_mm
+// runs (CUDA bf16; the CPU in fp32, where the tests compare it with the reference path).
 // Both paths route x_TH themselves, or take `routing` (made by route() for x_TH; tests use it to
 // compare the expert arithmetic of two devices under one selection).
 torch::Tensor moe_forward_grouped(const MoeBlock& b, const torch::Tensor& x_TH, const io::TargetConfig& cfg,

@@ -2,6 +2,7 @@
 // round to bf16 at the same points; allowed difference: 2 bf16 ulps relative to the value scale.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <iostream>
 
@@ -41,6 +42,24 @@ TEST(FusedOps, SiluMulMatchesPlain) {
     auto gu = torch::randn({777, 2 * inter}, bf16()) * 2;
     auto chunks = gu.chunk(2, -1);
     EXPECT_LT(rel_err(fused::silu_mul(gu), torch::silu(chunks[0]) * chunks[1]), kTol) << "inter " << inter;
+  }
+}
+
+// The MoE combine (fused::moe_combine) vs the plain ops it replaces in moe_forward_grouped: scatter
+// the expert-ordered rows back to slot order, then [T, 1, K] x [T, K, H] in one batched GEMM. Both
+// accumulate in fp32 and round once; the K additions may run in another order. Cases: the 30B-A3B
+// shape (K 8, H 2048, 16-byte path), few tokens, and H % 8 != 0 (scalar path). Must fail: weights
+// of the wrong slot (a shifted permutation).
+TEST(FusedOps, MoeCombineMatchesScatterAndBatchedGemm) {
+  for (auto [T, K, H] : {std::array<int64_t, 3>{4096, 8, 2048}, {3, 8, 2048}, {257, 2, 100}}) {
+    auto src = torch::randn({T * K, H}, bf16());
+    auto w = torch::softmax(torch::randn({T, K}, bf16().dtype(torch::kFloat32)), -1).to(torch::kBFloat16);
+    auto order = torch::randperm(T * K, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kInt64));
+    auto inv = torch::empty_like(order).scatter_(0, order, torch::arange(T * K, order.options()));
+    auto plain = torch::bmm(w.unsqueeze(1), torch::empty_like(src).index_copy_(0, order, src).view({T, K, H})).view({T, H});
+    auto fused_y = fused::moe_combine(src, inv, w);
+    EXPECT_LT(rel_err(fused_y, plain), kTol) << T << "x" << K << "x" << H;
+    EXPECT_GT(rel_err(fused::moe_combine(src, inv.roll(1), w), plain), 0.1) << "a wrong permutation must show";
   }
 }
 

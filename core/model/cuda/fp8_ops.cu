@@ -15,7 +15,7 @@ constexpr int kGroup = 128;  // columns per activation scale; 4 per lane of a wa
 constexpr float kE4m3Max = 448.f;
 
 __global__ void quantize_1x128_kernel(const __nv_bfloat16* __restrict__ x, int64_t K, uint32_t* __restrict__ q,
-                                      float* __restrict__ s, int64_t M, int64_t groups) {
+                                      float* __restrict__ s, int64_t M, int64_t groups, int64_t s_stride) {
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= M * groups) return;
@@ -39,7 +39,7 @@ __global__ void quantize_1x128_kernel(const __nv_bfloat16* __restrict__ x, int64
   for (int j = 0; j < 4; ++j) y[j] = fminf(fmaxf(__fdiv_rn(f[j], scale), -kE4m3Max), kE4m3Max);
   const __nv_fp8x4_e4m3 packed(make_float4(y[0], y[1], y[2], y[3]));  // round to nearest even
   q[(row * K + g * kGroup) / 4 + lane] = *reinterpret_cast<const uint32_t*>(&packed);
-  if (lane == 0) s[g * M + row] = scale;
+  if (lane == 0) s[g * s_stride + row] = scale;
 }
 
 }  // namespace
@@ -50,32 +50,51 @@ bool gemm_supported(torch::Device device) {
   return prop->major == 9;
 }
 
-std::pair<torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x) {
+namespace {
+
+// x [M, K] quantized into rows [0, M) of q [Mp, K] and s [groups, Mp] (Mp >= M); rows M.. are zero
+// with scale 1 (they contribute nothing and are sliced off the GEMM's output).
+std::pair<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t Mp) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.size(1) % kGroup == 0,
               "fp8_cuda::quantize_activations: expected CUDA bf16 [M, K] with K % 128 == 0");
   // Contiguous and 8-byte aligned (each lane loads 4 bf16 at once).
   auto xq = x.contiguous();
   if (reinterpret_cast<uintptr_t>(xq.data_ptr()) % 8 != 0) xq = xq.clone();
   const int64_t M = xq.size(0), K = xq.size(1), groups = K / kGroup;
-  auto q = torch::empty({M, K}, xq.options().dtype(torch::kFloat8_e4m3fn));
-  auto s = torch::empty({groups, M}, xq.options().dtype(torch::kFloat32));
+  auto q = torch::empty({Mp, K}, xq.options().dtype(torch::kFloat8_e4m3fn));
+  auto s = torch::empty({groups, Mp}, xq.options().dtype(torch::kFloat32));
+  if (Mp > M) {
+    q.narrow(0, M, Mp - M).zero_();
+    s.narrow(1, M, Mp - M).fill_(1.f);
+  }
   if (M > 0) {
     c10::cuda::CUDAGuard guard(xq.device());
     const int64_t threads = M * groups * 32;
     quantize_1x128_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
         reinterpret_cast<const __nv_bfloat16*>(xq.data_ptr()), K, reinterpret_cast<uint32_t*>(q.data_ptr()),
-        s.data_ptr<float>(), M, groups);
+        s.data_ptr<float>(), M, groups, Mp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {q, s.t()};
+}
+
+}  // namespace
+
+std::pair<torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x) {
+  return quantize_rows(x, x.size(0));
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_q, const torch::Tensor& scale_inv) {
   TORCH_CHECK(w_q.scalar_type() == torch::kFloat8_e4m3fn && w_q.is_contiguous() && w_q.size(1) == x.size(-1) &&
                   w_q.size(0) % 16 == 0,
               "fp8_cuda::linear: expected a contiguous float8_e4m3fn weight [N, K] with N % 16 == 0");
-  auto [q, s] = quantize_activations(x);
-  return at::_scaled_mm(q, w_q.t(), s, scale_inv.t(), std::nullopt, std::nullopt, torch::kBFloat16);
+  // cuBLASLt's block-scaled FP8 GEMM has no kernel for every row count (M = 1000 was refused with
+  // CUBLAS_STATUS_NOT_SUPPORTED on the H200 while 4096 ran): the rows are padded to a multiple of 128
+  // inside the quantization (no extra pass over x) and the padding is sliced off the output.
+  const int64_t M = x.size(0), Mp = (M + kGroup - 1) / kGroup * kGroup;
+  auto [q, s] = quantize_rows(x, Mp);
+  auto y = at::_scaled_mm(q, w_q.t(), s, scale_inv.t(), std::nullopt, std::nullopt, torch::kBFloat16);
+  return Mp == M ? y : y.narrow(0, 0, M);
 }
 
 }  // namespace dflash::model::fp8_cuda

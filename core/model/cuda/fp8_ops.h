@@ -20,7 +20,8 @@ std::pair<torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor
 
 // x w^T for x bf16 [M, K] (as above) and an FP8 weight w_q [N, K] (contiguous) with block scales
 // scale_inv fp32 [ceil(N/128), K/128] (contiguous): at::_scaled_mm with 1x128 activation and 128x128
-// weight block scaling, fp32 accumulation, output bf16 [M, N]. N % 16 == 0.
+// weight block scaling, fp32 accumulation, output bf16 [M, N]. N % 16 == 0; any M (rows padded to
+// a multiple of 128 for the GEMM, a view of the first M rows returned).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_q, const torch::Tensor& scale_inv);
 
 }  // namespace dflash::model::fp8_cuda

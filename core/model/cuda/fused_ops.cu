@@ -262,6 +262,41 @@ __global__ void sigmoid_gate_kernel(const __nv_bfloat16* __restrict__ a, const _
   }
 }
 
+// One block per token; each thread owns VEC columns (16-byte loads for VEC 8) and sums the token's
+// K expert rows in fp32.
+template <int VEC>
+__global__ void moe_combine_kernel(const __nv_bfloat16* __restrict__ src, const int64_t* __restrict__ inv,
+                                   const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ out, int K,
+                                   int64_t H) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x * int64_t(VEC); c < H; c += int64_t(blockDim.x) * VEC) {
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+    for (int k = 0; k < K; ++k) {
+      const float wk = __bfloat162float(w[t * K + k]);
+      const __nv_bfloat16* row = src + inv[t * K + k] * H + c;
+      if constexpr (VEC == 8) {
+        const uint4 v4 = *reinterpret_cast<const uint4*>(row);
+        const auto* v = reinterpret_cast<const __nv_bfloat16*>(&v4);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] += wk * __bfloat162float(v[j]);
+      } else {
+        acc[0] += wk * __bfloat162float(row[0]);
+      }
+    }
+    if constexpr (VEC == 8) {
+      uint4 o4;
+      auto* o = reinterpret_cast<__nv_bfloat16*>(&o4);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[j] = __float2bfloat16(acc[j]);
+      *reinterpret_cast<uint4*>(out + t * H + c) = o4;
+    } else {
+      out[t * H + c] = __float2bfloat16(acc[0]);
+    }
+  }
+}
+
 }  // namespace
 
 bool supported(const torch::Tensor& x) { return x.is_cuda() && x.scalar_type() == torch::kBFloat16; }
@@ -421,6 +456,34 @@ torch::Tensor sigmoid_gate(const torch::Tensor& a_in, const torch::Tensor& gate)
   else
     sigmoid_gate_kernel<1><<<(total + 255) / 256, 256, 0, stream>>>(ap, gp, gate.stride(0), gate.stride(1), heads, D,
                                                                   op, total);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+torch::Tensor moe_combine(const torch::Tensor& out_sorted_in, const torch::Tensor& inv_in, const torch::Tensor& weights) {
+  TORCH_CHECK(out_sorted_in.scalar_type() == torch::kBFloat16 && out_sorted_in.dim() == 2 && weights.dim() == 2 &&
+                  weights.scalar_type() == torch::kBFloat16 && inv_in.scalar_type() == torch::kInt64 &&
+                  inv_in.numel() == weights.numel() && out_sorted_in.size(0) == weights.numel(),
+              "moe_combine: expected bf16 out_sorted [T K, H], int64 inv [T K], bf16 weights [T, K]");
+  auto src = out_sorted_in.contiguous();
+  auto inv = inv_in.contiguous();
+  auto w = weights.contiguous();
+  const int64_t T = w.size(0), K = w.size(1), H = src.size(1);
+  auto out = torch::empty({T, H}, src.options());
+  if (T == 0 || H == 0) return out;
+  c10::cuda::CUDAGuard guard(src.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const auto* sp = reinterpret_cast<const __nv_bfloat16*>(src.data_ptr());
+  const auto* wp = reinterpret_cast<const __nv_bfloat16*>(w.data_ptr());
+  auto* op = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  const bool vec8 = H % 8 == 0 && reinterpret_cast<uintptr_t>(sp) % 16 == 0 && reinterpret_cast<uintptr_t>(op) % 16 == 0;
+  const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, vec8 ? H / 8 : H)));
+  if (vec8)
+    moe_combine_kernel<8><<<static_cast<unsigned>(T), threads, 0, stream>>>(sp, inv.data_ptr<int64_t>(), wp, op,
+                                                                             static_cast<int>(K), H);
+  else
+    moe_combine_kernel<1><<<static_cast<unsigned>(T), threads, 0, stream>>>(sp, inv.data_ptr<int64_t>(), wp, op,
+                                                                             static_cast<int>(K), H);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

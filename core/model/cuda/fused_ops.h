@@ -40,4 +40,12 @@ torch::Tensor decode_qkv(const torch::Tensor& qkv, const torch::Tensor& q_norm_w
 // over D (a strided view of the q|gate projection). Returns a's shape, contiguous.
 torch::Tensor sigmoid_gate(const torch::Tensor& a, const torch::Tensor& gate);
 
+// The MoE combine in one pass: y[t] = sum_k w[t, k] * out_sorted[inv[t K + k]], accumulated in fp32
+// and rounded to bf16 once (as the batched GEMM of the plain path: [T, 1, K] x [T, K, H]; equal up to
+// the order of the K fp32 additions). out_sorted: contiguous [T K, H] expert outputs in expert order;
+// inv: int64 [T K], the sorted row of slot (t, k); weights: [T, K] in out_sorted's dtype. Replaces
+// the scatter back to slot order plus the batched GEMM (two passes over [T K, H] and a bmm whose
+// tiles are mostly padding).
+torch::Tensor moe_combine(const torch::Tensor& out_sorted, const torch::Tensor& inv, const torch::Tensor& weights);
+
 }  // namespace dflash::model::fused
