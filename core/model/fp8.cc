@@ -228,7 +228,10 @@ Projection load_projection(WeightSource& w, const std::vector<std::pair<std::str
   for (size_t i = 0; i < parts.size(); ++i) {
     auto [q, s] = w.get_fp8(parts[i].first, parts[i].second);
     if (!q.defined()) break;
-    aligned = aligned && q.size(1) % kBlock == 0 && (i + 1 == parts.size() || q.size(0) % kBlock == 0);
+    // Input width a multiple of 4 blocks: the block-scaled GEMM (cuBLASLt through at::_scaled_mm)
+    // returned wrong values, without an error, for K = 256 (2 scale columns) on the H200; K = 1024
+    // and up matched. Narrower projections compute on dequantized weights (logged below).
+    aligned = aligned && q.size(1) % kGemmK == 0 && (i + 1 == parts.size() || q.size(0) % kBlock == 0);
     rows += q.size(0);
     w_q.push_back(q);
     scales.push_back(s);
@@ -243,7 +246,8 @@ Projection load_projection(WeightSource& w, const std::vector<std::pair<std::str
     static std::once_flag logged;
     std::call_once(logged, [&] {
       LOG_INFO("FP8 checkpoint: projection '" << parts.front().first << "' (and any other mixing FP8 and non-FP8 "
-                                              << "parts or not 128-row aligned) computes on dequantized weights");
+                                              << "parts, not 128-row aligned, or an input width not a multiple of 512) computes on "
+                                              << "dequantized weights");
     });
   }
   std::vector<torch::Tensor> dense;

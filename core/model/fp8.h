@@ -40,6 +40,7 @@
 namespace dflash::model::fp8 {
 
 constexpr int64_t kBlock = 128;        // the only weight_block_size accepted: [128, 128]
+constexpr int64_t kGemmK = 4 * kBlock;  // FP8 GEMMs need an input width that is a multiple of this (fp8.cc)
 constexpr double kE4m3Max = 448.0;     // largest finite float8_e4m3fn
 
 struct QuantConfig {

@@ -290,6 +290,8 @@ def main(argv=None):
         return 2
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     if is_cuda:
+        if device.index is None:  # torch.cuda.set_device and FSDP need an indexed device
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     torch.manual_seed(a.seed)
     if a.wrap == "fsdp":

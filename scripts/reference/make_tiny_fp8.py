@@ -47,14 +47,14 @@ VOCAB = 256
 
 
 def dense_config():
-    return Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=384, num_hidden_layers=3,
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
                        rope_theta=1000000.0, max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
 def hybrid_config():
     return make_tiny_hybrid.text_config(
-        hidden_size=256, intermediate_size=384, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
         head_dim=64, linear_key_head_dim=64, linear_value_head_dim=32)
 
 

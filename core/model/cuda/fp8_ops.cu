@@ -86,8 +86,9 @@ std::pair<torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_q, const torch::Tensor& scale_inv) {
   TORCH_CHECK(w_q.scalar_type() == torch::kFloat8_e4m3fn && w_q.is_contiguous() && w_q.size(1) == x.size(-1) &&
-                  w_q.size(0) % 16 == 0,
-              "fp8_cuda::linear: expected a contiguous float8_e4m3fn weight [N, K] with N % 16 == 0");
+                  w_q.size(0) % 16 == 0 && w_q.size(1) % (4 * kGroup) == 0,
+              "fp8_cuda::linear: expected a contiguous float8_e4m3fn weight [N, K] with N % 16 == 0 and K % 512 == 0 "
+              "(cuBLASLt's block-scaled GEMM gave wrong values for K = 256 on the H200)");
   // cuBLASLt's block-scaled FP8 GEMM has no kernel for every row count (M = 1000 was refused with
   // CUBLAS_STATUS_NOT_SUPPORTED on the H200 while 4096 ran): the rows are padded to a multiple of 128
   // inside the quantization (no extra pass over x) and the padding is sliced off the output.
