@@ -138,19 +138,8 @@ TEST_P(Fp8Golden, CaptureMatchesHFOnTheDequantizedWeights) {
   auto rt = twin->forward_capture(p.ids, p.lens, spec);
   EXPECT_TRUE(torch::equal(r.features_TKH, rt.features_TKH));
   EXPECT_TRUE(torch::equal(r.last_hidden_TH, rt.last_hidden_TH));
-  const int64_t H = cfg.hidden_size;
-  int64_t off = 0;
-  double worst = 0;
-  for (size_t d = 0; d < p.lens.size(); ++d) {
-    const int64_t n = p.lens[d];
-    for (int64_t l = 0; l < cfg.num_layers; ++l) {
-      auto ref = golden.load("layer." + std::to_string(d) + "." + std::to_string(l));
-      const double e = rel_err(r.features_TKH.narrow(0, off, n).narrow(1, l * H, H), ref);
-      worst = std::max(worst, e);
-      EXPECT_LT(e, 1e-4) << GetParam() << " doc " << d << " layer " << l;
-    }
-    off += n;
-  }
+  const double worst =
+      dflash::testing::worst_golden_error(r, spec, cfg.hidden_size, cfg.num_layers, p.lens, golden, GetParam(), 1e-4);
   std::cout << GetParam() << ": worst relative error " << worst << "\n";
 }
 

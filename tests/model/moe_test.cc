@@ -31,30 +31,9 @@ double worst_error(model::TargetModel& target, const std::string& dir, bool expe
   for (int64_t l = cfg.num_layers - 1; l >= 0; --l) spec.layer_ids.push_back(l);  // reversed order
   spec.last_hidden = true;
   auto r = target.forward_capture(p.ids, p.lens, spec);
-  const int64_t H = cfg.hidden_size;
-  int64_t off = 0;
-  double worst = 0;
-  for (size_t d = 0; d < p.lens.size(); ++d) {
-    const int64_t n = p.lens[d];
-    for (size_t k = 0; k < spec.layer_ids.size(); ++k) {
-      const int64_t l = spec.layer_ids[k];
-      auto ref = golden.load("layer." + std::to_string(d) + "." + std::to_string(l));
-      const double e = rel_err(r.features_TKH.narrow(0, off, n).narrow(1, k * H, H), ref);
-      worst = std::max(worst, e);
-      if (expect) EXPECT_LT(e, 1e-4) << dir << " doc " << d << " (length " << n << ") layer " << l;
-    }
-    auto ref_last = golden.load("layer." + std::to_string(d) + "." + std::to_string(cfg.num_layers - 1));
-    const double e_last = rel_err(r.last_hidden_TH.narrow(0, off, n), ref_last);
-    const double e_final =
-        rel_err(target.final_norm(r.last_hidden_TH.narrow(0, off, n)), golden.load("final." + std::to_string(d)));
-    worst = std::max({worst, e_last, e_final});
-    if (expect) {
-      EXPECT_LT(e_last, 1e-4) << dir << " doc " << d;
-      EXPECT_LT(e_final, 1e-4) << dir << " doc " << d << " final norm";
-    }
-    off += n;
-  }
-  return worst;
+  return dflash::testing::worst_golden_error(r, spec, cfg.hidden_size, cfg.num_layers, p.lens, golden, dir,
+                                             expect ? 1e-4 : 0.0,
+                                             [&](const torch::Tensor& h) { return target.final_norm(h); });
 }
 
 class MoeGolden : public ::testing::TestWithParam<std::string> {};

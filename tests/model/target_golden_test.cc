@@ -35,22 +35,7 @@ TEST_P(TargetGolden, EveryLayerAndLastHiddenMatchHF_fp32) {
   ASSERT_EQ(r.features_TKH.size(0), p.ids.size(0));
   ASSERT_EQ(r.features_TKH.size(1), H * cfg.num_layers);
 
-  int64_t off = 0;
-  double worst = 0;
-  for (size_t d = 0; d < p.lens.size(); ++d) {
-    const int64_t n = p.lens[d];
-    for (size_t k = 0; k < spec.layer_ids.size(); ++k) {
-      const int64_t l = spec.layer_ids[k];
-      auto ref = golden.load("layer." + std::to_string(d) + "." + std::to_string(l));
-      auto ours = r.features_TKH.narrow(0, off, n).narrow(1, k * H, H);
-      double e = rel_err(ours, ref);
-      worst = std::max(worst, e);
-      EXPECT_LT(e, 1e-4) << GetParam() << " doc " << d << " layer " << l;
-    }
-    auto ref_last = golden.load("layer." + std::to_string(d) + "." + std::to_string(cfg.num_layers - 1));
-    EXPECT_LT(rel_err(r.last_hidden_TH.narrow(0, off, n), ref_last), 1e-4) << GetParam() << " doc " << d;
-    off += n;
-  }
+  const double worst = dflash::testing::worst_golden_error(r, spec, H, cfg.num_layers, p.lens, golden, GetParam(), 1e-4);
   std::cout << GetParam() << ": worst relative error " << worst << "\n";
 }
 
