@@ -28,11 +28,10 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
-
-#include <memory>
 #include <vector>
 
 #include "core/stream/device_payload.h"
