@@ -200,6 +200,12 @@ ServeSummary TargetServer::run() {
 // Links first (fail fast on a wrong run id / topology; lets the drafters watch this pid).
 void TargetServer::connect() {
   serve_metrics(opt_.metrics_port, config::Role::kTarget, rank_);
+#ifdef DFLASH_WITH_CUDA
+  // A c10d link runs on the CUDA device current when it is made: the target's own, so that it can
+  // send straight from the capture buffers (--device cuda:N).
+  std::optional<c10::cuda::CUDAGuard> on_target_device;
+  if (const auto dev = model::parse_device(opt_.device); dev.is_cuda() && dev.has_index()) on_target_device.emplace(dev.index());
+#endif
   for (int d = 0; d < M_; ++d) {
     const auto name = pipeline::link_name(opt_.run_id, rank_, d, M_);
     links_.push_back(pipeline::make_sender_link(cfg_, opt_.run_id, rank_, d, opt_.device, ms_of(opt_.attach_timeout_s)));
