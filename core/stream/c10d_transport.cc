@@ -1,4 +1,5 @@
 #include "core/stream/c10d_transport.h"
+#include "core/stream/cuda_device_bytes.h"
 #include "core/stream/store_control.h"
 
 #include <ATen/ATen.h>
@@ -25,7 +26,9 @@ using std::chrono::milliseconds;
 
 constexpr int kReceiverRank = 0, kSenderRank = 1;
 
-// LinkData over a two-rank ProcessGroupNCCL, staging each batch through one device buffer per side.
+// LinkData over a two-rank ProcessGroupNCCL. Host pieces go through one device staging buffer per
+// side (at their offsets in the batch); a direct batch's device pieces go from the sender's CUDA
+// tensors (CudaDeviceBytes) straight into the receiver's staging buffer.
 class NcclData final : public LinkData {
  public:
   NcclData(const c10::intrusive_ptr<c10d::Store>& store, int rank, std::string name, milliseconds timeout)
@@ -60,26 +63,41 @@ class NcclData final : public LinkData {
   }
   void free_host(void* p) noexcept override { cudaFreeHost(p); }
 
-  void send(const void* src, size_t bytes, const std::function<void()>& check) override {
+  // Every piece's NCCL send is queued (host pieces behind their H2D copy, device pieces behind their
+  // producer's event, both on the link's stream), then each is waited for in order: when this
+  // returns, NCCL no longer reads any of the batch's memory.
+  void send(const std::vector<WirePiece>& pieces, const std::function<void()>& check) override {
     c10::cuda::CUDAStreamGuard g(*stream_);
+    const size_t bytes = pieces.empty() ? 0 : pieces.back().offset + pieces.back().bytes;
     auto dev = staging(bytes, "send");
     try {
-      dev.copy_(at::from_blob(const_cast<void*>(src), {static_cast<int64_t>(bytes)}, at::kByte), /*non_blocking=*/true);
-      std::vector<at::Tensor> t{dev};
-      run(pg_->send(t, peer_, 0), check, "send", bytes);
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (const WirePiece& p : pieces) {
+        std::vector<at::Tensor> t{piece_tensor(p, dev)};
+        works.push_back(pg_->send(t, peer_, 0));
+      }
+      for (const auto& w : works) run(w, check, "send", bytes);
     } catch (const c10::Error& e) {
       abort();
       DFLASH_FAIL(TransportError, "c10d link " << name_ << ": send of " << bytes << " bytes: " << e.what_without_backtrace());
     }
   }
 
-  void recv(void* dst, size_t bytes, const std::function<void()>& check) override {
+  void recv(void* dst, const std::vector<size_t>& pieces, const std::function<void()>& check) override {
     c10::cuda::CUDAStreamGuard g(*stream_);
+    size_t bytes = 0;
+    for (size_t p : pieces) bytes += p;
     auto dev = staging(bytes, "recv");
     try {
-      std::vector<at::Tensor> t{dev};
-      run(pg_->recv(t, peer_, 0), check, "recv", bytes);
-      // The current stream waits for the recv (work->wait in run); a blocking copy then syncs the host.
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      size_t at = 0;
+      for (size_t p : pieces) {
+        std::vector<at::Tensor> t{dev.narrow(0, static_cast<int64_t>(at), static_cast<int64_t>(p))};
+        works.push_back(pg_->recv(t, peer_, 0));
+        at += p;
+      }
+      for (const auto& w : works) run(w, check, "recv", bytes);
+      // The current stream waits for the recvs (work->wait in run); a blocking copy then syncs the host.
       at::from_blob(dst, {static_cast<int64_t>(bytes)}, at::kByte).copy_(dev, /*non_blocking=*/false);
     } catch (const c10::Error& e) {
       abort();
@@ -87,7 +105,24 @@ class NcclData final : public LinkData {
     }
   }
 
+  DeviceKind direct_send_kind() const override { return DeviceKind::kCuda; }
+
  private:
+  // What NCCL sends for piece `p`: a device piece's own tensor (the link's stream first waits for
+  // its producer); a host piece copied into the staging buffer `dev` at its offset (a queued H2D copy).
+  at::Tensor piece_tensor(const WirePiece& p, const at::Tensor& dev) {
+    if (p.device) {
+      const auto& d = dynamic_cast<const CudaDeviceBytes&>(*p.device);  // the kind was checked at commit
+      DFLASH_CHECK(d.bytes().device() == device_, TransportError,
+                   "c10d link " << name_ << ": direct send of memory on " << d.bytes().device() << ", but the link runs on " << device_);
+      d.wait_ready_on(*stream_);
+      return d.bytes();
+    }
+    auto t = dev.narrow(0, static_cast<int64_t>(p.offset), static_cast<int64_t>(p.bytes));
+    t.copy_(at::from_blob(const_cast<void*>(p.host), {static_cast<int64_t>(p.bytes)}, at::kByte), /*non_blocking=*/true);
+    return t;
+  }
+
   at::Tensor staging(size_t bytes, const char* what) {
     DFLASH_CHECK(bytes <= staging_bytes_, TransportError,
                  "c10d link " << name_ << ": " << what << " of " << bytes << " bytes exceeds the slot size " << staging_bytes_);

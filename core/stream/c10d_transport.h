@@ -10,6 +10,12 @@
 //            host slot. Host slots stay the Sender/Receiver memory, so packing (PackedBatchWriter),
 //            validation and the payload checksum (verified by the receiver when asked) are exactly
 //            those of shm; GPU memory: one staging buffer of slot_bytes per side.
+//            Direct send (direct_send_kind() == kCuda, device_payload.h): a batch's device
+//            sections (CudaDeviceBytes, e.g. the target's capture buffer) are NCCL-sent from their
+//            own memory after their producer's event, and only the host parts (header, doc table,
+//            ids, mask, padding) are staged; the receiver side is as above. Such batches carry no
+//            payload checksum. Their SendCompletion fires once NCCL's send completed (the op's
+//            end event, polled through Work::isCompleted) or when the link failed.
 // Peer death while an NCCL op is pending: the waiting side polls the op and the link's liveness
 // checks; on failure it aborts the communicator (ProcessGroupNCCL::abort) and throws
 // TransportError, so nothing hangs in NCCL.

@@ -20,7 +20,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-constexpr int64_t kChannelVersion = 1;
+constexpr int64_t kChannelVersion = 2;  // 2: direct batches (pieces in the meta value)
 constexpr uint32_t kMaxChannelSlots = 256;
 constexpr const char* kEnd = "end";
 
@@ -36,12 +36,64 @@ struct HostSlot {
   uint64_t ticket = 0;
 };
 
-// A batch moving through an end: its slot, commit number and byte count.
+// A batch moving through an end: its slot, commit number and byte count; `direct`: some of its
+// bytes were sent from the sender's device memory (it carries no payload checksum).
 struct Transfer {
   uint32_t slot;
   uint64_t seq;
   size_t size;
+  bool direct = false;
 };
+
+constexpr size_t kMaxPieces = 64;
+
+// The meta value of a commit: "<bytes>", or for a direct batch "<bytes>/<p1>,<p2>,..." (its pieces).
+std::string meta_value(size_t size, const std::vector<WirePiece>& pieces, bool direct) {
+  std::string v = std::to_string(size);
+  if (!direct) return v;
+  for (size_t i = 0; i < pieces.size(); ++i) v += (i ? "," : "/") + std::to_string(pieces[i].bytes);
+  return v;
+}
+
+// Parses "<bytes>[/<p1>,...]" into the byte count, the transfer sizes and whether it is direct;
+// TransportError (naming `where`) unless every number is a positive decimal, the pieces sum to the
+// byte count and it fits `capacity`.
+Transfer parse_meta(const std::string& v, size_t capacity, std::vector<size_t>& pieces, const std::string& where) {
+  auto bad = [&](const char* what) {
+    DFLASH_FAIL(TransportError, where << ": bad size '" << v << "' (" << what << ", slot capacity " << capacity << ")");
+  };
+  auto number = [&](size_t& at) {
+    const size_t start = at;
+    unsigned long long n = 0;
+    while (at < v.size() && v[at] >= '0' && v[at] <= '9') {
+      if (n > (~0ull - 9) / 10) bad("too large");
+      n = n * 10 + static_cast<unsigned>(v[at++] - '0');
+    }
+    if (at == start) bad("not a number");
+    return static_cast<size_t>(n);
+  };
+  Transfer t{0, 0, 0, false};
+  size_t at = 0;
+  t.size = number(at);
+  if (t.size > capacity) bad("larger than a slot");
+  pieces.clear();
+  if (at == v.size()) {
+    if (t.size > 0) pieces.push_back(t.size);
+    return t;
+  }
+  if (v[at] != '/') bad("expected '/'");
+  t.direct = true;
+  size_t sum = 0;
+  do {
+    ++at;
+    const size_t p = number(at);
+    if (p == 0 || p > t.size - sum || pieces.size() == kMaxPieces) bad("pieces");
+    pieces.push_back(p);
+    sum += p;
+  } while (at < v.size() && v[at] == ',');
+  if (at != v.size() || sum != t.size) bad("pieces do not add up");
+  return t;
+}
 
 // Gives every slot's memory back to `data` (slots never allocated are skipped).
 template <class State>
@@ -110,9 +162,15 @@ class ChannelReceiver final : public Receiver {
     s.ticket = ++next_ticket_;
     ++received_;
     ReceivedBatch b(this, s.mem, r.size, r.slot, r.seq, s.ticket);
+    const bool first_direct = r.direct && !direct_seen_;
+    direct_seen_ = direct_seen_ || r.direct;
     lk.unlock();
+    if (first_direct && opts_.verify_checksum)
+      LOG_INFO("link " << name_ << ": batches sent straight from the sender's device memory carry no payload checksum; "
+                       "verifying their structure only");
     // Throws DataError on a bad batch; `b` then gives the slot back.
-    check_received_batch(b.data(), b.size(), opts_.verify_checksum, "link " + name_ + " batch seq " + std::to_string(b.seq()));
+    check_received_batch(b.data(), b.size(), opts_.verify_checksum && !r.direct,
+                         "link " + name_ + " batch seq " + std::to_string(b.seq()));
     return std::optional<ReceivedBatch>(std::move(b));
   }
 
@@ -256,16 +314,13 @@ class ChannelReceiver final : public Receiver {
           cv_.notify_all();
           return;
         }
-        char* endp = nullptr;
-        const unsigned long long size = std::strtoull(meta.c_str(), &endp, 10);
-        DFLASH_CHECK(endp && *endp == 0 && !meta.empty() && size <= opts_.slot_bytes, TransportError,
-                     "link " << name_ << ": bad size '" << meta << "' for commit " << seq << " (slot capacity "
-                             << opts_.slot_bytes << ")");
-        data_->recv(slots_[slot].mem, size, [this] { check_peer(); });
+        Transfer t = parse_meta(meta, opts_.slot_bytes, pieces_, "link " + name_ + " commit " + std::to_string(seq));
+        t.slot = slot, t.seq = seq;
+        data_->recv(slots_[slot].mem, pieces_, [this] { check_peer(); });
         {
           std::lock_guard<std::mutex> lk(mu_);
           slots_[slot].state = kReady;
-          ready_.push_back({slot, seq, static_cast<size_t>(size)});
+          ready_.push_back(t);
         }
         cv_.notify_all();
       }
@@ -282,10 +337,11 @@ class ChannelReceiver final : public Receiver {
   std::condition_variable cv_;
   std::vector<Slot> slots_;
   std::deque<Transfer> ready_;
-  bool eos_ = false, closed_ = false, attached_ = false;
+  bool eos_ = false, closed_ = false, attached_ = false, direct_seen_ = false;
   std::string error_;
   std::atomic<bool> stop_{false};
   uint64_t received_ = 0, released_ = 0, next_ticket_ = 0;
+  std::vector<size_t> pieces_;  // worker-thread only: the transfers of the batch being received
   // worker-thread only
   int64_t last_hb_ = -1;
   Clock::time_point last_hb_change_{}, next_check_{};
@@ -352,6 +408,7 @@ class ChannelSender final : public Sender {
     if (worker_.joinable()) worker_.join();
     if (heartbeat_.joinable()) heartbeat_.join();
     if (!clean || !error_.empty()) data_->abort();
+    fail_queued(error_.empty() ? "link " + name_ + ": sender destroyed before the batch was sent" : error_);
     free_host_slots(slots_, *data_);
   }
 
@@ -404,13 +461,25 @@ class ChannelSender final : public Sender {
                    "link " << name_ << ": commit of " << buf.size() << " bytes exceeds the slot capacity " << slot_bytes_);
       DFLASH_CHECK(!closed_, TransportError, "link " << name_ << ": commit after close()");
       if (!error_.empty()) throw TransportError(error_);
+      SendJob job;
+      job.sections = buf.device_sections();
+      job.done = buf.send_completion();
+      job.t = {buf.slot(), committed_, buf.size(), !job.sections.empty()};
+      DFLASH_CHECK(!job.t.direct || job.done, TransportError, "link " << name_ << ": commit with device sections but no SendCompletion");
+      job.pieces = wire_pieces(slots_[buf.slot()].mem, buf.size(), job.sections, data_->direct_send_kind(), "link " + name_);
+      DFLASH_CHECK(job.pieces.size() <= kMaxPieces, TransportError,
+                   "link " << name_ << ": " << job.sections.size() << " device sections make " << job.pieces.size()
+                           << " transfers, more than " << kMaxPieces);
+      ++committed_;
       slots_[buf.slot()].state = kQueued;
       --acquired_;
-      queue_.push_back({buf.slot(), committed_++, buf.size()});
+      queue_.push_back(std::move(job));
       buf.disarm();
     }
     cv_.notify_all();
   }
+
+  DeviceKind direct_send_kind() const override { return data_->direct_send_kind(); }
 
   void close() override {
     {
@@ -420,7 +489,9 @@ class ChannelSender final : public Sender {
       for (auto& s : slots_)
         if (s.state == kAcquired) s.state = kFree;
       acquired_ = 0;
-      queue_.push_back({kEndSlot, committed_, 0});
+      SendJob end;
+      end.t = {kEndSlot, committed_, 0, false};
+      queue_.push_back(std::move(end));
     }
     cv_.notify_all();
   }
@@ -457,6 +528,21 @@ class ChannelSender final : public Sender {
   enum State { kFree, kAcquired, kQueued };
   using Slot = HostSlot<State>;
 
+  // A committed batch waiting for the send thread; `sections` keep its device memory handles alive.
+  struct SendJob {
+    Transfer t{};
+    std::vector<WirePiece> pieces;
+    std::vector<DeviceSection> sections;
+    std::shared_ptr<SendCompletion> done;
+  };
+
+  // Signals the completion of every batch still queued (they will not be sent) with `why`.
+  void fail_queued(const std::string& why) {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& job : queue_)
+      if (job.done) job.done->set_failed(why);
+  }
+
   void check_peer() {
     if (stop_) throw TransportError("link " + name_ + ": sender shut down during a transfer");
     const auto now = Clock::now();
@@ -468,34 +554,38 @@ class ChannelSender final : public Sender {
   void worker_loop() {
     try {
       for (;;) {
-        Transfer job;
+        const SendJob* job;
         {
           std::unique_lock<std::mutex> lk(mu_);
           cv_.wait(lk, [&] { return !queue_.empty() || stop_; });
           if (queue_.empty()) return;
-          job = queue_.front();
+          job = &queue_.front();  // deque: stays put while commit() appends
         }
-        if (job.slot == kEndSlot) {
-          control_->set(meta_key(job.seq), kEnd);
+        if (job->t.slot == kEndSlot) {
+          control_->set(meta_key(job->t.seq), kEnd);
           std::lock_guard<std::mutex> lk(mu_);
           queue_.pop_front();
           worker_done_ = true;
           cv_.notify_all();
           return;
         }
-        control_->set(meta_key(job.seq), std::to_string(job.size));
-        data_->send(slots_[job.slot].mem, job.size, [this] { check_peer(); });
+        control_->set(meta_key(job->t.seq), meta_value(job->t.size, job->pieces, job->t.direct));
+        data_->send(job->pieces, [this] { check_peer(); });
+        if (job->done) job->done->set_sent();
         {
           std::lock_guard<std::mutex> lk(mu_);
+          slots_[job->t.slot].state = kFree;  // the bytes are out; the credit stays taken until released
           queue_.pop_front();
-          slots_[job.slot].state = kFree;  // the bytes are out; the credit stays taken until released
         }
         cv_.notify_all();
       }
     } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (error_.empty()) error_ = e.what();
-      worker_done_ = true;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (error_.empty()) error_ = e.what();
+        worker_done_ = true;
+      }
+      fail_queued(e.what());  // the batch being sent too: the data plane abandoned it
       cv_.notify_all();
     }
   }
@@ -521,7 +611,7 @@ class ChannelSender final : public Sender {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Slot> slots_;
-  std::deque<Transfer> queue_;
+  std::deque<SendJob> queue_;
   uint64_t acquired_ = 0, committed_ = 0, released_remote_ = 0, next_ticket_ = 0;
   bool closed_ = false, worker_done_ = false;
   std::string error_;
@@ -540,7 +630,7 @@ struct FakeChannelState {
   std::condition_variable cv;
   std::map<std::string, std::string> kv;
   std::deque<std::vector<uint8_t>> wire;
-  bool dead = false, frozen = false, corrupt = false;
+  bool dead = false, frozen = false, corrupt = false, hold = false;
 };
 
 class FakeControl final : public LinkControl {
@@ -585,34 +675,49 @@ class FakeData final : public LinkData {
     return p;
   }
   void free_host(void* p) noexcept override { std::free(p); }
-  void send(const void* src, size_t bytes, const std::function<void()>& check) override {
+  // One wire message per piece; a held link waits (checking) before reading any of them.
+  void send(const std::vector<WirePiece>& pieces, const std::function<void()>& check) override {
     check();
-    std::lock_guard<std::mutex> lk(st_->mu);
+    std::unique_lock<std::mutex> lk(st_->mu);
+    wait_while(lk, [&] { return st_->hold; }, check);
     if (st_->frozen) return;
-    const auto* b = static_cast<const uint8_t*>(src);
-    st_->wire.emplace_back(b, b + bytes);
-    if (st_->corrupt && bytes > kSectionAlign) {
-      st_->wire.back()[bytes - 1] ^= 0x5a;
-      st_->corrupt = false;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const WirePiece& p = pieces[i];
+      const auto* b = static_cast<const uint8_t*>(p.device ? dynamic_cast<const HostStandInBytes&>(*p.device).data() : p.host);
+      st_->wire.emplace_back(b, b + p.bytes);
+      if (st_->corrupt && i + 1 == pieces.size() && p.offset + p.bytes > kSectionAlign) {
+        st_->wire.back()[p.bytes - 1] ^= 0x5a;
+        st_->corrupt = false;
+      }
     }
     st_->cv.notify_all();
   }
-  void recv(void* dst, size_t bytes, const std::function<void()>& check) override {
+  void recv(void* dst, const std::vector<size_t>& pieces, const std::function<void()>& check) override {
     std::unique_lock<std::mutex> lk(st_->mu);
-    while (st_->wire.empty()) {
+    auto* out = static_cast<uint8_t*>(dst);
+    for (size_t bytes : pieces) {
+      wait_while(lk, [&] { return st_->wire.empty(); }, check);
+      auto msg = std::move(st_->wire.front());
+      st_->wire.pop_front();
+      DFLASH_CHECK(msg.size() == bytes, TransportError,
+                   "fake link " << st_->name << ": sent " << msg.size() << " bytes, receiver expected " << bytes);
+      std::memcpy(out, msg.data(), bytes);
+      out += bytes;
+    }
+  }
+  DeviceKind direct_send_kind() const override { return DeviceKind::kHostStandIn; }
+
+ private:
+  // Waits while `pred` holds, calling `check` (unlocked) every few milliseconds.
+  template <class Pred>
+  void wait_while(std::unique_lock<std::mutex>& lk, Pred pred, const std::function<void()>& check) {
+    while (pred()) {
       st_->cv.wait_for(lk, milliseconds(5));
       lk.unlock();
       check();
       lk.lock();
     }
-    auto msg = std::move(st_->wire.front());
-    st_->wire.pop_front();
-    DFLASH_CHECK(msg.size() == bytes, TransportError,
-                 "fake link " << st_->name << ": sent " << msg.size() << " bytes, receiver expected " << bytes);
-    std::memcpy(dst, msg.data(), bytes);
   }
-
- private:
   std::shared_ptr<FakeChannelState> st_;
 };
 
@@ -647,6 +752,13 @@ FakeChannel make_fake_channel(const std::string& name) {
   fc.corrupt_next = [st] {
     std::lock_guard<std::mutex> lk(st->mu);
     st->corrupt = true;
+  };
+  fc.hold_sends = [st](bool hold) {
+    {
+      std::lock_guard<std::mutex> lk(st->mu);
+      st->hold = hold;
+    }
+    st->cv.notify_all();
   };
   return fc;
 }

@@ -103,6 +103,7 @@ class FakeSender final : public FakeEnd<Sender> {
   }
 
   void commit(SlotBuffer&& buf) override {
+    require_host_only(buf);
     auto& s = *st_;
     std::lock_guard<std::mutex> lk(s.mu);
     DFLASH_CHECK(buf.valid() && detail::slot_held(s.slots, buf.slot(), buf.ticket(), SlotState::kAcquired),

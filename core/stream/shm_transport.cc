@@ -556,6 +556,7 @@ SlotBuffer ShmSender::acquire(size_t bytes, milliseconds timeout) {
 }
 
 void ShmSender::commit(SlotBuffer&& buf) {
+  require_host_only(buf);
   std::lock_guard<std::mutex> lk(commit_mu_);
   ShmControl* c = seg_->ctl();
   DFLASH_CHECK(buf.valid() && buf.slot() < c->num_slots && c->slots[buf.slot()].state.load() == kSlotAcquired &&

@@ -20,14 +20,21 @@
 // - Threads: one thread may acquire/commit while others fill slots; receive() and release() may
 //   be called from different threads. SlotBuffer / ReceivedBatch must not outlive their
 //   Sender / Receiver.
+// - Direct send (device_payload.h; only where Sender::direct_send_kind() is not kNone, today the
+//   c10d transport with CUDA memory): parts of a batch may be sent from device memory named on the
+//   SlotBuffer instead of from the slot; everything above holds for such batches too, except that
+//   they carry no payload checksum and the receiver does not verify one for them.
 #pragma once
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
+#include "core/stream/device_payload.h"
 #include "core/stream/packed_batch.h"
 
 namespace dflash::stream {
@@ -123,8 +130,22 @@ class SlotBuffer : public detail::SlotHandle {
   // size(): bytes commit() publishes; starts as acquire()'s bytes.
   void set_size(size_t n) { size_ = n; }  // commit() checks n <= capacity()
 
+  // Direct send: at commit, bytes [s.offset, s.offset + s.bytes->size()) of the batch are taken
+  // from each section's device memory instead of from the slot (whose bytes there are not sent),
+  // and `done` is signalled once the transport no longer reads that memory (device_payload.h).
+  // commit() throws TransportError when the Sender cannot send from that kind of memory or a
+  // section lies outside size() or overlaps another. Replaces sections set before.
+  void set_device_sections(std::vector<DeviceSection> sections, std::shared_ptr<SendCompletion> done) {
+    sections_ = std::move(sections);
+    done_ = std::move(done);
+  }
+  const std::vector<DeviceSection>& device_sections() const { return sections_; }
+  const std::shared_ptr<SendCompletion>& send_completion() const { return done_; }
+
  private:
   size_t capacity_ = 0;
+  std::vector<DeviceSection> sections_;
+  std::shared_ptr<SendCompletion> done_;
 };
 
 // A batch the receiver holds. Move-only. Dropping it without release() releases it.
@@ -180,10 +201,19 @@ class Sender : public detail::LinkEnd {
   // receiver died or closed the link, or after close().
   virtual SlotBuffer acquire(size_t bytes, std::chrono::milliseconds timeout) = 0;
   // Publishes the slot's first size() bytes to the receiver. Never blocks on the peer.
+  // With device sections (SlotBuffer::set_device_sections): TransportError, the slot still held,
+  // when they do not fit this Sender (direct_send_kind()); else their completion fires exactly
+  // once, after the transfer or when the link fails or is destroyed before it.
   virtual void commit(SlotBuffer&& slot) = 0;
+  // The device memory commit() can send from directly; kNone (the default): host slots only.
+  virtual DeviceKind direct_send_kind() const { return DeviceKind::kNone; }
   // End of stream: the receiver sees std::nullopt after draining what was committed. Slots
   // acquired but not committed are dropped. Idempotent.
   virtual void close() = 0;
+
+ protected:
+  // For Senders without direct send: TransportError (naming the link) when `slot` has device sections.
+  void require_host_only(const SlotBuffer& slot) const;
 };
 
 class Receiver : public detail::LinkEnd {

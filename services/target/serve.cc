@@ -1,6 +1,7 @@
 // Legend: T = tokens of one packed batch, K = captured layers, H = hidden size, N targets, M drafters.
 #include "services/target/serve.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <iostream>
@@ -13,6 +14,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+
+#include "core/stream/cuda_device_bytes.h"
 #endif
 
 #include "core/data/shards.h"
@@ -50,7 +53,7 @@ class HostRegistration {
 #endif
 
 struct TargetMetrics {
-  metrics::Counter *tokens, *batches, *bytes;
+  metrics::Counter *tokens, *batches, *bytes, *direct;
   metrics::Histogram *read, *forward, *wait, *pack, *send;
   metrics::Gauge *queue_depth, *free_credits, *inflight;
   pipeline::GpuMemoryGauges gpu;
@@ -58,6 +61,8 @@ struct TargetMetrics {
     tokens = &r.counter("dflash_target_tokens_total", "tokens forwarded, packed and sent");
     batches = &r.counter("dflash_target_batches_total", "packed batches sent");
     bytes = &r.counter("dflash_target_sent_bytes_total", "packed-batch bytes committed to the transport");
+    direct = &r.counter("dflash_target_direct_send_batches_total",
+                        "packed batches sent straight from the capture buffer (c10d on CUDA); they carry no payload checksum");
     const auto st = pipeline::stage_histograms(r, "dflash_target_stage_seconds",
                                                 "time per batch in one stage of the target loop",
                                                 {"read", "forward", "wait", "pack", "send"});
@@ -140,17 +145,27 @@ class TargetServer : private pipeline::WorkerBase {
   std::vector<data::SampleView> samples_;
   int64_t n_batches_ = 0;
   bool fault_fired_ = false;
+  // Direct send (CUDA, every link sends from CUDA memory: c10d): the features and h_last go from the
+  // capture buffer itself, not through the slot, and carry no payload checksum (device_payload.h).
+  bool direct_ = false;
 #ifdef DFLASH_WITH_CUDA
   // The batch whose device->host copy is in flight (CUDA pipelining, see send_batch_cuda).
   struct InFlight {
     stream::SlotBuffer slot;
     std::optional<stream::PackedBatchWriter> w;
-    int d = 0;
+    int d = 0, bi = 0;
     int64_t i = 0, T = 0;
     double read_s = 0, wait_s = 0, pack_s = 0;
-    std::optional<at::cuda::CUDAEvent> fwd_begin, fwd_end, copied;
+    std::optional<at::cuda::CUDAEvent> fwd_begin, copied;
+    std::shared_ptr<at::cuda::CUDAEvent> fwd_end;  // also the readiness of a direct send's device bytes
+    model::CaptureResult cap;                       // direct send: the capture it sends from
   };
   std::optional<InFlight> in_flight_;
+  // Direct send: per capture buffer, the send of the batch last committed from it (null: none, or
+  // it was copied to the host); the buffer is written again only after that send completed.
+  std::vector<std::shared_ptr<stream::SendCompletion>> buf_sent_;
+  void wait_buffer_sent(int bi);
+  void commit_direct(InFlight& p);
   std::optional<c10::cuda::CUDAStream> copy_stream_;  // CUDA only (touching CUDA on a CPU host fails)
   void send_batch_cuda(int d, int64_t i, int64_t e, int64_t T, double dr, const torch::Tensor& ids_T, int bi,
                        const stream::PackedBatchInfo& info, size_t bytes);
@@ -185,6 +200,12 @@ ServeSummary TargetServer::run() {
 // Links first (fail fast on a wrong run id / topology; lets the drafters watch this pid).
 void TargetServer::connect() {
   serve_metrics(opt_.metrics_port, config::Role::kTarget, rank_);
+#ifdef DFLASH_WITH_CUDA
+  // A c10d link runs on the CUDA device current when it is made: the target's own, so that it can
+  // send straight from the capture buffers (--device cuda:N).
+  std::optional<c10::cuda::CUDAGuard> on_target_device;
+  if (const auto dev = model::parse_device(opt_.device); dev.is_cuda() && dev.has_index()) on_target_device.emplace(dev.index());
+#endif
   for (int d = 0; d < M_; ++d) {
     const auto name = pipeline::link_name(opt_.run_id, rank_, d, M_);
     links_.push_back(pipeline::make_sender_link(cfg_, opt_.run_id, rank_, d, opt_.device, ms_of(opt_.attach_timeout_s)));
@@ -212,6 +233,8 @@ void TargetServer::load() {
   model::validate_capture(tcfg, spec_);
   K_ = plan_->num_context_layers(), H_ = tcfg.hidden_size, V_ = tcfg.vocab_size;
 #ifdef DFLASH_WITH_CUDA
+  direct_ = device_.is_cuda() && !links_.empty() &&
+            std::all_of(links_.begin(), links_.end(), [](const auto& l) { return l->direct_send_kind() == stream::DeviceKind::kCuda; });
   if (device_.is_cuda())
     for (auto& l : links_)
       if (auto r = pipeline::host_region(*l); r.first) pins_.push_back(std::make_unique<HostRegistration>(r.first, r.second));
@@ -234,7 +257,7 @@ void TargetServer::plan() {
   LOG_INFO("target " << rank_ << "/" << N_ << ": " << assigned << " batches to send from step " << start_step_ << " of "
                      << sched_->total_steps() << " to " << M_ << " drafters; K=" << K_ << " H=" << H_ << " dtype "
                      << stream::dtype_name(plan_->wire_dtype) << (spec_.last_hidden ? " +h_last" : "")
-                     << (cfg_.data.checksum ? " +checksum" : ""));
+                     << (direct_ ? " direct send from the capture buffers (no payload checksum)" : cfg_.data.checksum ? " +checksum" : ""));
 }
 
 // Warm-up at the largest shape the packing allows (documents of max_seq_len up to the token
@@ -243,6 +266,9 @@ void TargetServer::warm_up() {
   t_max_ = std::min<int64_t>(cfg_.data.token_budget, int64_t(cfg_.data.max_batch_size) * cfg_.data.max_seq_len);
   const auto fopts = torch::TensorOptions().dtype(plan_->target_dtype).device(device_);
   bufs_.resize(device_.is_cuda() ? 2 : 1);
+#ifdef DFLASH_WITH_CUDA
+  buf_sent_.resize(bufs_.size());
+#endif
   for (auto& buf : bufs_) {
     buf.features_TKH = torch::empty({t_max_, K_ * H_}, fopts);
     if (spec_.last_hidden) buf.last_hidden_TH = torch::empty({t_max_, H_}, fopts);
@@ -319,6 +345,7 @@ void TargetServer::loop() {
   }
 #ifdef DFLASH_WITH_CUDA
   if (in_flight_) complete(*in_flight_), in_flight_.reset();
+  for (size_t b = 0; b < buf_sent_.size(); ++b) wait_buffer_sent(static_cast<int>(b));  // the sends still read the buffers
 #endif
 }
 
@@ -402,11 +429,16 @@ void TargetServer::send_batch(int64_t step, int64_t counter, int d) {
 // buffers, so forward n+1 never writes what copy n still reads (copy n is waited for before
 // forward n+2 is launched). The only host waits: credits (transport) and the completion of the
 // previous copy (the transport needs the bytes before commit).
+// Direct send (direct_): no copy; batch n-1 is committed with its capture buffer as the device
+// sections (sent after its forward's event), and forward n+1 into that buffer is launched only
+// after that send completed (wait_buffer_sent).
 void TargetServer::send_batch_cuda(int d, int64_t i, int64_t e, int64_t T, double dr, const torch::Tensor& ids_T, int bi,
                                    const stream::PackedBatchInfo& info, size_t bytes) {
   InFlight cur;
-  cur.d = d, cur.i = i, cur.T = T, cur.read_s = dr;
-  cur.fwd_begin.emplace(cudaEventDefault), cur.fwd_end.emplace(cudaEventDefault), cur.copied.emplace(cudaEventDefault);
+  cur.d = d, cur.bi = bi, cur.i = i, cur.T = T, cur.read_s = dr;
+  cur.fwd_begin.emplace(cudaEventDefault), cur.copied.emplace(cudaEventDefault);
+  cur.fwd_end = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
+  wait_buffer_sent(bi);
   cur.fwd_begin->record();
   auto cap = target_->forward_capture(ids_T, doc_lens_, spec_, capture_view(bi, T));
   cur.fwd_end->record();
@@ -417,7 +449,9 @@ void TargetServer::send_batch_cuda(int d, int64_t i, int64_t e, int64_t T, doubl
   cur.wait_s = seconds_between(tw, tp);
   cur.w.emplace(cur.slot.data(), cur.slot.capacity(), info, docs_);
   pack_host(*cur.w, T);
-  {
+  if (direct_) {
+    cur.cap = cap;
+  } else {
     const auto fdt = torch::TensorOptions().dtype(plan_->target_dtype);
     c10::cuda::CUDAStreamGuard g(*copy_stream_);
     cur.fwd_end->block(*copy_stream_);
@@ -429,8 +463,49 @@ void TargetServer::send_batch_cuda(int d, int64_t i, int64_t e, int64_t T, doubl
   in_flight_ = std::move(cur);
 }
 
-// Waits for the batch's device->host copy, checksums and commits it.
+// Direct send: blocks until the NCCL send of the batch last committed from capture buffer `bi`
+// completed (TransportError when it failed), so that buffer may be written again.
+void TargetServer::wait_buffer_sent(int bi) {
+  auto& sent = buf_sent_[bi];
+  if (!sent) return;
+  const auto t0 = Clock::now();
+  try {
+    sent->wait();
+  } catch (const TransportError& err) {
+    throw TransportError(std::string("target ") + std::to_string(rank_) + ": direct send from capture buffer " +
+                         std::to_string(bi) + ": " + err.what());
+  }
+  sent.reset();
+  sum_.buffer_wait_seconds += pipeline::seconds_since(t0);
+}
+
+// Direct send: commits the batch with its capture buffer's features / h_last as device sections
+// (ready after its forward's event); the slot holds the rest. No payload checksum.
+void TargetServer::commit_direct(InFlight& p) {
+  const auto tc = Clock::now();
+  p.slot.set_size(p.w->finalize(false));
+  const auto& L = p.w->layout();
+  auto done = std::make_shared<stream::SendCompletion>();
+  std::vector<stream::DeviceSection> sections{{L.features_offset, std::make_shared<stream::CudaDeviceBytes>(p.cap.features_TKH, p.fwd_end)}};
+  if (spec_.last_hidden)
+    sections.push_back({L.h_last_offset, std::make_shared<stream::CudaDeviceBytes>(p.cap.last_hidden_TH, p.fwd_end)});
+  p.slot.set_device_sections(std::move(sections), done);
+  const size_t bytes = p.slot.size();
+  const auto ts = Clock::now();
+  commit(p.d, p.i, std::move(p.slot));
+  const auto tf = Clock::now();
+  buf_sent_[p.bi] = std::move(done);
+  met_.direct->inc();
+  sum_.direct_batches += 1;
+  p.fwd_end->synchronize();  // its forward's GPU time needs it done (the send did not wait for this)
+  sum_.copy_wait_seconds += pipeline::seconds_since(tf);
+  const double df = p.fwd_begin->elapsed_time(*p.fwd_end) / 1000.0;
+  record(p.T, bytes, p.read_s, df, p.wait_s, p.pack_s + seconds_between(tc, ts), seconds_between(ts, tf));
+}
+
+// Waits for the batch's device->host copy, checksums and commits it (direct send: commit_direct).
 void TargetServer::complete(InFlight& p) {
+  if (direct_) return commit_direct(p);
   const auto ta = Clock::now();
   p.copied->synchronize();  // ran behind its forward's event, overlapping the next forward
   const auto tb = Clock::now();
@@ -543,6 +618,8 @@ int cmd_serve(int argc, char** argv) {
                               {"tokens_per_s", s.tokens / std::max(s.seconds, 1e-9)},
                               {"forward_seconds", s.forward_seconds}, {"pack_seconds", s.pack_seconds},
                               {"send_seconds", s.send_seconds}, {"copy_wait_seconds", s.copy_wait_seconds},
+                              {"direct_send_batches", s.direct_batches}, {"buffer_wait_seconds", s.buffer_wait_seconds},
+                              {"payload_checksums", cfg.data.checksum ? s.batches - s.direct_batches : 0},
                               {"peak_gpu_bytes", pipeline::peak_gpu_bytes(o.device)}}
                    .dump()
             << std::endl;

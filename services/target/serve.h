@@ -17,6 +17,12 @@
 // CUDA (DFLASH_WITH_CUDA builds): the shm mappings are registered with cudaHostRegister, packing
 // stays on the compute stream and the device->host copies go straight into the slot; the stream is
 // synchronised once per batch before commit (the transport needs the bytes there).
+// Direct send (CUDA with c10d links, whose senders read CUDA memory): the features and h_last are
+// not copied to the host; the batch is committed with the capture buffer as its device sections
+// (core/stream/device_payload.h), NCCL sends them from there, and the buffer is written again
+// only after that send completed. Such batches carry no payload checksum (the host never sees the
+// features): the JSON's direct_send_batches and payload_checksums, and the metric
+// dflash_target_direct_send_batches_total, say how many went which way.
 // Failures: a dead drafter or a link that stays full past --send-timeout-s -> TransportError
 // (exit 1) naming the link; config/usage -> 2; CUDA OOM -> 3; bad shard data -> 4.
 #pragma once
@@ -38,7 +44,11 @@ struct ServeSummary {
   int64_t batches = 0, tokens = 0, bytes = 0;
   double seconds = 0, wait_seconds = 0;
   double forward_seconds = 0, pack_seconds = 0, send_seconds = 0;  // per stage, summed over batches
-  double copy_wait_seconds = 0;  // CUDA: host waiting for a device->host copy (overlaps the next forward)
+  // CUDA: host waiting for the previous batch's device work (overlaps the next forward): its
+  // device->host copy, or with direct send its forward (for the forward's GPU time)
+  double copy_wait_seconds = 0;
+  int64_t direct_batches = 0;     // sent straight from the capture buffer (no payload checksum)
+  double buffer_wait_seconds = 0;  // direct send: host waiting for a send before reusing its capture buffer
 };
 
 // `plan`: the coordinator's launch plan (schedule generations, start step, faults), or

@@ -71,9 +71,10 @@ struct PatternShape {
   std::chrono::milliseconds acquire_timeout{5000};
 };
 
-// Acquires a slot, writes batch `id` in it (fill_pattern, payload checksum) and commits it;
-// `corrupt` flips one feature byte after the checksum was taken.
-inline void send_pattern_batch(Sender& tx, uint64_t id, const PatternShape& s, bool corrupt = false) {
+// Acquires a slot and writes batch `id` in it (fill_pattern; the payload checksum when `checksum`),
+// without committing; `layout` (optional) gets the batch's layout.
+inline SlotBuffer write_pattern_batch(Sender& tx, uint64_t id, const PatternShape& s, bool checksum,
+                                      BatchLayout* layout = nullptr) {
   auto docs = docs_for(id, s.max_tokens);
   uint64_t T = 0;
   for (auto& d : docs) T += d.length;
@@ -86,8 +87,17 @@ inline void send_pattern_batch(Sender& tx, uint64_t id, const PatternShape& s, b
   info.has_h_last = s.has_h_last;
   PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
   fill_pattern(w, id);
-  buf.set_size(w.finalize(true));
-  if (corrupt) static_cast<uint8_t*>(w.features())[3] ^= 1;
+  buf.set_size(w.finalize(checksum));
+  if (layout) *layout = w.layout();
+  return buf;
+}
+
+// Acquires a slot, writes batch `id` in it (fill_pattern, payload checksum) and commits it;
+// `corrupt` flips one feature byte after the checksum was taken.
+inline void send_pattern_batch(Sender& tx, uint64_t id, const PatternShape& s, bool corrupt = false) {
+  BatchLayout L;
+  SlotBuffer buf = write_pattern_batch(tx, id, s, true, &L);
+  if (corrupt) static_cast<uint8_t*>(buf.data())[L.features_offset + 3] ^= 1;
   tx.commit(std::move(buf));
 }
 

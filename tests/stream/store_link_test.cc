@@ -32,20 +32,24 @@ class StoreData final : public LinkData {
   explicit StoreData(std::shared_ptr<LinkControl> c) : c_(std::move(c)) {}
   void* alloc_host(size_t bytes) override { return std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096); }
   void free_host(void* p) noexcept override { std::free(p); }
-  void send(const void* src, size_t bytes, const std::function<void()>& check) override {
+  void send(const std::vector<WirePiece>& pieces, const std::function<void()>& check) override {
     check();
-    c_->set("d/" + std::to_string(n_++), std::string(static_cast<const char*>(src), bytes));
+    for (const auto& p : pieces) c_->set("d/" + std::to_string(n_++), std::string(static_cast<const char*>(p.host), p.bytes));
   }
-  void recv(void* dst, size_t bytes, const std::function<void()>& check) override {
-    const std::string key = "d/" + std::to_string(n_++);
-    for (;;) {
-      check();
-      if (auto v = c_->get_if(key)) {
-        DFLASH_CHECK(v->size() == bytes, TransportError, "store data: " << v->size() << " bytes, expected " << bytes);
-        std::memcpy(dst, v->data(), bytes);
-        return;
+  void recv(void* dst, const std::vector<size_t>& pieces, const std::function<void()>& check) override {
+    auto* out = static_cast<char*>(dst);
+    for (size_t bytes : pieces) {
+      const std::string key = "d/" + std::to_string(n_++);
+      for (;;) {
+        check();
+        if (auto v = c_->get_if(key)) {
+          DFLASH_CHECK(v->size() == bytes, TransportError, "store data: " << v->size() << " bytes, expected " << bytes);
+          std::memcpy(out, v->data(), bytes);
+          out += bytes;
+          break;
+        }
+        std::this_thread::sleep_for(1ms);
       }
-      std::this_thread::sleep_for(1ms);
     }
   }
 
