@@ -35,6 +35,10 @@ const std::vector<Switch>& registry() {
        "cuBLASLt algorithms timed per shape for the hybrid target's projections; 1: the heuristic's first choice, "
        "untimed.",
        true, false},
+      {"DFLASH_C10D_SEND", Kind::kChoice, {"staged", "direct"}, "staged",
+       "How a CUDA target sends over c10d: staged through its pinned host slot (payload checksummed), or direct: "
+       "NCCL sends straight from the capture buffers (no host copy, no payload checksum; not yet measured on GPUs).",
+       false, false},
       {"DFLASH_DRAFTER_ATTENTION", Kind::kChoice, {"masked", "block_sparse"}, kAuto,
        "Drafter attention kernel; auto: block_sparse on CUDA bf16/fp16 with head_dim <= 256 and a multiple of 8, "
        "else masked.",

@@ -233,7 +233,8 @@ void TargetServer::load() {
   model::validate_capture(tcfg, spec_);
   K_ = plan_->num_context_layers(), H_ = tcfg.hidden_size, V_ = tcfg.vocab_size;
 #ifdef DFLASH_WITH_CUDA
-  direct_ = device_.is_cuda() && !links_.empty() &&
+  // DFLASH_C10D_SEND=direct (docs/switches.md): the direct path has not run on GPUs yet.
+  direct_ = switches::get("DFLASH_C10D_SEND") == "direct" && device_.is_cuda() && !links_.empty() &&
             std::all_of(links_.begin(), links_.end(), [](const auto& l) { return l->direct_send_kind() == stream::DeviceKind::kCuda; });
   if (device_.is_cuda())
     for (auto& l : links_)
