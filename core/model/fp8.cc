@@ -39,7 +39,8 @@ std::string module_of(const std::string& name) {
 // A projection weight (fp8.h): a 2-D "....M.weight" whose module's last name part M contains "proj".
 bool projection_weight(const std::string& name, size_t dims) {
   const std::string suffix = ".weight", module = module_of(name);
-  const bool is_weight = name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  const bool is_weight =
+      name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
   return is_weight && dims == 2 && module.substr(module.rfind('.') + 1).find("proj") != std::string::npos;
 }
 
