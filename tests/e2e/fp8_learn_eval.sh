@@ -10,10 +10,14 @@
 #      be shown, so the test compares the means over the seeds.
 #   3. dflash eval of each export on the same 6 held-out prompts, each against its own target:
 #      mean tau on the original weights >= TAU_FLOOR (learning happened: measured 3.28 and 3.53, a
-#      drafter that learned nothing scores 1) and |mean tau_fp8 - mean tau_orig| / mean tau_orig <= 3%.
+#      drafter that learned nothing scores 1) and |mean tau_fp8 - mean tau_orig| / mean tau_orig <= 3%
+#      (measured: 3.402 and 3.396, 0.17%). The difference of two-seed means still varies by several
+#      percent with the seeds: the 3% is met here, not proven with a margin (docs/models.md).
 # Check of the check: DFLASH_E2E_FP8_SCALE_ERROR=F makes the FP8 runs capture their training
 # features from a copy of the checkpoint with every weight_scale_inv multiplied by F (a wrongly
-# scaled checkpoint), still evaluated against the correct one.
+# scaled checkpoint), still evaluated against the correct one. Measured: F = 8 gives mean tau 2.19
+# (35.7% below) and F = 0.125 gives 1.02 (70.1% below): the test fails; F = 2 gives 3.34 (1.8%
+# below) and passes, as the norms absorb much of a uniform factor.
 # Usage: fp8_learn_eval.sh BIN_DIR TESTDATA_DIR WORK_DIR   (DFLASH_PYTHON, DFLASH_SOURCE_DIR set)
 set -euo pipefail
 bin=$1 work=$3   # $2 (TESTDATA_DIR) unused: this test makes its own target
