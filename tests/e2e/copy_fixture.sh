@@ -1,4 +1,4 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2154  # $py and $src are the sourcing script's
 # Sourced by the e2e tests that need a target a tiny drafter can learn from:
 #   copy_target_fixture OUT_DIR
 # writes OUT_DIR/target (make_copy_target.py, 500 steps), OUT_DIR/train.jsonl (256 phrase prompts of
