@@ -30,6 +30,25 @@ torch::Tensor expand_blocks(const torch::Tensor& per_block, int64_t rows, int64_
 // "x.y.weight" -> "x.y.weight_scale_inv".
 std::string scale_name(const std::string& weight) { return weight + "_scale_inv"; }
 
+// The module of tensor `name`: "x.y.weight" -> "x.y".
+std::string module_of(const std::string& name) {
+  const auto dot = name.rfind('.');
+  return dot == std::string::npos ? std::string() : name.substr(0, dot);
+}
+
+// A projection weight (fp8.h): a 2-D "....M.weight" whose module's last name part M contains "proj".
+bool projection_weight(const std::string& name, size_t dims) {
+  const std::string suffix = ".weight", module = module_of(name);
+  const bool is_weight =
+      name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return is_weight && dims == 2 && module.substr(module.rfind('.') + 1).find("proj") != std::string::npos;
+}
+
+// Whether position i of `name` is a module boundary: just after a '.', at a '.', or the end.
+bool boundary(const std::string& name, size_t i) {
+  return i == name.size() || name[i] == '.' || (i > 0 && name[i - 1] == '.');
+}
+
 // Check of a weight_scale_inv against its FP8 weight; `name` prefixes the message.
 void check_scale(const torch::Tensor& w_q, const torch::Tensor& scale_inv, const std::string& name) {
   DFLASH_CHECK(w_q.dim() == 2 && w_q.scalar_type() == torch::kFloat8_e4m3fn, DataError,
@@ -48,9 +67,9 @@ void check_scale(const torch::Tensor& w_q, const torch::Tensor& scale_inv, const
 // (FP8 GEMMs); every other tensor goes to file_weights.
 class Fp8Weights : public WeightSource {
  public:
-  Fp8Weights(const std::string& dir, torch::Device device, torch::ScalarType dtype, bool fp8_gemm)
-      : dir_(dir), model_(io::SafetensorsModel::open_dir(dir)), plain_(file_weights(dir, device, dtype)),
-        device_(device), dtype_(dtype), fp8_gemm_(fp8_gemm) {}
+  Fp8Weights(const std::string& dir, QuantConfig config, torch::Device device, torch::ScalarType dtype, bool fp8_gemm)
+      : dir_(dir), config_(std::move(config)), model_(io::SafetensorsModel::open_dir(dir)),
+        plain_(file_weights(dir, device, dtype)), device_(device), dtype_(dtype), fp8_gemm_(fp8_gemm) {}
   bool has(const std::string& name) const override { return model_.has(name); }
   torch::Tensor get(const std::string& name, const std::vector<int64_t>& shape, Init init, bool keep_fp32) override {
     if (!is_fp8(name)) return plain_->get(name, shape, init, keep_fp32);
@@ -66,11 +85,25 @@ class Fp8Weights : public WeightSource {
   }
 
  private:
-  // Whether `name` is stored as F8_E4M3; DataError for a scale beside a tensor that is not.
+  // Whether `name` is stored as F8_E4M3; DataError for a scale beside a tensor that is not, or a
+  // stored dtype that contradicts modules_to_not_convert (fp8.h).
   bool is_fp8(const std::string& name) const {
-    if (model_.has(name) && model_.info(name).dtype == "F8_E4M3") return true;
+    if (!model_.has(name)) return false;  // plain_ names the missing tensor
+    const auto& info = model_.info(name);
+    const auto skip = config_.modules_to_not_convert.match(module_of(name));
+    if (info.dtype == "F8_E4M3") {
+      DFLASH_CHECK(!skip, DataError,
+                   dir_ << ": tensor '" << name << "' is F8_E4M3 but its module '" << module_of(name)
+                        << "' is in quantization_config.modules_to_not_convert (pattern '" << *skip
+                        << "'): listed modules load unquantized, so their weights must be stored in a float dtype");
+      return true;
+    }
     DFLASH_CHECK(!model_.has(scale_name(name)), DataError,
                  dir_ << ": tensor '" << scale_name(name) << "' is given for '" << name << "', which is not F8_E4M3");
+    DFLASH_CHECK(skip || !projection_weight(name, info.shape.size()), DataError,
+                 dir_ << ": tensor '" << name << "' is " << info.dtype << " but its module '" << module_of(name)
+                      << "' is a projection not in quantization_config.modules_to_not_convert: the FP8 format "
+                      << "converts every such module, so it must be F8_E4M3 with its weight_scale_inv (or be listed)");
     return false;
   }
   // The FP8 weight and its scales on the host, checked.
@@ -85,6 +118,7 @@ class Fp8Weights : public WeightSource {
   }
 
   std::string dir_;
+  QuantConfig config_;
   io::SafetensorsModel model_;
   std::unique_ptr<WeightSource> plain_;
   torch::Device device_;
@@ -112,10 +146,9 @@ class RandomFp8Weights : public WeightSource {
 
  private:
   static bool converted(const std::string& name, const std::vector<int64_t>& shape, Init init) {
-    const auto end = name.rfind('.'), begin = name.rfind('.', end == std::string::npos ? end : end - 1);
-    const std::string module = name.substr(begin + 1, end - begin - 1);
-    return init == Init::kNormal && shape.size() == 2 && module.find("proj") != std::string::npos &&
-           module != "in_proj_a" && module != "in_proj_b";
+    const std::string module = module_of(name);
+    const std::string last = module.substr(module.rfind('.') + 1);
+    return init == Init::kNormal && projection_weight(name, shape.size()) && last != "in_proj_a" && last != "in_proj_b";
   }
   Quantized draw(const std::string& name, const std::vector<int64_t>& shape) {
     auto w = fp32_.get(name, shape, Init::kNormal);
@@ -137,6 +170,36 @@ std::string config_file(const std::string& dir) {
 
 }  // namespace
 
+SkipList::SkipList(std::vector<std::string> patterns, const std::string& where) : patterns_(std::move(patterns)) {
+  for (const auto& p : patterns_) {
+    if (p.find_first_of("\\^$*+?()[]{}|") == std::string::npos) {
+      regexes_.emplace_back();
+      continue;
+    }
+    try {
+      regexes_.emplace_back(std::regex(p, std::regex::ECMAScript));
+    } catch (const std::regex_error& e) {
+      DFLASH_FAIL(DataError, where << ": pattern '" << p << "' is not a regular expression (" << e.what() << ")");
+    }
+  }
+}
+
+std::optional<std::string> SkipList::match(const std::string& module) const {
+  for (size_t k = 0; k < patterns_.size(); ++k) {
+    const auto& p = patterns_[k];
+    if (module.size() >= p.size() && module.compare(module.size() - p.size(), p.size(), p) == 0) return p;
+    if (!regexes_[k]) {  // a plain name matches exactly its own length, '.' matching any character
+      bool same = p.size() <= module.size() && boundary(module, p.size());
+      for (size_t i = 0; same && i < p.size(); ++i) same = p[i] == '.' || p[i] == module[i];
+      if (same) return p;
+      continue;
+    }
+    for (size_t i = 0; i <= module.size(); ++i)
+      if (boundary(module, i) && std::regex_match(module.begin(), module.begin() + i, *regexes_[k])) return p;
+  }
+  return std::nullopt;
+}
+
 std::optional<QuantConfig> parse_quant_config(const nlohmann::json& config, const std::string& source) {
   if (!config.is_object() || !config.contains("quantization_config") || config["quantization_config"].is_null())
     return std::nullopt;
@@ -155,7 +218,9 @@ std::optional<QuantConfig> parse_quant_config(const nlohmann::json& config, cons
   if (block != std::vector<int64_t>{kBlock, kBlock})
     q.at("weight_block_size").fail("is " + shape_str(block) + " (" + kSupported + ")");
   QuantConfig out;
-  out.modules_to_not_convert = q.get_or<std::vector<std::string>>("modules_to_not_convert", {});
+  out.modules_to_not_convert =
+      SkipList(q.get_or<std::vector<std::string>>("modules_to_not_convert", {"lm_head"}),
+               source + ": field 'quantization_config.modules_to_not_convert'");
   return out;
 }
 
@@ -198,7 +263,8 @@ bool fp8_gemm_supported(torch::Device device, torch::ScalarType dtype) {
 
 std::unique_ptr<WeightSource> checkpoint_weights(const std::string& dir, torch::Device device,
                                                  torch::ScalarType dtype) {
-  if (!read_quant_config(dir)) return file_weights(dir, device, dtype);
+  auto config = read_quant_config(dir);
+  if (!config) return file_weights(dir, device, dtype);
   const bool gemm = fp8_gemm_supported(device, dtype);
   if (gemm)
     LOG_INFO(dir << ": FP8 checkpoint (e4m3, 128x128 block scales): its FP8 projections run as block-scaled FP8 GEMMs "
@@ -208,7 +274,7 @@ std::unique_ptr<WeightSource> checkpoint_weights(const std::string& dir, torch::
     LOG_INFO(dir << ": FP8 checkpoint (e4m3, 128x128 block scales): dequantizing every FP8 weight to "
                  << c10::toString(dtype) << " on " << device.str() << " at load; the projections compute in "
                  << c10::toString(dtype) << ", not FP8 (FP8 GEMMs need bfloat16 on a Hopper GPU in a CUDA build)");
-  return std::make_unique<Fp8Weights>(dir, device, dtype, gemm);
+  return std::make_unique<Fp8Weights>(dir, std::move(*config), device, dtype, gemm);
 }
 
 std::pair<torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x) {

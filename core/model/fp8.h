@@ -4,8 +4,14 @@
 //   a converted projection NAME.weight [out, in] is stored as F8_E4M3 with NAME.weight_scale_inv fp32
 //   [ceil(out/128), ceil(in/128)]; its real value is float(W_q[i, j]) * scale_inv[i/128, j/128]
 //   (the name notwithstanding, the scale multiplies). Every other tensor is stored in a float dtype
-//   and loads as in any checkpoint; the stored dtype, not modules_to_not_convert, decides which
-//   tensors are FP8.
+//   and loads as in any checkpoint. modules_to_not_convert (SkipList below) must agree with the
+//   stored dtypes, as HF's loader needs (it makes every linear module not listed an FP8 module,
+//   and the listed ones plain):
+//    - an F8_E4M3 tensor of a listed module is refused (HF would read its e4m3 codes unscaled);
+//    - a projection weight (a 2-D NAME.weight whose module's last name part contains "proj": the
+//      attention, MLP, expert and Gated DeltaNet projections) of a module not listed must be
+//      F8_E4M3 (HF would read a bf16 one as FP8 without scales); other tensors are not checked.
+//   Both are checked on every tensor the model reads, when it reads it.
 //
 // Two compute paths, chosen at load (checkpoint_weights) and announced in one log line:
 //  - FP8 GEMMs: a bf16 model on a Hopper GPU (compute capability 9.x) in a CUDA build. A projection
@@ -23,12 +29,15 @@
 //  - an F8_E4M3 tensor without its weight_scale_inv, or without a quantization_config;
 //  - a weight_scale_inv whose shape is not [ceil(out/128), ceil(in/128)], that is not fp32, or that
 //    holds a value that is not finite and positive;
-//  - a weight_scale_inv beside a weight that is not F8_E4M3.
+//  - a weight_scale_inv beside a weight that is not F8_E4M3;
+//  - a tensor whose stored dtype contradicts modules_to_not_convert (above), naming the pattern;
+//  - a modules_to_not_convert entry that is not a regular expression.
 #pragma once
 #include <torch/torch.h>
 
 #include <memory>
 #include <optional>
+#include <regex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,8 +52,33 @@ constexpr int64_t kBlock = 128;        // the only weight_block_size accepted: [
 constexpr int64_t kGemmK = 4 * kBlock;  // FP8 GEMMs need an input width that is a multiple of this (fp8.cc)
 constexpr double kE4m3Max = 448.0;     // largest finite float8_e4m3fn
 
+// quantization_config.modules_to_not_convert, the modules HF's loader keeps unquantized, matched as
+// HF's should_convert_module matches them against module names (a tensor's name without its last
+// part): pattern P keeps module M when M ends with P, or when P, read as a regular expression,
+// matches M from its start to a module boundary (just before or just after a '.', or M's end).
+// So "model.layers.1" keeps "model.layers.1.mlp.up_proj" but not "model.layers.11.mlp.up_proj",
+// "mlp.gate" keeps "model.layers.0.mlp.gate" but not "model.layers.0.mlp.gate_proj", "in_proj_a"
+// keeps every "....linear_attn.in_proj_a" and "model\.layers\.\d+\.mlp" every MLP. (HF reads the
+// patterns with Python's re, this with ECMAScript std::regex: the same for module names, '.', '*',
+// '+', '?', '\d', classes, groups and alternatives.)
+class SkipList {
+ public:
+  SkipList() = default;
+  // DataError "WHERE: pattern 'P' is not a regular expression (...)" for an entry that is not one.
+  SkipList(std::vector<std::string> patterns, const std::string& where);
+  const std::vector<std::string>& patterns() const { return patterns_; }
+  // The first pattern keeping `module` unquantized, or nullopt.
+  std::optional<std::string> match(const std::string& module) const;
+
+ private:
+  std::vector<std::string> patterns_;
+  std::vector<std::optional<std::regex>> regexes_;  // nullopt: a plain name ('.' still matches any character)
+};
+
 struct QuantConfig {
-  std::vector<std::string> modules_to_not_convert;  // as written (informational)
+  // As written; absent or null means {"lm_head"} (HF then skips the output embedding; a list that is
+  // given replaces that default, so a release lists lm_head itself).
+  SkipList modules_to_not_convert;
 };
 
 // The quantization_config of a parsed config.json (`source` names it in errors): nullopt when the

@@ -21,7 +21,15 @@ Writes, under OUT:
   NAME/golden.safetensors  layer.{d}.{l} as make_tiny_models.py (HF fp32 on the twin, each
                    document alone; the last layer before the final norm)
   docs.jsonl       the documents
+  NAME's modules_to_not_convert: ["lm_head"] plus the family's own (HF converts every linear module
+  not listed once a list is given, lm_head included).
 Usage: make_tiny_fp8.py --out DIR [--seed N]
+
+With --from SRC: quantizes the HF checkpoint SRC (config.json + model.safetensors, any float dtype)
+into OUT in the same format (projections e4m3 + weight_scale_inv, the rest bf16, modules_to_not_convert
+["lm_head"]), nothing else written. --scale-error F multiplies every stored weight_scale_inv by F: a
+wrongly scaled checkpoint, for checking that tests catch one.
+Usage: make_tiny_fp8.py --from SRC --out DIR [--scale-error F]
 """
 import argparse
 import json
@@ -31,7 +39,7 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3_5ForCausalLM
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
@@ -78,45 +86,73 @@ def is_converted(name, tensor, not_convert):
             and not any(m in name for m in not_convert))
 
 
-def write_pair(model, out, name, not_convert):
-    """Writes OUT/NAME (FP8) and OUT/NAME_dq (the dequantized twin, fp32); returns the twin's state."""
-    fp8_dir, dq_dir = os.path.join(out, name), os.path.join(out, name + "_dq")
-    os.makedirs(fp8_dir, exist_ok=True)
-    os.makedirs(dq_dir, exist_ok=True)
-    model.config.save_pretrained(dq_dir)
+def convert(state, not_convert, scale_error=1.0):
+    """A float state dict -> (the FP8 checkpoint's tensors, the dequantized twin's fp32 tensors)."""
     dequant = Fp8Dequantize(None)
     fp8_state, twin = {}, {}
-    for k, v in model.state_dict().items():
+    for k, v in state.items():
         v = v.detach().float().contiguous()
         if is_converted(k, v, not_convert):
             q, s = quantize_blocks(v)
             fp8_state[k] = q
-            fp8_state[k[: -len("weight")] + "weight_scale_inv"] = s
+            fp8_state[k[: -len("weight")] + "weight_scale_inv"] = s * scale_error
             twin[k] = dequant._dequantize_one(q, s, torch.float32).contiguous()
         else:
             fp8_state[k] = v.to(torch.bfloat16)
             twin[k] = fp8_state[k].float()
+    return fp8_state, twin
+
+
+def write_fp8_dir(fp8_dir, cfg, fp8_state, not_convert):
+    """OUT/model.safetensors and OUT/config.json (cfg, a config dict, with the quantization_config)."""
+    os.makedirs(fp8_dir, exist_ok=True)
     save_file(fp8_state, os.path.join(fp8_dir, "model.safetensors"), metadata={"format": "pt"})
-    save_file(twin, os.path.join(dq_dir, "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads(model.config.to_json_string(use_diff=False))
-    cfg["torch_dtype"] = "bfloat16"
+    cfg = dict(cfg, torch_dtype="bfloat16")
     cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                   "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": not_convert}
     with open(os.path.join(fp8_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    n_fp8 = sum(1 for t in fp8_state.values() if t.dtype == torch.float8_e4m3fn)
-    return twin, n_fp8
+    return sum(1 for t in fp8_state.values() if t.dtype == torch.float8_e4m3fn)
+
+
+def write_pair(model, out, name, not_convert):
+    """Writes OUT/NAME (FP8) and OUT/NAME_dq (the dequantized twin, fp32); returns the twin's state."""
+    dq_dir = os.path.join(out, name + "_dq")
+    os.makedirs(dq_dir, exist_ok=True)
+    model.config.save_pretrained(dq_dir)
+    fp8_state, twin = convert(model.state_dict(), not_convert)
+    save_file(twin, os.path.join(dq_dir, "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads(model.config.to_json_string(use_diff=False))
+    return twin, write_fp8_dir(os.path.join(out, name), cfg, fp8_state, not_convert)
+
+
+def quantize_checkpoint(src, out, scale_error):
+    """--from: SRC's weights -> OUT in the FP8 format."""
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config", None)
+    fp8_state, _ = convert(load_file(os.path.join(src, "model.safetensors")), ["lm_head"], scale_error)
+    n_fp8 = write_fp8_dir(out, cfg, fp8_state, ["lm_head"])
+    print(f"{src}: {n_fp8} FP8 weights -> {out} (scales x {scale_error})")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=2468)
+    ap.add_argument("--from", dest="src", help="quantize this HF checkpoint into OUT instead")
+    ap.add_argument("--scale-error", type=float, default=1.0, help="with --from: every scale times this")
     a = ap.parse_args()
+    if a.src:
+        quantize_checkpoint(a.src, a.out, a.scale_error)
+        return
+    if a.scale_error != 1.0:
+        ap.error("--scale-error needs --from")
     docs = make_tiny_hybrid.write_docs(a.out, a.seed, VOCAB, DOC_LENGTHS)
     families = [
-        ("qwen3_fp8", dense_config, Qwen3ForCausalLM, make_tiny_models.randomize_, []),
-        ("qwen3_5_fp8", hybrid_config, Qwen3_5ForCausalLM, make_tiny_hybrid.randomize_, ["in_proj_a", "in_proj_b"]),
+        ("qwen3_fp8", dense_config, Qwen3ForCausalLM, make_tiny_models.randomize_, ["lm_head"]),
+        ("qwen3_5_fp8", hybrid_config, Qwen3_5ForCausalLM, make_tiny_hybrid.randomize_,
+         ["lm_head", "in_proj_a", "in_proj_b"]),
     ]
     for i, (name, make_cfg, cls, randomize, not_convert) in enumerate(families):
         torch.manual_seed(a.seed + i)

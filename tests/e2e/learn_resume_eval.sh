@@ -14,20 +14,11 @@ bin=$1 work=$3   # $2 (TESTDATA_DIR) unused: this test makes its own target
 py=${DFLASH_PYTHON:-python3}
 src=${DFLASH_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 rm -rf "$work" && mkdir -p "$work"
-# shellcheck source=../common/fixture_cache.sh
-source "$src/tests/common/fixture_cache.sh"
+# shellcheck source=copy_fixture.sh
+source "$src/tests/e2e/copy_fixture.sh"
 
-# Step 1's target and data are deterministic and take most of a minute of CPU to make: cached.
-make_fixture() {
-  local out=$1
-  "$py" "$src/scripts/reference/make_copy_target.py" --out "$out/target" --steps 500
-  local gen=("$py" "$src/scripts/reference/make_target_data.py" --target "$out/target" --phrase-prompts
-             --prompt-len 12 --new-tokens 60)
-  "${gen[@]}" --out "$out/train.jsonl" --n 256 --seed 1
-  "${gen[@]}" --out "$out/heldout.jsonl" --prompts-out "$out/prompts.jsonl" --n 6 --seed 999
-}
-fixture_cached "$work/fixture" "copy target: 500 steps; data: phrase prompts of 12, 60 new tokens, 256 with seed 1, 6 held out with seed 999" \
-  "$src/scripts/reference/make_copy_target.py" "$src/scripts/reference/make_target_data.py" -- make_fixture "$work/fixture"
+# Step 1's target and data (cached).
+copy_target_fixture "$work/fixture"
 target=$work/fixture/target
 cp "$work/fixture/train.jsonl" "$work/fixture/prompts.jsonl" "$work/"
 "$bin/dflash" data import --input "$work/train.jsonl" --out "$work/shards" --block-size 8 >/dev/null

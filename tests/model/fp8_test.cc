@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -94,7 +95,12 @@ TEST(Fp8Config, AcceptsTheFineGrainedFormatAndNothingElse) {
   ok["quantization_config"]["modules_to_not_convert"] = {"lm_head", "in_proj_a"};
   auto q = model::fp8::parse_quant_config(ok, "cfg.json");
   ASSERT_TRUE(q.has_value());
-  EXPECT_EQ(q->modules_to_not_convert, (std::vector<std::string>{"lm_head", "in_proj_a"}));
+  EXPECT_EQ(q->modules_to_not_convert.patterns(), (std::vector<std::string>{"lm_head", "in_proj_a"}));
+  // Absent (or null): HF's default, the output embedding; an empty list is no default.
+  EXPECT_EQ(model::fp8::parse_quant_config(fp8_config(), "cfg.json")->modules_to_not_convert.patterns(),
+            (std::vector<std::string>{"lm_head"}));
+  ok["quantization_config"]["modules_to_not_convert"] = nlohmann::json::array();
+  EXPECT_TRUE(model::fp8::parse_quant_config(ok, "cfg.json")->modules_to_not_convert.patterns().empty());
 
   for (const char* m : {"awq", "gptq", "nvfp4", "mxfp4", "compressed-tensors", "bitsandbytes"}) {
     auto msg = quant_error(fp8_config(m));
@@ -117,6 +123,37 @@ TEST(Fp8Config, AcceptsTheFineGrainedFormatAndNothingElse) {
   bad = fp8_config();
   bad["quantization_config"].erase("weight_block_size");
   EXPECT_NE(quant_error(bad).find("no weight_block_size (per-tensor FP8 is not supported"), std::string::npos);
+}
+
+// modules_to_not_convert matched as HF transformers' should_convert_module matches it: every
+// expectation below is what transformers 5.24 answers for the same pattern and module name.
+TEST(Fp8SkipList, MatchesModulesAsHFDoes) {
+  const std::vector<std::tuple<std::string, std::string, bool>> cases{
+      {"model.layers.1", "model.layers.1.mlp.up_proj", true},  // prefix up to a module boundary
+      {"model.layers.1", "model.layers.11.mlp.up_proj", false},
+      {"model.layers.1.", "model.layers.1.mlp", true},  // the boundary just after a '.'
+      {"mlp.gate", "model.layers.0.mlp.gate", true},    // suffix
+      {"mlp.gate", "model.layers.0.mlp.gate_proj", false},
+      {"in_proj_a", "model.layers.0.linear_attn.in_proj_a", true},
+      {"lm_head", "lm_head", true},
+      {"model.layers.1.mlp.down", "model.layers.1.mlp.down_proj", false},
+      {"model\\.layers\\.\\d+\\.mlp", "model.layers.12.mlp.down_proj", true},  // regular expressions
+      {"model.layers.*", "model.layers.3.self_attn.q_proj", true},
+      {"layers.*", "model.layers.3.self_attn.q_proj", false},  // anchored at the start
+      {"self_attn|mlp", "self_attn.q_proj", true},
+      {"model.layers.[02]", "model.layers.2.mlp", true},
+  };
+  for (const auto& [pattern, module, skipped] : cases) {
+    const model::fp8::SkipList list({"unrelated", pattern}, "test");
+    const auto m = list.match(module);
+    EXPECT_EQ(m.has_value(), skipped) << "'" << pattern << "' vs " << module;
+    if (m) EXPECT_EQ(*m, pattern);
+  }
+  auto bad = fp8_config();
+  bad["quantization_config"]["modules_to_not_convert"] = {"lm_head", "model.(layers"};
+  EXPECT_NE(quant_error(bad).find("cfg.json: field 'quantization_config.modules_to_not_convert': pattern "
+                                  "'model.(layers' is not a regular expression"),
+            std::string::npos);
 }
 
 class Fp8Golden : public ::testing::TestWithParam<std::string> {};
@@ -150,8 +187,9 @@ INSTANTIATE_TEST_SUITE_P(DenseAndHybrid, Fp8Golden, ::testing::Values("qwen3_fp8
 class Fp8Refusal : public ::testing::Test {
  protected:
   using Tensors = std::map<std::string, torch::Tensor>;
-  std::string load_error(const std::function<void(Tensors&)>& edit,
-                         const std::function<void(nlohmann::json&)>& config_edit = nullptr) {
+  // Writes the edited copy into the scratch directory and returns its path.
+  std::string write_copy(const std::function<void(Tensors&)>& edit,
+                         const std::function<void(nlohmann::json&)>& config_edit) {
     const std::string src = fp8_dir() + "/qwen3_fp8";
     auto model = io::SafetensorsModel::open_dir(src);
     Tensors t;
@@ -162,8 +200,12 @@ class Fp8Refusal : public ::testing::Test {
     auto cfg = nlohmann::json::parse(std::ifstream(src + "/config.json"));
     if (config_edit) config_edit(cfg);
     std::ofstream(scratch_.file("config.json")) << cfg.dump(1);
+    return scratch_.path();
+  }
+  std::string load_error(const std::function<void(Tensors&)>& edit,
+                         const std::function<void(nlohmann::json&)>& config_edit = nullptr) {
     try {
-      model::load_target(scratch_.path(), {});
+      model::load_target(write_copy(edit, config_edit), {});
     } catch (const DataError& e) {
       EXPECT_EQ(exit_code_for(e), kExitData);
       return e.what();
@@ -204,6 +246,51 @@ TEST_F(Fp8Refusal, ScaleBesideAWeightThatIsNotFp8) {
   EXPECT_NE(msg.find("tensor '" + w_ + "_scale_inv' is given for '" + w_ + "', which is not F8_E4M3"),
             std::string::npos)
       << msg;
+}
+
+// modules_to_not_convert against the stored dtypes (fp8.h): one must-fail case per rule, and the
+// checkpoint that lists its bf16 projection loads.
+TEST_F(Fp8Refusal, Fp8TensorOfAListedModule) {
+  auto msg = load_error([](Tensors&) {}, [&](nlohmann::json& c) {
+    c["quantization_config"]["modules_to_not_convert"] = {"lm_head", "mlp.down_proj"};
+  });
+  EXPECT_NE(msg.find("tensor 'model.layers.0.mlp.down_proj.weight' is F8_E4M3 but its module "
+                     "'model.layers.0.mlp.down_proj' is in quantization_config.modules_to_not_convert (pattern "
+                     "'mlp.down_proj')"),
+            std::string::npos)
+      << msg;
+  // Without a list HF keeps lm_head unquantized: an FP8 lm_head is refused.
+  msg = load_error(
+      [](Tensors& t) {
+        auto q = model::fp8::quantize(t["lm_head.weight"].to(torch::kFloat32));
+        t["lm_head.weight"] = q.w_q;
+        t["lm_head.weight_scale_inv"] = q.scale_inv;
+      },
+      [](nlohmann::json& c) { c["quantization_config"].erase("modules_to_not_convert"); });
+  EXPECT_NE(msg.find("tensor 'lm_head.weight' is F8_E4M3 but its module 'lm_head' is in "
+                     "quantization_config.modules_to_not_convert (pattern 'lm_head')"),
+            std::string::npos)
+      << msg;
+}
+
+TEST_F(Fp8Refusal, Bf16ProjectionOfAModuleNotListed) {
+  auto to_bf16 = [&](Tensors& t) {
+    t[w_] = model::fp8::dequantize(t[w_], t[w_ + "_scale_inv"], w_).to(torch::kBFloat16);
+    t.erase(w_ + "_scale_inv");
+  };
+  auto msg = load_error(to_bf16);
+  EXPECT_NE(msg.find("tensor '" + w_ + "' is BF16 but its module 'model.layers.1.mlp.down_proj' is a projection "
+                     "not in quantization_config.modules_to_not_convert"),
+            std::string::npos)
+      << msg;
+  // Listed, the same checkpoint loads, and that projection is the stored bf16 weight.
+  auto dir = write_copy(to_bf16, [](nlohmann::json& c) {
+    c["quantization_config"]["modules_to_not_convert"] = {"lm_head", "model.layers.1.mlp.down_proj"};
+  });
+  auto w = model::fp8::checkpoint_weights(dir, torch::kCPU, torch::kFloat32);
+  auto stored = io::SafetensorsModel::open_dir(dir).load(w_);
+  EXPECT_TRUE(torch::equal(w->get(w_, stored.sizes().vec(), model::Init::kNormal), stored.to(torch::kFloat32)));
+  EXPECT_NO_THROW(model::load_target(dir, {}));
 }
 
 }  // namespace
