@@ -205,10 +205,13 @@ class GpuFlow:
         cfg["topology"]["c10d_port_base"] = 29700 + 16 * list(VARIANTS).index(v)
         for kv in self.a.set or []:
             key, _, val = kv.partition("=")
-            sec, _, field = key.partition(".")
-            if sec not in cfg or not field:
+            *path, field = key.split(".")
+            node = cfg
+            for k in path:
+                node = node.setdefault(k, {})
+            if not path or path[0] not in cfg or not field or not isinstance(node, dict):
                 raise StepError(f"--set: expected section.field=VALUE with a section of quality.yaml, got '{kv}'")
-            cfg[sec][field] = yaml.safe_load(val)
+            node[field] = yaml.safe_load(val)
         path = os.path.join(self.out, "configs", v + ".yaml")
         yaml.safe_dump(cfg, open(path, "w"), sort_keys=False)
         return path

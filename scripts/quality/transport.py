@@ -135,6 +135,28 @@ def payload(src, compress):
         return gzip.compress(f.read(), compresslevel=6, mtime=0)
 
 
+def cut(entries, blobs, limits):
+    """Sets each entry's chunks: the payloads in order, cut into parts of at most limits[k] bytes
+    (a file may span parts; the last limit repeats). Returns the number of parts."""
+    if min(limits) <= 0:
+        raise TransportError("--part-mib: a part is too small for its index.json")
+    part, used, chunk_no = 0, 0, 0
+    for e, data in zip(entries, blobs):
+        e["chunks"], off = [], 0
+        while True:
+            limit = limits[min(part, len(limits) - 1)]
+            if used >= limit and off < len(data):
+                part, used = part + 1, 0
+                continue
+            n = min(len(data) - off, limit - used)
+            e["chunks"].append({"part": part + 1, "file": f"{chunk_no:04d}.bin", "offset": off, "length": n,
+                                "sha256": sha256_bytes(data[off:off + n])})
+            chunk_no, off, used = chunk_no + 1, off + n, used + n
+            if off >= len(data):
+                break
+    return part + 1
+
+
 def pack(bundle, packdir, part_mib):
     """Writes PACKDIR/part-01 .. part-NN (see the module doc); returns the index (a dict)."""
     bundle, limits = os.path.abspath(bundle), parse_part_mib(part_mib)
@@ -144,28 +166,16 @@ def pack(bundle, packdir, part_mib):
         entries.append({"name": name, "size": os.path.getsize(src), "sha256": sha256_file(src),
                         "encoding": "gzip" if compress else "raw", "payload_size": len(data), "chunks": []})
         blobs.append(data)
-    # Cut the payloads, in order, into parts of at most limits[k] bytes (a file may span parts).
-    part, used, chunk_no = 0, 0, 0
-    for e, data in zip(entries, blobs):
-        off = 0
-        while off < len(data) or (off == 0 and not data):
-            limit = limits[min(part, len(limits) - 1)]
-            if used >= limit:
-                part, used = part + 1, 0
-                continue
-            n = min(len(data) - off, limit - used)
-            e["chunks"].append({"part": part + 1, "file": f"{chunk_no:04d}.bin", "offset": off, "length": n,
-                                "sha256": sha256_bytes(data[off:off + n])})
-            chunk_no, off, used = chunk_no + 1, off + n, used + n
-            if not data:
-                break
-    n_parts = part + 1
     manifest = json.load(open(os.path.join(bundle, "manifest.json")))
-    model_st = os.path.join(bundle, "model", "model.safetensors")
-    index = {"format": "dflash-quality-pack 1", "parts": n_parts, "files": entries,
+    index = {"format": "dflash-quality-pack 1", "parts": 0, "files": entries,
              "model_files": {k[len("model/"):]: v for k, v in manifest["files"].items() if k.startswith("model/")},
-             "model_tensors": safetensors_tensor_digests(model_st),
+             "model_tensors": safetensors_tensor_digests(os.path.join(bundle, "model", "model.safetensors")),
              "gguf": "gguf/" + GGUF_NAME}
+    # Each part holds index.json beside its chunks: cut once, then again with room for the index.
+    cut(entries, blobs, limits)
+    reserve = 2 * len(json.dumps(index, indent=1))
+    index["parts"] = cut(entries, blobs, [lim - reserve for lim in limits])
+    n_parts = index["parts"]
     index["pack_id"] = sha256_bytes(json.dumps(index, sort_keys=True).encode())[:16]
     if os.path.exists(packdir):
         shutil.rmtree(packdir)
