@@ -253,7 +253,7 @@ def device_plan(packdir, n_parts):
         build = "the build into /tmp/build-gpu, then " if k == 1 else ""
         last = k == n_parts
         lines.append(f"call {k}: carry {json.dumps(carry)}: {build}{py} {run} unpack {rel}/part-{k:02d} {DEST}"
-                     + (f" && {py} {run} --bin /tmp/build-gpu/bin gpu {DEST} {GPU_OUT} --parallel 5 --deadline-s 560"
+                     + (f" && {py} {run} --bin /tmp/build-gpu/bin gpu {DEST} {GPU_OUT} --parallel 5 --deadline-s 480"
                         if last else "   (exit 3: parts still to come)"))
     lines.append(f"call {n_parts + 1}..: {py} {run} --bin /tmp/build-gpu/bin gpu {DEST} {GPU_OUT} --parallel 5 "
                  "--deadline-s 570   (same flags; resumes; repeat while it exits 3)")
