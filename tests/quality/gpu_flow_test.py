@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import sys
 
+from verdict import verdict
+
 
 def run(cmd, want):
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -115,11 +117,7 @@ def main():
             fails.append(f"(e) {png} missing")
     print(f"plain tau {v['plain']['groups']['sharegpt_heldout']['tau']:.3f}, specforge "
           f"{v['specforge']['groups']['sharegpt_heldout']['tau']:.3f}, steps {v['plain']['steps']}")
-    if fails:
-        print("FAIL\n  " + "\n  ".join(fails))
-        return 1
-    print("PASS")
-    return 0
+    return verdict(fails)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import sys
 
 import torch
 from safetensors.torch import save_file
+from verdict import verdict
 
 
 def main():
@@ -88,11 +89,7 @@ def main():
     if d1 != d2 or transport.safetensors_tensor_digests(st)["w"] == d1["w"]:
         fails.append("tensor digests depend on the header order or miss a change")
     print(f"{index['parts']} parts, MiB {[round(s / transport.MIB, 2) for s in sizes]}, {len(index['files'])} files")
-    if fails:
-        print("FAIL\n  " + "\n  ".join(fails))
-        return 1
-    print("PASS")
-    return 0
+    return verdict(fails)
 
 
 if __name__ == "__main__":
