@@ -119,7 +119,10 @@ class GpuFlow:
             k, _, v = kv.partition("=")
             if k not in self.estimates:
                 raise StepError(f"--estimate: unknown step kind '{k}' (known: {', '.join(self.estimates)})")
-            self.estimates[k] = float(v)
+            try:
+                self.estimates[k] = float(v)
+            except ValueError:
+                raise StepError(f"--estimate {kv}: expected KIND=SECONDS")
         for d in ("steps", "logs", "prompts", "configs", "evals", "curves"):
             os.makedirs(os.path.join(self.out, d), exist_ok=True)
         self.regen = os.path.join(self.out, "regenerated.jsonl")
@@ -149,7 +152,7 @@ class GpuFlow:
                 self.dflash, "data", "regenerate", "--target", self.model, "--input",
                 os.path.join(self.bundle, "data", "train.jsonl"), "--out", self.regen, *self.dev(),
                 "--max-new-tokens", str(a.max_new_tokens), "--temperature", "0", "--batch-size", str(a.regen_batch),
-                "--python", sys.executable], lambda: {"stats": json.load(open(self.regen + ".meta.json"))["stats"]}),
+                "--python", sys.executable], self.collect_regenerate),
             Step("import", "import", ["regenerate"], lambda: [
                 self.dflash, "data", "import", "--input", self.regen, "--out", self.shards, "--max-seq-len",
                 str(MAX_SEQ_LEN), "--block-size", str(BLOCK_SIZE)], lambda: {"shard_dir": self.shards}),
@@ -174,6 +177,18 @@ class GpuFlow:
                 steps.append(Step(f"speed:{v}", "speed", deps, lambda v=v: self.speed_command(v),
                                   lambda v=v: self.collect_speed(v), exclusive=True))
         return steps
+
+    def collect_regenerate(self):
+        """The regeneration's stats; the drafter's mask token must not occur in the data it trains on."""
+        import yaml
+        mask = yaml.safe_load(open(os.path.join(HERE, "quality.yaml")))["drafter"]["mask_token_id"]
+        for kv in self.a.set or []:
+            if kv.startswith("drafter.mask_token_id="):
+                mask = int(kv.partition("=")[2])
+        hits = sum(r["input_ids"].count(mask) for r in read_jsonl(self.regen))
+        if hits:
+            raise StepError(f"{self.regen}: the drafter's mask token {mask} occurs {hits} times (pick another id)")
+        return {"stats": json.load(open(self.regen + ".meta.json"))["stats"], "mask_token_id": mask}
 
     def write_prompts(self):
         """The fixed subsets: the first N prompts of each group, in file order."""
@@ -352,14 +367,17 @@ class GpuFlow:
                 if rc is None:
                     continue
                 del running[name]
-                if rc != 0:
+                try:
+                    if rc != 0:
+                        tail = open(log + ".err", errors="replace").read()[-4000:]
+                        raise StepError(f"step {name} exited {rc}; log {log}.err:\n{tail}")
+                    self.finish(s, time.time() - t)
+                except StepError:
                     for _, q, _, _ in running.values():
                         q.terminate()
                     for _, q, _, _ in running.values():
                         q.wait()
-                    tail = open(log + ".err", errors="replace").read()[-4000:]
-                    raise StepError(f"step {name} exited {rc}; log {log}.err:\n{tail}")
-                self.finish(s, time.time() - t)
+                    raise
                 done.add(name)
                 return
             time.sleep(0.2)

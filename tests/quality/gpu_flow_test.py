@@ -61,7 +61,7 @@ def main():
                    "--zlab-prompts", "3", "--parallel", "2", "--set", "data.token_budget=256",
                    "--set", "data.max_seq_len=128", "--set", "train.max_anchors=16",
                    "--set", "resilience.oom.token_budget_floor=128", "--set", "drafter.num_layers=1",
-                   "--set", "target.target_layer_ids=[0,2]"]
+                   "--set", "target.target_layer_ids=[0,2]", "--set", "drafter.mask_token_id=255"]
     fails = []
     # (a)
     r = run(gpu + ["--deadline-s", "1", "--estimate", "regenerate=60", "--estimate", "prompts=60"], 3)
