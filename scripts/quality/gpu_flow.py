@@ -1,6 +1,7 @@
 """`run.py gpu BUNDLE OUT`: the quality run's device side as resumable steps (docs/quality.md).
 
-Steps (a step runs when the steps it needs are done; up to --parallel at once):
+Steps (a step runs when the steps it needs are done, in this order of preference; up to
+--parallel at once):
   regenerate            `dflash data regenerate` of data/train.jsonl by the target (greedy)
   import                `dflash data import` into OUT/shards (block 16)
   prompts               the fixed prompt subsets: OUT/prompts/eval.jsonl (the first --eval-prompts
@@ -9,7 +10,7 @@ Steps (a step runs when the steps it needs are done; up to --parallel at once):
   train:<v>             `dflash run` of variant v (one target server + one drafter trainer sharing
                         GPU 0, topology.colocate), export in OUT/runs/<v>/export
   train:specforge       scripts/quality/specforge_train.py with train:plain's steps, shape and
-                        hyperparameters
+                        hyperparameters (preferred right after train:plain: the critical path)
   eval:<v>              `dflash eval` of v's drafter on eval.jsonl (--eval-batch, no baseline)
   zlab:<v>              z-lab's dflash_generate (scripts/reference/zlab_generate.py) on zlab.jsonl,
                         for plain and specforge: tau next to ours on the same prompts
@@ -161,9 +162,9 @@ class GpuFlow:
         for v in ours:
             steps.append(Step(f"train:{v}", "train", ["import"], lambda v=v: self.train_command(v),
                               lambda v=v: self.collect_train(v)))
-        if "specforge" in self.variants:
-            steps.append(Step("train:specforge", "specforge", ["train:plain"], self.specforge_command,
-                              self.collect_specforge, env=self.ref_env))
+            if v == "plain" and "specforge" in self.variants:  # next in line: it waits for plain only
+                steps.append(Step("train:specforge", "specforge", ["train:plain"], self.specforge_command,
+                                  self.collect_specforge, env=self.ref_env))
         for v in self.variants:
             steps.append(Step(f"eval:{v}", "eval", [f"train:{v}", "prompts"], lambda v=v: self.eval_command(v),
                               lambda v=v: self.collect_eval(v)))
