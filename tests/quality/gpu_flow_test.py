@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""`scripts/quality/run.py gpu` end to end on CPU with the tiny Qwen3 target of the golden_models
+fixture (usage: gpu_flow_test.py SOURCE_DIR BIN_DIR TESTDATA_DIR WORK). A bundle is made from the
+fixture (tokenized documents, two prompt groups); then:
+  (a) --deadline-s 1 with a long estimate: exit 3 before any process step, results.json written;
+  (b) the whole flow (plain + specforge, 2 steps at once): exit 0; results.json has both drafters
+      with tau per group, the same step count, the z-lab cross-check on the same prompts (tau by z-lab
+      equal to ours: same fp32 model, same prompts), a speedup against the greedy baseline, one loss
+      value per step in both curves, and the table on stdout;
+  (c) a rerun starts no process (every step's record is there) and rewrites the same results.json;
+  (d) with eval:plain's record removed, a rerun runs only that step;
+  (e) `run.py report` into a copy of docs/quality.md: the results block replaced, prose kept, both
+      PNGs written.
+Exit 0 when all hold."""
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+from verdict import verdict
+
+
+def run(cmd, want):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != want:
+        print(f"FAIL: exit {r.returncode}, expected {want}: {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+        sys.exit(1)
+    return r
+
+
+def make_bundle(testdata, bundle):
+    """model: the tiny Qwen3 with an eos id; data: random tokenized documents (loss on the second
+    half, regenerated with 40 new tokens: enough for import's 32 trainable tokens) and prompts."""
+    shutil.copytree(os.path.join(testdata, "qwen3"), os.path.join(bundle, "model"))
+    cfg_path = os.path.join(bundle, "model", "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["eos_token_id"] = 3
+    json.dump(cfg, open(cfg_path, "w"), indent=1)
+    rnd = random.Random(0)
+    docs = [[rnd.randrange(4, cfg["vocab_size"] - 1) for _ in range(rnd.randrange(12, 40))] for _ in range(30)]
+    os.makedirs(os.path.join(bundle, "data"))
+    with open(os.path.join(bundle, "data", "train.jsonl"), "w") as f:
+        for i, d in enumerate(docs[8:]):
+            cut = len(d) // 2
+            f.write(json.dumps({"id": f"t{i}", "input_ids": d, "loss_mask": [0] * cut + [1] * (len(d) - cut)}) + "\n")
+    for name, rows in (("heldout_prompts.jsonl", docs[:5]), ("humaneval_prompts.jsonl", docs[5:8])):
+        with open(os.path.join(bundle, "data", name), "w") as f:
+            f.writelines(json.dumps({"id": f"{name[0]}{i}", "input_ids": d[:6]}) + "\n" for i, d in enumerate(rows))
+
+
+def main():
+    src, bindir, testdata, work = sys.argv[1:5]
+    shutil.rmtree(work, ignore_errors=True)
+    bundle, out = os.path.join(work, "bundle"), os.path.join(work, "out")
+    make_bundle(testdata, bundle)
+    runpy = [sys.executable, os.path.join(src, "scripts", "quality", "run.py"), "--bin", bindir]
+    gpu = runpy + ["gpu", bundle, out, "--device", "cpu", "--dtype", "float32", "--variants", "plain,specforge",
+                   "--max-new-tokens", "40", "--eval-prompts", "4", "--eval-batch", "2", "--speed-prompts", "2",
+                   "--zlab-prompts", "3", "--parallel", "2", "--set", "data.token_budget=256",
+                   "--set", "data.max_seq_len=128", "--set", "train.max_anchors=16",
+                   "--set", "resilience.oom.token_budget_floor=128", "--set", "drafter.num_layers=1",
+                   "--set", "target.target_layer_ids=[0,2]", "--set", "drafter.mask_token_id=255"]
+    fails = []
+    # (a)
+    r = run(gpu + ["--deadline-s", "1", "--estimate", "regenerate=60", "--estimate", "prompts=60"], 3)
+    if "+ " in r.stderr or not os.path.isfile(os.path.join(out, "results.json")) or "deadline" not in r.stderr:
+        fails.append(f"(a) a step started or no results.json / deadline message: {r.stderr[-500:]}")
+    # (b)
+    r = run(gpu, 0)
+    res = json.load(open(os.path.join(out, "results.json")))
+    v = res["variants"]
+    for name in ("plain", "specforge"):
+        g = v[name]["groups"]
+        if set(g) != {"sharegpt_heldout", "humaneval"} or not all(x["tau"] >= 1 for x in g.values()):
+            fails.append(f"(b) {name} groups {g}")
+        if g["sharegpt_heldout"]["prompts"] != 4 or g["humaneval"]["prompts"] != 3:
+            fails.append(f"(b) {name}: prompts per group {g['sharegpt_heldout']['prompts']}, {g['humaneval']['prompts']}")
+        z = v[name].get("zlab") or {}
+        if z.get("prompts") != 3 or z.get("same_output_prompts") != 3 or abs(z["tau_zlab"] - z["tau_ours"]) > 1e-9:
+            fails.append(f"(b) {name} z-lab cross-check {z}")
+        s = v[name].get("speed") or {}
+        if s.get("prompts") != 2 or not s.get("speedup_vs_greedy", 0) > 0:
+            fails.append(f"(b) {name} speed {s}")
+        curve = json.load(open(os.path.join(out, "curves", name + ".json")))
+        if [p["step"] for p in curve] != list(range(1, v["plain"]["steps"] + 1)):
+            fails.append(f"(b) {name} loss curve steps {[p['step'] for p in curve]}")
+    if v["plain"]["steps"] != v["specforge"]["steps"] or v["plain"]["steps"] < 1:
+        fails.append(f"(b) steps plain {v['plain']['steps']} specforge {v['specforge']['steps']}")
+    if not res["target_greedy"] or res["target_greedy"]["prompts"] != 2:
+        fails.append(f"(b) greedy baseline {res['target_greedy']}")
+    if "| plain | sharegpt_heldout |" not in r.stdout:
+        fails.append(f"(b) no table on stdout: {r.stdout[-500:]}")
+    # (c)
+    r = run(gpu, 0)
+    if "+ " in r.stderr or json.load(open(os.path.join(out, "results.json"))) != res:
+        fails.append(f"(c) rerun started a step or changed results.json: {r.stderr[-500:]}")
+    # (d)
+    os.remove(os.path.join(out, "steps", "eval_plain.json"))
+    r = run(gpu, 0)
+    started = [line for line in r.stderr.splitlines() if line.startswith("+ ")]
+    if len(started) != 1 or " eval " not in started[0] or "runs/plain/export" not in started[0]:
+        fails.append(f"(d) expected only eval:plain to run, started {started}")
+    # (e)
+    doc, images = os.path.join(work, "quality.md"), os.path.join(work, "images")
+    shutil.copy(os.path.join(src, "docs", "quality.md"), doc)
+    before = open(doc).read()
+    run(runpy + ["report", out, "--doc", doc, "--images", images], 0)
+    after = open(doc).read()
+    head, tail = before.split("<!-- quality-results:begin")[0], before.split("<!-- quality-results:end -->")[1]
+    block = after.split("<!-- quality-results:begin")[1].split("<!-- quality-results:end -->")[0]
+    if not after.startswith(head) or not after.endswith(tail) or "| ours, `plain` |" not in block or "pending" in block:
+        fails.append("(e) report: prose changed or table not written")
+    for png in ("quality_loss.png", "quality_tau.png"):
+        if not os.path.getsize(os.path.join(images, png)) > 1000:
+            fails.append(f"(e) {png} missing")
+    print(f"plain tau {v['plain']['groups']['sharegpt_heldout']['tau']:.3f}, specforge "
+          f"{v['specforge']['groups']['sharegpt_heldout']['tau']:.3f}, steps {v['plain']['steps']}")
+    return verdict(fails)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
