@@ -51,7 +51,7 @@ VARIANTS = {
 ZLAB_VARIANTS = ("plain", "specforge")
 # Wall seconds per step kind on one H200 at the full setting (docs/quality.md, "Time budget"); only
 # the --deadline-s check reads them, and a measured step of the same kind replaces them.
-DEFAULT_ESTIMATE_S = {"regenerate": 420, "import": 30, "prompts": 1, "train": 150, "specforge": 200,
+DEFAULT_ESTIMATE_S = {"regenerate": 220, "import": 40, "prompts": 1, "train": 220, "specforge": 290,
                       "eval": 40, "zlab": 90, "speed": 30}
 
 

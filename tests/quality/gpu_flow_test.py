@@ -2,7 +2,8 @@
 """`scripts/quality/run.py gpu` end to end on CPU with the tiny Qwen3 target of the golden_models
 fixture (usage: gpu_flow_test.py SOURCE_DIR BIN_DIR TESTDATA_DIR WORK). A bundle is made from the
 fixture (tokenized documents, two prompt groups); then:
-  (a) --deadline-s 1 with a long estimate: exit 3 before any process step, results.json written;
+  (a) through scripts/quality/device_call.sh --gpu 1 (as on the GPU host) with a long estimate:
+      exit 3 before any process step, results.json written and archived into $OUT/quality-out.tgz;
   (b) the whole flow (plain + specforge, 2 steps at once): exit 0; results.json has both drafters
       with tau per group, the same step count, the z-lab cross-check on the same prompts (tau by z-lab
       equal to ours: same fp32 model, same prompts), a speedup against the greedy baseline, one loss
@@ -18,12 +19,13 @@ import random
 import shutil
 import subprocess
 import sys
+import tarfile
 
 from verdict import verdict
 
 
-def run(cmd, want):
-    r = subprocess.run(cmd, capture_output=True, text=True)
+def run(cmd, want, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if r.returncode != want:
         print(f"FAIL: exit {r.returncode}, expected {want}: {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
         sys.exit(1)
@@ -63,10 +65,18 @@ def main():
                    "--set", "resilience.oom.token_budget_floor=128", "--set", "drafter.num_layers=1",
                    "--set", "target.target_layer_ids=[0,2]", "--set", "drafter.mask_token_id=255"]
     fails = []
-    # (a)
-    r = run(gpu + ["--deadline-s", "1", "--estimate", "regenerate=60", "--estimate", "prompts=60"], 3)
+    # (a) through the device-call wrapper as on the GPU host (build found in place, flags after --)
+    dev_out = os.path.join(work, "dev_out")
+    os.makedirs(dev_out)
+    env = dict(os.environ, DFLASH_GPU_BUILD=os.path.dirname(bindir), DFLASH_QUALITY_DIR=work, OUT=dev_out,
+               DFLASH_PYTHON=sys.executable)
+    r = run([os.path.join(src, "scripts", "quality", "device_call.sh"), "--gpu", "1", "--", *gpu[len(runpy) + 3:],
+             "--estimate", "regenerate=60", "--estimate", "prompts=60"], 3, cwd=src, env=env)
     if "+ " in r.stderr or not os.path.isfile(os.path.join(out, "results.json")) or "deadline" not in r.stderr:
         fails.append(f"(a) a step started or no results.json / deadline message: {r.stderr[-500:]}")
+    with tarfile.open(os.path.join(dev_out, "quality-out.tgz")) as tar:
+        if "results.json" not in tar.getnames():
+            fails.append(f"(a) the call's archive holds {tar.getnames()}")
     # (b)
     r = run(gpu, 0)
     res = json.load(open(os.path.join(out, "results.json")))

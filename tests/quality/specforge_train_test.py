@@ -52,6 +52,10 @@ def main():
     want_lr = [1e-3 * (s + 1) / 2 if s < 2 else 1e-3 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 1)) for s in range(3)]
     if [e["step"] for e in log] != [1, 2, 3] or not all(math.isfinite(e["loss"]) and e["loss"] > 0 for e in log):
         fails.append(f"loss.jsonl: {log}")
+    # --anchors is per micro-batch as ours: spread over the rows, not 8 per row (with per-row
+    # anchors a batch of several rows would draw up to 8 x rows).
+    if not any(e["rows"] > 1 for e in log) or any(not 0 < e["anchors"] <= 8 + e["rows"] - 1 for e in log):
+        fails.append(f"anchors per step {[(e['rows'], e['anchors']) for e in log]}: expected <= 8 + rows - 1")
     if any(abs(e["lr"] - w) > 1e-12 for e, w in zip(log, want_lr)):
         fails.append(f"lr {[e['lr'] for e in log]} != {want_lr}")
 

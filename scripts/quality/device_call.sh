@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One device call of the quality run (docs/quality.md, "How to reproduce"), run on the GPU host from
+# the repository root:
+#   scripts/quality/device_call.sh [--part DIR]... [--gpu DEADLINE_S] [-- EXTRA_GPU_FLAGS...]
+# In order:
+#   1. builds the binaries into $DFLASH_GPU_BUILD (default /tmp/build-gpu; tests off) when its
+#      bin/dflash is missing, with .gpu-deps/build.sh (carry .gpu-deps on that call);
+#   2. stores each --part DIR into /tmp/quality/bundle (/tmp/quality: $DFLASH_QUALITY_DIR if set) (run.py unpack; the bundle is rebuilt when the
+#      last part is there);
+#   3. with --gpu S: `run.py gpu /tmp/quality/bundle /tmp/quality/out --parallel 5 --deadline-s S`
+#      plus EXTRA_GPU_FLAGS (it resumes where the last call stopped);
+#   4. always, when $OUT is set and /tmp/quality/out exists: one archive $OUT/quality-out.tgz of its
+#      results.json, steps, curves, evals and logs (a device call returns few files, and /tmp is lost
+#      once the host goes back), so every call leaves what it measured here.
+# Exit: 0 done; 3 parts still missing or the gpu step stopped at its deadline (call again within
+# 30 s, /tmp survives only then); 1 the build failed; else the failing step's exit (run.py: 1 a
+# step failed, 2 bad usage, 4 a damaged part).
+set -uo pipefail
+build=${DFLASH_GPU_BUILD:-/tmp/build-gpu}
+qdir=${DFLASH_QUALITY_DIR:-/tmp/quality}
+dest=$qdir/bundle out_dir=$qdir/out
+parts=() deadline="" extra=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --part) parts+=("$2"); shift 2 ;;
+    --gpu) deadline=$2; shift 2 ;;
+    --) shift; extra=("$@"); break ;;
+    *) echo "ERROR: device_call.sh: unknown argument '$1'" >&2; exit 2 ;;
+  esac
+done
+
+archive() {
+  [ -n "${OUT:-}" ] && [ -d "$out_dir" ] || return 0
+  local have=()
+  for f in results.json steps curves evals logs; do [ -e "$out_dir/$f" ] && have+=("$f"); done
+  [ ${#have[@]} -gt 0 ] && tar czf "$OUT/quality-out.tgz" -C "$out_dir" "${have[@]}" && echo "archived ${have[*]} into \$OUT/quality-out.tgz"
+}
+trap archive EXIT
+
+if [ ! -x "$build/bin/dflash" ]; then
+  [ -f .gpu-deps/build.sh ] || { echo "ERROR: $build/bin/dflash missing and .gpu-deps not carried" >&2; exit 1; }
+  t0=$SECONDS
+  bash .gpu-deps/build.sh . "$build" -DDFLASH_CUDA=ON -DDFLASH_BUILD_TESTS=OFF > /tmp/quality-build.log 2>&1 \
+    || { tail -40 /tmp/quality-build.log; exit 1; }
+  echo "built $build in $((SECONDS - t0)) s"
+fi
+export LD_LIBRARY_PATH=/tmp/dflash-deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export DFLASH_SOURCE_DIR=$PWD DFLASH_PYTHON=${DFLASH_PYTHON:-python3}
+py=$DFLASH_PYTHON
+
+rc=0
+for p in "${parts[@]}"; do
+  "$py" scripts/quality/run.py unpack "$p" "$dest"; rc=$?
+  [ $rc = 0 ] || [ $rc = 3 ] || exit $rc
+done
+[ -n "$deadline" ] || exit $rc
+[ $rc = 0 ] || { echo "ERROR: --gpu: the bundle is not complete yet (parts missing)" >&2; exit 3; }
+"$py" scripts/quality/run.py --bin "$build/bin" gpu "$dest" "$out_dir" --parallel 5 --deadline-s "$deadline" "${extra[@]}"
