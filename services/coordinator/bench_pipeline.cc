@@ -380,6 +380,9 @@ json result_json(const BenchOptions& o, const std::vector<Proc>& ps, const std::
       {"tokens_per_s", tokens / std::max(loop_s, 1e-9)},
       {"tokens_per_s_wall", tokens / std::max(wall_s, 1e-9)},
       {"drafter_wait_fraction", dj.at("wait_seconds").get<double>() / std::max(loop_s, 1e-9)},
+      // Without the first micro-batch's wait (the target starting up): what a long run sees.
+      {"drafter_wait_fraction_steady", dj.at("steady_waiting_fraction")},
+      {"drafter_first_wait_s", dj.at("first_wait_seconds")},
       {"target_pack_send_over_forward",
        (tj.at("pack_seconds").get<double>() + tj.at("send_seconds").get<double>()) / std::max(fwd_s, 1e-9)},
       {"target_credit_wait_fraction", tj.at("wait_seconds").get<double>() / std::max(tj.at("seconds").get<double>(), 1e-9)},

@@ -28,6 +28,8 @@ MicroBatchSource::Fetched FakeMicroBatchSource::fetch(const PlannedMicroBatch& p
   held_ = p;
   Fetched f;
   f.mb = make(p.epoch, p.batch_index, *p.batch);
+  f.wait_seconds = fetches_ < waits_.size() ? waits_[fetches_] : 0.0;
+  ++fetches_;
   return f;
 }
 

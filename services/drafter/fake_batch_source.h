@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "services/drafter/train_loop.h"
@@ -30,11 +31,15 @@ class FakeMicroBatchSource final : public MicroBatchSource {
     PlannedMicroBatch planned;
   };
   const std::vector<Event>& events() const { return events_; }
+  // The wait that fetch number k (0-based, in call order) reports; 0 past the end. Nothing sleeps.
+  void set_reported_waits(std::vector<double> waits) { waits_ = std::move(waits); }
 
  private:
   int64_t feature_width_, hidden_, vocab_;
   uint64_t seed_;
   std::vector<Event> events_;
+  std::vector<double> waits_;
+  size_t fetches_ = 0;
   std::optional<PlannedMicroBatch> held_;
 };
 

@@ -75,6 +75,7 @@ void TrainLoop::train_micro_batch(int64_t step, int micro, StepRecord& cur) {
   fetched.mb = train::MicroBatch();
   source_.release(p);
   const double wait_s = fetched.wait_seconds, train_s = seconds_since(t0) - wait_s;
+  if (res_.micro_batches == 0) res_.first_wait_seconds = wait_s;
   res_.wait_seconds += wait_s;
   res_.micro_batches += 1;
   res_.tokens += T;

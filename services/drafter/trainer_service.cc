@@ -906,6 +906,7 @@ int cmd_train_service(int argc, char** argv) {
                     {"loop_seconds", r.loop_seconds}, {"wait_seconds", r.wait_seconds},
                     {"tokens_per_s", r.tokens / std::max(r.loop_seconds, 1e-9)},
                     {"waiting_fraction", r.wait_seconds / std::max(r.loop_seconds, 1e-9)},
+                    {"first_wait_seconds", r.first_wait_seconds}, {"steady_waiting_fraction", r.steady_wait_fraction()},
                     {"peak_gpu_bytes", pipeline::peak_gpu_bytes(o.device)},
                     {"checkpoint", r.last_checkpoint}, {"export", r.export_dir}}
                    .dump()

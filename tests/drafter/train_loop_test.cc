@@ -136,12 +136,16 @@ TEST(TrainLoop, ConsumesThePlanInOrderAndStepsEveryGradAccum) {
   model::Drafter d(fx.cfg, torch::kCPU, 5);
   train::Trainer trainer(d, fx.frozen, fx.opt);
   auto source = fx.source();
+  source.set_reported_waits({5.0, 0.25, 0.5});
   RecordingHooks hooks;
   drafter::SingleRankGroup single;
   drafter::TrainLoop loop(trainer, d, fx.sched, source, single, hooks, nullptr, loop_options(fx.sched, 2));
   const auto r = loop.run();
 
   EXPECT_FALSE(r.stopped);
+  // The waits the source reported, summed; the first one (the target starting up) kept apart.
+  EXPECT_DOUBLE_EQ(r.wait_seconds, 5.75);
+  EXPECT_DOUBLE_EQ(r.first_wait_seconds, 5.0);
   EXPECT_EQ(r.steps_done, S);
   EXPECT_EQ(trainer.step_count(), S);
   EXPECT_EQ(r.micro_batches, S * kAccum);

@@ -21,6 +21,11 @@ assert r["transport"] == "shm"
 assert r["batches"] > 0 and r["tokens"] > 0 and r["tokens_per_s"] > 0, r
 assert r["checksums_all_verified"] is True and r["checksums_verified"] == r["batches"], r
 assert 0 <= r["drafter_wait_fraction"] <= 1, r
+# The steady fraction leaves out the first micro-batch's wait (the target starting up): never above
+# the whole-loop fraction, and the first wait is part of the total.
+d = r["processes"]["drafter"]["result"]
+assert 0 <= r["drafter_first_wait_s"] <= d["wait_seconds"] + 1e-9, r
+assert 0 <= r["drafter_wait_fraction_steady"] <= r["drafter_wait_fraction"] + 1e-9, r
 assert r["target_pack_send_over_forward"] >= 0, r
 for role in ["target", "drafter"]:
     p = r["processes"][role]
