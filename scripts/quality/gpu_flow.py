@@ -16,7 +16,10 @@ Steps (a step runs when the steps it needs are done, in this order of preference
                         for plain and specforge: tau next to ours on the same prompts
   speed:<v>             `dflash eval --batch-size 1` on speed.jsonl; speed:plain also runs the
                         target's own greedy decoding (the baseline of every speedup). These steps
-                        run alone on the device (nothing else at the same time), after the others.
+                        run alone on the device (nothing else at the same time), after the others;
+                        none for --recipe variants (recipe measurements compare tau).
+--recipe NAME=BASE:SECTION.FIELD=VALUE[;...] adds a variant trained like BASE with its own overrides
+(train:NAME, eval:NAME); a rerun with more --recipe flags trains only the new ones.
 
 Each finished step writes OUT/steps/<step>.json (its wall time and results); a step whose record
 exists is skipped, so a rerun resumes where the last one stopped (a killed `dflash run` continues
@@ -105,10 +108,12 @@ class GpuFlow:
         self.bundle, self.out = os.path.abspath(a.bundle), os.path.abspath(a.out)
         self.model = os.path.join(self.bundle, "model")
         self.dflash = os.path.join(a.bin, "dflash")
-        self.variants = a.variants.split(",")
+        self.recipes = parse_recipes(a.recipe or [])
+        self.variants = a.variants.split(",") + [r for r in self.recipes if r not in a.variants.split(",")]
         for v in self.variants:
-            if v not in VARIANTS and v != "specforge":
-                raise StepError(f"--variants: unknown variant '{v}' (known: {', '.join(VARIANTS)}, specforge)")
+            if v not in VARIANTS and v not in self.recipes and v != "specforge":
+                raise StepError(f"--variants: unknown variant '{v}' (known: {', '.join(VARIANTS)}, specforge, "
+                                "and the --recipe names)")
         if "specforge" in self.variants and "plain" not in self.variants:
             raise StepError("--variants: 'specforge' needs 'plain' (its steps and drafter shape)")
         if a.parallel < 1:
@@ -172,8 +177,8 @@ class GpuFlow:
             steps.append(Step(f"zlab:{v}", "zlab", [f"eval:{v}"], lambda v=v: self.zlab_command(v),
                               lambda v=v: self.collect_zlab(v), env=self.ref_env,
                               stdout=os.path.join(self.out, "evals", f"zlab_{v}.json")))
-        if a.speed_prompts > 0:
-            for v in self.variants:
+        if a.speed_prompts > 0:  # not for --recipe variants: their tau decides, and speed steps run alone
+            for v in (v for v in self.variants if v not in self.recipes):
                 deps = [f"train:{v}", "prompts"] + ([] if v == "plain" else ["speed:plain"])
                 steps.append(Step(f"speed:{v}", "speed", deps, lambda v=v: self.speed_command(v),
                                   lambda v=v: self.collect_speed(v), exclusive=True))
@@ -212,22 +217,16 @@ class GpuFlow:
         cfg["run"].update(name=f"quality-{v}", output_dir=os.path.join(self.out, "runs", v), epochs=self.a.epochs)
         cfg["target"].update(model_dir=self.model, dtype=self.a.dtype)
         cfg["data"]["shard_dir"] = self.shards
-        for k, val in VARIANTS[v].items():
+        base, own = self.recipes[v] if v in self.recipes else (v, [])
+        for k, val in VARIANTS[base].items():
             if isinstance(val, dict):
                 cfg["train"].setdefault(k, {}).update(val)
             else:
                 cfg["train"][k] = val
+        cfg["topology"]["c10d_port_base"] = 29700 + 16 * self.variants.index(v)
+        for kv in (self.a.set or []) + own:  # a recipe's own overrides last: they win
+            apply_set(cfg, kv)
         cfg["target"]["ship_h_last"] = bool(cfg["train"]["soft_labels"]["enabled"])
-        cfg["topology"]["c10d_port_base"] = 29700 + 16 * list(VARIANTS).index(v)
-        for kv in self.a.set or []:
-            key, _, val = kv.partition("=")
-            *path, field = key.split(".")
-            node = cfg
-            for k in path:
-                node = node.setdefault(k, {})
-            if not path or path[0] not in cfg or not field or not isinstance(node, dict):
-                raise StepError(f"--set: expected section.field=VALUE with a section of quality.yaml, got '{kv}'")
-            node[field] = yaml.safe_load(val)
         path = os.path.join(self.out, "configs", v + ".yaml")
         yaml.safe_dump(cfg, open(path, "w"), sort_keys=False)
         return path
@@ -407,11 +406,49 @@ class GpuFlow:
             for k in ("zlab", "speed"):
                 if rec.get(f"{k}:{v}"):
                     r[k] = {x: y for x, y in rec[f"{k}:{v}"].items() if x not in ("step", "kind")}
+            if v in self.recipes:
+                r["recipe"] = {"base": self.recipes[v][0], "set": self.recipes[v][1]}
             res["variants"][v] = r
         sp = rec.get("speed:plain")
         res["target_greedy"] = ({"tokens_per_second": sp["greedy_tokens_per_second"], "seconds": sp["greedy_seconds"],
                                  "prompts": sp["prompts"], "batch_size": 1} if sp else None)
         return res
+
+
+def apply_set(cfg, kv):
+    """One SECTION.FIELD=VALUE override (VALUE read as YAML) into the config dict."""
+    import yaml
+    key, _, val = kv.partition("=")
+    *path, field = key.split(".")
+    node = cfg
+    for k in path:
+        node = node.setdefault(k, {}) if isinstance(node, dict) else None
+    if not path or path[0] not in cfg or not field or not isinstance(node, dict) or not _:
+        raise StepError(f"--set / --recipe: expected section.field=VALUE with a section of quality.yaml, got '{kv}'")
+    value = yaml.safe_load(val)
+    if isinstance(value, str):  # YAML 1.1 reads 2e-3 (no dot) as text
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    node[field] = value
+
+
+def parse_recipes(specs):
+    """--recipe NAME=BASE:SECTION.FIELD=VALUE[;SECTION.FIELD=VALUE...] -> {NAME: (BASE, [overrides])}:
+    a variant trained like BASE (plain, soft, noise or dpace) with its own overrides, for the recipe
+    measurements (e.g. layers5=plain:drafter.num_layers=5)."""
+    out = {}
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        base, colon, sets = rest.partition(":")
+        if not eq or not colon or not name or base not in VARIANTS or not sets:
+            raise StepError(f"--recipe: expected NAME=BASE:SECTION.FIELD=VALUE[;...] with BASE one of "
+                            f"{', '.join(VARIANTS)}, got '{spec}'")
+        if name in VARIANTS or name == "specforge" or name in out or not name.replace("_", "").replace("-", "").isalnum():
+            raise StepError(f"--recipe: the name '{name}' is taken or not a plain word")
+        out[name] = (base, sets.split(";"))
+    return out
 
 
 def table(results):
@@ -452,5 +489,8 @@ def add_arguments(g):
     g.add_argument("--parallel", type=int, default=1, help="steps run at once (trainings and evals as processes)")
     g.add_argument("--deadline-s", type=float, default=0, help="start no step that would end later (0: none); exit 3")
     g.add_argument("--estimate", action="append", metavar="KIND=S", help="wall estimate of a step kind (seconds)")
+    g.add_argument("--recipe", action="append", metavar="NAME=BASE:SECTION.FIELD=VALUE[;...]",
+                   help="one more variant: BASE's recipe with these overrides (recipe measurements), "
+                        "e.g. layers5=plain:drafter.num_layers=5")
     g.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                    help="override of quality.yaml for every variant (e.g. data.token_budget=4096)")

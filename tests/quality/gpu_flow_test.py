@@ -4,7 +4,9 @@ fixture (usage: gpu_flow_test.py SOURCE_DIR BIN_DIR TESTDATA_DIR WORK). A bundle
 fixture (tokenized documents, two prompt groups); then:
   (a) through scripts/quality/device_call.sh --gpu 1 (as on the GPU host) with a long estimate:
       exit 3 before any process step, results.json written and archived into $OUT/quality-out.tgz;
-  (b) the whole flow (plain + specforge, 2 steps at once): exit 0; results.json has both drafters
+  (b) the whole flow (plain + specforge + a --recipe variant, 2 steps at once): exit 0; the
+      recipe's overrides in its config and results, no speed step for it (a recipe name taken is
+      refused); results.json has both drafters
       with tau per group, the same step count, the z-lab cross-check on the same prompts (tau by z-lab
       equal to ours: same fp32 model, same prompts), a speedup against the greedy baseline, one loss
       value per step in both curves, and the table on stdout;
@@ -63,7 +65,8 @@ def main():
                    "--zlab-prompts", "3", "--parallel", "2", "--set", "data.token_budget=256",
                    "--set", "data.max_seq_len=128", "--set", "train.max_anchors=16",
                    "--set", "resilience.oom.token_budget_floor=128", "--set", "drafter.num_layers=1",
-                   "--set", "target.target_layer_ids=[0,2]", "--set", "drafter.mask_token_id=255"]
+                   "--set", "target.target_layer_ids=[0,2]", "--set", "drafter.mask_token_id=255",
+                   "--recipe", "l2=plain:drafter.num_layers=2;train.lr=2e-3"]
     fails = []
     # (a) through the device-call wrapper as on the GPU host (build found in place, flags after --)
     dev_out = os.path.join(work, "dev_out")
@@ -96,6 +99,16 @@ def main():
         curve = json.load(open(os.path.join(out, "curves", name + ".json")))
         if [p["step"] for p in curve] != list(range(1, v["plain"]["steps"] + 1)):
             fails.append(f"(b) {name} loss curve steps {[p['step'] for p in curve]}")
+    # The recipe variant: trained, evaluated, its overrides on top of plain's in its config and results.
+    import yaml
+    l2 = yaml.safe_load(open(os.path.join(out, "configs", "l2.yaml")))
+    if (l2["drafter"]["num_layers"], l2["train"]["lr"], l2["train"]["loss"]) != (2, 2e-3, "dflash") \
+            or v.get("l2", {}).get("recipe") != {"base": "plain", "set": ["drafter.num_layers=2", "train.lr=2e-3"]} \
+            or not (v["l2"].get("groups") or {}).get("sharegpt_heldout", {}).get("tau", 0) >= 1 or "speed" in v["l2"]:
+        fails.append(f"(b) recipe l2: config {l2['drafter']['num_layers']}, {l2['train']['lr']}; results {v.get('l2')}")
+    bad = subprocess.run(gpu + ["--recipe", "plain=plain:train.lr=1"], capture_output=True, text=True)
+    if bad.returncode != 1 or "--recipe: the name 'plain'" not in bad.stderr:
+        fails.append(f"(b) a recipe named like a variant: exit {bad.returncode}, {bad.stderr[-300:]}")
     if v["plain"]["steps"] != v["specforge"]["steps"] or v["plain"]["steps"] < 1:
         fails.append(f"(b) steps plain {v['plain']['steps']} specforge {v['specforge']['steps']}")
     if not res["target_greedy"] or res["target_greedy"]["prompts"] != 2:
