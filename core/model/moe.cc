@@ -2,6 +2,8 @@
 // router, and the reference expert loop.
 #include "core/model/moe.h"
 
+#include <mutex>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -9,6 +11,7 @@
 #include "core/model/fp8.h"
 #include "core/model/layers.h"
 #include "core/util/error.h"
+#include "core/util/log.h"
 #ifdef DFLASH_WITH_CUDA
 #include "core/model/cuda/fused_ops.h"
 #endif
@@ -21,6 +24,19 @@ thread_local RoutingObserverFn g_observer;
 
 void observe(int64_t layer, const torch::Tensor& experts_TK) {
   if (g_observer) g_observer(layer, experts_TK);
+}
+
+// FP8 expert weights where FP8 GEMMs run (w.get_fp8 gives them): there is no FP8 grouped GEMM yet,
+// so get() dequantizes them into the compute dtype while attention and dense projections stay FP8.
+// Said once per process, since it doubles the experts' weight memory against the FP8 checkpoint.
+void note_fp8_experts_dequantized(WeightSource& w, const std::string& name, const std::vector<int64_t>& shape) {
+  if (!w.get_fp8(name, shape).first.defined()) return;
+  static std::once_flag logged;
+  std::call_once(logged, [&] {
+    LOG_INFO("FP8 checkpoint: MoE expert weights (first: '" << name << "') are dequantized at load and the experts "
+                                                             << "compute in the model dtype: no FP8 grouped GEMM yet; "
+                                                             << "attention and dense projections run FP8 GEMMs");
+  });
 }
 
 }  // namespace
@@ -41,6 +57,7 @@ MoeBlock load_moe_block(WeightSource& w, const std::string& p, const io::TargetC
     b.down_w = w.get(p + "experts.down_proj", {E, H, I}, Init::kNormal);
   } else {
     std::vector<torch::Tensor> gate_up, down;
+    note_fp8_experts_dequantized(w, p + "experts.0.gate_proj.weight", {I, H});
     for (int64_t e = 0; e < E; ++e) {
       const std::string ep = p + "experts." + std::to_string(e) + ".";
       gate_up.push_back(torch::cat({w.get(ep + "gate_proj.weight", {I, H}, Init::kNormal),

@@ -10,6 +10,10 @@ The format (what Qwen's *-FP8 releases hold):
                weight is W_q * weight_scale_inv of its 128x128 block. Everything else (embeddings,
                lm_head, norms, biases, conv and GDN parameters, the modules_to_not_convert) in bf16.
 Quantization here: per block, scale = amax(|W|) / 448 (the e4m3 maximum), W_q = e4m3(W / scale).
+Every projection's sides are multiples of 128 here: for other sides HF's dequantizer (transformers
+5.24) splits the weight evenly over the scale grid (192 rows, 2 scale rows: blocks of 96) where the
+format's blocks are 128 with a partial last one (our dequantize, DeepSeek's and vLLM's), so the twin
+would differ by construction.
 The twin is dequantized by HF transformers' own routine (Fp8Dequantize, the one its FP8 loader runs
 with dequantize=True), in fp32, so the scale convention is HF's, not ours.
 
@@ -17,6 +21,9 @@ Writes, under OUT:
   qwen3_fp8/       dense Qwen3 (3 layers, H 256, I 384, 4 heads x 64, 2 kv heads)
   qwen3_5_fp8/     hybrid Qwen3.5 text model (4 layers: 3 Gated DeltaNet + 1 gated attention);
                    in_proj_a / in_proj_b (4 rows) listed in modules_to_not_convert, as in the releases
+  qwen3_moe_fp8/   Qwen3-MoE (4 layers, layer 1 dense, 8 experts top-2, expert width 256) with
+                   per-expert FP8 weights `mlp.experts.N.{gate,up,down}_proj.weight` and
+                   their scales, as Qwen3-30B-A3B-FP8 stores them; the router (`mlp.gate`, no "proj") in bf16
   NAME_dq/         the dequantized twin of NAME: same config without quantization_config, fp32
   NAME/golden.safetensors  layer.{d}.{l} as make_tiny_models.py (HF fp32 on the twin, each
                    document alone; the last layer before the final norm)
@@ -41,12 +48,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from safetensors.torch import load_file, save_file
 import transformers
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3_5ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3_5ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_tiny_hybrid  # noqa: E402  (randomize_ and golden of the hybrid family)
 import make_tiny_models  # noqa: E402  (randomize_ and golden of the dense families)
+import make_tiny_moe  # noqa: E402  (randomize_, per_expert and golden of the MoE families)
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -64,6 +72,32 @@ def hybrid_config():
     return make_tiny_hybrid.text_config(
         hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
         head_dim=64, linear_key_head_dim=64, linear_value_head_dim=32)
+
+
+def moe_config():
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=384, moe_intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu", attention_bias=False)
+
+
+def stacked(state):
+    """make_tiny_moe.per_expert's inverse: mlp.experts.N.*_proj.weight -> the [E, ...] tensors of
+    transformers 5.x (to load a per-expert state into the HF model)."""
+    out, experts = {}, {}
+    for k, v in state.items():
+        head, sep, tail = k.partition("mlp.experts.")
+        if not sep:
+            out[k] = v
+            continue
+        e, proj = tail.split(".")[:2]
+        experts.setdefault(head + sep, {}).setdefault(proj, {})[int(e)] = v
+    for base, projs in experts.items():
+        n = len(projs["down_proj"])
+        out[base + "gate_up_proj"] = torch.stack([torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)])
+        out[base + "down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
+    return out
 
 
 def quantize_blocks(w):
@@ -115,12 +149,13 @@ def write_fp8_dir(fp8_dir, cfg, fp8_state, not_convert):
     return sum(1 for t in fp8_state.values() if t.dtype == torch.float8_e4m3fn)
 
 
-def write_pair(model, out, name, not_convert):
-    """Writes OUT/NAME (FP8) and OUT/NAME_dq (the dequantized twin, fp32); returns the twin's state."""
+def write_pair(model, out, name, not_convert, layout=lambda s: s):
+    """Writes OUT/NAME (FP8) and OUT/NAME_dq (the dequantized twin, fp32) of model's state in
+    `layout` (per-expert for MoE); returns the twin's state (in that layout)."""
     dq_dir = os.path.join(out, name + "_dq")
     os.makedirs(dq_dir, exist_ok=True)
     model.config.save_pretrained(dq_dir)
-    fp8_state, twin = convert(model.state_dict(), not_convert)
+    fp8_state, twin = convert(layout({k: v.detach() for k, v in model.state_dict().items()}), not_convert)
     save_file(twin, os.path.join(dq_dir, "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads(model.config.to_json_string(use_diff=False))
     return twin, write_fp8_dir(os.path.join(out, name), cfg, fp8_state, not_convert)
@@ -153,17 +188,24 @@ def main():
         ("qwen3_fp8", dense_config, Qwen3ForCausalLM, make_tiny_models.randomize_, ["lm_head"]),
         ("qwen3_5_fp8", hybrid_config, Qwen3_5ForCausalLM, make_tiny_hybrid.randomize_,
          ["lm_head", "in_proj_a", "in_proj_b"]),
+        ("qwen3_moe_fp8", moe_config, Qwen3MoeForCausalLM,
+         lambda m, seed: make_tiny_moe.randomize_(m, seed, zero_centred=False), ["lm_head"]),
     ]
     for i, (name, make_cfg, cls, randomize, not_convert) in enumerate(families):
         torch.manual_seed(a.seed + i)
         cfg = make_cfg()
         cfg._attn_implementation = "sdpa"
+        moe = cls is Qwen3MoeForCausalLM
+        if moe:
+            cfg._experts_implementation = "eager"  # the per-expert loop, the plainest reference
         model = cls(cfg).to(torch.float32)
         randomize(model, a.seed + 100 + i)
-        twin, n_fp8 = write_pair(model, a.out, name, not_convert)
-        model.load_state_dict(twin)
+        twin, n_fp8 = write_pair(model, a.out, name, not_convert, make_tiny_moe.per_expert if moe else (lambda s: s))
+        model.load_state_dict(stacked(twin) if moe else twin)
         if cls is Qwen3ForCausalLM:
             ref = make_tiny_models.golden(model, docs, "cpu", torch.float32)
+        elif moe:
+            ref = make_tiny_moe.golden(model, docs)
         else:
             ref = make_tiny_hybrid.golden(model, docs)
         save_file(ref, os.path.join(a.out, name, "golden.safetensors"))

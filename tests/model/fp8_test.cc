@@ -183,7 +183,7 @@ TEST_P(Fp8Golden, CaptureMatchesHFOnTheDequantizedWeights) {
   std::cout << GetParam() << ": worst relative error " << worst << "\n";
 }
 
-INSTANTIATE_TEST_SUITE_P(DenseAndHybrid, Fp8Golden, ::testing::Values("qwen3_fp8", "qwen3_5_fp8"));
+INSTANTIATE_TEST_SUITE_P(DenseHybridAndMoe, Fp8Golden, ::testing::Values("qwen3_fp8", "qwen3_5_fp8", "qwen3_moe_fp8"));
 
 // A copy of the tiny dense FP8 checkpoint with `edit` applied to its tensors and `config_edit` to its
 // config.json; returns the DataError message of loading it (and checks it maps to exit 4).
