@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # One device call of the quality run (docs/quality.md, "How to reproduce"), run on the GPU host from
 # the repository root:
-#   scripts/quality/device_call.sh [--part DIR]... [--gpu DEADLINE_S] [-- EXTRA_GPU_FLAGS...]
+#   scripts/quality/device_call.sh [--part DIR]... [--regen DIR] [--gpu DEADLINE_S] [-- EXTRA_GPU_FLAGS...]
 # In order:
 #   1. builds the binaries into $DFLASH_GPU_BUILD (default /tmp/build-gpu; tests off) when its
 #      bin/dflash is missing, with .gpu-deps/build.sh (carry .gpu-deps on that call);
 #   2. stores each --part DIR into /tmp/quality/bundle (/tmp/quality: $DFLASH_QUALITY_DIR if set) (run.py unpack; the bundle is rebuilt when the
 #      last part is there);
+#   2b. --regen DIR: restores the regenerated data that an earlier session's call left in $OUT
+#      (DIR/regen.tgz.NN, carried back): the regenerate step is then done. Refused (exit 4) when it
+#      was made from another bundle (the bundle's manifest.json differs);
 #   3. with --gpu S: `run.py gpu /tmp/quality/bundle /tmp/quality/out --parallel 5 --deadline-s S`
 #      plus EXTRA_GPU_FLAGS (it resumes where the last call stopped);
 #   4. always, when $OUT is set and /tmp/quality/out exists: one archive $OUT/quality-out.tgz of its
 #      results.json, steps, curves, evals and logs (a device call returns few files, and /tmp is lost
-#      once the host goes back), so every call leaves what it measured here.
+#      once the host goes back), so every call leaves what it measured here; once the regenerate
+#      step is done, also $OUT/regen.tgz.NN (the regenerated data with its step record, gzip, cut
+#      into files of 15 MiB), so that a run cut off by the end of a session can skip regeneration in
+#      the next one (--regen).
 # Exit: 0 done; 3 parts still missing or the gpu step stopped at its deadline (call again within
 # 30 s, /tmp survives only then); 1 the build failed; else the failing step's exit (run.py: 1 a
 # step failed, 2 bad usage, 4 a damaged part).
@@ -19,11 +25,12 @@ set -uo pipefail
 build=${DFLASH_GPU_BUILD:-/tmp/build-gpu}
 qdir=${DFLASH_QUALITY_DIR:-/tmp/quality}
 dest=$qdir/bundle out_dir=$qdir/out
-parts=() deadline="" extra=()
+parts=() deadline="" extra=() regen=""
 while [ $# -gt 0 ]; do
   case $1 in
     --part) parts+=("$2"); shift 2 ;;
     --gpu) deadline=$2; shift 2 ;;
+    --regen) regen=$2; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "ERROR: device_call.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
@@ -34,6 +41,11 @@ archive() {
   local have=()
   for f in results.json steps curves evals logs; do [ -e "$out_dir/$f" ] && have+=("$f"); done
   [ ${#have[@]} -gt 0 ] && tar czf "$OUT/quality-out.tgz" -C "$out_dir" "${have[@]}" && echo "archived ${have[*]} into \$OUT/quality-out.tgz"
+  if [ -f "$out_dir/steps/regenerate.json" ] && [ -f "$dest/manifest.json" ]; then
+    sha256sum "$dest/manifest.json" | cut -d' ' -f1 > "$out_dir/regen-bundle.sha256"
+    tar cf - -C "$out_dir" regenerated.jsonl regenerated.jsonl.meta.json steps/regenerate.json regen-bundle.sha256 \
+      | gzip -1 | split -b 15m -d -a 2 - "$OUT/regen.tgz." && echo "archived the regenerated data into \$OUT/regen.tgz.*"
+  fi
 }
 trap archive EXIT
 
@@ -53,6 +65,26 @@ for p in "${parts[@]}"; do
   "$py" scripts/quality/run.py unpack "$p" "$dest"; rc=$?
   [ $rc = 0 ] || [ $rc = 3 ] || exit $rc
 done
+if [ -n "$regen" ]; then
+  if [ $rc != 0 ] || [ ! -f "$dest/manifest.json" ]; then
+    echo "ERROR: --regen: the bundle is not complete yet" >&2
+    exit 3
+  fi
+  ls "$regen"/regen.tgz.* > /dev/null 2>&1 || { echo "ERROR: --regen: no $regen/regen.tgz.* files" >&2; exit 2; }
+  mkdir -p "$out_dir"
+  tmp=$(mktemp -d "$qdir/regen.XXXXXX")
+  cat "$regen"/regen.tgz.* | tar xzf - -C "$tmp" || { echo "ERROR: --regen: $regen/regen.tgz.* is not a whole archive" >&2; exit 4; }
+  want=$(sha256sum "$dest/manifest.json" | cut -d' ' -f1)
+  if [ "$(cat "$tmp/regen-bundle.sha256")" != "$want" ]; then
+    rm -rf "$tmp"
+    echo "ERROR: --regen: $regen was regenerated from another bundle (manifest sha256 differs); regenerate again" >&2
+    exit 4
+  fi
+  mkdir -p "$out_dir/steps"
+  for f in regenerated.jsonl regenerated.jsonl.meta.json steps/regenerate.json regen-bundle.sha256; do mv "$tmp/$f" "$out_dir/$f"; done
+  rm -rf "$tmp"
+  echo "restored the regenerated data from $regen"
+fi
 [ -n "$deadline" ] || exit $rc
 [ $rc = 0 ] || { echo "ERROR: --gpu: the bundle is not complete yet (parts missing)" >&2; exit 3; }
 "$py" scripts/quality/run.py --bin "$build/bin" gpu "$dest" "$out_dir" --parallel 5 --deadline-s "$deadline" "${extra[@]}"

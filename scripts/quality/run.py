@@ -281,6 +281,9 @@ def device_plan(packdir, n_parts):
     lines.append(f"call {n_parts + 1}..: {call} --gpu 570   (resumes; repeat while it exits 3)")
     lines.append("every call leaves $OUT/quality-out.tgz (results, steps, curves, evals, logs); here: unpack the "
                  f"latest into FETCHED_OUT, then scripts/quality/run.py report FETCHED_OUT")
+    lines.append("once regenerate is done, every call also leaves $OUT/regen.tgz.NN: if the session ends before the run, "
+                 "copy them into an ignored folder here (e.g. .quality-regen) and, next session, carry it with the last "
+                 "part and add --regen .quality-regen to that call: regeneration is skipped")
     lines.append("Calls must follow each other within 30 s (/tmp survives only then).")
     return "\n".join(lines)
 

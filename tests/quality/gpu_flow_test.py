@@ -13,7 +13,10 @@ fixture (tokenized documents, two prompt groups); then:
   (c) a rerun starts no process (every step's record is there) and rewrites the same results.json;
   (d) with eval:plain's record removed, a rerun runs only that step;
   (e) `run.py report` into a copy of docs/quality.md: the results block replaced, prose kept, both
-      PNGs written.
+      PNGs written;
+  (f) device_call.sh archives the regenerated data into $OUT/regen.tgz.*; in a fresh quality dir
+      --regen restores it (the regenerate step done, the same bytes, nothing started before the
+      deadline); from a bundle whose manifest differs it is refused (exit 4).
 Exit 0 when all hold."""
 import json
 import os
@@ -42,6 +45,7 @@ def make_bundle(testdata, bundle):
     cfg = json.load(open(cfg_path))
     cfg["eos_token_id"] = 3
     json.dump(cfg, open(cfg_path, "w"), indent=1)
+    json.dump({"bundle": "gpu_flow_test"}, open(os.path.join(bundle, "manifest.json"), "w"))
     rnd = random.Random(0)
     docs = [[rnd.randrange(4, cfg["vocab_size"] - 1) for _ in range(rnd.randrange(12, 40))] for _ in range(30)]
     os.makedirs(os.path.join(bundle, "data"))
@@ -138,6 +142,31 @@ def main():
     for png in ("quality_loss.png", "quality_tau.png"):
         if not os.path.getsize(os.path.join(images, png)) > 1000:
             fails.append(f"(e) {png} missing")
+    # (f) the regenerated data across sessions
+    call = os.path.join(src, "scripts", "quality", "device_call.sh")
+    flags = gpu[len(runpy) + 3:] + ["--estimate", "import=60", "--estimate", "prompts=60"]
+    kept = os.path.join(work, "dev_regen")
+    os.makedirs(kept)
+    run([call], 0, cwd=src, env=dict(env, OUT=kept))  # a call with nothing to do still archives
+    if not any(f.startswith("regen.tgz.") for f in os.listdir(kept)):
+        fails.append(f"(f) no regen.tgz.* in the call's OUT: {os.listdir(kept)}")
+    q2 = os.path.join(work, "q2")
+    os.makedirs(q2)
+    os.symlink(bundle, os.path.join(q2, "bundle"))
+    env2 = dict(env, DFLASH_QUALITY_DIR=q2, OUT=dev_out)
+    r = run([call, "--regen", kept, "--gpu", "1", "--", *flags], 3, cwd=src, env=env2)
+    regen2 = os.path.join(q2, "out", "regenerated.jsonl")
+    if "+ " in r.stderr or not os.path.isfile(regen2) or open(regen2, "rb").read() != open(
+            os.path.join(out, "regenerated.jsonl"), "rb").read() or not os.path.isfile(
+            os.path.join(q2, "out", "steps", "regenerate.json")):
+        fails.append(f"(f) --regen: a step started or the data/record not restored: {r.stderr[-500:]}")
+    json.dump({"bundle": "another"}, open(os.path.join(bundle, "manifest.json"), "w"))
+    q3 = os.path.join(work, "q3")
+    os.makedirs(q3)
+    os.symlink(bundle, os.path.join(q3, "bundle"))
+    r = run([call, "--regen", kept], 4, cwd=src, env=dict(env, DFLASH_QUALITY_DIR=q3, OUT=dev_out))
+    if "another bundle" not in r.stderr or os.path.exists(os.path.join(q3, "out", "regenerated.jsonl")):
+        fails.append(f"(f) --regen from another bundle: {r.stderr[-300:]}")
     print(f"plain tau {v['plain']['groups']['sharegpt_heldout']['tau']:.3f}, specforge "
           f"{v['specforge']['groups']['sharegpt_heldout']['tau']:.3f}, steps {v['plain']['steps']}")
     return verdict(fails)
