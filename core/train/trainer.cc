@@ -33,6 +33,14 @@ std::vector<int64_t> Trainer::micro_batch(const MicroBatch& mb) {
   return anchors;
 }
 
+// The gradients are dropped, not zeroed (torch's zero_grad(set_to_none=True)): the next backward's
+// AccumulateGrad then takes its fresh fp32 gradient as .grad instead of adding it to zeros, which
+// saves a zero pass and an add pass over every gradient per step, and the gradients' memory is free
+// during the next forward. Bitwise the same: 0 + g == g.
+void Trainer::release_grads() {
+  for (auto& [_, p] : drafter_.parameters()) p.mutable_grad() = torch::Tensor();
+}
+
 double Trainer::warm_up(int64_t tokens, int64_t doc_len, int64_t feature_width, int64_t hidden, int64_t vocab) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t B = drafter_.config().block_size;
@@ -57,9 +65,7 @@ double Trainer::warm_up(int64_t tokens, int64_t doc_len, int64_t feature_width, 
     start += n;
   }
   forward_backward(drafter_, frozen_, mb, anchors, opt_.loss, NoiseOptions{}, opt_.compute, /*backward=*/true);
-  torch::NoGradGuard g;
-  for (auto& [_, p] : drafter_.parameters())
-    if (p.grad().defined()) p.mutable_grad().zero_();
+  release_grads();
   if (dev.is_cuda()) torch::cuda::synchronize();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -152,7 +158,7 @@ PendingMetrics Trainer::end_step() {
   known.micro_batches = static_cast<int64_t>(pending_.size());
   optimizer_.step(known.lr, found_inf);
   known.step = optimizer_.steps();
-  for (auto& [_, p] : params) p.mutable_grad().zero_();
+  release_grads();
   pending_.clear();
   micro_in_step_ = 0;
   return PendingMetrics(std::move(known), torch::cat({sums, norm.reshape({1}), found_inf.reshape({1})}), opt_.loss, B);

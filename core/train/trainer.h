@@ -92,7 +92,7 @@ class Trainer {
   int64_t step_count() const { return optimizer_.steps(); }
   // Warm-up at the largest shape a run will see: one forward + backward of a synthetic micro-batch
   // of `tokens` tokens (documents of `doc_len`, random ids and features) with up to max_anchors
-  // anchors, then the gradients are zeroed. An OOM surfaces before any batch is consumed and the
+  // anchors, then the gradients are dropped (as after every step). An OOM surfaces before any batch is consumed and the
   // allocator holds the peak's blocks. Weights, optimizer state, step counters and the training
   // RNG streams are untouched (the next step is bitwise the same as without it). Returns seconds.
   double warm_up(int64_t tokens, int64_t doc_len, int64_t feature_width, int64_t hidden, int64_t vocab);
@@ -101,6 +101,9 @@ class Trainer {
   double noise_amplitude(int64_t step) const;
 
  private:
+  // Every parameter's .grad made undefined (after a step and after the warm-up; see trainer.cc).
+  void release_grads();
+
   model::Drafter& drafter_;
   const model::FrozenTargetParts& frozen_;
   TrainerOptions opt_;
