@@ -160,8 +160,9 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       auto merged = torch::logaddexp(lt, l);
       auto wt = torch::exp(lt - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
       auto wf = torch::exp(l - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
-      auto rows = out32.narrow(0, f.q_row0, f.q_rows);
-      rows.copy_(rows * wt + o.to(out32.scalar_type()) * wf);
+      // In place, in the same order as rows * wt + o * wf (o promoted to out32's dtype by the
+      // multiply itself: no separate cast, no temporary for the sum).
+      out32.narrow(0, f.q_row0, f.q_rows).mul_(wt).add_(o * wf);
       lt.copy_(merged);
     }
     auto out = out32.to(q.scalar_type());
@@ -225,9 +226,10 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
         std::tie(a, b, c) = flash_backward(dos, qs, kc, vc, os, ls.unsqueeze(0).contiguous(), full_seqs(f), scale, rng, unused);
       else
         std::tie(a, b, c) = ref_backward(dos, qs, kc, vc, os, ls, full_seqs(f), scale);
-      dq.narrow(0, f.q_row0, f.q_rows).add_(a.to(acc));
-      dkv_k.narrow(0, f.k_row0, f.k_rows).add_(b.to(acc));
-      dkv_v.narrow(0, f.k_row0, f.k_rows).add_(c.to(acc));
+      // Accumulated in acc (fp32 on flash): add_ promotes the bf16 part itself, no cast pass.
+      dq.narrow(0, f.q_row0, f.q_rows).add_(a);
+      dkv_k.narrow(0, f.k_row0, f.k_rows).add_(b);
+      dkv_v.narrow(0, f.k_row0, f.k_rows).add_(c);
     }
     return {dq.to(q.scalar_type()),
             dkv_k.narrow(0, 0, T).to(k_ctx.scalar_type()),
