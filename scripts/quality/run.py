@@ -47,6 +47,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -128,7 +129,7 @@ def convert(pylib, gguf, model):
 def base_id(conv_id):
     """ShareGPT splits a long chat into parts 'X_0', 'X_1', ... and we cut a part further into
     'X_1.p0', 'X_1.p1', ... (split_sharegpt): the conversation is X."""
-    conv_id = conv_id.split(".p")[0]
+    conv_id = re.sub(r"\.p\d+$", "", conv_id)
     head, _, tail = conv_id.rpartition("_")
     return head if head and tail.isdigit() else conv_id
 
@@ -158,8 +159,8 @@ def chat_parts(conv, max_user_turns):
     (a continuation part 'X_1' of a long chat opens with the reply to the part before; that reply
     is dropped), in parts of at most max_user_turns user turns, each opening with a user turn and
     holding at least one reply. The regenerated replies are up to 512 tokens each, so a part of 3
-    user turns fits the 2048-token documents that a longer chat would overflow and lose; this is
-    the same cut that made ShareGPT's own 'X_0', 'X_1' parts."""
+    user turns fits the 2048-token documents that a longer chat would overflow and lose (ShareGPT's
+    own 'X_0', 'X_1' parts are the same kind of cut, made by length)."""
     starts = [i for i, t in enumerate(conv) if t.get("from") == "human"]
     parts = []
     for k in range(0, len(starts), max_user_turns):
@@ -280,7 +281,7 @@ def device_plan(packdir, n_parts):
                      + ("   (builds into /tmp/build-gpu first)" if k == 1 else ""))
     lines.append(f"call {n_parts + 1}..: {call} --gpu 570   (resumes; repeat while it exits 3)")
     lines.append("every call leaves $OUT/quality-out.tgz (results, steps, curves, evals, logs); here: unpack the "
-                 f"latest into FETCHED_OUT, then scripts/quality/run.py report FETCHED_OUT")
+                 "latest into FETCHED_OUT, then scripts/quality/run.py report FETCHED_OUT")
     lines.append("once regenerate is done, every call also leaves $OUT/regen.tgz.NN: if the session ends before the run, "
                  "copy them into an ignored folder here (e.g. .quality-regen) and, next session, carry it with the last "
                  "part and add --regen .quality-regen to that call: regeneration is skipped")
