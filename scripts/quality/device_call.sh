@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One device call of the quality run (docs/quality.md, "How to reproduce"), run on the GPU host from
 # the repository root:
-#   scripts/quality/device_call.sh [--part DIR]... [--regen DIR] [--gpu DEADLINE_S] [-- EXTRA_GPU_FLAGS...]
+#   scripts/quality/device_call.sh [--gpu-tests REGEX] [--part DIR]... [--regen DIR] [--gpu DEADLINE_S]
+#                                  [-- EXTRA_GPU_FLAGS...]
 # In order:
 #   1. builds the binaries into $DFLASH_GPU_BUILD (default /tmp/build-gpu; tests off) when its
-#      bin/dflash is missing, with .gpu-deps/build.sh (carry .gpu-deps on that call);
+#      bin/dflash is missing, with .gpu-deps/build.sh (carry .gpu-deps on that call); with
+#      --gpu-tests REGEX also the drafter and train tests, then `ctest -L gpu -R REGEX` (their log in
+#      OUT's archive, logs/gpu_tests.log): a failure stops the call (exit 1) before anything trains;
 #   2. stores each --part DIR into /tmp/quality/bundle (/tmp/quality: $DFLASH_QUALITY_DIR if set) (run.py unpack; the bundle is rebuilt when the
 #      last part is there);
 #   2b. --regen DIR: restores the regenerated data that an earlier session's call left in $OUT
@@ -25,12 +28,13 @@ set -uo pipefail
 build=${DFLASH_GPU_BUILD:-/tmp/build-gpu}
 qdir=${DFLASH_QUALITY_DIR:-/tmp/quality}
 dest=$qdir/bundle out_dir=$qdir/out
-parts=() deadline="" extra=() regen=""
+parts=() deadline="" extra=() regen="" gpu_tests=""
 while [ $# -gt 0 ]; do
   case $1 in
     --part) parts+=("$2"); shift 2 ;;
     --gpu) deadline=$2; shift 2 ;;
     --regen) regen=$2; shift 2 ;;
+    --gpu-tests) gpu_tests=$2; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "ERROR: device_call.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
@@ -52,13 +56,25 @@ trap archive EXIT
 if [ ! -x "$build/bin/dflash" ]; then
   [ -f .gpu-deps/build.sh ] || { echo "ERROR: $build/bin/dflash missing and .gpu-deps not carried" >&2; exit 1; }
   t0=$SECONDS
-  bash .gpu-deps/build.sh . "$build" -DDFLASH_CUDA=ON -DDFLASH_BUILD_TESTS=OFF > /tmp/quality-build.log 2>&1 \
+  tests=(-DDFLASH_BUILD_TESTS=OFF)
+  [ -z "$gpu_tests" ] || tests=(-DDFLASH_BUILD_TESTS=ON "-DDFLASH_TEST_DIRS=drafter;train")
+  bash .gpu-deps/build.sh . "$build" -DDFLASH_CUDA=ON "${tests[@]}" > /tmp/quality-build.log 2>&1 \
     || { tail -40 /tmp/quality-build.log; exit 1; }
   echo "built $build in $((SECONDS - t0)) s"
 fi
 export LD_LIBRARY_PATH=/tmp/dflash-deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export DFLASH_SOURCE_DIR=$PWD DFLASH_PYTHON=${DFLASH_PYTHON:-python3}
 py=$DFLASH_PYTHON
+
+if [ -n "$gpu_tests" ]; then
+  mkdir -p "$out_dir/logs"
+  if ! ctest --test-dir "$build" -L gpu -R "$gpu_tests" --no-tests=error --output-on-failure > "$out_dir/logs/gpu_tests.log" 2>&1; then
+    grep -E "tests passed|Failed|Passed" "$out_dir/logs/gpu_tests.log" | tail -20
+    echo "ERROR: --gpu-tests: GPU tests failed or none matched '$gpu_tests' (logs/gpu_tests.log)" >&2
+    exit 1
+  fi
+  grep -E "tests passed" "$out_dir/logs/gpu_tests.log"
+fi
 
 rc=0
 for p in "${parts[@]}"; do

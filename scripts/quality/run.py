@@ -276,9 +276,11 @@ def device_plan(packdir, n_parts):
     for k in range(1, n_parts + 1):
         carry = ([".gpu-deps"] if k == 1 else []) + [f"{rel}/part-{k:02d}"]
         last = k == n_parts
-        lines.append(f"call {k}: carry {json.dumps(carry)}: {call} --part {rel}/part-{k:02d}"
+        tests = ' --gpu-tests "test_train_kernels_gpu|test_trainer_gpu"' if k == 1 else ""
+        lines.append(f"call {k}: carry {json.dumps(carry)}: {call}{tests} --part {rel}/part-{k:02d}"
                      + (" --gpu 480" if last else "   (exit 3: parts still to come)")
-                     + ("   (builds into /tmp/build-gpu first)" if k == 1 else ""))
+                     + ("   (builds into /tmp/build-gpu first, with the drafter/train GPU tests: the "
+                        "training path's GPU kernels checked before anything trains)" if k == 1 else ""))
     lines.append(f"call {n_parts + 1}..: {call} --gpu 570   (resumes; repeat while it exits 3)")
     lines.append("every call leaves $OUT/quality-out.tgz (results, steps, curves, evals, logs); here: unpack the "
                  "latest into FETCHED_OUT, then scripts/quality/run.py report FETCHED_OUT")
