@@ -3,6 +3,7 @@
 #include <ATen/ops/_cudnn_attention_forward.h>
 #include <ATen/ops/_flash_attention_forward.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/util/switches.h"
@@ -185,6 +186,11 @@ torch::Tensor flash_varlen(const torch::Tensor& q, const torch::Tensor& k, const
     max_q = std::max(max_q, q_lens[i]);
     max_k = std::max(max_k, k_lens[i]);
   }
+  // PyTorch's flash entry takes max_q == 1 with more q heads than k/v heads as "exactly one query
+  // row per sequence" and regroups q as [sequences, Hkv, Hq/Hkv, D]: a reshape error when some
+  // sequence has no row (the cuDNN split's tails when every document's tail is 0 or 1 row). max_q
+  // is only an upper bound for the grid, so 2 keeps the general path.
+  if (max_q == 1 && std::find(q_lens.begin(), q_lens.end(), 0) != q_lens.end()) max_q = 2;
   auto cu_t = to_device_async(torch::tensor(cu, torch::kInt32), q.device());
   return std::get<0>(at::_flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_t.narrow(0, 0, n),
                                                   cu_t.narrow(0, n, n), max_q, max_k, 0.0, /*is_causal=*/true,
