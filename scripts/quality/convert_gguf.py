@@ -27,6 +27,27 @@ import sys
 DTYPES = {"float32", "bfloat16"}
 
 
+def pylib_missing(pylib):
+    """What keeps transformers from reading a GGUF with --pylib first on sys.path: gguf and
+    accelerate must each be importable with its dist-info beside the module (transformers reads
+    their versions through importlib.metadata; a module shipped without one reads as 'N/A', an
+    InvalidVersion error on a host that has neither package). '' when nothing is missing."""
+    import importlib.metadata
+    import importlib.util
+    for name in ("gguf", "accelerate"):
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            return f"no '{name}' package in it or in this Python"
+        site = os.path.dirname(os.path.abspath(list(spec.submodule_search_locations)[0]))
+        try:
+            meta = os.path.dirname(os.path.abspath(str(importlib.metadata.distribution(name)._path)))
+        except importlib.metadata.PackageNotFoundError:
+            meta = None
+        if meta != site:
+            return f"'{name}' is imported from {site} but its {name}-*.dist-info is not there (transformers needs the version)"
+    return ""
+
+
 def load_gguf(gguf, dtype):
     """transformers' own GGUF load: (tokenizer, model) in `dtype`."""
     import torch
@@ -106,6 +127,10 @@ def main(argv=None):
             print(f"ERROR: --pylib: not a directory: {a.pylib}", file=sys.stderr)
             return 2
         sys.path.insert(0, a.pylib)
+        missing = pylib_missing(a.pylib)
+        if missing:
+            print(f"ERROR: --pylib {a.pylib}: {missing}", file=sys.stderr)
+            return 2
     layers = [int(x) for x in a.layers.split(",")]
 
     tmp = a.out.rstrip("/") + ".tmp"

@@ -6,15 +6,17 @@
 # In order:
 #   1. builds the binaries into $DFLASH_GPU_BUILD (default /tmp/build-gpu; tests off) when its
 #      bin/dflash is missing, with .gpu-deps/build.sh (carry .gpu-deps on that call); with
-#      --gpu-tests REGEX also the drafter and train tests, then `ctest -L gpu -R REGEX` (their log in
-#      OUT's archive, logs/gpu_tests.log): a failure stops the call (exit 1) before anything trains;
+#      --gpu-tests "NAME|NAME..." (GPU test names = their targets, e.g.
+#      "test_fused_ops_gpu|test_trainer_gpu") it then turns the tests on and builds those targets
+#      only, and runs them (`ctest -L gpu`, their log in OUT's archive, logs/gpu_tests.log): a
+#      failure stops the call (exit 1) before anything trains;
 #   2. stores each --part DIR into /tmp/quality/bundle (/tmp/quality: $DFLASH_QUALITY_DIR if set) (run.py unpack; the bundle is rebuilt when the
 #      last part is there);
 #   2b. --regen DIR: restores the regenerated data that an earlier session's call left in $OUT
 #      (DIR/regen.tgz.NN, carried back): the regenerate step is then done. Refused (exit 4) when it
 #      was made from another bundle (the bundle's manifest.json differs);
-#   3. with --gpu S: `run.py gpu /tmp/quality/bundle /tmp/quality/out --parallel 5 --deadline-s S`
-#      plus EXTRA_GPU_FLAGS (it resumes where the last call stopped);
+#   3. with --gpu S: `run.py gpu /tmp/quality/bundle /tmp/quality/out --parallel 6 --deadline-s S`
+#      plus EXTRA_GPU_FLAGS (it resumes where the last call stopped); stopped at S + 45 s (exit 3);
 #   4. always, when $OUT is set and /tmp/quality/out exists: one archive $OUT/quality-out.tgz of its
 #      results.json, steps, curves, evals and logs (a device call returns few files, and /tmp is lost
 #      once the host goes back), so every call leaves what it measured here; once the regenerate
@@ -56,19 +58,32 @@ trap archive EXIT
 if [ ! -x "$build/bin/dflash" ]; then
   [ -f .gpu-deps/build.sh ] || { echo "ERROR: $build/bin/dflash missing and .gpu-deps not carried" >&2; exit 1; }
   t0=$SECONDS
-  tests=(-DDFLASH_BUILD_TESTS=OFF)
-  [ -z "$gpu_tests" ] || tests=(-DDFLASH_BUILD_TESTS=ON "-DDFLASH_TEST_DIRS=drafter;train")
-  bash .gpu-deps/build.sh . "$build" -DDFLASH_CUDA=ON "${tests[@]}" > /tmp/quality-build.log 2>&1 \
+  bash .gpu-deps/build.sh . "$build" -DDFLASH_CUDA=ON -DDFLASH_BUILD_TESTS=OFF > /tmp/quality-build.log 2>&1 \
     || { tail -40 /tmp/quality-build.log; exit 1; }
   echo "built $build in $((SECONDS - t0)) s"
 fi
-export LD_LIBRARY_PATH=/tmp/dflash-deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+deps=/tmp/dflash-deps/usr  # where build.sh unpacked the bundled packages
+export LD_LIBRARY_PATH=$deps/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export DFLASH_SOURCE_DIR=$PWD DFLASH_PYTHON=${DFLASH_PYTHON:-python3}
 py=$DFLASH_PYTHON
 
 if [ -n "$gpu_tests" ]; then
   mkdir -p "$out_dir/logs"
-  if ! ctest --test-dir "$build" -L gpu -R "$gpu_tests" --no-tests=error --output-on-failure > "$out_dir/logs/gpu_tests.log" 2>&1; then
+  t0=$SECONDS
+  PATH=$deps/bin:$PATH cmake -S . -B "$build" -DDFLASH_BUILD_TESTS=ON > /tmp/quality-build-tests.log 2>&1 \
+    || { tail -40 /tmp/quality-build-tests.log; echo "ERROR: --gpu-tests: configuring the tests failed" >&2; exit 1; }
+  # Each named test's executable (its target), from the add_test lines ctest reads.
+  test_targets=()
+  IFS='|' read -r -a test_names <<< "$gpu_tests"
+  for t in "${test_names[@]}"; do
+    exe=$(grep -rh --include=CTestTestfile.cmake "^add_test(\[=\[$t\]=\] " "$build/tests" | head -1 | cut -d'"' -f2)
+    [ -n "$exe" ] || { echo "ERROR: --gpu-tests: no test named '$t'" >&2; exit 1; }
+    test_targets+=("$(basename "$exe")")
+  done
+  PATH=$deps/bin:$PATH LIBRARY_PATH=$deps/lib/x86_64-linux-gnu cmake --build "$build" -j "$(nproc)" --target "${test_targets[@]}" \
+    >> /tmp/quality-build-tests.log 2>&1 || { tail -40 /tmp/quality-build-tests.log; echo "ERROR: --gpu-tests: building ${test_targets[*]} failed" >&2; exit 1; }
+  echo "built ${test_targets[*]} in $((SECONDS - t0)) s"
+  if ! ctest --test-dir "$build" -L gpu -R "^($gpu_tests)\$" --no-tests=error --output-on-failure > "$out_dir/logs/gpu_tests.log" 2>&1; then
     grep -E "tests passed|Failed|Passed" "$out_dir/logs/gpu_tests.log" | tail -20
     echo "ERROR: --gpu-tests: GPU tests failed or none matched '$gpu_tests' (logs/gpu_tests.log)" >&2
     exit 1
@@ -103,4 +118,10 @@ if [ -n "$regen" ]; then
 fi
 [ -n "$deadline" ] || exit $rc
 [ $rc = 0 ] || { echo "ERROR: --gpu: the bundle is not complete yet (parts missing)" >&2; exit 3; }
-"$py" scripts/quality/run.py --bin "$build/bin" gpu "$dest" "$out_dir" --parallel 5 --deadline-s "$deadline" "${extra[@]}"
+# A step already running at the deadline is not waited for past deadline + 45 s: it is stopped (a
+# rerun resumes it) so that the call ends, and leaves its archive, within the device's 600 s.
+timeout -s TERM "$((deadline + 45))" \
+  "$py" scripts/quality/run.py --bin "$build/bin" gpu "$dest" "$out_dir" --parallel 6 --deadline-s "$deadline" "${extra[@]}"
+rc=$?
+[ $rc = 124 ] && { echo "stopped at the deadline + 45 s; the next call resumes" >&2; exit 3; }
+exit $rc

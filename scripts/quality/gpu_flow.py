@@ -9,8 +9,11 @@ Steps (a step runs when the steps it needs are done, in this order of preference
                         prompts), zlab.jsonl (the first --zlab-prompts of them)
   train:<v>             `dflash run` of variant v (one target server + one drafter trainer sharing
                         GPU 0, topology.colocate), export in OUT/runs/<v>/export
+  plan:specforge        `dflash run` of train:plain's config with --plan: its optimizer steps and the
+                        config.json its export will carry (the drafter's shape), OUT/runs/specforge-shape
   train:specforge       scripts/quality/specforge_train.py with train:plain's steps, shape and
-                        hyperparameters (preferred right after train:plain: the critical path)
+                        hyperparameters (from plan:specforge: it runs beside train:plain, the
+                        critical path); train:plain fails if its steps differ from the plan's
   eval:<v>              `dflash eval` of v's drafter on eval.jsonl (--eval-batch, no baseline)
   zlab:<v>              z-lab's dflash_generate (scripts/reference/zlab_generate.py) on zlab.jsonl,
                         for plain and specforge: tau next to ours on the same prompts
@@ -54,8 +57,8 @@ VARIANTS = {
 ZLAB_VARIANTS = ("plain", "specforge")
 # Wall seconds per step kind on one H200 at the full setting (docs/quality.md, "Time budget"); only
 # the --deadline-s check reads them, and a measured step of the same kind replaces them.
-DEFAULT_ESTIMATE_S = {"regenerate": 220, "import": 40, "prompts": 1, "train": 220, "specforge": 290,
-                      "eval": 40, "zlab": 90, "speed": 30}
+DEFAULT_ESTIMATE_S = {"regenerate": 800, "import": 10, "prompts": 1, "plan": 10, "train": 360, "specforge": 360,
+                      "eval": 60, "zlab": 90, "speed": 30}
 
 
 class StepError(Exception):
@@ -129,7 +132,7 @@ class GpuFlow:
                 self.estimates[k] = float(v)
             except ValueError:
                 raise StepError(f"--estimate {kv}: expected KIND=SECONDS")
-        for d in ("steps", "logs", "prompts", "configs", "evals", "curves"):
+        for d in ("steps", "logs", "prompts", "configs", "evals", "curves", "runs"):
             os.makedirs(os.path.join(self.out, d), exist_ok=True)
         self.regen = os.path.join(self.out, "regenerated.jsonl")
         self.shards = os.path.join(self.out, "shards")
@@ -167,8 +170,10 @@ class GpuFlow:
         for v in ours:
             steps.append(Step(f"train:{v}", "train", ["import"], lambda v=v: self.train_command(v),
                               lambda v=v: self.collect_train(v)))
-            if v == "plain" and "specforge" in self.variants:  # next in line: it waits for plain only
-                steps.append(Step("train:specforge", "specforge", ["train:plain"], self.specforge_command,
+            if v == "plain" and "specforge" in self.variants:  # next in line, beside plain
+                steps.append(Step("plan:specforge", "plan", ["import"], self.plan_command, self.collect_plan,
+                                  stdout=os.path.join(self.out, "runs", "specforge-plan.json")))
+                steps.append(Step("train:specforge", "specforge", ["plan:specforge"], self.specforge_command,
                                   self.collect_specforge, env=self.ref_env))
         for v in self.variants:
             steps.append(Step(f"eval:{v}", "eval", [f"train:{v}", "prompts"], lambda v=v: self.eval_command(v),
@@ -241,17 +246,32 @@ class GpuFlow:
         if not curve or not os.path.isfile(os.path.join(run, "export", "config.json")):
             raise StepError(f"{run}: no metrics or no export after `dflash run`")
         write_json(os.path.join(self.out, "curves", v + ".json"), curve)
-        return {"steps": max(p["step"] for p in curve), "export": os.path.join(run, "export"),
+        steps = max(p["step"] for p in curve)
+        planned = self.record("plan:specforge") if v == "plain" else None
+        if planned and planned["steps"] != steps:
+            raise StepError(f"{run}: trained {steps} steps, its plan (SpecForge's step count) said {planned['steps']}")
+        return {"steps": steps, "export": os.path.join(run, "export"),
                 "config": os.path.join(self.out, "configs", v + ".yaml")}
+
+    def plan_command(self):
+        return [self.dflash, "run", self.train_config("plain"), "--plan", "--device", self.a.device]
+
+    def collect_plan(self):
+        """train:plain's plan: its step count and its export's config.json (the shape SpecForge builds)."""
+        plan = json.load(open(os.path.join(self.out, "runs", "specforge-plan.json")))
+        shape = os.path.join(self.out, "runs", "specforge-shape")
+        os.makedirs(shape, exist_ok=True)
+        write_json(os.path.join(shape, "config.json"), plan["drafter_config"])
+        return {"steps": plan["total_steps"], "shape": shape, "config": os.path.join(self.out, "configs", "plain.yaml")}
 
     def specforge_command(self):
         import yaml
-        plain = self.record("train:plain")
-        tr = yaml.safe_load(open(plain["config"]))
+        plan = self.record("plan:specforge")
+        tr = yaml.safe_load(open(plan["config"]))
         t, d = tr["train"], tr["data"]
         return [sys.executable, os.path.join(HERE, "specforge_train.py"), "--target", self.model, "--data", self.regen,
-                "--shape", plain["export"], "--out", os.path.join(self.out, "runs", "specforge"),
-                "--steps", str(plain["steps"]), "--lr", str(t["lr"]), "--warmup-ratio", str(t["warmup_ratio"]),
+                "--shape", plan["shape"], "--out", os.path.join(self.out, "runs", "specforge"),
+                "--steps", str(plan["steps"]), "--lr", str(t["lr"]), "--warmup-ratio", str(t["warmup_ratio"]),
                 "--weight-decay", str(t["weight_decay"]), "--grad-clip", str(t["grad_clip"]),
                 "--anchors", str(t["max_anchors"]), "--gamma", str(t["gamma"]), "--token-budget", str(d["token_budget"]),
                 "--max-seq-len", str(d["max_seq_len"]), "--seed", str(tr["run"]["seed"]), *self.dev()]

@@ -281,6 +281,11 @@ def cmd_fetch(a):
 
 # ---- pack / unpack ----
 
+# The GPU tests the first device call builds and runs before anything trains: the target's
+# attention and fused kernels, the drafter's training kernels and a trainer step.
+GPU_TESTS = "test_fused_ops_gpu|test_train_kernels_gpu|test_trainer_gpu"
+
+
 def device_plan(packdir, n_parts):
     """The device calls that carry the parts and run the flow (docs/quality.md, "How to reproduce"),
     each through scripts/quality/device_call.sh (build on the first call, unpack, gpu, archive)."""
@@ -290,10 +295,10 @@ def device_plan(packdir, n_parts):
     for k in range(1, n_parts + 1):
         carry = ([".gpu-deps"] if k == 1 else []) + [f"{rel}/part-{k:02d}"]
         last = k == n_parts
-        tests = ' --gpu-tests "test_train_kernels_gpu|test_trainer_gpu"' if k == 1 else ""
+        tests = f' --gpu-tests "{GPU_TESTS}"' if k == 1 else ""
         lines.append(f"call {k}: carry {json.dumps(carry)}: {call}{tests} --part {rel}/part-{k:02d}"
                      + (" --gpu 480" if last else "   (exit 3: parts still to come)")
-                     + ("   (builds into /tmp/build-gpu first, with the drafter/train GPU tests: the "
+                     + ("   (builds into /tmp/build-gpu first, then these GPU tests: the target's and the "
                         "training path's GPU kernels checked before anything trains)" if k == 1 else ""))
     lines.append(f"call {n_parts + 1}..: {call} --gpu 570   (resumes; repeat while it exits 3)")
     lines.append("every call leaves $OUT/quality-out.tgz (results, steps, curves, evals, logs); here: unpack the "

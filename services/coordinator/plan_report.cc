@@ -9,6 +9,7 @@
 
 #include "core/io/hf_config.h"
 #include "core/model/device_memory.h"
+#include "core/train/export.h"
 #include "core/util/error.h"
 #include "services/common/run_plan.h"
 
@@ -35,13 +36,16 @@ struct MemoryItems {
   }
 };
 
-MemoryItems memory_items(const config::RunConfig& cfg, const std::string& device) {
-  io::TargetConfig tc;
+io::TargetConfig target_config(const config::RunConfig& cfg) {
   try {
-    tc = io::parse_hf_config(cfg.target.model_dir);
+    return io::parse_hf_config(cfg.target.model_dir);
   } catch (const Error& e) {
     throw ConfigError(std::string("target.model_dir: ") + e.what());
   }
+}
+
+MemoryItems memory_items(const config::RunConfig& cfg, const std::string& device) {
+  const io::TargetConfig tc = target_config(cfg);
   const auto run_plan = pipeline::RunPlan::build(cfg, tc, device);  // what the workers derive
   const int64_t H = tc.hidden_size, V = tc.vocab_size, K = run_plan.num_context_layers();
   const double elt = cfg.target.dtype == config::Dtype::kFloat32 ? 4 : 2;
@@ -142,6 +146,8 @@ json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& length
   p["total_steps"] = sched.total_steps();
   p["tokens_per_step"] = steps ? tokens / std::max<int64_t>(steps, 1) : 0;
   p["memory_estimate"] = memory_estimate(cfg, device);
+  const auto run_plan = pipeline::RunPlan::build(cfg, target_config(cfg), device);
+  p["drafter_config"] = train::hf_drafter_config_json(run_plan.drafter, run_plan.export_dtype);
   return p;
 }
 

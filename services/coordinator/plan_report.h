@@ -18,7 +18,9 @@ namespace dflash::coordinator {
 // bounds of the big items per process, not measured: target weights, capture buffers, activations
 // per layer; drafter parameters with gradients and Adam state, frozen embedding and LM head, the
 // batch in flight; shared memory per link; K and the slot size as the workers derive them on
-// `device`, pipeline::RunPlan). `lengths`: the samples' token counts; `sched`: the schedule of
+// `device`, pipeline::RunPlan) and drafter_config (the config.json object an export of this run
+// carries, provenance aside: the drafter's shape for another trainer of the same drafter).
+// `lengths`: the samples' token counts; `sched`: the schedule of
 // generation 0. Reads target.model_dir's config.json (a failure -> ConfigError naming
 // target.model_dir) and the sizes of its *.safetensors files.
 nlohmann::json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& lengths, const stream::RunSchedule& sched,

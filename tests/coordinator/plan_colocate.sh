@@ -62,4 +62,17 @@ assert steps, "no step records"
 assert recs[-1].get("type") == "finished", recs[-1]
 print(f"(d) colocated run: {len(steps)} steps, last loss {steps[-1].get('loss')}")
 PY
+
+# (e) the plan's drafter_config is the export's config.json, provenance aside (another trainer builds
+#     the same drafter from it before the run ends), and its total_steps the steps the run made
+"$bin/dflash" run "$work/run.yaml" --plan > "$work/e.json" 2> "$work/e.log" || { echo "FAIL (e): --plan"; cat "$work/e.log"; exit 1; }
+"$py" - "$work/e.json" "$work/run/export/config.json" "$work/run/ledger.jsonl" <<'PY'
+import json, sys
+plan, export = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+export["dflash_config"].pop("provenance")
+assert plan["drafter_config"] == export, f"plan drafter_config {plan['drafter_config']} != export {export}"
+steps = [json.loads(l) for l in open(sys.argv[3]) if '"type": "step"' in l or '"type":"step"' in l]
+assert plan["total_steps"] == len(steps), (plan["total_steps"], len(steps))
+print(f"(e) --plan drafter_config == the export's config.json ({len(export)} keys), total_steps {len(steps)}")
+PY
 echo PASS

@@ -4,7 +4,8 @@ fixture (usage: gpu_flow_test.py SOURCE_DIR BIN_DIR TESTDATA_DIR WORK). A bundle
 fixture (tokenized documents, two prompt groups); then:
   (a) through scripts/quality/device_call.sh --gpu 1 (as on the GPU host) with a long estimate:
       exit 3 before any process step, results.json written and archived into $OUT/quality-out.tgz;
-  (b) the whole flow (plain + specforge + a --recipe variant, 2 steps at once): exit 0; the
+  (b) the whole flow (plain + specforge + a --recipe variant, 2 steps at once): exit 0; SpecForge's
+      steps and drafter shape from plain's `--plan` (equal to plain's steps and export config); the
       recipe's overrides in its config and results, no speed step for it (a recipe name taken is
       refused); results.json has both drafters
       with tau per group, the same step count, the z-lab cross-check on the same prompts (tau by z-lab
@@ -115,6 +116,14 @@ def main():
         fails.append(f"(b) a recipe named like a variant: exit {bad.returncode}, {bad.stderr[-300:]}")
     if v["plain"]["steps"] != v["specforge"]["steps"] or v["plain"]["steps"] < 1:
         fails.append(f"(b) steps plain {v['plain']['steps']} specforge {v['specforge']['steps']}")
+    # SpecForge's steps and shape came from plain's plan, before plain ended: the shape is plain's
+    # export config.json, provenance aside.
+    plan = json.load(open(os.path.join(out, "steps", "plan_specforge.json")))
+    shape = json.load(open(os.path.join(plan["shape"], "config.json")))
+    export = json.load(open(os.path.join(out, "runs", "plain", "export", "config.json")))
+    export["dflash_config"].pop("provenance", None)
+    if plan["steps"] != v["plain"]["steps"] or shape != export:
+        fails.append(f"(b) plan:specforge steps {plan['steps']} (plain {v['plain']['steps']}), shape == export: {shape == export}")
     if not res["target_greedy"] or res["target_greedy"]["prompts"] != 2:
         fails.append(f"(b) greedy baseline {res['target_greedy']}")
     if "| plain | sharegpt_heldout |" not in r.stdout:
