@@ -12,7 +12,9 @@ Input lines (--input), per line:
     context between the replies; the output line is {"id", "input_ids", "loss_mask", ...} with the
     generated tokens (stop token included) as the trained runs, ready for `dflash data import`.
 Every output line has "regenerated": {"turns", "hit_max_tokens"}; a reply that reached
---max-new-tokens without a stop token is kept as it is and counted.
+--max-new-tokens without a stop token is kept as it is and counted. The printed stats' "turns" and
+"hit_max_tokens" are totals over every record in OUT (a resumed run's earlier records included);
+"regenerated" counts the records this run added, "already_done" those it found in OUT.
 
 Rounds: round k generates reply k of every record that has one, in one `dflash generate` call
 (batched). Resumable: OUT is append-only and a record is appended as soon as its last reply is
@@ -217,7 +219,11 @@ class Regenerator:
             try:
                 obj = json.loads(line)
                 done.add(obj["id"])
-            except (ValueError, KeyError, TypeError):
+                # the totals cover every record in OUT, those of an interrupted earlier run too
+                info = obj.get("regenerated") or {}
+                self.stats["turns"] += int(info.get("turns", 0))
+                self.stats["hit_max_tokens"] += int(info.get("hit_max_tokens", 0))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 raise Fatal(EXIT_DATA, f"{self.a.out}:{ln}: not an output line of regenerate (JSON with \"id\")")
         return done
 

@@ -296,6 +296,19 @@ def main():
         check(sorted(ids2) == sorted(got), f"resumed ids {sorted(ids2)} (duplicates or missing)")
         for d in resumed:
             check(d == got.get(d["id"]), f"{d['id']}: the resumed run differs from the uninterrupted one")
+        # The stats' totals cover every record in OUT: after the resumed run, and after one more
+        # run that finds everything done (nothing regenerated, the same totals).
+        for again in (False, True):
+            if again:
+                p = regenerate(args2, out2)
+                stdout, stderr = p.communicate()
+                check(p.returncode == 0, f"a rerun of a finished regenerate exited {p.returncode}\n{stderr[-2000:]}")
+            st2 = json.loads(stdout)
+            print(f"  {'rerun' if again else 'resumed'}: {st2['already_done']} records found in OUT, "
+                  f"{st2['regenerated']} added; totals {st2['turns']} turns, {st2['hit_max_tokens']} at the cap")
+            check((st2["turns"], st2["hit_max_tokens"]) == (stats["turns"], stats["hit_max_tokens"])
+                  and st2["already_done"] + st2["regenerated"] == len(got) and (st2["regenerated"] == 0) == again,
+                  f"{'rerun' if again else 'resumed'} stats {st2} vs the uninterrupted run's {stats} (totals over OUT)")
     # --server: an OpenAI-compatible endpoint in this process, answering with HF generate; one
     # conversation's third turn fails (HTTP 500) in the first run and is asked again by the rerun.
     server_check(tok, model, stop, inp, got)
