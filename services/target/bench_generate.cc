@@ -1,6 +1,7 @@
 // `dflash bench generate`: batched greedy decoding with the generation engine (core/model/generation.h)
-// on a random-weight target of a bench shape, as JSON; with --baseline, HF transformers `generate`
-// on the same shape in the same invocation (scripts/reference/bench_hf_generate.py) and the ratio.
+// on a random-weight target of a bench shape (or a model folder's weights, --model), as JSON; with
+// --baseline, HF transformers `generate` of the same shape or model in the same invocation
+// (scripts/reference/bench_hf_generate.py) and the ratio.
 #include "services/target/bench_generate.h"
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/hf_config.h"
 #include "core/model/device_memory.h"
 #include "core/model/generation.h"
 #include "core/model/target.h"
@@ -28,7 +30,7 @@ namespace {
 using json = nlohmann::json;
 
 const char* kUsage =
-    "usage: dflash bench generate [--shape qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid] [--device cuda|cpu]\n"
+    "usage: dflash bench generate [--shape qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid | --model DIR] [--device cuda|cpu]\n"
     "         [--dtype bfloat16|float32] [--batches 1x128,64x128] [--new-tokens 128] [--warmup 1]\n"
     "         [--repeats 3] [--hbm-gbps 4800] [--baseline [--python PY]]\n"
     "Greedy decoding of B random prompts of P tokens (BxP), exactly --new-tokens each, one request\n"
@@ -38,7 +40,8 @@ const char* kUsage =
     "one decode step); decode_roofline_with_cache also counts the cache a step must touch at least:\n"
     "the K/V rows of every attention layer at the mean context (P + new/2 tokens per slot), and for\n"
     "hybrids the Gated DeltaNet states (fp32, read and written) and conv windows. --baseline adds HF transformers generate of the same shape and batches,\n"
-    "measured in this invocation, and speedup_vs_baseline per batch.\n"
+    "measured in this invocation, and speedup_vs_baseline per batch. --model DIR: an HF model folder's\n"
+    "own weights instead of a random-weight shape (HF loads the same folder).\n"
     "dflash bench generate --eval ...: speculative decoding vs its uncached reference (--eval --help).\n";
 
 // Seconds of one Generator::run over `requests` with `new_tokens` each (median of `repeats` after
@@ -119,11 +122,12 @@ json measure(model::TargetModel& target, const io::TargetConfig& cfg, const Batc
   return r;
 }
 
-void add_baseline(const Flags& f, const std::string& shape, const std::string& batches, int64_t new_tokens,
+// `what`: "--shape NAME" or "--model DIR" (already quoted).
+void add_baseline(const Flags& f, const std::string& what, const std::string& batches, int64_t new_tokens,
                   int64_t warmup, int64_t repeats, json& report) {
   const std::string py = f.get("python", switches::get("DFLASH_PYTHON"));
   const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/reference/bench_hf_generate.py";
-  const std::string cmd = shell_quote(py) + " " + shell_quote(script) + " --shape " + shell_quote(shape) +
+  const std::string cmd = shell_quote(py) + " " + shell_quote(script) + " " + what +
                           " --device " + shell_quote(f.get("device", "cuda")) + " --dtype " +
                           shell_quote(f.get("dtype", "bfloat16")) + " --batches " + shell_quote(batches) +
                           " --new-tokens " + std::to_string(new_tokens) + " --warmup " + std::to_string(warmup) +
@@ -145,11 +149,13 @@ int cmd_bench_generate(int argc, char** argv) {
     if (std::strcmp(argv[i], "--eval") == 0) return cmd_bench_eval(argc, argv);
   if (help_requested(argc, argv, kUsage)) return kExitOk;
   Flags f(argc, argv,
-          {"shape", "device", "dtype", "batches", "new-tokens", "warmup", "repeats", "hbm-gbps", "baseline", "python"},
+          {"shape", "model", "device", "dtype", "batches", "new-tokens", "warmup", "repeats", "hbm-gbps", "baseline", "python"},
           {"baseline"});
   DFLASH_CHECK(f.positional().empty(), ConfigError,
                "bench generate: unexpected argument '" << f.positional().front() << "'\n" << kUsage);
-  const std::string shape = f.get("shape", "qwen3-8b"), batches = f.get("batches", "1x128,64x128");
+  DFLASH_CHECK(!(f.has("shape") && f.has("model")), ConfigError, "bench generate: give --shape or --model, not both");
+  const std::string model_dir = f.get("model", ""), shape = f.get("shape", "qwen3-8b");
+  const std::string batches = f.get("batches", "1x128,64x128");
   const int64_t new_tokens = f.get_int("new-tokens", 128);
   const int64_t warmup = f.get_int("warmup", 1), repeats = f.get_int("repeats", 3);
   const double hbm_gbps = f.get_double("hbm-gbps", 4800);
@@ -158,8 +164,8 @@ int cmd_bench_generate(int argc, char** argv) {
   model::LoadOptions lo;
   lo.device = model::parse_device(f.get("device", "cuda"));
   lo.dtype = model::parse_dtype(f.get("dtype", "bfloat16"));
-  const auto cfg = bench_shape_config(shape);
-  auto target = model::make_random_target(cfg, lo, 1234);
+  const auto cfg = model_dir.empty() ? bench_shape_config(shape) : io::parse_hf_config(model_dir);
+  auto target = model_dir.empty() ? model::make_random_target(cfg, lo, 1234) : model::load_target(model_dir, lo);
   model::synchronize(lo.device);
   // The resident weights (CUDA): what one decode step must read at least once.
   const double weight_bytes = lo.device.is_cuda() ? model::device_memory(lo.device).allocated_gib * double(1ull << 30) : 0.0;
@@ -168,7 +174,7 @@ int cmd_bench_generate(int argc, char** argv) {
     ours.push_back(measure(*target, cfg, b, new_tokens, warmup, repeats, weight_bytes, hbm_gbps, lo.device,
                            double(torch::elementSize(lo.dtype))));
   json report{{"bench", "generate"},
-              {"shape", shape},
+              {model_dir.empty() ? "shape" : "model", model_dir.empty() ? shape : model_dir},
               {"device", f.get("device", "cuda")},
               {"dtype", f.get("dtype", "bfloat16")},
               {"weights_gib", weight_bytes / double(1ull << 30)},
@@ -178,7 +184,8 @@ int cmd_bench_generate(int argc, char** argv) {
   if (f.has("baseline")) {
     target.reset();
     model::release_cached_memory(lo.device);  // the HF process needs it
-    add_baseline(f, shape, batches, new_tokens, warmup, repeats, report);
+    add_baseline(f, model_dir.empty() ? "--shape " + shell_quote(shape) : "--model " + shell_quote(model_dir), batches,
+                 new_tokens, warmup, repeats, report);
   }
   std::cout << report.dump(2) << std::endl;
   return kExitOk;
