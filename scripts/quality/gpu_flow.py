@@ -15,8 +15,12 @@ Steps (a step runs when the steps it needs are done, in this order of preference
                         hyperparameters (from plan:specforge: it runs beside train:plain, the
                         critical path); train:plain fails if its steps differ from the plan's
   eval:<v>              `dflash eval` of v's drafter on eval.jsonl (--eval-batch, no baseline)
-  zlab:<v>              z-lab's dflash_generate (scripts/reference/zlab_generate.py) on zlab.jsonl,
-                        for plain and specforge: tau next to ours on the same prompts
+  zlab-ours:<v>         `dflash eval --batch-size 1` on zlab.jsonl in --zlab-dtype (default float32)
+  zlab:<v>              z-lab's dflash_generate (scripts/reference/zlab_generate.py) on zlab.jsonl
+                        in --zlab-dtype, for plain and specforge: tau next to zlab-ours:<v>'s on the
+                        same prompts, one prompt at a time, same dtype (in bfloat16 the two
+                        implementations' different kernels split near-tied greedy paths, which
+                        moves tau by more than the 1% the comparison is about)
   speed:<v>             `dflash eval --batch-size 1` on speed.jsonl; speed:plain also runs the
                         target's own greedy decoding (the baseline of every speedup). These steps
                         run alone on the device (nothing else at the same time), after the others;
@@ -179,7 +183,9 @@ class GpuFlow:
             steps.append(Step(f"eval:{v}", "eval", [f"train:{v}", "prompts"], lambda v=v: self.eval_command(v),
                               lambda v=v: self.collect_eval(v)))
         for v in (v for v in ZLAB_VARIANTS if v in self.variants and a.zlab_prompts > 0):
-            steps.append(Step(f"zlab:{v}", "zlab", [f"eval:{v}"], lambda v=v: self.zlab_command(v),
+            steps.append(Step(f"zlab-ours:{v}", "eval", [f"train:{v}", "prompts"], lambda v=v: self.zlab_ours_command(v),
+                              lambda v=v: {}))
+            steps.append(Step(f"zlab:{v}", "zlab", [f"zlab-ours:{v}"], lambda v=v: self.zlab_command(v),
                               lambda v=v: self.collect_zlab(v), env=self.ref_env,
                               stdout=os.path.join(self.out, "evals", f"zlab_{v}.json")))
         if a.speed_prompts > 0:  # not for --recipe variants: their tau decides, and speed steps run alone
@@ -301,14 +307,23 @@ class GpuFlow:
         return [sys.executable, os.path.join(ROOT, "scripts", "reference", "zlab_generate.py"), "--target", self.model,
                 "--drafter", self.export_of(v), "--input", os.path.join(self.out, "prompts", "zlab.jsonl"),
                 "--max-new-tokens", str(self.a.max_new_tokens), "--stop-token-ids", stop_ids(self.model),
-                "--device", self.a.device, "--dtype", self.a.dtype]
+                "--device", self.a.device, "--dtype", self.a.zlab_dtype]
+
+    def zlab_ours_command(self, v):
+        return [self.dflash, "eval", "--target", self.model, "--drafter", self.export_of(v), "--input",
+                os.path.join(self.out, "prompts", "zlab.jsonl"), "--max-new-tokens", str(self.a.max_new_tokens),
+                "--batch-size", "1", "--stop-token-ids", stop_ids(self.model), "--no-baseline",
+                "--out", os.path.join(self.out, "evals", f"zlab_ours_{v}.json"),
+                "--device", self.a.device, "--dtype", self.a.zlab_dtype]
 
     def collect_zlab(self, v):
         z = json.load(open(os.path.join(self.out, "evals", f"zlab_{v}.json")))["results"]
-        ours = json.load(open(os.path.join(self.out, "evals", v + ".json")))["results"][:len(z)]
+        ours = json.load(open(os.path.join(self.out, "evals", f"zlab_ours_{v}.json")))["results"]
+        if len(ours) != len(z):  # both in zlab.jsonl's order
+            raise StepError(f"zlab:{v}: z-lab has {len(z)} results, ours {len(ours)} (the same prompts expected)")
         zs, os_ = group_stats(z), group_stats(ours)
         same = sum(1 for a, b in zip(z, ours) if a["output_ids"] == b["output_ids"])
-        return {"prompts": len(z), "tau_zlab": zs["tau"], "tau_ours": os_["tau"],
+        return {"prompts": len(z), "dtype": self.a.zlab_dtype, "tau_zlab": zs["tau"], "tau_ours": os_["tau"],
                 "ratio": zs["tau"] / os_["tau"] if os_["tau"] else None, "same_output_prompts": same}
 
     def speed_command(self, v):
@@ -415,7 +430,8 @@ class GpuFlow:
                                   f"batch {a.eval_batch}",
                            "speed": f"first {prompts.get('speed')} held-out ShareGPT prompts, batch 1, "
                                     "greedy baseline on the same prompts",
-                           "zlab": f"first {prompts.get('zlab')} held-out ShareGPT prompts"},
+                           "zlab": f"first {prompts.get('zlab')} held-out ShareGPT prompts, batch 1, {a.zlab_dtype}, "
+                                   "z-lab's dflash_generate and our eval"},
                "steps": {n: r["wall_s"] for n, r in rec.items() if r},
                "regenerate": (rec.get("regenerate") or {}).get("stats"), "variants": {}}
         for v in self.variants:
@@ -506,6 +522,7 @@ def add_arguments(g):
     g.add_argument("--eval-batch", type=int, default=64, help="batch size of the tau evals")
     g.add_argument("--speed-prompts", type=int, default=32, help="first N held-out prompts for the speedup (batch 1)")
     g.add_argument("--zlab-prompts", type=int, default=32, help="first N held-out prompts for the z-lab cross-check")
+    g.add_argument("--zlab-dtype", default="float32", help="dtype of the z-lab cross-check, both sides")
     g.add_argument("--parallel", type=int, default=1, help="steps run at once (trainings and evals as processes)")
     g.add_argument("--deadline-s", type=float, default=0, help="start no step that would end later (0: none); exit 3")
     g.add_argument("--estimate", action="append", metavar="KIND=S", help="wall estimate of a step kind (seconds)")

@@ -8,8 +8,8 @@ fixture (tokenized documents, two prompt groups); then:
       steps and drafter shape from plain's `--plan` (equal to plain's steps and export config); the
       recipe's overrides in its config and results, no speed step for it (a recipe name taken is
       refused); results.json has both drafters
-      with tau per group, the same step count, the z-lab cross-check on the same prompts (tau by z-lab
-      equal to ours: same fp32 model, same prompts), a speedup against the greedy baseline, one loss
+      with tau per group, the same step count, the z-lab cross-check on the same prompts (z-lab and
+      our batch-1 eval both in float32, the default --zlab-dtype: the same ids and tau), a speedup against the greedy baseline, one loss
       value per step in both curves, and the table on stdout;
   (c) a rerun starts no process (every step's record is there) and rewrites the same results.json;
   (d) with eval:plain's record removed, a rerun runs only that step;
@@ -96,7 +96,9 @@ def main():
         if g["sharegpt_heldout"]["prompts"] != 4 or g["humaneval"]["prompts"] != 3:
             fails.append(f"(b) {name}: prompts per group {g['sharegpt_heldout']['prompts']}, {g['humaneval']['prompts']}")
         z = v[name].get("zlab") or {}
-        if z.get("prompts") != 3 or z.get("same_output_prompts") != 3 or abs(z["tau_zlab"] - z["tau_ours"]) > 1e-9:
+        if z.get("prompts") != 3 or z.get("dtype") != "float32" or z.get("same_output_prompts") != 3 \
+                or abs(z["tau_zlab"] - z["tau_ours"]) > 1e-9 \
+                or not os.path.isfile(os.path.join(out, "evals", f"zlab_ours_{name}.json")):
             fails.append(f"(b) {name} z-lab cross-check {z}")
         s = v[name].get("speed") or {}
         if s.get("prompts") != 2 or not s.get("speedup_vs_greedy", 0) > 0:
