@@ -198,10 +198,13 @@ torch::Tensor flash_varlen(const torch::Tensor& q, const torch::Tensor& k, const
 }
 
 // [B, H, s, D] view of rows [off, off + B*n) of a packed [T, H, D] tensor (any row stride): document j
-// starts at row off + j*n, and the view holds its first s <= n rows.
+// starts at row off + j*n, and the view holds its first s <= n rows. A single document (B = 1) gets
+// the batch stride s*row whatever n is: PyTorch keys its cuDNN attention plans by sizes AND strides,
+// and a plan costs tens of ms of host time to build, so every distinct length n of a lone document
+// (most of a packed batch, every prompt a generator admits) would otherwise build its own plan.
 torch::Tensor doc_view(const torch::Tensor& x, int64_t off, int64_t B, int64_t n, int64_t s) {
   const int64_t row = x.stride(0);
-  return x.as_strided({B, x.size(1), s, x.size(2)}, {n * row, x.stride(1), row, x.stride(2)},
+  return x.as_strided({B, x.size(1), s, x.size(2)}, {(B == 1 ? s : n) * row, x.stride(1), row, x.stride(2)},
                       x.storage_offset() + off * row);
 }
 }  // namespace

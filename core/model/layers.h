@@ -74,6 +74,8 @@ torch::Tensor causal_attention_varlen(const torch::Tensor& q, const torch::Tenso
 //   dense(q, k, v): causal attention over [B, H(kv), s, D] views of the packed tensors (any
 //     strides; fewer k/v heads for GQA), returning [B, H, s, D] in any layout. Called once per run
 //     of consecutive documents of equal length n, on their first s = tile * floor(n / tile) rows.
+//     A run of one document has the same strides for every n with the same s (batch stride s times
+//     the row stride): cuDNN's plan cache, keyed by strides too, then holds one plan per s.
 //   tail(q_rows, k, v, q_lens, k_lens): for each document i, q_lens[i] rows of q_rows (in order)
 //     that are the LAST rows of the document, whose k/v are its k_lens[i] rows of k/v (documents
 //     in order); causal aligned to the bottom right. Called once for all documents' remaining rows.

@@ -24,6 +24,7 @@ torch::Tensor sdpa(const torch::Tensor& q, const torch::Tensor& k, const torch::
 struct Counts {
   int dense = 0, tail = 0;
   int64_t dense_rows = 0, tail_rows = 0;
+  std::vector<std::vector<int64_t>> dense_shapes;  // per dense call: q's sizes then its strides, k's strides
 };
 
 torch::Tensor split_on_cpu(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -31,6 +32,10 @@ torch::Tensor split_on_cpu(const torch::Tensor& q, const torch::Tensor& k, const
   auto dense = [&](const torch::Tensor& qv, const torch::Tensor& kv, const torch::Tensor& vv) {
     ++c.dense;
     c.dense_rows += qv.size(0) * qv.size(2);
+    std::vector<int64_t> key(qv.sizes().begin(), qv.sizes().end());
+    key.insert(key.end(), qv.strides().begin(), qv.strides().end());
+    key.insert(key.end(), kv.strides().begin(), kv.strides().end());
+    c.dense_shapes.push_back(key);
     return sdpa(qv, kv, vv, torch::Tensor(), /*causal=*/true, scale);
   };
   auto tail = [&](const torch::Tensor& qr, const torch::Tensor& kk, const torch::Tensor& vv,
@@ -87,5 +92,31 @@ TEST(SplitCausalAttention, MatchesPerDocumentSdpa) {
     EXPECT_EQ(n.dense_rows + n.tail_rows, T);
     EXPECT_EQ(n.tail, c.tail_rows > 0 ? 1 : 0);
   }
+}
+
+// Lone documents of different lengths with the same multiple of the tile give dense calls with the
+// same sizes AND strides (cuDNN's plans are cached by both: one plan per s, not one per length),
+// and still the per-document SDPA result; a run of equal documents keeps its real document stride.
+TEST(SplitCausalAttention, LoneDocumentsShareOneDenseLayoutPerTileMultiple) {
+  torch::manual_seed(6);
+  const int64_t Hq = 4, Hkv = 2, D = 8, tile = 16;
+  const double scale = 1.0 / std::sqrt(double(D));
+  const std::vector<int64_t> lens{33, 40, 47, 32, 20, 20};  // s = 32 for the first four; a run of two 20s
+  int64_t T = 0;
+  for (auto n : lens) T += n;
+  auto qkv = torch::randn({T, (Hq + 2 * Hkv) * D}, torch::kFloat64);
+  auto q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
+  auto k = qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D});
+  auto v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D});
+  Counts n;
+  auto got = split_on_cpu(q, k, v, lens, scale, tile, n);
+  EXPECT_LT(rel_err(got, causal_attention_varlen(q, k, v, lens, scale)), 1e-12);
+  ASSERT_EQ(n.dense_shapes.size(), 5u);
+  for (size_t i = 1; i < 4; ++i)
+    EXPECT_EQ(n.dense_shapes[i], n.dense_shapes[0]) << "lone document " << lens[i] << " vs " << lens[0];
+  const int64_t row = qkv.stride(0);
+  EXPECT_EQ(n.dense_shapes[0][4], 32 * row) << "batch stride of a lone document: s rows";
+  EXPECT_EQ(n.dense_shapes[4][0], 2);
+  EXPECT_EQ(n.dense_shapes[4][4], 20 * row) << "a run of two 20-row documents: its documents 20 rows apart";
 }
 }  // namespace
