@@ -119,9 +119,19 @@ fi
 [ -n "$deadline" ] || exit $rc
 [ $rc = 0 ] || { echo "ERROR: --gpu: the bundle is not complete yet (parts missing)" >&2; exit 3; }
 # A step already running at the deadline is not waited for past deadline + 45 s: it is stopped (a
-# rerun resumes it) so that the call ends, and leaves its archive, within the device's 600 s.
+# rerun resumes it) so that the call ends, and leaves its archive, within the device's 600 s
+# (S + 45 + at most 40 s of graceful stops + the archive: keep S <= 490).
 timeout -s TERM "$((deadline + 45))" \
   "$py" scripts/quality/run.py --bin "$build/bin" gpu "$dest" "$out_dir" --parallel 6 --deadline-s "$deadline" "${extra[@]}"
 rc=$?
-[ $rc = 124 ] && { echo "stopped at the deadline + 45 s; the next call resumes" >&2; exit 3; }
+if [ $rc = 124 ]; then
+  # timeout sent TERM to run.py's whole process group: a `dflash run` stops gracefully (checkpoint,
+  # then exit), SpecForge's harness saves its resume state after its step in flight. Wait for them
+  # (at most 40 s) so that the next call's resume finds their run dirs free.
+  busy="$build/bin/dflash|scripts/quality/specforge_train.py"
+  for _ in $(seq 40); do pgrep -f "$busy" > /dev/null || break; sleep 1; done
+  pgrep -af "$busy" >&2 && echo "WARNING: steps' processes still running after 40 s" >&2
+  echo "stopped at the deadline + 45 s; the next call resumes" >&2
+  exit 3
+fi
 exit $rc

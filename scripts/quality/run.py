@@ -297,10 +297,10 @@ def device_plan(packdir, n_parts):
         last = k == n_parts
         tests = f' --gpu-tests "{GPU_TESTS}"' if k == 1 else ""
         lines.append(f"call {k}: carry {json.dumps(carry)}: {call}{tests} --part {rel}/part-{k:02d}"
-                     + (" --gpu 480" if last else "   (exit 3: parts still to come)")
+                     + (" --gpu 450" if last else "   (exit 3: parts still to come)")
                      + ("   (builds into /tmp/build-gpu first, then these GPU tests: the target's and the "
                         "training path's GPU kernels checked before anything trains)" if k == 1 else ""))
-    lines.append(f"call {n_parts + 1}..: {call} --gpu 520   (resumes; repeat while it exits 3)")
+    lines.append(f"call {n_parts + 1}..: {call} --gpu 490   (resumes; repeat while it exits 3)")
     lines.append("every call leaves $OUT/quality-out.tgz (results, steps, curves, evals, logs); here: unpack the "
                  "latest into FETCHED_OUT, then scripts/quality/run.py report FETCHED_OUT")
     lines.append("once regenerate is done, every call also leaves $OUT/regen.tgz.NN: if the session ends before the run, "

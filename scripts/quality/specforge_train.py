@@ -20,19 +20,27 @@ Same as our `dflash train` of the variant it is compared with:
     each step sets its num_anchors to ceil(--anchors / rows); the anchors it then draws (each row
     capped by its valid positions) are logged per step.
 Writes OUT/drafter (z-lab format: `dflash eval --drafter` and z-lab's dflash_generate read it),
-OUT/loss.jsonl (step, loss, accuracy, lr, rows, anchors per step) and OUT/summary.json (wall time, steps).
+OUT/loss.jsonl (step, loss, accuracy, lr, rows, anchors per step) and OUT/summary.json (wall time of
+the training loop over all attempts, steps).
+
+Resumable: every --save-every steps, on SIGTERM (after the step in flight) and at --stop-after K,
+OUT/resume.pt (atomically) holds the step, the drafter, AdamW's state, the RNG states and the loop's
+wall time so far; SIGTERM and --stop-after then exit 3. A rerun with the same arguments continues
+from it (the micro-batches before it are skipped, loss.jsonl is cut back to its step) and gives the
+losses and weights of an uninterrupted run. resume.pt is removed once the drafter is saved.
 
 Usage: specforge_train.py --target DIR --data F.jsonl --shape EXPORT_DIR --out DIR --steps N
        [--lr 6e-4] [--warmup-ratio 0.04] [--weight-decay 0.01] [--grad-clip 1.0] [--anchors 512]
        [--gamma 7] [--token-budget 32768] [--max-seq-len 2048] [--seed 1234] [--device cuda]
-       [--dtype bfloat16]
-Exit: 0 trained and saved, 2 bad usage / missing file.
+       [--dtype bfloat16] [--save-every 100] [--stop-after K]
+Exit: 0 trained and saved, 2 bad usage / missing file, 3 stopped with the resume state saved.
 """
 import argparse
 import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 import warnings
@@ -97,6 +105,43 @@ def padded(batch, device):
     return ids.to(device), mask.to(device)
 
 
+EXIT_STOPPED = 3
+
+
+def rng_state(device):
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def save_resume(path, step, draft, opt, device, wall):
+    tmp = path + ".tmp"
+    torch.save({"step": step, "draft": draft.state_dict(), "opt": opt.state_dict(), "rng": rng_state(device),
+                "wall_s": wall}, tmp)
+    os.replace(tmp, path)
+
+
+def load_resume(path, draft, opt, device, log_path):
+    """The step to continue from (0 without a resume state) and the loop's wall time so far; the
+    drafter, AdamW and the RNGs as they were after that step; loss.jsonl cut back to it."""
+    if not os.path.isfile(path):
+        open(log_path, "w").close()
+        return 0, 0.0
+    st = torch.load(path, map_location="cpu", weights_only=False)
+    draft.load_state_dict(st["draft"])
+    opt.load_state_dict(st["opt"])
+    torch.set_rng_state(st["rng"]["torch"])
+    if st["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state(st["rng"]["cuda"], device)
+    lines = open(log_path).read().splitlines() if os.path.isfile(log_path) else []
+    kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= st["step"]]
+    if len(kept) != st["step"]:
+        raise SystemExit(f"ERROR: {log_path} has {len(kept)} steps up to the resume state's step {st['step']}")
+    with open(log_path, "w") as f:
+        f.writelines(ln + "\n" for ln in kept)
+    print(f"resumed at step {st['step']} from {path}", flush=True)
+    return st["step"], st["wall_s"]
+
+
 def build(a, device):
     from transformers import AutoModelForCausalLM
     with warnings.catch_warnings():
@@ -136,6 +181,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", help="the target's dtype and the drafter's autocast dtype")
+    ap.add_argument("--save-every", type=int, default=100, help="steps between resume states (0: none)")
+    ap.add_argument("--stop-after", type=int, default=0, help="stop after this step as on SIGTERM (0: never)")
     a = ap.parse_args(argv)
     for p in (os.path.join(a.target, "config.json"), a.data, os.path.join(a.shape, "config.json")):
         if not os.path.isfile(p):
@@ -150,11 +197,17 @@ def main(argv=None):
     docs = load_docs(a.data, a.max_seq_len)
     opt = torch.optim.AdamW(draft.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay)
     os.makedirs(a.out, exist_ok=True)
-    log = open(os.path.join(a.out, "loss.jsonl"), "w")
+    resume, log_path = os.path.join(a.out, "resume.pt"), os.path.join(a.out, "loss.jsonl")
+    first, wall0 = load_resume(resume, draft, opt, device, log_path)
+    log = open(log_path, "a")
     autocast = torch.autocast(device.type, dtype=getattr(torch, a.dtype), enabled=a.dtype != "float32")
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     t0 = time.time()
     it = batches(docs, a.token_budget, a.seed)
-    for step in range(a.steps):
+    for _ in range(first):  # the micro-batches trained before the resume state
+        next(it)
+    for step in range(first, a.steps):
         ids, mask = padded(next(it), device)
         online.num_anchors = -(-a.anchors // ids.shape[0])  # ceil: per row, for --anchors per batch
         with torch.no_grad():
@@ -173,9 +226,17 @@ def main(argv=None):
         log.write(json.dumps({"step": step + 1, "loss": loss.item(), "accuracy": acc.item(), "lr": lr,
                               "rows": ids.shape[0], "anchors": anchors_drawn(mask, online.num_anchors)}) + "\n")
         if (step + 1) % 50 == 0 or step + 1 == a.steps:
-            log.flush()
             print(f"step {step + 1}/{a.steps} loss {loss.item():.4f} acc {acc.item():.3f}", flush=True)
-    wall = time.time() - t0
+        halt = bool(stop) or step + 1 == a.stop_after
+        if step + 1 < a.steps and (halt or (a.save_every > 0 and (step + 1) % a.save_every == 0)):
+            log.flush()
+            os.fsync(log.fileno())
+            save_resume(resume, step + 1, draft, opt, device, wall0 + time.time() - t0)
+            if halt:
+                print(f"stopped after step {step + 1}/{a.steps}; the resume state is in {resume}", flush=True)
+                return EXIT_STOPPED
+    log.close()
+    wall = wall0 + time.time() - t0
     out_dir = os.path.join(a.out, "drafter")
     draft.config.dflash_config = shape["dflash_config"]
     draft.config.block_size = shape["block_size"]
@@ -184,6 +245,8 @@ def main(argv=None):
     draft.save_pretrained(out_dir, safe_serialization=True)
     json.dump({"steps": a.steps, "wall_s": wall, "documents": len(docs), "args": vars(a)},
               open(os.path.join(a.out, "summary.json"), "w"), indent=1)
+    if os.path.isfile(resume):
+        os.remove(resume)
     print(f"saved {out_dir} after {a.steps} steps in {wall:.1f} s")
     return 0
 

@@ -5,6 +5,8 @@
 - the saved drafter is in the z-lab format: z-lab's DFlashDraftModel loads it with no missing /
   unexpected keys, with the block size, mask token and target layers of the shape it was given, and
   its forward runs;
+- resume: a run stopped after step 1 (--stop-after, as on SIGTERM: exit 3, resume.pt written) and
+  rerun gives the uninterrupted run's losses, lrs and drafter weights exactly, and removes resume.pt;
 - the harness refuses --steps 0 (exit 2).
 Exit 0 when all hold."""
 import json
@@ -73,6 +75,27 @@ def main():
               target_hidden=torch.randn(1, S, 2 * H), attention_mask=None, use_cache=False)
     if tuple(h.shape) != (1, B, H) or not torch.isfinite(h).all():
         fails.append(f"z-lab forward: shape {tuple(h.shape)}")
+    # Resume: stopped after step 1, then rerun to the end.
+    out2 = os.path.join(work, "out2")
+    resumed = [a if a != out else out2 for a in base] + ["--steps", "3"]
+    r = subprocess.run(resumed + ["--stop-after", "1"], capture_output=True, text=True)
+    if r.returncode != 3 or not os.path.isfile(os.path.join(out2, "resume.pt")):
+        fails.append(f"--stop-after 1: exit {r.returncode} (want 3), resume.pt there: "
+                     f"{os.path.isfile(os.path.join(out2, 'resume.pt'))}; {r.stderr[-500:]}")
+    r = subprocess.run(resumed, capture_output=True, text=True)
+    if r.returncode != 0 or "resumed at step 1" not in r.stdout:
+        fails.append(f"rerun after the stop: exit {r.returncode}, stdout {r.stdout[-300:]}, stderr {r.stderr[-500:]}")
+    else:
+        log2 = [json.loads(line) for line in open(os.path.join(out2, "loss.jsonl"))]
+        if [(e["step"], e["loss"], e["lr"]) for e in log2] != [(e["step"], e["loss"], e["lr"]) for e in log]:
+            fails.append(f"resumed losses {[(e['step'], e['loss']) for e in log2]} != {[(e['step'], e['loss']) for e in log]}")
+        from safetensors.torch import load_file
+        w1 = load_file(os.path.join(out, "drafter", "model.safetensors"))
+        w2 = load_file(os.path.join(out2, "drafter", "model.safetensors"))
+        if w1.keys() != w2.keys() or any(not torch.equal(w1[k], w2[k]) for k in w1):
+            fails.append("the resumed run's drafter weights differ from the uninterrupted run's")
+        if os.path.exists(os.path.join(out2, "resume.pt")):
+            fails.append("resume.pt left after the drafter was saved")
     r = subprocess.run(base + ["--steps", "0"], capture_output=True, text=True)
     if r.returncode != 2 or "--steps" not in r.stderr:
         fails.append(f"--steps 0: exit {r.returncode}, stderr {r.stderr[-300:]}")
