@@ -44,9 +44,9 @@ io::TargetConfig target_config(const config::RunConfig& cfg) {
   }
 }
 
-MemoryItems memory_items(const config::RunConfig& cfg, const std::string& device) {
-  const io::TargetConfig tc = target_config(cfg);
-  const auto run_plan = pipeline::RunPlan::build(cfg, tc, device);  // what the workers derive
+// `run_plan`: what the workers derive from cfg and the target's config `tc`.
+MemoryItems memory_items(const config::RunConfig& cfg, const std::string& device, const io::TargetConfig& tc,
+                         const pipeline::RunPlan& run_plan) {
   const int64_t H = tc.hidden_size, V = tc.vocab_size, K = run_plan.num_context_layers();
   const double elt = cfg.target.dtype == config::Dtype::kFloat32 ? 4 : 2;
   const int64_t T = cfg.data.token_budget;
@@ -109,8 +109,9 @@ json gpu_estimates(const config::RunConfig& cfg, const std::string& device, cons
   return out;
 }
 
-json memory_estimate(const config::RunConfig& cfg, const std::string& device) {
-  const MemoryItems m = memory_items(cfg, device);
+json memory_estimate(const config::RunConfig& cfg, const std::string& device, const io::TargetConfig& tc,
+                     const pipeline::RunPlan& run_plan) {
+  const MemoryItems m = memory_items(cfg, device, tc, run_plan);
   return {{"target", {{"weights", gib(m.target_weights)}, {"capture_buffers", gib(m.capture_buffers)},
                       {"activations_per_layer", gib(m.activations_per_layer)}, {"total", gib(m.target_total())}}},
           {"drafter", {{"params_grads_adam_fp32", gib(m.drafter_state)}, {"frozen_embedding_lm_head", gib(m.frozen_embedding_lm_head)},
@@ -145,8 +146,9 @@ json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& length
   p["epochs"] = epochs;
   p["total_steps"] = sched.total_steps();
   p["tokens_per_step"] = steps ? tokens / std::max<int64_t>(steps, 1) : 0;
-  p["memory_estimate"] = memory_estimate(cfg, device);
-  const auto run_plan = pipeline::RunPlan::build(cfg, target_config(cfg), device);
+  const io::TargetConfig tc = target_config(cfg);
+  const auto run_plan = pipeline::RunPlan::build(cfg, tc, device);
+  p["memory_estimate"] = memory_estimate(cfg, device, tc, run_plan);
   p["drafter_config"] = train::hf_drafter_config_json(run_plan.drafter, run_plan.export_dtype);
   return p;
 }
