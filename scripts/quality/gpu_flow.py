@@ -292,11 +292,16 @@ class GpuFlow:
     def export_of(self, v):
         return self.record(f"train:{v}")["export"]
 
-    def eval_command(self, v):
+    def eval_argv(self, v, prompts, out, batch, dtype, baseline=False):
+        """`dflash eval` of v's drafter on OUT/prompts/<prompts>.jsonl into OUT/evals/<out>.json."""
         return [self.dflash, "eval", "--target", self.model, "--drafter", self.export_of(v), "--input",
-                os.path.join(self.out, "prompts", "eval.jsonl"), "--max-new-tokens", str(self.a.max_new_tokens),
-                "--batch-size", str(self.a.eval_batch), "--stop-token-ids", stop_ids(self.model), "--no-baseline",
-                "--out", os.path.join(self.out, "evals", v + ".json"), *self.dev()]
+                os.path.join(self.out, "prompts", prompts + ".jsonl"), "--max-new-tokens", str(self.a.max_new_tokens),
+                "--batch-size", str(batch), "--stop-token-ids", stop_ids(self.model),
+                "--out", os.path.join(self.out, "evals", out + ".json"), "--device", self.a.device,
+                "--dtype", dtype] + ([] if baseline else ["--no-baseline"])
+
+    def eval_command(self, v):
+        return self.eval_argv(v, "eval", v, self.a.eval_batch, self.a.dtype)
 
     def collect_eval(self, v):
         ev = json.load(open(os.path.join(self.out, "evals", v + ".json")))
@@ -310,11 +315,7 @@ class GpuFlow:
                 "--device", self.a.device, "--dtype", self.a.zlab_dtype]
 
     def zlab_ours_command(self, v):
-        return [self.dflash, "eval", "--target", self.model, "--drafter", self.export_of(v), "--input",
-                os.path.join(self.out, "prompts", "zlab.jsonl"), "--max-new-tokens", str(self.a.max_new_tokens),
-                "--batch-size", "1", "--stop-token-ids", stop_ids(self.model), "--no-baseline",
-                "--out", os.path.join(self.out, "evals", f"zlab_ours_{v}.json"),
-                "--device", self.a.device, "--dtype", self.a.zlab_dtype]
+        return self.eval_argv(v, "zlab", f"zlab_ours_{v}", 1, self.a.zlab_dtype)
 
     def collect_zlab(self, v):
         z = json.load(open(os.path.join(self.out, "evals", f"zlab_{v}.json")))["results"]
@@ -326,11 +327,8 @@ class GpuFlow:
         return {"prompts": len(z), "dtype": self.a.zlab_dtype, "tau_zlab": zs["tau"], "tau_ours": os_["tau"],
                 "ratio": zs["tau"] / os_["tau"] if os_["tau"] else None, "same_output_prompts": same}
 
-    def speed_command(self, v):
-        return [self.dflash, "eval", "--target", self.model, "--drafter", self.export_of(v), "--input",
-                os.path.join(self.out, "prompts", "speed.jsonl"), "--max-new-tokens", str(self.a.max_new_tokens),
-                "--batch-size", "1", "--stop-token-ids", stop_ids(self.model), "--out",
-                os.path.join(self.out, "evals", f"speed_{v}.json"), *self.dev()] + ([] if v == "plain" else ["--no-baseline"])
+    def speed_command(self, v):  # plain's also runs the target's own greedy decoding (the baseline)
+        return self.eval_argv(v, "speed", f"speed_{v}", 1, self.a.dtype, baseline=v == "plain")
 
     def collect_speed(self, v):
         ev = json.load(open(os.path.join(self.out, "evals", f"speed_{v}.json")))
