@@ -72,12 +72,22 @@ if [ -n "$gpu_tests" ]; then
   t0=$SECONDS
   PATH=$deps/bin:$PATH cmake -S . -B "$build" -DDFLASH_BUILD_TESTS=ON > /tmp/quality-build-tests.log 2>&1 \
     || { tail -40 /tmp/quality-build-tests.log; echo "ERROR: --gpu-tests: configuring the tests failed" >&2; exit 1; }
-  # Each named test's executable (its target), from the add_test lines ctest reads.
+  # Each named test's executable (its target), from the add_test lines ctest reads
+  # (the name bare, "quoted" or [=[bracketed]=]: CMake versions differ).
   test_targets=()
   IFS='|' read -r -a test_names <<< "$gpu_tests"
   for t in "${test_names[@]}"; do
-    exe=$(grep -rh --include=CTestTestfile.cmake "^add_test(\[=\[$t\]=\] " "$build/tests" | head -1 | cut -d'"' -f2)
-    [ -n "$exe" ] || { echo "ERROR: --gpu-tests: no test named '$t'" >&2; exit 1; }
+    exe=$("$py" - "$build/tests" "$t" <<'PY'
+import pathlib, re, sys
+pat = re.compile(r'add_test\(\s*(?:\[=\[|")?' + re.escape(sys.argv[2]) + r'(?:\]=\]|")?\s+"([^"]+)"')
+for f in sorted(pathlib.Path(sys.argv[1]).rglob("CTestTestfile.cmake")):
+    m = pat.search(f.read_text())
+    if m:
+        print(m.group(1))
+        break
+PY
+)
+    [ -n "$exe" ] || { grep -rh --include=CTestTestfile.cmake -m2 "$t" "$build/tests" >&2; echo "ERROR: --gpu-tests: no test named '$t'" >&2; exit 1; }
     test_targets+=("$(basename "$exe")")
   done
   PATH=$deps/bin:$PATH LIBRARY_PATH=$deps/lib/x86_64-linux-gnu cmake --build "$build" -j "$(nproc)" --target "${test_targets[@]}" \
