@@ -12,6 +12,7 @@ import sys
 
 BEGIN = "<!-- quality-results:begin (written by scripts/quality/run.py report; do not edit by hand) -->"
 END = "<!-- quality-results:end -->"
+SMOOTH = 25  # steps in the loss plot's moving average
 GROUP_TITLES = {"sharegpt_heldout": "held-out ShareGPT", "humaneval": "HumanEval"}
 
 
@@ -30,14 +31,21 @@ def block(res, image_rel):
     lines = [f"Measured by `run.py gpu` ({s['device']}, {s['dtype']}, {s['epochs']} epoch(s), at most "
              f"{s['max_new_tokens']} new tokens, T = 0). Prompt subsets: tau: {res['subsets']['tau']}; "
              f"speedup: {res['subsets']['speed']}; z-lab: {res['subsets']['zlab']}.", "",
-             "| drafter | tau held-out ShareGPT | tau HumanEval | speedup vs target greedy (batch 1) | steps | "
-             "train wall s | tau by z-lab `dflash_generate` / ours (same prompts) |",
-             "|---|---|---|---|---|---|---|"]
+             "| drafter | tau held-out ShareGPT | / SpecForge's | tau HumanEval | / SpecForge's | "
+             "speedup vs target greedy (batch 1) | steps | train wall s | "
+             "tau by z-lab `dflash_generate` / ours (same prompts) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ref = (v.get("specforge") or {}).get("groups") or {}
+
+    def tau_and_ratio(g, group):
+        t, r = g.get(group, {}).get("tau"), ref.get(group, {}).get("tau")
+        return f"{fmt(t)} | {fmt(t / r if t is not None and r else None)}"
+
     for name, r in v.items():
         g = r.get("groups") or {}
         z = r.get("zlab")
         lines.append(f"| {'SpecForge (plain DFlash loss)' if name == 'specforge' else 'ours, `' + name + '`'} | "
-                     f"{fmt(g.get('sharegpt_heldout', {}).get('tau'))} | {fmt(g.get('humaneval', {}).get('tau'))} | "
+                     f"{tau_and_ratio(g, 'sharegpt_heldout')} | {tau_and_ratio(g, 'humaneval')} | "
                      f"{fmt((r.get('speed') or {}).get('speedup_vs_greedy'), '.2f')} | {fmt(r.get('steps'), 'd')} | "
                      f"{fmt(r.get('train_wall_s'), '.0f')} | "
                      f"{'%.3f / %.3f' % (z['tau_zlab'], z['tau_ours']) if z else '-'} |")
@@ -66,11 +74,15 @@ def plots(res, out, images):
     import matplotlib.pyplot as plt
     os.makedirs(images, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, pts in curves(out).items():
-        ax.plot([p["step"] for p in pts], [p["loss"] for p in pts], label="SpecForge" if name == "specforge" else name,
-                linewidth=1.6 if name in ("plain", "specforge") else 0.8)
+    for name, pts in curves(out).items():  # each step's loss faint, its moving average over SMOOTH steps drawn
+        steps, loss = [p["step"] for p in pts], [p["loss"] for p in pts]
+        avg = [sum(loss[max(0, i - SMOOTH + 1):i + 1]) / (i + 1 - max(0, i - SMOOTH + 1)) for i in range(len(loss))]
+        line, = ax.plot(steps, avg, label=("SpecForge" if name == "specforge" else name) + f" ({SMOOTH}-step mean)",
+                        linewidth=1.8 if name in ("plain", "specforge") else 0.9)
+        ax.plot(steps, loss, color=line.get_color(), linewidth=0.4, alpha=0.25)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
+    ax.set_yscale("log")  # D-PACE's loss is on another scale than the DFlash loss
     ax.set_title("Loss per step: ours (dflash run) and SpecForge 0.2.0, same data and steps")
     ax.legend()
     fig.tight_layout()
