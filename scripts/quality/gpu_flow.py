@@ -9,11 +9,13 @@ Steps (a step runs when the steps it needs are done, in this order of preference
                         prompts), zlab.jsonl (the first --zlab-prompts of them)
   train:<v>             `dflash run` of variant v (one target server + one drafter trainer sharing
                         GPU 0, topology.colocate), export in OUT/runs/<v>/export
-  plan:specforge        `dflash run` of train:plain's config with --plan: its optimizer steps and the
-                        config.json its export will carry (the drafter's shape), OUT/runs/specforge-shape
-  train:specforge       scripts/quality/specforge_train.py with train:plain's steps, shape and
-                        hyperparameters (from plan:specforge: it runs beside train:plain, the
-                        critical path); train:plain fails if its steps differ from the plan's
+  plan:specforge        `dflash run` of train:plain's config with --plan: its optimizer steps, the
+                        config.json its export will carry (the drafter's shape), OUT/runs/specforge-shape,
+                        and every step's samples (--plan-batches OUT/runs/specforge-batches.jsonl)
+  train:specforge       scripts/quality/specforge_train.py with train:plain's steps, shape,
+                        hyperparameters and batches (the same samples in every step, read from
+                        OUT/shards; from plan:specforge: it runs beside train:plain, the critical
+                        path); train:plain fails if its steps differ from the plan's
   eval:<v>              `dflash eval` of v's drafter on eval.jsonl (--eval-batch, no baseline)
   zlab-ours:<v>         `dflash eval --batch-size 1` on zlab.jsonl in --zlab-dtype (default float32)
   zlab:<v>              z-lab's dflash_generate (scripts/reference/zlab_generate.py) on zlab.jsonl
@@ -260,7 +262,8 @@ class GpuFlow:
                 "config": os.path.join(self.out, "configs", v + ".yaml")}
 
     def plan_command(self):
-        return [self.dflash, "run", self.train_config("plain"), "--plan", "--device", self.a.device]
+        return [self.dflash, "run", self.train_config("plain"), "--plan", "--device", self.a.device,
+                "--plan-batches", os.path.join(self.out, "runs", "specforge-batches.jsonl")]
 
     def collect_plan(self):
         """train:plain's plan: its step count and its export's config.json (the shape SpecForge builds)."""
@@ -268,19 +271,21 @@ class GpuFlow:
         shape = os.path.join(self.out, "runs", "specforge-shape")
         os.makedirs(shape, exist_ok=True)
         write_json(os.path.join(shape, "config.json"), plan["drafter_config"])
-        return {"steps": plan["total_steps"], "shape": shape, "config": os.path.join(self.out, "configs", "plain.yaml")}
+        return {"steps": plan["total_steps"], "shape": shape, "config": os.path.join(self.out, "configs", "plain.yaml"),
+                "batches": os.path.join(self.out, "runs", "specforge-batches.jsonl")}
 
     def specforge_command(self):
         import yaml
         plan = self.record("plan:specforge")
         tr = yaml.safe_load(open(plan["config"]))
-        t, d = tr["train"], tr["data"]
-        return [sys.executable, os.path.join(HERE, "specforge_train.py"), "--target", self.model, "--data", self.regen,
+        t = tr["train"]
+        return [sys.executable, os.path.join(HERE, "specforge_train.py"), "--target", self.model,
+                "--batches", plan["batches"], "--shards", self.shards,
                 "--shape", plan["shape"], "--out", os.path.join(self.out, "runs", "specforge"),
                 "--steps", str(plan["steps"]), "--lr", str(t["lr"]), "--warmup-ratio", str(t["warmup_ratio"]),
                 "--weight-decay", str(t["weight_decay"]), "--grad-clip", str(t["grad_clip"]),
-                "--anchors", str(t["max_anchors"]), "--gamma", str(t["gamma"]), "--token-budget", str(d["token_budget"]),
-                "--max-seq-len", str(d["max_seq_len"]), "--seed", str(tr["run"]["seed"]), *self.dev()]
+                "--anchors", str(t["max_anchors"]), "--gamma", str(t["gamma"]), "--seed", str(tr["run"]["seed"]),
+                *self.dev()]
 
     def collect_specforge(self):
         dest = os.path.join(self.out, "runs", "specforge")

@@ -5,9 +5,12 @@ DFlash drafter (`specforge.modeling.draft.dflash.DFlashDraftModel`) and training
 around them (data, target forward, optimizer, schedule, save) is ours.
 
 Same as our `dflash train` of the variant it is compared with:
-  - data: the tokenized JSONL our shards were imported from (input_ids, loss_mask), truncated to
+  - data: with --batches F --shards DIR, exactly our run's micro-batches: step k trains the samples
+    that line k of F (`dflash run CONFIG --plan --plan-batches F`) lists, read from our shards,
+    cut to the lengths listed there (one micro-batch per step: one drafter, grad_accum 1). Without
+    them: the tokenized JSONL our shards were imported from (input_ids, loss_mask), truncated to
     --max-seq-len, shuffled by --seed each epoch, packed in order into micro-batches of at most
-    --token-budget tokens (SpecForge takes padded rows: loss mask 0 on the padding);
+    --token-budget tokens. SpecForge takes padded rows (loss mask 0 on the padding);
   - hidden states: the target (HF transformers, the same HF folder, --dtype) run on each batch;
     context features = hidden states after the drafter's target_layer_ids, concatenated;
   - drafter shape, target layers, mask token and block size: from --shape, one of our exported
@@ -20,7 +23,7 @@ Same as our `dflash train` of the variant it is compared with:
     each step sets its num_anchors to ceil(--anchors / rows); the anchors it then draws (each row
     capped by its valid positions) are logged per step.
 Writes OUT/drafter (z-lab format: `dflash eval --drafter` and z-lab's dflash_generate read it),
-OUT/loss.jsonl (step, loss, accuracy, lr, rows, anchors per step) and OUT/summary.json (wall time of
+OUT/loss.jsonl (step, loss, accuracy, lr, rows, tokens, anchors per step) and OUT/summary.json (wall time of
 the training loop over all attempts, steps).
 
 Resumable: every --save-every steps, on SIGTERM (after the step in flight) and at --stop-after K,
@@ -29,7 +32,7 @@ wall time so far; SIGTERM and --stop-after then exit 3. A rerun with the same ar
 from it (the micro-batches before it are skipped, loss.jsonl is cut back to its step) and gives the
 losses and weights of an uninterrupted run. resume.pt is removed once the drafter is saved.
 
-Usage: specforge_train.py --target DIR --data F.jsonl --shape EXPORT_DIR --out DIR --steps N
+Usage: specforge_train.py --target DIR (--data F.jsonl | --batches F.jsonl --shards DIR) --shape EXPORT_DIR --out DIR --steps N
        [--lr 6e-4] [--warmup-ratio 0.04] [--weight-decay 0.01] [--grad-clip 1.0] [--anchors 512]
        [--gamma 7] [--token-budget 32768] [--max-seq-len 2048] [--seed 1234] [--device cuda]
        [--dtype bfloat16] [--save-every 100] [--stop-after K]
@@ -86,6 +89,32 @@ def batches(docs, token_budget, seed):
         if cur:
             yield cur
         epoch += 1
+
+
+def planned_batches(path, shards_dir, steps):
+    """Our run's micro-batches, step by step (see --batches): an iterator of lists of (input_ids,
+    loss_mask), and how many documents they hold. The whole file is checked first (UsageError /
+    ValueError naming it)."""
+    from token_shards import TokenShards
+    shards = TokenShards(shards_dir)
+    lines = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+    if len(lines) < steps:
+        raise UsageError(f"--batches {path}: {len(lines)} steps listed, --steps is {steps}")
+    plan = []
+    for k, line in enumerate(lines[:steps]):
+        micro = line.get("micro_batches") or []
+        if line.get("step") != k or len(micro) != 1:
+            raise UsageError(f"--batches {path}: line {k + 1} is step {line.get('step')} with {len(micro)} micro-batches; "
+                             f"this harness trains one micro-batch per step (one drafter, grad_accum 1), steps in order")
+        bad = [i for i in micro[0]["samples"] if not 0 <= i < len(shards)]
+        if bad:
+            raise UsageError(f"--batches {path}: line {k + 1}: sample ids {bad[:5]} outside {shards_dir}'s 0..{len(shards) - 1}")
+        plan.append(list(zip(micro[0]["samples"], micro[0]["lengths"])))
+    return ([shards.sample(i, n) for i, n in batch] for batch in plan), sum(len(b) for b in plan)
+
+
+class UsageError(Exception):
+    pass
 
 
 def anchors_drawn(mask, per_row):
@@ -166,7 +195,9 @@ def build(a, device):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", help="tokenized JSONL (input_ids, loss_mask); not with --batches")
+    ap.add_argument("--batches", help="our run's batches per step (dflash run --plan --plan-batches); with --shards")
+    ap.add_argument("--shards", help="the token shards the --batches samples come from")
     ap.add_argument("--shape", required=True, help="one of our exported drafters (config.json)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, required=True)
@@ -184,7 +215,11 @@ def main(argv=None):
     ap.add_argument("--save-every", type=int, default=100, help="steps between resume states (0: none)")
     ap.add_argument("--stop-after", type=int, default=0, help="stop after this step as on SIGTERM (0: never)")
     a = ap.parse_args(argv)
-    for p in (os.path.join(a.target, "config.json"), a.data, os.path.join(a.shape, "config.json")):
+    if bool(a.batches) != bool(a.shards) or bool(a.data) == bool(a.batches):
+        print("ERROR: give --data F.jsonl, or --batches F.jsonl with --shards DIR", file=sys.stderr)
+        return 2
+    inputs = [a.data] if a.data else [a.batches, os.path.join(a.shards, "index.bin")]
+    for p in (os.path.join(a.target, "config.json"), *inputs, os.path.join(a.shape, "config.json")):
         if not os.path.isfile(p):
             print(f"ERROR: {p} not found", file=sys.stderr)
             return 2
@@ -194,7 +229,15 @@ def main(argv=None):
     device = torch.device(a.device)
     draft, target, online, shape = build(a, device)
     layer_ids = shape["dflash_config"]["target_layer_ids"]
-    docs = load_docs(a.data, a.max_seq_len)
+    if a.batches:
+        try:
+            it, documents = planned_batches(a.batches, a.shards, a.steps)
+        except (UsageError, ValueError) as e:
+            print(f"ERROR: {e}", file=sys.stderr)
+            return 2
+    else:
+        docs = load_docs(a.data, a.max_seq_len)
+        it, documents = batches(docs, a.token_budget, a.seed), len(docs)
     opt = torch.optim.AdamW(draft.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay)
     os.makedirs(a.out, exist_ok=True)
     resume, log_path = os.path.join(a.out, "resume.pt"), os.path.join(a.out, "loss.jsonl")
@@ -204,11 +247,11 @@ def main(argv=None):
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     t0 = time.time()
-    it = batches(docs, a.token_budget, a.seed)
     for _ in range(first):  # the micro-batches trained before the resume state
         next(it)
     for step in range(first, a.steps):
-        ids, mask = padded(next(it), device)
+        batch = next(it)
+        ids, mask = padded(batch, device)
         online.num_anchors = -(-a.anchors // ids.shape[0])  # ceil: per row, for --anchors per batch
         with torch.no_grad():
             hs = target(input_ids=ids, output_hidden_states=True).hidden_states
@@ -224,7 +267,8 @@ def main(argv=None):
             torch.nn.utils.clip_grad_norm_(draft.parameters(), a.grad_clip)
         opt.step()
         log.write(json.dumps({"step": step + 1, "loss": loss.item(), "accuracy": acc.item(), "lr": lr,
-                              "rows": ids.shape[0], "anchors": anchors_drawn(mask, online.num_anchors)}) + "\n")
+                              "rows": ids.shape[0], "tokens": sum(len(i) for i, _ in batch),
+                              "anchors": anchors_drawn(mask, online.num_anchors)}) + "\n")
         if (step + 1) % 50 == 0 or step + 1 == a.steps:
             print(f"step {step + 1}/{a.steps} loss {loss.item():.4f} acc {acc.item():.3f}", flush=True)
         halt = bool(stop) or step + 1 == a.stop_after
@@ -243,7 +287,7 @@ def main(argv=None):
     draft.config.num_target_layers = shape["num_target_layers"]
     draft.config.architectures = ["DFlashDraftModel"]
     draft.save_pretrained(out_dir, safe_serialization=True)
-    json.dump({"steps": a.steps, "wall_s": wall, "documents": len(docs), "args": vars(a)},
+    json.dump({"steps": a.steps, "wall_s": wall, "documents": documents, "args": vars(a)},
               open(os.path.join(a.out, "summary.json"), "w"), indent=1)
     if os.path.isfile(resume):
         os.remove(resume)

@@ -34,7 +34,8 @@ const Binary& binary() {
       {
           {"run", coordinator::cmd_run,
            "CONFIG [section.field=VALUE ...] [--set section.field=VALUE] [--resume latest|auto|DIR]\n"
-           "         [--plan [--plan-samples N --plan-lengths L[:W],...]] [--device cpu|cuda] [--quiet] [--metrics-port P]\n"
+           "         [--plan [--plan-samples N --plan-lengths L[:W],...] [--plan-batches FILE]] [--device cpu|cuda] [--quiet]\n"
+           "         [--metrics-port P]\n"
            "    the coordinator: plan, launch every target server and drafter trainer, supervise (restarts,\n"
            "    OOM response), ledger, checkpoints; exit 0 when done. Overrides are checked like the YAML."},
           {"status", coordinator::cmd_status,

@@ -144,6 +144,10 @@ json Coordinator::plan() {
   device_ = resolve_device(opts_.device);
   const auto p = make_plan(cfg_, lengths_, sched0, device_);
   print_plan(p, std::cerr);
+  if (!opts_.plan_batches.empty()) {
+    write_step_batches(sched0, opts_.plan_batches);
+    std::cerr << "  batches of every step: " << opts_.plan_batches << "\n";
+  }
   return p;
 }
 

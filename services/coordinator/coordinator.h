@@ -98,6 +98,9 @@ struct RunOptions {
   // user (stated_lengths in plan_report.h) instead of read from data.shard_dir, to size a run
   // before its data is prepared. Empty: read the shard index.
   std::vector<uint32_t> plan_lengths;
+  // --plan-batches FILE (only with --plan, on the run's data): the schedule's batches per step
+  // (plan_report.h write_step_batches). Empty: not written.
+  std::string plan_batches;
 };
 
 class Coordinator final : public control::Coordinator::Service {

@@ -11,6 +11,7 @@
 #include "core/model/device_memory.h"
 #include "core/train/export.h"
 #include "core/util/error.h"
+#include "core/util/fileio.h"
 #include "services/common/run_plan.h"
 
 namespace dflash::coordinator {
@@ -151,6 +152,21 @@ json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& length
   p["memory_estimate"] = memory_estimate(cfg, device, tc, run_plan);
   p["drafter_config"] = train::hf_drafter_config_json(run_plan.drafter, run_plan.export_dtype);
   return p;
+}
+
+void write_step_batches(const stream::RunSchedule& sched, const std::string& path) {
+  std::string out;
+  for (int64_t step = 0; step < sched.total_steps(); ++step) {
+    json micro = json::array();
+    for (int d = 0; d < sched.segment_of(step).drafters; ++d)
+      for (int m = 0; m < sched.shape().grad_accum; ++m) {
+        const auto ref = sched.micro_batch(step, d, m);
+        micro.push_back({{"drafter", d}, {"micro", m}, {"epoch", ref.segment->epoch},
+                         {"samples", ref.batch().sample_ids}, {"lengths", ref.batch().lengths}});
+      }
+    out += json{{"step", step}, {"micro_batches", micro}}.dump() + "\n";
+  }
+  atomic_write(path, out);
 }
 
 std::vector<uint32_t> stated_lengths(int64_t samples, const std::string& histogram, const std::string& flag) {

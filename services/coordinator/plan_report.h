@@ -33,6 +33,14 @@ nlohmann::json make_plan(const config::RunConfig& cfg, const std::vector<uint32_
 // weight <= 0 or unparsable.
 std::vector<uint32_t> stated_lengths(int64_t samples, const std::string& histogram, const std::string& flag);
 
+// `dflash run --plan --plan-batches FILE`: the schedule's batches, one JSON line per optimizer step
+// {"step": s (0-based), "micro_batches": [{"drafter": d, "micro": m, "epoch": e, "samples": [sample
+// ids], "lengths": [tokens after truncation to data.max_seq_len]}, ...]} (drafter-major, then
+// micro-batch: the order the trainers see them). Another trainer can then train exactly our
+// batches from the same shards (scripts/quality/specforge_train.py --batches). Written atomically;
+// an unwritable path is an Error naming it.
+void write_step_batches(const stream::RunSchedule& sched, const std::string& path);
+
 // The plan as readable lines.
 void print_plan(const nlohmann::json& plan, std::ostream& os);
 

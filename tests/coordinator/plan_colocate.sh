@@ -6,6 +6,8 @@
 #   (c) topology.colocate with a GPU too small for target + drafter -> `--plan` exit 2 naming
 #       topology.colocate; without colocate a shared GPU is refused naming the drafter_gpus entry
 #   (d) a colocated run (1 target + 1 drafter on "GPU 0", shm) trains to its export on CPU
+#   (e) the plan's drafter_config and total_steps are the run's; (f) --plan-batches lists the
+#       samples the run trained, step by step
 # Usage: plan_colocate.sh BIN_DIR TESTDATA_DIR WORK_DIR
 set -euo pipefail
 bin=$1 data=$2 work=$3
@@ -75,4 +77,32 @@ steps = [json.loads(l) for l in open(sys.argv[3]) if '"type": "step"' in l or '"
 assert plan["total_steps"] == len(steps), (plan["total_steps"], len(steps))
 print(f"(e) --plan drafter_config == the export's config.json ({len(export)} keys), total_steps {len(steps)}")
 PY
+# (f) --plan-batches: every step's samples as the drafter trained them (the ledger's step records,
+#     in order) and each sample's length as the shard index holds it; refused without --plan
+"$bin/dflash" run "$work/run.yaml" --plan --plan-batches "$work/batches.jsonl" > /dev/null 2> "$work/f.log" \
+  || { echo "FAIL (f): --plan-batches"; cat "$work/f.log"; exit 1; }
+"$py" - "$work/batches.jsonl" "$work/run/ledger.jsonl" "$work/shards/index.bin" "$work/run.yaml" <<'PY'
+import json, struct, sys
+import yaml
+plan = [json.loads(l) for l in open(sys.argv[1])]
+assert [p["step"] for p in plan] == list(range(len(plan))), "steps not 0..N-1 in order"
+recs = [json.loads(l) for l in open(sys.argv[2])]
+trained = [r["samples"] for r in sorted((r for r in recs if r.get("type") == "step"), key=lambda r: r["step"])]
+planned = [[i for m in p["micro_batches"] for i in m["samples"]] for p in plan]
+assert planned == trained, f"plan batches != the ledger's: {planned[:2]} vs {trained[:2]}"
+idx = open(sys.argv[3], "rb").read()
+n = struct.unpack_from("<Q", idx, 16)[0]
+length = [struct.unpack_from("<I", idx, 64 + 32 * i + 20)[0] for i in range(n)]
+cap = yaml.safe_load(open(sys.argv[4]))["data"]["max_seq_len"]
+for p in plan:
+    for m in p["micro_batches"]:
+        assert m["lengths"] == [min(length[i], cap) for i in m["samples"]], (m, [length[i] for i in m["samples"]], cap)
+epochs = {m["epoch"] for p in plan for m in p["micro_batches"]}
+for e in epochs:
+    ids = [i for p in plan for m in p["micro_batches"] if m["epoch"] == e for i in m["samples"]]
+    assert len(ids) == len(set(ids)), f"epoch {e}: a sample twice"
+print(f"(f) --plan-batches: {len(plan)} steps, the ledger's samples step by step, {len(epochs)} epochs")
+PY
+expect_rc 2 "$work/f2.log" "$bin/dflash" run "$work/run.yaml" --plan-batches "$work/b2.jsonl"
+grep -q -- '--plan-batches writes the plan.s batches: add --plan' "$work/f2.log" || { echo "FAIL (f2)"; cat "$work/f2.log"; exit 1; }
 echo PASS

@@ -5,7 +5,8 @@ fixture (tokenized documents, two prompt groups); then:
   (a) through scripts/quality/device_call.sh --gpu 1 (as on the GPU host) with a long estimate:
       exit 3 before any process step, results.json written and archived into $OUT/quality-out.tgz;
   (b) the whole flow (plain + specforge + a --recipe variant, 2 steps at once): exit 0; SpecForge's
-      steps and drafter shape from plain's `--plan` (equal to plain's steps and export config); the
+      steps, drafter shape and batches from plain's `--plan` (equal to plain's steps, export config
+      and documents per step); the
       recipe's overrides in its config and results, no speed step for it (a recipe name taken is
       refused); results.json has both drafters
       with tau per group, the same step count, the z-lab cross-check on the same prompts (z-lab and
@@ -126,6 +127,13 @@ def main():
     export["dflash_config"].pop("provenance", None)
     if plan["steps"] != v["plain"]["steps"] or shape != export:
         fails.append(f"(b) plan:specforge steps {plan['steps']} (plain {v['plain']['steps']}), shape == export: {shape == export}")
+    # ... and its batches: SpecForge trained the documents plain trained, step by step (rows per
+    # step = the samples in plain's ledger record of that step).
+    ledger = [json.loads(line) for line in open(os.path.join(out, "runs", "plain", "ledger.jsonl"))]
+    ours = [len(r["samples"]) for r in sorted((r for r in ledger if r.get("type") == "step"), key=lambda r: r["step"])]
+    theirs = [json.loads(line)["rows"] for line in open(os.path.join(out, "runs", "specforge", "loss.jsonl"))]
+    if ours != theirs:
+        fails.append(f"(b) documents per step: plain {ours}, SpecForge {theirs}")
     if not res["target_greedy"] or res["target_greedy"]["prompts"] != 2:
         fails.append(f"(b) greedy baseline {res['target_greedy']}")
     if "| plain | sharegpt_heldout |" not in r.stdout:

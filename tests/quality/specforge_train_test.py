@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """scripts/quality/specforge_train.py on CPU with the tiny Qwen3 target of the golden_models fixture
-(usage: specforge_train_test.py SOURCE_DIR TESTDATA_DIR WORK). Checks:
+(usage: specforge_train_test.py SOURCE_DIR TESTDATA_DIR WORK BIN_DIR). Checks:
 - 3 steps run; loss.jsonl has one finite loss per step and the lr of our schedule (warmup then cosine);
 - the saved drafter is in the z-lab format: z-lab's DFlashDraftModel loads it with no missing /
   unexpected keys, with the block size, mask token and target layers of the shape it was given, and
   its forward runs;
 - resume: a run stopped after step 1 (--stop-after, as on SIGTERM: exit 3, resume.pt written) and
   rerun gives the uninterrupted run's losses, lrs and drafter weights exactly, and removes resume.pt;
+- --batches/--shards (our run's batches, `dflash run --plan --plan-batches`): each step trains
+  exactly the listed samples of our shards, cut to the listed lengths (rows and tokens per step); a
+  file with two micro-batches in a step is refused (exit 2 naming the line);
 - the harness refuses --steps 0 (exit 2).
 Exit 0 when all hold."""
 import json
@@ -19,8 +22,45 @@ import torch
 from verdict import verdict
 
 
+def planned_batches_checks(base, data, bin_dir, work):  # base[1]: the harness script
+    """--batches F --shards DIR trains exactly F's samples, cut to F's lengths."""
+    fails, shards = [], os.path.join(work, "shards")
+    r = subprocess.run([os.path.join(bin_dir, "dflash"), "data", "import", "--input", data, "--out", shards,
+                        "--block-size", "4", "--skip-bad"], capture_output=True, text=True)  # one 1-token doc has a 2-entry mask
+    if r.returncode != 0:
+        return [f"dflash data import: exit {r.returncode}: {r.stderr[-500:]}"]
+    sys.path.insert(0, os.path.dirname(base[1]))
+    from token_shards import TokenShards
+    full = [len(TokenShards(shards).sample(i)[0]) for i in range(4)]  # the import keeps 4 of the 6 documents
+    steps = [[(1, full[1]), (0, 9)], [(3, full[3])], [(2, full[2]), (0, 11), (1, 10)]]
+    plan = os.path.join(work, "batches.jsonl")
+    with open(plan, "w") as f:
+        for k, b in enumerate(steps):
+            f.write(json.dumps({"step": k, "micro_batches": [{"drafter": 0, "micro": 0, "epoch": 0,
+                                "samples": [i for i, _ in b], "lengths": [n for _, n in b]}]}) + "\n")
+    out = os.path.join(work, "out-batches")
+    argv = [a for a in base if a not in ("--data", data)]
+    argv[argv.index(os.path.join(work, "out"))] = out
+    r = subprocess.run(argv + ["--batches", plan, "--shards", shards, "--steps", "3"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return [f"--batches: exit {r.returncode}: {r.stderr[-2000:]}"]
+    log = [json.loads(line) for line in open(os.path.join(out, "loss.jsonl"))]
+    got = [(e["rows"], e["tokens"]) for e in log]
+    want = [(len(b), sum(n for _, n in b)) for b in steps]
+    if got != want:
+        fails.append(f"--batches: (rows, tokens) per step {got}, the file lists {want}")
+    with open(plan, "a") as f:  # a 4th step with two micro-batches (two drafters): not this harness's
+        m = {"drafter": 0, "micro": 0, "epoch": 0, "samples": [0], "lengths": [8]}
+        f.write(json.dumps({"step": 3, "micro_batches": [m, dict(m, drafter=1)]}) + "\n")
+    r = subprocess.run(argv + ["--batches", plan, "--shards", shards, "--steps", "4"], capture_output=True, text=True)
+    if r.returncode != 2 or "line 4" not in r.stderr:
+        fails.append(f"--batches with two micro-batches in a step: exit {r.returncode} (want 2), {r.stderr[-300:]}")
+    print(f"--batches: (rows, tokens) per step {got}")
+    return fails
+
+
 def main():
-    src, testdata, work = sys.argv[1:4]
+    src, testdata, work, bin_dir = sys.argv[1:5]
     os.makedirs(work, exist_ok=True)
     target = os.path.join(testdata, "qwen3")
     t = json.load(open(os.path.join(target, "config.json")))
@@ -96,6 +136,7 @@ def main():
             fails.append("the resumed run's drafter weights differ from the uninterrupted run's")
         if os.path.exists(os.path.join(out2, "resume.pt")):
             fails.append("resume.pt left after the drafter was saved")
+    fails += planned_batches_checks(base, data, bin_dir, work)
     r = subprocess.run(base + ["--steps", "0"], capture_output=True, text=True)
     if r.returncode != 2 or "--steps" not in r.stderr:
         fails.append(f"--steps 0: exit {r.returncode}, stderr {r.stderr[-300:]}")
