@@ -18,8 +18,9 @@ Steps (a step runs when the steps it needs are done, in this order of preference
                         path); train:plain fails if its steps differ from the plan's
   eval:<v>              `dflash eval` of v's drafter on eval.jsonl (--eval-batch, no baseline)
   zlab-ours:<v>         `dflash eval --batch-size 1` on zlab.jsonl in --zlab-dtype (default float32)
-  zlab:<v>              z-lab's dflash_generate (scripts/reference/zlab_generate.py) on zlab.jsonl
-                        in --zlab-dtype, for plain and specforge: tau next to zlab-ours:<v>'s on the
+  zlab-generate:<v>     z-lab's dflash_generate (scripts/reference/zlab_generate.py) on zlab.jsonl
+                        in --zlab-dtype, for plain and specforge (beside zlab-ours:<v>)
+  zlab:<v>              the two side by side: tau by z-lab next to zlab-ours:<v>'s on the
                         same prompts, one prompt at a time, same dtype (in bfloat16 the two
                         implementations' different kernels split near-tied greedy paths, which
                         moves tau by more than the 1% the comparison is about)
@@ -63,8 +64,9 @@ VARIANTS = {
 ZLAB_VARIANTS = ("plain", "specforge")
 # Wall seconds per step kind on one H200 at the full setting (docs/quality.md, "Time budget"); only
 # the --deadline-s check reads them, and a measured step of the same kind replaces them.
-DEFAULT_ESTIMATE_S = {"regenerate": 800, "import": 10, "prompts": 1, "plan": 10, "train": 360, "specforge": 360,
-                      "eval": 60, "zlab": 90, "speed": 30}
+# Measured 2026-12-02 with 5 trainings, then 5 evals and a z-lab pair side by side (speed: not yet).
+DEFAULT_ESTIMATE_S = {"regenerate": 800, "import": 10, "prompts": 1, "plan": 10, "train": 320, "specforge": 420,
+                      "eval": 320, "zlab": 350, "compare": 1, "speed": 150}
 
 
 class StepError(Exception):
@@ -187,9 +189,10 @@ class GpuFlow:
         for v in (v for v in ZLAB_VARIANTS if v in self.variants and a.zlab_prompts > 0):
             steps.append(Step(f"zlab-ours:{v}", "eval", [f"train:{v}", "prompts"], lambda v=v: self.zlab_ours_command(v),
                               lambda v=v: {}))
-            steps.append(Step(f"zlab:{v}", "zlab", [f"zlab-ours:{v}"], lambda v=v: self.zlab_command(v),
-                              lambda v=v: self.collect_zlab(v), env=self.ref_env,
-                              stdout=os.path.join(self.out, "evals", f"zlab_{v}.json")))
+            steps.append(Step(f"zlab-generate:{v}", "zlab", [f"train:{v}", "prompts"], lambda v=v: self.zlab_command(v),
+                              lambda v=v: {}, env=self.ref_env, stdout=os.path.join(self.out, "evals", f"zlab_{v}.json")))
+            steps.append(Step(f"zlab:{v}", "compare", [f"zlab-ours:{v}", f"zlab-generate:{v}"], None,
+                              lambda v=v: self.collect_zlab(v)))
         if a.speed_prompts > 0:  # not for --recipe variants: their tau decides, and speed steps run alone
             for v in (v for v in self.variants if v not in self.recipes):
                 deps = [f"train:{v}", "prompts"] + ([] if v == "plain" else ["speed:plain"])
