@@ -49,6 +49,7 @@ DFLASH_ENUM_TABLE(NoiseType, {NoiseType::kUniform, "uniform"}, {NoiseType::kGaus
                   {NoiseType::kNone, "none"})
 DFLASH_ENUM_TABLE(Overlong, {Overlong::kTruncate, "truncate"}, {Overlong::kDrop, "drop"})
 DFLASH_ENUM_TABLE(LossType, {LossType::kDflash, "dflash"}, {LossType::kDpace, "dpace"})
+DFLASH_ENUM_TABLE(AnchorSpread, {AnchorSpread::kBatch, "batch"}, {AnchorSpread::kDocument, "document"})
 DFLASH_ENUM_TABLE(Transport, {Transport::kShm, "shm"}, {Transport::kC10d, "c10d"})
 DFLASH_ENUM_TABLE(LaunchKind, {LaunchKind::kLocal, "local"}, {LaunchKind::kSsh, "ssh"},
                   {LaunchKind::kPct, "pct"}, {LaunchKind::kSlurm, "slurm"})
@@ -76,6 +77,7 @@ const char* to_string(Dtype v) { return enum_name(v); }
 const char* to_string(NoiseType v) { return enum_name(v); }
 const char* to_string(Overlong v) { return enum_name(v); }
 const char* to_string(LossType v) { return enum_name(v); }
+const char* to_string(AnchorSpread v) { return enum_name(v); }
 const char* to_string(Transport v) { return enum_name(v); }
 const char* to_string(LaunchKind v) { return enum_name(v); }
 const char* to_string(FaultKind v) { return enum_name(v); }
@@ -197,6 +199,7 @@ void fields(V& v, TrainSection& s) {
   v("grad_accum", s.grad_accum);
   v("grad_clip", s.grad_clip);
   v("max_anchors", s.max_anchors);
+  v("anchor_spread", s.anchor_spread);
   v("gamma", s.gamma);
   v("soft_labels", s.soft_labels);
   v("noise", s.noise);
@@ -1046,7 +1049,8 @@ void validate(RunConfig& c, Ctx& ctx) {
   static const std::set<std::string> kTrainingSignal = {
       "max_anchors", "block_size", "gamma",       "lr",          "warmup_ratio", "weight_decay",
       "grad_accum",  "grad_clip",  "soft_labels", "kl_weight",   "temperature",  "noise",
-      "epochs",      "seed",       "max_seq_len", "num_layers",  "loss",         "dpace_alpha"};
+      "epochs",      "seed",       "max_seq_len", "num_layers",  "loss",         "dpace_alpha",
+      "anchor_spread"};
   for (size_t i = 0; i < oom.allow_changing.size(); ++i) {
     const std::string& full = oom.allow_changing[i];
     const size_t dot = full.rfind('.');

@@ -48,6 +48,7 @@ enum class Dtype { kBfloat16, kFloat16, kFloat32 };            // bfloat16 | flo
 enum class NoiseType { kUniform, kGaussian, kNone };          // uniform | gaussian | none
 enum class Overlong { kTruncate, kDrop };                     // truncate | drop
 enum class LossType { kDflash, kDpace };                      // dflash | dpace
+enum class AnchorSpread { kBatch, kDocument };                // batch | document
 enum class Transport { kShm, kC10d };                         // shm | c10d
 enum class LaunchKind { kLocal, kSsh, kPct, kSlurm };         // local | ssh | pct | slurm
 enum class FaultKind { kCrash, kOom, kHang, kCorruptCheckpoint };  // crash | oom | hang | corrupt_checkpoint
@@ -58,6 +59,7 @@ const char* to_string(Dtype v);
 const char* to_string(NoiseType v);
 const char* to_string(Overlong v);
 const char* to_string(LossType v);
+const char* to_string(AnchorSpread v);
 const char* to_string(Transport v);
 const char* to_string(LaunchKind v);
 const char* to_string(FaultKind v);
@@ -115,6 +117,9 @@ struct TrainSection {
   int grad_accum = 4;                     // >= 1
   double grad_clip = 1.0;                 // >= 0 (0 = off), global norm
   int max_anchors = 1024;                 // >= 1, per micro-batch
+  // batch: uniform over the micro-batch's valid positions; document: an equal share per document
+  // (core/train/anchors.h sample_anchors_per_document)
+  AnchorSpread anchor_spread = AnchorSpread::kBatch;
   double gamma = 10.0;                    // > 0, loss-weight decay length
   SoftLabelsOptions soft_labels;
   NoiseOptions noise;

@@ -20,4 +20,17 @@ std::vector<int64_t> valid_anchors(const std::vector<uint8_t>& loss_mask, const 
 std::vector<int64_t> sample_anchors(const std::vector<uint8_t>& loss_mask, const std::vector<int64_t>& doc_lens,
                                     int64_t max_anchors, uint64_t seed);
 
+// The same number of anchors, min(max_anchors, #valid), spread evenly over the documents instead of
+// the batch's positions (train.anchor_spread: document): each document gets an equal share, at most
+// its own valid count, and what a short document cannot take goes to the longer ones (filled from
+// the document with the fewest valid anchors up, each taking ceil(left / documents left)). Inside a
+// document the draws are uniform without replacement. Sorted ascending. A short document thus
+// weighs as much as a long one, as in trainers that draw a fixed count per padded row.
+std::vector<int64_t> sample_anchors_per_document(const std::vector<uint8_t>& loss_mask, const std::vector<int64_t>& doc_lens,
+                                                 int64_t max_anchors, uint64_t seed);
+
+// sample_anchors or, with per_document, sample_anchors_per_document.
+std::vector<int64_t> draw_anchors(const std::vector<uint8_t>& loss_mask, const std::vector<int64_t>& doc_lens,
+                                  int64_t max_anchors, bool per_document, uint64_t seed);
+
 }  // namespace dflash::train

@@ -27,7 +27,8 @@ double Trainer::noise_amplitude(int64_t step) const {
 
 std::vector<int64_t> Trainer::micro_batch(const MicroBatch& mb) {
   const uint64_t step = optimizer_.steps(), micro = micro_in_step_++, rank = coll_->rank();
-  auto anchors = sample_anchors(mb.loss_mask_host, mb.doc_lens, opt_.max_anchors, mix_seed(opt_.seed, step, micro, rank));
+  auto anchors = draw_anchors(mb.loss_mask_host, mb.doc_lens, opt_.max_anchors, opt_.anchors_per_document,
+                              mix_seed(opt_.seed, step, micro, rank));
   NoiseOptions noise{opt_.noise_type, noise_amplitude(step), mix_seed(opt_.seed ^ 0x6e6f697365ull, step, micro, rank)};
   pending_.push_back(forward_backward(drafter_, frozen_, mb, anchors, opt_.loss, noise, opt_.compute, /*backward=*/true));
   return anchors;

@@ -30,6 +30,7 @@ struct TrainerOptions {
   double grad_clip = 1.0;  // <= 0: no clipping
   int64_t grad_accum = 4;
   int64_t max_anchors = 1024;
+  bool anchors_per_document = false;  // train.anchor_spread: document (core/train/anchors.h)
   NoiseType noise_type = NoiseType::kUniform;
   double noise_start = 0.05, noise_end = 0.01;
   uint64_t seed = 0;

@@ -50,6 +50,7 @@ train::TrainerOptions trainer_options_from(const config::RunConfig& cfg, torch::
   to.grad_clip = cfg.train.grad_clip;
   to.grad_accum = cfg.train.grad_accum;
   to.max_anchors = cfg.train.max_anchors;
+  to.anchors_per_document = cfg.train.anchor_spread == config::AnchorSpread::kDocument;
   switch (cfg.train.noise.type) {
     case config::NoiseType::kUniform: to.noise_type = train::NoiseType::kUniform; break;
     case config::NoiseType::kGaussian: to.noise_type = train::NoiseType::kGaussian; break;
@@ -201,7 +202,8 @@ nlohmann::json RunPlan::to_json() const {
             {"loss", t.loss.type == train::LossType::kDpace ? "dpace" : "dflash"}, {"dpace_alpha", t.loss.dpace_alpha},
             {"lr", t.schedule.lr},
             {"warmup_ratio", t.schedule.warmup_ratio}, {"weight_decay", t.adamw.weight_decay}, {"grad_clip", t.grad_clip},
-            {"grad_accum", t.grad_accum}, {"max_anchors", t.max_anchors}, {"noise", noise_name(t.noise_type)},
+            {"grad_accum", t.grad_accum}, {"max_anchors", t.max_anchors},
+            {"anchor_spread", t.anchors_per_document ? "document" : "batch"}, {"noise", noise_name(t.noise_type)},
             {"noise_start", t.noise_start}, {"noise_end", t.noise_end}, {"seed", t.seed}}}};
 }
 

@@ -487,6 +487,15 @@ TEST(Config, DpaceLossOptions) {
   EXPECT_EQ(paths_of(parse(kMinimal + "train: {loss: dpase}\n")), (std::vector<std::string>{"train.loss"}));
 }
 
+TEST(Config, AnchorSpread) {
+  EXPECT_EQ(parse(kMinimal).config.train.anchor_spread, AnchorSpread::kBatch);
+  ParseResult ok = parse(kMinimal + "train: {anchor_spread: document}\n");
+  ASSERT_TRUE(ok.problems.empty()) << dump(ok);
+  EXPECT_EQ(ok.config.train.anchor_spread, AnchorSpread::kDocument);
+  EXPECT_NE(to_yaml(ok.config).find("anchor_spread: document"), std::string::npos);
+  EXPECT_EQ(paths_of(parse(kMinimal + "train: {anchor_spread: row}\n")), (std::vector<std::string>{"train.anchor_spread"}));
+}
+
 TEST(Config, FaultInjectionRanks) {
   ParseResult r = parse(kMinimal +
                         "resilience:\n"

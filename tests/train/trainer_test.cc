@@ -300,6 +300,25 @@ TEST(Trainer, ResumeAfterASkippedStepIsBitwise) {
   for (size_t k = 0; k < mr.size(); ++k) expect_same_metrics(mr[k], mw[k], k);
 }
 
+// train.anchor_spread: document reaches the trainer: its micro-batches draw the per-document
+// anchors of (seed, step, micro, rank), and the batch-wide default draws others.
+TEST(Trainer, AnchorsPerDocumentWhenTheRunSaysSo) {
+  auto s = make_setup(torch::kCPU, torch::kFloat32, 1.0);
+  s.opt.max_anchors = 12;
+  auto drawn = [&](bool per_document) {
+    s.opt.anchors_per_document = per_document;
+    model::Drafter d(s.cfg, s.dev, 5);
+    train::Trainer tr(d, s.frozen, s.opt);
+    return tr.micro_batch(batch(s, 0, 0));
+  };
+  const auto mb = batch(s, 0, 0);
+  const uint64_t seed = train::mix_seed(s.opt.seed, 0, 0, 0);
+  const auto per_doc = drawn(true);
+  EXPECT_EQ(per_doc, train::sample_anchors_per_document(mb.loss_mask_host, mb.doc_lens, 12, seed));
+  EXPECT_EQ(drawn(false), train::sample_anchors(mb.loss_mask_host, mb.doc_lens, 12, seed));
+  EXPECT_NE(per_doc, drawn(false));
+}
+
 // The fused kernel (CUDA's default; PyTorch has it on CPU too) under found_inf: the skipped step
 // leaves weights, moments and the bias-correction count bitwise as they were.
 TEST(Trainer, FusedAdamWSkipsTheNonFiniteStepBitwise) {
