@@ -10,11 +10,13 @@
 - --batches/--shards (our run's batches, `dflash run --plan --plan-batches`): each step trains
   exactly the listed samples of our shards, cut to the listed lengths (rows and tokens per step); a
   file with two micro-batches in a step is refused (exit 2 naming the line);
+- scripts/quality/anchor_mix.py on that file: anchors per step and shares per spreading rule;
 - the harness refuses --steps 0 (exit 2).
 Exit 0 when all hold."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -25,6 +27,7 @@ from verdict import verdict
 def planned_batches_checks(base, data, bin_dir, work):  # base[1]: the harness script
     """--batches F --shards DIR trains exactly F's samples, cut to F's lengths."""
     fails, shards = [], os.path.join(work, "shards")
+    shutil.rmtree(shards, ignore_errors=True)  # a rerun's import needs a fresh directory
     r = subprocess.run([os.path.join(bin_dir, "dflash"), "data", "import", "--input", data, "--out", shards,
                         "--block-size", "4", "--skip-bad"], capture_output=True, text=True)  # one 1-token doc has a 2-entry mask
     if r.returncode != 0:
@@ -56,6 +59,40 @@ def planned_batches_checks(base, data, bin_dir, work):  # base[1]: the harness s
     if r.returncode != 2 or "line 4" not in r.stderr:
         fails.append(f"--batches with two micro-batches in a step: exit {r.returncode} (want 2), {r.stderr[-300:]}")
     print(f"--batches: (rows, tokens) per step {got}")
+    fails += anchor_mix_checks(os.path.dirname(base[1]), shards, plan, steps)
+    return fails
+
+
+def anchor_mix_checks(here, shards, plan, steps):
+    """scripts/quality/anchor_mix.py on the same file (its 4th line, two micro-batches, cut off):
+    the batch and document rules draw min(M, valid) per step, SpecForge's per-row rule at least that;
+    every share is a fraction; the first step's valid anchors are counted as the shards hold them."""
+    from token_shards import TokenShards
+    good = os.path.join(os.path.dirname(plan), "batches3.jsonl")
+    with open(good, "w") as f:
+        f.writelines(open(plan).readlines()[:3])
+    r = subprocess.run([sys.executable, os.path.join(here, "anchor_mix.py"), "--shards", shards, "--batches", good,
+                        "--anchors", "8", "--early", "16"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return [f"anchor_mix.py: exit {r.returncode}: {r.stderr[-500:]}"]
+    res, fails = json.loads(r.stdout)["ours"], []
+    ts = TokenShards(shards)
+    valid = []
+    for b in steps:
+        n = 0
+        for i, length in b:
+            m = ts.sample(i, length)[1]
+            n += sum(1 for p in range(length - 1) if m[p] and m[p + 1])
+        valid.append(min(8, n))
+    want = sum(valid) / len(valid)
+    if abs(res["batch"]["anchors_per_step"] - want) > 0.05 or abs(res["document"]["anchors_per_step"] - want) > 0.05 \
+            or res["row"]["anchors_per_step"] < want - 0.05:
+        fails.append(f"anchor_mix anchors per step {[res[k]['anchors_per_step'] for k in ('batch', 'document', 'row')]}, "
+                     f"expected {want:.2f} (row: at least)")
+    shares = [res[k][q] for k in ("batch", "document", "row") for q in ("first_reply", "position_below_16")]
+    if not all(0.0 <= x <= 1.0 for x in shares) or res["steps"] != 3:
+        fails.append(f"anchor_mix shares {shares}, steps {res['steps']}")
+    print(f"anchor_mix: {want:.2f} anchors per step, first-reply shares {shares[0::2]}")
     return fails
 
 
