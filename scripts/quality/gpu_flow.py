@@ -64,9 +64,12 @@ VARIANTS = {
 ZLAB_VARIANTS = ("plain", "specforge")
 # Wall seconds per step kind on one H200 at the full setting (docs/quality.md, "Time budget"); only
 # the --deadline-s check reads them, and a measured step of the same kind replaces them.
-# Measured 2026-12-02 with 5 trainings, then 5 evals and a z-lab pair side by side (speed: not yet).
+# Measured 2026-12-02 with 5 trainings, then 5 evals and a z-lab pair side by side, at the default
+# prompt counts; the batch-1 kinds (zlab-ours, zlab, speed) scale with their prompt count (PER_PROMPT_KINDS;
+# speed is not measured yet: ~10 ms per round at batch 1 assumed).
 DEFAULT_ESTIMATE_S = {"regenerate": 800, "import": 10, "prompts": 1, "plan": 10, "train": 320, "specforge": 420,
-                      "eval": 320, "zlab": 350, "compare": 1, "speed": 150}
+                      "eval": 320, "zlab-ours": 360, "zlab": 350, "compare": 1, "speed": 120}
+PER_PROMPT_KINDS = {"zlab-ours": "zlab_prompts", "zlab": "zlab_prompts", "speed": "speed_prompts"}  # default 32
 
 
 class StepError(Exception):
@@ -131,9 +134,10 @@ class GpuFlow:
             raise StepError(f"--parallel: expected >= 1, got {a.parallel}")
         if a.zlab_prompts > a.eval_prompts or a.speed_prompts > a.eval_prompts:
             raise StepError("--zlab-prompts and --speed-prompts must not exceed --eval-prompts (same prompts)")
-        self.estimates = dict(DEFAULT_ESTIMATE_S)
+        self.estimates, self.given_estimates = dict(DEFAULT_ESTIMATE_S), set()
         for kv in a.estimate or []:
             k, _, v = kv.partition("=")
+            self.given_estimates.add(k)
             if k not in self.estimates:
                 raise StepError(f"--estimate: unknown step kind '{k}' (known: {', '.join(self.estimates)})")
             try:
@@ -187,7 +191,7 @@ class GpuFlow:
             steps.append(Step(f"eval:{v}", "eval", [f"train:{v}", "prompts"], lambda v=v: self.eval_command(v),
                               lambda v=v: self.collect_eval(v)))
         for v in (v for v in ZLAB_VARIANTS if v in self.variants and a.zlab_prompts > 0):
-            steps.append(Step(f"zlab-ours:{v}", "eval", [f"train:{v}", "prompts"], lambda v=v: self.zlab_ours_command(v),
+            steps.append(Step(f"zlab-ours:{v}", "zlab-ours", [f"train:{v}", "prompts"], lambda v=v: self.zlab_ours_command(v),
                               lambda v=v: {}))
             steps.append(Step(f"zlab-generate:{v}", "zlab", [f"train:{v}", "prompts"], lambda v=v: self.zlab_command(v),
                               lambda v=v: {}, env=self.ref_env, stdout=os.path.join(self.out, "evals", f"zlab_{v}.json")))
@@ -349,8 +353,14 @@ class GpuFlow:
 
     # ---- scheduling ----
     def estimate(self, step):
+        """The longest measured step of its kind in this run, else the kind's estimate (scaled from 32
+        prompts to this run's count for the batch-1 kinds unless given by --estimate)."""
         walls = [r["wall_s"] for r in (self.record(s.name) for s in self.steps if s.kind == step.kind) if r]
-        return max(walls) if walls else self.estimates[step.kind]
+        if walls:
+            return max(walls)
+        if step.kind in PER_PROMPT_KINDS and step.kind not in self.given_estimates:
+            return self.estimates[step.kind] * getattr(self.a, PER_PROMPT_KINDS[step.kind]) / 32
+        return self.estimates[step.kind]
 
     def finish(self, step, wall, result=None):
         rec = {"step": step.name, "kind": step.kind, "wall_s": wall, **(result if result is not None else step.collect())}

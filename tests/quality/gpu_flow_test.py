@@ -12,6 +12,7 @@ fixture (tokenized documents, two prompt groups); then:
       with tau per group, the same step count, the z-lab cross-check on the same prompts (z-lab and
       our batch-1 eval both in float32, the default --zlab-dtype: the same ids and tau), a speedup against the greedy baseline, one loss
       value per step in both curves, and the table on stdout;
+  (b2) the step estimates of the batch-1 kinds scale with their prompt counts, --estimate wins;
   (c) a rerun starts no process (every step's record is there) and rewrites the same results.json;
   (d) with eval:plain's record removed, a rerun runs only that step;
   (e) `run.py report` into a copy of docs/quality.md: the results block replaced, prose kept, both
@@ -58,6 +59,27 @@ def make_bundle(testdata, bundle):
     for name, rows in (("heldout_prompts.jsonl", docs[:5]), ("humaneval_prompts.jsonl", docs[5:8])):
         with open(os.path.join(bundle, "data", name), "w") as f:
             f.writelines(json.dumps({"id": f"{name[0]}{i}", "input_ids": d[:6]}) + "\n" for i, d in enumerate(rows))
+
+
+def estimate_checks(src, bindir, bundle, work):
+    """Before a step of a kind has run, the batch-1 kinds' estimates scale with their prompt count
+    (zlab 3 of 32 prompts -> 3/32 of the default), the others do not, and --estimate wins."""
+    import argparse
+    sys.path.insert(0, os.path.join(src, "scripts", "quality"))
+    import gpu_flow
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", default=bindir)
+    gpu_flow.add_arguments(ap)
+    base = [bundle, os.path.join(work, "estimates"), "--variants", "plain,specforge", "--zlab-prompts", "3",
+            "--speed-prompts", "2", "--eval-prompts", "4"]
+    fails = []
+    for extra, kind, want in (([], "zlab", 350 * 3 / 32), ([], "zlab-ours", 360 * 3 / 32), ([], "speed", 120 * 2 / 32),
+                              ([], "eval", 320), (["--estimate", "zlab=77"], "zlab", 77)):
+        flow = gpu_flow.GpuFlow(ap.parse_args(base + extra))
+        got = flow.estimate(next(s for s in flow.steps if s.kind == kind))
+        if abs(got - want) > 1e-9:
+            fails.append(f"estimate of {kind} {extra}: {got}, expected {want}")
+    return fails
 
 
 def main():
@@ -138,6 +160,7 @@ def main():
         fails.append(f"(b) greedy baseline {res['target_greedy']}")
     if "| plain | sharegpt_heldout |" not in r.stdout:
         fails.append(f"(b) no table on stdout: {r.stdout[-500:]}")
+    fails += estimate_checks(src, bindir, bundle, work)
     # (c)
     r = run(gpu, 0)
     if "+ " in r.stderr or json.load(open(os.path.join(out, "results.json"))) != res:
