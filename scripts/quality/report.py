@@ -25,7 +25,28 @@ def curves(out):
     return {f[:-5]: json.load(open(os.path.join(d, f))) for f in sorted(os.listdir(d)) if f.endswith(".json")}
 
 
-def block(res, image_rel):
+def loss_windows(out, windows=8):
+    """Markdown: plain's and SpecForge's mean training loss over equal step windows, and their
+    ratio (ours / SpecForge's; below 1 = ours lower). Empty when either curve is missing."""
+    c = curves(out)
+    if "plain" not in c or "specforge" not in c:
+        return []
+    ours = {p["step"]: p["loss"] for p in c["plain"]}
+    ref = {p["step"]: p["loss"] for p in c["specforge"]}
+    steps = sorted(set(ours) & set(ref))
+    if not steps:
+        return []
+    size = max(1, -(-len(steps) // windows))
+    lines = ["", "Training loss, `plain` and SpecForge, mean over windows of equal steps (the same steps on both "
+                 "sides; ratio below 1: ours lower):", "", "| steps | ours | SpecForge | ours / SpecForge |", "|---|---|---|---|"]
+    for i in range(0, len(steps), size):
+        w = steps[i:i + size]
+        a, b = sum(ours[k] for k in w) / len(w), sum(ref[k] for k in w) / len(w)
+        lines.append(f"| {w[0]}-{w[-1]} | {a:.3f} | {b:.3f} | {a / b:.3f} |")
+    return lines
+
+
+def block(res, image_rel, out):
     """The Markdown between the markers."""
     s, v = res["setting"], res["variants"]
     lines = [f"Measured by `run.py gpu` ({s['device']}, {s['dtype']}, {s['epochs']} epoch(s), at most "
@@ -62,6 +83,7 @@ def block(res, image_rel):
                       "| drafter | " + " | ".join(f"k={i + 1}" for i in range(k)) + " |",
                       "|---|" + "---|" * k]
             lines += [f"| {n} | " + " | ".join(f"{x:.2f}" for x in p) + " |" for n, p in rows]
+    lines += loss_windows(out)
     lines += ["", "Wall time per step (s): " + ", ".join(f"{n} {w:.0f}" for n, w in res["steps"].items()) + ".",
               "", f"![loss per step, both trainers]({image_rel}/quality_loss.png)",
               f"![tau per variant]({image_rel}/quality_tau.png)"]
@@ -118,6 +140,6 @@ def cmd_report(a):
     head, rest = doc.split(BEGIN)
     tail = rest.split(END)[1]
     with open(a.doc, "w", encoding="utf-8") as f:
-        f.write(head + BEGIN + "\n" + block(res, rel) + "\n" + END + tail)
+        f.write(head + BEGIN + "\n" + block(res, rel, a.out) + "\n" + END + tail)
     print(f"wrote {a.doc} and {a.images}/quality_loss.png, quality_tau.png")
     return 0

@@ -16,7 +16,7 @@ fixture (tokenized documents, two prompt groups); then:
   (c) a rerun starts no process (every step's record is there) and rewrites the same results.json;
   (d) with eval:plain's record removed, a rerun runs only that step;
   (e) `run.py report` into a copy of docs/quality.md: the results block replaced, prose kept, both
-      PNGs written;
+      PNGs written, plain's and SpecForge's loss compared over windows covering every step;
   (f) device_call.sh archives the regenerated data into $OUT/regen.tgz.*; in a fresh quality dir
       --regen restores it (the regenerate step done, the same bytes, nothing started before the
       deadline); from a bundle whose manifest differs it is refused (exit 4).
@@ -181,6 +181,13 @@ def main():
     block = after.split("<!-- quality-results:begin")[1].split("<!-- quality-results:end -->")[0]
     if not after.startswith(head) or not after.endswith(tail) or "| ours, `plain` |" not in block or "pending" in block:
         fails.append("(e) report: prose changed or table not written")
+    # the loss windows: plain's and SpecForge's mean loss over the same steps, every step in one window
+    rows = [line.split("|")[1:5] for line in block.splitlines() if line.startswith("| ") and line.count("|") == 5
+            and "-" in line.split("|")[1] and line.split("|")[1].strip()[0].isdigit()]
+    covered = sum(int(b) - int(a) + 1 for a, b in (r[0].strip().split("-") for r in rows))
+    if not rows or covered != v["plain"]["steps"] or \
+            any(abs(float(r[1]) / float(r[2]) - float(r[3])) > 2e-3 for r in rows):
+        fails.append(f"(e) loss windows {rows} (steps covered {covered}, plain {v['plain']['steps']})")
     for png in ("quality_loss.png", "quality_tau.png"):
         if not os.path.getsize(os.path.join(images, png)) > 1000:
             fails.append(f"(e) {png} missing")
