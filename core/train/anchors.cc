@@ -15,22 +15,22 @@ uint64_t mix_seed(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
 }
 
 namespace {
-// Each document's valid anchors, in packed positions.
-std::vector<std::vector<int64_t>> valid_by_document(const std::vector<uint8_t>& mask, const std::vector<int64_t>& doc_lens) {
-  std::vector<std::vector<int64_t>> per_doc(doc_lens.size());
+// f(document index, packed position) for every valid anchor, in packed order: one scan shared by
+// the batch-wide list and the per-document lists.
+template <class F>
+void for_each_valid(const std::vector<uint8_t>& mask, const std::vector<int64_t>& doc_lens, F&& f) {
   int64_t off = 0;
   for (size_t d = 0; d < doc_lens.size(); ++d) {
     for (int64_t p = 0; p + 1 < doc_lens[d]; ++p)
-      if (mask[off + p] && mask[off + p + 1]) per_doc[d].push_back(off + p);
+      if (mask[off + p] && mask[off + p + 1]) f(d, off + p);
     off += doc_lens[d];
   }
-  return per_doc;
 }
 }  // namespace
 
 std::vector<int64_t> valid_anchors(const std::vector<uint8_t>& mask, const std::vector<int64_t>& doc_lens) {
   std::vector<int64_t> out;
-  for (const auto& v : valid_by_document(mask, doc_lens)) out.insert(out.end(), v.begin(), v.end());
+  for_each_valid(mask, doc_lens, [&](size_t, int64_t p) { out.push_back(p); });
   return out;
 }
 
@@ -47,9 +47,12 @@ std::vector<int64_t> sample_anchors(const std::vector<uint8_t>& mask, const std:
 
 std::vector<int64_t> sample_anchors_per_document(const std::vector<uint8_t>& mask, const std::vector<int64_t>& doc_lens,
                                                  int64_t max_anchors, uint64_t seed) {
-  auto per_doc = valid_by_document(mask, doc_lens);
+  std::vector<std::vector<int64_t>> per_doc(doc_lens.size());
   int64_t total = 0;
-  for (const auto& v : per_doc) total += static_cast<int64_t>(v.size());
+  for_each_valid(mask, doc_lens, [&](size_t d, int64_t p) {
+    per_doc[d].push_back(p);
+    ++total;
+  });
   // Shares: water-filling from the document with the fewest valid anchors up.
   std::vector<size_t> order(per_doc.size());
   for (size_t d = 0; d < order.size(); ++d) order[d] = d;
