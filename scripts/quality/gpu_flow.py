@@ -69,7 +69,7 @@ ZLAB_VARIANTS = ("plain", "specforge")
 # speed is not measured yet: ~10 ms per round at batch 1 assumed).
 DEFAULT_ESTIMATE_S = {"regenerate": 800, "import": 10, "prompts": 1, "plan": 10, "train": 320, "specforge": 420,
                       "eval": 320, "zlab-ours": 360, "zlab": 350, "compare": 1, "speed": 120}
-PER_PROMPT_KINDS = {"zlab-ours": "zlab_prompts", "zlab": "zlab_prompts", "speed": "speed_prompts"}  # default 32
+PER_PROMPT_KINDS = {"zlab-ours": "zlab_prompts", "zlab": "zlab_prompts", "speed": "speed_prompts"}
 
 
 class StepError(Exception):
@@ -134,10 +134,11 @@ class GpuFlow:
             raise StepError(f"--parallel: expected >= 1, got {a.parallel}")
         if a.zlab_prompts > a.eval_prompts or a.speed_prompts > a.eval_prompts:
             raise StepError("--zlab-prompts and --speed-prompts must not exceed --eval-prompts (same prompts)")
-        self.estimates, self.given_estimates = dict(DEFAULT_ESTIMATE_S), set()
+        self.estimates = dict(DEFAULT_ESTIMATE_S)
+        for k, count in PER_PROMPT_KINDS.items():  # the defaults are for 32 prompts
+            self.estimates[k] *= getattr(a, count) / 32
         for kv in a.estimate or []:
             k, _, v = kv.partition("=")
-            self.given_estimates.add(k)
             if k not in self.estimates:
                 raise StepError(f"--estimate: unknown step kind '{k}' (known: {', '.join(self.estimates)})")
             try:
@@ -148,6 +149,7 @@ class GpuFlow:
             os.makedirs(os.path.join(self.out, d), exist_ok=True)
         self.regen = os.path.join(self.out, "regenerated.jsonl")
         self.shards = os.path.join(self.out, "shards")
+        self.specforge_batches = os.path.join(self.out, "runs", "specforge-batches.jsonl")  # plain's, from plan:specforge
         refpy = os.path.join(self.bundle, "refpy")  # SpecForge and z-lab dflash (run.py unpack)
         self.ref_env = dict(os.environ)
         if os.path.isdir(refpy):
@@ -270,7 +272,7 @@ class GpuFlow:
 
     def plan_command(self):
         return [self.dflash, "run", self.train_config("plain"), "--plan", "--device", self.a.device,
-                "--plan-batches", os.path.join(self.out, "runs", "specforge-batches.jsonl")]
+                "--plan-batches", self.specforge_batches]
 
     def collect_plan(self):
         """train:plain's plan: its step count and its export's config.json (the shape SpecForge builds)."""
@@ -279,7 +281,7 @@ class GpuFlow:
         os.makedirs(shape, exist_ok=True)
         write_json(os.path.join(shape, "config.json"), plan["drafter_config"])
         return {"steps": plan["total_steps"], "shape": shape, "config": os.path.join(self.out, "configs", "plain.yaml"),
-                "batches": os.path.join(self.out, "runs", "specforge-batches.jsonl")}
+                "batches": self.specforge_batches}
 
     def specforge_command(self):
         import yaml
@@ -353,14 +355,9 @@ class GpuFlow:
 
     # ---- scheduling ----
     def estimate(self, step):
-        """The longest measured step of its kind in this run, else the kind's estimate (scaled from 32
-        prompts to this run's count for the batch-1 kinds unless given by --estimate)."""
+        """The longest measured step of its kind in this run, else the kind's estimate."""
         walls = [r["wall_s"] for r in (self.record(s.name) for s in self.steps if s.kind == step.kind) if r]
-        if walls:
-            return max(walls)
-        if step.kind in PER_PROMPT_KINDS and step.kind not in self.given_estimates:
-            return self.estimates[step.kind] * getattr(self.a, PER_PROMPT_KINDS[step.kind]) / 32
-        return self.estimates[step.kind]
+        return max(walls) if walls else self.estimates[step.kind]
 
     def finish(self, step, wall, result=None):
         rec = {"step": step.name, "kind": step.kind, "wall_s": wall, **(result if result is not None else step.collect())}
