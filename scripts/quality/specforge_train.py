@@ -91,10 +91,10 @@ def batches(docs, token_budget, seed):
         epoch += 1
 
 
-def planned_batches(path, shards_dir, steps):
+def planned_batches(path, shards_dir, steps, first=0):
     """Our run's micro-batches, step by step (see --batches): an iterator of lists of (input_ids,
-    loss_mask), and how many documents they hold. The whole file is checked first (UsageError /
-    ValueError naming it)."""
+    loss_mask) from step `first` on (the steps before it are not read), and how many documents all
+    steps hold. The whole file is checked first (UsageError / ValueError naming it)."""
     from token_shards import TokenShards
     shards = TokenShards(shards_dir)
     lines = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
@@ -110,7 +110,7 @@ def planned_batches(path, shards_dir, steps):
         if bad:
             raise UsageError(f"--batches {path}: line {k + 1}: sample ids {bad[:5]} outside {shards_dir}'s 0..{len(shards) - 1}")
         plan.append(list(zip(micro[0]["samples"], micro[0]["lengths"])))
-    return ([shards.sample(i, n) for i, n in batch] for batch in plan), sum(len(b) for b in plan)
+    return ([shards.sample(i, n) for i, n in batch] for batch in plan[first:]), sum(len(b) for b in plan)
 
 
 class UsageError(Exception):
@@ -229,26 +229,26 @@ def main(argv=None):
     device = torch.device(a.device)
     draft, target, online, shape = build(a, device)
     layer_ids = shape["dflash_config"]["target_layer_ids"]
+    opt = torch.optim.AdamW(draft.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay)
+    os.makedirs(a.out, exist_ok=True)
+    resume, log_path = os.path.join(a.out, "resume.pt"), os.path.join(a.out, "loss.jsonl")
+    first, wall0 = load_resume(resume, draft, opt, device, log_path)
     if a.batches:
         try:
-            it, documents = planned_batches(a.batches, a.shards, a.steps)
+            it, documents = planned_batches(a.batches, a.shards, a.steps, first)
         except (UsageError, ValueError) as e:
             print(f"ERROR: {e}", file=sys.stderr)
             return 2
     else:
         docs = load_docs(a.data, a.max_seq_len)
         it, documents = batches(docs, a.token_budget, a.seed), len(docs)
-    opt = torch.optim.AdamW(draft.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay)
-    os.makedirs(a.out, exist_ok=True)
-    resume, log_path = os.path.join(a.out, "resume.pt"), os.path.join(a.out, "loss.jsonl")
-    first, wall0 = load_resume(resume, draft, opt, device, log_path)
+        for _ in range(first):  # the micro-batches trained before the resume state (the shuffle's RNG)
+            next(it)
     log = open(log_path, "a")
     autocast = torch.autocast(device.type, dtype=getattr(torch, a.dtype), enabled=a.dtype != "float32")
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     t0 = time.time()
-    for _ in range(first):  # the micro-batches trained before the resume state
-        next(it)
     for step in range(first, a.steps):
         batch = next(it)
         ids, mask = padded(batch, device)

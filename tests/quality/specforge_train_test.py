@@ -9,7 +9,8 @@
   rerun gives the uninterrupted run's losses, lrs and drafter weights exactly, and removes resume.pt;
 - --batches/--shards (our run's batches, `dflash run --plan --plan-batches`): each step trains
   exactly the listed samples of our shards, cut to the listed lengths (rows and tokens per step); a
-  file with two micro-batches in a step is refused (exit 2 naming the line);
+  run stopped after step 1 and rerun gives the uninterrupted losses; a file with two micro-batches
+  in a step is refused (exit 2 naming the line);
 - scripts/quality/anchor_mix.py on that file: anchors per step and shares per spreading rule;
 - the harness refuses --steps 0 (exit 2).
 Exit 0 when all hold."""
@@ -52,6 +53,16 @@ def planned_batches_checks(base, data, bin_dir, work):  # base[1]: the harness s
     want = [(len(b), sum(n for _, n in b)) for b in steps]
     if got != want:
         fails.append(f"--batches: (rows, tokens) per step {got}, the file lists {want}")
+    # Resumed after step 1 in this mode (the trained steps' documents are not read again): the
+    # uninterrupted run's losses.
+    out2 = out + "-resumed"
+    argv2 = [x if x != out else out2 for x in argv] + ["--batches", plan, "--shards", shards, "--steps", "3"]
+    r1 = subprocess.run(argv2 + ["--stop-after", "1"], capture_output=True, text=True)
+    r2 = subprocess.run(argv2, capture_output=True, text=True)
+    log2 = [json.loads(line) for line in open(os.path.join(out2, "loss.jsonl"))] if r2.returncode == 0 else []
+    if r1.returncode != 3 or [(e["step"], e["loss"], e["tokens"]) for e in log2] != [(e["step"], e["loss"], e["tokens"]) for e in log]:
+        fails.append(f"--batches resumed after step 1: exits {r1.returncode}, {r2.returncode}; losses "
+                     f"{[(e['step'], e['loss']) for e in log2]} vs {[(e['step'], e['loss']) for e in log]}")
     with open(plan, "a") as f:  # a 4th step with two micro-batches (two drafters): not this harness's
         m = {"drafter": 0, "micro": 0, "epoch": 0, "samples": [0], "lengths": [8]}
         f.write(json.dumps({"step": 3, "micro_batches": [m, dict(m, drafter=1)]}) + "\n")
