@@ -64,11 +64,11 @@ VARIANTS = {
 ZLAB_VARIANTS = ("plain", "specforge")
 # Wall seconds per step kind on one H200 at the full setting (docs/quality.md, "Time budget"); only
 # the --deadline-s check reads them, and a measured step of the same kind replaces them.
-# Measured 2026-12-02 with 5 trainings, then 5 evals and a z-lab pair side by side, at the default
-# prompt counts; the batch-1 kinds (zlab-ours, zlab, speed) scale with their prompt count (PER_PROMPT_KINDS;
-# speed is not measured yet: ~10 ms per round at batch 1 assumed).
-DEFAULT_ESTIMATE_S = {"regenerate": 800, "import": 10, "prompts": 1, "plan": 10, "train": 320, "specforge": 420,
-                      "eval": 320, "zlab-ours": 360, "zlab": 350, "compare": 1, "speed": 120}
+# Measured 2026-12-02 (seventeenth session) with 4 trainings, then 4 evals and the z-lab pairs side by
+# side, at the default prompt counts except the batch-1 kinds (zlab-ours, zlab, speed), which were
+# measured on 16 prompts and scale with their prompt count (PER_PROMPT_KINDS; the values are per 32).
+DEFAULT_ESTIMATE_S = {"regenerate": 340, "import": 10, "prompts": 1, "plan": 10, "train": 300, "specforge": 300,
+                      "eval": 240, "zlab-ours": 320, "zlab": 370, "compare": 1, "speed": 100}
 PER_PROMPT_KINDS = {"zlab-ours": "zlab_prompts", "zlab": "zlab_prompts", "speed": "speed_prompts"}
 
 
@@ -303,6 +303,17 @@ class GpuFlow:
         summary = json.load(open(os.path.join(dest, "summary.json")))
         return {"steps": summary["steps"], "export": os.path.join(dest, "drafter"), "loop_wall_s": summary["wall_s"]}
 
+    def loss_of(self, v):
+        """The training objective of v (train.loss: dflash | dpace); SpecForge's harness trains dflash."""
+        if v == "specforge":
+            return "dflash"
+        base, own = self.recipes[v] if v in self.recipes else (v, [])
+        loss = VARIANTS[base].get("loss", "dflash")
+        for kv in (self.a.set or []) + own:  # the order train_config applies them in
+            if kv.startswith("train.loss="):
+                loss = kv.partition("=")[2]
+        return loss
+
     def export_of(self, v):
         return self.record(f"train:{v}")["export"]
 
@@ -457,6 +468,7 @@ class GpuFlow:
                     r[k] = {x: y for x, y in rec[f"{k}:{v}"].items() if x not in ("step", "kind")}
             if v in self.recipes:
                 r["recipe"] = {"base": self.recipes[v][0], "set": self.recipes[v][1]}
+            r["loss"] = self.loss_of(v)
             res["variants"][v] = r
         sp = rec.get("speed:plain")
         res["target_greedy"] = ({"tokens_per_second": sp["greedy_tokens_per_second"], "seconds": sp["greedy_seconds"],
@@ -530,7 +542,7 @@ def add_arguments(g):
     g.add_argument("--device", default="cuda")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--max-new-tokens", type=int, default=512)
-    g.add_argument("--regen-batch", type=int, default=256)
+    g.add_argument("--regen-batch", type=int, default=512, help="requests decoded at once by regenerate (512: 322 s on the H200, 256: ~725 s)")
     g.add_argument("--eval-prompts", type=int, default=600, help="first N prompts of each group for tau")
     g.add_argument("--eval-batch", type=int, default=64, help="batch size of the tau evals")
     g.add_argument("--speed-prompts", type=int, default=32, help="first N held-out prompts for the speedup (batch 1)")

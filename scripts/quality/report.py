@@ -25,24 +25,31 @@ def curves(out):
     return {f[:-5]: json.load(open(os.path.join(d, f))) for f in sorted(os.listdir(d)) if f.endswith(".json")}
 
 
-def loss_windows(out, windows=8):
-    """Markdown: plain's and SpecForge's mean training loss over equal step windows, and their
-    ratio (ours / SpecForge's; below 1 = ours lower). Empty when either curve is missing."""
+def loss_windows(out, res, windows=8):
+    """Markdown: the mean training loss of SpecForge and of each of our variants trained on the
+    DFlash loss (results.json's `loss`; D-PACE's is on another scale) over windows of equal steps,
+    with each ratio ours / SpecForge's (below 1: ours lower). Empty without SpecForge's curve."""
     c = curves(out)
-    if "plain" not in c or "specforge" not in c:
+    ours = [n for n, r in res["variants"].items()
+            if n != "specforge" and n in c and r.get("loss", "dflash") == "dflash"]
+    if "specforge" not in c or not ours:
         return []
-    ours = {p["step"]: p["loss"] for p in c["plain"]}
     ref = {p["step"]: p["loss"] for p in c["specforge"]}
-    steps = sorted(set(ours) & set(ref))
+    by = {n: {p["step"]: p["loss"] for p in c[n]} for n in ours}
+    steps = sorted(set(ref).intersection(*by.values()))
     if not steps:
         return []
     size = max(1, -(-len(steps) // windows))
-    lines = ["", "Training loss, `plain` and SpecForge, mean over windows of equal steps (the same steps on both "
-                 "sides; ratio below 1: ours lower):", "", "| steps | ours | SpecForge | ours / SpecForge |", "|---|---|---|---|"]
+    lines = ["", "Training loss, SpecForge and ours (DFlash loss), mean over windows of equal steps (the same steps "
+                 "on every side; a ratio below 1: ours lower):", "",
+             "| steps | SpecForge | " + " | ".join(f"`{n}` | `{n}` / SpecForge" for n in ours) + " |",
+             "|---|---|" + "---|---|" * len(ours)]
+    mean = lambda d, w: sum(d[k] for k in w) / len(w)
     for i in range(0, len(steps), size):
         w = steps[i:i + size]
-        a, b = sum(ours[k] for k in w) / len(w), sum(ref[k] for k in w) / len(w)
-        lines.append(f"| {w[0]}-{w[-1]} | {a:.3f} | {b:.3f} | {a / b:.3f} |")
+        b = mean(ref, w)
+        lines.append(f"| {w[0]}-{w[-1]} | {b:.3f} | " + " | ".join(f"{mean(by[n], w):.3f} | {mean(by[n], w) / b:.3f}"
+                                                               for n in ours) + " |")
     return lines
 
 
@@ -83,7 +90,7 @@ def block(res, image_rel, out):
                       "| drafter | " + " | ".join(f"k={i + 1}" for i in range(k)) + " |",
                       "|---|" + "---|" * k]
             lines += [f"| {n} | " + " | ".join(f"{x:.2f}" for x in p) + " |" for n, p in rows]
-    lines += loss_windows(out)
+    lines += loss_windows(out, res)
     lines += ["", "Wall time per step (s): " + ", ".join(f"{n} {w:.0f}" for n, w in res["steps"].items()) + ".",
               "", f"![loss per step, both trainers]({image_rel}/quality_loss.png)",
               f"![tau per variant]({image_rel}/quality_tau.png)"]

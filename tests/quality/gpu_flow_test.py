@@ -16,7 +16,8 @@ fixture (tokenized documents, two prompt groups); then:
   (c) a rerun starts no process (every step's record is there) and rewrites the same results.json;
   (d) with eval:plain's record removed, a rerun runs only that step;
   (e) `run.py report` into a copy of docs/quality.md: the results block replaced, prose kept, both
-      PNGs written, plain's and SpecForge's loss compared over windows covering every step;
+      PNGs written, SpecForge's loss and that of every DFlash-loss variant of ours (plain, the
+      recipe) compared over windows covering every step, a D-PACE variant left out;
   (f) device_call.sh archives the regenerated data into $OUT/regen.tgz.*; in a fresh quality dir
       --regen restores it (the regenerate step done, the same bytes, nothing started before the
       deadline); from a bundle whose manifest differs it is refused (exit 4).
@@ -73,8 +74,10 @@ def estimate_checks(src, bindir, bundle, work):
     base = [bundle, os.path.join(work, "estimates"), "--variants", "plain,specforge", "--zlab-prompts", "3",
             "--speed-prompts", "2", "--eval-prompts", "4"]
     fails = []
-    for extra, kind, want in (([], "zlab", 350 * 3 / 32), ([], "zlab-ours", 360 * 3 / 32), ([], "speed", 120 * 2 / 32),
-                              ([], "eval", 320), (["--estimate", "zlab=77"], "zlab", 77)):
+    d = gpu_flow.DEFAULT_ESTIMATE_S
+    for extra, kind, want in (([], "zlab", d["zlab"] * 3 / 32), ([], "zlab-ours", d["zlab-ours"] * 3 / 32),
+                              ([], "speed", d["speed"] * 2 / 32), ([], "eval", d["eval"]),
+                              (["--estimate", "zlab=77"], "zlab", 77)):
         flow = gpu_flow.GpuFlow(ap.parse_args(base + extra))
         got = flow.estimate(next(s for s in flow.steps if s.kind == kind))
         if abs(got - want) > 1e-9:
@@ -181,13 +184,23 @@ def main():
     block = after.split("<!-- quality-results:begin")[1].split("<!-- quality-results:end -->")[0]
     if not after.startswith(head) or not after.endswith(tail) or "| ours, `plain` |" not in block or "pending" in block:
         fails.append("(e) report: prose changed or table not written")
-    # the loss windows: plain's and SpecForge's mean loss over the same steps, every step in one window
-    rows = [line.split("|")[1:5] for line in block.splitlines() if line.startswith("| ") and line.count("|") == 5
-            and "-" in line.split("|")[1] and line.split("|")[1].strip()[0].isdigit()]
+    # the loss windows: SpecForge's and each DFlash-loss variant's mean loss over the same steps
+    # (plain and the recipe l2), every step in one window, each ratio = ours / SpecForge's
+    table = [line.split("|")[1:-1] for line in block.splitlines() if line.startswith("| steps | SpecForge |")
+             or (line.startswith("| ") and line.split("|")[1].strip()[:1].isdigit() and "-" in line.split("|")[1])]
+    head_row, rows = (table[0], table[1:]) if table else ([], [])
+    names = [c.strip().strip("`") for c in head_row[2::2]]
     covered = sum(int(b) - int(a) + 1 for a, b in (r[0].strip().split("-") for r in rows))
-    if not rows or covered != v["plain"]["steps"] or \
-            any(abs(float(r[1]) / float(r[2]) - float(r[3])) > 2e-3 for r in rows):
-        fails.append(f"(e) loss windows {rows} (steps covered {covered}, plain {v['plain']['steps']})")
+    if names != ["plain", "l2"] or not rows or covered != v["plain"]["steps"] or \
+            any(abs(float(r[k]) / float(r[1]) - float(r[k + 1])) > 2e-3 for r in rows for k in (2, 4)):
+        fails.append(f"(e) loss windows {head_row} {rows} (steps covered {covered}, plain {v['plain']['steps']})")
+    # ... and a D-PACE variant (its loss on another scale) is left out of them
+    sys.path.insert(0, os.path.join(src, "scripts", "quality"))
+    import report
+    dp = {"variants": {"specforge": {}, "plain": {"loss": "dflash"}, "l2": {"loss": "dpace"}}}
+    w = report.loss_windows(out, dp)
+    if not w or "`l2`" in "".join(w) or "`plain`" not in "".join(w) or v["l2"].get("loss") != "dflash":
+        fails.append(f"(e) a D-PACE variant in the loss windows, or l2's loss not dflash: {w[:5]}, {v['l2'].get('loss')}")
     for png in ("quality_loss.png", "quality_tau.png"):
         if not os.path.getsize(os.path.join(images, png)) > 1000:
             fails.append(f"(e) {png} missing")
