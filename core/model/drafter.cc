@@ -204,14 +204,62 @@ torch::Tensor Drafter::attention(const torch::Tensor& q, const torch::Tensor& k_
   return outs.size() == 1 ? outs[0] : torch::cat(outs, 0);
 }
 
+Drafter::KvWeights Drafter::kv_weights(int64_t l, torch::ScalarType compute) const {
+  const std::string p = "layers." + std::to_string(l) + ".self_attn.";
+  return {w(p + "k_proj.weight", compute), w(p + "v_proj.weight", compute), w(p + "k_norm.weight", compute)};
+}
+
+Drafter::ContextKV Drafter::unrotated_context_kv(const KvWeights& wt, const torch::Tensor& ctx_TH) const {
+  const int64_t T = ctx_TH.size(0), Hkv = cfg_.num_kv_heads, D = cfg_.head_dim;
+  // KV injection: the layer's own k/v projections over the fused context (not normed by input_layernorm).
+  return {rms_norm_train(F::linear(ctx_TH, wt.k_proj).view({T, Hkv, D}), wt.k_norm, cfg_.rms_norm_eps),
+          F::linear(ctx_TH, wt.v_proj).view({T, Hkv, D})};
+}
+
+std::vector<Drafter::ContextKV> Drafter::context_kv(const torch::Tensor& ctx_TH, const torch::Tensor& ctx_pos_T,
+                                                    torch::ScalarType compute) const {
+  const auto rope_c = rope_table(inv_freq_, ctx_pos_T, compute);
+  std::vector<ContextKV> out;
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    auto kv = unrotated_context_kv(kv_weights(l, compute), ctx_TH);
+    out.push_back({apply_rope(kv.k, rope_c), kv.v});
+  }
+  return out;
+}
+
 torch::Tensor Drafter::forward(const torch::Tensor& x_QH, const torch::Tensor& q_pos_Q, const torch::Tensor& ctx_TH,
                                const torch::Tensor& ctx_pos_T, const BlockAttention& attn,
                                torch::ScalarType compute, bool recompute_mlp) const {
-  const int64_t Q = x_QH.size(0), T = ctx_TH.size(0), D = cfg_.head_dim;
+  const auto rope_c = rope_table(inv_freq_, ctx_pos_T, compute);
+  return run_layers(x_QH, q_pos_Q, ctx_TH.size(0), attn, compute, recompute_mlp,
+                    [&](int64_t, const KvWeights& wt) { return unrotated_context_kv(wt, ctx_TH); }, &rope_c);
+}
+
+torch::Tensor Drafter::forward_kv(const torch::Tensor& x_QH, const torch::Tensor& q_pos_Q,
+                                  const std::vector<ContextKV>& ctx_kv, const BlockAttention& attn,
+                                  torch::ScalarType compute) const {
+  DFLASH_CHECK(!ctx_kv.empty() && static_cast<int64_t>(ctx_kv.size()) == cfg_.num_layers, ConfigError,
+               "drafter forward_kv: " << ctx_kv.size() << " layers of context K/V for " << cfg_.num_layers << " layers");
+  const int64_t T = ctx_kv.front().k.size(0);
+  for (const auto& kv : ctx_kv)
+    DFLASH_CHECK(kv.k.dim() == 3 && kv.k.size(0) == T && kv.k.size(1) == cfg_.num_kv_heads &&
+                     kv.k.size(2) == cfg_.head_dim && kv.v.sizes() == kv.k.sizes() && kv.k.scalar_type() == compute &&
+                     kv.v.scalar_type() == compute,
+                 ConfigError, "drafter forward_kv: context K/V " << kv.k.sizes() << " / " << kv.v.sizes() << " in "
+                                                                 << kv.k.scalar_type() << ", expected [" << T << ", "
+                                                                 << cfg_.num_kv_heads << ", " << cfg_.head_dim << "] in "
+                                                                 << compute);
+  return run_layers(x_QH, q_pos_Q, T, attn, compute, /*recompute_mlp=*/false,
+                    [&](int64_t l, const KvWeights&) { return ctx_kv[l]; }, /*rope_c=*/nullptr);
+}
+
+torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor& q_pos_Q, int64_t T,
+                                  const BlockAttention& attn, torch::ScalarType compute, bool recompute_mlp,
+                                  const ContextKvOf& ctx_kv_of, const RopeTable* rope_c) const {
+  const int64_t Q = x_QH.size(0), D = cfg_.head_dim;
   const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
   const double eps = cfg_.rms_norm_eps;
   auto rope_q = rope_table(inv_freq_, q_pos_Q, compute);
-  auto rope_c = rope_table(inv_freq_, ctx_pos_T, compute);
   auto x = x_QH.to(compute);
   auto kernel = attn.kernel;
   if (kernel == BlockAttention::Kernel::kAuto) {
@@ -229,19 +277,17 @@ torch::Tensor Drafter::forward(const torch::Tensor& x_QH, const torch::Tensor& q
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
     auto h = rms_norm_train(x, w(p + "input_layernorm.weight", compute), eps);
-    auto wk = w(p + "self_attn.k_proj.weight", compute), wv = w(p + "self_attn.v_proj.weight", compute);
-    auto qn = w(p + "self_attn.q_norm.weight", compute), kn = w(p + "self_attn.k_norm.weight", compute);
-    auto q = rms_norm_train(F::linear(h, w(p + "self_attn.q_proj.weight", compute)).view({Q, Hq, D}), qn, eps);
-    // KV injection: the layer's own k/v projections over the fused context (not normed by input_layernorm).
-    auto k_ctx = rms_norm_train(F::linear(ctx_TH, wk).view({T, Hkv, D}), kn, eps);
-    auto v_ctx = F::linear(ctx_TH, wv).view({T, Hkv, D});
-    auto k_blk = rms_norm_train(F::linear(h, wk).view({Q, Hkv, D}), kn, eps);
-    auto v_blk = F::linear(h, wv).view({Q, Hkv, D});
+    const auto kvw = kv_weights(l, compute);
+    auto q = rms_norm_train(F::linear(h, w(p + "self_attn.q_proj.weight", compute)).view({Q, Hq, D}),
+                            w(p + "self_attn.q_norm.weight", compute), eps);
+    auto ctx = ctx_kv_of(l, kvw);
+    auto k_blk = rms_norm_train(F::linear(h, kvw.k_proj).view({Q, Hkv, D}), kvw.k_norm, eps);
+    auto v_blk = F::linear(h, kvw.v_proj).view({Q, Hkv, D});
     q = apply_rope(q, rope_q);
     k_blk = apply_rope(k_blk, rope_q);
-    k_ctx = apply_rope(k_ctx, rope_c);
-    auto a = (sparse ? block_sparse_attention(q, k_ctx, v_ctx, k_blk, v_blk, bsp, scale, block_sparse_flash_supported(q))
-                     : attention(q, k_ctx, v_ctx, k_blk, v_blk, groups))
+    if (rope_c) ctx.k = apply_rope(ctx.k, *rope_c);
+    auto a = (sparse ? block_sparse_attention(q, ctx.k, ctx.v, k_blk, v_blk, bsp, scale, block_sparse_flash_supported(q))
+                     : attention(q, ctx.k, ctx.v, k_blk, v_blk, groups))
                  .reshape({Q, Hq * D});
     x = x + F::linear(a, w(p + "self_attn.o_proj.weight", compute));
     h = rms_norm_train(x, w(p + "post_attention_layernorm.weight", compute), eps);

@@ -11,6 +11,7 @@
 #include <optional>
 #include <torch/torch.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -96,6 +97,21 @@ class Drafter {
                         const torch::Tensor& ctx_pos_T, const BlockAttention& attn, torch::ScalarType compute,
                         bool recompute_mlp = false) const;
 
+  // The keys and values of context rows in one draft layer, [T, Hkv, D] each in `compute`. A layer's
+  // context K/V are its own k/v projections of the fused context (KV injection), k_norm and RoPE at
+  // the rows' positions: they depend on the row and its position only, not on the blocks.
+  struct ContextKV {
+    torch::Tensor k, v;
+  };
+  // Every layer's context K/V of ctx_TH at positions ctx_pos_T, exactly as forward() computes them.
+  std::vector<ContextKV> context_kv(const torch::Tensor& ctx_TH, const torch::Tensor& ctx_pos_T,
+                                    torch::ScalarType compute) const;
+  // forward() with each layer's context K/V given (ctx_kv[l], from context_kv(); `attn` indexes
+  // their rows, which may hold rows no block sees) instead of projected from the fused context.
+  // Inference: the context K/V are constants here (DrafterContextCache, core/model/drafter_context_cache.h).
+  torch::Tensor forward_kv(const torch::Tensor& x_QH, const torch::Tensor& q_pos_Q, const std::vector<ContextKV>& ctx_kv,
+                           const BlockAttention& attn, torch::ScalarType compute) const;
+
  private:
   Drafter(const DrafterConfig& cfg, torch::Device device, std::optional<uint64_t> seed);  // nullopt: zeros
   torch::Tensor w(const std::string& name, torch::ScalarType compute) const;
@@ -108,6 +124,19 @@ class Drafter {
   torch::Tensor attention(const torch::Tensor& q_QhD, const torch::Tensor& k_ctx, const torch::Tensor& v_ctx,
                           const torch::Tensor& k_blk, const torch::Tensor& v_blk,
                           const std::vector<AttnGroup>& groups) const;
+  struct KvWeights {  // one layer's, in the compute dtype
+    torch::Tensor k_proj, v_proj, k_norm;
+  };
+  KvWeights kv_weights(int64_t layer, torch::ScalarType compute) const;
+  // k_norm(k_proj(ctx)) before RoPE, v_proj(ctx).
+  ContextKV unrotated_context_kv(const KvWeights& wt, const torch::Tensor& ctx_TH) const;
+  // The draft layers and final norm over T context rows whose K/V in layer l are ctx_kv_of(l, that
+  // layer's weights); their keys are rotated with `rope_c` when given (already rotated otherwise).
+  // forward()'s operations in forward()'s order, so that training's autograd graph is the same.
+  using ContextKvOf = std::function<ContextKV(int64_t, const KvWeights&)>;
+  torch::Tensor run_layers(const torch::Tensor& x_QH, const torch::Tensor& q_pos_Q, int64_t T, const BlockAttention& attn,
+                           torch::ScalarType compute, bool recompute_mlp, const ContextKvOf& ctx_kv_of,
+                           const RopeTable* rope_c) const;
 
   DrafterConfig cfg_;
   torch::Device device_;
