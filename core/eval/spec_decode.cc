@@ -83,7 +83,6 @@ struct SpeculativeDecoder::Slot {
   int64_t max_length = 0; // n + max_new_tokens
   int64_t start = 0;      // index of the last accepted token (seq.size() == start + 1)
   std::vector<int64_t> seq;
-  torch::Tensor ctx_TH;   // fused drafter context of positions 0..start-1 (B > 1)
   SpecDecodeResult res;
   at::Generator gen;      // sampling only
   torch::Tensor q_RV;     // sampling: the drafter's distributions of this round's drafts
@@ -140,6 +139,11 @@ std::vector<SpecDecodeResult> SpeculativeDecoder::generate_batch(const std::vect
   if (!opt.uncached_target)
     cache = std::make_unique<model::SequenceCache>(target_.config(), S, longest + opt.max_new_tokens,
                                                    target_.options().device, target_.options().dtype);
+  // The drafter's context K/V of positions 0..start-1 of every slot (no drafting when B == 1).
+  std::unique_ptr<model::DrafterContextCache> context;
+  if (B > 1)
+    context = std::make_unique<model::DrafterContextCache>(cfg_, S, longest + opt.max_new_tokens,
+                                                           target_.options().device, target_.options().dtype);
   std::vector<Slot> slots(S);
   size_t next = 0;
   int64_t finished = 0;
@@ -153,20 +157,21 @@ std::vector<SpecDecodeResult> SpeculativeDecoder::generate_batch(const std::vect
         s = Slot{};
         if (opt.on_prompt_done) opt.on_prompt_done(++finished);
       }
-    admit(cache.get(), slots, prompts, next, B, opt);
-    round(cache.get(), slots, B, opt);
+    admit(cache.get(), context.get(), slots, prompts, next, B, opt);
+    round(cache.get(), context.get(), slots, B, opt);
   }
   return out;
 }
 
-void SpeculativeDecoder::admit(model::SequenceCache* cache, std::vector<Slot>& slots,
-                               const std::vector<std::vector<int64_t>>& prompts, size_t& next, int64_t B,
-                               const SpecDecodeOptions& opt) {
+void SpeculativeDecoder::admit(model::SequenceCache* cache, model::DrafterContextCache* context,
+                               std::vector<Slot>& slots, const std::vector<std::vector<int64_t>>& prompts,
+                               size_t& next, int64_t B, const SpecDecodeOptions& opt) {
   std::vector<int64_t> which, lengths, ids;
   for (int64_t i = 0; i < static_cast<int64_t>(slots.size()) && next < prompts.size(); ++i) {
     if (slots[i].active) continue;
     const auto& p = prompts[next];
     if (cache) cache->reset(i);
+    if (context) context->reset(i);
     Slot& s = slots[i];
     s.active = true;
     s.index = next++;
@@ -194,39 +199,32 @@ void SpeculativeDecoder::admit(model::SequenceCache* cache, std::vector<Slot>& s
   } else {
     first = target_argmax(target_, last_RH);
   }
-  off = 0;
   for (size_t j = 0; j < which.size(); ++j) {
     Slot& s = slots[which[j]];
     s.seq.push_back(first[j]);
-    if (B > 1) s.ctx_TH = drafter_for(B).fuse_context(prefill.features_TKH.narrow(0, off, s.n), target_.options().dtype);
     s.done = s.start + 1 >= s.max_length || is_stop(first[j], opt.stop_token_ids);
-    off += s.n;
   }
+  if (context) append_context(*context, B, which, lengths, prefill.features_TKH);
 }
 
-std::vector<std::vector<int64_t>> SpeculativeDecoder::draft(std::vector<Slot>& slots, const std::vector<int64_t>& which,
+void SpeculativeDecoder::append_context(model::DrafterContextCache& context, int64_t B, const std::vector<int64_t>& which,
+                                        const std::vector<int64_t>& counts, const torch::Tensor& features_TKH) {
+  const auto& drafter = drafter_for(B);
+  context.append(drafter, which, counts, drafter.fuse_context(features_TKH, target_.options().dtype));
+}
+
+std::vector<std::vector<int64_t>> SpeculativeDecoder::draft(const model::DrafterContextCache& context,
+                                                            std::vector<Slot>& slots, const std::vector<int64_t>& which,
                                                             int64_t V, const SpecDecodeOptions& opt) {
-  const auto dev = target_.options().device;
-  const auto compute = target_.options().dtype;
-  std::vector<int64_t> block_ids, q_pos, ctx_pos, ctx_begin, ctx_len;
-  std::vector<torch::Tensor> ctx;
-  int64_t ctx_rows = 0;
+  std::vector<int64_t> block_ids;
   for (auto i : which) {
     const Slot& s = slots[i];
+    TORCH_CHECK(context.length(i) == s.start, "spec decode: the drafter context of slot ", i, " holds ",
+                context.length(i), " rows, the slot's block starts at ", s.start);
     block_ids.push_back(s.seq[s.start]);
     block_ids.insert(block_ids.end(), V - 1, cfg_.mask_token_id);
-    for (int64_t r = 0; r < V; ++r) q_pos.push_back(s.start + r);
-    for (int64_t r = 0; r < s.start; ++r) ctx_pos.push_back(r);
-    ctx_begin.push_back(ctx_rows);
-    ctx_len.push_back(s.start);
-    ctx_rows += s.start;
-    ctx.push_back(s.ctx_TH);
   }
-  const auto& drafter = drafter_for(V);
-  auto x_QH = target_.embed_tokens(ids_tensor(block_ids, dev));
-  auto ctx_TH = ctx.size() == 1 ? ctx.front() : torch::cat(ctx, 0);
-  model::BlockAttention attn{ctx_begin, ctx_len};
-  auto h_QH = drafter.forward(x_QH, ids_tensor(q_pos, dev), ctx_TH, ids_tensor(ctx_pos, dev), attn, compute);
+  auto h_QH = context.forward(drafter_for(V), target_.embed_tokens(ids_tensor(block_ids, target_.options().device)), which);
   // Rows 1..V-1 of every block.
   const int64_t N = which.size();
   auto rows = h_QH.reshape({N, V, -1}).narrow(1, 1, V - 1).reshape({N * (V - 1), -1});
@@ -249,8 +247,8 @@ std::vector<std::vector<int64_t>> SpeculativeDecoder::draft(std::vector<Slot>& s
   return drafts;
 }
 
-void SpeculativeDecoder::round(model::SequenceCache* cache, std::vector<Slot>& slots, int64_t B,
-                               const SpecDecodeOptions& opt) {
+void SpeculativeDecoder::round(model::SequenceCache* cache, model::DrafterContextCache* context,
+                               std::vector<Slot>& slots, int64_t B, const SpecDecodeOptions& opt) {
   std::vector<int64_t> which, lengths;
   std::map<int64_t, std::vector<int64_t>> by_V;  // verify size -> slots
   for (int64_t i = 0; i < static_cast<int64_t>(slots.size()); ++i) {
@@ -265,7 +263,7 @@ void SpeculativeDecoder::round(model::SequenceCache* cache, std::vector<Slot>& s
   std::map<int64_t, std::vector<int64_t>> drafts;  // slot -> drafts
   for (const auto& [V, group] : by_V) {
     if (V == 1) continue;
-    auto d = draft(slots, group, V, opt);
+    auto d = draft(*context, slots, group, V, opt);
     for (size_t j = 0; j < group.size(); ++j) drafts[group[j]] = std::move(d[j]);
   }
   // Verify: the target appends every block [seq[start], drafts] to its slot; posterior of each row.
@@ -288,7 +286,7 @@ void SpeculativeDecoder::round(model::SequenceCache* cache, std::vector<Slot>& s
   } else {
     posterior = target_argmax(target_, verified.last_hidden_TH);
   }
-  std::vector<int64_t> keep;
+  std::vector<int64_t> keep, produced_rows, kept_rows;  // kept_rows: of `verified`, the blocks' first produced
   int64_t off = 0;
   for (size_t j = 0; j < which.size(); ++j) {
     Slot& s = slots[which[j]];
@@ -315,16 +313,17 @@ void SpeculativeDecoder::round(model::SequenceCache* cache, std::vector<Slot>& s
     }
     // Block rows 0..produced-1 are seq[start, start + produced): keep them, drop the rejected drafts.
     keep.push_back(s.start + produced);
-    if (V > 1) {
-      auto kept_TKH = verified.features_TKH.narrow(0, off, produced);
-      s.ctx_TH = torch::cat({s.ctx_TH, drafter_for(V).fuse_context(kept_TKH, target_.options().dtype)}, 0);
-    }
+    produced_rows.push_back(produced);
+    for (int64_t r = 0; r < produced; ++r) kept_rows.push_back(off + r);
     s.start += produced;
     s.res.acceptance_lengths.push_back(produced);
     if (s.start + 1 >= s.max_length) s.done = true;
     off += V;
   }
   if (cache) cache->truncate(which, keep);
+  if (context)
+    append_context(*context, B, which, produced_rows,
+                   verified.features_TKH.index_select(0, ids_tensor(kept_rows, target_.options().device)));
 }
 
 std::vector<std::vector<int64_t>> SpeculativeDecoder::sample_verdicts(std::vector<Slot>& slots,

@@ -51,9 +51,13 @@
 // batched kernels; fp32 CPU runs are equal, which the tests check for S = 1 and 3).
 //
 // Cost: the target runs incrementally: V tokens per prompt per round over its KV / recurrent
-// cache, rolled back to the accepted prefix after each round. The drafter still re-projects the
-// K/V of the whole context every round (the fused context itself is appended per round, not
-// recomputed). One host read per round (the posteriors of all blocks) plus one per drafter forward.
+// cache, rolled back to the accepted prefix after each round. The drafter keeps the K/V of every
+// slot's context in a model::DrafterContextCache (core/model/drafter_context_cache.h; slots sized
+// like the target's): each round projects only the block rows and the rows it keeps (the kept rows
+// of all slots gathered by one index_select, fused and projected in one call), for drafts equal to
+// Drafter::forward over the whole context (up to floating-point reassociation: the rows are
+// projected in other batches). Every path takes it (greedy, sampling, uncached_target). One host
+// read per round (the posteriors of all blocks) plus one per drafter forward.
 //
 // Contracts: the drafter must fit the target (hidden size, target_layer_ids within the target's
 // layers, mask_token_id and prompt ids within the vocabulary): ConfigError / DataError otherwise.
@@ -67,6 +71,7 @@
 #include <vector>
 
 #include "core/model/drafter.h"
+#include "core/model/drafter_context_cache.h"
 #include "core/model/generation.h"
 #include "core/model/target.h"
 
@@ -82,10 +87,11 @@ struct SpecDecodeOptions {
   // A deliberately WRONG sampling rule that keeps every draft: only the distribution test's
   // negative control sets it (its samples must fail the test's bound). Ignored when greedy.
   bool accept_every_draft = false;
-  // The uncached reference (a benchmark baseline only, `dflash bench generate --eval`): no cache;
-  // the target re-runs each prompt's whole sequence (accepted tokens + the block) every round, as
-  // dflash eval did before the cache. The same rounds and results (up to floating-point
-  // differences between the full forward and the cached extend).
+  // The uncached reference (a benchmark baseline only, `dflash bench generate --eval`): no target
+  // cache; the target re-runs each prompt's whole sequence (accepted tokens + the block) every
+  // round, as dflash eval did before the cache. The same rounds and results (up to floating-point
+  // differences between the full forward and the cached extend). The drafter keeps its context
+  // cache either way (this switch is about the target).
   bool uncached_target = false;
   // Called after each prompt of a generate_batch call finishes, with the number finished so far
   // in that call (progress lines); empty: nothing is called.
@@ -122,14 +128,20 @@ class SpeculativeDecoder {
                               const std::vector<int64_t>& which, const std::vector<int64_t>& held,
                               const std::vector<int64_t>& lengths, const std::vector<int64_t>& ids, bool rollback);
   // Admits waiting prompts into free slots: one prefill extend, their first tokens and contexts.
-  void admit(model::SequenceCache* cache, std::vector<Slot>& slots, const std::vector<std::vector<int64_t>>& prompts,
-             size_t& next, int64_t B, const SpecDecodeOptions& opt);
+  // `context`: the drafter's context cache, null when B == 1 (no drafting).
+  void admit(model::SequenceCache* cache, model::DrafterContextCache* context, std::vector<Slot>& slots,
+             const std::vector<std::vector<int64_t>>& prompts, size_t& next, int64_t B, const SpecDecodeOptions& opt);
   // One round (draft, verify, accept, roll back) for every running slot.
-  void round(model::SequenceCache* cache, std::vector<Slot>& slots, int64_t B, const SpecDecodeOptions& opt);
-  // Drafts of the listed slots' blocks (all of verify size V > 1): V-1 ids per slot; when sampling,
-  // also each slot's q rows (Slot::q_RV).
-  std::vector<std::vector<int64_t>> draft(std::vector<Slot>& slots, const std::vector<int64_t>& which, int64_t V,
-                                          const SpecDecodeOptions& opt);
+  void round(model::SequenceCache* cache, model::DrafterContextCache* context, std::vector<Slot>& slots, int64_t B,
+             const SpecDecodeOptions& opt);
+  // Appends counts[j] context rows to slot which[j] of `context`: the target features features_TKH
+  // of all of them back to back, fused in one call.
+  void append_context(model::DrafterContextCache& context, int64_t B, const std::vector<int64_t>& which,
+                      const std::vector<int64_t>& counts, const torch::Tensor& features_TKH);
+  // Drafts of the listed slots' blocks (all of verify size V > 1) over their cached context: V-1 ids
+  // per slot; when sampling, also each slot's q rows (Slot::q_RV).
+  std::vector<std::vector<int64_t>> draft(const model::DrafterContextCache& context, std::vector<Slot>& slots,
+                                          const std::vector<int64_t>& which, int64_t V, const SpecDecodeOptions& opt);
   // Sampling: per listed slot, [V-1 acceptance flags (0/1), then V candidates c] (see above).
   std::vector<std::vector<int64_t>> sample_verdicts(std::vector<Slot>& slots, const std::vector<int64_t>& which,
                                                     const std::vector<int64_t>& lengths,

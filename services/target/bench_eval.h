@@ -1,6 +1,7 @@
 // `dflash bench generate --eval`: the speculative decoding of `dflash eval` (core/eval/spec_decode.h,
 // the target on its KV / recurrent cache) against the uncached reference (the target re-runs the
-// whole sequence every round, SpecDecodeOptions::uncached_target, as eval did before the cache), on
+// whole sequence every round, SpecDecodeOptions::uncached_target, as eval did before the target
+// cache; the drafter keeps its context cache on both sides), on
 // a random-weight target of a bench shape and a random drafter, in one invocation. JSON on stdout:
 //   {"bench": "eval", "shape", "device", "dtype", "prompts", "prompt_len", "max_new_tokens",
 //    "block_size", "draft_layers", "batch_size",
