@@ -45,7 +45,7 @@ inline void perturb_norms(model::Drafter& d, uint64_t seed) {
   torch::NoGradGuard g;
   auto gen = at::detail::createCPUGenerator(seed);
   for (auto& [name, p] : d.parameters())
-    if (name.find("norm") != std::string::npos) p.add_(torch::randn(p.sizes(), gen) * 0.2);
+    if (name.find("norm") != std::string::npos) p.add_((torch::randn(p.sizes(), gen) * 0.2).to(p.device()));
 }
 
 // Three documents of different lengths with captured features (layers 0, 2) and h_last.

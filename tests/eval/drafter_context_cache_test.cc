@@ -2,7 +2,10 @@
 // rounds of appends (different row counts per slot, slots of different lengths, blocks of two
 // sizes, slots drafted in any order), its draft step must give Drafter::forward's hidden states and
 // logits over the whole context (fp32 CPU, 1e-5 relative), with both attention kernels; a cache
-// that misses an append, or holds the wrong rows, must not.
+// that misses an append, or holds the wrong rows, must not. The *Gpu* tests (ctest label gpu) run
+// the same scenario on CUDA: fp32 (TF32 off) within 1e-4, and bfloat16 with the flash block-sparse
+// kernel within 2e-2 (both sides round every op to bf16, in a different order for the context K/V:
+// projected once per row here, with all rows in Drafter::forward).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -51,21 +54,22 @@ using Corrupt = std::function<torch::Tensor(size_t, int64_t, const torch::Tensor
 
 // Runs the scenario on a cache and on Drafter::forward over the whole context; returns the largest
 // relative difference (max |a - b| / max |b|) of the hidden states and logits over all drafts.
-double max_relative_difference(const std::vector<Round>& rounds, const Corrupt& corrupt = nullptr) {
+double max_relative_difference(const std::vector<Round>& rounds, const Corrupt& corrupt = nullptr,
+                               torch::Device dev = torch::kCPU, torch::ScalarType dtype = torch::kFloat32) {
   torch::NoGradGuard no_grad;
   auto cfg = testing::standalone_drafter_config();
   std::map<int64_t, std::unique_ptr<Drafter>> drafters;  // per block size, the same weights
   for (int64_t B : {3, 4}) {
     cfg.block_size = B;
-    drafters[B] = std::make_unique<Drafter>(cfg, torch::kCPU, /*init_seed=*/21);
+    drafters[B] = std::make_unique<Drafter>(cfg, dev, /*init_seed=*/21);  // the same weights on any device
     testing::perturb_norms(*drafters[B], 5);
   }
   const Drafter& d = *drafters.begin()->second;
   const int64_t H = cfg.hidden_size, K = cfg.num_context_layers(), S = 3;
   auto gen = at::detail::createCPUGenerator(99);
-  const auto head = torch::randn({cfg.vocab_size, H}, gen);
-  DrafterContextCache cache(cfg, S, /*max_rows=*/48, torch::kCPU, torch::kFloat32);
-  std::vector<torch::Tensor> history(S, torch::zeros({0, H}));  // every slot's fused context rows
+  const auto head = torch::randn({cfg.vocab_size, H}, gen).to(dev, dtype);
+  DrafterContextCache cache(cfg, S, /*max_rows=*/48, dev, dtype);
+  std::vector<torch::Tensor> history(S, torch::zeros({0, H}, torch::TensorOptions().device(dev).dtype(dtype)));
   // Prefill: slots of 5, 11 and 1 rows, appended in one call.
   std::vector<Round> all{{0, {}, {{0, 5}, {1, 11}, {2, 1}}}};
   all.insert(all.end(), rounds.begin(), rounds.end());
@@ -74,7 +78,7 @@ double max_relative_difference(const std::vector<Round>& rounds, const Corrupt& 
     const auto& round = all[r];
     if (!round.drafted.empty()) {
       const int64_t B = round.B, N = round.drafted.size();
-      const auto x = torch::randn({N * B, H}, gen);
+      const auto x = torch::randn({N * B, H}, gen).to(dev, dtype);
       std::vector<int64_t> q_pos, ctx_pos, begin, len;
       std::vector<torch::Tensor> ctx;
       int64_t rows = 0;
@@ -87,17 +91,18 @@ double max_relative_difference(const std::vector<Round>& rounds, const Corrupt& 
         rows += n;
         ctx.push_back(history[s]);
       }
-      const auto expect = drafters[B]->forward(x, torch::tensor(q_pos, torch::kInt64), torch::cat(ctx),
-                                               torch::tensor(ctx_pos, torch::kInt64), BlockAttention{begin, len},
-                                               torch::kFloat32);
+      const auto expect = drafters[B]->forward(x, torch::tensor(q_pos, torch::kInt64).to(dev), torch::cat(ctx),
+                                               torch::tensor(ctx_pos, torch::kInt64).to(dev), BlockAttention{begin, len},
+                                               dtype);
       const auto got = cache.forward(*drafters[B], x, round.drafted);
       for (auto [a, b] : {std::pair{got, expect}, std::pair{F::linear(got, head), F::linear(expect, head)}})
-        worst = std::max(worst, ((a - b).abs().max() / b.abs().max()).item<double>());
+        worst = std::max(worst, ((a.to(torch::kFloat32) - b.to(torch::kFloat32)).abs().max() /
+                                 b.to(torch::kFloat32).abs().max()).item<double>());
     }
     std::vector<int64_t> slots, counts;
     std::vector<torch::Tensor> appended;
     for (auto [s, n] : round.counts) {
-      const auto fused = d.fuse_context(torch::randn({n, K * H}, gen), torch::kFloat32);
+      const auto fused = d.fuse_context(torch::randn({n, K * H}, gen).to(dev, dtype), dtype);
       history[s] = torch::cat({history[s], fused});
       const auto rows = corrupt ? corrupt(r, s, fused) : fused;
       if (!rows.defined()) continue;
@@ -147,6 +152,27 @@ TEST(DrafterContextCache, StaleCacheDiffers) {
   std::cout << "skipped append: " << skipped << ", rows out of order: " << wrong_rows << "\n";
   EXPECT_GT(skipped, 1e-3);
   EXPECT_GT(wrong_rows, 1e-3);
+}
+
+TEST(DrafterContextCache, DraftEqualsForwardOverTheWholeContextGpu) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  at::globalContext().setAllowTF32CuBLAS(false);
+  {
+    Kernel k("masked", "256");
+    const double fp32 = max_relative_difference(kRounds, nullptr, torch::kCUDA, torch::kFloat32);
+    std::cout << "cuda fp32, masked: max relative difference " << fp32 << "\n";
+    EXPECT_LE(fp32, 1e-4);
+  }
+  Kernel k("block_sparse", "4");
+  const double bf16 = max_relative_difference(kRounds, nullptr, torch::kCUDA, torch::kBFloat16);
+  std::cout << "cuda bf16, block-sparse: max relative difference " << bf16 << "\n";
+  EXPECT_LE(bf16, 2e-2);
+  // ... and still fails a stale cache at that tolerance.
+  const double skipped = max_relative_difference(kRounds, [](size_t r, int64_t s, const torch::Tensor& rows) {
+    return r == 2 && s == 0 ? torch::Tensor() : rows;
+  }, torch::kCUDA, torch::kBFloat16);
+  std::cout << "cuda bf16, skipped append: " << skipped << "\n";
+  EXPECT_GT(skipped, 5e-2);
 }
 
 TEST(DrafterContextCache, ChecksItsContract) {
