@@ -6,7 +6,11 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/util/error.h"
 #include "core/util/switches.h"
+#ifdef DFLASH_WITH_CUDA
+#include "core/model/cuda/train_ops.h"
+#endif
 
 namespace dflash::model {
 namespace F = torch::nn::functional;
@@ -21,8 +25,28 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// DFLASH_FUSED_TRAIN_OPS=on and x a CUDA bf16/fp16 tensor: the training functions below run the fused
+// kernels of cuda/train_ops.h (layers.h has the contract).
+bool fused_train_ops(const torch::Tensor& x) {
+  if (!x.is_cuda() || (x.scalar_type() != torch::kBFloat16 && x.scalar_type() != torch::kHalf)) return false;
+  if (switches::get("DFLASH_FUSED_TRAIN_OPS") != "on") return false;
+#ifndef DFLASH_WITH_CUDA
+  DFLASH_FAIL(ConfigError, "DFLASH_FUSED_TRAIN_OPS=on needs a CUDA build (DFLASH_CUDA=ON)");
+#endif
+  return true;
+}
+
 struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w, double eps) {
+    const bool fused = fused_train_ops(x);
+    ctx->saved_data["fused"] = fused;
+#ifdef DFLASH_WITH_CUDA
+    if (fused) {
+      auto r = fused_train::rms_norm_forward(x, w, eps);
+      ctx->save_for_backward({x, w, r.rstd});
+      return r.y;
+    }
+#endif
     auto x32 = x.to(torch::kFloat32);
     auto rstd = torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
     ctx->save_for_backward({x, w, rstd});
@@ -32,6 +56,12 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
     const auto s = ctx->get_saved_variables();
     const auto &x = s[0], &w = s[1], &rstd = s[2];
     const auto& dy = grads[0];
+#ifdef DFLASH_WITH_CUDA
+    if (ctx->saved_data["fused"].toBool()) {
+      auto r = fused_train::rms_norm_backward(dy, x, w, rstd);
+      return {r.dx, r.dw.to(w.scalar_type()), torch::Tensor()};
+    }
+#endif
     auto xhat = x.to(torch::kFloat32) * rstd;
     // out = w * y with y = xhat in x's dtype: dw = sum(dy * y), dy/dxhat = dy * w.
     auto y = xhat.to(x.scalar_type());
@@ -42,24 +72,47 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   }
 };
 
+// silu(g) * u: the fused kernel or LibTorch ops.
+torch::Tensor swiglu_act(const torch::Tensor& g, const torch::Tensor& u, [[maybe_unused]] bool fused) {
+#ifdef DFLASH_WITH_CUDA
+  if (fused) return fused_train::swiglu_forward(g, u);
+#endif
+  return torch::silu(g) * u;
+}
+
+// The SwiGLU product's backward from da = dL/d(silu(g) * u): the product itself (recomputed, for the
+// down projection's weight gradient), dg and du; one fused pass or LibTorch ops.
+struct SwigluGrads {
+  torch::Tensor act, dg, du;
+};
+SwigluGrads swiglu_grads(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& da,
+                         [[maybe_unused]] bool fused) {
+#ifdef DFLASH_WITH_CUDA
+  if (fused) {
+    auto r = fused_train::swiglu_backward(g, u, da);
+    return {r.act, r.dg, r.du};
+  }
+#endif
+  auto sg = torch::sigmoid(g);
+  auto silu = g * sg;
+  return {silu * u, da * u * (sg * (1 + g * (1 - sg))), da * silu};
+}
+
 // (silu(g) * u) @ w^T, keeping only g and u: the product is recomputed in backward for dw.
 struct SwigluDownFn : public torch::autograd::Function<SwigluDownFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& w) {
+    const bool fused = fused_train_ops(g);
+    ctx->saved_data["fused"] = fused;
     ctx->save_for_backward({g, u, w});
-    return torch::nn::functional::linear(torch::silu(g) * u, w);
+    return torch::nn::functional::linear(swiglu_act(g, u, fused), w);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
     const auto &g = s[0], &u = s[1], &w = s[2];
     const auto dy = grads[0].reshape({-1, w.size(0)});
-    auto sg = torch::sigmoid(g);
-    auto silu = g * sg;
-    auto act = (silu * u).reshape({-1, w.size(1)});
-    auto dw = dy.t().mm(act);
-    auto da = dy.mm(w).view(g.sizes());
-    auto du = da * silu;
-    auto dg = da * u * (sg * (1 + g * (1 - sg)));
-    return {dg, du, dw};
+    auto r = swiglu_grads(g, u, dy.mm(w).view(g.sizes()), ctx->saved_data["fused"].toBool());
+    auto dw = dy.t().mm(r.act.reshape({-1, w.size(1)}));
+    return {r.dg, r.du, dw};
   }
 };
 // The whole SwiGLU MLP keeping only its input h: g = h wg^T and u = h wu^T are recomputed in
@@ -67,24 +120,21 @@ struct SwigluDownFn : public torch::autograd::Function<SwigluDownFn> {
 struct SwigluMlpFn : public torch::autograd::Function<SwigluMlpFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& h, const torch::Tensor& wg, const torch::Tensor& wu,
                                const torch::Tensor& wd) {
+    const bool fused = fused_train_ops(h);
+    ctx->saved_data["fused"] = fused;
     ctx->save_for_backward({h, wg, wu, wd});
     namespace F = torch::nn::functional;
-    return F::linear(torch::silu(F::linear(h, wg)) * F::linear(h, wu), wd);
+    return F::linear(swiglu_act(F::linear(h, wg), F::linear(h, wu), fused), wd);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
     const auto &h = s[0], &wg = s[1], &wu = s[2], &wd = s[3];
     const auto h2 = h.reshape({-1, h.size(-1)});
     const auto dy = grads[0].reshape({-1, wd.size(0)});
-    auto g = h2.mm(wg.t()), u = h2.mm(wu.t());
-    auto sg = torch::sigmoid(g);
-    auto silu = g * sg;
-    auto dwd = dy.t().mm(silu * u);
-    auto da = dy.mm(wd);
-    auto du = da * silu;
-    auto dg = da * u * (sg * (1 + g * (1 - sg)));
-    auto dh = dg.mm(wg).add_(du.mm(wu));
-    return {dh.view(h.sizes()), dg.t().mm(h2), du.t().mm(h2), dwd};
+    auto r = swiglu_grads(h2.mm(wg.t()), h2.mm(wu.t()), dy.mm(wd), ctx->saved_data["fused"].toBool());
+    auto dwd = dy.t().mm(r.act);
+    auto dh = r.dg.mm(wg).add_(r.du.mm(wu));
+    return {dh.view(h.sizes()), r.dg.t().mm(h2), r.du.t().mm(h2), dwd};
   }
 };
 }  // namespace

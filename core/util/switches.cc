@@ -50,6 +50,10 @@ const std::vector<Switch>& registry() {
        "DFlash loss; auto: the fused CUDA kernel for CUDA bf16 logits, else LibTorch ops (fused elsewhere is a "
        "config error).",
        true, false},
+      {"DFLASH_FUSED_TRAIN_OPS", Kind::kChoice, {"on", "off"}, "off",
+       "on: the drafter's training RMSNorm and SwiGLU (forward and backward) run fused CUDA kernels for CUDA "
+       "bf16/fp16 inputs; other devices and dtypes keep the LibTorch ops (default off until measured on a GPU).",
+       true, false},
       {"DFLASH_ADAMW", Kind::kChoice, {"plain", "fused"}, kAuto,
        "AdamW; auto: the fused multi-tensor step for CUDA parameters, else LibTorch ops.", true, false},
       {"DFLASH_LOG_LEVEL", Kind::kChoice, {"debug", "info", "warn", "error"}, "info",

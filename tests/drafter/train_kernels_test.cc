@@ -6,7 +6,8 @@
 // softmax in fp64. CPU: the decomposition with the reference kernel, fp64, forward and the gradients
 // of all five inputs (relative error < 1e-10). GPU (label gpu): the flash kernels in bf16 against the
 // same dense fp32 computation (relative error < 2e-2), and the drafter forward/backward with either
-// kernel.
+// kernel. (6) GPU: the fused RMSNorm / SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the
+// LibTorch ops of the same autograd functions (the tolerances are stated with the tests).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -19,6 +20,7 @@
 #include "core/train/optimizer.h"
 #include "core/train/trainer.h"
 #ifdef DFLASH_WITH_CUDA
+#include "core/model/cuda/train_ops.h"
 #include "core/train/cuda/fused_loss.h"
 #endif
 #include "core/util/error.h"
@@ -394,5 +396,223 @@ void expect_fused_equals_plain(const train::LossOptions& lo) {
   switches::reload();
   ASSERT_EQ(r[0].size(), r[1].size());
   for (size_t i = 0; i < r[0].size(); ++i) EXPECT_LT(rel(r[1][i], r[0][i]), i < 4 ? 1e-3 : 2e-2) << i;
+}
+#endif
+
+#ifdef DFLASH_WITH_CUDA
+// (6) The fused training kernels of core/model/cuda/train_ops.h (DFLASH_FUSED_TRAIN_OPS=on) against
+// the LibTorch ops the same autograd functions run with the switch off, on random CUDA inputs.
+// Errors are max |fused - reference| / max |reference| (fp64), with these bounds:
+//   1e-2  bf16/fp16 outputs (y, silu(g) * u, the MLP output), dx and du: at most a few T roundings
+//         apart (summation order of the row sums, the reference's extra rounding of silu);
+//   2e-2  dg and the weight gradients (dw, dW through the GEMMs): the reference rounds dg's formula
+//         to T at 7 points and dw's products before the sum (a CPU emulation of both formulas on
+//         8192 x 4096 bf16 inputs: dg 8.5e-3, dw 5.9e-3 apart);
+//   1e-5  fp32 results: rstd against the reference's, dw (fp32, before the cast to w's dtype)
+//         against the same sum in fp64 (the emulation: 1.3e-7);
+//   5e-3  dg against its formula in fp64 from the same inputs (the fused kernel's only error is
+//         its final rounding and fp32 arithmetic; emulation 2.1e-3, the reference ops' 7.9e-3).
+// Each case also checks that the fused kernels ran with the switch on and not with it off
+// (fused_train::kernel_launches), and a negative control: a wrong eps, resp. a scaled u, must
+// exceed the 1e-2 bound.
+namespace {
+constexpr double kOutTol = 1e-2, kGradTol = 2e-2, kFp32Tol = 1e-5, kExactTol = 5e-3;
+
+double max_rel(const Tensor& a, const Tensor& b) {
+  if (b.numel() == 0) return 0.0;
+  auto a64 = a.detach().to(torch::kFloat64), b64 = b.detach().to(torch::kFloat64);
+  return (a64 - b64).abs().max().item<double>() / std::max(b64.abs().max().item<double>(), 1e-30);
+}
+
+// DFLASH_FUSED_TRAIN_OPS for the scope (unset again at its end).
+struct FusedTrainOps {
+  explicit FusedTrainOps(bool on) {
+    ::setenv("DFLASH_FUSED_TRAIN_OPS", on ? "on" : "off", 1);
+    switches::reload();
+  }
+  ~FusedTrainOps() {
+    ::unsetenv("DFLASH_FUSED_TRAIN_OPS");
+    switches::reload();
+  }
+};
+
+struct Run {
+  std::vector<Tensor> out;  // forward output, then the gradients
+  int64_t launches = 0;     // fused kernels launched
+};
+
+// f(leaves) with the switch on or off; backward with `up`; the output and the leaves' gradients.
+Run run_switched(bool on, const std::vector<Tensor>& inputs, const Tensor& up,
+                 const std::function<Tensor(const std::vector<Tensor>&)>& f) {
+  FusedTrainOps sw(on);
+  std::vector<Tensor> leaves;
+  for (const auto& t : inputs) leaves.push_back(t.detach().set_requires_grad(true));  // same storage and offset
+  const int64_t before = model::fused_train::kernel_launches();
+  auto y = f(leaves);
+  y.backward(up);
+  Run r{{y.detach()}, model::fused_train::kernel_launches() - before};
+  for (const auto& l : leaves) r.out.push_back(l.grad());
+  return r;
+}
+
+// `on` against `off` output by output; names[i] names out[i].
+void expect_close(const Run& on, const Run& off, const std::vector<std::pair<const char*, double>>& names,
+                  const std::string& what) {
+  ASSERT_EQ(on.out.size(), names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    const double e = max_rel(on.out[i], off.out[i]);
+    EXPECT_LE(e, names[i].second) << what << " " << names[i].first;
+    std::printf("fused train ops %s %s: %.3g (bound %.0e)\n", what.c_str(), names[i].first, e, names[i].second);
+  }
+}
+
+// A contiguous random tensor whose data starts 2 bytes past a 16-byte boundary when `misaligned`
+// (the kernels' scalar path).
+Tensor randn_at(const std::vector<int64_t>& shape, torch::ScalarType dt, bool misaligned) {
+  const auto o = torch::TensorOptions().device(torch::kCUDA);
+  int64_t numel = 1;
+  for (auto d : shape) numel *= d;
+  auto base = torch::randn({numel + 1}, o).to(dt);
+  return base.narrow(0, misaligned ? 1 : 0, numel).view(shape);
+}
+
+void expect_fused_rms_norm(const std::vector<int64_t>& shape, torch::ScalarType dt, bool misaligned = false) {
+  const std::string what = "rms_norm " + c10::str(c10::IntArrayRef(shape)) + " " + c10::toString(dt) +
+                           (misaligned ? " misaligned" : "");
+  const int64_t n = shape.back();
+  auto x = randn_at(shape, dt, misaligned), dy = randn_at(shape, dt, false);
+  auto w = (1 + 0.1 * torch::randn({n}, torch::TensorOptions().device(torch::kCUDA))).to(dt);
+  auto f = [](const std::vector<Tensor>& t) { return model::rms_norm_train(t[0], t[1], 1e-6); };
+  const Run on = run_switched(true, {x, w}, dy, f), off = run_switched(false, {x, w}, dy, f);
+  expect_close(on, off, {{"y", kOutTol}, {"dx", kOutTol}, {"dw", kGradTol}}, what);
+  const bool empty = x.numel() == 0;
+  EXPECT_EQ(on.launches, empty ? 0 : 2) << what;
+  EXPECT_EQ(off.launches, 0) << what;
+  // The kernels' fp32 results: rstd, and dw before its cast against the same products summed in fp64.
+  auto fw = model::fused_train::rms_norm_forward(x, w, 1e-6);
+  auto x32 = x.to(torch::kFloat32);
+  EXPECT_LE(max_rel(fw.rstd, torch::rsqrt(x32.pow(2).mean(-1) + 1e-6).reshape({-1})), kFp32Tol) << what;
+  auto bw = model::fused_train::rms_norm_backward(dy, x, w, fw.rstd);
+  ASSERT_EQ(bw.dw.scalar_type(), torch::kFloat32);
+  auto y_T = (x32.reshape({-1, n}) * fw.rstd.unsqueeze(1)).to(dt);  // the kernel's T(xhat), same fp32 product
+  auto dw64 = (dy.reshape({-1, n}).to(torch::kFloat64) * y_T.to(torch::kFloat64)).sum(0);
+  const double e_dw = max_rel(bw.dw, dw64);
+  EXPECT_LE(e_dw, kFp32Tol) << what;
+  std::printf("fused train ops %s dw fp32 vs fp64: %.3g\n", what.c_str(), e_dw);
+  if (!empty) {  // negative control: eps 1e-1 instead of 1e-6 must fail the output bound
+    EXPECT_GT(max_rel(model::fused_train::rms_norm_forward(x, w, 1e-1).y, off.out[0]), kOutTol) << what;
+  }
+}
+
+// swiglu_down_train and swiglu_mlp_recompute_train on [rows, inter] activations (H = 64).
+void expect_fused_swiglu(int64_t rows, int64_t inter, torch::ScalarType dt) {
+  const std::string what = "swiglu " + std::to_string(rows) + "x" + std::to_string(inter) + " " + c10::toString(dt);
+  const auto o = torch::TensorOptions().device(torch::kCUDA);
+  const int64_t H = 64;
+  auto g = torch::randn({rows, inter}, o).to(dt), u = torch::randn({rows, inter}, o).to(dt);
+  auto wd = (torch::randn({H, inter}, o) / std::sqrt(double(inter))).to(dt);
+  auto up = torch::randn({rows, H}, o).to(dt);
+  auto down = [](const std::vector<Tensor>& t) { return model::swiglu_down_train(t[0], t[1], t[2]); };
+  Run on = run_switched(true, {g, u, wd}, up, down), off = run_switched(false, {g, u, wd}, up, down);
+  expect_close(on, off, {{"out", kOutTol}, {"dg", kGradTol}, {"du", kOutTol}, {"dW_down", kGradTol}}, what);
+  const bool empty = rows * inter == 0;
+  EXPECT_EQ(on.launches, empty ? 0 : 2) << what;
+  EXPECT_EQ(off.launches, 0) << what;
+  // The MLP with g and u recomputed from h [rows, H].
+  auto h = torch::randn({rows, H}, o).to(dt);
+  auto wg = (torch::randn({inter, H}, o) / std::sqrt(double(H))).to(dt), wu = (torch::randn({inter, H}, o) / std::sqrt(double(H))).to(dt);
+  auto mlp = [](const std::vector<Tensor>& t) { return model::swiglu_mlp_recompute_train(t[0], t[1], t[2], t[3]); };
+  on = run_switched(true, {h, wg, wu, wd}, up, mlp), off = run_switched(false, {h, wg, wu, wd}, up, mlp);
+  expect_close(on, off, {{"out", kOutTol}, {"dh", kGradTol}, {"dW_gate", kGradTol}, {"dW_up", kGradTol}, {"dW_down", kGradTol}},
+               what + " recompute");
+  EXPECT_EQ(on.launches, empty ? 0 : 2) << what;
+  // The kernels directly: forward = torch::silu(g) * u; backward's act = forward's bitwise; dg
+  // against its formula in fp64.
+  auto da = torch::randn({rows, inter}, o).to(dt);
+  auto act = model::fused_train::swiglu_forward(g, u);
+  EXPECT_LE(max_rel(act, torch::silu(g) * u), kOutTol) << what;
+  auto b = model::fused_train::swiglu_backward(g, u, da);
+  EXPECT_TRUE(torch::equal(b.act, act)) << what;
+  auto g64 = g.to(torch::kFloat64), sig = torch::sigmoid(g64);
+  EXPECT_LE(max_rel(b.dg, da.to(torch::kFloat64) * u.to(torch::kFloat64) * sig * (1 + g64 * (1 - sig))), kExactTol) << what;
+  if (!empty) {  // negative control: u scaled by 1.05 must fail the output bound
+    EXPECT_GT(max_rel(model::fused_train::swiglu_forward(g, (u * 1.05).to(dt)), act), kOutTol) << what;
+  }
+}
+}  // namespace
+
+TEST(FusedTrainOpsGpu, RmsNormEqualsLibTorchOps) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  torch::manual_seed(31);
+  for (int64_t rows : {0, 1, 7, 8192})
+    for (int64_t n : {128, 576, 4096, 100}) expect_fused_rms_norm({rows, n}, torch::kBFloat16);
+  expect_fused_rms_norm({8192, 4096}, torch::kBFloat16, /*misaligned=*/true);  // 16-byte loads impossible
+  expect_fused_rms_norm({7, 32, 128}, torch::kBFloat16);                       // q_norm's [Q, Hq, D]
+  expect_fused_rms_norm({8192, 32, 128}, torch::kBFloat16);                    // 262144 rows of 128
+  expect_fused_rms_norm({7, 4096}, torch::kHalf);
+  expect_fused_rms_norm({3, 16384}, torch::kBFloat16);  // the widest row (1024-thread teams)
+}
+
+TEST(FusedTrainOpsGpu, SwigluEqualsLibTorchOps) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  torch::manual_seed(32);
+  for (int64_t rows : {0, 1, 7, 8192})
+    for (int64_t inter : {128, 576, 4096, 100}) expect_fused_swiglu(rows, inter, torch::kBFloat16);
+  expect_fused_swiglu(7, 4096, torch::kHalf);
+}
+
+TEST(FusedTrainOpsGpu, UnsupportedInputsFailClearly) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  FusedTrainOps sw(true);
+  const auto o = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  auto x = torch::randn({4, 64}, o);
+  EXPECT_THROW(model::rms_norm_train(x, torch::ones({64}, o.dtype(torch::kFloat32)), 1e-6), ConfigError);  // w fp32
+  EXPECT_THROW(model::rms_norm_train(torch::randn({2, 16385}, o), torch::ones({16385}, o), 1e-6), ConfigError);
+  EXPECT_THROW(model::fused_train::swiglu_forward(x, torch::randn({4, 32}, o)), ConfigError);
+  // fp32 and CPU inputs take the LibTorch ops whatever the switch says (no kernels for them).
+  const int64_t before = model::fused_train::kernel_launches();
+  auto x32 = torch::randn({4, 64}, o.dtype(torch::kFloat32));
+  EXPECT_TRUE(torch::equal(model::rms_norm_train(x32, torch::ones({64}, x32.options()), 1e-6),
+                           model::rms_norm(x32, torch::ones({64}, x32.options()), 1e-6)));
+  model::rms_norm_train(torch::randn({4, 64}), torch::ones({64}), 1e-6);
+  EXPECT_EQ(model::fused_train::kernel_launches(), before);
+}
+
+// The drafter's forward and backward (bf16 on CUDA, every norm and MLP of two layers) with the
+// switch on against off: output within 1e-2, every parameter gradient within 2e-2 (relative L2).
+TEST(FusedTrainOpsGpu, DrafterForwardBackwardEqualsLibTorchOps) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  const auto cfg = small_drafter(256, 64, 512, 3, 64);
+  const auto c = small_case();
+  const int64_t Q = int64_t(c.ctx_begin.size()) * c.B;
+  const auto o = torch::TensorOptions().device(torch::kCUDA);
+  std::vector<Tensor> r[2];
+  int64_t launches[2];
+  for (int on = 0; on < 2; ++on) {
+    FusedTrainOps sw(on);
+    model::Drafter d(cfg, torch::kCUDA, 3);
+    torch::manual_seed(5);
+    auto x = torch::randn({Q, 256}, o), ctx = torch::randn({c.T, 256}, o).to(torch::kBFloat16);
+    auto qpos = torch::arange(Q, o.dtype(torch::kInt64)), cpos = torch::arange(c.T, o.dtype(torch::kInt64));
+    model::BlockAttention a;
+    a.ctx_begin = c.ctx_begin;
+    a.ctx_len = c.ctx_len;
+    a.tile = 4;
+    a.max_group_blocks = 3;
+    a.kernel = model::BlockAttention::Kernel::kMasked;  // the attention is not under test here
+    const int64_t before = model::fused_train::kernel_launches();
+    auto out = d.forward(x, qpos, ctx, cpos, a, torch::kBFloat16);
+    (out.to(torch::kFloat32) * torch::randn(out.sizes(), o)).sum().backward();
+    launches[on] = model::fused_train::kernel_launches() - before;
+    r[on].push_back(out.detach());
+    for (auto& [_, p] : d.parameters())
+      if (p.grad().defined()) r[on].push_back(p.grad().clone());
+  }
+  // Per layer: 5 norms (input, q, k context, k block, post-attention) and the MLP, twice each; + the final norm.
+  EXPECT_EQ(launches[1], 2 * (2 * 6 + 1));
+  EXPECT_EQ(launches[0], 0);
+  ASSERT_EQ(r[0].size(), r[1].size());
+  ASSERT_GT(r[0].size(), 10u);
+  for (size_t i = 0; i < r[0].size(); ++i) EXPECT_LT(rel(r[1][i], r[0][i]), i == 0 ? kOutTol : kGradTol) << i;
 }
 #endif

@@ -1,8 +1,9 @@
-// Device helpers shared by the fused CUDA kernels (fused_ops.cu, hybrid_ops.cu, gated_delta.cu):
-// fp32 <-> storage-type conversions, vector loads and stores of either type, a bf16 rounding point,
-// and a block-wide sum.
+// Device helpers shared by the fused CUDA kernels (fused_ops.cu, hybrid_ops.cu, gated_delta.cu,
+// train_ops.cu): fp32 <-> storage-type conversions (fp32, bf16, fp16), vector loads and stores of
+// fp32 or bf16, a bf16 rounding point, and a block-wide sum.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -10,6 +11,7 @@ namespace dflash::model::cuda_common {
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 template <typename T>
 __device__ __forceinline__ T from_f(float x);
 template <>
@@ -19,6 +21,10 @@ __device__ __forceinline__ float from_f<float>(float x) {
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
   return __float2bfloat16(x);
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) {
+  return __float2half(x);
 }
 
 // 4, 2 or 1 consecutive float or bf16 values as one 16/8/4-byte (fp32) or 8/4/2-byte (bf16) access,

@@ -1,0 +1,400 @@
+// Fused RMSNorm and SwiGLU for the drafter's training step (train_ops.h). fp32 arithmetic, no
+// fast-math (expf, rsqrtf as torch's kernels).
+//
+// RMSNorm: a row is held by a team of kTeam threads (16 or 32 lanes of one warp, or a whole block of
+// 64..1024), each thread owning the same columns of every row its team visits: chunk k of a row is
+// columns [(k kTeam + lane) kVec, + kVec), kVec = 8 (16-byte accesses) when rows allow it, else 1.
+// Teams walk the rows with a block-uniform stride, so the team's sum (warp shuffles or block_sum) is
+// reached by every thread. The backward accumulates its columns of dw over the team's rows in
+// registers and writes them once per team: one fp32 row of partial sums per team, summed after.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <atomic>
+#include <initializer_list>
+#include <type_traits>
+
+#include "core/model/cuda/device_common.cuh"
+#include "core/model/cuda/train_ops.h"
+#include "core/util/error.h"
+
+namespace dflash::model::fused_train {
+namespace {
+using namespace dflash::model::cuda_common;
+
+std::atomic<int64_t> g_launches{0};
+
+// Elements of a row per thread (kVec x chunks): rows up to 1024 x 16 = kMaxRowElements.
+constexpr int kPerThread = 16;
+static_assert(1024 * kPerThread == kMaxRowElements);
+// The backward's teams get at least this many rows each: fewer teams, fewer partial dw rows to write
+// and sum (at 16 rows, 1/8 of x's bytes written and read again for n-wide rows).
+constexpr int64_t kMinRowsPerTeam = 16;
+constexpr int kElementwiseThreads = 256;
+
+// kVec consecutive elements as one aligned access (16 bytes for 8 bf16/fp16 values).
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Pack {
+  T v[kVec];
+};
+
+// Rounds through T (where the LibTorch ops materialise a T tensor).
+template <typename T>
+__device__ __forceinline__ float rnd(float v) {
+  return to_f(from_f<T>(v));
+}
+
+// Threads per block for teams of kTeam: four warps of teams of at most a warp, else one team.
+template <int kTeam>
+constexpr int block_threads() {
+  return kTeam <= 32 ? 128 : kTeam;
+}
+
+// Sum over a team: xor shuffles inside the warp's kTeam-lane groups, or the whole block. Every
+// thread of the warp (resp. block) must call it.
+template <int kTeam>
+__device__ __forceinline__ float team_sum(float v) {
+  if constexpr (kTeam <= 32) {
+#pragma unroll
+    for (int o = kTeam / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  } else {
+    return block_sum<kTeam>(v);
+  }
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ Pack<T, kVec> load(const T* p) {
+  return *reinterpret_cast<const Pack<T, kVec>*>(p);
+}
+template <typename T, int kVec>
+__device__ __forceinline__ void store(T* p, const Pack<T, kVec>& v) {
+  *reinterpret_cast<Pack<T, kVec>*>(p) = v;
+}
+
+template <typename T, int kTeam, int kVec>
+__global__ void __launch_bounds__(block_threads<kTeam>())
+    rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                        float* __restrict__ rstd, int64_t rows, int n, float inv_n, float eps) {
+  constexpr int kTeams = block_threads<kTeam>() / kTeam, kChunks = kPerThread / kVec;
+  const int lane = threadIdx.x % kTeam, team = threadIdx.x / kTeam;
+  for (int64_t base = int64_t(blockIdx.x) * kTeams; base < rows; base += int64_t(gridDim.x) * kTeams) {
+    const int64_t row = base + team;
+    const bool valid = row < rows;
+    Pack<T, kVec> xp[kChunks];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int c = (k * kTeam + lane) * kVec;
+      if (!valid || c >= n) continue;
+      xp[k] = load<T, kVec>(x + row * n + c);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) ss += to_f(xp[k].v[j]) * to_f(xp[k].v[j]);
+    }
+    const float r = rsqrtf(team_sum<kTeam>(ss) * inv_n + eps);
+    if (!valid) continue;
+    if (lane == 0) rstd[row] = r;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int c = (k * kTeam + lane) * kVec;
+      if (c >= n) continue;
+      const auto wp = load<T, kVec>(w + c);
+      Pack<T, kVec> out;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) out.v[j] = from_f<T>(to_f(wp.v[j]) * rnd<T>(to_f(xp[k].v[j]) * r));
+      store(y + row * n + c, out);
+    }
+  }
+}
+
+// dx per row as RmsNormFn; this team's columns of sum_rows dy * T(xhat) into dw_part's row
+// blockIdx.x * kTeams + team ([gridDim.x * kTeams, n], every row written).
+template <typename T, int kTeam, int kVec>
+__global__ void __launch_bounds__(block_threads<kTeam>())
+    rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                        const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ dw_part,
+                        int64_t rows, int n, float inv_n) {
+  constexpr int kTeams = block_threads<kTeam>() / kTeam, kChunks = kPerThread / kVec;
+  const int lane = threadIdx.x % kTeam, team = threadIdx.x / kTeam;
+  float acc[kChunks][kVec] = {};
+  for (int64_t base = int64_t(blockIdx.x) * kTeams; base < rows; base += int64_t(gridDim.x) * kTeams) {
+    const int64_t row = base + team;
+    const bool valid = row < rows;
+    const float r = valid ? rstd[row] : 0.f;
+    Pack<T, kVec> xp[kChunks], dp[kChunks];
+    float dot = 0.f;  // sum of g xhat over the row
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int c = (k * kTeam + lane) * kVec;
+      if (!valid || c >= n) continue;
+      xp[k] = load<T, kVec>(x + row * n + c);
+      dp[k] = load<T, kVec>(dy + row * n + c);
+      const auto wp = load<T, kVec>(w + c);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) dot += rnd<T>(to_f(dp[k].v[j]) * to_f(wp.v[j])) * (to_f(xp[k].v[j]) * r);
+    }
+    const float m = team_sum<kTeam>(dot) * inv_n;
+    if (!valid) continue;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int c = (k * kTeam + lane) * kVec;
+      if (c >= n) continue;
+      const auto wp = load<T, kVec>(w + c);
+      Pack<T, kVec> out;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float xhat = to_f(xp[k].v[j]) * r, d = to_f(dp[k].v[j]);
+        const float g = rnd<T>(d * to_f(wp.v[j]));
+        out.v[j] = from_f<T>(r * (g - xhat * m));
+        acc[k][j] += d * rnd<T>(xhat);
+      }
+      store(dx + row * n + c, out);
+    }
+  }
+  float* part = dw_part + (int64_t(blockIdx.x) * kTeams + team) * n;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int c = (k * kTeam + lane) * kVec;
+    if (c >= n) continue;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) part[c + j] = acc[k][j];
+  }
+}
+
+// silu(g) in fp32 as torch's kernel computes it: g / (1 + exp(-g)).
+__device__ __forceinline__ float silu_f(float g) { return g / (1.f + expf(-g)); }
+
+template <typename T, int kVec>
+__global__ void swiglu_fwd_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ act,
+                                  int64_t packs) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < packs; i += int64_t(gridDim.x) * blockDim.x) {
+    const auto gp = load<T, kVec>(g + i * kVec), up = load<T, kVec>(u + i * kVec);
+    Pack<T, kVec> a;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) a.v[j] = from_f<T>(rnd<T>(silu_f(to_f(gp.v[j]))) * to_f(up.v[j]));
+    store(act + i * kVec, a);
+  }
+}
+
+template <typename T, int kVec>
+__global__ void swiglu_bwd_kernel(const T* __restrict__ g, const T* __restrict__ u, const T* __restrict__ da,
+                                  T* __restrict__ act, T* __restrict__ dg, T* __restrict__ du, int64_t packs) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < packs; i += int64_t(gridDim.x) * blockDim.x) {
+    const auto gp = load<T, kVec>(g + i * kVec), up = load<T, kVec>(u + i * kVec), dp = load<T, kVec>(da + i * kVec);
+    Pack<T, kVec> a, dgp, dup;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float gv = to_f(gp.v[j]), uv = to_f(up.v[j]), d = to_f(dp.v[j]);
+      const float s = rnd<T>(silu_f(gv)), sig = 1.f / (1.f + expf(-gv));
+      a.v[j] = from_f<T>(s * uv);
+      dup.v[j] = from_f<T>(d * s);
+      dgp.v[j] = from_f<T>(d * uv * (sig * (1.f + gv * (1.f - sig))));
+    }
+    store(act + i * kVec, a);
+    store(dg + i * kVec, dgp);
+    store(du + i * kVec, dup);
+  }
+}
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// f(Tag<T>) for x's dtype (bf16 or fp16).
+template <class F>
+void with_dtype(torch::ScalarType dt, F f) {
+  if (dt == torch::kBFloat16)
+    f(Tag<__nv_bfloat16>{});
+  else
+    f(Tag<__half>{});
+}
+
+// f(Int<kTeam>) for the smallest team (16 .. 1024 threads) holding an n-wide row at kPerThread
+// elements per thread.
+template <class F>
+void with_team(int n, F f) {
+  const int need = (n + kPerThread - 1) / kPerThread;
+  if (need <= 16)
+    f(Int<16>{});
+  else if (need <= 32)
+    f(Int<32>{});
+  else if (need <= 64)
+    f(Int<64>{});
+  else if (need <= 128)
+    f(Int<128>{});
+  else if (need <= 256)
+    f(Int<256>{});
+  else if (need <= 512)
+    f(Int<512>{});
+  else
+    f(Int<1024>{});
+}
+
+// f(Tag<T>, Int<kVec>, Int<kTeam>) for a row kernel over rows of x: kVec 8 when n % 8 == 0 and every
+// pointer is 16-byte aligned, else 1.
+template <class F>
+void with_row_config(const torch::Tensor& x, std::initializer_list<torch::Tensor> ptrs, F f) {
+  const int n = static_cast<int>(x.size(-1));
+  bool vec = n % 8 == 0;
+  for (const auto& t : ptrs) vec = vec && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  with_dtype(x.scalar_type(), [&](auto tag) {
+    with_team(n, [&](auto team) {
+      if (vec)
+        f(tag, Int<8>{}, team);
+      else
+        f(tag, Int<1>{}, team);
+    });
+  });
+}
+
+// Blocks for a kernel over `units` work units (rows for the row kernels), `per_block` to a block at
+// least: no more than the GPU holds at once (the kernels loop over the rest).
+template <class K>
+unsigned grid_size(K kernel, int threads, int64_t units, int64_t per_block) {
+  int occupancy = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, threads, 0));
+  const int64_t resident = int64_t(std::max(occupancy, 1)) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(resident, (units + per_block - 1) / per_block)));
+}
+
+template <typename T>
+T* ptr(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+void check_cuda16(const char* fn, const char* name, const torch::Tensor& t) {
+  DFLASH_CHECK(supported(t), ConfigError,
+               fn << ": " << name << " must be a CUDA bf16 or fp16 tensor, got " << t.device() << " " << t.scalar_type());
+}
+void check_like(const char* fn, const char* name, const torch::Tensor& t, const char* ref_name, const torch::Tensor& ref) {
+  DFLASH_CHECK(t.device() == ref.device() && t.scalar_type() == ref.scalar_type() && t.sizes() == ref.sizes(), ConfigError,
+               fn << ": " << name << " must match " << ref_name << " (" << ref.sizes() << " " << ref.scalar_type() << " on "
+                  << ref.device() << "), got " << t.sizes() << " " << t.scalar_type() << " on " << t.device());
+}
+void check_rms_inputs(const char* fn, const torch::Tensor& x, const torch::Tensor& w) {
+  check_cuda16(fn, "x", x);
+  DFLASH_CHECK(x.dim() >= 1 && x.size(-1) >= 1 && x.size(-1) <= kMaxRowElements, ConfigError,
+               fn << ": x's rows must hold 1 .. " << kMaxRowElements << " elements, got x " << x.sizes());
+  DFLASH_CHECK(w.dim() == 1 && w.numel() == x.size(-1) && w.scalar_type() == x.scalar_type() && w.device() == x.device(),
+               ConfigError,
+               fn << ": w must be [" << x.size(-1) << "] " << x.scalar_type() << " on " << x.device() << " (x's), got "
+                  << w.sizes() << " " << w.scalar_type() << " on " << w.device());
+}
+
+}  // namespace
+
+bool supported(const torch::Tensor& x) {
+  return x.is_cuda() && (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf);
+}
+
+int64_t kernel_launches() { return g_launches.load(); }
+
+RmsNormForward rms_norm_forward(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
+  check_rms_inputs("rms_norm_forward", x_in, w_in);
+  const auto x = x_in.contiguous(), w = w_in.contiguous();
+  const int n = static_cast<int>(x.size(-1));
+  const int64_t rows = x.numel() / n;
+  RmsNormForward o{torch::empty_like(x), torch::empty({rows}, x.options().dtype(torch::kFloat32))};
+  if (rows == 0) return o;
+  c10::cuda::CUDAGuard guard(x.device());
+  with_row_config(x, {x, w, o.y}, [&](auto tag, auto vec, auto team) {
+    using T = typename decltype(tag)::type;
+    constexpr int kTeam = decltype(team)::value, kThreads = block_threads<kTeam>();
+    auto* kernel = rms_norm_fwd_kernel<T, kTeam, decltype(vec)::value>;
+    const unsigned grid = grid_size(kernel, kThreads, rows, kThreads / kTeam);
+    kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(ptr<T>(x), ptr<T>(w), ptr<T>(o.y), ptr<float>(o.rstd),
+                                                                    rows, n, 1.f / n, static_cast<float>(eps));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  ++g_launches;
+  return o;
+}
+
+RmsNormGrads rms_norm_backward(const torch::Tensor& dy_in, const torch::Tensor& x_in, const torch::Tensor& w_in,
+                               const torch::Tensor& rstd_in) {
+  const char* fn = "rms_norm_backward";
+  check_rms_inputs(fn, x_in, w_in);
+  check_like(fn, "dy", dy_in, "x", x_in);
+  const int n = static_cast<int>(x_in.size(-1));
+  const int64_t rows = x_in.numel() / n;
+  DFLASH_CHECK(rstd_in.scalar_type() == torch::kFloat32 && rstd_in.numel() == rows && rstd_in.device() == x_in.device(),
+               ConfigError, fn << ": rstd must be fp32 [" << rows << "] on " << x_in.device() << ", got " << rstd_in.sizes()
+                               << " " << rstd_in.scalar_type() << " on " << rstd_in.device());
+  const auto dy = dy_in.contiguous(), x = x_in.contiguous(), w = w_in.contiguous(), rstd = rstd_in.contiguous();
+  auto dx = torch::empty_like(x);
+  if (rows == 0) return {dx, torch::zeros({n}, x.options().dtype(torch::kFloat32))};
+  c10::cuda::CUDAGuard guard(x.device());
+  torch::Tensor part;  // [teams, n]: one row of partial sums of dw per team
+  with_row_config(x, {dy, x, w, dx}, [&](auto tag, auto vec, auto team) {
+    using T = typename decltype(tag)::type;
+    constexpr int kTeam = decltype(team)::value, kThreads = block_threads<kTeam>(), kTeams = kThreads / kTeam;
+    auto* kernel = rms_norm_bwd_kernel<T, kTeam, decltype(vec)::value>;
+    const unsigned grid = grid_size(kernel, kThreads, rows, kTeams * kMinRowsPerTeam);
+    part = torch::empty({int64_t(grid) * kTeams, n}, x.options().dtype(torch::kFloat32));
+    kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(ptr<T>(dy), ptr<T>(x), ptr<T>(w), ptr<float>(rstd),
+                                                                    ptr<T>(dx), ptr<float>(part), rows, n, 1.f / n);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  ++g_launches;
+  return {dx, part.sum(0)};
+}
+
+namespace {
+// launch(Tag<T>, Int<kVec>, grid): an elementwise kernel over `t`'s elements in packs of kVec (8 when
+// the count and every pointer allow 16-byte accesses, else 1), kElementwiseThreads a block.
+template <class F>
+void launch_elementwise(const torch::Tensor& t, std::initializer_list<torch::Tensor> ptrs, F launch) {
+  const int64_t numel = t.numel();
+  bool vec = numel % 8 == 0;
+  for (const auto& p : ptrs) vec = vec && reinterpret_cast<uintptr_t>(p.data_ptr()) % 16 == 0;
+  const int64_t packs = vec ? numel / 8 : numel;
+  const int64_t per_sm = 2048 / kElementwiseThreads;
+  const int64_t grid = std::min((packs + kElementwiseThreads - 1) / kElementwiseThreads,
+                                per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  with_dtype(t.scalar_type(), [&](auto tag) {
+    if (vec)
+      launch(tag, Int<8>{}, static_cast<unsigned>(grid), packs);
+    else
+      launch(tag, Int<1>{}, static_cast<unsigned>(grid), packs);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  ++g_launches;
+}
+}  // namespace
+
+torch::Tensor swiglu_forward(const torch::Tensor& g_in, const torch::Tensor& u_in) {
+  check_cuda16("swiglu_forward", "g", g_in);
+  check_like("swiglu_forward", "u", u_in, "g", g_in);
+  const auto g = g_in.contiguous(), u = u_in.contiguous();
+  auto act = torch::empty_like(g);
+  if (g.numel() == 0) return act;
+  c10::cuda::CUDAGuard guard(g.device());
+  launch_elementwise(g, {g, u, act}, [&](auto tag, auto vec, unsigned grid, int64_t packs) {
+    using T = typename decltype(tag)::type;
+    swiglu_fwd_kernel<T, decltype(vec)::value><<<grid, kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        ptr<T>(g), ptr<T>(u), ptr<T>(act), packs);
+  });
+  return act;
+}
+
+SwigluGrads swiglu_backward(const torch::Tensor& g_in, const torch::Tensor& u_in, const torch::Tensor& da_in) {
+  check_cuda16("swiglu_backward", "g", g_in);
+  check_like("swiglu_backward", "u", u_in, "g", g_in);
+  check_like("swiglu_backward", "da", da_in, "g", g_in);
+  const auto g = g_in.contiguous(), u = u_in.contiguous(), da = da_in.contiguous();
+  SwigluGrads o{torch::empty_like(g), torch::empty_like(g), torch::empty_like(g)};
+  if (g.numel() == 0) return o;
+  c10::cuda::CUDAGuard guard(g.device());
+  launch_elementwise(g, {g, u, da, o.act, o.dg, o.du}, [&](auto tag, auto vec, unsigned grid, int64_t packs) {
+    using T = typename decltype(tag)::type;
+    swiglu_bwd_kernel<T, decltype(vec)::value><<<grid, kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        ptr<T>(g), ptr<T>(u), ptr<T>(da), ptr<T>(o.act), ptr<T>(o.dg), ptr<T>(o.du), packs);
+  });
+  return o;
+}
+
+}  // namespace dflash::model::fused_train

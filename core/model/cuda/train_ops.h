@@ -1,0 +1,62 @@
+// Fused CUDA kernels for the drafter's training step: RMSNorm and the SwiGLU product, forward and
+// backward, one pass each over their rows (DFLASH_FUSED_TRAIN_OPS=on; the autograd functions behind
+// rms_norm_train / swiglu_down_train / swiglu_mlp_recompute_train in layers.h call them). bf16 or
+// fp16 tensors ("T" below) on CUDA, fp32 arithmetic, the rounding points of those functions' LibTorch
+// ops unless stated otherwise; tests/drafter/train_kernels_test.cc (label gpu) compares the two.
+// Available only in CUDA builds (DFLASH_WITH_CUDA).
+//
+// Inputs need not be contiguous (a contiguous copy is made). A tensor these kernels cannot take
+// (not CUDA bf16/fp16, dtypes or shapes that do not match, rows wider than kMaxRowElements) is a
+// ConfigError naming the function and the tensor.
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+
+namespace dflash::model::fused_train {
+
+// The widest RMSNorm row: 1024 threads x 16 elements.
+constexpr int64_t kMaxRowElements = 16384;
+
+// True in CUDA builds for a CUDA bf16 or fp16 tensor.
+bool supported(const torch::Tensor& x);
+
+// RMSNorm over the last dim of x [..., n] (rows = numel / n, any count including 0), w [n] in x's
+// dtype: y = w * T(x32 * rstd) (the product rounded to T once more), rstd = rsqrt(mean(x32^2) + eps)
+// fp32 [rows]. The sum of squares is added in another order than torch's mean.
+struct RmsNormForward {
+  torch::Tensor y, rstd;  // y: x's shape, contiguous
+};
+RmsNormForward rms_norm_forward(const torch::Tensor& x, const torch::Tensor& w, double eps);
+
+// RMSNorm's gradients for dy (x's shape and dtype), from x, w and the forward's rstd [rows]:
+//   dx = T(rstd (g - xhat mean(g xhat))), xhat = x32 rstd, g = float(T(dy w))     (as RmsNormFn)
+//   dw = sum over rows of float(dy) float(T(xhat)), fp32 [n]
+// dw's products are not rounded to T before the sum (RmsNormFn rounds each to T, then sums in fp32);
+// each block of rows is summed in fp32 in registers, the per-block sums then by torch's (deterministic)
+// sum: the same bits for the same shapes on the same GPU model. Rows = 0 gives dw = 0.
+struct RmsNormGrads {
+  torch::Tensor dx, dw;
+};
+RmsNormGrads rms_norm_backward(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& rstd);
+
+// act = T(T(silu(g)) u) for g, u of one shape and dtype (exactly torch::silu(g) * u up to expf's last
+// bit in silu), elementwise.
+torch::Tensor swiglu_forward(const torch::Tensor& g, const torch::Tensor& u);
+
+// From g, u and da = dL/dact (one shape and dtype), in one pass:
+//   act = swiglu_forward(g, u) (bitwise; for the down projection's weight gradient)
+//   du  = T(da s),   s = T(silu(g)) (the factor the forward multiplied u by)
+//   dg  = T(da u sig (1 + g (1 - sig))),   sig = sigmoid(g)
+// in fp32 (the LibTorch backward rounds sigmoid, silu and every intermediate product to T).
+struct SwigluGrads {
+  torch::Tensor act, dg, du;
+};
+SwigluGrads swiglu_backward(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& da);
+
+// Kernels launched by the functions above since the process started (host-side count), for tests
+// that check a path really ran them.
+int64_t kernel_launches();
+
+}  // namespace dflash::model::fused_train
