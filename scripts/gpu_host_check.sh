@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-fp8|bench-drafter|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-fp8|bench-drafter|bench-drafter-fused|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
 # (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps, and
 # run-colocated, ~4 min: a Qwen3-8B-shaped run on one GPU, bench-moe, two MoE-shaped benches
-# with HF baselines, and bench-fp8, the FP8 targets against our bf16 path.)
+# with HF baselines, bench-fp8, the FP8 targets against our bf16 path, and bench-drafter-fused,
+# SpecForge's step against ours with DFLASH_FUSED_TRAIN_OPS off and on.)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out/gpu}
@@ -14,14 +15,14 @@ export PYTHONUNBUFFERED=1 DFLASH_SOURCE_DIR=$root DFLASH_PYTHON=${DFLASH_PYTHON:
 export DFLASH_GPU_DEBS=${DFLASH_GPU_DEBS:-$root/.gpu-deps/debs} DFLASH_DEPS_PREFIX=${DFLASH_DEPS_PREFIX:-/tmp/dflash-deps}
 export LD_LIBRARY_PATH=$DFLASH_DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ]; } && return 0; done; return 1; }
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ] && [ "$1" != bench-drafter-fused ]; } && return 0; done; return 1; }
 t0=$(date +%s)
 # Always through scripts/gpu-host/build.sh: an incremental build is a no-op when nothing changed, and
 # a binary left by an earlier call must not hide changed sources.
 if has build; then
   nvidia-smi -L > "$out/gpu.txt" 2>&1
   bash "$root/scripts/gpu-host/build.sh" "$root" "$build" -DDFLASH_CUDA=ON \
-    -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;train;collectives;stream}" > "$out/build.log" 2>&1 \
+    -DDFLASH_TEST_DIRS="${DFLASH_TEST_DIRS:-model;drafter;train;collectives;stream;eval}" > "$out/build.log" 2>&1 \
     || { tail -50 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
@@ -178,6 +179,20 @@ if has bench-drafter; then
   "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --repeats 10 --baseline specforge \
     > "$out/bench_drafter_8k_specforge.json" 2> "$out/bench_drafter_8k_specforge.err"
   echo "bench drafter 8k specforge rc=$?"
+fi
+if has bench-drafter-fused; then
+  # The fused RMSNorm / SwiGLU training kernels (core/model/cuda/train_ops.h), off then on, each
+  # against SpecForge's own step in the same invocation, hard labels; run `test` first (their GPU
+  # tests are in test_train_kernels_gpu).
+  for fused in off on; do
+    for shape in "4096 512 16 4k" "8192 1024 32 8k"; do
+      read -r ctx anchors block name <<< "$shape"
+      DFLASH_FUSED_TRAIN_OPS=$fused "$build/bin/dflash" bench drafter --context "$ctx" --anchors "$anchors" \
+        --block-size "$block" --repeats 10 --baseline specforge \
+        > "$out/bench_drafter_${name}_specforge_fused_$fused.json" 2> "$out/bench_drafter_${name}_specforge_fused_$fused.err"
+      echo "bench drafter $name specforge, fused train ops $fused rc=$?"
+    done
+  done
 fi
 if has mem-drafter; then
   # Peak allocated / reserved memory at steps 1, 10 and 1000 and the largest growth (creep).
