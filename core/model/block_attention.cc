@@ -124,12 +124,20 @@ Seqs full_seqs(const BlockSparsePlan::Full& f) {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// Rows plan.tail_index of cat(ctx, blk), gathered from each source without building the cat.
+Tensor gather_tail(const BlockSparsePlan& plan, const Tensor& ctx, const Tensor& blk) {
+  auto out = torch::empty({plan.tail_index.size(0), ctx.size(1), ctx.size(2)}, ctx.options());
+  out.index_copy_(0, plan.tail_ctx_dst, ctx.index_select(0, plan.tail_ctx_src));
+  out.index_copy_(0, plan.tail_blk_dst, blk);
+  return out;
+}
+
 struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k_ctx, const Tensor& v_ctx, const Tensor& k_blk,
                         const Tensor& v_blk, const BlockSparsePlan& plan, double scale, bool use_flash) {
     // tail: gathered keys, one varlen call
-    auto kt = torch::cat({k_ctx, k_blk}).index_select(0, plan.tail_index);
-    auto vt = torch::cat({v_ctx, v_blk}).index_select(0, plan.tail_index);
+    auto kt = gather_tail(plan, k_ctx, k_blk);
+    auto vt = gather_tail(plan, v_ctx, v_blk);
     const Seqs ts = tail_seqs(plan);
     Tensor out32, lse, tail_lse_layout, rng, unused;
     if (use_flash) {
@@ -168,7 +176,7 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     auto out = out32.to(q.scalar_type());
     // rng / unused / tail_lse_layout stay undefined on the reference kernel's path.
     ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, plan.tail_index, plan.cu_q, plan.cu_k, rng, unused,
-                            tail_lse_layout});
+                            tail_lse_layout, plan.tail_ctx_src, plan.tail_ctx_dst, plan.tail_blk_dst});
     std::vector<int64_t> runs;
     for (const auto& f : plan.full) runs.insert(runs.end(), {f.q_row0, f.q_rows, f.k_row0, f.k_rows});
     ctx->saved_data["runs"] = runs;
@@ -187,6 +195,9 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     plan.cu_q = sv[8];
     plan.cu_k = sv[9];
     const Tensor &rng = sv[10], &unused = sv[11], &tail_lse_layout = sv[12];
+    plan.tail_ctx_src = sv[13];
+    plan.tail_ctx_dst = sv[14];
+    plan.tail_blk_dst = sv[15];
     const auto dims = ctx->saved_data["dims"].toIntVector();
     plan.block = dims[0];
     plan.blocks = dims[1];
@@ -200,8 +211,8 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     const auto dout = grads[0].contiguous();
     const int64_t T = k_ctx.size(0);
 
-    auto kt = torch::cat({k_ctx, k_blk}).index_select(0, plan.tail_index);  // recomputed, not saved
-    auto vt = torch::cat({v_ctx, v_blk}).index_select(0, plan.tail_index);
+    auto kt = gather_tail(plan, k_ctx, k_blk);  // recomputed, not saved
+    auto vt = gather_tail(plan, v_ctx, v_blk);
     const Seqs ts = tail_seqs(plan);
     Tensor dq, dkt, dvt;
     if (use_flash)
@@ -252,15 +263,22 @@ BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const s
   p.blocks = static_cast<int64_t>(ctx_begin.size());
   p.ctx_rows = T;
   p.tile = tile;
-  std::vector<int64_t> index;
+  std::vector<int64_t> index, ctx_src, ctx_dst, blk_dst;
   std::vector<int32_t> cu_k{0};
   p.cu_k_host = {0};
   for (int64_t j = 0; j < p.blocks; ++j) {
     const int64_t b = ctx_begin[j], n = ctx_len[j], t = n / tile;
     DFLASH_CHECK(b >= 0 && n >= 0 && b + n <= T, ConfigError,
                  "block-sparse attention: block " << j << " sees context rows [" << b << ", " << b + n << ") of " << T);
-    for (int64_t r = b + t * tile; r < b + n; ++r) index.push_back(r);
-    for (int64_t r = 0; r < B; ++r) index.push_back(T + j * B + r);
+    for (int64_t r = b + t * tile; r < b + n; ++r) {
+      ctx_src.push_back(r);
+      ctx_dst.push_back(static_cast<int64_t>(index.size()));
+      index.push_back(r);
+    }
+    for (int64_t r = 0; r < B; ++r) {
+      blk_dst.push_back(static_cast<int64_t>(index.size()));
+      index.push_back(T + j * B + r);
+    }
     p.cu_k_host.push_back(static_cast<int64_t>(index.size()));
     cu_k.push_back(static_cast<int32_t>(index.size()));
     p.max_tail_keys = std::max(p.max_tail_keys, p.cu_k_host.back() - p.cu_k_host[j]);
@@ -274,6 +292,9 @@ BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const s
   std::vector<int32_t> cu_q;
   for (int64_t j = 0; j <= p.blocks; ++j) cu_q.push_back(static_cast<int32_t>(j * B));
   p.tail_index = to_device_async(torch::tensor(index, torch::kInt64), device);
+  p.tail_ctx_src = to_device_async(torch::tensor(ctx_src, torch::kInt64), device);
+  p.tail_ctx_dst = to_device_async(torch::tensor(ctx_dst, torch::kInt64), device);
+  p.tail_blk_dst = to_device_async(torch::tensor(blk_dst, torch::kInt64), device);
   p.cu_q = to_device_async(torch::tensor(cu_q, torch::kInt32), device);
   p.cu_k = to_device_async(torch::tensor(cu_k, torch::kInt32), device);
   return p;

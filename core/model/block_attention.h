@@ -32,6 +32,10 @@ struct BlockSparsePlan {
   int64_t block = 0, blocks = 0, ctx_rows = 0, tile = 0;
   // tail: one varlen sequence per block; rows index cat(k_ctx, k_blk) ([T + Q, Hkv, D]).
   torch::Tensor tail_index;       // [sum of tail lengths] int64 on the device
+  // The same gather split by source, so that cat(k_ctx, k_blk) is never built (k_ctx may be a whole
+  // cache of which the blocks see a few rows): the tail's context rows (their rows of k_ctx and
+  // their positions in the tail) and the positions of the k_blk rows (all of them, in order).
+  torch::Tensor tail_ctx_src, tail_ctx_dst, tail_blk_dst;
   torch::Tensor cu_q, cu_k;       // [blocks + 1] int32 on the device
   std::vector<int64_t> cu_k_host;
   int64_t max_tail_keys = 0;
