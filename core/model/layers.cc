@@ -25,15 +25,18 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// DFLASH_FUSED_TRAIN_OPS=on and x a CUDA bf16/fp16 tensor: the training functions below run the fused
-// kernels of cuda/train_ops.h (layers.h has the contract).
+// DFLASH_FUSED_TRAIN_OPS auto (in a CUDA build) or on, and x a CUDA bf16/fp16 tensor: the training
+// functions below run the fused kernels of cuda/train_ops.h (layers.h has the contract).
 bool fused_train_ops(const torch::Tensor& x) {
   if (!x.is_cuda() || (x.scalar_type() != torch::kBFloat16 && x.scalar_type() != torch::kHalf)) return false;
-  if (switches::get("DFLASH_FUSED_TRAIN_OPS") != "on") return false;
+  const std::string mode = switches::get("DFLASH_FUSED_TRAIN_OPS");
+  if (mode == "off") return false;
 #ifndef DFLASH_WITH_CUDA
-  DFLASH_FAIL(ConfigError, "DFLASH_FUSED_TRAIN_OPS=on needs a CUDA build (DFLASH_CUDA=ON)");
-#endif
+  DFLASH_CHECK(mode != "on", ConfigError, "DFLASH_FUSED_TRAIN_OPS=on needs a CUDA build (DFLASH_CUDA=ON)");
+  return false;
+#else
   return true;
+#endif
 }
 
 struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {

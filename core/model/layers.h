@@ -17,11 +17,11 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 // linear(silu(g) * u, w_down), but a custom backward that saves only x and the fp32 row scale
 // (rms_norm's graph keeps x in fp32, the normalised rows and more: ~5x the bytes), resp. only g, u
 // and w_down (silu(g) * u, the largest activation, is recomputed in backward for w_down's gradient).
-// DFLASH_FUSED_TRAIN_OPS=on (default off): for CUDA bf16/fp16 inputs, these and
-// swiglu_mlp_recompute_train run the fused kernels of cuda/train_ops.h (one pass per op and direction,
-// fp32 math, fewer rounding points in the backward: gradients equal within bf16 tolerances, not
-// bitwise); a CUDA bf16/fp16 input those kernels do not take (w in another dtype, rows wider than
-// 16384), or any CUDA bf16/fp16 input in a build without CUDA kernels, is a ConfigError. CPU and
+// DFLASH_FUSED_TRAIN_OPS auto (the default, in a CUDA build) or on: for CUDA bf16/fp16 inputs, these
+// and swiglu_mlp_recompute_train run the fused kernels of cuda/train_ops.h (one pass per op and
+// direction, fp32 math, fewer rounding points in the backward: gradients equal within bf16
+// tolerances, not bitwise); a CUDA bf16/fp16 input those kernels do not take (w in another dtype,
+// rows wider than 16384) is a ConfigError, and so is `on` in a build without CUDA kernels. CPU and
 // fp32/fp64 inputs always run the LibTorch ops (there are no kernels for them), so CPU runs and tests
 // are the same either way.
 torch::Tensor rms_norm_train(const torch::Tensor& x, const torch::Tensor& w, double eps);

@@ -50,9 +50,10 @@ const std::vector<Switch>& registry() {
        "DFlash loss; auto: the fused CUDA kernel for CUDA bf16 logits, else LibTorch ops (fused elsewhere is a "
        "config error).",
        true, false},
-      {"DFLASH_FUSED_TRAIN_OPS", Kind::kChoice, {"on", "off"}, "off",
-       "on: the drafter's training RMSNorm and SwiGLU (forward and backward) run fused CUDA kernels for CUDA "
-       "bf16/fp16 inputs; other devices and dtypes keep the LibTorch ops (default off until measured on a GPU).",
+      {"DFLASH_FUSED_TRAIN_OPS", Kind::kChoice, {"on", "off"}, kAuto,
+       "The drafter's training RMSNorm and SwiGLU (forward and backward); auto: the fused CUDA kernels for CUDA "
+       "bf16/fp16 inputs in a CUDA build, else LibTorch ops; on: the kernels (a CUDA bf16/fp16 input in a build "
+       "without them is a config error); other devices and dtypes always keep the LibTorch ops.",
        true, false},
       {"DFLASH_ADAMW", Kind::kChoice, {"plain", "fused"}, kAuto,
        "AdamW; auto: the fused multi-tensor step for CUDA parameters, else LibTorch ops.", true, false},

@@ -177,6 +177,53 @@ json memory_over_steps(train::Trainer& trainer, const train::MicroBatch& mb, con
             {"allocated_after", creep.allocated_now}}}};
 }
 
+// The frozen target parts of the bench: random embedding and lm_head, unit final norm.
+model::FrozenTargetParts random_frozen(int64_t V, int64_t H, const torch::TensorOptions& opts) {
+  model::FrozenTargetParts frozen;
+  frozen.embed = torch::randn({V, H}, opts) * 0.02;
+  frozen.lm_head = torch::randn({V, H}, opts) * 0.02;
+  frozen.norm = torch::ones({H}, opts);
+  return frozen;
+}
+
+// The trainer options the flags select (anchors, soft labels, recompute), for `steps` steps at least.
+train::TrainerOptions bench_trainer_options(const Flags& f, torch::ScalarType compute, int64_t steps) {
+  train::TrainerOptions to;
+  to.max_anchors = f.get_int("anchors", 512);
+  to.loss.soft_labels = f.has("soft-labels");
+  to.loss.recompute_mlp = f.has("recompute-mlp");
+  to.schedule.total_steps = std::max<int64_t>(1000, steps);
+  to.compute = compute;
+  return to;
+}
+
+// --loss-curve N: N optimizer steps of a fresh drafter (parameter seed 0) over 4 fixed random
+// micro-batches (torch seed 1234) taken in turn, and the loss of every step. The same command
+// with DFLASH_FUSED_TRAIN_OPS off and on compares the fused kernels' training numerics.
+json loss_curve(const Flags& f, const torch::Device& device, int64_t n) {
+  const auto cfg = bench_drafter_config(f);
+  const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+  auto opts = torch::TensorOptions().device(device).dtype(compute);
+  torch::manual_seed(1234);
+  model::Drafter drafter(cfg, device, 0);
+  const model::FrozenTargetParts frozen = random_frozen(cfg.vocab_size, cfg.hidden_size, opts);
+  train::Trainer trainer(drafter, frozen, bench_trainer_options(f, compute, n));
+  std::vector<train::MicroBatch> batches;
+  for (int i = 0; i < 4; ++i)
+    batches.push_back(random_micro_batch(cfg, f.get_int("docs", 1), f.get_int("context", 4096), device, opts));
+  std::vector<double> loss;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t s = 0; s < n; ++s) {
+    trainer.micro_batch(batches[s % batches.size()]);
+    loss.push_back(trainer.step().loss);
+  }
+  return {{"steps", n},
+          {"micro_batches", batches.size()},
+          {"torch_seed", 1234},
+          {"wall_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()},
+          {"loss", loss}};
+}
+
 // The drafter attention the switch selects, for the report.
 std::string attention_name() {
   const std::string a = switches::get("DFLASH_DRAFTER_ATTENTION");
@@ -194,17 +241,9 @@ json bench_ours(const Flags& f, const torch::Device& device) {
   const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
   const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
   model::Drafter drafter(cfg, device, 0);
-  model::FrozenTargetParts frozen;
   auto bf = torch::TensorOptions().device(device).dtype(compute);
-  frozen.embed = torch::randn({V, H}, bf) * 0.02;
-  frozen.lm_head = torch::randn({V, H}, bf) * 0.02;
-  frozen.norm = torch::ones({H}, bf);
-  train::TrainerOptions to;
-  to.max_anchors = f.get_int("anchors", 512);
-  to.loss.soft_labels = f.has("soft-labels");
-  to.loss.recompute_mlp = f.has("recompute-mlp");
-  to.schedule.total_steps = std::max<int64_t>(1000, warmup + repeats + steps + 2);
-  to.compute = compute;
+  const model::FrozenTargetParts frozen = random_frozen(V, H, bf);
+  const train::TrainerOptions to = bench_trainer_options(f, compute, warmup + repeats + steps + 2);
   train::Trainer trainer(drafter, frozen, to);
   const train::MicroBatch mb = random_micro_batch(cfg, docs, ctx, device, bf);
 
@@ -356,14 +395,20 @@ int cmd_bench_drafter(int argc, char** argv) {
           {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "context", "anchors",
            "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
            "baseline-chunk-rows", "recompute-mlp",
-           "python"},
+           "loss-curve", "python"},
           {"soft-labels", "profile", "recompute-mlp"});
   const std::string baseline = f.get("baseline", "");
   DFLASH_CHECK(baseline.empty() || baseline == "eager" || baseline == "specforge", ConfigError,
                "--baseline: expected eager or specforge, got '" << baseline << "'");
   auto device = model::parse_device(f.get("device", "cuda"));
+  const int64_t curve_steps = f.get_int("loss-curve", 0);
+  DFLASH_CHECK(curve_steps >= 0, ConfigError, "--loss-curve: need N >= 0, got " << curve_steps);
   json out = bench_ours(f, device);
   model::release_cached_memory(device);  // the baseline needs the memory
+  if (curve_steps > 0) {
+    out["loss_curve"] = loss_curve(f, device, curve_steps);
+    model::release_cached_memory(device);
+  }
   if (!baseline.empty()) add_baseline(f, baseline, out);
   std::cout << out.dump(2) << std::endl;
   return kExitOk;

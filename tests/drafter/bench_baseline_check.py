@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """`dflash bench drafter --device cpu --baseline eager --steps 3` at small shapes: the JSON carries our
 numbers, the eager PyTorch baseline's (scripts/reference/bench_drafter_baseline.py, run by the same
-invocation), the ratios and the memory over steps, all finite and positive (creep >= 0).
+invocation), the ratios and the memory over steps, all finite and positive (creep >= 0). Then
+`--loss-curve 60` twice: 60 finite losses, bitwise the same in both runs (the seeds fix the curve,
+which the fused-vs-LibTorch comparison on a GPU relies on), falling over the run; and
+`--loss-curve -1` is a usage error (exit 2).
 Usage: bench_baseline_check.py DFLASH_BIN. Env: DFLASH_PYTHON, DFLASH_SOURCE_DIR (set by ctest)."""
 import json
 import math
@@ -62,6 +65,32 @@ if abs(j.get("speedup_vs_baseline", 0) - j["baseline"]["median_step_s"] / j["med
 print(f"ours {j['median_step_ms']:.1f} ms, {j['peak_gib']:.2f} GiB; baseline {j['baseline_median_step_ms']:.1f} ms, "
       f"{j['baseline_peak_gib']:.2f} GiB; speedup {j['speedup_vs_baseline']:.2f}, memory ratio "
       f"{j['memory_ratio_vs_baseline']:.2f}; creep {j['steps']['max_creep_gib']}")
+
+tiny = cmd[:cmd.index("--steps")]
+
+
+def loss_curve(n):
+    c = subprocess.run(tiny + ["--loss-curve", str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       timeout=600)
+    return c.returncode, (json.loads(c.stdout[c.stdout.index("{"):]).get("loss_curve", {}) if c.returncode == 0 else {})
+
+
+rc1, c1 = loss_curve(60)
+rc2, c2 = loss_curve(60)
+l1, l2 = c1.get("loss", []), c2.get("loss", [])
+if rc1 != 0 or rc2 != 0 or len(l1) != 60 or c1.get("steps") != 60:
+    errors.append(f"--loss-curve 60: exits {rc1}/{rc2}, {len(l1)} losses")
+elif not all(math.isfinite(x) for x in l1):
+    errors.append(f"--loss-curve: non-finite losses {l1}")
+elif l1 != l2:
+    errors.append("--loss-curve: two runs with the same seeds differ")
+elif not sum(l1[-10:]) < sum(l1[:10]):
+    errors.append(f"--loss-curve: the loss did not fall ({sum(l1[:10]) / 10:.4f} -> {sum(l1[-10:]) / 10:.4f})")
+else:
+    print(f"loss curve: {l1[0]:.4f} -> {l1[-1]:.4f} over 60 steps, identical in two runs")
+rc_bad, _ = loss_curve(-1)
+if rc_bad != 2:
+    errors.append(f"--loss-curve -1: exit {rc_bad}, expected 2 (usage)")
 for e in errors:
     print("FAIL:", e)
 print("PASS" if not errors else "FAIL")

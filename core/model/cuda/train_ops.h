@@ -1,5 +1,5 @@
 // Fused CUDA kernels for the drafter's training step: RMSNorm and the SwiGLU product, forward and
-// backward, one pass each over their rows (DFLASH_FUSED_TRAIN_OPS=on; the autograd functions behind
+// backward, one pass each over their rows (DFLASH_FUSED_TRAIN_OPS auto or on; the autograd functions behind
 // rms_norm_train / swiglu_down_train / swiglu_mlp_recompute_train in layers.h call them). bf16 or
 // fp16 tensors ("T" below) on CUDA, fp32 arithmetic, the rounding points of those functions' LibTorch
 // ops unless stated otherwise; tests/drafter/train_kernels_test.cc (label gpu) compares the two.
