@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -43,6 +44,7 @@ struct Transfer {
   uint64_t seq;
   size_t size;
   bool direct = false;
+  std::exception_ptr bad;  // receiver: the DataError its worker's check of the batch raised
 };
 
 constexpr size_t kMaxPieces = 64;
@@ -168,9 +170,8 @@ class ChannelReceiver final : public Receiver {
     if (first_direct && opts_.verify_checksum)
       LOG_INFO("link " << name_ << ": batches sent straight from the sender's device memory carry no payload checksum; "
                        "verifying their structure only");
-    // Throws DataError on a bad batch; `b` then gives the slot back.
-    check_received_batch(b.data(), b.size(), opts_.verify_checksum && !r.direct,
-                         "link " + name_ + " batch seq " + std::to_string(b.seq()));
+    // The worker checked the batch when it arrived: a DataError now; `b` then gives the slot back.
+    if (r.bad) std::rethrow_exception(r.bad);
     return std::optional<ReceivedBatch>(std::move(b));
   }
 
@@ -210,6 +211,7 @@ class ChannelReceiver final : public Receiver {
     st.received = received_;
     st.committed = received_ + ready_.size();
     st.released = released_;
+    st.verified_ahead = received_;  // the worker checks every batch before it is ready
     return st;
   }
 
@@ -317,6 +319,13 @@ class ChannelReceiver final : public Receiver {
         Transfer t = parse_meta(meta, opts_.slot_bytes, pieces_, "link " + name_ + " commit " + std::to_string(seq));
         t.slot = slot, t.seq = seq;
         data_->recv(slots_[slot].mem, pieces_, [this] { check_peer(); });
+        // Checked here, off the consumer's thread (receive() only reports the result).
+        try {
+          check_received_batch(slots_[slot].mem, t.size, opts_.verify_checksum && !t.direct,
+                               "link " + name_ + " batch seq " + std::to_string(seq));
+        } catch (const DataError&) {
+          t.bad = std::current_exception();
+        }
         {
           std::lock_guard<std::mutex> lk(mu_);
           slots_[slot].state = kReady;

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <algorithm>
 #include <thread>
 #include <vector>
 
@@ -336,11 +337,84 @@ std::unique_ptr<ShmReceiver> ShmReceiver::create(const std::string& name, const 
 }
 
 ShmReceiver::ShmReceiver(std::string name, std::unique_ptr<ShmSegment> seg, const ShmLinkOptions& opts)
-    : ShmEnd(std::move(name), std::move(seg)), opts_(opts) {}
+    : ShmEnd(std::move(name), std::move(seg)), opts_(opts) {
+  if (opts_.verify_checksum) verifier_ = std::make_unique<std::thread>([this] { verify_loop(); });
+}
 
 ShmReceiver::~ShmReceiver() {
   close();
+  verify_stop_ = true;
+  if (verifier_ && seg_->creator_pid == ::getpid()) {
+    bump_and_wake(&seg_->ctl()->ready_futex);
+    verifier_->join();
+  } else {
+    (void)verifier_.release();  // a forked child: the thread is the parent's
+  }
   if (seg_->creator_pid == ::getpid()) unlink_if_same(name_, seg_->dev, seg_->ino);
+}
+
+std::string ShmReceiver::batch_where(uint64_t seq) const { return "shm link " + name_ + " batch seq " + std::to_string(seq); }
+
+void ShmReceiver::verify_loop() {
+  auto* c = seg_->ctl();
+  while (!verify_stop_ && c->receiver_state.load() == kReceiverOpen) {
+    const uint32_t v = c->ready_futex.load(std::memory_order_acquire);
+    uint64_t pos;
+    {
+      std::lock_guard<std::mutex> lk(verify_mu_);
+      pos = verify_next_;
+      if (pos < c->ready_tail.load(std::memory_order_acquire)) {
+        verify_next_ = pos + 1;
+        verdicts_[pos] = Verdict{};
+      } else {
+        pos = UINT64_MAX;
+      }
+    }
+    if (pos == UINT64_MAX) {
+      futex_wait(&c->ready_futex, v, opts_.liveness_poll);
+      continue;
+    }
+    // A corrupt ring entry or size is receive()'s to report (TransportError); only a well-formed
+    // batch is checked here.
+    const uint32_t slot = c->ring[pos % c->num_slots];
+    std::exception_ptr error;
+    if (slot < c->num_slots && c->slots[slot].size <= c->slot_bytes) {
+      try {
+        check_received_batch(seg_->slot_data(slot), c->slots[slot].size, true, batch_where(c->slots[slot].seq));
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lk(verify_mu_);
+      verdicts_[pos] = Verdict{true, error};
+    }
+    verify_cv_.notify_all();
+  }
+}
+
+void ShmReceiver::check_position(uint64_t pos, const ReceivedBatch& b) {
+  std::unique_lock<std::mutex> lk(verify_mu_);
+  if (!opts_.verify_checksum || pos >= verify_next_) {
+    verify_next_ = std::max(verify_next_, pos + 1);  // the verifier skips it
+    lk.unlock();
+    check_received_batch(b.data(), b.size(), opts_.verify_checksum, batch_where(b.seq()));
+    return;
+  }
+  auto it = verdicts_.find(pos);
+  DFLASH_CHECK(it != verdicts_.end(), TransportError, "shm link " << name_ << ": no check of ring position " << pos);
+  if (it->second.done) verified_ahead_.fetch_add(1, std::memory_order_relaxed);
+  verify_cv_.wait(lk, [&] { return it->second.done; });
+  const std::exception_ptr error = it->second.error;
+  verdicts_.erase(it);
+  lk.unlock();
+  if (error) std::rethrow_exception(error);
+}
+
+LinkStats ShmReceiver::stats() const {
+  LinkStats st = ShmEnd<Receiver>::stats();
+  st.verified_ahead = verified_ahead_.load(std::memory_order_relaxed);
+  return st;
 }
 
 void ShmReceiver::close() {
@@ -389,7 +463,7 @@ std::optional<ReceivedBatch> ShmReceiver::receive(milliseconds timeout) {
   ReceivedBatch b(this, seg_->slot_data(slot), m.size, slot, m.seq, m.ticket);
   lk.unlock();
   // Throws DataError on a bad batch; `b` then gives the slot back.
-  check_received_batch(b.data(), b.size(), opts_.verify_checksum, "shm link " + name_ + " batch seq " + std::to_string(b.seq()));
+  check_position(head, b);
   return std::optional<ReceivedBatch>(std::move(b));
 }
 

@@ -32,9 +32,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "core/stream/transport.h"
 
@@ -43,7 +47,8 @@ namespace dflash::stream {
 struct ShmLinkOptions {
   uint32_t slots = 4;                 // credits; 1..kMaxShmSlots
   size_t slot_bytes = 64ull << 20;    // capacity of each slot (largest packed batch)
-  bool verify_checksum = true;        // receiver verifies each batch's payload checksum
+  bool verify_checksum = true;        // receiver verifies each batch's payload checksum (ahead of
+                                      // receive(), on a thread of its own: ShmReceiver)
   bool prefault = false;              // touch every page at create (MAP_POPULATE)
   std::chrono::milliseconds liveness_poll{100};  // peer-death detection granularity
 };
@@ -90,6 +95,7 @@ class ShmReceiver final : public ShmEnd<Receiver> {
   std::optional<ReceivedBatch> receive(std::chrono::milliseconds timeout) override;
   void release(ReceivedBatch&& batch) override;
   void close() override;
+  LinkStats stats() const override;  // ShmEnd's, plus verified_ahead
 
   pid_t sender_pid() const;  // 0 until a sender attached
 
@@ -97,10 +103,32 @@ class ShmReceiver final : public ShmEnd<Receiver> {
   void return_slot(uint32_t slot, uint64_t ticket) noexcept override;
 
  private:
+  // The checks of one ready-ring position by the verifier thread: running until `done`.
+  struct Verdict {
+    bool done = false;
+    std::exception_ptr error;  // the DataError of check_received_batch, if it failed
+  };
   ShmReceiver(std::string name, std::unique_ptr<ShmSegment> seg, const ShmLinkOptions& opts);
   void release_slot(uint32_t slot);
+  // With verify_checksum: checks every batch (structure and payload checksum) as soon as it enters
+  // the ready ring, so that receive() of a batch that was already waiting returns without hashing
+  // its payload on the caller's thread.
+  void verify_loop();
+  // receive()'s check of ring position `pos` holding `b`: the verifier's verdict (waiting while it
+  // runs), or the check on this thread when the verifier has not reached `pos`. Throws DataError.
+  void check_position(uint64_t pos, const ReceivedBatch& b);
+  std::string batch_where(uint64_t seq) const;
   ShmLinkOptions opts_;
   std::mutex recv_mu_;  // serialises receive() callers (the ready ring has one consumer)
+  std::mutex verify_mu_;  // guards verdicts_ and verify_next_
+  std::condition_variable verify_cv_;
+  std::map<uint64_t, Verdict> verdicts_;  // ring position -> the verifier's check of it
+  uint64_t verify_next_ = 0;              // the first ring position nobody has claimed yet
+  std::atomic<bool> verify_stop_{false};
+  std::atomic<uint64_t> verified_ahead_{0};
+  // Last: started once the members above exist. Held by pointer so that a forked child's copy of
+  // the receiver can drop it without joining a thread that only exists in the parent.
+  std::unique_ptr<std::thread> verifier_;
 };
 
 class ShmSender final : public ShmEnd<Sender> {

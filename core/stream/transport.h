@@ -13,7 +13,9 @@
 //   with PackedBatchWriter); ReceivedBatch::data() is the same memory on the other side.
 // - Order: the receiver gets batches in commit order (seq 0, 1, 2, ...).
 // - Every received batch has passed PackedBatchView::validate(); with checksum verification on
-//   (the receiver's option) its payload checksum too, else receive() throws DataError.
+//   (the receiver's option) its payload checksum too, else receive() throws DataError. The shm and
+//   channel receivers run these checks on a thread of their own as batches arrive, so receive() of
+//   a batch that was already waiting does not hash it on the caller's thread (LinkStats::verified_ahead).
 // - Failure: a dead or vanished peer, or a wait longer than its timeout, makes the blocked call
 //   throw TransportError naming the link within a bounded time (never a hang). A sender destroyed
 //   without close() (e.g. unwinding) makes the receiver throw, not see a clean end of stream.
@@ -178,6 +180,10 @@ struct LinkStats {
   uint64_t committed = 0;
   uint64_t received = 0;
   uint64_t released = 0;
+  // Receiver side: batches whose checks (structure, payload checksum) were done before receive()
+  // asked for them, off the caller's thread (shm with checksum verification, every batch of the
+  // channel transports such as c10d; 0 for the fake transport).
+  uint64_t verified_ahead = 0;
 };
 
 namespace detail {

@@ -387,6 +387,8 @@ json result_json(const BenchOptions& o, const std::vector<Proc>& ps, const std::
        (tj.at("pack_seconds").get<double>() + tj.at("send_seconds").get<double>()) / std::max(fwd_s, 1e-9)},
       {"target_credit_wait_fraction", tj.at("wait_seconds").get<double>() / std::max(tj.at("seconds").get<double>(), 1e-9)},
       {"checksums_verified", verified},
+      // Checked by the link's own thread before the drafter asked (off its critical path).
+      {"checksums_verified_ahead", dj.value("checksums_verified_ahead", int64_t{0})},
       {"checksums_all_verified", verified == mbs && mbs == sent && mbs > 0},
       {"processes", {{"target", proc_json(ps[1], tj)}, {"drafter", proc_json(ps[0], dj)}}},
       {"work_dir", o.work.string()}};

@@ -859,6 +859,7 @@ void DrafterRank::finish() {
       if (auto region = pipeline::host_region(*l); region.first) cudaHostUnregister(region.first);
 #endif
   res_.seconds = pipeline::seconds_since(t_start_);
+  for (const auto& l : links_) res_.checksums_verified_ahead += static_cast<int64_t>(l->stats().verified_ahead);
   json done = {{"event", "done"}, {"rank", rank_}, {"steps", res_.steps}, {"micro_batches", res_.micro_batches}, {"tokens", res_.tokens},
                {"samples", res_.samples}, {"checksums_verified", res_.checksums_verified}, {"loop_s", res_.loop_seconds},
                {"wait_s", res_.wait_seconds}, {"final_weight_hash", hex64(weight_hash(*drafter_))}};
@@ -902,7 +903,7 @@ int cmd_train_service(int argc, char** argv) {
   });
   std::cout << json{{"role", "drafter"}, {"rank", o.rank}, {"steps", r.steps}, {"micro_batches", r.micro_batches},
                     {"tokens", r.tokens}, {"samples", r.samples}, {"checksums_verified", r.checksums_verified},
-                    {"loss", r.last_loss}, {"accept_len", r.last_accept_len}, {"seconds", r.seconds},
+                    {"checksums_verified_ahead", r.checksums_verified_ahead}, {"loss", r.last_loss}, {"accept_len", r.last_accept_len}, {"seconds", r.seconds},
                     {"loop_seconds", r.loop_seconds}, {"wait_seconds", r.wait_seconds},
                     {"tokens_per_s", r.tokens / std::max(r.loop_seconds, 1e-9)},
                     {"waiting_fraction", r.wait_seconds / std::max(r.loop_seconds, 1e-9)},

@@ -75,6 +75,8 @@ struct TrainServiceOptions : pipeline::WorkerOptions {
 struct TrainServiceResult : TrainLoopResult {
   int64_t steps = 0;
   double seconds = 0, last_loss = 0, last_accept_len = 0;
+  // Batches the links had checked before the loop asked for them (stream::LinkStats::verified_ahead).
+  int64_t checksums_verified_ahead = 0;
   std::string last_checkpoint, export_dir;
 };
 

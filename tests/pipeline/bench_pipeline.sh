@@ -21,6 +21,9 @@ assert r["transport"] == "shm"
 assert r["batches"] > 0 and r["tokens"] > 0 and r["tokens_per_s"] > 0, r
 assert r["checksums_all_verified"] is True and r["checksums_verified"] == r["batches"], r
 assert 0 <= r["drafter_wait_fraction"] <= 1, r
+# The link's verifier thread checks batches as they land; those that waited for the drafter were
+# checked before it asked (on CPU the drafter is the slow side, so batches do wait).
+assert 0 < r["checksums_verified_ahead"] <= r["checksums_verified"], r
 # The steady fraction leaves out the first micro-batch's wait (the target starting up): never above
 # the whole-loop fraction, and the first wait is part of the total.
 d = r["processes"]["drafter"]["result"]

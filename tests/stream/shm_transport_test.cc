@@ -378,6 +378,71 @@ TEST_F(ShmTransport, ChecksumMismatchAbortedStreamAndMisuse) {
   EXPECT_FALSE(segment_exists(name));
 }
 
+// The receiver checks batches on its verifier thread as they are committed: batches that waited
+// come out of receive() already checked (verified_ahead counts them), a corrupt one still throws
+// the same DataError at its turn and gives its slot back, and order is kept. Without checksum
+// verification there is no verifier (verified_ahead stays 0) and the corrupt payload goes through.
+TEST_F(ShmTransport, VerifiesBatchesAheadOfReceive) {
+  for (const bool verify : {true, false}) {
+    const std::string name = test_prefix() + "-ahead";
+    ShmLinkOptions o;
+    o.slots = 4;
+    o.slot_bytes = 1 << 20;
+    o.verify_checksum = verify;
+    auto rx = ShmReceiver::create(name, o);
+    auto tx = ShmSender::attach(name, 1s);
+    const Shape shape{2, 64, DType::kBF16, true};
+    send_batch(*tx, 0, 300, shape);
+    {  // batch 1: one feature byte flipped after the checksum was stamped
+      auto docs = testing::docs_for(1, 300);
+      uint64_t T = 0;
+      for (auto& d : docs) T += d.length;
+      SlotBuffer buf = tx->acquire(BatchLayout::compute(docs.size(), T, 2, 64, DType::kBF16, true).total_bytes, 1s);
+      PackedBatchInfo info;
+      info.batch_id = 1;
+      info.k = 2;
+      info.h = 64;
+      info.has_h_last = true;
+      PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
+      testing::fill_pattern(w, 1);
+      buf.set_size(w.finalize(true));
+      static_cast<uint8_t*>(w.features())[9] ^= 0x10;
+      tx->commit(std::move(buf));
+    }
+    send_batch(*tx, 2, 300, shape);
+    // Let the verifier reach all three (it needs well under a millisecond per batch here).
+    std::this_thread::sleep_for(500ms);
+    auto b0 = rx->receive(1s);
+    ASSERT_TRUE(b0.has_value());
+    EXPECT_EQ(b0->view().header().batch_id, 0u);
+    rx->release(std::move(*b0));
+    if (verify) {
+      try {
+        rx->receive(1s);
+        ADD_FAILURE() << "expected DataError";
+      } catch (const DataError& e) {
+        EXPECT_NE(std::string(e.what()).find("batch 1 (run 0) payload checksum mismatch"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("batch seq 1"), std::string::npos) << e.what();
+      }
+    } else {
+      auto b1 = rx->receive(1s);
+      ASSERT_TRUE(b1.has_value());
+      rx->release(std::move(*b1));
+    }
+    auto b2 = rx->receive(1s);
+    ASSERT_TRUE(b2.has_value());
+    EXPECT_EQ(b2->view().header().batch_id, 2u);
+    rx->release(std::move(*b2));
+    EXPECT_EQ(rx->stats().verified_ahead, verify ? 3u : 0u) << "verify " << verify;
+    EXPECT_EQ(rx->stats().free_slots, 4u);
+    tx->close();
+    EXPECT_FALSE(rx->receive(1s).has_value());
+    tx.reset();
+    rx.reset();
+    EXPECT_FALSE(segment_exists(name));
+  }
+}
+
 // A crashed run leaves a segment whose receiver is dead under the name a restarted run uses: the new
 // sender must wait for the new receiver instead of attaching to the stale segment and failing.
 TEST_F(ShmTransport, AttachSkipsAStaleSegmentOfADeadReceiver) {
