@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-fp8|bench-drafter|bench-drafter-fused|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-fp8|bench-drafter|loss-curve|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
 # (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps, and
 # run-colocated, ~4 min: a Qwen3-8B-shaped run on one GPU, bench-moe, two MoE-shaped benches
-# with HF baselines, bench-fp8, the FP8 targets against our bf16 path, and bench-drafter-fused,
-# SpecForge's step against ours with DFLASH_FUSED_TRAIN_OPS off and on.)
+# with HF baselines, bench-fp8, the FP8 targets against our bf16 path, and loss-curve, 200 steps
+# with the fused training ops off, off again and on.)
+# SpecForge (`bench-drafter`'s --baseline specforge): a wheel carried under .whl/ (`pip download
+# specforge==0.2.0 --no-deps -d .whl`) is installed --no-deps into /tmp/dflash-pyextra when the
+# host's python3 cannot import specforge.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out/gpu}
@@ -15,8 +18,12 @@ export PYTHONUNBUFFERED=1 DFLASH_SOURCE_DIR=$root DFLASH_PYTHON=${DFLASH_PYTHON:
 export DFLASH_GPU_DEBS=${DFLASH_GPU_DEBS:-$root/.gpu-deps/debs} DFLASH_DEPS_PREFIX=${DFLASH_DEPS_PREFIX:-/tmp/dflash-deps}
 export LD_LIBRARY_PATH=$DFLASH_DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ] && [ "$1" != bench-drafter-fused ]; } && return 0; done; return 1; }
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ] && [ "$1" != loss-curve ]; } && return 0; done; return 1; }
 t0=$(date +%s)
+if ! python3 -c "import specforge" 2>/dev/null && compgen -G "$root/.whl/specforge-*.whl" > /dev/null; then
+  python3 -m pip install -q --no-deps --target /tmp/dflash-pyextra "$root"/.whl/specforge-*.whl > "$out/pip_specforge.log" 2>&1 \
+    && export PYTHONPATH=/tmp/dflash-pyextra${PYTHONPATH:+:$PYTHONPATH}
+fi
 # Always through scripts/gpu-host/build.sh: an incremental build is a no-op when nothing changed, and
 # a binary left by an earlier call must not hide changed sources.
 if has build; then
@@ -180,18 +187,14 @@ if has bench-drafter; then
     > "$out/bench_drafter_8k_specforge.json" 2> "$out/bench_drafter_8k_specforge.err"
   echo "bench drafter 8k specforge rc=$?"
 fi
-if has bench-drafter-fused; then
-  # The fused RMSNorm / SwiGLU training kernels (core/model/cuda/train_ops.h), off then on, each
-  # against SpecForge's own step in the same invocation, hard labels; run `test` first (their GPU
-  # tests are in test_train_kernels_gpu).
-  for fused in off on; do
-    for shape in "4096 512 16 4k" "8192 1024 32 8k"; do
-      read -r ctx anchors block name <<< "$shape"
-      DFLASH_FUSED_TRAIN_OPS=$fused "$build/bin/dflash" bench drafter --context "$ctx" --anchors "$anchors" \
-        --block-size "$block" --repeats 10 --baseline specforge \
-        > "$out/bench_drafter_${name}_specforge_fused_$fused.json" 2> "$out/bench_drafter_${name}_specforge_fused_$fused.err"
-      echo "bench drafter $name specforge, fused train ops $fused rc=$?"
-    done
+if has loss-curve; then
+  # Training numerics of the fused RMSNorm / SwiGLU kernels (core/model/cuda/train_ops.h): 200 steps
+  # at 4k with soft labels, LibTorch ops twice (their run-to-run spread: flash attention's backward
+  # accumulates with atomics) and fused ops once, the same seeds (`--loss-curve`, docs/cli.md).
+  for run in off off2 on; do
+    DFLASH_FUSED_TRAIN_OPS=${run%2} "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 \
+      --soft-labels --repeats 3 --loss-curve 200 > "$out/loss_curve_4k_fused_$run.json" 2> "$out/loss_curve_4k_fused_$run.err"
+    echo "loss curve 4k, fused train ops $run rc=$?"
   done
 fi
 if has mem-drafter; then
