@@ -161,8 +161,11 @@ class DenseTarget : public TargetBase {
   torch::Tensor mlp(const torch::Tensor& x, const DenseLayer& L, bool fused_ok) const {
     if (L.ffn.moe) return moe_forward(*L.ffn.moe, x, cfg_);
 #ifdef DFLASH_WITH_CUDA
-    if (fused_ok || L.ffn.gate_up_s.defined())  // FP8 GEMMs only run on bf16 CUDA models
-      return fp8::linear(fused::silu_mul(fp8::linear(x, L.ffn.gate_up_w, L.ffn.gate_up_s)), L.ffn.down_w, L.ffn.down_s);
+    if (fused_ok || L.ffn.gate_up_s.defined()) {  // FP8 GEMMs only run on bf16 CUDA models
+      auto gu = fp8::linear(x, L.ffn.gate_up_w, L.ffn.gate_up_s);
+      return L.ffn.down_s.defined() ? fp8::silu_mul_linear(gu, L.ffn.down_w, L.ffn.down_s)
+                                    : fp8::linear(fused::silu_mul(gu), L.ffn.down_w, L.ffn.down_s);
+    }
 #endif
     return swiglu_mlp(x, L.ffn.gate_up_w, L.ffn.down_w);
   }

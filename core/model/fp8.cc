@@ -332,4 +332,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch
 #endif
 }
 
+torch::Tensor silu_mul_linear(const torch::Tensor& gate_up, const torch::Tensor& w, const torch::Tensor& scale_inv) {
+  TORCH_CHECK(scale_inv.defined(), "fp8::silu_mul_linear: needs an FP8 weight and its scales");
+#ifdef DFLASH_WITH_CUDA
+  return fp8_cuda::silu_mul_linear(gate_up, w, scale_inv);
+#else
+  (void)gate_up, (void)w;
+  TORCH_CHECK(false, "fp8::silu_mul_linear: an FP8 weight in a build without CUDA");
+#endif
+}
+
 }  // namespace dflash::model::fp8

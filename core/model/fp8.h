@@ -143,4 +143,10 @@ Projection load_projection(WeightSource& w, const std::vector<std::pair<std::str
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale_inv,
                      const torch::Tensor& bias = {});
 
+// linear(silu(g) * u, w, scale_inv) for gate_up = [g | u] (CUDA bf16 [M, 2I]) and a Projection's FP8
+// weight and scales (scale_inv defined): the SwiGLU product is quantized as it is computed, bitwise
+// the activations and scales that fused::silu_mul followed by linear() quantize, without the bf16
+// [M, I] product in memory. CUDA builds only (no FP8 weight exists elsewhere).
+torch::Tensor silu_mul_linear(const torch::Tensor& gate_up, const torch::Tensor& w, const torch::Tensor& scale_inv);
+
 }  // namespace dflash::model::fp8

@@ -226,8 +226,11 @@ class HybridTarget : public TargetBase {
   torch::Tensor mlp(const torch::Tensor& x, torch::Tensor& h, const HybridLayer& L, bool fused_ok) const {
     if (L.ffn.moe) return moe_forward(*L.ffn.moe, x, cfg_);
 #ifdef DFLASH_WITH_CUDA
-    if (fused_ok || L.ffn.gate_up_s.defined())  // FP8 GEMMs only run on bf16 CUDA models
-      return project_residual(h, fused::silu_mul(project(x, L.ffn.gate_up_w, L.ffn.gate_up_s, true)), L.ffn.down_w, L.ffn.down_s, true);
+    if (fused_ok || L.ffn.gate_up_s.defined()) {  // FP8 GEMMs only run on bf16 CUDA models
+      auto gu = project(x, L.ffn.gate_up_w, L.ffn.gate_up_s, true);
+      if (L.ffn.down_s.defined()) return fp8::silu_mul_linear(gu, L.ffn.down_w, L.ffn.down_s);
+      return project_residual(h, fused::silu_mul(gu), L.ffn.down_w, L.ffn.down_s, true);
+    }
 #endif
     (void)fused_ok;
     return swiglu_mlp(x, L.ffn.gate_up_w, L.ffn.down_w);

@@ -7,6 +7,7 @@
 
 #include "core/io/safetensors.h"
 #include "core/model/cuda/fp8_ops.h"
+#include "core/model/cuda/fused_ops.h"
 #include "core/model/fp8.h"
 #include "core/model/target.h"
 #include "tests/common/golden_util.h"
@@ -45,6 +46,38 @@ TEST(Fp8Gpu, ActivationQuantizationKernelIsBitwiseTheLibTorchOps) {
   auto [q2, s2] = model::fp8_cuda::quantize_activations(wide.narrow(1, 64, 512));
   EXPECT_TRUE(torch::equal(q2.view(torch::kUInt8), q_ref.view(torch::kUInt8)));
   EXPECT_TRUE(torch::equal(s2, s_ref));
+}
+
+// The SwiGLU product quantized as it is computed (the down projection's input on the FP8 path) is
+// bitwise the two-step path: fused::silu_mul, then the activation quantization and the GEMM. Rows
+// padded for the GEMM (M = 1000) and not (M = 256); a strided gate_up; a control that quantizes the
+// gate half alone must differ.
+TEST(Fp8Gpu, SiluMulQuantizationIsBitwiseTheTwoStepPath) {
+  if (!hopper()) GTEST_SKIP() << "no Hopper GPU";
+  torch::manual_seed(4);
+  auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32);
+  const int64_t I = 1536, N = 512;
+  auto qw = model::fp8::quantize(torch::randn({N, I}, opts) * 0.02);
+  for (int64_t M : {1000, 256}) {
+    auto gu = (torch::randn({M, 2 * I}, opts) * 3).to(torch::kBFloat16);
+    auto [q, s] = model::fp8_cuda::quantize_silu_mul(gu);
+    auto [q_ref, s_ref] = model::fp8_cuda::quantize_activations(model::fused::silu_mul(gu));
+    EXPECT_TRUE(torch::equal(s, s_ref)) << M;
+    EXPECT_TRUE(torch::equal(q.view(torch::kUInt8), q_ref.view(torch::kUInt8))) << M;
+    auto y = model::fp8::silu_mul_linear(gu, qw.w_q, qw.scale_inv);
+    auto y_ref = model::fp8::linear(model::fused::silu_mul(gu), qw.w_q, qw.scale_inv);
+    ASSERT_EQ(y.sizes(), y_ref.sizes());
+    EXPECT_TRUE(torch::equal(y, y_ref)) << M;
+    auto [q_gate, s_gate] = model::fp8_cuda::quantize_activations(gu.narrow(1, 0, I));
+    EXPECT_FALSE(torch::equal(s, s_gate)) << "control: the gate half alone must not match";
+  }
+  auto wide = torch::zeros({300, 2 * I + 128}, opts.dtype(torch::kBFloat16));
+  auto gu = wide.narrow(1, 128, 2 * I);
+  gu.copy_((torch::randn({300, 2 * I}, opts)).to(torch::kBFloat16));
+  auto [q, s] = model::fp8_cuda::quantize_silu_mul(gu);
+  auto [q_ref, s_ref] = model::fp8_cuda::quantize_activations(model::fused::silu_mul(gu));
+  EXPECT_TRUE(torch::equal(q.view(torch::kUInt8), q_ref.view(torch::kUInt8)));
+  EXPECT_TRUE(torch::equal(s, s_ref));
 }
 
 // x w^T by the FP8 GEMM vs fp32 on the dequantized operands (the same quantized activations): only

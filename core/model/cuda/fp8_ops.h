@@ -18,10 +18,19 @@ bool gemm_supported(torch::Device device);
 // M-major layout the block-scaled GEMM reads).
 std::pair<torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x);
 
+// The quantization above applied to silu(g) * u of gate_up = [g | u] (CUDA bf16 [M, 2I], I % 128 == 0),
+// each product rounded to bf16 as fused::silu_mul materialises it (bf16(bf16(silu(g)) * u)): bitwise
+// quantize_activations(fused::silu_mul(gate_up)) in one pass. Returns {q [M, I], s [M, I/128]} as above.
+std::pair<torch::Tensor, torch::Tensor> quantize_silu_mul(const torch::Tensor& gate_up);
+
 // x w^T for x bf16 [M, K] (as above) and an FP8 weight w_q [N, K] (contiguous) with block scales
 // scale_inv fp32 [ceil(N/128), K/128] (contiguous): at::_scaled_mm with 1x128 activation and 128x128
 // weight block scaling, fp32 accumulation, output bf16 [M, N]. N % 16 == 0; any M (rows padded to
 // a multiple of 128 for the GEMM, a view of the first M rows returned).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w_q, const torch::Tensor& scale_inv);
+
+// linear(silu(g) * u, w_q, scale_inv) with the activations of quantize_silu_mul(gate_up): bitwise
+// linear(fused::silu_mul(gate_up), w_q, scale_inv) without the bf16 [M, I] product.
+torch::Tensor silu_mul_linear(const torch::Tensor& gate_up, const torch::Tensor& w_q, const torch::Tensor& scale_inv);
 
 }  // namespace dflash::model::fp8_cuda
