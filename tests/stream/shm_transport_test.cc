@@ -69,6 +69,25 @@ size_t send_batch(Sender& tx, uint64_t id, uint32_t max_tokens, const Shape& s, 
   return bytes;
 }
 
+// Batch `id` of run 0 whose feature byte `byte` is XORed with `mask` after the checksum was stamped.
+void send_corrupt_batch(Sender& tx, uint64_t id, uint32_t max_tokens, const Shape& s, size_t byte, uint8_t mask) {
+  auto docs = testing::docs_for(id, max_tokens);
+  uint64_t T = 0;
+  for (auto& d : docs) T += d.length;
+  SlotBuffer buf = tx.acquire(BatchLayout::compute(docs.size(), T, s.k, s.h, s.dtype, s.h_last).total_bytes, 1s);
+  PackedBatchInfo info;
+  info.batch_id = id;
+  info.k = s.k;
+  info.h = s.h;
+  info.dtype = s.dtype;
+  info.has_h_last = s.h_last;
+  PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
+  testing::fill_pattern(w, id);
+  buf.set_size(w.finalize(true));
+  static_cast<uint8_t*>(w.features())[byte] ^= mask;
+  tx.commit(std::move(buf));
+}
+
 class ShmTransport : public ::testing::Test {
  protected:
   void TearDown() override {
@@ -343,22 +362,7 @@ TEST_F(ShmTransport, ChecksumMismatchAbortedStreamAndMisuse) {
   auto tx = ShmSender::attach(name, 1s);
   EXPECT_THROW(ShmSender::attach(name, 1s), TransportError);  // one sender per link
   EXPECT_THROW(tx->acquire(o.slot_bytes + 1, 1s), TransportError);
-  // Corrupt one feature byte after the checksum was stamped.
-  {
-    auto docs = testing::docs_for(7, 100);
-    uint64_t T = 0;
-    for (auto& d : docs) T += d.length;
-    SlotBuffer buf = tx->acquire(BatchLayout::compute(docs.size(), T, 1, 32, DType::kBF16, false).total_bytes, 1s);
-    PackedBatchInfo info;
-    info.batch_id = 7;
-    info.k = 1;
-    info.h = 32;
-    PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
-    testing::fill_pattern(w, 7);
-    buf.set_size(w.finalize(true));
-    static_cast<uint8_t*>(w.features())[5] ^= 0x40;
-    tx->commit(std::move(buf));
-  }
+  send_corrupt_batch(*tx, 7, 100, {1, 32, DType::kBF16, false}, 5, 0x40);
   try {
     rx->receive(1s);
     ADD_FAILURE() << "expected DataError";
@@ -393,22 +397,7 @@ TEST_F(ShmTransport, VerifiesBatchesAheadOfReceive) {
     auto tx = ShmSender::attach(name, 1s);
     const Shape shape{2, 64, DType::kBF16, true};
     send_batch(*tx, 0, 300, shape);
-    {  // batch 1: one feature byte flipped after the checksum was stamped
-      auto docs = testing::docs_for(1, 300);
-      uint64_t T = 0;
-      for (auto& d : docs) T += d.length;
-      SlotBuffer buf = tx->acquire(BatchLayout::compute(docs.size(), T, 2, 64, DType::kBF16, true).total_bytes, 1s);
-      PackedBatchInfo info;
-      info.batch_id = 1;
-      info.k = 2;
-      info.h = 64;
-      info.has_h_last = true;
-      PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
-      testing::fill_pattern(w, 1);
-      buf.set_size(w.finalize(true));
-      static_cast<uint8_t*>(w.features())[9] ^= 0x10;
-      tx->commit(std::move(buf));
-    }
+    send_corrupt_batch(*tx, 1, 300, shape, 9, 0x10);
     send_batch(*tx, 2, 300, shape);
     // Let the verifier reach all three (it needs well under a millisecond per batch here).
     std::this_thread::sleep_for(500ms);
