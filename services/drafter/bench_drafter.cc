@@ -66,7 +66,8 @@ train::MicroBatch random_micro_batch(const model::DrafterConfig& cfg, int64_t do
   train::MicroBatch mb;
   const int64_t T = ctx * docs, K = cfg.num_context_layers(), H = cfg.hidden_size;
   mb.doc_lens.assign(docs, ctx);
-  mb.input_ids_T = torch::randint(0, cfg.vocab_size - 1, {T}, torch::TensorOptions().dtype(torch::kInt64)).to(device);
+  mb.input_ids_host = torch::randint(0, cfg.vocab_size - 1, {T}, torch::TensorOptions().dtype(torch::kInt64));
+  mb.input_ids_T = mb.input_ids_host.to(device);
   mb.loss_mask_host.assign(T, 1);
   mb.loss_mask_T = torch::ones({T}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
   mb.features_TKH = torch::randn({T, K * H}, features);

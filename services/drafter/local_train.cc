@@ -50,7 +50,8 @@ class CaptureSource final : public MicroBatchSource {
       mb.doc_lens.push_back(n);
     }
     // Through pinned memory without blocking: a pageable copy would wait for the queued GPU work.
-    mb.input_ids_T = model::to_device_async(torch::tensor(ids, torch::kInt64), device_);
+    mb.input_ids_host = torch::tensor(ids, torch::kInt64);
+    mb.input_ids_T = model::to_device_async(mb.input_ids_host, device_);
     mb.loss_mask_T = model::to_device_async(
         torch::tensor(std::vector<int64_t>(mb.loss_mask_host.begin(), mb.loss_mask_host.end()), torch::kInt64)
             .to(torch::kUInt8),
