@@ -164,7 +164,7 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   lo.dtype = plan.target_dtype;
   lo.load_lm_head = false;
   auto target = model::load_target(cfg.target.model_dir, lo);
-  auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, plan.compute_dtype);
+  auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, plan.compute_dtype, plan.embed_on_host);
   model::Drafter drafter(plan.drafter, device, static_cast<uint64_t>(cfg.run.seed));
   if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
 

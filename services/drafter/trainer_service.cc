@@ -560,7 +560,7 @@ void DrafterRank::join_collectives() {
 // Drafter, schedule and trainer from the run plan (as `dflash train` builds them); the launch's
 // checkpoint when it resumes.
 void DrafterRank::build() {
-  frozen_ = model::load_frozen_target_parts(cfg_.target.model_dir, device_, plan_->compute_dtype);
+  frozen_ = model::load_frozen_target_parts(cfg_.target.model_dir, device_, plan_->compute_dtype, plan_->embed_on_host);
   drafter_ = std::make_unique<model::Drafter>(plan_->drafter, device_, static_cast<uint64_t>(cfg_.run.seed));
   if (!cfg_.drafter.init_from.empty()) train::init_from_export(*drafter_, cfg_.drafter.init_from);
 
