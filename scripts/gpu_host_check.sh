@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-fp8|bench-drafter|bench-drafter-fused|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-fp8|bench-drafter|bench-drafter-fused|bench-drafter-embed-host|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
 # (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps, and
 # run-colocated, ~4 min: a Qwen3-8B-shaped run on one GPU, bench-moe, two MoE-shaped benches
-# with HF baselines, bench-fp8, the FP8 targets against our bf16 path, and bench-drafter-fused,
-# SpecForge's step against ours with DFLASH_FUSED_TRAIN_OPS off and on.)
+# with HF baselines, bench-fp8, the FP8 targets against our bf16 path, bench-drafter-fused,
+# SpecForge's step against ours with DFLASH_FUSED_TRAIN_OPS off and on, and bench-drafter-embed-host,
+# the 8k step without and with the embedding in host memory.)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out/gpu}
@@ -15,7 +16,7 @@ export PYTHONUNBUFFERED=1 DFLASH_SOURCE_DIR=$root DFLASH_PYTHON=${DFLASH_PYTHON:
 export DFLASH_GPU_DEBS=${DFLASH_GPU_DEBS:-$root/.gpu-deps/debs} DFLASH_DEPS_PREFIX=${DFLASH_DEPS_PREFIX:-/tmp/dflash-deps}
 export LD_LIBRARY_PATH=$DFLASH_DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ] && [ "$1" != bench-drafter-fused ]; } && return 0; done; return 1; }
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ] && [ "$1" != bench-drafter-fused ] && [ "$1" != bench-drafter-embed-host ]; } && return 0; done; return 1; }
 t0=$(date +%s)
 # Always through scripts/gpu-host/build.sh: an incremental build is a no-op when nothing changed, and
 # a binary left by an earlier call must not hide changed sources.
@@ -192,6 +193,16 @@ if has bench-drafter-fused; then
         > "$out/bench_drafter_${name}_specforge_fused_$fused.json" 2> "$out/bench_drafter_${name}_specforge_fused_$fused.err"
       echo "bench drafter $name specforge, fused train ops $fused rc=$?"
     done
+  done
+fi
+if has bench-drafter-embed-host; then
+  # train.embed_on_host (docs/perf.md, eighteenth session): the 8k long-context step against the
+  # eager baseline, the embedding on the GPU, then in host memory (expected peak ~1.16 GiB lower).
+  for where in device host; do
+    flag=(); [ "$where" = host ] && flag=(--embed-on-host)
+    "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels --recompute-mlp \
+      "${flag[@]}" --baseline eager > "$out/bench_drafter_8k_embed_$where.json" 2> "$out/bench_drafter_8k_embed_$where.err"
+    echo "bench drafter 8k recompute-mlp, embedding on the $where rc=$?"
   done
 fi
 if has mem-drafter; then

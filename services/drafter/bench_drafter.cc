@@ -75,6 +75,22 @@ train::MicroBatch random_micro_batch(const model::DrafterConfig& cfg, int64_t do
   return mb;
 }
 
+// The bench's frozen target parts: random, untied (as Qwen3-8B's), in `o` (the device's compute
+// dtype). embed_on_host: the embedding moves to host memory, as train.embed_on_host leaves it on
+// CUDA (drawn on the device first, so its values do not depend on the flag; the device's cached
+// block is released, so it counts in no peak).
+model::FrozenTargetParts random_frozen(int64_t V, int64_t H, const torch::TensorOptions& o, bool embed_on_host) {
+  model::FrozenTargetParts frozen;
+  frozen.embed = torch::randn({V, H}, o) * 0.02;
+  frozen.lm_head = torch::randn({V, H}, o) * 0.02;
+  frozen.norm = torch::ones({H}, o);
+  if (embed_on_host) {
+    frozen.embed = frozen.embed.cpu();
+    model::release_cached_memory(o.device());
+  }
+  return frozen;
+}
+
 // Seconds of one call of `fn`, the device synchronised before and after.
 double timed(const torch::Device& device, const std::function<void()>& fn) {
   model::synchronize(device);
@@ -195,11 +211,9 @@ json bench_ours(const Flags& f, const torch::Device& device) {
   const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
   const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
   model::Drafter drafter(cfg, device, 0);
-  model::FrozenTargetParts frozen;
   auto bf = torch::TensorOptions().device(device).dtype(compute);
-  frozen.embed = torch::randn({V, H}, bf) * 0.02;
-  frozen.lm_head = torch::randn({V, H}, bf) * 0.02;
-  frozen.norm = torch::ones({H}, bf);
+  const bool embed_on_host = f.has("embed-on-host") && device.is_cuda();  // as train.embed_on_host
+  const model::FrozenTargetParts frozen = random_frozen(V, H, bf, embed_on_host);
   train::TrainerOptions to;
   to.max_anchors = f.get_int("anchors", 512);
   to.loss.soft_labels = f.has("soft-labels");
@@ -253,6 +267,7 @@ json bench_ours(const Flags& f, const torch::Device& device) {
               {"gamma", to.loss.gamma},
               {"soft_labels", to.loss.soft_labels},
               {"recompute_mlp", to.loss.recompute_mlp},
+              {"embed_on_host", embed_on_host},
               {"logits_chunk_rows", to.loss.logits_chunk_rows},
               {"trainable_params", drafter.num_parameters()},
               {"warmup", warmup},
@@ -356,9 +371,9 @@ int cmd_bench_drafter(int argc, char** argv) {
   Flags f(argc, argv,
           {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "context", "anchors",
            "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
-           "baseline-chunk-rows", "recompute-mlp",
+           "baseline-chunk-rows", "recompute-mlp", "embed-on-host",
            "python"},
-          {"soft-labels", "profile", "recompute-mlp"});
+          {"soft-labels", "profile", "recompute-mlp", "embed-on-host"});
   const std::string baseline = f.get("baseline", "");
   DFLASH_CHECK(baseline.empty() || baseline == "eager" || baseline == "specforge", ConfigError,
                "--baseline: expected eager or specforge, got '" << baseline << "'");
