@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-fp8|bench-drafter|loss-curve|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-fp8|bench-drafter|loss-curve|bench-drafter-embed-host|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
 # (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps, and
 # run-colocated, ~4 min: a Qwen3-8B-shaped run on one GPU, bench-moe, two MoE-shaped benches
-# with HF baselines, bench-fp8, the FP8 targets against our bf16 path, and loss-curve, 200 steps
-# with the fused training ops off, off again and on.)
+# with HF baselines, bench-fp8, the FP8 targets against our bf16 path, loss-curve, 200 steps
+# with the fused training ops off, off again and on, and bench-drafter-embed-host, the 8k step
+# without and with the embedding in host memory.)
 # SpecForge (`bench-drafter`'s --baseline specforge): a wheel carried under .whl/ (`pip download
 # specforge==0.2.0 --no-deps -d .whl`) is installed --no-deps into /tmp/dflash-pyextra when the
 # host's python3 cannot import specforge.
@@ -18,7 +19,7 @@ export PYTHONUNBUFFERED=1 DFLASH_SOURCE_DIR=$root DFLASH_PYTHON=${DFLASH_PYTHON:
 export DFLASH_GPU_DEBS=${DFLASH_GPU_DEBS:-$root/.gpu-deps/debs} DFLASH_DEPS_PREFIX=${DFLASH_DEPS_PREFIX:-/tmp/dflash-deps}
 export LD_LIBRARY_PATH=$DFLASH_DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ] && [ "$1" != loss-curve ]; } && return 0; done; return 1; }
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ] && [ "$1" != loss-curve ] && [ "$1" != bench-drafter-embed-host ]; } && return 0; done; return 1; }
 t0=$(date +%s)
 if ! python3 -c "import specforge" 2>/dev/null && compgen -G "$root/.whl/specforge-*.whl" > /dev/null; then
   python3 -m pip install -q --no-deps --target /tmp/dflash-pyextra "$root"/.whl/specforge-*.whl > "$out/pip_specforge.log" 2>&1 \
@@ -195,6 +196,17 @@ if has loss-curve; then
     DFLASH_FUSED_TRAIN_OPS=${run%2} "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 \
       --soft-labels --repeats 3 --loss-curve 200 > "$out/loss_curve_4k_fused_$run.json" 2> "$out/loss_curve_4k_fused_$run.err"
     echo "loss curve 4k, fused train ops $run rc=$?"
+  done
+fi
+if has bench-drafter-embed-host; then
+  # train.embed_on_host (docs/perf.md, eighteenth session): the 8k step at default settings (soft
+  # labels, no recompute) against the eager baseline, the embedding on the GPU, then in host memory
+  # (expected peak ~1.16 GiB lower: 41.31 -> ~40.15 GiB, 0.491x the eager 81.79 GiB).
+  for where in device host; do
+    flag=(); [ "$where" = host ] && flag=(--embed-on-host)
+    "$build/bin/dflash" bench drafter --context 8192 --anchors 1024 --block-size 32 --soft-labels --repeats 3 \
+      "${flag[@]}" --baseline eager > "$out/bench_drafter_8k_embed_$where.json" 2> "$out/bench_drafter_8k_embed_$where.err"
+    echo "bench drafter 8k, embedding on the $where rc=$?"
   done
 fi
 if has mem-drafter; then

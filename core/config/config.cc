@@ -50,6 +50,7 @@ DFLASH_ENUM_TABLE(NoiseType, {NoiseType::kUniform, "uniform"}, {NoiseType::kGaus
 DFLASH_ENUM_TABLE(Overlong, {Overlong::kTruncate, "truncate"}, {Overlong::kDrop, "drop"})
 DFLASH_ENUM_TABLE(LossType, {LossType::kDflash, "dflash"}, {LossType::kDpace, "dpace"})
 DFLASH_ENUM_TABLE(AnchorSpread, {AnchorSpread::kBatch, "batch"}, {AnchorSpread::kDocument, "document"})
+DFLASH_ENUM_TABLE(EmbedOnHost, {EmbedOnHost::kFalse, "false"}, {EmbedOnHost::kTrue, "true"}, {EmbedOnHost::kAuto, "auto"})
 DFLASH_ENUM_TABLE(Transport, {Transport::kShm, "shm"}, {Transport::kC10d, "c10d"})
 DFLASH_ENUM_TABLE(LaunchKind, {LaunchKind::kLocal, "local"}, {LaunchKind::kSsh, "ssh"},
                   {LaunchKind::kPct, "pct"}, {LaunchKind::kSlurm, "slurm"})
@@ -78,6 +79,7 @@ const char* to_string(NoiseType v) { return enum_name(v); }
 const char* to_string(Overlong v) { return enum_name(v); }
 const char* to_string(LossType v) { return enum_name(v); }
 const char* to_string(AnchorSpread v) { return enum_name(v); }
+const char* to_string(EmbedOnHost v) { return enum_name(v); }
 const char* to_string(Transport v) { return enum_name(v); }
 const char* to_string(LaunchKind v) { return enum_name(v); }
 const char* to_string(FaultKind v) { return enum_name(v); }
@@ -205,6 +207,7 @@ void fields(V& v, TrainSection& s) {
   v("noise", s.noise);
   v("max_nonfinite_steps", s.max_nonfinite_steps);
   v("recompute_mlp", s.recompute_mlp);
+  v("embed_on_host", s.embed_on_host);
   v("loss", s.loss);
   v("dpace_alpha", s.dpace_alpha);
 }

@@ -49,6 +49,7 @@ enum class NoiseType { kUniform, kGaussian, kNone };          // uniform | gauss
 enum class Overlong { kTruncate, kDrop };                     // truncate | drop
 enum class LossType { kDflash, kDpace };                      // dflash | dpace
 enum class AnchorSpread { kBatch, kDocument };                // batch | document
+enum class EmbedOnHost { kFalse, kTrue, kAuto };              // false | true | auto
 enum class Transport { kShm, kC10d };                         // shm | c10d
 enum class LaunchKind { kLocal, kSsh, kPct, kSlurm };         // local | ssh | pct | slurm
 enum class FaultKind { kCrash, kOom, kHang, kCorruptCheckpoint };  // crash | oom | hang | corrupt_checkpoint
@@ -60,6 +61,7 @@ const char* to_string(NoiseType v);
 const char* to_string(Overlong v);
 const char* to_string(LossType v);
 const char* to_string(AnchorSpread v);
+const char* to_string(EmbedOnHost v);
 const char* to_string(Transport v);
 const char* to_string(LaunchKind v);
 const char* to_string(FaultKind v);
@@ -125,6 +127,10 @@ struct TrainSection {
   NoiseOptions noise;
   int max_nonfinite_steps = 10;           // >= 0 consecutive skipped non-finite steps before failing
   bool recompute_mlp = false;             // drafter MLP recomputes gate/up in backward (less memory)
+  // true / auto: on CUDA, an untied target embedding stays in host memory and only the rows a
+  // micro-batch needs are uploaded (-V*H*2 bytes of GPU memory; auto is meant to become the default
+  // once measured). CPU devices and tied embeddings: no change.
+  EmbedOnHost embed_on_host = EmbedOnHost::kFalse;
   LossType loss = LossType::kDflash;      // dpace: D-PACE position weights (needs soft_labels.enabled false)
   double dpace_alpha = 0.5;               // [0, 1], D-PACE smoothing (loss: dpace only)
 };

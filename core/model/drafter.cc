@@ -8,6 +8,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
+#include "core/util/log.h"
 #include "core/util/switches.h"
 
 namespace dflash::model {
@@ -56,17 +57,24 @@ torch::Tensor FrozenTargetParts::final_norm(const torch::Tensor& h) const {
   return norm_zero_centred ? rms_norm_zero_centred(h, norm, norm_eps) : rms_norm(h, norm.to(h.scalar_type()), norm_eps);
 }
 
-FrozenTargetParts load_frozen_target_parts(const std::string& dir, torch::Device device, torch::ScalarType dtype) {
+FrozenTargetParts load_frozen_target_parts(const std::string& dir, torch::Device device, torch::ScalarType dtype,
+                                           bool embed_on_host) {
   auto cfg = io::parse_hf_config(dir);
   auto st = io::SafetensorsModel::open_dir(dir);
   std::string prefix = "model.";
   if (st.has("model.language_model.embed_tokens.weight")) prefix = "model.language_model.";
   auto weights = file_weights(dir, device, dtype);
   const int64_t V = cfg.vocab_size, H = cfg.hidden_size;
+  const bool tied = cfg.tie_word_embeddings || !st.has("lm_head.weight");
+  embed_on_host = embed_on_host && device.is_cuda();
+  if (embed_on_host && tied)
+    LOG_INFO("train.embed_on_host: " << dir << " ties lm_head to the embedding, which stays on " << device
+                                     << " (lm_head needs it there)");
+  std::unique_ptr<WeightSource> host;  // the embedding's source when it stays on the host
+  if (embed_on_host && !tied) host = file_weights(dir, torch::kCPU, dtype);
   FrozenTargetParts p;
-  p.embed = weights->get(prefix + "embed_tokens.weight", {V, H}, Init::kNormal);
-  p.lm_head = (!cfg.tie_word_embeddings && st.has("lm_head.weight")) ? weights->get("lm_head.weight", {V, H}, Init::kNormal)
-                                                                       : p.embed;
+  p.embed = (host ? *host : *weights).get(prefix + "embed_tokens.weight", {V, H}, Init::kNormal);
+  p.lm_head = tied ? p.embed : weights->get("lm_head.weight", {V, H}, Init::kNormal);
   p.norm_zero_centred = cfg.family == io::Family::kQwen3_5;
   p.norm = weights->get(prefix + "norm.weight", {H}, Init::kOnes, /*keep_fp32=*/p.norm_zero_centred);
   p.norm_eps = cfg.rms_norm_eps;

@@ -42,16 +42,21 @@ DrafterConfig drafter_config_for_target(const io::TargetConfig& target, const Dr
 
 // The frozen pieces of the target the drafter needs: embedding, lm_head, and the target's final norm
 // (for soft labels). Loaded from the target's safetensors without loading the whole target.
+// embed_on_host (train.embed_on_host as the run plan resolves it): on a CUDA device an untied
+// embedding stays in ordinary host memory (train::forward_backward then uploads only the rows a
+// micro-batch needs, through a pinned staging buffer: train::gather_block_embeddings); a tied one
+// stays on the device, since lm_head is the same tensor and is needed there (one INFO line says so).
+// No effect on other devices.
 struct FrozenTargetParts {
-  torch::Tensor embed;    // [V, H]
-  torch::Tensor lm_head;  // [V, H] (the embedding when tied)
+  torch::Tensor embed;    // [V, H], on the device or (embed_on_host) the host
+  torch::Tensor lm_head;  // [V, H] on the device (the embedding when tied)
   torch::Tensor norm;     // [H]
   bool norm_zero_centred = false;
   double norm_eps = 1e-6;
   torch::Tensor final_norm(const torch::Tensor& h) const;
 };
 FrozenTargetParts load_frozen_target_parts(const std::string& target_dir, torch::Device device,
-                                           torch::ScalarType dtype);
+                                           torch::ScalarType dtype, bool embed_on_host = false);
 
 // Which keys each block attends to: block j sees context rows [ctx_begin[j], ctx_begin[j] + ctx_len[j])
 // and its own B rows. Two kernels:

@@ -65,6 +65,38 @@ BlockInputs make_blocks(const std::vector<int64_t>& anchors, const std::vector<i
   return bi;
 }
 
+torch::Tensor block_row_index(int64_t N, int64_t B, torch::Device device) {
+  const auto o = torch::TensorOptions().dtype(torch::kInt64).device(device);
+  auto idx = torch::full({N, B}, N, o);
+  idx.select(1, 0).copy_(torch::arange(N, o));
+  return idx.view({N * B});
+}
+
+torch::Tensor gather_block_embeddings(const torch::Tensor& embed, const torch::Tensor& ids_host,
+                                      const std::vector<int64_t>& anchors, int64_t B, int64_t mask_token_id,
+                                      torch::Device device) {
+  const int64_t N = anchors.size();
+  auto rows = torch::cat({ids_host.index_select(0, torch::tensor(anchors, torch::kInt64)),
+                          torch::full({1}, mask_token_id, torch::kInt64)});
+  auto table = torch::empty({N + 1, embed.size(1)}, embed.options().pinned_memory(device.is_cuda()));
+  torch::index_select_out(table, embed, 0, rows);
+  return table.to(device, /*non_blocking=*/true).index_select(0, block_row_index(N, B, device));
+}
+
+torch::Tensor embed_block_inputs(const torch::Tensor& embed, const BlockInputs& blocks, const MicroBatch& mb,
+                                 const std::vector<int64_t>& anchors, int64_t B, int64_t mask_token_id) {
+  const auto dev = blocks.ids_Q.device();
+  if (embed.device() == dev) return F::embedding(blocks.ids_Q, embed);
+  DFLASH_CHECK(embed.is_cpu(), ConfigError,
+               "the target embedding is on " << embed.device() << " and the micro-batch on " << dev
+                                             << ": expected the same device, or the host (train.embed_on_host)");
+  DFLASH_CHECK(mb.input_ids_host.defined() && mb.input_ids_host.is_cpu(), DataError,
+               "MicroBatch.input_ids_host: expected the input ids on the CPU, got "
+                   << (mb.input_ids_host.defined() ? "a tensor on " + mb.input_ids_host.device().str() : "none")
+                   << " (the target embedding is in host memory: train.embed_on_host)");
+  return gather_block_embeddings(embed, mb.input_ids_host, anchors, B, mask_token_id, dev);
+}
+
 MicroBatchStats forward_backward(const model::Drafter& drafter, const model::FrozenTargetParts& frozen,
                                  const MicroBatch& mb, const std::vector<int64_t>& anchors, const LossOptions& opt,
                                  const NoiseOptions& noise, torch::ScalarType compute, bool backward) {
@@ -123,7 +155,7 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   }
   auto ctx = drafter.fuse_context(feats, compute);
   auto ctx_pos = model::doc_positions(mb.doc_lens, dev);
-  auto x = F::embedding(blocks.ids_Q, frozen.embed).to(compute);
+  auto x = embed_block_inputs(frozen.embed, blocks, mb, anchors, B, cfg.mask_token_id).to(compute);
   auto hidden = drafter.forward(x, blocks.pos_Q, ctx, ctx_pos, blocks.attn, compute, opt.recompute_mlp);       // [N*B, H]
   auto rows_h = hidden.view({N, B, -1}).index({Slice(), Slice(1)}).reshape({N * (B - 1), -1});  // [R, H]
 

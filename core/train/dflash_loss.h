@@ -43,9 +43,13 @@ struct LossOptions {
   double dpace_alpha = 0.5;  // D-PACE smoothing in [0, 1] (train.dpace_alpha); else ConfigError
 };
 
-// A packed micro-batch as delivered by a target server (all tensors on the drafter's device).
+// A packed micro-batch as delivered by a target server (the tensors on the drafter's device unless
+// noted).
 struct MicroBatch {
   torch::Tensor input_ids_T;    // int64 [T]
+  torch::Tensor input_ids_host; // int64 [T] on the CPU: the same ids, needed when the embedding lives
+                                // on the host (train.embed_on_host); the training path makes it from
+                                // host data, never by a device->host copy (a hidden sync)
   torch::Tensor loss_mask_T;    // uint8 [T]
   torch::Tensor features_TKH;   // [T, K*H]
   torch::Tensor h_last_TH;      // [T, H] (needed for soft labels)
@@ -84,5 +88,27 @@ torch::Tensor dpace_weights(const torch::Tensor& ce_R, const torch::Tensor& mask
 
 BlockInputs make_blocks(const std::vector<int64_t>& anchors, const std::vector<int64_t>& doc_lens,
                         const torch::Tensor& input_ids_T, int64_t block_size, int64_t mask_token_id);
+
+// The drafter's input rows x [N*B, H] (embed's dtype) on ids_Q's device: embed's rows of
+// blocks.ids_Q. Embedding on that device: F::embedding(blocks.ids_Q, embed), nothing else. Embedding
+// on the host and ids_Q elsewhere (train.embed_on_host on CUDA): gather_block_embeddings of
+// mb.input_ids_host, bitwise the same rows; DataError when mb.input_ids_host is undefined or not on
+// the CPU. Any other placement: ConfigError.
+torch::Tensor embed_block_inputs(const torch::Tensor& embed, const BlockInputs& blocks, const MicroBatch& mb,
+                                 const std::vector<int64_t>& anchors, int64_t block_size, int64_t mask_token_id);
+
+// The rows of make_blocks' ids_Q from a host embedding without a device copy of it: the N anchor
+// rows embed[ids_host[a]] and the mask row are gathered on the host into a [N+1, H] table (in
+// pinned memory when `device` is CUDA), copied to `device` without blocking the host (the caching
+// host allocator keeps the staging block until the copy has run), and expanded there with
+// block_row_index. embed: [V, H] on the CPU; ids_host: int64 [T] on the CPU; anchors: packed
+// indices. Returns [N*B, H] on `device` (CPU too: the tests).
+torch::Tensor gather_block_embeddings(const torch::Tensor& embed, const torch::Tensor& ids_host,
+                                      const std::vector<int64_t>& anchors, int64_t block_size, int64_t mask_token_id,
+                                      torch::Device device);
+
+// The local index [N*B] (int64, on `device`) into gather_block_embeddings' table: j at block j's
+// position 0, N (the mask row) at its other B-1 positions.
+torch::Tensor block_row_index(int64_t num_blocks, int64_t block_size, torch::Device device);
 
 }  // namespace dflash::train

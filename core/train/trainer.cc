@@ -49,7 +49,8 @@ double Trainer::warm_up(int64_t tokens, int64_t doc_len, int64_t feature_width, 
   auto gen = at::detail::createCPUGenerator(0x7761726d);  // its own generator: global RNG untouched
   MicroBatch mb;
   for (int64_t left = tokens; left > 0; left -= doc_len) mb.doc_lens.push_back(std::min(left, doc_len));
-  mb.input_ids_T = torch::randint(0, vocab - 1, {tokens}, gen, torch::kInt64).to(dev);
+  mb.input_ids_host = torch::randint(0, vocab - 1, {tokens}, gen, torch::kInt64);
+  mb.input_ids_T = mb.input_ids_host.to(dev);
   mb.loss_mask_T = torch::ones({tokens}, torch::kUInt8).to(dev);
   mb.loss_mask_host.assign(tokens, 1);
   mb.features_TKH = torch::randn({tokens, feature_width}, gen).to(dev, opt_.compute);

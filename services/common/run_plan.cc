@@ -144,6 +144,7 @@ RunPlan RunPlan::build(const config::RunConfig& cfg, const io::TargetConfig& tar
   p.checksum = cfg.data.checksum;
   p.compute_dtype = is_cuda_device(device) ? torch::kBFloat16 : torch::kFloat32;
   p.export_dtype = p.compute_dtype;
+  p.embed_on_host = cfg.train.embed_on_host != config::EmbedOnHost::kFalse && is_cuda_device(device);
   p.drafter = drafter_config(cfg, target, p.target_layer_ids);
   p.trainer = trainer_options_from(cfg, p.compute_dtype);
   return p;
@@ -195,6 +196,7 @@ nlohmann::json RunPlan::to_json() const {
           {"checksum", checksum},
           {"compute_dtype", dtype_name(compute_dtype)},
           {"export_dtype", dtype_name(export_dtype)},
+          {"embed_on_host", embed_on_host},
           {"drafter", train::drafter_config_to_json(drafter)},
           {"trainer",
            {{"gamma", t.loss.gamma}, {"soft_labels", t.loss.soft_labels}, {"kl_weight", t.loss.kl_weight},

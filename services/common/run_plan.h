@@ -6,7 +6,7 @@
 //   - the size of a link slot (the largest packed batch the config's packing allows);
 //   - the packing of schedule generation 0 and the pipeline shape (targets, drafters, grad_accum);
 //   - the drafter's compute and export dtypes: bfloat16 on CUDA, float32 elsewhere (the only place
-//     that rule is written);
+//     that rule is written), and where the target's embedding lives (train.embed_on_host);
 //   - the DrafterConfig (the config's overrides on the target's shapes) and the TrainerOptions.
 // Pure: no I/O except RunPlan::load reading config.json; no clock, no randomness.
 // Errors: ConfigError naming the field (a layer id outside the target, a mask token outside the
@@ -62,6 +62,8 @@ struct RunPlan {
   // What a drafter trains.
   torch::ScalarType compute_dtype = torch::kFloat32;  // drafter compute and frozen target parts
   torch::ScalarType export_dtype = torch::kFloat32;   // the exported drafter's weights
+  bool embed_on_host = false;              // train.embed_on_host true or auto, on CUDA: load_frozen_target_parts'
+                                           // embed_on_host (an untied embedding stays in host memory)
   model::DrafterConfig drafter;            // its target_layer_ids are target_layer_ids above
   train::TrainerOptions trainer;           // schedule.total_steps = 0: see trainer_options()
 

@@ -67,7 +67,8 @@ MemoryItems memory_items(const config::RunConfig& cfg, const std::string& device
   const int64_t di = cfg.drafter.intermediate_size ? cfg.drafter.intermediate_size : tc.intermediate_size;
   const double drafter_params = double(cfg.drafter.num_layers) * (4.0 * dh * dh + 3.0 * dh * di) + double(K) * H * dh;
   m.drafter_state = drafter_params * 16;  // fp32 parameters, gradients and two Adam moments
-  m.frozen_embedding_lm_head = 2.0 * V * H * elt;
+  // lm_head and the embedding, but for an untied embedding that train.embed_on_host keeps on the host.
+  m.frozen_embedding_lm_head = (run_plan.embed_on_host && !tc.tie_word_embeddings ? 1.0 : 2.0) * V * H * elt;
   m.batch_in_flight = slot;
   // Saved activations of the drafted tokens (anchors x block): ~24 x hidden values per token and
   // layer, fitted to the H200 peaks of the Qwen3-8B-shaped drafter (27.0 GiB at 512 x 16 and 47.5

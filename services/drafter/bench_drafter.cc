@@ -66,12 +66,29 @@ train::MicroBatch random_micro_batch(const model::DrafterConfig& cfg, int64_t do
   train::MicroBatch mb;
   const int64_t T = ctx * docs, K = cfg.num_context_layers(), H = cfg.hidden_size;
   mb.doc_lens.assign(docs, ctx);
-  mb.input_ids_T = torch::randint(0, cfg.vocab_size - 1, {T}, torch::TensorOptions().dtype(torch::kInt64)).to(device);
+  mb.input_ids_host = torch::randint(0, cfg.vocab_size - 1, {T}, torch::TensorOptions().dtype(torch::kInt64));
+  mb.input_ids_T = mb.input_ids_host.to(device);
   mb.loss_mask_host.assign(T, 1);
   mb.loss_mask_T = torch::ones({T}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
   mb.features_TKH = torch::randn({T, K * H}, features);
   mb.h_last_TH = torch::randn({T, H}, features);
   return mb;
+}
+
+// The bench's frozen target parts: random, untied (as Qwen3-8B's), in `o` (the device's compute
+// dtype). embed_on_host: the embedding moves to host memory, as train.embed_on_host leaves it on
+// CUDA (drawn on the device first, so its values do not depend on the flag; the device's cached
+// block is released, so it counts in no peak).
+model::FrozenTargetParts random_frozen(int64_t V, int64_t H, const torch::TensorOptions& o, bool embed_on_host) {
+  model::FrozenTargetParts frozen;
+  frozen.embed = torch::randn({V, H}, o) * 0.02;
+  frozen.lm_head = torch::randn({V, H}, o) * 0.02;
+  frozen.norm = torch::ones({H}, o);
+  if (embed_on_host) {
+    frozen.embed = frozen.embed.cpu();
+    model::release_cached_memory(o.device());
+  }
+  return frozen;
 }
 
 // Seconds of one call of `fn`, the device synchronised before and after.
@@ -177,15 +194,6 @@ json memory_over_steps(train::Trainer& trainer, const train::MicroBatch& mb, con
             {"allocated_after", creep.allocated_now}}}};
 }
 
-// The frozen target parts of the bench: random embedding and lm_head, unit final norm.
-model::FrozenTargetParts random_frozen(int64_t V, int64_t H, const torch::TensorOptions& opts) {
-  model::FrozenTargetParts frozen;
-  frozen.embed = torch::randn({V, H}, opts) * 0.02;
-  frozen.lm_head = torch::randn({V, H}, opts) * 0.02;
-  frozen.norm = torch::ones({H}, opts);
-  return frozen;
-}
-
 // The trainer options the flags select (anchors, soft labels, recompute), for `steps` steps at least.
 train::TrainerOptions bench_trainer_options(const Flags& f, torch::ScalarType compute, int64_t steps) {
   train::TrainerOptions to;
@@ -206,7 +214,8 @@ json loss_curve(const Flags& f, const torch::Device& device, int64_t n) {
   auto opts = torch::TensorOptions().device(device).dtype(compute);
   torch::manual_seed(1234);
   model::Drafter drafter(cfg, device, 0);
-  const model::FrozenTargetParts frozen = random_frozen(cfg.vocab_size, cfg.hidden_size, opts);
+  const model::FrozenTargetParts frozen =
+      random_frozen(cfg.vocab_size, cfg.hidden_size, opts, f.has("embed-on-host") && device.is_cuda());
   train::Trainer trainer(drafter, frozen, bench_trainer_options(f, compute, n));
   std::vector<train::MicroBatch> batches;
   for (int i = 0; i < 4; ++i)
@@ -242,7 +251,8 @@ json bench_ours(const Flags& f, const torch::Device& device) {
   const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
   model::Drafter drafter(cfg, device, 0);
   auto bf = torch::TensorOptions().device(device).dtype(compute);
-  const model::FrozenTargetParts frozen = random_frozen(V, H, bf);
+  const bool embed_on_host = f.has("embed-on-host") && device.is_cuda();  // as train.embed_on_host
+  const model::FrozenTargetParts frozen = random_frozen(V, H, bf, embed_on_host);
   const train::TrainerOptions to = bench_trainer_options(f, compute, warmup + repeats + steps + 2);
   train::Trainer trainer(drafter, frozen, to);
   const train::MicroBatch mb = random_micro_batch(cfg, docs, ctx, device, bf);
@@ -291,6 +301,7 @@ json bench_ours(const Flags& f, const torch::Device& device) {
               {"gamma", to.loss.gamma},
               {"soft_labels", to.loss.soft_labels},
               {"recompute_mlp", to.loss.recompute_mlp},
+              {"embed_on_host", embed_on_host},
               {"logits_chunk_rows", to.loss.logits_chunk_rows},
               {"trainable_params", drafter.num_parameters()},
               {"warmup", warmup},
@@ -394,9 +405,9 @@ int cmd_bench_drafter(int argc, char** argv) {
   Flags f(argc, argv,
           {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "context", "anchors",
            "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
-           "baseline-chunk-rows", "recompute-mlp",
+           "baseline-chunk-rows", "recompute-mlp", "embed-on-host",
            "loss-curve", "python"},
-          {"soft-labels", "profile", "recompute-mlp"});
+          {"soft-labels", "profile", "recompute-mlp", "embed-on-host"});
   const std::string baseline = f.get("baseline", "");
   DFLASH_CHECK(baseline.empty() || baseline == "eager" || baseline == "specforge", ConfigError,
                "--baseline: expected eager or specforge, got '" << baseline << "'");

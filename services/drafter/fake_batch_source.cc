@@ -13,7 +13,7 @@ train::MicroBatch FakeMicroBatchSource::make(int64_t epoch, int64_t batch_index,
     for (int32_t x = 0; x < n; ++x) mb.loss_mask_host.push_back(x == 0 ? 0 : 1);
     T += n;
   }
-  mb.input_ids_T = torch::randint(0, vocab_ - 1, {T}, gen, torch::kInt64);
+  mb.input_ids_T = mb.input_ids_host = torch::randint(0, vocab_ - 1, {T}, gen, torch::kInt64);
   mb.loss_mask_T = torch::tensor(std::vector<int64_t>(mb.loss_mask_host.begin(), mb.loss_mask_host.end())).to(torch::kUInt8);
   mb.features_TKH = torch::randn({T, feature_width_}, gen);
   mb.h_last_TH = torch::randn({T, hidden_}, gen);

@@ -50,7 +50,8 @@ class CaptureSource final : public MicroBatchSource {
       mb.doc_lens.push_back(n);
     }
     // Through pinned memory without blocking: a pageable copy would wait for the queued GPU work.
-    mb.input_ids_T = model::to_device_async(torch::tensor(ids, torch::kInt64), device_);
+    mb.input_ids_host = torch::tensor(ids, torch::kInt64);
+    mb.input_ids_T = model::to_device_async(mb.input_ids_host, device_);
     mb.loss_mask_T = model::to_device_async(
         torch::tensor(std::vector<int64_t>(mb.loss_mask_host.begin(), mb.loss_mask_host.end()), torch::kInt64)
             .to(torch::kUInt8),
@@ -163,7 +164,7 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   lo.dtype = plan.target_dtype;
   lo.load_lm_head = false;
   auto target = model::load_target(cfg.target.model_dir, lo);
-  auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, plan.compute_dtype);
+  auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, plan.compute_dtype, plan.embed_on_host);
   model::Drafter drafter(plan.drafter, device, static_cast<uint64_t>(cfg.run.seed));
   if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
 

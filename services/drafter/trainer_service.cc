@@ -213,8 +213,10 @@ void check_against_plan(const stream::PackedBatchView& v, uint64_t run_id, int64
                        << " tokens), the plan says sample " << b.sample_ids[j] << " (" << b.lengths[j] << " tokens)");
 }
 
-// A received batch as a MicroBatch. CPU: views of the slot memory (input ids converted to int64,
-// the loss mask also copied for the anchor sampler), valid while the slot is held. CUDA:
+// A received batch as a MicroBatch. Both devices: host copies of the loss mask (the anchor sampler)
+// and of the input ids as int64 (input_ids_host: a host embedding's row gather), read from the slot
+// on the host. CPU: views of the slot memory otherwise (input_ids_T is input_ids_host), valid while
+// the slot is held. CUDA:
 // non-blocking copies from the pinned slot (registered shm mapping or c10d's pinned slots) on a
 // stream of their own, so they do not queue behind the compute of earlier micro-batches; the
 // compute stream waits for them before using the tensors (allocated on the copy stream, marked as
@@ -240,6 +242,7 @@ class BatchUpload {
     const auto* docs = v.docs();
     for (uint32_t j = 0; j < L.num_docs; ++j) mb.doc_lens.push_back(docs[j].length);
     auto ids = torch::from_blob(const_cast<int32_t*>(v.input_ids()), {T}, torch::kInt32);
+    mb.input_ids_host = ids.to(torch::kInt64);  // a copy: outlives the slot
     auto mask_T = torch::from_blob(const_cast<uint8_t*>(mask), {T}, torch::kUInt8);
     auto feats = torch::from_blob(const_cast<void*>(v.features()), {T, KH}, dt);
     auto hl = want_h_last ? torch::from_blob(const_cast<void*>(v.h_last()), {T, int64_t(L.h)}, dt) : torch::Tensor();
@@ -260,7 +263,7 @@ class BatchUpload {
         if (t->defined()) t->record_stream(compute);
     }
 #endif
-    mb.input_ids_T = ids.to(torch::kInt64);
+    mb.input_ids_T = ids.is_cpu() ? mb.input_ids_host : ids.to(torch::kInt64);
     mb.loss_mask_T = mask_T;
     mb.features_TKH = feats;
     mb.h_last_TH = hl;
@@ -557,7 +560,7 @@ void DrafterRank::join_collectives() {
 // Drafter, schedule and trainer from the run plan (as `dflash train` builds them); the launch's
 // checkpoint when it resumes.
 void DrafterRank::build() {
-  frozen_ = model::load_frozen_target_parts(cfg_.target.model_dir, device_, plan_->compute_dtype);
+  frozen_ = model::load_frozen_target_parts(cfg_.target.model_dir, device_, plan_->compute_dtype, plan_->embed_on_host);
   drafter_ = std::make_unique<model::Drafter>(plan_->drafter, device_, static_cast<uint64_t>(cfg_.run.seed));
   if (!cfg_.drafter.init_from.empty()) train::init_from_export(*drafter_, cfg_.drafter.init_from);
 

@@ -56,7 +56,7 @@ inline train::MicroBatch make_micro_batch(model::TargetModel& target, const std:
   for (auto n : lens) T += n;
   train::MicroBatch mb;
   mb.doc_lens = lens;
-  mb.input_ids_T = torch::randint(0, target.config().vocab_size - 1, {T}, gen, torch::kInt64);
+  mb.input_ids_T = mb.input_ids_host = torch::randint(0, target.config().vocab_size - 1, {T}, gen, torch::kInt64);
   auto mask = (torch::rand({T}, gen) > 0.15).to(torch::kUInt8);
   mask.narrow(0, 0, 2).zero_();  // a prompt-like unmasked start
   mb.loss_mask_T = mask;

@@ -496,6 +496,21 @@ TEST(Config, AnchorSpread) {
   EXPECT_EQ(paths_of(parse(kMinimal + "train: {anchor_spread: row}\n")), (std::vector<std::string>{"train.anchor_spread"}));
 }
 
+TEST(Config, EmbedOnHost) {
+  EXPECT_EQ(parse(kMinimal).config.train.embed_on_host, EmbedOnHost::kFalse);
+  for (const auto& [text, value] : std::vector<std::pair<std::string, EmbedOnHost>>{
+           {"false", EmbedOnHost::kFalse}, {"true", EmbedOnHost::kTrue}, {"auto", EmbedOnHost::kAuto}}) {
+    ParseResult ok = parse(kMinimal + "train: {embed_on_host: " + text + "}\n");
+    ASSERT_TRUE(ok.problems.empty()) << dump(ok);
+    EXPECT_EQ(ok.config.train.embed_on_host, value) << text;
+    EXPECT_NE(to_yaml(ok.config).find("embed_on_host: " + text), std::string::npos) << text;
+    EXPECT_EQ(parse(to_yaml(ok.config)).config.train.embed_on_host, value) << text;
+  }
+  ParseResult bad = parse(kMinimal + "train: {embed_on_host: yes}\n");
+  ASSERT_EQ(paths_of(bad), (std::vector<std::string>{"train.embed_on_host"})) << dump(bad);
+  EXPECT_NE(bad.problems[0].message.find("false|true|auto"), std::string::npos) << bad.problems[0].message;
+}
+
 TEST(Config, FaultInjectionRanks) {
   ParseResult r = parse(kMinimal +
                         "resilience:\n"

@@ -7,7 +7,9 @@
 // of all five inputs (relative error < 1e-10). GPU (label gpu): the flash kernels in bf16 against the
 // same dense fp32 computation (relative error < 2e-2), and the drafter forward/backward with either
 // kernel. (6) GPU: the fused RMSNorm / SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the
-// LibTorch ops of the same autograd functions (the tolerances are stated with the tests).
+// LibTorch ops of the same autograd functions (the tolerances are stated with the tests). (7) The
+// block inputs gathered from a host embedding (train.embed_on_host) against F::embedding, bitwise
+// (CPU), and a micro-batch with the embedding on the host against on the device (GPU, bitwise).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -214,7 +216,7 @@ TEST(TrainerWarmUp, NextStepIsBitwiseTheSame) {
   frozen.norm = torch::ones({32});
   train::MicroBatch mb;
   mb.doc_lens = {30, 20};
-  mb.input_ids_T = torch::randint(63, {50}, torch::kInt64);
+  mb.input_ids_T = mb.input_ids_host = torch::randint(63, {50}, torch::kInt64);
   mb.loss_mask_T = torch::ones({50}, torch::kUInt8);
   mb.loss_mask_host.assign(50, 1);
   mb.features_TKH = torch::randn({50, 64});
@@ -306,6 +308,47 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
   compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
 }
 
+namespace {
+// The GPU micro-batch cases (seed 4): frozen parts of a 3000-token vocabulary (bf16, CUDA), three
+// documents (640 tokens) of random bf16 features, an anchor every 11 tokens; drafter of hidden 256.
+struct GpuMicroBatch {
+  model::DrafterConfig cfg = small_drafter(256, 64, 512, 8, 3000);
+  model::FrozenTargetParts frozen;
+  train::MicroBatch mb;
+  std::vector<int64_t> anchors;
+};
+GpuMicroBatch gpu_micro_batch() {
+  GpuMicroBatch g;
+  auto o = torch::TensorOptions().device(torch::kCUDA);
+  torch::manual_seed(4);
+  g.frozen.embed = (torch::randn({3000, 256}, o) * 0.05).to(torch::kBFloat16);
+  g.frozen.lm_head = (torch::randn({3000, 256}, o) * 0.05).to(torch::kBFloat16);
+  g.frozen.norm = torch::ones({256}, o).to(torch::kBFloat16);
+  auto& mb = g.mb;
+  mb.doc_lens = {300, 200, 140};
+  const int64_t T = 640;
+  mb.input_ids_T = torch::randint(2999, {T}, o.dtype(torch::kInt64));
+  mb.input_ids_host = mb.input_ids_T.cpu();  // a test: the values as before this field existed
+  mb.loss_mask_T = torch::ones({T}, o.dtype(torch::kUInt8));
+  mb.loss_mask_host.assign(T, 1);
+  mb.features_TKH = torch::randn({T, 512}, o).to(torch::kBFloat16);
+  mb.h_last_TH = torch::randn({T, 256}, o).to(torch::kBFloat16);
+  for (int64_t a = 3; a < T - 8; a += 11) g.anchors.push_back(a);
+  return g;
+}
+
+// forward_backward of `g` on a fresh drafter (seed 3), bf16: ce_sum, kl_sum, accept_sum, correct_k,
+// then every parameter gradient.
+std::vector<Tensor> sums_and_grads(const GpuMicroBatch& g, const train::LossOptions& lo) {
+  model::Drafter d(g.cfg, torch::kCUDA, 3);
+  auto st = train::forward_backward(d, g.frozen, g.mb, g.anchors, lo, {}, torch::kBFloat16, true);
+  std::vector<Tensor> r = {st.ce_sum, st.kl_sum, st.accept_sum, st.correct_k};
+  for (auto& [_, p] : d.parameters())
+    if (p.grad().defined()) r.push_back(p.grad().clone());
+  return r;
+}
+}  // namespace
+
 #ifdef DFLASH_WITH_CUDA
 // (4) The fused loss kernel against the same quantities in plain LibTorch fp32 ops.
 TEST(FusedLossGpu, EqualsPlainOps) {
@@ -365,32 +408,12 @@ TEST(FusedLossGpu, DpaceMicroBatchEqualsPlainLoss) {
 
 void expect_fused_equals_plain(const train::LossOptions& lo) {
   ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
-  const auto cfg = small_drafter(256, 64, 512, 8, 3000);
-  auto o = torch::TensorOptions().device(torch::kCUDA);
-  torch::manual_seed(4);
-  model::FrozenTargetParts frozen;
-  frozen.embed = (torch::randn({3000, 256}, o) * 0.05).to(torch::kBFloat16);
-  frozen.lm_head = (torch::randn({3000, 256}, o) * 0.05).to(torch::kBFloat16);
-  frozen.norm = torch::ones({256}, o).to(torch::kBFloat16);
-  train::MicroBatch mb;
-  mb.doc_lens = {300, 200, 140};
-  const int64_t T = 640;
-  mb.input_ids_T = torch::randint(2999, {T}, o.dtype(torch::kInt64));
-  mb.loss_mask_T = torch::ones({T}, o.dtype(torch::kUInt8));
-  mb.loss_mask_host.assign(T, 1);
-  mb.features_TKH = torch::randn({T, 512}, o).to(torch::kBFloat16);
-  mb.h_last_TH = torch::randn({T, 256}, o).to(torch::kBFloat16);
-  std::vector<int64_t> anchors;
-  for (int64_t a = 3; a < T - 8; a += 11) anchors.push_back(a);
+  const auto g = gpu_micro_batch();
   std::vector<Tensor> r[2];
   for (int k = 0; k < 2; ++k) {
     ::setenv("DFLASH_LOSS", k ? "fused" : "plain", 1);
     switches::reload();  // the registry reads the environment once
-    model::Drafter d(cfg, torch::kCUDA, 3);
-    auto st = train::forward_backward(d, frozen, mb, anchors, lo, {}, torch::kBFloat16, true);
-    r[k] = {st.ce_sum, st.kl_sum, st.accept_sum, st.correct_k};
-    for (auto& [_, p] : d.parameters())
-      if (p.grad().defined()) r[k].push_back(p.grad().clone());
+    r[k] = sums_and_grads(g, lo);
   }
   ::unsetenv("DFLASH_LOSS");
   switches::reload();
@@ -616,3 +639,121 @@ TEST(FusedTrainOpsGpu, DrafterForwardBackwardEqualsLibTorchOps) {
   for (size_t i = 0; i < r[0].size(); ++i) EXPECT_LT(rel(r[1][i], r[0][i]), i == 0 ? kOutTol : kGradTol) << i;
 }
 #endif
+
+// (7) train.embed_on_host: the block inputs gathered from a host embedding
+// (train::gather_block_embeddings, reachable on the CPU by asking for a CPU result) against
+// F::embedding of make_blocks' ids: bitwise (torch::equal), fp32 and bf16, for anchors at document
+// starts and ends, repeated anchor tokens and a mask token equal to an anchor's token. A negative
+// control (two blocks' local indices swapped) must fail the same comparison. GPU: forward_backward
+// with the embedding in host memory against the device embedding.
+namespace {
+namespace F = torch::nn::functional;
+
+struct HostEmbedCase {
+  std::vector<int64_t> anchors;
+  int64_t mask;
+};
+
+// Two documents of 12 and 9 tokens; token 5 at positions 0, 2 and 12, token 9 at 3 and 20.
+const std::vector<int64_t> kHostEmbedLens = {12, 9};
+Tensor host_embed_ids() {
+  return torch::tensor(std::vector<int64_t>{5, 7, 5, 9, 1, 2, 3, 4, 6, 8, 10, 11, 5, 13, 14, 15, 16, 17, 18, 19, 9},
+                       torch::kInt64);
+}
+}  // namespace
+
+TEST(HostEmbed, GatherEqualsDeviceEmbeddingBitwise) {
+  const int64_t V = 50, H = 24, B = 4;
+  const auto ids = host_embed_ids();
+  const std::vector<HostEmbedCase> cases = {
+      {{0, 3, 12, 15}, V - 1},  // document starts
+      {{11, 20}, V - 1},        // the last token of each document (blocks run past the end)
+      {{0, 2, 12}, V - 1},      // the same token (5) at three anchors
+      {{3, 4, 20}, 9},          // the mask token is the anchors' token 9
+      {{7}, 0},                 // one block
+  };
+  for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
+    torch::manual_seed(13);
+    const auto embed = torch::randn({V, H}).to(dt);
+    for (const auto& c : cases) {
+      const auto blocks = train::make_blocks(c.anchors, kHostEmbedLens, ids, B, c.mask);
+      const auto ref = F::embedding(blocks.ids_Q, embed);
+      const auto x = train::gather_block_embeddings(embed, ids, c.anchors, B, c.mask, torch::kCPU);
+      EXPECT_EQ(x.scalar_type(), dt);
+      EXPECT_TRUE(torch::equal(x, ref)) << c10::toString(dt) << " anchors " << c.anchors.front() << "..";
+    }
+    // Negative control: blocks 0 and 1 (tokens 5 and 9) trade their anchor rows.
+    const auto& c = cases[0];
+    auto table = embed.index_select(0, torch::tensor(std::vector<int64_t>{5, 9, 5, 15, c.mask}));
+    auto wrong = train::block_row_index(4, B, torch::kCPU);
+    wrong.index_put_({0}, 1);
+    wrong.index_put_({B}, 0);
+    const auto ref = F::embedding(train::make_blocks(c.anchors, kHostEmbedLens, ids, B, c.mask).ids_Q, embed);
+    EXPECT_TRUE(torch::equal(table.index_select(0, train::block_row_index(4, B, torch::kCPU)), ref));
+    EXPECT_FALSE(torch::equal(table.index_select(0, wrong), ref));
+  }
+}
+
+// embed_block_inputs: F::embedding when the embedding is on the ids' device; the host gather needs
+// mb.input_ids_host (DataError naming it) and an embedding on the host (ConfigError). The meta
+// device stands in for CUDA here (no data: only the placement checks run).
+TEST(HostEmbed, EmbedBlockInputsChecksThePlacement) {
+  const int64_t B = 4;
+  const auto ids = host_embed_ids();
+  const std::vector<int64_t> anchors = {0, 3};
+  const auto embed = torch::randn({50, 24});
+  train::MicroBatch mb;
+  mb.input_ids_T = ids;
+  auto blocks = train::make_blocks(anchors, kHostEmbedLens, ids, B, 49);
+  EXPECT_TRUE(torch::equal(train::embed_block_inputs(embed, blocks, mb, anchors, B, 49), F::embedding(blocks.ids_Q, embed)));
+  blocks.ids_Q = torch::empty({8}, torch::TensorOptions().dtype(torch::kInt64).device(torch::kMeta));
+  auto message = [&](const Tensor& e) -> std::string {
+    try {
+      train::embed_block_inputs(e, blocks, mb, anchors, B, 49);
+    } catch (const Error& err) {
+      return err.what();
+    }
+    return "no error";
+  };
+  EXPECT_THROW(train::embed_block_inputs(embed, blocks, mb, anchors, B, 49), DataError);
+  EXPECT_NE(message(embed).find("MicroBatch.input_ids_host"), std::string::npos) << message(embed);
+  mb.input_ids_host = ids.to(torch::kMeta);
+  EXPECT_THROW(train::embed_block_inputs(embed, blocks, mb, anchors, B, 49), DataError);
+  mb.input_ids_host = ids;
+  blocks.ids_Q = ids;
+  EXPECT_THROW(train::embed_block_inputs(embed.to(torch::kMeta), blocks, mb, anchors, B, 49), ConfigError);
+}
+
+// GPU: one micro-batch's forward and backward with the embedding in host memory (as
+// train.embed_on_host leaves it) against the same embedding on the device. The drafter gets the same
+// input rows, so the tolerance is zero: x, the loss sums and every parameter gradient bitwise equal
+// (torch::equal). Deterministic algorithms are on for the test (flash attention's dq and index_add_
+// otherwise accumulate with atomics in a run-dependent order); a second device run checks that the
+// device path itself is then run-to-run bitwise, so that a failure below means the host path.
+TEST(HostEmbedGpu, ForwardBackwardEqualsDeviceEmbedding) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  struct Deterministic {
+    Deterministic() { at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true); }
+    ~Deterministic() { at::globalContext().setDeterministicAlgorithms(false, false); }
+  } deterministic;
+  auto g = gpu_micro_batch();
+  g.anchors.push_back(299);  // the last token of document 0
+  std::sort(g.anchors.begin(), g.anchors.end());
+  const auto device_embed = g.frozen.embed, host_embed = device_embed.cpu();
+  const auto B = g.cfg.block_size, mask = g.cfg.mask_token_id;
+  const auto blocks = train::make_blocks(g.anchors, g.mb.doc_lens, g.mb.input_ids_T, B, mask);
+  EXPECT_TRUE(torch::equal(train::embed_block_inputs(host_embed, blocks, g.mb, g.anchors, B, mask),
+                           F::embedding(blocks.ids_Q, device_embed)));
+  std::vector<Tensor> r[3];  // device, host, device again
+  for (int k = 0; k < 3; ++k) {
+    g.frozen.embed = k == 1 ? host_embed : device_embed;
+    r[k] = sums_and_grads(g, train::LossOptions{});
+  }
+  ASSERT_GT(r[0].size(), 10u);
+  for (size_t i = 0; i < r[0].size(); ++i)
+    ASSERT_TRUE(torch::equal(r[2][i], r[0][i])) << i << ": the device path is not run-to-run bitwise here";
+  for (size_t i = 0; i < r[0].size(); ++i) EXPECT_TRUE(torch::equal(r[1][i], r[0][i])) << i << " rel " << rel(r[1][i], r[0][i]);
+  g.frozen.embed = host_embed;
+  g.mb.input_ids_host = Tensor();
+  EXPECT_THROW(sums_and_grads(g, train::LossOptions{}), DataError);
+}

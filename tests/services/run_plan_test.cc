@@ -84,6 +84,19 @@ TEST(RunPlan, OneDtypeRule) {
   EXPECT_EQ(f32.slot_bytes, stream::BatchLayout::compute(4, 1024, 5, 64, stream::DType::kF32, true).total_bytes);
 }
 
+// train.embed_on_host: true and auto keep the embedding on the host on CUDA only; false never.
+TEST(RunPlan, EmbedOnHostOnCudaOnly) {
+  auto c = run_config();
+  using E = config::EmbedOnHost;
+  for (E e : {E::kFalse, E::kTrue, E::kAuto}) {
+    c.train.embed_on_host = e;
+    EXPECT_FALSE(pipeline::RunPlan::build(c, target36(), "cpu").embed_on_host) << config::to_string(e);
+    const auto g = pipeline::RunPlan::build(c, target36(), "cuda:1");
+    EXPECT_EQ(g.embed_on_host, e != E::kFalse) << config::to_string(e);
+    EXPECT_EQ(g.to_json().at("embed_on_host"), e != E::kFalse) << config::to_string(e);
+  }
+}
+
 TEST(RunPlan, TrainerOptionsAndJson) {
   const auto c = run_config();
   const auto p = pipeline::RunPlan::build(c, target36(), "cuda");
