@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <deque>
+#include <functional>
 #include <thread>
 #include <type_traits>
 
@@ -48,8 +49,10 @@ struct Shape {
   bool h_last;
 };
 
-// Packs batch `id` (documents from docs_for) straight into a slot and commits it.
-size_t send_batch(Sender& tx, uint64_t id, uint32_t max_tokens, const Shape& s, bool checksum = true) {
+// Packs batch `id` of run 1 (documents from docs_for) straight into a slot and commits it; `tamper`
+// (optional) edits the packed batch after its checksum was stamped.
+size_t send_batch(Sender& tx, uint64_t id, uint32_t max_tokens, const Shape& s, bool checksum = true,
+                  const std::function<void(PackedBatchWriter&)>& tamper = {}) {
   auto docs = testing::docs_for(id, max_tokens);
   uint64_t T = 0;
   for (auto& d : docs) T += d.length;
@@ -65,27 +68,14 @@ size_t send_batch(Sender& tx, uint64_t id, uint32_t max_tokens, const Shape& s, 
   PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
   testing::fill_pattern(w, id);
   buf.set_size(w.finalize(checksum));
+  if (tamper) tamper(w);
   tx.commit(std::move(buf));
   return bytes;
 }
 
-// Batch `id` of run 0 whose feature byte `byte` is XORed with `mask` after the checksum was stamped.
+// Batch `id` whose feature byte `byte` is XORed with `mask` after the checksum was stamped.
 void send_corrupt_batch(Sender& tx, uint64_t id, uint32_t max_tokens, const Shape& s, size_t byte, uint8_t mask) {
-  auto docs = testing::docs_for(id, max_tokens);
-  uint64_t T = 0;
-  for (auto& d : docs) T += d.length;
-  SlotBuffer buf = tx.acquire(BatchLayout::compute(docs.size(), T, s.k, s.h, s.dtype, s.h_last).total_bytes, 1s);
-  PackedBatchInfo info;
-  info.batch_id = id;
-  info.k = s.k;
-  info.h = s.h;
-  info.dtype = s.dtype;
-  info.has_h_last = s.h_last;
-  PackedBatchWriter w(buf.data(), buf.capacity(), info, docs);
-  testing::fill_pattern(w, id);
-  buf.set_size(w.finalize(true));
-  static_cast<uint8_t*>(w.features())[byte] ^= mask;
-  tx.commit(std::move(buf));
+  send_batch(tx, id, max_tokens, s, true, [&](PackedBatchWriter& w) { static_cast<uint8_t*>(w.features())[byte] ^= mask; });
 }
 
 class ShmTransport : public ::testing::Test {
@@ -367,7 +357,7 @@ TEST_F(ShmTransport, ChecksumMismatchAbortedStreamAndMisuse) {
     rx->receive(1s);
     ADD_FAILURE() << "expected DataError";
   } catch (const DataError& e) {
-    EXPECT_NE(std::string(e.what()).find("batch 7 (run 0) payload checksum mismatch"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("batch 7 (run 1) payload checksum mismatch"), std::string::npos) << e.what();
   }
   EXPECT_EQ(rx->stats().free_slots, 2u) << "the bad batch's slot is given back";
   EXPECT_THROW(rx->receive(100ms), TransportError);  // timeout: sender alive, nothing sent
@@ -410,7 +400,7 @@ TEST_F(ShmTransport, VerifiesBatchesAheadOfReceive) {
         rx->receive(1s);
         ADD_FAILURE() << "expected DataError";
       } catch (const DataError& e) {
-        EXPECT_NE(std::string(e.what()).find("batch 1 (run 0) payload checksum mismatch"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("batch 1 (run 1) payload checksum mismatch"), std::string::npos) << e.what();
         EXPECT_NE(std::string(e.what()).find("batch seq 1"), std::string::npos) << e.what();
       }
     } else {
