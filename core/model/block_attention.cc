@@ -8,6 +8,7 @@
 
 #include "core/model/layers.h"
 #include "core/util/error.h"
+#include "core/util/switches.h"
 
 namespace dflash::model {
 using torch::Tensor;
@@ -121,6 +122,47 @@ Seqs full_seqs(const BlockSparsePlan::Full& f) {
   return {{0, f.q_rows}, {0, f.k_rows}, Tensor(), Tensor(), /*max_q=*/f.q_rows, /*max_k=*/f.k_rows};
 }
 
+// --- GQA packing of the tail call -------------------------------------------------------------------
+// A tail sequence has only B query rows (16 at the default block size), while flash works on query
+// tiles of 64-128 rows: most of each tile is padding. The rep = Hq / Hkv query heads that share a KV
+// head see the same keys, so they are stacked as rows of one sequence with Hkv heads: packed row
+// j*rep*B + h*B + r, head g holds query row j*B + r, head g*rep + h. The tail call then has rep*B rows
+// per sequence and Hkv heads, the same keys, and every row's softmax is unchanged.
+int64_t tail_pack(const Tensor& q, const Tensor& k, bool use_flash) {
+  const int64_t rep = q.size(1) / k.size(1);
+  const std::string mode = switches::get("DFLASH_BSA_GQA_PACK");
+  if (rep == 1 || mode == "off") return 1;
+  return mode == "on" || use_flash ? rep : 1;
+}
+// x [blocks*B, Hkv*rep, D] seen in packed order: [blocks, rep, B, Hkv, D] (a view, no copy).
+Tensor packed_view(const Tensor& x, int64_t blocks, int64_t B, int64_t rep) {
+  return x.view({blocks, B, x.size(1) / rep, rep, x.size(2)}).permute({0, 3, 1, 2, 4});
+}
+Tensor pack_rows(const Tensor& x, int64_t blocks, int64_t B, int64_t rep) {
+  return packed_view(x, blocks, B, rep).reshape({blocks * rep * B, x.size(1) / rep, x.size(2)});
+}
+// The packed result p [blocks*rep*B, Hkv, D] into `into` [blocks*B, Hkv*rep, D] (one copy).
+void unpack_rows_into(const Tensor& into, const Tensor& p, int64_t blocks, int64_t B, int64_t rep) {
+  packed_view(into, blocks, B, rep).copy_(p.view({blocks, rep, B, p.size(1), p.size(2)}));
+}
+// lse [Hkv*rep, blocks*B] <-> [Hkv, blocks*rep*B].
+Tensor pack_lse(const Tensor& l, int64_t blocks, int64_t B, int64_t rep) {
+  const int64_t hkv = l.size(0) / rep;
+  return l.view({hkv, rep, blocks, B}).permute({0, 2, 1, 3}).reshape({hkv, blocks * rep * B});
+}
+Tensor unpack_lse(const Tensor& l, int64_t blocks, int64_t B, int64_t rep) {
+  const int64_t hkv = l.size(0);
+  return l.view({hkv, blocks, rep, B}).permute({0, 2, 1, 3}).reshape({hkv * rep, blocks * B});
+}
+Seqs packed_tail_seqs(const BlockSparsePlan& p, int64_t rep) {
+  Seqs s = tail_seqs(p);
+  if (rep == 1) return s;
+  for (auto& o : s.q_off) o *= rep;
+  s.cu_q = p.cu_q * rep;
+  s.max_q *= rep;
+  return s;
+}
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -138,19 +180,26 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     // tail: gathered keys, one varlen call
     auto kt = gather_tail(plan, k_ctx, k_blk);
     auto vt = gather_tail(plan, v_ctx, v_blk);
-    const Seqs ts = tail_seqs(plan);
-    Tensor out32, lse, tail_lse_layout, rng, unused;
+    const int64_t rep = tail_pack(q, k_ctx, use_flash), nb = plan.blocks, B = plan.block;
+    const Seqs ts = packed_tail_seqs(plan, rep);
+    const Tensor qt = rep == 1 ? q : pack_rows(q, nb, B, rep);
+    Tensor out32 = torch::empty(q.sizes(), q.options().dtype(use_flash ? torch::kFloat32 : math_type(q)));
+    Tensor ot, lse, tail_lse_layout, rng, unused;
     if (use_flash) {
-      auto f = flash_forward(q, kt, vt, ts, scale);
-      out32 = f.out.to(torch::kFloat32);
+      auto f = flash_forward(qt, kt, vt, ts, scale);
+      ot = f.out;
       lse = f.lse;
       tail_lse_layout = f.lse_layout;
       rng = f.rng;
       unused = f.unused;
     } else {
-      auto [o, l] = ref_forward(q, kt, vt, ts, scale);
-      out32 = o.to(math_type(q));
-      lse = l;
+      std::tie(ot, lse) = ref_forward(qt, kt, vt, ts, scale);
+    }
+    if (rep == 1) {
+      out32.copy_(ot);
+    } else {
+      unpack_rows_into(out32, ot, nb, B, rep);
+      lse = unpack_lse(lse, nb, B, rep);
     }
     // full runs: merged into the rows they cover
     for (const auto& f : plan.full) {
@@ -184,6 +233,7 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     ctx->saved_data["dims"] = std::vector<int64_t>{plan.block, plan.blocks, plan.ctx_rows, plan.tile, plan.max_tail_keys};
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["flash"] = use_flash;
+    ctx->saved_data["rep"] = rep;
     return out;
   }
 
@@ -213,15 +263,21 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
 
     auto kt = gather_tail(plan, k_ctx, k_blk);  // recomputed, not saved
     auto vt = gather_tail(plan, v_ctx, v_blk);
-    const Seqs ts = tail_seqs(plan);
-    Tensor dq, dkt, dvt;
+    const int64_t rep = ctx->saved_data["rep"].toInt(), nb = plan.blocks, B = plan.block;
+    const Seqs ts = packed_tail_seqs(plan, rep);
+    const auto packed = [&](const Tensor& x) { return rep == 1 ? x : pack_rows(x, nb, B, rep); };
+    const Tensor qt = packed(q), dot = packed(dout), ot = packed(out), lt = rep == 1 ? lse : pack_lse(lse, nb, B, rep);
+    Tensor dqt, dkt, dvt;
     if (use_flash)
-      std::tie(dq, dkt, dvt) =
-          flash_backward(dout, q, kt, vt, out, lse_to_flash(lse, tail_lse_layout), ts, scale, rng, unused);
+      std::tie(dqt, dkt, dvt) = flash_backward(dot, qt, kt, vt, ot, lse_to_flash(lt, tail_lse_layout), ts, scale, rng, unused);
     else
-      std::tie(dq, dkt, dvt) = ref_backward(dout, q, kt, vt, out, lse, ts, scale);
+      std::tie(dqt, dkt, dvt) = ref_backward(dot, qt, kt, vt, ot, lt, ts, scale);
     const auto acc = use_flash ? torch::kFloat32 : math_type(q);
-    dq = dq.to(acc);
+    Tensor dq = torch::empty(q.sizes(), q.options().dtype(acc));
+    if (rep == 1)
+      dq.copy_(dqt);
+    else
+      unpack_rows_into(dq, dqt, nb, B, rep);
     auto dkv_k = torch::zeros({T + k_blk.size(0), k_ctx.size(1), k_ctx.size(2)}, k_ctx.options().dtype(acc));
     auto dkv_v = torch::zeros_like(dkv_k);
     dkv_k.index_add_(0, plan.tail_index, dkt.to(acc));

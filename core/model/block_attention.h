@@ -10,6 +10,9 @@
 //   tail   per block, the rest of its context (< tile rows of the tile its ctx_len falls in) and its
 //          own B rows, gathered into one varlen batch (keys of different blocks never overlap in a
 //          batch): one unmasked varlen call for all blocks.
+//          The tail's B-row sequences leave flash's query tiles mostly empty, so the rep = Hq/Hkv
+//          query heads sharing a KV head are stacked as rows of one sequence (rep*B rows, Hkv heads;
+//          DFLASH_BSA_GQA_PACK, on for flash by default).
 // Merge: lse = log(exp(lse_full) + exp(lse_tail)), out = sum_p exp(lse_p - lse) out_p. Backward:
 // every part's kernel backward is called with the MERGED out and lse, which gives exactly that
 // part's share of dq, dk, dv (P = exp(S - lse) and rowsum(dO * out) are the full softmax's); the

@@ -46,6 +46,11 @@ const std::vector<Switch>& registry() {
       {"DFLASH_BSA_TILE", Kind::kPositiveInt, {}, kAuto,
        "Key tile of the drafter's block-sparse attention; auto: the caller's tile (BlockAttention::tile).", true,
        false},
+      {"DFLASH_BSA_GQA_PACK", Kind::kChoice, {"on", "off"}, kAuto,
+       "The drafter's block-sparse attention: the tail call's query heads packed per KV head (rep x block rows "
+       "per sequence instead of block rows); auto: on for the flash kernels with GQA, off for the reference "
+       "kernel; on: also the reference kernel.",
+       true, false},
       {"DFLASH_LOSS", Kind::kChoice, {"plain", "fused"}, kAuto,
        "DFlash loss; auto: the fused CUDA kernel for CUDA bf16 logits, else LibTorch ops (fused elsewhere is a "
        "config error).",

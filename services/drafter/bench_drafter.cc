@@ -144,7 +144,7 @@ json profile_step(train::Trainer& trainer, const train::MicroBatch& mb, const to
     for (const auto& [name, val] : t) v.emplace_back(val.first, name + " x" + std::to_string(val.second));
     std::sort(v.rbegin(), v.rend());
     json j = json::array();
-    for (size_t i = 0; i < v.size() && i < 25; ++i) j.push_back({{"ms", v[i].first}, {"name", v[i].second}});
+    for (size_t i = 0; i < v.size() && i < 40; ++i) j.push_back({{"ms", v[i].first}, {"name", v[i].second}});
     return j;
   };
   return {{"cpu_ops_total_ms", top(cpu_ops)}, {"device_kernels_total_ms", top(kernels)}};

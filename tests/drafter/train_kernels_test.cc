@@ -6,7 +6,7 @@
 // softmax in fp64. CPU: the decomposition with the reference kernel, fp64, forward and the gradients
 // of all five inputs (relative error < 1e-10). GPU (label gpu): the flash kernels in bf16 against the
 // same dense fp32 computation (relative error < 2e-2), and the drafter forward/backward with either
-// kernel. (6) GPU: the fused RMSNorm / SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the
+// kernel; the tail call with its query heads packed per KV head (DFLASH_BSA_GQA_PACK) and not. (6) GPU: the fused RMSNorm / SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the
 // LibTorch ops of the same autograd functions (the tolerances are stated with the tests). (7) The
 // block inputs gathered from a host embedding (train.embed_on_host) against F::embedding, bitwise
 // (CPU), and a micro-batch with the embedding on the host against on the device (GPU, bitwise).
@@ -261,8 +261,26 @@ TEST(BlockSparseAttention, PlanSplitsFullTilesAndTails) {
   EXPECT_THROW(model::plan_block_sparse({0}, {41}, 3, 40, 4, torch::kCPU), ConfigError);
 }
 
+// DFLASH_BSA_GQA_PACK set for one scope (the switch registry reads the environment once).
+struct GqaPack {
+  explicit GqaPack(const char* mode) {
+    ::setenv("DFLASH_BSA_GQA_PACK", mode, 1);
+    switches::reload();
+  }
+  ~GqaPack() {
+    ::unsetenv("DFLASH_BSA_GQA_PACK");
+    switches::reload();
+  }
+};
+
+// The tail call with and without its query heads packed per KV head (rep 2 here), each against the
+// dense fp64 computation.
 TEST(BlockSparseAttention, ReferenceKernelEqualsDenseFp64) {
-  compare(small_case(), torch::kCPU, torch::kFloat64, /*flash=*/false, 1e-10);
+  for (const char* mode : {"off", "on"}) {
+    GqaPack pack(mode);
+    SCOPED_TRACE(std::string("DFLASH_BSA_GQA_PACK=") + mode);
+    compare(small_case(), torch::kCPU, torch::kFloat64, /*flash=*/false, 1e-10);
+  }
 }
 
 TEST(BlockSparseAttention, DrafterForwardAndGradsEqualMaskedPath) {
@@ -305,7 +323,11 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
   doc(600, 300, 12);
   doc(900, 124, 6);
   for (size_t j = 0; j < c.ctx_len.size(); ++j) c.ctx_len[j] = std::min<int64_t>(c.ctx_len[j], j < 24 ? 600 : j < 36 ? 300 : 124);
-  compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
+  for (const char* mode : {"off", "on"}) {  // the tail's query heads packed per KV head (rep 4) or not
+    GqaPack pack(mode);
+    SCOPED_TRACE(std::string("DFLASH_BSA_GQA_PACK=") + mode);
+    compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
+  }
 }
 
 namespace {
