@@ -48,7 +48,9 @@ TrainLoopResult TrainLoop::run() {
     if (flags != 0) requests_->acting_on(flags, done);
     if (done % opt_.save_interval_steps == 0 || done == opt_.final_step || flags != 0) {
       report_pending();
+      const auto tc = Clock::now();
       hooks_.checkpoint(cur);
+      res_.checkpoint_seconds += seconds_since(tc);
     }
     if (requests_ && group_.collectives().world_size() > 1 && !res_.stopped && done < opt_.last_step) start_agreement(done);
     hooks_.step_done(cur);

@@ -141,11 +141,16 @@ struct TrainLoopResult {
   int64_t steps_done = 0;             // schedule steps done when the loop ended (first_step when none ran)
   int64_t micro_batches = 0, tokens = 0, samples = 0, checksums_verified = 0;
   double wait_seconds = 0, loop_seconds = 0;
+  // Checkpoint writes inside the loop (StepHooks::checkpoint): a one-off cost in a short run (the
+  // final step always saves), amortised over save_interval_steps in a long one. Rates are given
+  // over train_seconds(), the loop without them.
+  double checkpoint_seconds = 0;
+  double train_seconds() const { return loop_seconds - checkpoint_seconds; }
   // The wait for the first micro-batch: it holds the target's start (weights loaded, first forward),
   // not the steady state; steady_wait_fraction() leaves it out.
   double first_wait_seconds = 0;
   double steady_wait_fraction() const {
-    return (wait_seconds - first_wait_seconds) / std::max(loop_seconds - first_wait_seconds, 1e-9);
+    return (wait_seconds - first_wait_seconds) / std::max(train_seconds() - first_wait_seconds, 1e-9);
   }
   bool stopped = false;               // a stop request ended it before last_step
 };

@@ -865,11 +865,12 @@ void DrafterRank::finish() {
   for (const auto& l : links_) res_.checksums_verified_ahead += static_cast<int64_t>(l->stats().verified_ahead);
   json done = {{"event", "done"}, {"rank", rank_}, {"steps", res_.steps}, {"micro_batches", res_.micro_batches}, {"tokens", res_.tokens},
                {"samples", res_.samples}, {"checksums_verified", res_.checksums_verified}, {"loop_s", res_.loop_seconds},
-               {"wait_s", res_.wait_seconds}, {"final_weight_hash", hex64(weight_hash(*drafter_))}};
+               {"checkpoint_s", res_.checkpoint_seconds}, {"wait_s", res_.wait_seconds}, {"final_weight_hash", hex64(weight_hash(*drafter_))}};
   steplog_->append(done);
   LOG_INFO("drafter " << rank_ << ": trained " << res_.steps << " steps, " << res_.micro_batches << " micro-batches, " << res_.tokens
-                      << " tokens in " << res_.loop_seconds << " s (" << int(res_.tokens / std::max(res_.loop_seconds, 1e-9))
-                      << " tok/s, waiting " << int(100 * res_.wait_seconds / std::max(res_.loop_seconds, 1e-9)) << "%)"
+                      << " tokens in " << res_.train_seconds() << " s (" << int(res_.tokens / std::max(res_.train_seconds(), 1e-9))
+                      << " tok/s, waiting " << int(100 * res_.wait_seconds / std::max(res_.train_seconds(), 1e-9)) << "%; "
+                      << res_.checkpoint_seconds << " s more writing checkpoints)"
                       << (res_.export_dir.empty() ? "" : ", exported to " + res_.export_dir));
 }
 
@@ -907,9 +908,11 @@ int cmd_train_service(int argc, char** argv) {
   std::cout << json{{"role", "drafter"}, {"rank", o.rank}, {"steps", r.steps}, {"micro_batches", r.micro_batches},
                     {"tokens", r.tokens}, {"samples", r.samples}, {"checksums_verified", r.checksums_verified},
                     {"checksums_verified_ahead", r.checksums_verified_ahead}, {"loss", r.last_loss}, {"accept_len", r.last_accept_len}, {"seconds", r.seconds},
-                    {"loop_seconds", r.loop_seconds}, {"wait_seconds", r.wait_seconds},
-                    {"tokens_per_s", r.tokens / std::max(r.loop_seconds, 1e-9)},
-                    {"waiting_fraction", r.wait_seconds / std::max(r.loop_seconds, 1e-9)},
+                    {"loop_seconds", r.loop_seconds}, {"checkpoint_seconds", r.checkpoint_seconds},
+                    {"train_seconds", r.train_seconds()}, {"wait_seconds", r.wait_seconds},
+                    // Rates over the training (the loop without its checkpoint writes).
+                    {"tokens_per_s", r.tokens / std::max(r.train_seconds(), 1e-9)},
+                    {"waiting_fraction", r.wait_seconds / std::max(r.train_seconds(), 1e-9)},
                     {"first_wait_seconds", r.first_wait_seconds}, {"steady_waiting_fraction", r.steady_wait_fraction()},
                     {"peak_gpu_bytes", pipeline::peak_gpu_bytes(o.device)},
                     {"checkpoint", r.last_checkpoint}, {"export", r.export_dir}}

@@ -21,12 +21,18 @@ assert r["transport"] == "shm"
 assert r["batches"] > 0 and r["tokens"] > 0 and r["tokens_per_s"] > 0, r
 assert r["checksums_all_verified"] is True and r["checksums_verified"] == r["batches"], r
 assert 0 <= r["drafter_wait_fraction"] <= 1, r
+# Rates are over the drafter's training: its loop without the checkpoint writes (the final step
+# always saves one, so they are > 0), and the loop rate is the lower one.
+d = r["processes"]["drafter"]["result"]
+assert r["drafter_checkpoint_s"] > 0 and d["checkpoint_seconds"] == r["drafter_checkpoint_s"], r
+assert abs(d["train_seconds"] + d["checkpoint_seconds"] - d["loop_seconds"]) < 1e-6, d
+assert r["tokens_per_s_loop"] < r["tokens_per_s"], r
+assert abs(r["tokens_per_s"] - r["tokens"] / d["train_seconds"]) < 1e-6 * r["tokens_per_s"], r
 # The link's verifier thread checks batches as they land; those that waited for the drafter were
 # checked before it asked (on CPU the drafter is the slow side, so batches do wait).
 assert 0 < r["checksums_verified_ahead"] <= r["checksums_verified"], r
 # The steady fraction leaves out the first micro-batch's wait (the target starting up): never above
 # the whole-loop fraction, and the first wait is part of the total.
-d = r["processes"]["drafter"]["result"]
 assert 0 <= r["drafter_first_wait_s"] <= d["wait_seconds"] + 1e-9, r
 assert 0 <= r["drafter_wait_fraction_steady"] <= r["drafter_wait_fraction"] + 1e-9, r
 assert r["target_pack_send_over_forward"] >= 0, r
