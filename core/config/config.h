@@ -127,10 +127,12 @@ struct TrainSection {
   NoiseOptions noise;
   int max_nonfinite_steps = 10;           // >= 0 consecutive skipped non-finite steps before failing
   bool recompute_mlp = false;             // drafter MLP recomputes gate/up in backward (less memory)
-  // true / auto: on CUDA, an untied target embedding stays in host memory and only the rows a
-  // micro-batch needs are uploaded (-V*H*2 bytes of GPU memory; auto is meant to become the default
-  // once measured). CPU devices and tied embeddings: no change.
-  EmbedOnHost embed_on_host = EmbedOnHost::kFalse;
+  // Where the target's embedding lives (pipeline::RunPlan::embed_on_host resolves it). auto (the
+  // default) and true do the same today: on CUDA an untied target embedding stays in host memory and
+  // only the rows a micro-batch needs are uploaded (V*H*2 bytes less GPU memory; H200, 8k context /
+  // 1024 anchors / block 32: 1.16 GiB less and no slower, docs/perf.md). false: on the device. CPU
+  // devices and tied embeddings: on the device whatever the value.
+  EmbedOnHost embed_on_host = EmbedOnHost::kAuto;
   LossType loss = LossType::kDflash;      // dpace: D-PACE position weights (needs soft_labels.enabled false)
   double dpace_alpha = 0.5;               // [0, 1], D-PACE smoothing (loss: dpace only)
 };

@@ -62,8 +62,9 @@ struct RunPlan {
   // What a drafter trains.
   torch::ScalarType compute_dtype = torch::kFloat32;  // drafter compute and frozen target parts
   torch::ScalarType export_dtype = torch::kFloat32;   // the exported drafter's weights
-  bool embed_on_host = false;              // train.embed_on_host true or auto, on CUDA: load_frozen_target_parts'
-                                           // embed_on_host (an untied embedding stays in host memory)
+  bool embed_on_host = false;              // train.embed_on_host auto (the default) or true, on CUDA:
+                                           // load_frozen_target_parts' embed_on_host (an untied
+                                           // embedding stays in host memory); false or not CUDA: off
   model::DrafterConfig drafter;            // its target_layer_ids are target_layer_ids above
   train::TrainerOptions trainer;           // schedule.total_steps = 0: see trainer_options()
 

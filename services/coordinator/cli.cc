@@ -74,7 +74,7 @@ const Binary& binary() {
            "[--shape qwen3-8b --device cuda --batches 1x4096,... --layers 1,9,... --baseline ...]\n"
            "    target forward+capture throughput as JSON (--help for all flags)"},
           {"bench drafter", drafter::cmd_bench_drafter,
-           "[--layers 5 --hidden 4096 --context 4096 --anchors 512 --block-size 16 --soft-labels --baseline eager|specforge --steps N --loss-curve N --embed-on-host]\n"
+           "[--layers 5 --hidden 4096 --context 4096 --anchors 512 --block-size 16 --soft-labels --baseline eager|specforge --steps N --loss-curve N --embed-on host|device]\n"
            "    one drafter training step as JSON"},
           {"bench pipeline", cmd_bench_pipeline,
            "[--transport shm|c10d --shape qwen3-8b|tiny | --model DIR --device cuda --target-gpu 0 --drafter-gpu 1 ...]\n"

@@ -75,6 +75,16 @@ train::MicroBatch random_micro_batch(const model::DrafterConfig& cfg, int64_t do
   return mb;
 }
 
+// --embed-on host|device (default host: the training default): whether the frozen embedding goes to
+// host memory. host: on CUDA it does, as train.embed_on_host auto (the default) leaves it; on any
+// other device it stays where it is, as in the trainer. device: it stays on the device.
+bool bench_embed_on_host(const Flags& f, const torch::Device& device) {
+  const std::string where = f.get("embed-on", "host");
+  DFLASH_CHECK(where == "host" || where == "device", ConfigError,
+               "--embed-on: expected host or device, got '" << where << "'");
+  return where == "host" && device.is_cuda();
+}
+
 // The bench's frozen target parts: random, untied (as Qwen3-8B's), in `o` (the device's compute
 // dtype). embed_on_host: the embedding moves to host memory, as train.embed_on_host leaves it on
 // CUDA (drawn on the device first, so its values do not depend on the flag; the device's cached
@@ -215,7 +225,7 @@ json loss_curve(const Flags& f, const torch::Device& device, int64_t n) {
   torch::manual_seed(1234);
   model::Drafter drafter(cfg, device, 0);
   const model::FrozenTargetParts frozen =
-      random_frozen(cfg.vocab_size, cfg.hidden_size, opts, f.has("embed-on-host") && device.is_cuda());
+      random_frozen(cfg.vocab_size, cfg.hidden_size, opts, bench_embed_on_host(f, device));
   train::Trainer trainer(drafter, frozen, bench_trainer_options(f, compute, n));
   std::vector<train::MicroBatch> batches;
   for (int i = 0; i < 4; ++i)
@@ -251,8 +261,8 @@ json bench_ours(const Flags& f, const torch::Device& device) {
   const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
   model::Drafter drafter(cfg, device, 0);
   auto bf = torch::TensorOptions().device(device).dtype(compute);
-  const bool embed_on_host = f.has("embed-on-host") && device.is_cuda();  // as train.embed_on_host
-  const model::FrozenTargetParts frozen = random_frozen(V, H, bf, embed_on_host);
+  const bool on_host = bench_embed_on_host(f, device);  // as train.embed_on_host (default auto)
+  const model::FrozenTargetParts frozen = random_frozen(V, H, bf, on_host);
   const train::TrainerOptions to = bench_trainer_options(f, compute, warmup + repeats + steps + 2);
   train::Trainer trainer(drafter, frozen, to);
   const train::MicroBatch mb = random_micro_batch(cfg, docs, ctx, device, bf);
@@ -301,7 +311,7 @@ json bench_ours(const Flags& f, const torch::Device& device) {
               {"gamma", to.loss.gamma},
               {"soft_labels", to.loss.soft_labels},
               {"recompute_mlp", to.loss.recompute_mlp},
-              {"embed_on_host", embed_on_host},
+              {"embed_on_host", on_host},
               {"logits_chunk_rows", to.loss.logits_chunk_rows},
               {"trainable_params", drafter.num_parameters()},
               {"warmup", warmup},
@@ -405,13 +415,14 @@ int cmd_bench_drafter(int argc, char** argv) {
   Flags f(argc, argv,
           {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "context", "anchors",
            "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
-           "baseline-chunk-rows", "recompute-mlp", "embed-on-host",
+           "baseline-chunk-rows", "recompute-mlp", "embed-on",
            "loss-curve", "python"},
-          {"soft-labels", "profile", "recompute-mlp", "embed-on-host"});
+          {"soft-labels", "profile", "recompute-mlp"});
   const std::string baseline = f.get("baseline", "");
   DFLASH_CHECK(baseline.empty() || baseline == "eager" || baseline == "specforge", ConfigError,
                "--baseline: expected eager or specforge, got '" << baseline << "'");
   auto device = model::parse_device(f.get("device", "cuda"));
+  bench_embed_on_host(f, device);  // a bad --embed-on fails before any work
   const int64_t curve_steps = f.get_int("loss-curve", 0);
   DFLASH_CHECK(curve_steps >= 0, ConfigError, "--loss-curve: need N >= 0, got " << curve_steps);
   json out = bench_ours(f, device);

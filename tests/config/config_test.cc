@@ -497,7 +497,7 @@ TEST(Config, AnchorSpread) {
 }
 
 TEST(Config, EmbedOnHost) {
-  EXPECT_EQ(parse(kMinimal).config.train.embed_on_host, EmbedOnHost::kFalse);
+  EXPECT_EQ(parse(kMinimal).config.train.embed_on_host, EmbedOnHost::kAuto);  // the default
   for (const auto& [text, value] : std::vector<std::pair<std::string, EmbedOnHost>>{
            {"false", EmbedOnHost::kFalse}, {"true", EmbedOnHost::kTrue}, {"auto", EmbedOnHost::kAuto}}) {
     ParseResult ok = parse(kMinimal + "train: {embed_on_host: " + text + "}\n");

@@ -4,7 +4,10 @@ numbers, the eager PyTorch baseline's (scripts/reference/bench_drafter_baseline.
 invocation), the ratios and the memory over steps, all finite and positive (creep >= 0). Then
 `--loss-curve 60` twice: 60 finite losses, bitwise the same in both runs (the seeds fix the curve,
 which the fused-vs-LibTorch comparison on a GPU relies on), falling over the run; and
-`--loss-curve -1` is a usage error (exit 2).
+`--loss-curve -1` is a usage error (exit 2). `--embed-on`: without it (default host, the training
+default) and with `--embed-on device` the CPU embedding stays where it is (`embed_on_host: false`,
+as in the trainer); `--embed-on gpu` is a usage error (exit 2) naming the flag and its values, and
+the old `--embed-on-host` an unknown flag (exit 2).
 Usage: bench_baseline_check.py DFLASH_BIN. Env: DFLASH_PYTHON, DFLASH_SOURCE_DIR (set by ctest)."""
 import json
 import math
@@ -91,6 +94,21 @@ else:
 rc_bad, _ = loss_curve(-1)
 if rc_bad != 2:
     errors.append(f"--loss-curve -1: exit {rc_bad}, expected 2 (usage)")
+
+# --embed-on: default host, which on the CPU leaves the embedding where it is (as the trainer does).
+if j.get("embed_on_host") is not False:
+    errors.append(f"default --embed-on on cpu: embed_on_host = {j.get('embed_on_host')!r}, expected false")
+d = subprocess.run(tiny + ["--embed-on", "device"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                   timeout=600)
+if d.returncode != 0 or json.loads(d.stdout[d.stdout.index("{"):]).get("embed_on_host") is not False:
+    errors.append(f"--embed-on device: exit {d.returncode}, {d.stdout[-300:]!r}")
+for bad, want in [(["--embed-on", "gpu"], "--embed-on: expected host or device, got 'gpu'"),
+                  (["--embed-on-host"], "unknown flag --embed-on-host")]:
+    b = subprocess.run(tiny + bad, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    if b.returncode != 2 or want not in b.stderr:
+        errors.append(f"{' '.join(bad)}: exit {b.returncode}, expected 2 with {want!r}; stderr {b.stderr[-300:]!r}")
+if not errors:
+    print("--embed-on: default and device keep the CPU embedding in place; a bad value and --embed-on-host exit 2")
 for e in errors:
     print("FAIL:", e)
 print("PASS" if not errors else "FAIL")

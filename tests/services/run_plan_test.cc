@@ -84,10 +84,14 @@ TEST(RunPlan, OneDtypeRule) {
   EXPECT_EQ(f32.slot_bytes, stream::BatchLayout::compute(4, 1024, 5, 64, stream::DType::kF32, true).total_bytes);
 }
 
-// train.embed_on_host: true and auto keep the embedding on the host on CUDA only; false never.
+// train.embed_on_host: auto (the default) and true keep the embedding on the host on CUDA only;
+// false never.
 TEST(RunPlan, EmbedOnHostOnCudaOnly) {
   auto c = run_config();
   using E = config::EmbedOnHost;
+  ASSERT_EQ(c.train.embed_on_host, E::kAuto);
+  EXPECT_TRUE(pipeline::RunPlan::build(c, target36(), "cuda").embed_on_host);
+  EXPECT_FALSE(pipeline::RunPlan::build(c, target36(), "cpu").embed_on_host);
   for (E e : {E::kFalse, E::kTrue, E::kAuto}) {
     c.train.embed_on_host = e;
     EXPECT_FALSE(pipeline::RunPlan::build(c, target36(), "cpu").embed_on_host) << config::to_string(e);
