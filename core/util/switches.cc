@@ -102,14 +102,17 @@ bool positive_decimal(const std::string& v) {
 std::string read_checked(const Switch& s) {
   const char* e = std::getenv(s.name);
   const std::string v = e ? e : "";
-  if (v.empty()) return v;
+  // `auto` spelled out where it is the default: the same as unset.
+  const bool auto_default = s.default_value == std::string(kAuto);
+  if (v.empty() || (auto_default && v == kAuto)) return "";
   if (s.kind == Kind::kChoice && std::find(s.allowed.begin(), s.allowed.end(), v) == s.allowed.end()) {
-    std::string list;
+    std::string list = auto_default ? kAuto : "";
     for (const auto& a : s.allowed) list += (list.empty() ? "" : " | ") + a;
     DFLASH_FAIL(ConfigError, s.name << ": expected " << list << ", got '" << v << "'");
   }
   DFLASH_CHECK(s.kind != Kind::kPositiveInt || positive_decimal(v), ConfigError,
-               s.name << ": expected a positive integer (1 .. 2147483647), got '" << v << "'");
+               s.name << ": expected " << (auto_default ? "auto or " : "") << "a positive integer (1 .. 2147483647), got '"
+                      << v << "'");
   return v;
 }
 

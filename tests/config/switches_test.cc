@@ -68,7 +68,21 @@ TEST_F(Switches, AllowedValuesAreReturned) {
 TEST_F(Switches, BadChoiceIsAConfigErrorNamingTheVariableAndTheAllowedValues) {
   set("DFLASH_LOSS", "fast");
   const std::string e = error_of<ConfigError>([] { get("DFLASH_LOSS"); });
-  EXPECT_TRUE(contains(e, "DFLASH_LOSS: expected plain | fused, got 'fast'")) << e;
+  EXPECT_TRUE(contains(e, "DFLASH_LOSS: expected auto | plain | fused, got 'fast'")) << e;
+}
+
+// `auto` may be spelled out where it is the default (as unset); elsewhere it is not a value.
+TEST_F(Switches, AutoSpelledOutIsTheDefault) {
+  set("DFLASH_BSA_GQA_PACK", "auto");
+  ::setenv("DFLASH_BSA_TILE", "auto", 1);
+  reload();
+  EXPECT_FALSE(is_set("DFLASH_BSA_GQA_PACK"));
+  EXPECT_EQ(get("DFLASH_BSA_GQA_PACK"), kAuto);
+  EXPECT_FALSE(is_set("DFLASH_BSA_TILE"));
+  clear();
+  set("DFLASH_TARGET_ATTENTION", "auto");  // default cudnn
+  const std::string e = error_of<ConfigError>([] { get("DFLASH_TARGET_ATTENTION"); });
+  EXPECT_TRUE(contains(e, "DFLASH_TARGET_ATTENTION: expected cudnn | flash, got 'auto'")) << e;
 }
 
 TEST_F(Switches, GdnSwitchesNoLongerClamp) {
@@ -97,7 +111,7 @@ TEST_F(Switches, BadIntegersAreConfigErrors) {
 
 TEST_F(Switches, OneBadSwitchFailsEveryReadUntilFixed) {
   set("DFLASH_BSA_TILE", "wide");
-  EXPECT_TRUE(contains(error_of<ConfigError>([] { check(); }), "DFLASH_BSA_TILE: expected a positive integer"));
+  EXPECT_TRUE(contains(error_of<ConfigError>([] { check(); }), "DFLASH_BSA_TILE: expected auto or a positive integer"));
   EXPECT_TRUE(contains(error_of<ConfigError>([] { get("DFLASH_LOSS"); }), "DFLASH_BSA_TILE"));
   EXPECT_TRUE(contains(error_of<ConfigError>([] { to_json(); }), "DFLASH_BSA_TILE"));
   set("DFLASH_BSA_TILE", "64");
