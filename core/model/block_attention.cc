@@ -166,8 +166,12 @@ Seqs packed_tail_seqs(const BlockSparsePlan& p, int64_t rep) {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Rows plan.tail_index of cat(ctx, blk), gathered from each source without building the cat.
+// Rows plan.tail_index of cat(ctx, blk). When the cat has fewer rows than the tail (training: the
+// context is the micro-batch's own, and every block sees most of a tile of it), the cat is built and
+// gathered in one vectorized pass; otherwise (a long cache of which the blocks see a few rows) each
+// source is gathered without building the cat.
 Tensor gather_tail(const BlockSparsePlan& plan, const Tensor& ctx, const Tensor& blk) {
+  if (ctx.size(0) + blk.size(0) <= plan.tail_index.size(0)) return torch::cat({ctx, blk}).index_select(0, plan.tail_index);
   auto out = torch::empty({plan.tail_index.size(0), ctx.size(1), ctx.size(2)}, ctx.options());
   out.index_copy_(0, plan.tail_ctx_dst, ctx.index_select(0, plan.tail_ctx_src));
   out.index_copy_(0, plan.tail_blk_dst, blk);

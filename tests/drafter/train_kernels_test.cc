@@ -274,13 +274,19 @@ struct GqaPack {
 };
 
 // The tail call with and without its query heads packed per KV head (rep 2 here), each against the
-// dense fp64 computation.
+// dense fp64 computation; at tile 4 the tail (59 rows) is gathered from each source, at tile 64
+// (everything is tail: 143 rows) from cat(context, blocks) (82 rows).
 TEST(BlockSparseAttention, ReferenceKernelEqualsDenseFp64) {
-  for (const char* mode : {"off", "on"}) {
-    GqaPack pack(mode);
-    SCOPED_TRACE(std::string("DFLASH_BSA_GQA_PACK=") + mode);
-    compare(small_case(), torch::kCPU, torch::kFloat64, /*flash=*/false, 1e-10);
-  }
+  for (const int64_t tile : {4, 64})
+    for (const char* mode : {"off", "on"}) {
+      GqaPack pack(mode);
+      auto c = small_case();
+      c.tile = tile;
+      const auto plan = model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, torch::kCPU);
+      EXPECT_EQ(plan.tail_index.size(0), tile == 4 ? 59 : 143);
+      SCOPED_TRACE(std::string("DFLASH_BSA_GQA_PACK=") + mode + ", tile " + std::to_string(tile));
+      compare(c, torch::kCPU, torch::kFloat64, /*flash=*/false, 1e-10);
+    }
 }
 
 TEST(BlockSparseAttention, DrafterForwardAndGradsEqualMaskedPath) {
