@@ -221,9 +221,9 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       auto merged = torch::logaddexp(lt, l);
       auto wt = torch::exp(lt - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
       auto wf = torch::exp(l - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
-      // In place, in the same order as rows * wt + o * wf (o promoted to out32's dtype by the
-      // multiply itself: no separate cast, no temporary for the sum).
-      out32.narrow(0, f.q_row0, f.q_rows).mul_(wt).add_(o * wf);
+      // In place: rows * wt, then + o * wf in one pass (o promoted to out32's dtype inside the
+      // kernel: no cast and no [rows, Hq, D] temporary for the product).
+      out32.narrow(0, f.q_row0, f.q_rows).mul_(wt).addcmul_(o, wf);
       lt.copy_(merged);
     }
     auto out = out32.to(q.scalar_type());
