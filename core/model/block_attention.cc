@@ -7,6 +7,9 @@
 #include <limits>
 
 #include "core/model/layers.h"
+#ifdef DFLASH_WITH_CUDA
+#include "core/model/cuda/train_ops.h"
+#endif
 #include "core/util/error.h"
 #include "core/util/switches.h"
 
@@ -166,6 +169,22 @@ Seqs packed_tail_seqs(const BlockSparsePlan& p, int64_t rep) {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// dkv [T + Q, Hkv, D] (acc dtype) += the tail's gradients d_tail at rows plan.tail_index
+// (DFLASH_BSA_SCATTER: index_add_ of an acc copy, or the CUDA kernel that converts as it adds).
+void scatter_tail(const Tensor& dkv, const Tensor& d_tail, const Tensor& index, bool use_flash) {
+  if (switches::get("DFLASH_BSA_SCATTER") == "kernel") {
+#ifdef DFLASH_WITH_CUDA
+    DFLASH_CHECK(use_flash, ConfigError, "DFLASH_BSA_SCATTER=kernel needs the flash path (CUDA bf16/fp16 attention inputs)");
+    fused_train::scatter_add_rows(dkv, d_tail, index);
+    return;
+#else
+    (void)use_flash;
+    DFLASH_FAIL(ConfigError, "DFLASH_BSA_SCATTER=kernel needs a CUDA build (DFLASH_CUDA=ON)");
+#endif
+  }
+  dkv.index_add_(0, index, d_tail.to(dkv.scalar_type()));
+}
+
 // Rows plan.tail_index of cat(ctx, blk). When the cat has fewer rows than the tail (training: the
 // context is the micro-batch's own, and every block sees most of a tile of it), the cat is built and
 // gathered in one vectorized pass; otherwise (a long cache of which the blocks see a few rows) each
@@ -284,8 +303,8 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       unpack_rows_into(dq, dqt, nb, B, rep);
     auto dkv_k = torch::zeros({T + k_blk.size(0), k_ctx.size(1), k_ctx.size(2)}, k_ctx.options().dtype(acc));
     auto dkv_v = torch::zeros_like(dkv_k);
-    dkv_k.index_add_(0, plan.tail_index, dkt.to(acc));
-    dkv_v.index_add_(0, plan.tail_index, dvt.to(acc));
+    scatter_tail(dkv_k, dkt, plan.tail_index, use_flash);
+    scatter_tail(dkv_v, dvt, plan.tail_index, use_flash);
     for (size_t r = 0; r < runs.size(); r += 4) {
       const BlockSparsePlan::Full f{runs[r], runs[r + 1], runs[r + 2], runs[r + 3]};
       const auto qs = q.narrow(0, f.q_row0, f.q_rows);

@@ -16,7 +16,8 @@
 // Merge: lse = log(exp(lse_full) + exp(lse_tail)), out = sum_p exp(lse_p - lse) out_p. Backward:
 // every part's kernel backward is called with the MERGED out and lse, which gives exactly that
 // part's share of dq, dk, dv (P = exp(S - lse) and rowsum(dO * out) are the full softmax's); the
-// gathered tail keys' gradients are scattered back with index_add (fp32 accumulation).
+// gathered tail keys' gradients are scattered back with index_add (fp32 accumulation;
+// DFLASH_BSA_SCATTER=kernel: one CUDA pass with fp32 atomics from the half-precision gradients).
 // Work: ~ the visible keys plus < tile per block (the masked call attends the whole group prefix);
 // memory: nothing quadratic, no repeated KV heads, only the tail gather is copied (and recomputed in
 // backward rather than saved).

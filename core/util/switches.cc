@@ -51,6 +51,11 @@ const std::vector<Switch>& registry() {
        "per sequence instead of block rows); auto: on for the flash kernels with GQA, off for the reference "
        "kernel; on: also the reference kernel.",
        true, false},
+      {"DFLASH_BSA_SCATTER", Kind::kChoice, {"index_add", "kernel"}, "index_add",
+       "The drafter's block-sparse attention backward: the tail's key/value gradients into their rows by "
+       "index_add_ (after an fp32 conversion), or kernel: one pass with fp32 atomics from the half-precision "
+       "gradients (the flash path only; elsewhere, or in a build without CUDA kernels, a config error).",
+       true, false},
       {"DFLASH_LOSS", Kind::kChoice, {"plain", "fused"}, kAuto,
        "DFlash loss; auto: the fused CUDA kernel for CUDA bf16 logits, else LibTorch ops (fused elsewhere is a "
        "config error).",

@@ -6,7 +6,8 @@
 // softmax in fp64. CPU: the decomposition with the reference kernel, fp64, forward and the gradients
 // of all five inputs (relative error < 1e-10). GPU (label gpu): the flash kernels in bf16 against the
 // same dense fp32 computation (relative error < 2e-2), and the drafter forward/backward with either
-// kernel; the tail call with its query heads packed per KV head (DFLASH_BSA_GQA_PACK) and not. (6) GPU: the fused RMSNorm / SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the
+// kernel; the tail call with its query heads packed per KV head (DFLASH_BSA_GQA_PACK) and not, its
+// gradients scattered by index_add_ or by the CUDA kernel (DFLASH_BSA_SCATTER). (6) GPU: the fused RMSNorm / SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the
 // LibTorch ops of the same autograd functions (the tolerances are stated with the tests). (7) The
 // block inputs gathered from a host embedding (train.embed_on_host) against F::embedding, bitwise
 // (CPU), and a micro-batch with the embedding on the host against on the device (GPU, bitwise).
@@ -261,16 +262,17 @@ TEST(BlockSparseAttention, PlanSplitsFullTilesAndTails) {
   EXPECT_THROW(model::plan_block_sparse({0}, {41}, 3, 40, 4, torch::kCPU), ConfigError);
 }
 
-// DFLASH_BSA_GQA_PACK set for one scope (the switch registry reads the environment once).
-struct GqaPack {
-  explicit GqaPack(const char* mode) {
-    ::setenv("DFLASH_BSA_GQA_PACK", mode, 1);
+// A switch set for one scope (the switch registry reads the environment once).
+struct ScopedSwitch {
+  ScopedSwitch(const char* name, const char* value) : name_(name) {
+    ::setenv(name, value, 1);
     switches::reload();
   }
-  ~GqaPack() {
-    ::unsetenv("DFLASH_BSA_GQA_PACK");
+  ~ScopedSwitch() {
+    ::unsetenv(name_);
     switches::reload();
   }
+  const char* name_;
 };
 
 // The tail call with and without its query heads packed per KV head (rep 2 here), each against the
@@ -279,7 +281,7 @@ struct GqaPack {
 TEST(BlockSparseAttention, ReferenceKernelEqualsDenseFp64) {
   for (const int64_t tile : {4, 64})
     for (const char* mode : {"off", "on"}) {
-      GqaPack pack(mode);
+      ScopedSwitch pack("DFLASH_BSA_GQA_PACK", mode);
       auto c = small_case();
       c.tile = tile;
       const auto plan = model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, torch::kCPU);
@@ -287,6 +289,21 @@ TEST(BlockSparseAttention, ReferenceKernelEqualsDenseFp64) {
       SCOPED_TRACE(std::string("DFLASH_BSA_GQA_PACK=") + mode + ", tile " + std::to_string(tile));
       compare(c, torch::kCPU, torch::kFloat64, /*flash=*/false, 1e-10);
     }
+}
+
+// The scatter kernel is for the flash path only: asked for elsewhere it is a config error.
+TEST(BlockSparseAttention, ScatterKernelNeedsTheFlashPath) {
+  ScopedSwitch scatter("DFLASH_BSA_SCATTER", "kernel");
+  const auto c = small_case();
+  const auto plan = model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, torch::kCPU);
+  auto in = make_inputs(c, torch::TensorOptions().dtype(torch::kFloat64), 7);
+  auto out = model::block_sparse_attention(in.t[0], in.t[1], in.t[2], in.t[3], in.t[4], plan, 0.25, /*use_flash=*/false);
+  try {
+    out.sum().backward();
+    ADD_FAILURE() << "no ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("DFLASH_BSA_SCATTER=kernel needs"), std::string::npos) << e.what();
+  }
 }
 
 TEST(BlockSparseAttention, DrafterForwardAndGradsEqualMaskedPath) {
@@ -329,12 +346,45 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
   doc(600, 300, 12);
   doc(900, 124, 6);
   for (size_t j = 0; j < c.ctx_len.size(); ++j) c.ctx_len[j] = std::min<int64_t>(c.ctx_len[j], j < 24 ? 600 : j < 36 ? 300 : 124);
-  for (const char* mode : {"off", "on"}) {  // the tail's query heads packed per KV head (rep 4) or not
-    GqaPack pack(mode);
-    SCOPED_TRACE(std::string("DFLASH_BSA_GQA_PACK=") + mode);
-    compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
-  }
+  for (const char* mode : {"off", "on"})  // the tail's query heads packed per KV head (rep 4) or not
+#ifdef DFLASH_WITH_CUDA
+    for (const char* scatter : {"index_add", "kernel"}) {
+#else
+    for (const char* scatter : {"index_add"}) {
+#endif
+      ScopedSwitch pack("DFLASH_BSA_GQA_PACK", mode), sc("DFLASH_BSA_SCATTER", scatter);
+      SCOPED_TRACE(std::string("DFLASH_BSA_GQA_PACK=") + mode + " DFLASH_BSA_SCATTER=" + scatter);
+      compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
+    }
 }
+
+#ifdef DFLASH_WITH_CUDA
+// The tail gradients' scatter kernel against index_add_ of the fp32-converted rows (repeated target
+// rows included): equal up to fp32 addition order; a shifted index must not match (control).
+TEST(BlockSparseAttentionGpu, ScatterKernelEqualsIndexAdd) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  torch::manual_seed(5);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  for (auto dt : {torch::kBFloat16, torch::kHalf}) {
+    auto src = torch::randn({300, 8, 16}, cuda).to(dt);
+    auto index = torch::randint(0, 50, {300}, cuda.dtype(torch::kInt64));
+    auto dst0 = torch::randn({50, 8, 16}, cuda);
+    auto ref = dst0.clone().index_add_(0, index, src.to(torch::kFloat32));
+    auto got = dst0.clone();
+    model::fused_train::scatter_add_rows(got, src, index);
+    const double e = rel(got, ref);
+    EXPECT_LT(e, 1e-6) << dt;
+    auto bad = dst0.clone();
+    model::fused_train::scatter_add_rows(bad, src, (index + 1).remainder(50));
+    EXPECT_GT(rel(bad, ref), 1e-2) << dt;
+    std::printf("scatter_add_rows %s: rel err %.3g vs index_add_\n", dt == torch::kBFloat16 ? "bf16" : "fp16", e);
+  }
+  EXPECT_THROW(model::fused_train::scatter_add_rows(torch::zeros({50, 8, 16}, cuda.dtype(torch::kFloat64)),
+                                                    torch::randn({3, 8, 16}, cuda).to(torch::kBFloat16),
+                                                    torch::zeros({3}, cuda.dtype(torch::kInt64))),
+               ConfigError);
+}
+#endif
 
 namespace {
 // The GPU micro-batch cases (seed 4): frozen parts of a 3000-token vocabulary (bf16, CUDA), three

@@ -364,7 +364,56 @@ void launch_elementwise(const torch::Tensor& t, std::initializer_list<torch::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   ++g_launches;
 }
+// One thread per 4 columns of a source row: one 8-byte load, one 4-wide atomic add (sm_90; four
+// scalar ones before).
+template <typename T>
+__global__ void scatter_add_rows_kernel(float* __restrict__ dst, const T* __restrict__ src, const int64_t* __restrict__ index,
+                                        int64_t rows, int64_t quads, int64_t dst_rows) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * quads; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / quads, q = i % quads, to = index[row];
+    CUDA_KERNEL_ASSERT(to >= 0 && to < dst_rows);  // as index_add_: a device-side assert
+    const auto p = load<T, 4>(src + (row * quads + q) * 4);
+    float* d = dst + (to * quads + q) * 4;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float4*>(d), make_float4(to_f(p.v[0]), to_f(p.v[1]), to_f(p.v[2]), to_f(p.v[3])));
+#else
+#pragma unroll
+    for (int j = 0; j < 4; ++j) atomicAdd(d + j, to_f(p.v[j]));
+#endif
+  }
+}
 }  // namespace
+
+void scatter_add_rows(const torch::Tensor& dst, const torch::Tensor& src_in, const torch::Tensor& index_in) {
+  const char* fn = "scatter_add_rows";
+  check_cuda16(fn, "src", src_in);
+  DFLASH_CHECK(dst.is_cuda() && dst.device() == src_in.device() && dst.scalar_type() == torch::kFloat32 && dst.is_contiguous() &&
+                   dst.dim() >= 1 && reinterpret_cast<uintptr_t>(dst.data_ptr()) % 16 == 0,
+               ConfigError, fn << ": dst must be a contiguous 16-byte aligned fp32 tensor on " << src_in.device() << ", got "
+                               << dst.sizes() << " " << dst.scalar_type() << " on " << dst.device());
+  const int64_t rows = src_in.dim() >= 1 ? src_in.size(0) : 0, R = dst.size(0);
+  const int64_t C = rows > 0 ? src_in.numel() / rows : 0;
+  DFLASH_CHECK(src_in.dim() >= 1 && (rows == 0 || (C % 4 == 0 && R > 0 && dst.numel() / R == C)), ConfigError,
+               fn << ": src " << src_in.sizes() << " and dst " << dst.sizes() << " need rows of the same width, a multiple of 4");
+  DFLASH_CHECK(index_in.scalar_type() == torch::kInt64 && index_in.dim() == 1 && index_in.size(0) == rows &&
+                   index_in.device() == src_in.device(),
+               ConfigError, fn << ": index must be int64 [" << rows << "] on " << src_in.device() << ", got " << index_in.sizes()
+                               << " " << index_in.scalar_type() << " on " << index_in.device());
+  if (rows == 0) return;
+  const auto src = src_in.contiguous(), index = index_in.contiguous();
+  DFLASH_CHECK(reinterpret_cast<uintptr_t>(src.data_ptr()) % 8 == 0, ConfigError, fn << ": src must be 8-byte aligned");
+  c10::cuda::CUDAGuard guard(src.device());
+  const int64_t quads = C / 4, per_sm = 2048 / kElementwiseThreads;
+  const int64_t grid = std::min((rows * quads + kElementwiseThreads - 1) / kElementwiseThreads,
+                                per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  with_dtype(src.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    scatter_add_rows_kernel<T><<<static_cast<unsigned>(grid), kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        ptr<float>(dst), ptr<T>(src), ptr<int64_t>(index), rows, quads, R);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  ++g_launches;
+}
 
 torch::Tensor swiglu_forward(const torch::Tensor& g_in, const torch::Tensor& u_in) {
   check_cuda16("swiglu_forward", "g", g_in);

@@ -55,6 +55,14 @@ struct SwigluGrads {
 };
 SwigluGrads swiglu_backward(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& da);
 
+// dst[index[i]] += float(src[i]) for every row i of src [N, ...] (bf16 or fp16) into dst [R, ...] fp32,
+// rows of C = numel / N elements on both (C a multiple of 4), index int64 [N] in [0, R) on the same
+// device: the block-sparse attention's tail key/value gradients into their rows, where several tail
+// rows may share one (DFLASH_BSA_SCATTER=kernel). One pass with fp32 atomics (4 wide on sm_90), the
+// half-precision values converted in registers: index_add_ needs them converted to fp32 first. The
+// order of the additions is not fixed (as index_add_'s on CUDA): equal up to fp32 rounding order.
+void scatter_add_rows(const torch::Tensor& dst, const torch::Tensor& src, const torch::Tensor& index);
+
 // Kernels launched by the functions above since the process started (host-side count), for tests
 // that check a path really ran them.
 int64_t kernel_launches();
