@@ -9,7 +9,7 @@
 // parts (their offsets in the batch) and a SendCompletion, commit(), and do not write the device
 // memory again before SendCompletion::wait() returned.
 //
-// Payload checksum: the sender's host never sees the device bytes, so it cannot compute the XXH64
+// Payload checksum: the sender's host never sees the device bytes, so it cannot compute the checksum
 // of the payload (packed_batch.h); a direct batch carries no checksum (finalize(false)) and the
 // receiver skips its checksum verification for batches that arrived direct (it still validates
 // the structure). Callers report how many batches went direct (the target server: JSON

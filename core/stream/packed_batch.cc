@@ -1,7 +1,12 @@
 #include "core/stream/packed_batch.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <system_error>
+#include <thread>
+#include <vector>
 
 #include "core/util/checked.h"
 #include "core/util/error.h"
@@ -116,6 +121,30 @@ uint64_t xxhash64(const void* data, size_t len, uint64_t seed) {
   h *= P3;
   h ^= h >> 32;
   return h;
+}
+
+uint64_t payload_checksum(const void* data, size_t bytes, int threads) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  const size_t chunks = (bytes + kChecksumChunkBytes - 1) / kChecksumChunkBytes;
+  std::vector<uint64_t> h(chunks);
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      const size_t off = c * kChecksumChunkBytes;
+      h[c] = xxhash64(p + off, std::min(kChecksumChunkBytes, bytes - off));
+    }
+  };
+  const size_t hw = std::max(1u, std::thread::hardware_concurrency());
+  const size_t n = std::min(chunks, threads > 0 ? size_t(threads) : std::min<size_t>(hw, kChecksumThreads));
+  std::vector<std::thread> helpers;
+  try {
+    for (size_t t = 1; t < n; ++t) helpers.emplace_back(work);
+  } catch (const std::system_error&) {
+    // fewer helpers: the chunks they would have taken go to the others
+  }
+  work();
+  for (auto& t : helpers) t.join();
+  return xxhash64(h.data(), h.size() * sizeof(uint64_t));
 }
 
 BatchLayout BatchLayout::compute(uint32_t num_docs, uint64_t tokens, uint32_t k, uint32_t h, DType dtype,
@@ -244,7 +273,7 @@ const void* PackedBatchView::h_last() const {
 bool PackedBatchView::has_checksum() const { return (header().flags & kFlagHasChecksum) != 0; }
 uint64_t PackedBatchView::compute_checksum() const {
   require_valid();
-  return xxhash64(data_ + layout_.payload_offset(), layout_.payload_bytes());
+  return payload_checksum(data_ + layout_.payload_offset(), layout_.payload_bytes());
 }
 bool PackedBatchView::verify_checksum() const { return has_checksum() && compute_checksum() == header().checksum; }
 
@@ -309,7 +338,7 @@ size_t PackedBatchWriter::finalize(bool compute_checksum) {
   auto& hd = *reinterpret_cast<PackedBatchHeader*>(buf_);
   hd.payload_bytes = layout_.payload_bytes();
   if (compute_checksum) {
-    hd.checksum = xxhash64(buf_ + layout_.payload_offset(), layout_.payload_bytes());
+    hd.checksum = payload_checksum(buf_ + layout_.payload_offset(), layout_.payload_bytes());
     hd.flags |= kFlagHasChecksum;
   } else {
     hd.checksum = 0;

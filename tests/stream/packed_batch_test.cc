@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "core/util/error.h"
 #include "tests/common/stream_test_util.h"
@@ -34,6 +36,32 @@ TEST(PackedBatch, Xxhash64MatchesReferenceVectors) {
     for (int i = 0; i < 256; ++i) s.push_back(static_cast<char>(i));
   s += "xyz";
   EXPECT_EQ(xxhash64(s.data(), s.size()), 0xe921a1b45bd779f8ull);
+}
+
+// The payload checksum: XXH64 of the 8 MiB chunks' XXH64s (little-endian), the same on any number of
+// threads; a flipped byte in the last, short chunk changes it; below one chunk it is the XXH64 of that
+// chunk's hash, not of the bytes.
+TEST(PackedBatch, PayloadChecksumIsTheHashOfChunkHashesOnAnyThreadCount) {
+  const size_t n = 2 * kChecksumChunkBytes + 12345;
+  std::vector<uint8_t> buf(n);
+  uint64_t x = 88172645463325252ull;
+  for (auto& byte : buf) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    byte = static_cast<uint8_t>(x);
+  }
+  std::vector<uint64_t> chunk_hashes;
+  for (size_t off = 0; off < n; off += kChecksumChunkBytes)
+    chunk_hashes.push_back(xxhash64(buf.data() + off, std::min(kChecksumChunkBytes, n - off)));
+  ASSERT_EQ(chunk_hashes.size(), 3u);
+  const uint64_t want = xxhash64(chunk_hashes.data(), chunk_hashes.size() * sizeof(uint64_t));
+  for (int t : {0, 1, 2, 3, 8}) EXPECT_EQ(payload_checksum(buf.data(), n, t), want) << t << " threads";
+  buf[n - 1] ^= 1;
+  EXPECT_NE(payload_checksum(buf.data(), n), want);
+  const uint64_t one = xxhash64(buf.data(), 100);
+  EXPECT_EQ(payload_checksum(buf.data(), 100, 1), xxhash64(&one, sizeof one));
+  EXPECT_NE(payload_checksum(buf.data(), 100, 1), one);
 }
 
 TEST(PackedBatch, LayoutSectionsAligned) {
@@ -137,8 +165,8 @@ TEST(PackedBatch, ValidationFailuresNameTheField) {
   }
   {
     auto b = fresh();
-    hdr(b)->version = 2;
-    expect_error(b, b.size, "packed batch format version 2 not supported (expected 1)");
+    hdr(b)->version = 1;  // the single-XXH64 checksum of format 1 is not accepted
+    expect_error(b, b.size, "packed batch format version 1 not supported (expected 2)");
   }
   {
     auto b = fresh();
