@@ -17,8 +17,9 @@
 // padding included (the writer zeroes all padding). The payload checksum (present when
 // kFlagHasChecksum is set) is payload_checksum() below: XXH64 (seed 0, the public xxHash64 algorithm)
 // of the chunks' XXH64s, so that both ends hash a batch on several cores. In python:
-//   xxh64(b"".join(xxh64(p[i:i + 8 << 20]).intdigest().to_bytes(8, "little")
-//                  for i in range(0, len(p), 8 << 20))).intdigest()
+//   CH = 8 << 20
+//   xxh64(b"".join(xxh64(p[i:i + CH]).intdigest().to_bytes(8, "little")
+//                  for i in range(0, len(p), CH))).intdigest()
 //
 // Ownership: views and writers never own memory; the caller keeps the buffer alive.
 #pragma once
