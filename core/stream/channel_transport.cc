@@ -190,8 +190,8 @@ class ChannelReceiver final : public Receiver {
       std::lock_guard<std::mutex> lk(mu_);
       if (closed_) return;
       closed_ = true;
+      stop_ = true;  // under mu_: a waiter between its predicate check and its wait cannot miss it
     }
-    stop_ = true;
     cv_.notify_all();
     try {
       control_->add("r/closed", 1);
@@ -411,7 +411,12 @@ class ChannelSender final : public Sender {
       } catch (const std::exception&) {
       }
     }
-    stop_ = true;
+    {
+      // Under the mutexes the threads wait with: set between a thread's predicate check and its
+      // wait, the flag and the notification could be missed and the join below would hang.
+      std::lock_guard<std::mutex> lk(mu_), hb(hb_mu_);
+      stop_ = true;
+    }
     cv_.notify_all();
     hb_cv_.notify_all();
     if (worker_.joinable()) worker_.join();
