@@ -247,6 +247,11 @@ if has bench-pipeline; then
   echo "bench pipeline shm qwen3-8b (GPU 0 + GPU 0) rc=$?"
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   if [ "${ngpu:-0}" -ge 2 ]; then
+    # The target on its own GPU: what a drafter that never waits needs (on one GPU the target's
+    # forward shares the drafter's compute; docs/perf.md, nineteenth session).
+    "$build/bin/dflash" bench pipeline --transport shm --shape qwen3-8b --device cuda --target-gpu 0 --drafter-gpu 1 \
+      --work "$work" "${extra[@]}" > "$out/bench_pipeline_shm_2gpu_qwen3_8b.json" 2> "$out/bench_pipeline_shm_2gpu_qwen3_8b.err"
+    echo "bench pipeline shm qwen3-8b (GPU 0 -> GPU 1) rc=$?"
     "$build/bin/dflash" bench pipeline --transport c10d --shape qwen3-8b --device cuda --target-gpu 0 --drafter-gpu 1 \
       --work "$work" "${extra[@]}" > "$out/bench_pipeline_c10d_qwen3_8b.json" 2> "$out/bench_pipeline_c10d_qwen3_8b.err"
     echo "bench pipeline c10d qwen3-8b (GPU 0 -> GPU 1) rc=$?"
