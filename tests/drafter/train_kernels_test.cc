@@ -130,6 +130,19 @@ void compare(const Case& c, torch::Device dev, torch::ScalarType dt, bool flash,
   }
 }
 
+// A switch set for one scope (the switch registry reads the environment once).
+struct ScopedSwitch {
+  ScopedSwitch(const char* name, const char* value) : name_(name) {
+    ::setenv(name, value, 1);
+    switches::reload();
+  }
+  ~ScopedSwitch() {
+    ::unsetenv(name_);
+    switches::reload();
+  }
+  const char* name_;
+};
+
 }  // namespace
 
 TEST(LeanAutograd, RmsNormAndSwigluDownEqualPlainOps) {
@@ -261,19 +274,6 @@ TEST(BlockSparseAttention, PlanSplitsFullTilesAndTails) {
   EXPECT_TRUE(torch::equal(idx, torch::tensor({4, 5, 40 + 12, 40 + 13, 40 + 14}, torch::kInt64))) << idx;
   EXPECT_THROW(model::plan_block_sparse({0}, {41}, 3, 40, 4, torch::kCPU), ConfigError);
 }
-
-// A switch set for one scope (the switch registry reads the environment once).
-struct ScopedSwitch {
-  ScopedSwitch(const char* name, const char* value) : name_(name) {
-    ::setenv(name, value, 1);
-    switches::reload();
-  }
-  ~ScopedSwitch() {
-    ::unsetenv(name_);
-    switches::reload();
-  }
-  const char* name_;
-};
 
 // The tail call with and without its query heads packed per KV head (rep 2 here), each against the
 // dense fp64 computation; at tile 4 the tail (59 rows) is gathered from each source, at tile 64
@@ -489,12 +489,9 @@ void expect_fused_equals_plain(const train::LossOptions& lo) {
   const auto g = gpu_micro_batch();
   std::vector<Tensor> r[2];
   for (int k = 0; k < 2; ++k) {
-    ::setenv("DFLASH_LOSS", k ? "fused" : "plain", 1);
-    switches::reload();  // the registry reads the environment once
+    ScopedSwitch loss("DFLASH_LOSS", k ? "fused" : "plain");
     r[k] = sums_and_grads(g, lo);
   }
-  ::unsetenv("DFLASH_LOSS");
-  switches::reload();
   ASSERT_EQ(r[0].size(), r[1].size());
   for (size_t i = 0; i < r[0].size(); ++i) EXPECT_LT(rel(r[1][i], r[0][i]), i < 4 ? 1e-3 : 2e-2) << i;
 }
@@ -526,15 +523,8 @@ double max_rel(const Tensor& a, const Tensor& b) {
 }
 
 // DFLASH_FUSED_TRAIN_OPS for the scope (unset again at its end).
-struct FusedTrainOps {
-  explicit FusedTrainOps(bool on) {
-    ::setenv("DFLASH_FUSED_TRAIN_OPS", on ? "on" : "off", 1);
-    switches::reload();
-  }
-  ~FusedTrainOps() {
-    ::unsetenv("DFLASH_FUSED_TRAIN_OPS");
-    switches::reload();
-  }
+struct FusedTrainOps : ScopedSwitch {
+  explicit FusedTrainOps(bool on) : ScopedSwitch("DFLASH_FUSED_TRAIN_OPS", on ? "on" : "off") {}
 };
 
 struct Run {
