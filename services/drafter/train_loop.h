@@ -146,6 +146,8 @@ struct TrainLoopResult {
   // over train_seconds(), the loop without them.
   double checkpoint_seconds = 0;
   double train_seconds() const { return loop_seconds - checkpoint_seconds; }
+  double tokens_per_s() const { return tokens / std::max(train_seconds(), 1e-9); }
+  double waiting_fraction() const { return wait_seconds / std::max(train_seconds(), 1e-9); }
   // The wait for the first micro-batch: it holds the target's start (weights loaded, first forward),
   // not the steady state; steady_wait_fraction() leaves it out.
   double first_wait_seconds = 0;

@@ -868,8 +868,8 @@ void DrafterRank::finish() {
                {"checkpoint_s", res_.checkpoint_seconds}, {"wait_s", res_.wait_seconds}, {"final_weight_hash", hex64(weight_hash(*drafter_))}};
   steplog_->append(done);
   LOG_INFO("drafter " << rank_ << ": trained " << res_.steps << " steps, " << res_.micro_batches << " micro-batches, " << res_.tokens
-                      << " tokens in " << res_.train_seconds() << " s (" << int(res_.tokens / std::max(res_.train_seconds(), 1e-9))
-                      << " tok/s, waiting " << int(100 * res_.wait_seconds / std::max(res_.train_seconds(), 1e-9)) << "%; "
+                      << " tokens in " << res_.train_seconds() << " s (" << int(res_.tokens_per_s())
+                      << " tok/s, waiting " << int(100 * res_.waiting_fraction()) << "%; "
                       << res_.checkpoint_seconds << " s more writing checkpoints)"
                       << (res_.export_dir.empty() ? "" : ", exported to " + res_.export_dir));
 }
@@ -911,8 +911,8 @@ int cmd_train_service(int argc, char** argv) {
                     {"loop_seconds", r.loop_seconds}, {"checkpoint_seconds", r.checkpoint_seconds},
                     {"train_seconds", r.train_seconds()}, {"wait_seconds", r.wait_seconds},
                     // Rates over the training (the loop without its checkpoint writes).
-                    {"tokens_per_s", r.tokens / std::max(r.train_seconds(), 1e-9)},
-                    {"waiting_fraction", r.wait_seconds / std::max(r.train_seconds(), 1e-9)},
+                    {"tokens_per_s", r.tokens_per_s()},
+                    {"waiting_fraction", r.waiting_fraction()},
                     {"first_wait_seconds", r.first_wait_seconds}, {"steady_waiting_fraction", r.steady_wait_fraction()},
                     {"peak_gpu_bytes", pipeline::peak_gpu_bytes(o.device)},
                     {"checkpoint", r.last_checkpoint}, {"export", r.export_dir}}
