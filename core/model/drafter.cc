@@ -143,9 +143,46 @@ void Drafter::load_parameters(const std::vector<std::pair<std::string, torch::Te
   }
 }
 
+namespace {
+// p.to(copy's dtype) for autograd, with the value of `copy` (p's current cast): the backward is
+// Tensor::to's, the gradient converted to p's dtype.
+struct CachedCastFn : public torch::autograd::Function<CachedCastFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& p, const torch::Tensor& copy) {
+    ctx->saved_data["dtype"] = static_cast<int64_t>(p.scalar_type());
+    return copy.detach();  // shares storage (and version counter) with the copy, not a view for autograd
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list g) {
+    return {g[0].to(static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt())), torch::Tensor()};
+  }
+};
+}  // namespace
+
+void Drafter::keep_compute_copies(torch::ScalarType compute) {
+  DFLASH_CHECK(compute == torch::kBFloat16 || compute == torch::kHalf, ConfigError,
+               "drafter compute copies: bf16 or fp16, got " << compute);
+  copy_dtype_ = compute;
+  copies_.assign(params_.size(), ComputeCopy{});
+}
+
+std::vector<torch::Tensor> Drafter::compute_copies() const {
+  std::vector<torch::Tensor> out(params_.size());
+  for (size_t i = 0; i < copies_.size(); ++i)
+    if (copies_[i].value.defined() && copies_[i].version == params_[i].second._version()) out[i] = copies_[i].value;
+  return out;
+}
+
 torch::Tensor Drafter::w(const std::string& name, torch::ScalarType compute) const {
-  const auto& p = params_[index_.at(name)].second;
-  return p.scalar_type() == compute ? p : p.to(compute);
+  const size_t i = index_.at(name);
+  const auto& p = params_[i].second;
+  if (p.scalar_type() == compute) return p;
+  if (copy_dtype_ != compute) return p.to(compute);
+  auto& c = copies_[i];
+  if (!c.value.defined() || c.version != p._version()) {
+    torch::NoGradGuard g;
+    c.value = p.detach().to(compute);
+    c.version = p._version();
+  }
+  return torch::GradMode::is_enabled() && p.requires_grad() ? CachedCastFn::apply(p, c.value) : c.value;
 }
 
 torch::Tensor Drafter::fuse_context(const torch::Tensor& features_TKH, torch::ScalarType compute) const {

@@ -90,6 +90,17 @@ class Drafter {
   std::vector<std::pair<std::string, torch::Tensor>>& parameters() { return params_; }
   const std::vector<std::pair<std::string, torch::Tensor>>& parameters() const { return params_; }
   int64_t num_parameters() const;
+  // Compute-dtype copies of the parameters kept between steps (training with DFLASH_ADAMW=kernel,
+  // whose optimizer step rewrites them with the weights): the forward multiplies with the copy
+  // instead of casting its parameter again. A copy is current while its parameter's version counter
+  // has not moved since it was written; any in-place LibTorch update (load_parameters, the plain or
+  // PyTorch-fused optimizer) moves it, and the next forward casts again. Autograd sees the cast as
+  // before: the parameter's gradient is the copy's gradient converted to the parameter's dtype,
+  // bitwise as through Tensor::to. Not thread-safe, as the forward. `compute` bf16 or fp16.
+  void keep_compute_copies(torch::ScalarType compute);
+  // One entry per parameter (parameters() order): its current copy, or undefined (none kept, or
+  // stale). For the optimizer step that rewrites them.
+  std::vector<torch::Tensor> compute_copies() const;
   // Copies values in (strict: every name present, shapes equal); `source` names the origin in errors.
   void load_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& values, const std::string& source);
 
@@ -148,6 +159,12 @@ class Drafter {
   std::vector<std::pair<std::string, torch::Tensor>> params_;
   std::map<std::string, size_t> index_;
   torch::Tensor inv_freq_;
+  struct ComputeCopy {
+    torch::Tensor value;
+    int64_t version = -1;  // the parameter's _version() when value was written
+  };
+  std::optional<torch::ScalarType> copy_dtype_;  // set by keep_compute_copies
+  mutable std::vector<ComputeCopy> copies_;      // by parameter index
 };
 
 }  // namespace dflash::model

@@ -1,10 +1,14 @@
 #include "core/train/optimizer.h"
 
+#include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_fused_adamw.h>
 
 #include <cmath>
 #include <map>
 
+#ifdef DFLASH_WITH_CUDA
+#include "core/train/cuda/adamw.h"
+#endif
 #include "core/util/error.h"
 #include "core/util/switches.h"
 
@@ -16,14 +20,7 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>>* params, const A
     m_.push_back(torch::zeros_like(p, torch::kFloat32).detach());
     v_.push_back(torch::zeros_like(p, torch::kFloat32).detach());
   }
-  auto impl = opt_.impl;
-  if (impl == AdamWOptions::Impl::kAuto) {
-    const std::string env = switches::get("DFLASH_ADAMW");
-    const bool cuda = !params_->empty() && params_->front().second.is_cuda();
-    impl = env == "fused" || (env == switches::kAuto && cuda) ? AdamWOptions::Impl::kFused : AdamWOptions::Impl::kPlain;
-  }
-  fused_ = impl == AdamWOptions::Impl::kFused && !params_->empty();
-  if (fused_)
+  if (impl() != AdamWOptions::Impl::kPlain)
     for (auto& [name, p] : *params_)
       DFLASH_CHECK(p.scalar_type() == torch::kFloat32 && p.device() == params_->front().second.device(), ConfigError,
                    "fused AdamW: parameter " << name << " must be fp32 on " << params_->front().second.device());
@@ -31,37 +28,71 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>>* params, const A
   applied_ = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(dev));
 }
 
-void AdamW::step(double lr, const torch::Tensor& found_inf) {
+AdamWOptions::Impl AdamW::impl() const {
+  using Impl = AdamWOptions::Impl;
+  if (params_->empty()) return Impl::kPlain;
+  Impl impl = opt_.impl;
+  if (impl == Impl::kAuto) {
+    const std::string env = switches::get("DFLASH_ADAMW");
+    const bool cuda = params_->front().second.is_cuda();
+    impl = env == "kernel" ? Impl::kKernel : env == "fused" || (env == switches::kAuto && cuda) ? Impl::kFused : Impl::kPlain;
+  }
+#ifndef DFLASH_WITH_CUDA
+  DFLASH_CHECK(impl != Impl::kKernel, ConfigError, "DFLASH_ADAMW=kernel needs a CUDA build (DFLASH_CUDA=ON)");
+#endif
+  DFLASH_CHECK(impl != Impl::kKernel || params_->front().second.is_cuda(), ConfigError,
+               "DFLASH_ADAMW=kernel needs CUDA parameters, got " << params_->front().second.device());
+  return impl;
+}
+
+void AdamW::step(double lr, const torch::Tensor& found_inf, const torch::Tensor& grad_factor,
+                 const std::vector<torch::Tensor>& copies) {
   torch::NoGradGuard g;
   ++steps_;
-  if (fused_) {
-    std::vector<torch::Tensor> ps, gs, ms, vs, ss;
-    for (size_t i = 0; i < params_->size(); ++i) {
-      auto& p = (*params_)[i].second;
-      if (!p.grad().defined()) continue;
-      ps.push_back(p);
-      gs.push_back(p.grad());
-      ms.push_back(m_[i]);
-      vs.push_back(v_[i]);
-      ss.push_back(applied_);
-    }
-    // The kernel's bias corrections read the count including this step; it returns at once where
-    // found_inf is 1, and then the count stays (torch.optim's _fused_adamw order, in one place).
-    if (found_inf.defined()) applied_.sub_(found_inf);
-    applied_.add_(1);
-    at::_fused_adamw_(ps, gs, ms, vs, {}, ss, lr, opt_.beta1, opt_.beta2, opt_.weight_decay, opt_.eps, /*amsgrad=*/false,
-                      /*maximize=*/false, /*grad_scale=*/std::nullopt,
-                      found_inf.defined() ? std::optional<torch::Tensor>(found_inf) : std::nullopt);
+  const auto impl = this->impl();
+  std::vector<size_t> live;  // parameters with a gradient
+  for (size_t i = 0; i < params_->size(); ++i)
+    if ((*params_)[i].second.grad().defined()) live.push_back(i);
+  if (impl != AdamWOptions::Impl::kKernel && grad_factor.defined()) {
+    std::vector<torch::Tensor> gs;
+    for (size_t i : live) gs.push_back((*params_)[i].second.grad());
+    at::_foreach_mul_(gs, grad_factor);
+  }
+  if (impl == AdamWOptions::Impl::kPlain) return plain_step(lr, found_inf, live);
+  std::vector<torch::Tensor> ps, gs, ms, vs, cs;
+  for (size_t i : live) {
+    auto& p = (*params_)[i].second;
+    ps.push_back(p);
+    gs.push_back(impl == AdamWOptions::Impl::kKernel ? p.grad().contiguous() : p.grad());
+    ms.push_back(m_[i]);
+    vs.push_back(v_[i]);
+    cs.push_back(i < copies.size() ? copies[i] : torch::Tensor());
+  }
+  // The kernels' bias corrections read the count including this step; they return at once where
+  // found_inf is 1, and then the count stays (torch.optim's _fused_adamw order, in one place).
+  if (found_inf.defined()) applied_.sub_(found_inf);
+  applied_.add_(1);
+  if (impl == AdamWOptions::Impl::kKernel) {
+#ifdef DFLASH_WITH_CUDA
+    cuda_adamw::step(ps, gs, ms, vs, cs, applied_, grad_factor, found_inf,
+                     {lr, opt_.beta1, opt_.beta2, opt_.weight_decay, opt_.eps});
+#endif
     return;
   }
+  const std::vector<torch::Tensor> steps(ps.size(), applied_);
+  at::_fused_adamw_(ps, gs, ms, vs, {}, steps, lr, opt_.beta1, opt_.beta2, opt_.weight_decay, opt_.eps, /*amsgrad=*/false,
+                    /*maximize=*/false, /*grad_scale=*/std::nullopt,
+                    found_inf.defined() ? std::optional<torch::Tensor>(found_inf) : std::nullopt);
+}
+
+void AdamW::plain_step(double lr, const torch::Tensor& found_inf, const std::vector<size_t>& live) {
   if (found_inf.defined() && found_inf.item<float>() == 1) return;
   applied_.add_(1);
   const double n = applied_.item<double>();
   const double bc1 = 1.0 - std::pow(opt_.beta1, n);
   const double bc2 = 1.0 - std::pow(opt_.beta2, n);
-  for (size_t i = 0; i < params_->size(); ++i) {
+  for (size_t i : live) {
     auto& p = (*params_)[i].second;
-    if (!p.grad().defined()) continue;
     auto grad = p.grad();
     p.mul_(1.0 - lr * opt_.weight_decay);
     m_[i].lerp_(grad, 1.0 - opt_.beta1);

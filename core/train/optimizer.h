@@ -11,10 +11,13 @@ namespace dflash::train {
 
 struct AdamWOptions {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
-  // PyTorch's fused multi-tensor AdamW kernel (one launch for every parameter instead of ~6
-  // elementwise passes each; same math). kAuto: fused on CUDA, the plain loop on CPU (CI compares
-  // the two on CPU). DFLASH_ADAMW=plain|fused overrides kAuto.
-  enum class Impl { kAuto, kPlain, kFused } impl = Impl::kAuto;
+  // kFused: PyTorch's fused multi-tensor AdamW kernel (one launch for every parameter instead of ~6
+  // elementwise passes each; same math). kKernel: ours (core/train/cuda/adamw.h; CUDA builds): the
+  // same math with the gradient factor applied as it is read and the parameters' half-precision
+  // copies written as the weights are (one pass instead of three). kAuto: fused on CUDA, the plain
+  // loop on CPU (CI compares the two on CPU). DFLASH_ADAMW=plain|fused|kernel overrides kAuto; it is
+  // read at every step (an A/B within one process can switch it).
+  enum class Impl { kAuto, kPlain, kFused, kKernel } impl = Impl::kAuto;
 };
 
 class AdamW {
@@ -26,7 +29,16 @@ class AdamW {
   // count (state "step") does not advance, as torch.optim's fused AdamW does under found_inf.
   // Fused: decided on the device, the host never waits. Plain: reads found_inf and the count on the
   // host (free on CPU; a synchronisation on CUDA, where the fused kernel is the default).
-  void step(double lr, const torch::Tensor& found_inf = {});
+  // `grad_factor` (optional, fp32 [1] on the params' device): every gradient is multiplied by it
+  // first (the trainer's normalisation and clip). kPlain / kFused multiply the .grad tensors in
+  // place; kKernel applies it as it reads them and leaves them as they were. `copies` (optional,
+  // one per parameter, each undefined or a bf16/fp16 tensor of the parameter's shape): kKernel
+  // rewrites each defined one as the new weight rounded to its dtype; the other paths ignore them
+  // (their in-place updates advance the parameter's version counter, the drafter's sign to recast).
+  void step(double lr, const torch::Tensor& found_inf = {}, const torch::Tensor& grad_factor = {},
+            const std::vector<torch::Tensor>& copies = {});
+  // The implementation step() takes now (kAuto and DFLASH_ADAMW resolved).
+  AdamWOptions::Impl impl() const;
   int64_t steps() const { return steps_; }  // calls of step(), skipped ones included
   // State as named tensors: "exp_avg.<param>", "exp_avg_sq.<param>" and "step" ([1] fp32 on the
   // params' device: the updates applied, i.e. steps() minus the skipped ones; exact below 2^24).
@@ -40,7 +52,8 @@ class AdamW {
  private:
   std::vector<std::pair<std::string, torch::Tensor>>* params_;
   AdamWOptions opt_;
-  bool fused_ = false;
+  // The LibTorch loop over the parameters `live` (those with a gradient).
+  void plain_step(double lr, const torch::Tensor& found_inf, const std::vector<size_t>& live);
   std::vector<torch::Tensor> m_, v_;
   torch::Tensor applied_;  // "step": [1] fp32; the fused kernel reads it as every parameter's step
   int64_t steps_ = 0;

@@ -1,6 +1,5 @@
 #include "core/train/trainer.h"
 
-#include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_foreach_norm.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -17,7 +16,11 @@ Trainer::Trainer(model::Drafter& drafter, const model::FrozenTargetParts& frozen
       frozen_(frozen),
       opt_(opt),
       coll_(collectives ? collectives : &single_),
-      optimizer_(&drafter.parameters(), opt.adamw) {}
+      optimizer_(&drafter.parameters(), opt.adamw) {
+  // Our AdamW kernel rewrites the half-precision weights the forward multiplies with (no cast pass).
+  if (optimizer_.impl() == AdamWOptions::Impl::kKernel && (opt.compute == torch::kBFloat16 || opt.compute == torch::kHalf))
+    drafter.keep_compute_copies(opt.compute);
+}
 
 double Trainer::noise_amplitude(int64_t step) const {
   const double total = std::max<int64_t>(1, opt_.schedule.total_steps - 1);
@@ -144,11 +147,10 @@ PendingMetrics Trainer::end_step() {
   // flattened copy of all grads); divided by the denominator it is the normalised gradient's norm.
   auto norm64 = torch::stack(at::_foreach_norm(gl, 2)).norm().to(torch::kFloat64) / denom;
   auto norm = norm64.to(torch::kFloat32);
-  // One pass over the gradients: the division by the denominator and torch's clip rule (multiply
-  // by clip / (norm + 1e-6) when norm > clip) folded into a single fp32 factor.
+  // The division by the denominator and torch's clip rule (multiply by clip / (norm + 1e-6) when
+  // norm > clip) folded into a single fp32 factor, which the optimizer applies to the gradients.
   auto factor = opt_.grad_clip > 0 ? torch::where(norm64 > opt_.grad_clip, opt_.grad_clip / (norm64 + 1e-6), 1.0) / denom
                                    : 1.0 / denom;
-  at::_foreach_mul_(gl, factor.to(torch::kFloat32));
   const double T = opt_.loss.temperature;
   auto loss = s64[0] / denom;
   if (opt_.loss.soft_labels) loss = loss + s64[1] / denom * (opt_.loss.kl_weight * T * T);
@@ -158,7 +160,7 @@ PendingMetrics Trainer::end_step() {
   StepMetrics known;
   known.lr = lr_at(opt_.schedule, optimizer_.steps());
   known.micro_batches = static_cast<int64_t>(pending_.size());
-  optimizer_.step(known.lr, found_inf);
+  optimizer_.step(known.lr, found_inf, factor.to(torch::kFloat32), drafter_.compute_copies());
   known.step = optimizer_.steps();
   release_grads();
   pending_.clear();

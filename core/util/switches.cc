@@ -65,8 +65,11 @@ const std::vector<Switch>& registry() {
        "bf16/fp16 inputs in a CUDA build, else LibTorch ops; on: the kernels (a CUDA bf16/fp16 input in a build "
        "without them is a config error); other devices and dtypes always keep the LibTorch ops.",
        true, false},
-      {"DFLASH_ADAMW", Kind::kChoice, {"plain", "fused"}, kAuto,
-       "AdamW; auto: the fused multi-tensor step for CUDA parameters, else LibTorch ops.", true, false},
+      {"DFLASH_ADAMW", Kind::kChoice, {"plain", "fused", "kernel"}, kAuto,
+       "AdamW; auto: PyTorch's fused multi-tensor step for CUDA parameters, else LibTorch ops; kernel: ours "
+       "(CUDA builds and parameters), which applies the clip factor as it reads the gradients and rewrites the "
+       "drafter's bf16 weight copies with the weights, so the forward casts nothing.",
+       true, false},
       {"DFLASH_LOG_LEVEL", Kind::kChoice, {"debug", "info", "warn", "error"}, "info",
        "Lowest level of the log lines printed on stderr; debug also shows the source location (file:line) of "
        "error messages.",

@@ -220,6 +220,145 @@ TEST(FusedAdamW, EqualsPlainLoopAcrossStepsAndAResume) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_LT(rel(b[i].second, a[i].second), 1e-6) << a[i].first;
 }
 
+// (3b) The drafter's kept compute copies (the forward under DFLASH_ADAMW=kernel): the loss and
+// every parameter gradient bitwise those of fresh casts, over steps whose weights change in place
+// (as the LibTorch and PyTorch-fused optimizers change them: the copies go stale and are recast).
+// Negative control: a weight written past its version counter (only our AdamW kernel does that,
+// and it rewrites the copy with it) keeps its old copy in use, and the loss then differs.
+TEST(ComputeCopies, ForwardAndGradsAreTheCastsAndFollowInPlaceUpdates) {
+  const auto cfg = small_drafter(32, 8, 48, 3, 64);
+  torch::manual_seed(2);
+  model::FrozenTargetParts frozen;
+  frozen.embed = torch::randn({64, 32}).to(torch::kBFloat16);
+  frozen.lm_head = torch::randn({64, 32}).to(torch::kBFloat16);
+  frozen.norm = torch::ones({32}).to(torch::kBFloat16);
+  train::MicroBatch mb;
+  mb.doc_lens = {30, 20};
+  mb.input_ids_T = mb.input_ids_host = torch::randint(63, {50}, torch::kInt64);
+  mb.loss_mask_T = torch::ones({50}, torch::kUInt8);
+  mb.loss_mask_host.assign(50, 1);
+  mb.features_TKH = torch::randn({50, 64}).to(torch::kBFloat16);
+  mb.h_last_TH = torch::randn({50, 32}).to(torch::kBFloat16);
+  const std::vector<int64_t> anchors{2, 9, 15, 33, 40};
+  model::Drafter plain(cfg, torch::kCPU, 5), kept(cfg, torch::kCPU, 5);
+  kept.keep_compute_copies(torch::kBFloat16);
+  auto run = [&](model::Drafter& d) {
+    for (auto& [_, p] : d.parameters()) p.mutable_grad() = Tensor();
+    auto st = train::forward_backward(d, frozen, mb, anchors, train::LossOptions{}, {}, torch::kBFloat16, true);
+    std::vector<Tensor> r{st.ce_sum, st.kl_sum, st.accept_sum};
+    for (auto& [_, p] : d.parameters()) r.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros({0}));
+    return r;
+  };
+  auto defined = [](const std::vector<Tensor>& v) {
+    int64_t n = 0;
+    for (const auto& t : v) n += t.defined();
+    return n;
+  };
+  const int64_t P = static_cast<int64_t>(kept.parameters().size());
+  EXPECT_EQ(defined(kept.compute_copies()), 0);
+  EXPECT_EQ(defined(plain.compute_copies()), 0);  // none kept
+  for (int round = 0; round < 3; ++round) {
+    const auto a = run(plain), b = run(kept);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "round " << round << " entry " << i;
+    EXPECT_EQ(defined(kept.compute_copies()), P) << "every weight the forward used has a current copy";
+    torch::NoGradGuard g;
+    torch::manual_seed(50 + round);
+    for (int64_t i = 0; i < P; ++i) {
+      auto delta = torch::randn(plain.parameters()[i].second.sizes()) * 0.01;
+      plain.parameters()[i].second.add_(delta);
+      kept.parameters()[i].second.add_(delta);
+    }
+    EXPECT_EQ(defined(kept.compute_copies()), 0) << "an in-place update leaves every copy stale";
+  }
+  run(kept);
+  const auto before = run(plain);
+  {
+    torch::NoGradGuard g;
+    for (auto* d : {&plain, &kept}) {
+      auto& p = d->parameters()[0].second;  // fc.weight
+      auto raw = torch::from_blob(p.data_ptr(), p.sizes(), p.options());
+      raw.mul_(1.5);  // past the version counter
+    }
+  }
+  EXPECT_EQ(defined(kept.compute_copies()), P);
+  const auto stale = run(kept), fresh = run(plain);
+  EXPECT_TRUE(torch::equal(stale[0], before[0])) << "the stale copy is what the forward used";
+  EXPECT_FALSE(torch::equal(stale[0], fresh[0]));
+}
+
+// DFLASH_ADAMW=kernel is for CUDA parameters in a CUDA build: elsewhere a config error at once.
+TEST(FusedAdamW, KernelNeedsCudaParameters) {
+  ScopedSwitch adamw("DFLASH_ADAMW", "kernel");
+  std::vector<std::pair<std::string, Tensor>> params{{"a", torch::randn({4})}};
+  try {
+    train::AdamW opt(&params, train::AdamWOptions{});
+    FAIL() << "expected a ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("DFLASH_ADAMW=kernel needs"), std::string::npos) << e.what();
+  }
+}
+
+#ifdef DFLASH_WITH_CUDA
+// GPU: our AdamW kernel against PyTorch's fused kernel over 6 steps of 6 parameters (lengths with
+// and without a multiple of 4, a parameter without a copy, an fp16 copy): a clip factor on every
+// step, a skipped step (found_inf = 1) at step 3. Weights and moments within 1e-6 relative (the
+// same fp32 operations in the same order; the compilers may contract them differently), the step
+// count equal, the kept copies bitwise the weights' casts, the gradients left unscaled. Negative
+// control: a factor 0.1% off moves the first moment past the bound.
+TEST(AdamWKernelGpu, EqualsPyTorchFusedWithFactorSkipAndCopies) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  const auto o = torch::TensorOptions().device(torch::kCUDA);
+  const std::vector<std::vector<int64_t>> shapes{{33, 17}, {5}, {4, 4, 4}, {999, 1001}, {128, 256}, {3}};
+  std::vector<std::pair<std::string, Tensor>> params[3];
+  for (int k = 0; k < 3; ++k) {
+    torch::manual_seed(9);
+    for (size_t i = 0; i < shapes.size(); ++i) params[k].emplace_back("p" + std::to_string(i), torch::randn(shapes[i], o));
+  }
+  std::vector<Tensor> copies;
+  for (size_t i = 0; i < shapes.size(); ++i)
+    copies.push_back(i == 1 ? Tensor() : torch::zeros(shapes[i], o.dtype(i == 2 ? torch::kHalf : torch::kBFloat16)));
+  train::AdamWOptions ao;
+  ao.weight_decay = 0.1;
+  ao.impl = train::AdamWOptions::Impl::kFused;
+  train::AdamW fused(&params[0], ao);
+  ao.impl = train::AdamWOptions::Impl::kKernel;
+  train::AdamW kernel(&params[1], ao), off(&params[2], ao);
+  for (int step = 0; step < 6; ++step) {
+    torch::manual_seed(100 + step);
+    std::vector<Tensor> given;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      auto g = torch::randn(shapes[i], o) * (step + 1);
+      given.push_back(g);
+      for (int k = 0; k < 3; ++k) params[k][i].second.mutable_grad() = g.clone();
+    }
+    const auto factor = torch::full({}, 0.37f / (step + 1), o);
+    const auto found_inf = torch::full({1}, step == 3 ? 1.f : 0.f, o);
+    const double lr = 1e-2 / (step + 1);
+    fused.step(lr, found_inf, factor);
+    kernel.step(lr, found_inf, factor, copies);
+    off.step(lr, found_inf, factor * 1.001f, {});
+    for (size_t i = 0; i < shapes.size(); ++i)
+      EXPECT_TRUE(torch::equal(params[1][i].second.grad(), given[i])) << "step " << step << ": the kernel wrote gradient " << i;
+  }
+  EXPECT_EQ(kernel.steps(), fused.steps());
+  const auto a = fused.state(), b = kernel.state(), c = off.state();
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double e = rel(b[i].second, a[i].second);
+    EXPECT_LT(e, 1e-6) << a[i].first;
+    std::printf("adamw kernel vs fused: %s rel %.3g\n", a[i].first.c_str(), e);
+  }
+  EXPECT_GT(rel(c[0].second, a[0].second), 1e-5) << "negative control: a 0.1% factor error must show in exp_avg";
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const double e = rel(params[1][i].second, params[0][i].second);
+    EXPECT_LT(e, 1e-6) << "param " << i;
+    std::printf("adamw kernel vs fused: param %zu rel %.3g\n", i, e);
+    if (copies[i].defined())
+      EXPECT_TRUE(torch::equal(copies[i], params[1][i].second.to(copies[i].scalar_type()))) << "copy " << i;
+  }
+}
+#endif
+
 // (5) The trainer's warm-up leaves the run bitwise as it was.
 TEST(TrainerWarmUp, NextStepIsBitwiseTheSame) {
   const auto cfg = small_drafter(32, 8, 48, 3, 64);

@@ -22,6 +22,7 @@
 
 #include "core/train/anchors.h"
 #include "core/train/checkpoint.h"
+#include "core/util/switches.h"
 #include "tests/common/test_util.h"
 
 using namespace dflash;
@@ -360,16 +361,27 @@ double rel(const Tensor& a, const Tensor& b) {
 }  // namespace
 
 // bf16 compute as the pipeline runs it (block-sparse flash attention, the fused loss kernel, the
-// fused AdamW). Step 0 warms up (allocator, library handles, pinned host blocks); steps 1.. run
-// micro-batches, a NaN gradient at kNanStep, end_step and the previous step's metrics under
-// L_ERROR. Each step is also taken by the host-side step from the trainer's state before it: the
-// same metrics (forward and loss exactly; grad norm to 1e-4, as backward kernels may accumulate
-// in another order), the same skip, weights within fused-vs-plain AdamW rounding.
-TEST(TrainerGpu, SteadyStateStepsDoNotSynchroniseTheHost) {
+// AdamW `adamw`: DFLASH_ADAMW's value). Step 0 warms up (allocator, library handles, pinned host
+// blocks); steps 1.. run micro-batches, a NaN gradient at kNanStep, end_step and the previous step's
+// metrics under L_ERROR. Each step is also taken by the host-side step from the trainer's state
+// before it: the same metrics (forward and loss exactly; grad norm to 1e-4, as backward kernels may
+// accumulate in another order), the same skip, weights within fused-vs-plain AdamW rounding. With
+// our kernel the trainer's forward multiplies with the kept bf16 copies the kernel rewrote, the
+// reference's with fresh casts: the exact loss shows the copies are the casts.
+static void steady_state_steps(const char* adamw) {
   ASSERT_TRUE(torch::cuda::is_available());
+  ::setenv("DFLASH_ADAMW", adamw, 1);
+  switches::reload();
+  struct Unset {
+    ~Unset() {
+      ::unsetenv("DFLASH_ADAMW");
+      switches::reload();
+    }
+  } unset;
   auto s = make_setup(torch::kCUDA, torch::kBFloat16, 1e-3);
   model::Drafter d(s.cfg, s.dev, 5);
   train::Trainer tr(d, s.frozen, s.opt);
+  const bool kernel = std::string(adamw) == "kernel";
   HostSideStep ref(s, 5);
   std::vector<train::StepMetrics> got, want;
   std::optional<train::PendingMetrics> prev;
@@ -410,6 +422,12 @@ TEST(TrainerGpu, SteadyStateStepsDoNotSynchroniseTheHost) {
     }
   }
   got.push_back(prev->wait());
+  const auto copies = d.compute_copies();
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const auto& [name, p] = d.parameters()[i];
+    EXPECT_EQ(copies[i].defined(), kernel) << name;
+    if (kernel) EXPECT_TRUE(torch::equal(copies[i], p.to(torch::kBFloat16))) << "the kept copy of " << name << " is not its cast";
+  }
   ASSERT_EQ(got.size(), want.size());
   for (size_t k = 0; k < got.size(); ++k) {
     const auto &g = got[k], &w = want[k];
@@ -427,6 +445,9 @@ TEST(TrainerGpu, SteadyStateStepsDoNotSynchroniseTheHost) {
   EXPECT_TRUE(got[kNanStep].skipped_nonfinite);
   EXPECT_EQ(state_tensor(tr.optimizer(), "step").item<double>(), kSteps - 1);
 }
+
+TEST(TrainerGpu, SteadyStateStepsDoNotSynchroniseTheHost) { steady_state_steps("auto"); }
+TEST(TrainerGpu, AdamWKernelStepsDoNotSynchroniseTheHost) { steady_state_steps("kernel"); }
 
 // train.embed_on_host: with the embedding in host memory, the block inputs' host gather and its
 // upload (pinned staging, non-blocking copy) do not synchronise the host either (step 0 warms up).
