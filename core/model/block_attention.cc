@@ -185,6 +185,43 @@ void scatter_tail(const Tensor& dkv, const Tensor& d_tail, const Tensor& index, 
   dkv.index_add_(0, index, d_tail.to(dkv.scalar_type()));
 }
 
+// DFLASH_BSA_MERGE: whether the full runs are merged by the CUDA kernel (the flash path of a CUDA
+// build only: asked for elsewhere, a ConfigError before any work).
+bool merge_by_kernel(bool use_flash) {
+  if (switches::get("DFLASH_BSA_MERGE") != "kernel") return false;
+#ifdef DFLASH_WITH_CUDA
+  DFLASH_CHECK(use_flash, ConfigError, "DFLASH_BSA_MERGE=kernel needs the flash path (CUDA bf16/fp16 attention inputs)");
+  return true;
+#else
+  (void)use_flash;
+  DFLASH_FAIL(ConfigError, "DFLASH_BSA_MERGE=kernel needs a CUDA build (DFLASH_CUDA=ON)");
+#endif
+}
+
+// One full run's o [rows, Hq, D] and lse l [Hq, rows] merged into out32's rows [q_row0, + rows) and
+// lse's columns there (the tail's result and lse so far), by log-sum-exp: LibTorch ops, or with
+// `kernel` (merge_by_kernel) fused_train::merge_attention_rows (the same rounding points, one launch).
+void merge_run(const Tensor& out32, const Tensor& lse, const Tensor& o, const Tensor& l, const BlockSparsePlan::Full& f,
+               bool kernel) {
+  const auto rows = out32.narrow(0, f.q_row0, f.q_rows);
+  const auto lt = lse.narrow(1, f.q_row0, f.q_rows);
+#ifdef DFLASH_WITH_CUDA
+  if (kernel) {
+    fused_train::merge_attention_rows(rows, lt, o, l);
+    return;
+  }
+#else
+  (void)kernel;  // never true here: merge_by_kernel refuses it in a build without CUDA kernels
+#endif
+  auto merged = torch::logaddexp(lt, l);
+  auto wt = torch::exp(lt - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
+  auto wf = torch::exp(l - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
+  // In place: rows * wt, then + o * wf in one pass (o promoted to out32's dtype inside the kernel: no
+  // cast and no [rows, Hq, D] temporary for the product).
+  rows.mul_(wt).addcmul_(o, wf);
+  lt.copy_(merged);
+}
+
 // Rows plan.tail_index of cat(ctx, blk). When the cat has fewer rows than the tail (training: the
 // context is the micro-batch's own, and every block sees most of a tile of it), the cat is built and
 // gathered in one vectorized pass; otherwise (a long cache of which the blocks see a few rows) each
@@ -200,6 +237,7 @@ Tensor gather_tail(const BlockSparsePlan& plan, const Tensor& ctx, const Tensor&
 struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k_ctx, const Tensor& v_ctx, const Tensor& k_blk,
                         const Tensor& v_blk, const BlockSparsePlan& plan, double scale, bool use_flash) {
+    const bool merge_kernel = merge_by_kernel(use_flash);
     // tail: gathered keys, one varlen call
     auto kt = gather_tail(plan, k_ctx, k_blk);
     auto vt = gather_tail(plan, v_ctx, v_blk);
@@ -236,14 +274,7 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       } else {
         std::tie(o, l) = ref_forward(qs, kc, vc, full_seqs(f), scale);
       }
-      auto lt = lse.narrow(1, f.q_row0, f.q_rows);
-      auto merged = torch::logaddexp(lt, l);
-      auto wt = torch::exp(lt - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
-      auto wf = torch::exp(l - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
-      // In place: rows * wt, then + o * wf in one pass (o promoted to out32's dtype inside the
-      // kernel: no cast and no [rows, Hq, D] temporary for the product).
-      out32.narrow(0, f.q_row0, f.q_rows).mul_(wt).addcmul_(o, wf);
-      lt.copy_(merged);
+      merge_run(out32, lse, o, l, f, merge_kernel);
     }
     auto out = out32.to(q.scalar_type());
     // rng / unused / tail_lse_layout stay undefined on the reference kernel's path.

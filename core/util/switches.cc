@@ -56,6 +56,12 @@ const std::vector<Switch>& registry() {
        "index_add_ (after an fp32 conversion), or kernel: one pass with fp32 atomics from the half-precision "
        "gradients (the flash path only; elsewhere, or in a build without CUDA kernels, a config error).",
        true, false},
+      {"DFLASH_BSA_MERGE", Kind::kChoice, {"ops", "kernel"}, "ops",
+       "The drafter's block-sparse attention forward: each full-tile run merged into the accumulator and its "
+       "log-sum-exp by LibTorch ops (~8 launches a run), or kernel: one CUDA pass a run "
+       "(fused_train::merge_attention_rows; the flash path only; elsewhere, or in a build without CUDA kernels, "
+       "a config error).",
+       true, false},
       {"DFLASH_LOSS", Kind::kChoice, {"plain", "fused"}, kAuto,
        "DFlash loss; auto: the fused CUDA kernel for CUDA bf16 logits, else LibTorch ops (fused elsewhere is a "
        "config error).",

@@ -7,7 +7,9 @@
 // of all five inputs (relative error < 1e-10). GPU (label gpu): the flash kernels in bf16 against the
 // same dense fp32 computation (relative error < 2e-2), and the drafter forward/backward with either
 // kernel; the tail call with its query heads packed per KV head (DFLASH_BSA_GQA_PACK) and not, its
-// gradients scattered by index_add_ or by the CUDA kernel (DFLASH_BSA_SCATTER). (6) GPU: the fused RMSNorm / SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the
+// gradients scattered by index_add_ or by the CUDA kernel (DFLASH_BSA_SCATTER), the full-tile runs
+// merged by LibTorch ops or by the CUDA kernel (DFLASH_BSA_MERGE; the kernel also against the ops
+// alone). (6) GPU: the fused RMSNorm / SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the
 // LibTorch ops of the same autograd functions (the tolerances are stated with the tests). (7) The
 // block inputs gathered from a host embedding (train.embed_on_host) against F::embedding, bitwise
 // (CPU), and a micro-batch with the embedding on the host against on the device (GPU, bitwise).
@@ -142,6 +144,15 @@ struct ScopedSwitch {
   }
   const char* name_;
 };
+
+// Kernels of core/model/cuda/train_ops.h launched so far (none in a build without them).
+int64_t train_kernel_launches() {
+#ifdef DFLASH_WITH_CUDA
+  return model::fused_train::kernel_launches();
+#else
+  return 0;
+#endif
+}
 
 }  // namespace
 
@@ -445,6 +456,21 @@ TEST(BlockSparseAttention, ScatterKernelNeedsTheFlashPath) {
   }
 }
 
+// The merge kernel likewise: the forward refuses it before any work.
+TEST(BlockSparseAttention, MergeKernelNeedsTheFlashPath) {
+  ScopedSwitch merge("DFLASH_BSA_MERGE", "kernel");
+  const auto c = small_case();
+  const auto plan = model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, torch::kCPU);
+  ASSERT_FALSE(plan.full.empty());
+  auto in = make_inputs(c, torch::TensorOptions().dtype(torch::kFloat64), 7);
+  try {
+    model::block_sparse_attention(in.t[0], in.t[1], in.t[2], in.t[3], in.t[4], plan, 0.25, /*use_flash=*/false);
+    ADD_FAILURE() << "no ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("DFLASH_BSA_MERGE=kernel needs"), std::string::npos) << e.what();
+  }
+}
+
 TEST(BlockSparseAttention, DrafterForwardAndGradsEqualMaskedPath) {
   const auto cfg = small_drafter(32, 8, 48, 3, 64);
   const auto c = small_case();
@@ -485,16 +511,25 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
   doc(600, 300, 12);
   doc(900, 124, 6);
   for (size_t j = 0; j < c.ctx_len.size(); ++j) c.ctx_len[j] = std::min<int64_t>(c.ctx_len[j], j < 24 ? 600 : j < 36 ? 300 : 124);
-  for (const char* mode : {"off", "on"})  // the tail's query heads packed per KV head (rep 4) or not
 #ifdef DFLASH_WITH_CUDA
-    for (const char* scatter : {"index_add", "kernel"}) {
+  const std::vector<std::string> scatters = {"index_add", "kernel"}, merges = {"ops", "kernel"};
 #else
-    for (const char* scatter : {"index_add"}) {
+  const std::vector<std::string> scatters = {"index_add"}, merges = {"ops"};
 #endif
-      ScopedSwitch pack("DFLASH_BSA_GQA_PACK", mode), sc("DFLASH_BSA_SCATTER", scatter);
-      SCOPED_TRACE(std::string("DFLASH_BSA_GQA_PACK=") + mode + " DFLASH_BSA_SCATTER=" + scatter);
-      compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
-    }
+  // The train_ops.h kernels each setting must launch: two scatters (keys, values) in the backward,
+  // one merge per full run in the forward.
+  const auto runs = static_cast<int64_t>(model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, torch::kCPU).full.size());
+  ASSERT_GT(runs, 0);
+  for (const char* mode : {"off", "on"})  // the tail's query heads packed per KV head (rep 4) or not
+    for (const auto& scatter : scatters)
+      for (const auto& merge : merges) {
+        ScopedSwitch pack("DFLASH_BSA_GQA_PACK", mode), sc("DFLASH_BSA_SCATTER", scatter.c_str()),
+            mg("DFLASH_BSA_MERGE", merge.c_str());
+        SCOPED_TRACE(std::string("DFLASH_BSA_GQA_PACK=") + mode + " DFLASH_BSA_SCATTER=" + scatter + " DFLASH_BSA_MERGE=" + merge);
+        const int64_t before = train_kernel_launches();
+        compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
+        EXPECT_EQ(train_kernel_launches() - before, (scatter == "kernel" ? 2 : 0) + (merge == "kernel" ? runs : 0));
+      }
 }
 
 #ifdef DFLASH_WITH_CUDA
@@ -521,6 +556,73 @@ TEST(BlockSparseAttentionGpu, ScatterKernelEqualsIndexAdd) {
   EXPECT_THROW(model::fused_train::scatter_add_rows(torch::zeros({50, 8, 16}, cuda.dtype(torch::kFloat64)),
                                                     torch::randn({3, 8, 16}, cuda).to(torch::kBFloat16),
                                                     torch::zeros({3}, cuda.dtype(torch::kInt64))),
+               ConfigError);
+}
+
+namespace {
+// The ops path of the full-run merge (block_attention.cc's merge_run), the reference of the kernel:
+// rows [rows, Hq, D] fp32 and lt [Hq, rows] fp32 updated in place.
+void merge_by_ops(const Tensor& rows, const Tensor& lt, const Tensor& o, const Tensor& l) {
+  auto merged = torch::logaddexp(lt, l);
+  auto wt = torch::exp(lt - merged).transpose(0, 1).unsqueeze(-1);
+  auto wf = torch::exp(l - merged).transpose(0, 1).unsqueeze(-1);
+  rows.mul_(wt).addcmul_(o, wf);
+  lt.copy_(merged);
+}
+}  // namespace
+
+// The merge kernel against those ops on copies: 37 rows at row 23 of a 100-row accumulator, lse a
+// column narrow of [Hq, 100] (strides (100, 1)), l a transposed [rows, Hq] (strides (1, Hq)), bf16 and
+// fp16 o; D 128 (4-wide, 32 lanes), 20 (4-wide, 5 lanes) and 6 (one element at a time), o not
+// contiguous for the last two; one (row, head) with lse -inf and one with l -inf (weight 0). The same
+// rounding points: expected bitwise, allowed 1e-6 (lse) and 2e-6 (out) relative for the math
+// library; everything outside the run untouched (bitwise); l shifted by 0.01 must fail (control).
+TEST(BlockSparseAttentionGpu, MergeKernelEqualsOps) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  torch::manual_seed(6);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const int64_t Q = 100, q0 = 23, n = 37;
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{32, 128}, {3, 20}, {3, 6}};  // Hq, D
+  for (auto dt : {torch::kBFloat16, torch::kHalf})
+    for (const auto& [heads, d] : shapes) {
+      SCOPED_TRACE(std::string(dt == torch::kBFloat16 ? "bf16" : "fp16") + " Hq " + std::to_string(heads) + " D " + std::to_string(d));
+      auto out0 = torch::randn({Q, heads, d}, cuda), lse0 = torch::randn({heads, Q}, cuda) * 3 + 4;
+      auto o = d == 128 ? torch::randn({n, heads, d}, cuda).to(dt) : torch::randn({heads, n, d}, cuda).to(dt).transpose(0, 1);
+      auto l = (torch::randn({n, heads}, cuda) * 3 + 4).t();
+      lse0.index_put_({1, q0 + 2}, -INFINITY);
+      l.index_put_({0, 1}, -INFINITY);
+      auto out_ref = out0.clone(), lse_ref = lse0.clone();
+      merge_by_ops(out_ref.narrow(0, q0, n), lse_ref.narrow(1, q0, n), o, l);
+      auto out = out0.clone(), lse = lse0.clone();
+      model::fused_train::merge_attention_rows(out.narrow(0, q0, n), lse.narrow(1, q0, n), o, l);
+      const double e_out = rel(out.narrow(0, q0, n), out_ref.narrow(0, q0, n));
+      const double e_lse = rel(lse.narrow(1, q0, n), lse_ref.narrow(1, q0, n));
+      EXPECT_LT(e_out, 2e-6);
+      EXPECT_LT(e_lse, 1e-6);
+      EXPECT_TRUE(torch::equal(out.narrow(0, 0, q0), out0.narrow(0, 0, q0)));
+      EXPECT_TRUE(torch::equal(out.narrow(0, q0 + n, Q - q0 - n), out0.narrow(0, q0 + n, Q - q0 - n)));
+      EXPECT_TRUE(torch::equal(lse.narrow(1, 0, q0), lse0.narrow(1, 0, q0)));
+      EXPECT_TRUE(torch::equal(lse.narrow(1, q0 + n, Q - q0 - n), lse0.narrow(1, q0 + n, Q - q0 - n)));
+      auto out_bad = out0.clone(), lse_bad = lse0.clone();
+      model::fused_train::merge_attention_rows(out_bad.narrow(0, q0, n), lse_bad.narrow(1, q0, n), o, l + 0.01);
+      EXPECT_GT(rel(out_bad.narrow(0, q0, n), out_ref.narrow(0, q0, n)), 1e-4);
+      EXPECT_GT(rel(lse_bad.narrow(1, q0, n), lse_ref.narrow(1, q0, n)), 1e-4);
+      const int64_t differ = out.ne(out_ref).sum().item<int64_t>() + lse.ne(lse_ref).sum().item<int64_t>();
+      std::printf("merge_attention_rows %s Hq %lld D %lld: rel err out %.3g lse %.3g vs the ops, %lld values not bitwise\n",
+                  dt == torch::kBFloat16 ? "bf16" : "fp16", static_cast<long long>(heads), static_cast<long long>(d), e_out,
+                  e_lse, static_cast<long long>(differ));
+    }
+  const auto bf = cuda.dtype(torch::kBFloat16);
+  EXPECT_THROW(model::fused_train::merge_attention_rows(torch::zeros({4, 2, 8}, cuda.dtype(torch::kFloat64)),
+                                                        torch::zeros({2, 4}, cuda), torch::zeros({4, 2, 8}, bf),
+                                                        torch::zeros({2, 4}, cuda)),
+               ConfigError);
+  EXPECT_THROW(model::fused_train::merge_attention_rows(torch::zeros({4, 2, 8}, cuda), torch::zeros({4, 2}, cuda),
+                                                        torch::zeros({4, 2, 8}, bf), torch::zeros({2, 4}, cuda)),
+               ConfigError);
+  auto shared = torch::zeros({2, 8}, cuda);  // lse and l in one storage
+  EXPECT_THROW(model::fused_train::merge_attention_rows(torch::zeros({4, 2, 8}, cuda), shared.narrow(1, 0, 4),
+                                                        torch::zeros({4, 2, 8}, bf), shared.narrow(1, 4, 4)),
                ConfigError);
 }
 #endif

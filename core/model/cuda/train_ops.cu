@@ -415,6 +415,90 @@ void scatter_add_rows(const torch::Tensor& dst, const torch::Tensor& src_in, con
   ++g_launches;
 }
 
+namespace {
+constexpr int kMergeThreads = 256;  // 8 warps, one (row, head) each at a time
+
+// torch's logaddexp (CUDA, fp32) of a and b as m, and the weights exp(a - m), exp(b - m).
+struct LseMerge {
+  float m, wa, wb;
+};
+__device__ __forceinline__ LseMerge lse_merge(float a, float b) {
+  const float m = isinf(a) && a == b ? a : fmaxf(a, b) + log1pf(expf(-fabsf(a - b)));
+  return {m, expf(a - m), expf(b - m)};
+}
+
+// One warp per (row, head), items = rows * heads in out's order: lane 0 reads lse and l and writes
+// the merged lse back (no other thread touches them), the weights reach the warp by shuffle (the
+// loop is warp-uniform); lane j updates columns [(32 i + j) kVec, + kVec) of the item's D.
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_rows_kernel(float* __restrict__ out, const T* __restrict__ o, float* lse, const float* l, int64_t items,
+                      int64_t heads, int64_t d, int64_t lse_s0, int64_t lse_s1, int64_t l_s0, int64_t l_s1) {
+  constexpr int kWarps = kMergeThreads / 32;
+  const int lane = threadIdx.x % 32;
+  for (int64_t item = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; item < items; item += int64_t(gridDim.x) * kWarps) {
+    const int64_t row = item / heads, h = item % heads;
+    float* lp = lse + h * lse_s0 + row * lse_s1;
+    LseMerge w{0.f, 0.f, 0.f};
+    if (lane == 0) w = lse_merge(*lp, l[h * l_s0 + row * l_s1]);
+    const float wt = __shfl_sync(0xffffffffu, w.wa, 0), wf = __shfl_sync(0xffffffffu, w.wb, 0);
+    float* x = out + item * d;
+    const T* y = o + item * d;
+    for (int64_t c = int64_t(lane) * kVec; c < d; c += 32 * kVec) {
+      auto xv = load<float, kVec>(x + c);
+      const auto yv = load<T, kVec>(y + c);
+      // mul_(wt) rounds the product to fp32; addcmul_(o, wf) is one fmaf (see the header).
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) xv.v[j] = fmaf(to_f(yv.v[j]), wf, __fmul_rn(xv.v[j], wt));
+      store(x + c, xv);
+    }
+    if (lane == 0) *lp = w.m;
+  }
+}
+
+void check_fp32(const char* fn, const char* name, const torch::Tensor& t, torch::IntArrayRef sizes, const torch::Device& dev) {
+  DFLASH_CHECK(t.device() == dev && t.scalar_type() == torch::kFloat32 && t.sizes() == sizes, ConfigError,
+               fn << ": " << name << " must be fp32 " << sizes << " on " << dev << ", got " << t.sizes() << " "
+                  << t.scalar_type() << " on " << t.device());
+}
+}  // namespace
+
+void merge_attention_rows(const torch::Tensor& out32, const torch::Tensor& lse, const torch::Tensor& o_in,
+                          const torch::Tensor& l) {
+  const char* fn = "merge_attention_rows";
+  check_cuda16(fn, "o", o_in);
+  DFLASH_CHECK(o_in.dim() == 3, ConfigError, fn << ": o must be [rows, Hq, D], got " << o_in.sizes());
+  const int64_t rows = o_in.size(0), heads = o_in.size(1), d = o_in.size(2);
+  check_fp32(fn, "out32", out32, {rows, heads, d}, o_in.device());
+  DFLASH_CHECK(out32.is_contiguous(), ConfigError, fn << ": out32 must be contiguous (it is updated in place)");
+  check_fp32(fn, "lse", lse, {heads, rows}, o_in.device());
+  check_fp32(fn, "l", l, {heads, rows}, o_in.device());
+  DFLASH_CHECK(!lse.is_alias_of(out32) && !lse.is_alias_of(o_in) && !lse.is_alias_of(l), ConfigError,
+               fn << ": lse must not share storage with out32, o or l");
+  const int64_t items = rows * heads;
+  if (items == 0) return;
+  const auto o = o_in.contiguous();
+  const bool vec = d % 4 == 0 && reinterpret_cast<uintptr_t>(out32.data_ptr()) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(o.data_ptr()) % 8 == 0;
+  c10::cuda::CUDAGuard guard(o.device());
+  with_dtype(o.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const auto launch = [&](auto width) {
+      auto* kernel = merge_rows_kernel<T, decltype(width)::value>;
+      const unsigned grid = grid_size(kernel, kMergeThreads, items, kMergeThreads / 32);
+      kernel<<<grid, kMergeThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          ptr<float>(out32), ptr<T>(o), ptr<float>(lse), ptr<float>(l), items, heads, d, lse.stride(0), lse.stride(1),
+          l.stride(0), l.stride(1));
+    };
+    if (vec)
+      launch(Int<4>{});
+    else
+      launch(Int<1>{});
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  ++g_launches;
+}
+
 torch::Tensor swiglu_forward(const torch::Tensor& g_in, const torch::Tensor& u_in) {
   check_cuda16("swiglu_forward", "g", g_in);
   check_like("swiglu_forward", "u", u_in, "g", g_in);

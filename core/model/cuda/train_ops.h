@@ -3,9 +3,11 @@
 // rms_norm_train / swiglu_down_train / swiglu_mlp_recompute_train in layers.h call them). bf16 or
 // fp16 tensors ("T" below) on CUDA, fp32 arithmetic, the rounding points of those functions' LibTorch
 // ops unless stated otherwise; tests/drafter/train_kernels_test.cc (label gpu) compares the two.
-// Available only in CUDA builds (DFLASH_WITH_CUDA).
+// Also two kernels of the block-sparse attention (scatter_add_rows, merge_attention_rows; their
+// contracts below). Available only in CUDA builds (DFLASH_WITH_CUDA).
 //
-// Inputs need not be contiguous (a contiguous copy is made). A tensor these kernels cannot take
+// Inputs need not be contiguous (a contiguous copy is made) unless a function below says so (those
+// that update a tensor in place). A tensor these kernels cannot take
 // (not CUDA bf16/fp16, dtypes or shapes that do not match, rows wider than kMaxRowElements) is a
 // ConfigError naming the function and the tensor.
 #pragma once
@@ -62,6 +64,29 @@ SwigluGrads swiglu_backward(const torch::Tensor& g, const torch::Tensor& u, cons
 // half-precision values converted in registers: index_add_ needs them converted to fp32 first. The
 // order of the additions is not fixed (as index_add_'s on CUDA): equal up to fp32 rounding order.
 void scatter_add_rows(const torch::Tensor& dst, const torch::Tensor& src, const torch::Tensor& index);
+
+// The log-sum-exp merge of one full-tile run into the block-sparse attention's accumulator
+// (DFLASH_BSA_MERGE=kernel), in place, one launch. For every row r and head h:
+//   m  = logaddexp(lse[h, r], l[h, r])        (torch's CUDA definition: the same infinity twice is
+//                                              itself, else max + log1p(exp(-|a - b|)))
+//   wt = exp(lse[h, r] - m),   wf = exp(l[h, r] - m)
+//   out32[r, h, :] = fma(float(o[r, h, :]), wf, out32[r, h, :] * wt)     (the product rounded to fp32)
+//   lse[h, r] = m
+// which is what the LibTorch ops of the ops path compute: logaddexp, exp of the differences,
+// out32.mul_(wt) (rounded to fp32), then addcmul_(o, wf), whose CUDA functor (aten's
+// pointwise_op_impl with value 1, PyTorch 2.11) is one fmaf of o's fp32 value, wf and the product;
+// lt.copy_(m). The rounding points are the same, so the results are expected to be bitwise equal;
+// expf / log1pf are libdevice's, as torch's kernels use them, but a different CUDA release's math
+// library may differ by an ulp or so: tests allow 1e-6 (lse) and 2e-6 (out32) relative error.
+//   out32: fp32 [rows, Hq, D], contiguous (a dim-0 narrow of a contiguous tensor is), updated;
+//   lse:   fp32 [Hq, rows], any strides (lse.narrow(1, q_row0, rows) of [Hq, Q]), updated;
+//   o:     bf16 or fp16 [rows, Hq, D] (a contiguous copy is made if it is not contiguous);
+//   l:     fp32 [Hq, rows], any strides;
+// all on one CUDA device; lse must not share storage with out32, o or l. rows = 0 or Hq = 0 launches
+// nothing. One warp per (row, head): 4-wide accesses when D % 4 == 0 and out32 / o are 16 / 8-byte
+// aligned (D = 128: one access of each per lane), else one element at a time.
+void merge_attention_rows(const torch::Tensor& out32, const torch::Tensor& lse, const torch::Tensor& o,
+                          const torch::Tensor& l);
 
 // Kernels launched by the functions above since the process started (host-side count), for tests
 // that check a path really ran them.
