@@ -112,11 +112,9 @@ bool positive_decimal(const std::string& v) {
   return n >= 1 && n <= INT32_MAX;
 }
 
-// The environment's value of `s` ("" when unset or empty); ConfigError when it is not allowed.
-std::string read_checked(const Switch& s) {
-  const char* e = std::getenv(s.name);
-  const std::string v = e ? e : "";
-  // `auto` spelled out where it is the default: the same as unset.
+// `v` as the set value of `s` ("" when empty, or `auto` where that is the default: the same as
+// unset); ConfigError when it is not allowed.
+std::string checked(const Switch& s, const std::string& v) {
   const bool auto_default = s.default_value == std::string(kAuto);
   if (v.empty() || (auto_default && v == kAuto)) return "";
   if (s.kind == Kind::kChoice && std::find(s.allowed.begin(), s.allowed.end(), v) == s.allowed.end()) {
@@ -128,6 +126,12 @@ std::string read_checked(const Switch& s) {
                s.name << ": expected " << (auto_default ? "auto or " : "") << "a positive integer (1 .. 2147483647), got '"
                       << v << "'");
   return v;
+}
+
+// The environment's value of `s`, checked.
+std::string read_checked(const Switch& s) {
+  const char* e = std::getenv(s.name);
+  return checked(s, e ? e : "");
 }
 
 std::mutex g_mu;
@@ -152,6 +156,8 @@ void check() {
   std::lock_guard<std::mutex> lk(g_mu);
   set_values();
 }
+
+void validate(const char* name, const std::string& value) { checked(find(name), value); }
 
 std::string get(const char* name) {
   const Switch& s = find(name);

@@ -46,6 +46,12 @@ const std::vector<Switch>& all();
 // a bad switch to fail before any work starts.
 void check();
 
+// Throws the ConfigError that the environment check throws when `value` is set as switch `name`
+// and not allowed (e.g. "DFLASH_LOSS: expected auto | plain | fused, got 'fast'"); "" and, where it
+// is the default, `auto` are allowed (both mean unset). Does not read or change the environment. An
+// undeclared name: Error (exit 1), as in get().
+void validate(const char* name, const std::string& value);
+
 // The switch's value: the environment's when set, else its default_value (kAuto for "decided at the
 // use site").
 std::string get(const char* name);

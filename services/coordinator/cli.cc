@@ -75,7 +75,8 @@ const Binary& binary() {
            "    target forward+capture throughput as JSON (--help for all flags)"},
           {"bench drafter", drafter::cmd_bench_drafter,
            "[--layers 5 --hidden 4096 --context 4096 --anchors 512 --block-size 16 --soft-labels --baseline eager|specforge --steps N --loss-curve N --embed-on host|device]\n"
-           "    one drafter training step as JSON"},
+           "         [--profile] [--ab NAME=V1,V2,...]\n"
+           "    one drafter training step as JSON; --ab: an A/B of a switch, interleaved in this process"},
           {"bench pipeline", cmd_bench_pipeline,
            "[--transport shm|c10d --shape qwen3-8b|tiny | --model DIR --device cuda --target-gpu 0 --drafter-gpu 1 ...]\n"
            "    1 target server + 1 drafter trainer as processes, as JSON (--help for all flags)"},

@@ -7,7 +7,9 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
+#include <sstream>
 
 #include "core/model/device_memory.h"
 #include "core/model/drafter.h"
@@ -128,8 +130,9 @@ double step_flops(const model::DrafterConfig& cfg, int64_t anchors, int64_t T, i
   return 3 * (L * (layer_q + layer_ctx + attn) + 2 * double(T) * K * H * H + 2 * N * (B - 1) * H * V);
 }
 
-// --profile: one more trainer step under the kineto profiler; the top entries by total time, for
-// CPU ops and for device kernels separately (where the step's time goes).
+// --profile: one more trainer step under the kineto profiler; the top 60 names by total time, for
+// CPU ops and for device kernels separately (where the step's time goes), each with its call count
+// and its name cut to 400 characters.
 json profile_step(train::Trainer& trainer, const train::MicroBatch& mb, const torch::Device& device) {
   namespace pi = torch::profiler::impl;
   namespace ap = torch::autograd::profiler;
@@ -142,19 +145,22 @@ json profile_step(train::Trainer& trainer, const train::MicroBatch& mb, const to
   trainer.step();
   model::synchronize(device);
   auto result = ap::disableProfiler();
-  std::map<std::string, std::pair<double, int64_t>> cpu_ops, kernels;
+  // Full name -> (total ms, calls). Keyed by the whole name: kernels whose names share a long
+  // prefix (template instantiations such as direct_copy_kernel_cuda's) stay apart.
+  using Table = std::map<std::string, std::pair<double, int64_t>>;
+  Table cpu_ops, kernels;
   for (const auto& e : result->events()) {
-    auto& table = e.deviceType() == c10::DeviceType::CPU ? cpu_ops : kernels;
-    auto& slot = table[e.name().substr(0, 90)];
+    auto& slot = (e.deviceType() == c10::DeviceType::CPU ? cpu_ops : kernels)[e.name()];
     slot.first += e.durationNs() / 1e6;
     slot.second += 1;
   }
-  auto top = [](const std::map<std::string, std::pair<double, int64_t>>& t) {
-    std::vector<std::pair<double, std::string>> v;
-    for (const auto& [name, val] : t) v.emplace_back(val.first, name + " x" + std::to_string(val.second));
-    std::sort(v.rbegin(), v.rend());
+  auto top = [](const Table& t) {
+    std::vector<const Table::value_type*> v;
+    for (const auto& row : t) v.push_back(&row);
+    std::stable_sort(v.begin(), v.end(), [](auto* a, auto* b) { return a->second.first > b->second.first; });
     json j = json::array();
-    for (size_t i = 0; i < v.size() && i < 40; ++i) j.push_back({{"ms", v[i].first}, {"name", v[i].second}});
+    for (size_t i = 0; i < v.size() && i < 60; ++i)
+      j.push_back({{"ms", v[i]->second.first}, {"calls", v[i]->second.second}, {"name", v[i]->first.substr(0, 400)}});
     return j;
   };
   return {{"cpu_ops_total_ms", top(cpu_ops)}, {"device_kernels_total_ms", top(kernels)}};
@@ -243,6 +249,114 @@ json loss_curve(const Flags& f, const torch::Device& device, int64_t n) {
           {"loss", loss}};
 }
 
+// --ab NAME=V1,V2[,...]: a switch and the values an A/B alternates within this process.
+struct AbSpec {
+  std::string name;
+  std::vector<std::string> values;
+};
+
+// Switches --ab refuses, and why: read once per process or when an object is built (a value set
+// between steps would not take effect), or not read by the drafter's training step at all (every
+// variant would run the same step). The other choice and integer switches are read where they are
+// used, each step (DFLASH_ADAMW too: AdamW::step reads it).
+const std::map<std::string, const char*> kAbRefused = {
+    {"DFLASH_LOG_LEVEL", "is read once, when the command starts"},
+    {"DFLASH_GEMM_CANDIDATES", "is read once per process (the hybrid target's GEMM tuning)"},
+    {"DFLASH_GDN_SCAN_VT", "is read once per process (the Gated DeltaNet kernels' tuning)"},
+    {"DFLASH_GDN_SCAN_WARPS", "is read once per process (the Gated DeltaNet kernels' tuning)"},
+    {"DFLASH_DECODE_ATTENTION", "is read when a generation cache is built"},
+    {"DFLASH_C10D_SEND", "is read when a target server starts"},
+    {"DFLASH_TARGET_ATTENTION", "is not read by the drafter's training step (target only)"},
+    {"DFLASH_GDN_FP32", "is not read by the drafter's training step (target only)"},
+};
+
+// The declared switch `name`, or ConfigError naming --ab (with a did-you-mean).
+const switches::Switch& ab_switch(const std::string& name) {
+  std::vector<std::string> names;
+  for (const switches::Switch& s : switches::all()) names.push_back(s.name);
+  const auto it = std::find(names.begin(), names.end(), name);
+  if (it == names.end()) {
+    const std::string near = closest_match(name, names);
+    DFLASH_FAIL(ConfigError, "--ab: '" << name << "' is not a declared switch (docs/switches.md)"
+                                       << (near.empty() ? "" : "; did you mean '" + near + "'?"));
+  }
+  return switches::all()[it - names.begin()];
+}
+
+// --ab's argument, checked before any work (ConfigError naming --ab): NAME a declared choice or
+// integer switch that kAbRefused does not list, two or more distinct non-empty values, each one
+// the switch allows (switches::validate: the environment check's message).
+AbSpec parse_ab(const std::string& arg) {
+  const size_t eq = arg.find('=');
+  DFLASH_CHECK(eq != std::string::npos && eq > 0, ConfigError, "--ab: expected NAME=V1,V2[,...], got '" << arg << "'");
+  AbSpec ab{arg.substr(0, eq), {}};
+  const switches::Switch& sw = ab_switch(ab.name);
+  DFLASH_CHECK(sw.kind != switches::Kind::kText, ConfigError,
+               "--ab: " << ab.name << " is a text switch; --ab compares choice and integer switches");
+  const auto refused = kAbRefused.find(ab.name);
+  DFLASH_CHECK(refused == kAbRefused.end(), ConfigError,
+               "--ab: " << ab.name << " " << refused->second
+                        << "; --ab takes the switches the drafter's step reads on every step (docs/cli.md)");
+  std::stringstream list(arg.substr(eq + 1));
+  for (std::string v; std::getline(list, v, ',');) ab.values.push_back(v);
+  if (arg.back() == ',') ab.values.push_back("");  // getline drops a trailing empty value
+  DFLASH_CHECK(ab.values.size() >= 2, ConfigError, "--ab: needs two or more values to compare, got '" << arg << "'");
+  for (auto it = ab.values.begin(); it != ab.values.end(); ++it) {
+    DFLASH_CHECK(!it->empty(), ConfigError, "--ab: an empty value in '" << arg << "' (for the default, `auto` where that is it)");
+    DFLASH_CHECK(std::find(ab.values.begin(), it, *it) == it, ConfigError,
+                 "--ab: '" << *it << "' twice in '" << arg << "' (the report is keyed by value)");
+    try {
+      switches::validate(sw.name, *it);
+    } catch (const ConfigError& e) {
+      throw ConfigError(std::string("--ab: ") + e.what());
+    }
+  }
+  return ab;
+}
+
+// Sets the environment variable `name` to `value` (unsets it for nullopt) and has the switch
+// registry read the environment again.
+void set_switch(const std::string& name, const std::optional<std::string>& value) {
+  if (value)
+    ::setenv(name.c_str(), value->c_str(), 1);
+  else
+    ::unsetenv(name.c_str());
+  switches::reload();
+}
+
+// --ab: one untimed warm-up step per value (new kernels, autotuning), then `rounds` rounds of one
+// timed step per value, in order in even rounds and reversed in odd ones (so no value always
+// follows the same one). The variable's state from before (set or unset) is restored afterwards.
+json ab_steps(const AbSpec& ab, int64_t rounds, const torch::Device& device, const std::function<void()>& step) {
+  const char* before = std::getenv(ab.name.c_str());
+  struct Restore {
+    std::string name;
+    std::optional<std::string> value;
+    ~Restore() { set_switch(name, value); }
+  } restore{ab.name, before ? std::optional<std::string>(before) : std::nullopt};
+  for (const std::string& v : ab.values) {
+    set_switch(ab.name, v);
+    timed(device, step);
+  }
+  const size_t n = ab.values.size();
+  std::map<std::string, std::vector<double>> ms;
+  for (int64_t r = 0; r < rounds; ++r)
+    for (size_t i = 0; i < n; ++i) {
+      const std::string& v = ab.values[r % 2 == 0 ? i : n - 1 - i];
+      set_switch(ab.name, v);
+      ms[v].push_back(timed(device, step) * 1e3);
+    }
+  json med = json::object(), times = json::object(), ratio = json::object();
+  const double first = median(ms[ab.values[0]]);
+  for (const std::string& v : ab.values) {
+    med[v] = median(ms[v]);
+    times[v] = ms[v];
+    ratio[v] = first / median(ms[v]);  // > 1: v is faster than the first value
+  }
+  return {{"switch", ab.name},      {"values", ab.values},   {"rounds", rounds},
+          {"median_step_ms", med}, {"times_ms", times},     {"ratio_vs_first", ratio}};
+}
+
 // The drafter attention the switch selects, for the report.
 std::string attention_name() {
   const std::string a = switches::get("DFLASH_DRAFTER_ATTENTION");
@@ -251,7 +365,7 @@ std::string attention_name() {
 
 // Our measurement; every tensor it makes is freed when it returns (the baseline runs afterwards on
 // the same device).
-json bench_ours(const Flags& f, const torch::Device& device) {
+json bench_ours(const Flags& f, const torch::Device& device, const std::optional<AbSpec>& ab) {
   const int64_t ctx = f.get_int("context", 4096), docs = f.get_int("docs", 1);
   const int64_t repeats = f.get_int("repeats", 5), warmup = f.get_int("warmup", 2), steps = f.get_int("steps", 0);
   DFLASH_CHECK(repeats >= 1 && warmup >= 1 && steps >= 0, ConfigError,
@@ -263,20 +377,23 @@ json bench_ours(const Flags& f, const torch::Device& device) {
   auto bf = torch::TensorOptions().device(device).dtype(compute);
   const bool on_host = bench_embed_on_host(f, device);  // as train.embed_on_host (default auto)
   const model::FrozenTargetParts frozen = random_frozen(V, H, bf, on_host);
-  const train::TrainerOptions to = bench_trainer_options(f, compute, warmup + repeats + steps + 2);
+  const int64_t ab_steps_n = ab ? int64_t(ab->values.size()) * (repeats + 1) : 0;
+  const train::TrainerOptions to = bench_trainer_options(f, compute, warmup + repeats + ab_steps_n + steps + 2);
   train::Trainer trainer(drafter, frozen, to);
   const train::MicroBatch mb = random_micro_batch(cfg, docs, ctx, device, bf);
+  const auto step = [&] {
+    trainer.micro_batch(mb);
+    trainer.step();
+  };
 
   std::vector<double> times;
   for (int64_t i = 0; i < warmup + repeats; ++i) {
     if (i == warmup) model::reset_peak_memory(device);
-    const double s = timed(device, [&] {
-      trainer.micro_batch(mb);
-      trainer.step();
-    });
+    const double s = timed(device, step);
     if (i >= warmup) times.push_back(s);
   }
-  const Mem mem = memory(device);
+  const Mem mem = memory(device);  // of the repeats alone: an A/B's interleaved values share one peak
+  const json ab_out = ab ? ab_steps(*ab, repeats, device, step) : json();
   // Phase split (synchronised, so each phase is timed alone): forward + loss without backward,
   // forward + loss + backward, then the optimizer step.
   auto anchors = train::sample_anchors(mb.loss_mask_host, mb.doc_lens, to.max_anchors, 1);
@@ -286,10 +403,7 @@ json bench_ours(const Flags& f, const torch::Device& device) {
     torch::NoGradGuard g;
     drafter.fuse_context(mb.features_TKH, compute);
   });
-  const double t_step = timed(device, [&] {
-    trainer.micro_batch(mb);
-    trainer.step();
-  }) - t_fwd_bwd;
+  const double t_step = timed(device, step) - t_fwd_bwd;
   const double med = median(times);
   const double tflops = step_flops(cfg, to.max_anchors, ctx * docs, ctx) / med / 1e12;
   const json profile = f.has("profile") ? profile_step(trainer, mb, device) : json::object();
@@ -328,6 +442,7 @@ json bench_ours(const Flags& f, const torch::Device& device) {
                             {"fuse_context_fwd", t_ctx}, {"optimizer_step_approx", t_step}}},
               {"profile", profile},
               {"switches", switches::to_json()}};
+  if (ab) out["ab"] = ab_out;
   // After the warm-up, the timed repeats and the phases.
   if (steps > 0) out["steps"] = memory_over_steps(trainer, mb, device, steps);
   return out;
@@ -416,7 +531,7 @@ int cmd_bench_drafter(int argc, char** argv) {
           {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "context", "anchors",
            "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
            "baseline-chunk-rows", "recompute-mlp", "embed-on",
-           "loss-curve", "python"},
+           "loss-curve", "python", "ab"},
           {"soft-labels", "profile", "recompute-mlp"});
   const std::string baseline = f.get("baseline", "");
   DFLASH_CHECK(baseline.empty() || baseline == "eager" || baseline == "specforge", ConfigError,
@@ -425,7 +540,8 @@ int cmd_bench_drafter(int argc, char** argv) {
   bench_embed_on_host(f, device);  // a bad --embed-on fails before any work
   const int64_t curve_steps = f.get_int("loss-curve", 0);
   DFLASH_CHECK(curve_steps >= 0, ConfigError, "--loss-curve: need N >= 0, got " << curve_steps);
-  json out = bench_ours(f, device);
+  const std::optional<AbSpec> ab = f.has("ab") ? std::optional<AbSpec>(parse_ab(f.get("ab"))) : std::nullopt;
+  json out = bench_ours(f, device, ab);
   model::release_cached_memory(device);  // the baseline needs the memory
   if (curve_steps > 0) {
     out["loss_curve"] = loss_curve(f, device, curve_steps);

@@ -127,6 +127,36 @@ TEST_F(Switches, ReadOnceUntilReload) {
   EXPECT_EQ(get("DFLASH_ADAMW"), "fused");
 }
 
+// validate(): the environment check's verdict on a value (the same message), without reading or
+// changing the environment (what `dflash bench drafter --ab` checks its values with).
+TEST_F(Switches, ValidateJudgesAValueAsTheEnvironmentCheckDoes) {
+  for (const auto& [name, ok] : std::vector<std::pair<const char*, const char*>>{
+           {"DFLASH_LOSS", "fused"}, {"DFLASH_LOSS", "auto"}, {"DFLASH_BSA_TILE", "64"},
+           {"DFLASH_BSA_SCATTER", ""}, {"DFLASH_PYTHON", "/any/path"}})
+    EXPECT_NO_THROW(validate(name, ok)) << name << "=" << ok;
+  const std::string bad = error_of<ConfigError>([] { validate("DFLASH_LOSS", "fast"); });
+  EXPECT_TRUE(contains(bad, "DFLASH_LOSS: expected auto | plain | fused, got 'fast'")) << bad;
+  set("DFLASH_LOSS", "fast");
+  EXPECT_EQ(bad, error_of<ConfigError>([] { check(); }));
+  EXPECT_TRUE(contains(error_of<ConfigError>([] { validate("DFLASH_BSA_SCATTER", "auto"); }),
+                       "DFLASH_BSA_SCATTER: expected index_add | kernel, got 'auto'"));
+  EXPECT_TRUE(contains(error_of<ConfigError>([] { validate("DFLASH_BSA_TILE", "0"); }),
+                       "DFLASH_BSA_TILE: expected auto or a positive integer (1 .. 2147483647), got '0'"));
+  // The bad DFLASH_LOSS in the environment does not fail it, and it sets nothing.
+  EXPECT_NO_THROW(validate("DFLASH_ADAMW", "plain"));
+  clear();
+  validate("DFLASH_ADAMW", "plain");
+  EXPECT_FALSE(is_set("DFLASH_ADAMW"));
+  try {
+    validate("DFLASH_NO_SUCH_SWITCH", "x");
+    FAIL() << "did not throw";
+  } catch (const ConfigError&) {
+    FAIL() << "a config error for a programming error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), kExitFailure);
+  }
+}
+
 TEST_F(Switches, UndeclaredNameIsAProgrammingError) {
   try {
     get("DFLASH_NO_SUCH_SWITCH");
