@@ -169,38 +169,36 @@ Seqs packed_tail_seqs(const BlockSparsePlan& p, int64_t rep) {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// dkv [T + Q, Hkv, D] (acc dtype) += the tail's gradients d_tail at rows plan.tail_index
-// (DFLASH_BSA_SCATTER: index_add_ of an acc copy, or the CUDA kernel that converts as it adds).
-void scatter_tail(const Tensor& dkv, const Tensor& d_tail, const Tensor& index, bool use_flash) {
-  if (switches::get("DFLASH_BSA_SCATTER") == "kernel") {
+// Whether switch `name` (auto | its LibTorch value | kernel) picks the CUDA kernel: auto on the
+// flash path of a CUDA build; `kernel` asked for elsewhere is a ConfigError before any work.
+bool use_kernel(const char* name, bool use_flash) {
+  const std::string v = switches::get(name);
 #ifdef DFLASH_WITH_CUDA
-    DFLASH_CHECK(use_flash, ConfigError, "DFLASH_BSA_SCATTER=kernel needs the flash path (CUDA bf16/fp16 attention inputs)");
-    fused_train::scatter_add_rows(dkv, d_tail, index);
-    return;
-#else
-    (void)use_flash;
-    DFLASH_FAIL(ConfigError, "DFLASH_BSA_SCATTER=kernel needs a CUDA build (DFLASH_CUDA=ON)");
-#endif
-  }
-  dkv.index_add_(0, index, d_tail.to(dkv.scalar_type()));
-}
-
-// DFLASH_BSA_MERGE: whether the full runs are merged by the CUDA kernel (the flash path of a CUDA
-// build only: asked for elsewhere, a ConfigError before any work).
-bool merge_by_kernel(bool use_flash) {
-  if (switches::get("DFLASH_BSA_MERGE") != "kernel") return false;
-#ifdef DFLASH_WITH_CUDA
-  DFLASH_CHECK(use_flash, ConfigError, "DFLASH_BSA_MERGE=kernel needs the flash path (CUDA bf16/fp16 attention inputs)");
+  if (v == switches::kAuto) return use_flash;
+  if (v != "kernel") return false;
+  DFLASH_CHECK(use_flash, ConfigError, name << "=kernel needs the flash path (CUDA bf16/fp16 attention inputs)");
   return true;
 #else
   (void)use_flash;
-  DFLASH_FAIL(ConfigError, "DFLASH_BSA_MERGE=kernel needs a CUDA build (DFLASH_CUDA=ON)");
+  DFLASH_CHECK(v != "kernel", ConfigError, name << "=kernel needs a CUDA build (DFLASH_CUDA=ON)");
+  return false;
 #endif
+}
+
+// dkv [T + Q, Hkv, D] (acc dtype) += the tail's gradients d_tail at rows plan.tail_index
+// (DFLASH_BSA_SCATTER: index_add_ of an acc copy, or the CUDA kernel that converts as it adds).
+void scatter_tail(const Tensor& dkv, const Tensor& d_tail, const Tensor& index, bool use_flash) {
+#ifdef DFLASH_WITH_CUDA
+  if (use_kernel("DFLASH_BSA_SCATTER", use_flash)) return fused_train::scatter_add_rows(dkv, d_tail, index);
+#else
+  use_kernel("DFLASH_BSA_SCATTER", use_flash);  // refuses `kernel`
+#endif
+  dkv.index_add_(0, index, d_tail.to(dkv.scalar_type()));
 }
 
 // One full run's o [rows, Hq, D] and lse l [Hq, rows] merged into out32's rows [q_row0, + rows) and
 // lse's columns there (the tail's result and lse so far), by log-sum-exp: LibTorch ops, or with
-// `kernel` (merge_by_kernel) fused_train::merge_attention_rows (the same rounding points, one launch).
+// `kernel` (use_kernel) fused_train::merge_attention_rows (the same rounding points, one launch).
 void merge_run(const Tensor& out32, const Tensor& lse, const Tensor& o, const Tensor& l, const BlockSparsePlan::Full& f,
                bool kernel) {
   const auto rows = out32.narrow(0, f.q_row0, f.q_rows);
@@ -211,7 +209,7 @@ void merge_run(const Tensor& out32, const Tensor& lse, const Tensor& o, const Te
     return;
   }
 #else
-  (void)kernel;  // never true here: merge_by_kernel refuses it in a build without CUDA kernels
+  (void)kernel;  // never true here: use_kernel refuses it in a build without CUDA kernels
 #endif
   auto merged = torch::logaddexp(lt, l);
   auto wt = torch::exp(lt - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
@@ -237,7 +235,7 @@ Tensor gather_tail(const BlockSparsePlan& plan, const Tensor& ctx, const Tensor&
 struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k_ctx, const Tensor& v_ctx, const Tensor& k_blk,
                         const Tensor& v_blk, const BlockSparsePlan& plan, double scale, bool use_flash) {
-    const bool merge_kernel = merge_by_kernel(use_flash);
+    const bool merge_kernel = use_kernel("DFLASH_BSA_MERGE", use_flash);
     // tail: gathered keys, one varlen call
     auto kt = gather_tail(plan, k_ctx, k_blk);
     auto vt = gather_tail(plan, v_ctx, v_blk);

@@ -328,9 +328,9 @@ torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor
     auto ctx = ctx_kv_of(l, kvw);
     auto k_blk = rms_norm_train(F::linear(h, kvw.k_proj).view({Q, Hkv, D}), kvw.k_norm, eps);
     auto v_blk = F::linear(h, kvw.v_proj).view({Q, Hkv, D});
-    q = apply_rope(q, rope_q);
-    k_blk = apply_rope(k_blk, rope_q);
-    if (rope_c) ctx.k = apply_rope(ctx.k, *rope_c);
+    q = apply_rope_train(q, rope_q);
+    k_blk = apply_rope_train(k_blk, rope_q);
+    if (rope_c) ctx.k = apply_rope_train(ctx.k, *rope_c);
     auto a = (sparse ? block_sparse_attention(q, ctx.k, ctx.v, k_blk, v_blk, bsp, scale, block_sparse_flash_supported(q))
                      : attention(q, ctx.k, ctx.v, k_blk, v_blk, groups))
                  .reshape({Q, Hq * D});

@@ -147,6 +147,51 @@ torch::Tensor swiglu_mlp_recompute_train(const torch::Tensor& h, const torch::Te
   return SwigluMlpFn::apply(h, wg, wu, wd);
 }
 
+namespace {
+// DFLASH_ROPE_TRAIN: whether apply_rope_train runs the CUDA kernel for x (CUDA bf16/fp16, a rotary
+// width of all of x's last dim); `kernel` for another input, or in a build without CUDA kernels, is a
+// ConfigError.
+bool rope_by_kernel(const torch::Tensor& x, const RopeTable& rope) {
+  const std::string mode = switches::get("DFLASH_ROPE_TRAIN");
+  if (mode == "ops") return false;
+  const bool fits = x.is_cuda() && (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf) && x.dim() == 3 &&
+                    rope.cos.size(-1) == x.size(-1) && rope.cos.scalar_type() == x.scalar_type();
+#ifndef DFLASH_WITH_CUDA
+  DFLASH_CHECK(mode != "kernel", ConfigError, "DFLASH_ROPE_TRAIN=kernel needs a CUDA build (DFLASH_CUDA=ON)");
+  (void)fits;
+  return false;
+#else
+  DFLASH_CHECK(mode != "kernel" || fits, ConfigError,
+               "DFLASH_ROPE_TRAIN=kernel needs CUDA bf16/fp16 [rows, heads, D] input rotated over all of D with a table of "
+               "its dtype, got " << x.sizes() << " " << x.scalar_type() << " on " << x.device() << ", rotary width "
+                                 << rope.cos.size(-1));
+  return fits;
+#endif
+}
+
+#ifdef DFLASH_WITH_CUDA
+struct RopeFn : public torch::autograd::Function<RopeFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return fused_train::rope_forward(x, cos, sin);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto sv = ctx->get_saved_variables();
+    return {fused_train::rope_backward(grads[0], sv[0], sv[1]), torch::Tensor(), torch::Tensor()};
+  }
+};
+#endif
+}  // namespace
+
+torch::Tensor apply_rope_train(const torch::Tensor& x, const RopeTable& rope) {
+#ifdef DFLASH_WITH_CUDA
+  if (rope_by_kernel(x, rope)) return RopeFn::apply(x, rope.cos, rope.sin);
+#else
+  rope_by_kernel(x, rope);  // refuses `kernel`
+#endif
+  return apply_rope(x, rope);
+}
+
 torch::Tensor rms_norm_train(const torch::Tensor& x, const torch::Tensor& w, double eps) { return RmsNormFn::apply(x, w, eps); }
 torch::Tensor swiglu_down_train(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& w_down) {
   return SwigluDownFn::apply(g, u, w_down);

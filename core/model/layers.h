@@ -56,6 +56,10 @@ RopeTable rope_table(const torch::Tensor& inv_freq, const torch::Tensor& positio
 
 // x: [T, heads, D]; rotates the first R = cos.size(-1) dims with the half-split (NeoX) convention.
 torch::Tensor apply_rope(const torch::Tensor& x, const RopeTable& rope);
+// apply_rope for the drafter's layers, with autograd: on CUDA bf16/fp16 input rotated over its whole
+// last dim, the fused kernels of core/model/cuda/train_ops.h (fused_train::rope_forward/backward,
+// bitwise these ops and their gradients; DFLASH_ROPE_TRAIN, default auto), else apply_rope.
+torch::Tensor apply_rope_train(const torch::Tensor& x, const RopeTable& rope);
 
 // A host tensor on `device`. CUDA: through pinned memory without blocking the host (a copy from
 // pageable memory would wait for all the GPU work queued before it); the pinned block is recycled

@@ -35,7 +35,16 @@ AdamWOptions::Impl AdamW::impl() const {
   if (impl == Impl::kAuto) {
     const std::string env = switches::get("DFLASH_ADAMW");
     const bool cuda = params_->front().second.is_cuda();
-    impl = env == "kernel" ? Impl::kKernel : env == "fused" || (env == switches::kAuto && cuda) ? Impl::kFused : Impl::kPlain;
+#ifdef DFLASH_WITH_CUDA
+    const Impl cuda_default = Impl::kKernel;
+#else
+    const Impl cuda_default = Impl::kFused;  // a CPU-only build has no kernel of ours
+#endif
+    impl = env == "kernel"  ? Impl::kKernel
+           : env == "fused" ? Impl::kFused
+           : env == "plain" ? Impl::kPlain
+           : cuda           ? cuda_default
+                            : Impl::kPlain;
   }
 #ifndef DFLASH_WITH_CUDA
   DFLASH_CHECK(impl != Impl::kKernel, ConfigError, "DFLASH_ADAMW=kernel needs a CUDA build (DFLASH_CUDA=ON)");

@@ -14,9 +14,10 @@ struct AdamWOptions {
   // kFused: PyTorch's fused multi-tensor AdamW kernel (one launch for every parameter instead of ~6
   // elementwise passes each; same math). kKernel: ours (core/train/cuda/adamw.h; CUDA builds): the
   // same math with the gradient factor applied as it is read and the parameters' half-precision
-  // copies written as the weights are (one pass instead of three). kAuto: fused on CUDA, the plain
-  // loop on CPU (CI compares the two on CPU). DFLASH_ADAMW=plain|fused|kernel overrides kAuto; it is
-  // read at every step (an A/B within one process can switch it).
+  // copies written as the weights are (one pass instead of three). kAuto: kernel on CUDA (fused in a
+  // build without CUDA kernels), the plain loop on CPU (CI compares plain and fused on CPU).
+  // DFLASH_ADAMW=plain|fused|kernel overrides kAuto; it is read at every step (an A/B within one
+  // process can switch it).
   enum class Impl { kAuto, kPlain, kFused, kKernel } impl = Impl::kAuto;
 };
 

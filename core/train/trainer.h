@@ -85,7 +85,7 @@ class Trainer {
   // Ends the optimizer step (call after grad_accum micro-batches) without waiting for the device:
   // all-reduce of gradients and sums, the global denominator, the division by it, the global grad
   // norm, clipping and the non-finite skip (found_inf of AdamW) are device operations. With the
-  // fused AdamW (CUDA's default) nothing here blocks the host beyond the collectives' own contract.
+  // fused AdamW or our AdamW kernel (CUDA's default) nothing here blocks the host beyond the collectives' own contract.
   // Wait for the metrics after enqueueing the next step's work: the GPU then never idles meanwhile.
   PendingMetrics end_step();
   // end_step().wait(): this step's metrics, at the cost of one host synchronisation on CUDA.

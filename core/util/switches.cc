@@ -51,17 +51,24 @@ const std::vector<Switch>& registry() {
        "per sequence instead of block rows); auto: on for the flash kernels with GQA, off for the reference "
        "kernel; on: also the reference kernel.",
        true, false},
-      {"DFLASH_BSA_SCATTER", Kind::kChoice, {"index_add", "kernel"}, "index_add",
+      {"DFLASH_BSA_SCATTER", Kind::kChoice, {"index_add", "kernel"}, kAuto,
        "The drafter's block-sparse attention backward: the tail's key/value gradients into their rows by "
        "index_add_ (after an fp32 conversion), or kernel: one pass with fp32 atomics from the half-precision "
-       "gradients (the flash path only; elsewhere, or in a build without CUDA kernels, a config error).",
+       "gradients (the flash path only; elsewhere, or in a build without CUDA kernels, a config error); auto: "
+       "kernel on the flash path of a CUDA build, else index_add.",
        true, false},
-      {"DFLASH_BSA_MERGE", Kind::kChoice, {"ops", "kernel"}, "ops",
+      {"DFLASH_BSA_MERGE", Kind::kChoice, {"ops", "kernel"}, kAuto,
        "The drafter's block-sparse attention forward: each full-tile run merged into the accumulator and its "
        "log-sum-exp by LibTorch ops (~8 launches a run), or kernel: one CUDA pass a run "
        "(fused_train::merge_attention_rows; the flash path only; elsewhere, or in a build without CUDA kernels, "
-       "a config error).",
+       "a config error); auto: kernel on the flash path of a CUDA build, else ops.",
        true, false},
+      {"DFLASH_ROPE_TRAIN", Kind::kChoice, {"ops", "kernel"}, kAuto,
+       "The drafter layers' RoPE (queries, block keys, context keys), forward and backward: LibTorch ops (a "
+       "negation, a cat, two broadcast products and a sum), or kernel: one CUDA pass each way "
+       "(fused_train::rope_forward/backward, bitwise the ops; CUDA bf16/fp16 input rotated over its whole head "
+       "dim, else a config error); auto: kernel where it applies, else ops.",
+       false, false},
       {"DFLASH_LOSS", Kind::kChoice, {"plain", "fused"}, kAuto,
        "DFlash loss; auto: the fused CUDA kernel for CUDA bf16 logits, else LibTorch ops (fused elsewhere is a "
        "config error).",
@@ -72,9 +79,10 @@ const std::vector<Switch>& registry() {
        "without them is a config error); other devices and dtypes always keep the LibTorch ops.",
        true, false},
       {"DFLASH_ADAMW", Kind::kChoice, {"plain", "fused", "kernel"}, kAuto,
-       "AdamW; auto: PyTorch's fused multi-tensor step for CUDA parameters, else LibTorch ops; kernel: ours "
-       "(CUDA builds and parameters), which applies the clip factor as it reads the gradients and rewrites the "
-       "drafter's bf16 weight copies with the weights, so the forward casts nothing.",
+       "AdamW; kernel: ours (CUDA builds and parameters), which applies the clip factor as it reads the "
+       "gradients and rewrites the drafter's bf16 weight copies with the weights, so the forward casts nothing; "
+       "fused: PyTorch's fused multi-tensor step; plain: LibTorch ops. auto: kernel for CUDA parameters in a CUDA "
+       "build, else plain.",
        true, false},
       {"DFLASH_LOG_LEVEL", Kind::kChoice, {"debug", "info", "warn", "error"}, "info",
        "Lowest level of the log lines printed on stderr; debug also shows the source location (file:line) of "

@@ -138,8 +138,8 @@ TEST_F(Switches, ValidateJudgesAValueAsTheEnvironmentCheckDoes) {
   EXPECT_TRUE(contains(bad, "DFLASH_LOSS: expected auto | plain | fused, got 'fast'")) << bad;
   set("DFLASH_LOSS", "fast");
   EXPECT_EQ(bad, error_of<ConfigError>([] { check(); }));
-  EXPECT_TRUE(contains(error_of<ConfigError>([] { validate("DFLASH_BSA_SCATTER", "auto"); }),
-                       "DFLASH_BSA_SCATTER: expected index_add | kernel, got 'auto'"));
+  EXPECT_TRUE(contains(error_of<ConfigError>([] { validate("DFLASH_LOG_LEVEL", "auto"); }),
+                       "DFLASH_LOG_LEVEL: expected debug | info | warn | error, got 'auto'"));
   EXPECT_TRUE(contains(error_of<ConfigError>([] { validate("DFLASH_BSA_TILE", "0"); }),
                        "DFLASH_BSA_TILE: expected auto or a positive integer (1 .. 2147483647), got '0'"));
   // The bad DFLASH_LOSS in the environment does not fail it, and it sets nothing.

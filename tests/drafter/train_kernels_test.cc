@@ -298,6 +298,20 @@ TEST(ComputeCopies, ForwardAndGradsAreTheCastsAndFollowInPlaceUpdates) {
   EXPECT_FALSE(torch::equal(stale[0], fresh[0]));
 }
 
+// DFLASH_ROPE_TRAIN=kernel on an input the kernel cannot take (here a CPU tensor): a config error.
+TEST(LeanAutograd, RopeKernelNeedsCudaHalfInputs) {
+  ScopedSwitch mode("DFLASH_ROPE_TRAIN", "kernel");
+  const auto rope = model::rope_table(torch::ones({4}), torch::arange(6), torch::kFloat32);
+  try {
+    model::apply_rope_train(torch::randn({6, 2, 8}), rope);
+    FAIL() << "expected a ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("DFLASH_ROPE_TRAIN=kernel needs"), std::string::npos) << e.what();
+  }
+  ScopedSwitch ops("DFLASH_ROPE_TRAIN", "ops");
+  EXPECT_TRUE(torch::equal(model::apply_rope_train(torch::ones({6, 2, 8}), rope), model::apply_rope(torch::ones({6, 2, 8}), rope)));
+}
+
 // DFLASH_ADAMW=kernel is for CUDA parameters in a CUDA build: elsewhere a config error at once.
 TEST(FusedAdamW, KernelNeedsCudaParameters) {
   ScopedSwitch adamw("DFLASH_ADAMW", "kernel");
@@ -873,6 +887,35 @@ void expect_fused_swiglu(int64_t rows, int64_t inter, torch::ScalarType dt) {
 }
 }  // namespace
 
+// DFLASH_ROPE_TRAIN=kernel: the RoPE kernels against apply_rope's LibTorch ops and their autograd,
+// bitwise (the same rounding points), bf16 and fp16, heads of 64 and 128, positions 0..4095; the
+// kernels must have run (launch count). Negative control: sin and cos swapped must differ.
+TEST(FusedTrainOpsGpu, RopeEqualsLibTorchOpsBitwise) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  const auto o = torch::TensorOptions().device(torch::kCUDA);
+  for (auto dt : {torch::kBFloat16, torch::kHalf})
+    for (int64_t D : {64, 128}) {
+      torch::manual_seed(21);
+      const auto inv_freq = 1.0 / torch::pow(10000.0, torch::arange(0, D, 2, o.dtype(torch::kFloat64)) / double(D));
+      const auto rope = model::rope_table(inv_freq.to(torch::kFloat32), torch::randint(4096, {37}, o.dtype(torch::kInt64)), dt);
+      const auto x0 = torch::randn({37, 5, D}, o).to(dt), dy = torch::randn({37, 5, D}, o).to(dt);
+      Tensor y[2], dx[2];
+      for (int k = 0; k < 2; ++k) {
+        ScopedSwitch mode("DFLASH_ROPE_TRAIN", k ? "kernel" : "ops");
+        auto x = x0.clone().set_requires_grad(true);
+        const int64_t before = model::fused_train::kernel_launches();
+        y[k] = model::apply_rope_train(x, rope);
+        y[k].backward(dy);
+        dx[k] = x.grad();
+        EXPECT_EQ(model::fused_train::kernel_launches() - before, k ? 2 : 0) << "the kernels ran for kernel only";
+      }
+      EXPECT_TRUE(torch::equal(y[1], y[0])) << dt << " D " << D << " forward rel " << rel(y[1], y[0]);
+      EXPECT_TRUE(torch::equal(dx[1], dx[0])) << dt << " D " << D << " backward rel " << rel(dx[1], dx[0]);
+      const auto swapped = model::fused_train::rope_forward(x0, rope.sin, rope.cos);
+      EXPECT_GT(rel(swapped, y[0]), 0.1) << "negative control";
+    }
+}
+
 TEST(FusedTrainOpsGpu, RmsNormEqualsLibTorchOps) {
   ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
   torch::manual_seed(31);
@@ -920,6 +963,7 @@ TEST(FusedTrainOpsGpu, DrafterForwardBackwardEqualsLibTorchOps) {
   const auto o = torch::TensorOptions().device(torch::kCUDA);
   std::vector<Tensor> r[2];
   int64_t launches[2];
+  ScopedSwitch rope_ops("DFLASH_ROPE_TRAIN", "ops");  // the launches counted below: norms and MLP only
   for (int on = 0; on < 2; ++on) {
     FusedTrainOps sw(on);
     model::Drafter d(cfg, torch::kCUDA, 3);

@@ -499,6 +499,64 @@ void merge_attention_rows(const torch::Tensor& out32, const torch::Tensor& lse, 
   ++g_launches;
 }
 
+namespace {
+// RoPE over x [rows, H, D] with cos/sin [rows, D] (D = 2h): one thread per (row, head, j < h), writing
+// columns j and j + h. Forward (rot(x) = cat(-x[h:], x[:h])):
+//   y[j] = T(T(x[j] c[j]) + T(-x[j+h] s[j])),  y[j+h] = T(T(x[j+h] c[j+h]) + T(x[j] s[j+h]))
+// Backward (the transpose of rot):
+//   dx[j] = T(T(dy[j] c[j]) + T(dy[j+h] s[j+h])),  dx[j+h] = T(T(dy[j+h] c[j+h]) + T(-dy[j] s[j]))
+template <typename T, bool kBackward>
+__global__ void rope_kernel(const T* __restrict__ a, const T* __restrict__ cos, const T* __restrict__ sin, T* __restrict__ out,
+                            int64_t rows, int64_t heads, int64_t half) {
+  const int64_t per_row = heads * half, n = rows * per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / per_row, j = i % half, base = (i / half) * 2 * half, cs = row * 2 * half;
+    const float lo = to_f(a[base + j]), hi = to_f(a[base + j + half]);
+    const float c_lo = to_f(cos[cs + j]), c_hi = to_f(cos[cs + j + half]);
+    const float s_lo = to_f(sin[cs + j]), s_hi = to_f(sin[cs + j + half]);
+    const float p_lo = kBackward ? rnd<T>(hi * s_hi) : rnd<T>(-hi * s_lo);
+    const float p_hi = kBackward ? rnd<T>(-lo * s_lo) : rnd<T>(lo * s_hi);
+    out[base + j] = from_f<T>(rnd<T>(lo * c_lo) + p_lo);
+    out[base + j + half] = from_f<T>(rnd<T>(hi * c_hi) + p_hi);
+  }
+}
+
+torch::Tensor rope(const char* fn, const torch::Tensor& a_in, const torch::Tensor& cos_in, const torch::Tensor& sin_in,
+                   bool backward) {
+  check_cuda16(fn, "x", a_in);
+  DFLASH_CHECK(a_in.dim() == 3 && a_in.size(2) % 2 == 0, ConfigError,
+               fn << ": x must be [rows, heads, D] with D even, got " << a_in.sizes());
+  const int64_t rows = a_in.size(0), heads = a_in.size(1), D = a_in.size(2);
+  for (const auto& [name, t] : {std::pair<const char*, const torch::Tensor*>{"cos", &cos_in}, {"sin", &sin_in}})
+    DFLASH_CHECK(t->device() == a_in.device() && t->scalar_type() == a_in.scalar_type() && t->dim() == 2 && t->size(0) == rows &&
+                     t->size(1) == D,
+                 ConfigError, fn << ": " << name << " must be [" << rows << ", " << D << "] " << a_in.scalar_type() << " on "
+                                 << a_in.device() << ", got " << t->sizes() << " " << t->scalar_type() << " on " << t->device());
+  const auto a = a_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  auto out = torch::empty_like(a);
+  if (a.numel() == 0) return out;
+  c10::cuda::CUDAGuard guard(a.device());
+  with_dtype(a.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    auto kernel = backward ? rope_kernel<T, true> : rope_kernel<T, false>;
+    const unsigned grid = grid_size(kernel, kElementwiseThreads, a.numel() / 2, kElementwiseThreads);
+    kernel<<<grid, kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(ptr<T>(a), ptr<T>(cos), ptr<T>(sin), ptr<T>(out),
+                                                                               rows, heads, D / 2);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  ++g_launches;
+  return out;
+}
+}  // namespace
+
+torch::Tensor rope_forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  return rope("rope_forward", x, cos, sin, false);
+}
+
+torch::Tensor rope_backward(const torch::Tensor& dy, const torch::Tensor& cos, const torch::Tensor& sin) {
+  return rope("rope_backward", dy, cos, sin, true);
+}
+
 torch::Tensor swiglu_forward(const torch::Tensor& g_in, const torch::Tensor& u_in) {
   check_cuda16("swiglu_forward", "g", g_in);
   check_like("swiglu_forward", "u", u_in, "g", g_in);

@@ -57,6 +57,14 @@ struct SwigluGrads {
 };
 SwigluGrads swiglu_backward(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& da);
 
+// RoPE of x [rows, heads, D] (bf16/fp16, D even, the rotary width = D) with cos/sin [rows, D] of x's
+// dtype (rope_table's), bitwise the LibTorch ops of apply_rope (layers.h) and of their autograd:
+//   forward:  y  = T(T(x cos) + T(rot(x) sin)),         rot(x) = cat(-x[D/2:], x[:D/2])
+//   backward: dx = T(T(dy cos) + T(rot^T(dy sin)))     (rot^T(z) = cat(z[D/2:], -z[:D/2]))
+// one pass each instead of a negation, a cat, two broadcast products and a sum (and their backward).
+torch::Tensor rope_forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor rope_backward(const torch::Tensor& dy, const torch::Tensor& cos, const torch::Tensor& sin);
+
 // dst[index[i]] += float(src[i]) for every row i of src [N, ...] (bf16 or fp16) into dst [R, ...] fp32,
 // rows of C = numel / N elements on both (C a multiple of 4), index int64 [N] in [0, R) on the same
 // device: the block-sparse attention's tail key/value gradients into their rows, where several tail
