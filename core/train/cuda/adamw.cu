@@ -9,37 +9,24 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/model/cuda/device_common.cuh"
 #include "core/train/cuda/adamw.h"
 #include "core/util/error.h"
 
 namespace dflash::train::cuda_adamw {
 namespace {
+using dflash::model::cuda_common::from_f;
+using dflash::model::cuda_common::store4;  // fp32 and bf16; fp16 below
+__device__ __forceinline__ void store4(__half* c, float4 p) {
+  const __half2 a = __floats2half2_rn(p.x, p.y), b = __floats2half2_rn(p.z, p.w);
+  *reinterpret_cast<uint2*>(c) = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+}
 
 constexpr int kThreads = 256;
 
 struct Scalars {
   float lr, beta1, beta2, wd, eps;
 };
-
-// Round to nearest even, as Tensor::to: one value, or four as one 8-byte store.
-template <typename C>
-__device__ __forceinline__ C round_to(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 round_to<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half round_to<__half>(float x) {
-  return __float2half_rn(x);
-}
-__device__ __forceinline__ void store4(__nv_bfloat16* c, float4 p) {
-  const __nv_bfloat162 a = __floats2bfloat162_rn(p.x, p.y), b = __floats2bfloat162_rn(p.z, p.w);
-  *reinterpret_cast<uint2*>(c) = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
-}
-__device__ __forceinline__ void store4(__half* c, float4 p) {
-  const __half2 a = __floats2half2_rn(p.x, p.y), b = __floats2half2_rn(p.z, p.w);
-  *reinterpret_cast<uint2*>(c) = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
-}
 
 // One element, in the order of PyTorch's fused AdamW (adamw.h).
 __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float& v, const Scalars& s, float step_size,
@@ -71,11 +58,11 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
     reinterpret_cast<float4*>(p)[i] = pp;
     reinterpret_cast<float4*>(m)[i] = mm;
     reinterpret_cast<float4*>(v)[i] = vv;
-    if (copy) store4(copy + 4 * i, pp);
+    if (copy) store4(copy + 4 * i, pp);  // rounded to nearest even, as Tensor::to
   }
   for (int64_t i = 4 * quads + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
     adamw_element(p[i], g[i] * f, m[i], v[i], s, step_size, bc2_sqrt);
-    if (copy) copy[i] = round_to<C>(p[i]);
+    if (copy) copy[i] = from_f<C>(p[i]);
   }
 }
 
