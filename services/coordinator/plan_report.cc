@@ -12,6 +12,7 @@
 #include "core/train/export.h"
 #include "core/util/error.h"
 #include "core/util/fileio.h"
+#include "core/util/switches.h"
 #include "services/common/run_plan.h"
 
 namespace dflash::coordinator {
@@ -29,11 +30,12 @@ std::string gib(double bytes) {
 // Estimates of the big items per process, bytes (not measured).
 struct MemoryItems {
   double target_weights = 0, capture_buffers = 0, activations_per_layer = 0;
-  double drafter_state = 0, frozen_embedding_lm_head = 0, batch_in_flight = 0, drafter_activations = 0, shm_per_link = 0;
+  double drafter_state = 0, drafter_weight_copies = 0, frozen_embedding_lm_head = 0, batch_in_flight = 0,
+         drafter_activations = 0, shm_per_link = 0;
   // A target server holds its weights, the capture buffers and about two layers' activations.
   double target_total() const { return target_weights + capture_buffers + 2 * activations_per_layer; }
   double drafter_total() const {
-    return drafter_state + frozen_embedding_lm_head + batch_in_flight + drafter_activations;
+    return drafter_state + drafter_weight_copies + frozen_embedding_lm_head + batch_in_flight + drafter_activations;
   }
 };
 
@@ -43,6 +45,17 @@ io::TargetConfig target_config(const config::RunConfig& cfg) {
   } catch (const Error& e) {
     throw ConfigError(std::string("target.model_dir: ") + e.what());
   }
+}
+
+// Whether a CUDA drafter keeps half-precision copies of its weights between steps: our AdamW kernel
+// (DFLASH_ADAMW auto or kernel, in a CUDA build) rewrites them, and the forward multiplies with them.
+bool adamw_keeps_copies() {
+#ifdef DFLASH_WITH_CUDA
+  const std::string v = switches::get("DFLASH_ADAMW");
+  return v == switches::kAuto || v == "kernel";
+#else
+  return false;
+#endif
 }
 
 // `run_plan`: what the workers derive from cfg and the target's config `tc`.
@@ -67,6 +80,7 @@ MemoryItems memory_items(const config::RunConfig& cfg, const std::string& device
   const int64_t di = cfg.drafter.intermediate_size ? cfg.drafter.intermediate_size : tc.intermediate_size;
   const double drafter_params = double(cfg.drafter.num_layers) * (4.0 * dh * dh + 3.0 * dh * di) + double(K) * H * dh;
   m.drafter_state = drafter_params * 16;  // fp32 parameters, gradients and two Adam moments
+  m.drafter_weight_copies = device == "cuda" && elt == 2 && adamw_keeps_copies() ? drafter_params * elt : 0.0;
   // lm_head and the embedding, but for an untied embedding that train.embed_on_host keeps on the host.
   m.frozen_embedding_lm_head = (run_plan.embed_on_host && !tc.tie_word_embeddings ? 1.0 : 2.0) * V * H * elt;
   m.batch_in_flight = slot;
@@ -116,7 +130,8 @@ json memory_estimate(const config::RunConfig& cfg, const std::string& device, co
   const MemoryItems m = memory_items(cfg, device, tc, run_plan);
   return {{"target", {{"weights", gib(m.target_weights)}, {"capture_buffers", gib(m.capture_buffers)},
                       {"activations_per_layer", gib(m.activations_per_layer)}, {"total", gib(m.target_total())}}},
-          {"drafter", {{"params_grads_adam_fp32", gib(m.drafter_state)}, {"frozen_embedding_lm_head", gib(m.frozen_embedding_lm_head)},
+          {"drafter", {{"params_grads_adam_fp32", gib(m.drafter_state)}, {"weight_copies", gib(m.drafter_weight_copies)},
+                       {"frozen_embedding_lm_head", gib(m.frozen_embedding_lm_head)},
                        {"batch_in_flight", gib(m.batch_in_flight)}, {"activations", gib(m.drafter_activations)},
                        {"total", gib(m.drafter_total())}}},
           {"shm_per_link", gib(m.shm_per_link)},
