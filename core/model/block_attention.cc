@@ -2,7 +2,10 @@
 
 #include <ATen/ops/_flash_attention_backward.h>
 #include <ATen/ops/_flash_attention_forward.h>
+#include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
+#include <ATen/ops/_scaled_dot_product_cudnn_attention_backward.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 
@@ -115,6 +118,68 @@ std::tuple<Tensor, Tensor, Tensor> flash_backward(const Tensor& dout, const Tens
   return {std::get<0>(r).squeeze(0), std::get<1>(r).squeeze(0), std::get<2>(r).squeeze(0)};
 }
 
+// --- cuDNN (CUDA bf16/fp16; the full runs only: one sequence, no mask) ----------------------------
+// PyTorch builds a cuDNN execution plan on the host for every new problem shape (~0.1 s, forward and
+// backward apart) and caches it per thread; the runs' query counts change with every draw of
+// anchors. So a run's query rows are widened to a multiple of kCudnnRows with neighbouring rows of q
+// (a run's rows are independent): the shapes come from (Q / kCudnnRows) x (T / tile) pairs. The
+// forward keeps the run's own rows of the result. The backward gives the extra rows a log-sum-exp
+// of kNoMass, so their probabilities are exactly 0 and they add nothing to dK and dV (their dQ is
+// dropped); out and dO there are the real rows' (finite). Widening costs < kCudnnRows rows of
+// compute a run (~6% at 8192/1024/32).
+// The ops take [1, H, S, D] views of our [S, H, D] rows. The log-sum-exp comes back as [1, Hq, S, 1]
+// fp32, laid out [Hq, S] (BHS), or [S, Hq] (BSH) on PyTorch's ragged path (the user's
+// TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1); the backward gets it in the forward's layout.
+constexpr int64_t kCudnnRows = 128;
+constexpr double kNoMass = 1e4;  // exp(score - 1e4) is 0 in fp32 for any score below ~1e4 - 104
+std::atomic<int64_t> g_cudnn_calls{0};
+
+Tensor bshd(const Tensor& x) { return x.unsqueeze(0).transpose(1, 2); }
+Tensor from_bshd(const Tensor& x) { return x.transpose(1, 2).squeeze(0); }
+
+// The widened row range [row0, row0 + rows) of q (Q rows) holding run f's rows; off: f's first row in it.
+struct Widened {
+  int64_t row0, rows, off;
+};
+Widened widen(const BlockSparsePlan::Full& f, int64_t Q) {
+  const int64_t rows = std::min(Q, (f.q_rows + kCudnnRows - 1) / kCudnnRows * kCudnnRows);
+  const int64_t row0 = std::min(f.q_row0, Q - rows);
+  return {row0, rows, f.q_row0 - row0};
+}
+
+struct CudnnOut {
+  Tensor out, lse;  // the run's rows: [rows, Hq, D]; [Hq, rows] (a view in cuDNN's layout)
+  bool lse_bsh = false;
+};
+CudnnOut cudnn_forward(const Tensor& q, const Tensor& k_ctx, const Tensor& v_ctx, const BlockSparsePlan::Full& f, double scale) {
+  g_cudnn_calls.fetch_add(1);
+  const Widened w = widen(f, q.size(0));
+  const auto kc = k_ctx.narrow(0, f.k_row0, f.k_rows), vc = v_ctx.narrow(0, f.k_row0, f.k_rows);
+  auto r = at::_scaled_dot_product_cudnn_attention(bshd(q.narrow(0, w.row0, w.rows)), bshd(kc), bshd(vc), std::nullopt,
+                                                   /*compute_log_sumexp=*/true, 0.0, false, false, scale);
+  const Tensor& l = std::get<1>(r);
+  return {from_bshd(std::get<0>(r)).narrow(0, w.off, f.q_rows), l.squeeze(3).squeeze(0).narrow(1, w.off, f.q_rows),
+          w.rows > 1 && q.size(1) > 1 && l.stride(2) != 1};
+}
+// Gradients of run f's rows given the MERGED out and lse (all rows; see the header): dq of its rows,
+// dk and dv of its keys.
+std::tuple<Tensor, Tensor, Tensor> cudnn_backward(const Tensor& dout, const Tensor& q, const Tensor& k_ctx, const Tensor& v_ctx,
+                                                  const Tensor& out, const Tensor& lse, bool lse_bsh,
+                                                  const BlockSparsePlan::Full& f, double scale) {
+  g_cudnn_calls.fetch_add(1);
+  const Widened w = widen(f, q.size(0));
+  const int64_t Hq = q.size(1);
+  auto l = torch::full({w.rows, Hq}, kNoMass, lse.options());  // BSH; a transposed view is BHS
+  l.narrow(0, w.off, f.q_rows).copy_(lse.narrow(1, f.q_row0, f.q_rows).t());
+  const Tensor l4 = lse_bsh ? l.view({1, w.rows, Hq, 1}).transpose(1, 2) : l.t().contiguous().view({1, Hq, w.rows, 1});
+  const Tensor none = torch::empty({}, q.options().dtype(torch::kInt64));  // dropout seed / offset: unused here
+  auto rows = [&](const Tensor& x) { return bshd(x.narrow(0, w.row0, w.rows)); };
+  const auto kc = k_ctx.narrow(0, f.k_row0, f.k_rows), vc = v_ctx.narrow(0, f.k_row0, f.k_rows);
+  auto r = at::_scaled_dot_product_cudnn_attention_backward(rows(dout), rows(q), bshd(kc), bshd(vc), rows(out), l4, none, none,
+                                                            Tensor(), Tensor(), Tensor(), w.rows, f.k_rows, 0.0, false, scale);
+  return {from_bshd(std::get<0>(r)).narrow(0, w.off, f.q_rows), from_bshd(std::get<1>(r)), from_bshd(std::get<2>(r))};
+}
+
 // --- the plan, flattened into the autograd context ---------------------------------------------------
 Seqs tail_seqs(const BlockSparsePlan& p) {
   Seqs s{{}, p.cu_k_host, p.cu_q, p.cu_k, /*max_q=*/p.block, /*max_k=*/p.max_tail_keys};
@@ -183,6 +248,15 @@ bool use_kernel(const char* name, bool use_flash) {
   DFLASH_CHECK(v != "kernel", ConfigError, name << "=kernel needs a CUDA build (DFLASH_CUDA=ON)");
   return false;
 #endif
+}
+
+// Whether the full runs go to cuDNN (DFLASH_BSA_FULL): `cudnn` needs the flash path (a ConfigError
+// before any work elsewhere); auto: flash (cuDNN is not yet measured against it in the step).
+bool full_runs_on_cudnn(bool use_flash) {
+  const std::string v = switches::get("DFLASH_BSA_FULL");
+  DFLASH_CHECK(v != "cudnn" || use_flash, ConfigError,
+               "DFLASH_BSA_FULL=cudnn needs the flash path (CUDA bf16/fp16 attention inputs)");
+  return v == "cudnn";
 }
 
 // dkv [T + Q, Hkv, D] (acc dtype) += the tail's gradients d_tail at rows plan.tail_index
@@ -261,11 +335,18 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       lse = unpack_lse(lse, nb, B, rep);
     }
     // full runs: merged into the rows they cover
+    const bool on_cudnn = full_runs_on_cudnn(use_flash);
+    bool lse_bsh = false;
     for (const auto& f : plan.full) {
       const auto qs = q.narrow(0, f.q_row0, f.q_rows);
       const auto kc = k_ctx.narrow(0, f.k_row0, f.k_rows), vc = v_ctx.narrow(0, f.k_row0, f.k_rows);
       Tensor o, l;
-      if (use_flash) {
+      if (on_cudnn) {
+        auto r = cudnn_forward(q, k_ctx, v_ctx, f, scale);
+        o = r.out;
+        l = r.lse;
+        lse_bsh = lse_bsh || r.lse_bsh;
+      } else if (use_flash) {
         auto r = flash_forward(qs, kc, vc, full_seqs(f), scale);
         o = r.out;
         l = r.lse;
@@ -285,6 +366,8 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     ctx->saved_data["dims"] = std::vector<int64_t>{plan.block, plan.blocks, plan.ctx_rows, plan.tile, plan.max_tail_keys};
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["flash"] = use_flash;
+    ctx->saved_data["cudnn"] = on_cudnn;
+    ctx->saved_data["cudnn_lse_bsh"] = lse_bsh;
     ctx->saved_data["rep"] = rep;
     return out;
   }
@@ -309,7 +392,8 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     plan.cu_k_host = ctx->saved_data["cu_k_host"].toIntVector();
     const auto runs = ctx->saved_data["runs"].toIntVector();
     const double scale = ctx->saved_data["scale"].toDouble();
-    const bool use_flash = ctx->saved_data["flash"].toBool();
+    const bool use_flash = ctx->saved_data["flash"].toBool(), on_cudnn = ctx->saved_data["cudnn"].toBool();
+    const bool lse_bsh = ctx->saved_data["cudnn_lse_bsh"].toBool();
     const auto dout = grads[0].contiguous();
     const int64_t T = k_ctx.size(0);
 
@@ -341,7 +425,9 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       const auto dos = dout.narrow(0, f.q_row0, f.q_rows), os = out.narrow(0, f.q_row0, f.q_rows);
       const auto ls = lse.narrow(1, f.q_row0, f.q_rows);
       Tensor a, b, c;
-      if (use_flash)
+      if (on_cudnn)
+        std::tie(a, b, c) = cudnn_backward(dout, q, k_ctx, v_ctx, out, lse, lse_bsh, f, scale);
+      else if (use_flash)
         std::tie(a, b, c) = flash_backward(dos, qs, kc, vc, os, ls.unsqueeze(0).contiguous(), full_seqs(f), scale, rng, unused);
       else
         std::tie(a, b, c) = ref_backward(dos, qs, kc, vc, os, ls, full_seqs(f), scale);
@@ -407,6 +493,8 @@ BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const s
   p.cu_k = to_device_async(torch::tensor(cu_k, torch::kInt32), device);
   return p;
 }
+
+int64_t block_sparse_cudnn_calls() { return g_cudnn_calls.load(); }
 
 bool block_sparse_flash_supported(const torch::Tensor& q) {
   return q.is_cuda() && (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf) && q.size(-1) <= 256 &&

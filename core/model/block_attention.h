@@ -60,6 +60,10 @@ torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& k_blk, const torch::Tensor& v_blk, const BlockSparsePlan& plan,
                                      double scale, bool use_flash);
 
+// cuDNN attention calls (forward or backward of a full run, DFLASH_BSA_FULL) made by
+// block_sparse_attention since the process started (for tests that check the path really ran).
+int64_t block_sparse_cudnn_calls();
+
 // True when block_sparse_attention can use flash for these inputs (CUDA, bf16/fp16, head dim <= 256).
 bool block_sparse_flash_supported(const torch::Tensor& q);
 

@@ -63,6 +63,12 @@ const std::vector<Switch>& registry() {
        "(fused_train::merge_attention_rows; the flash path only; elsewhere, or in a build without CUDA kernels, "
        "a config error); auto: kernel on the flash path of a CUDA build, else ops.",
        true, false},
+      {"DFLASH_BSA_FULL", Kind::kChoice, {"flash", "cudnn"}, kAuto,
+       "The drafter's block-sparse attention: its full-tile runs (each an unmasked attention of a block range "
+       "over a context prefix; nearly all its FLOPs), forward and backward, on PyTorch's flash kernels or on "
+       "cuDNN's fused attention (query rows widened to multiples of 128 so that cuDNN's per-shape plans stay a "
+       "bounded set; cudnn: the flash path only, else a config error); auto: flash.",
+       true, false},
       {"DFLASH_ROPE_TRAIN", Kind::kChoice, {"ops", "kernel"}, kAuto,
        "The drafter layers' RoPE (queries, block keys, context keys), forward and backward: LibTorch ops (a "
        "negation, a cat, two broadcast products and a sum), or kernel: one CUDA pass each way "

@@ -9,7 +9,7 @@
 // kernel; the tail call with its query heads packed per KV head (DFLASH_BSA_GQA_PACK) and not, its
 // gradients scattered by index_add_ or by the CUDA kernel (DFLASH_BSA_SCATTER), the full-tile runs
 // merged by LibTorch ops or by the CUDA kernel (DFLASH_BSA_MERGE; the kernel also against the ops
-// alone). (6) GPU: the fused RMSNorm / SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the
+// alone), the full-tile runs on flash or on cuDNN (DFLASH_BSA_FULL). (6) GPU: the fused RMSNorm / SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the
 // LibTorch ops of the same autograd functions (the tolerances are stated with the tests). (7) The
 // block inputs gathered from a host embedding (train.embed_on_host) against F::embedding, bitwise
 // (CPU), and a micro-batch with the embedding on the host against on the device (GPU, bitwise).
@@ -485,6 +485,23 @@ TEST(BlockSparseAttention, MergeKernelNeedsTheFlashPath) {
   }
 }
 
+// cuDNN for the full runs likewise needs the flash path (CUDA bf16/fp16 inputs).
+TEST(BlockSparseAttention, FullRunsOnCudnnNeedTheFlashPath) {
+  ScopedSwitch full("DFLASH_BSA_FULL", "cudnn");
+  const auto c = small_case();
+  const auto plan = model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, torch::kCPU);
+  ASSERT_FALSE(plan.full.empty());
+  auto in = make_inputs(c, torch::TensorOptions().dtype(torch::kFloat64), 7);
+  const int64_t before = model::block_sparse_cudnn_calls();
+  try {
+    model::block_sparse_attention(in.t[0], in.t[1], in.t[2], in.t[3], in.t[4], plan, 0.25, /*use_flash=*/false);
+    ADD_FAILURE() << "no ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("DFLASH_BSA_FULL=cudnn needs the flash path"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(model::block_sparse_cudnn_calls(), before);
+}
+
 TEST(BlockSparseAttention, DrafterForwardAndGradsEqualMaskedPath) {
   const auto cfg = small_drafter(32, 8, 48, 3, 64);
   const auto c = small_case();
@@ -534,16 +551,20 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
   // one merge per full run in the forward.
   const auto runs = static_cast<int64_t>(model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, torch::kCPU).full.size());
   ASSERT_GT(runs, 0);
-  for (const char* mode : {"off", "on"})  // the tail's query heads packed per KV head (rep 4) or not
-    for (const auto& scatter : scatters)
-      for (const auto& merge : merges) {
-        ScopedSwitch pack("DFLASH_BSA_GQA_PACK", mode), sc("DFLASH_BSA_SCATTER", scatter.c_str()),
-            mg("DFLASH_BSA_MERGE", merge.c_str());
-        SCOPED_TRACE(std::string("DFLASH_BSA_GQA_PACK=") + mode + " DFLASH_BSA_SCATTER=" + scatter + " DFLASH_BSA_MERGE=" + merge);
-        const int64_t before = train_kernel_launches();
-        compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
-        EXPECT_EQ(train_kernel_launches() - before, (scatter == "kernel" ? 2 : 0) + (merge == "kernel" ? runs : 0));
-      }
+  // The full runs on flash or on cuDNN (one forward and one backward call a run).
+  for (const char* full : {"flash", "cudnn"})
+    for (const char* mode : {"off", "on"})  // the tail's query heads packed per KV head (rep 4) or not
+      for (const auto& scatter : scatters)
+        for (const auto& merge : merges) {
+          ScopedSwitch fl("DFLASH_BSA_FULL", full), pack("DFLASH_BSA_GQA_PACK", mode), sc("DFLASH_BSA_SCATTER", scatter.c_str()),
+              mg("DFLASH_BSA_MERGE", merge.c_str());
+          SCOPED_TRACE(std::string("DFLASH_BSA_FULL=") + full + " DFLASH_BSA_GQA_PACK=" + mode + " DFLASH_BSA_SCATTER=" + scatter +
+                       " DFLASH_BSA_MERGE=" + merge);
+          const int64_t before = train_kernel_launches(), cudnn_before = model::block_sparse_cudnn_calls();
+          compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
+          EXPECT_EQ(train_kernel_launches() - before, (scatter == "kernel" ? 2 : 0) + (merge == "kernel" ? runs : 0));
+          EXPECT_EQ(model::block_sparse_cudnn_calls() - cudnn_before, std::string(full) == "cudnn" ? 2 * runs : 0);
+        }
 }
 
 #ifdef DFLASH_WITH_CUDA
