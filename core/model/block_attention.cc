@@ -125,8 +125,9 @@ std::tuple<Tensor, Tensor, Tensor> flash_backward(const Tensor& dout, const Tens
 // (a run's rows are independent): the shapes come from (Q / kCudnnRows) x (T / tile) pairs. The
 // forward keeps the run's own rows of the result. The backward gives the extra rows a log-sum-exp
 // of kNoMass, so their probabilities are exactly 0 and they add nothing to dK and dV (their dQ is
-// dropped); out and dO there are the real rows' (finite). Widening costs < kCudnnRows rows of
-// compute a run (~6% at 8192/1024/32).
+// dropped); out and dO there are the real rows' (finite). Widening adds < kCudnnRows query rows a
+// run, at most the part of the last query tile that the kernel would otherwise mask (its tiles are
+// 64 or 128 rows).
 // The ops take [1, H, S, D] views of our [S, H, D] rows. The log-sum-exp comes back as [1, Hq, S, 1]
 // fp32, laid out [Hq, S] (BHS), or [S, Hq] (BSH) on PyTorch's ragged path (the user's
 // TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1); the backward gets it in the forward's layout.
