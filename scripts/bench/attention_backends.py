@@ -33,11 +33,17 @@ def plan_runs(T, anchors, B, tile, gen):
     return runs
 
 
-def timed(fn, repeats):
+def timed(fn, repeats, setup=None):
+    """Median ms of fn over `repeats` runs (after one untimed run); setup() runs before each, untimed."""
+    if setup:
+        setup()
     fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(repeats):
+        if setup:
+            setup()
+            torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()
@@ -121,18 +127,7 @@ def main():
             first = time.perf_counter() - t0
             cf = timed(lambda: cudnn_fwd(False), a.repeats)
             # backward timed alone: the forwards run outside the events
-            bt = []
-            for _ in range(a.repeats):
-                cudnn_fwd()
-                torch.cuda.synchronize()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                cudnn_bwd()
-                e.record()
-                torch.cuda.synchronize()
-                bt.append(s.elapsed_time(e))
-            bt.sort()
-            cb = bt[len(bt) // 2]
+            cb = timed(cudnn_bwd, a.repeats, setup=cudnn_fwd)
             # first-pass cost for new draws (new run shapes)
             draws = []
             for d in range(a.draws):

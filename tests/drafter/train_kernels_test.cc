@@ -470,36 +470,24 @@ TEST(BlockSparseAttention, ScatterKernelNeedsTheFlashPath) {
   }
 }
 
-// The merge kernel likewise: the forward refuses it before any work.
-TEST(BlockSparseAttention, MergeKernelNeedsTheFlashPath) {
-  ScopedSwitch merge("DFLASH_BSA_MERGE", "kernel");
+// The merge kernel and cuDNN for the full runs likewise: the forward refuses them before any work
+// (no cuDNN call is made).
+TEST(BlockSparseAttention, MergeKernelAndCudnnRunsNeedTheFlashPath) {
   const auto c = small_case();
   const auto plan = model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, torch::kCPU);
   ASSERT_FALSE(plan.full.empty());
   auto in = make_inputs(c, torch::TensorOptions().dtype(torch::kFloat64), 7);
-  try {
-    model::block_sparse_attention(in.t[0], in.t[1], in.t[2], in.t[3], in.t[4], plan, 0.25, /*use_flash=*/false);
-    ADD_FAILURE() << "no ConfigError";
-  } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("DFLASH_BSA_MERGE=kernel needs"), std::string::npos) << e.what();
+  for (const auto& [name, value] : {std::pair{"DFLASH_BSA_MERGE", "kernel"}, std::pair{"DFLASH_BSA_FULL", "cudnn"}}) {
+    ScopedSwitch sw(name, value);
+    const int64_t before = model::block_sparse_cudnn_calls();
+    try {
+      model::block_sparse_attention(in.t[0], in.t[1], in.t[2], in.t[3], in.t[4], plan, 0.25, /*use_flash=*/false);
+      ADD_FAILURE() << name << ": no ConfigError";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string(name) + "=" + value + " needs"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(model::block_sparse_cudnn_calls(), before) << name;
   }
-}
-
-// cuDNN for the full runs likewise needs the flash path (CUDA bf16/fp16 inputs).
-TEST(BlockSparseAttention, FullRunsOnCudnnNeedTheFlashPath) {
-  ScopedSwitch full("DFLASH_BSA_FULL", "cudnn");
-  const auto c = small_case();
-  const auto plan = model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, torch::kCPU);
-  ASSERT_FALSE(plan.full.empty());
-  auto in = make_inputs(c, torch::TensorOptions().dtype(torch::kFloat64), 7);
-  const int64_t before = model::block_sparse_cudnn_calls();
-  try {
-    model::block_sparse_attention(in.t[0], in.t[1], in.t[2], in.t[3], in.t[4], plan, 0.25, /*use_flash=*/false);
-    ADD_FAILURE() << "no ConfigError";
-  } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("DFLASH_BSA_FULL=cudnn needs the flash path"), std::string::npos) << e.what();
-  }
-  EXPECT_EQ(model::block_sparse_cudnn_calls(), before);
 }
 
 TEST(BlockSparseAttention, DrafterForwardAndGradsEqualMaskedPath) {
