@@ -448,15 +448,20 @@ json bench_ours(const Flags& f, const torch::Device& device, const std::optional
   return out;
 }
 
+// The baseline's warm-up steps: --baseline-warmup (checked >= 1 at the start), else ours.
+int64_t baseline_warmup(const Flags& f, const json& ours) {
+  return f.get_int("baseline-warmup", ours.at("warmup").get<int64_t>());
+}
+
 // " --FLAG VALUE" for the shape and timing flags both baselines take (values as our JSON reports
-// them), plus `extra` (flag, JSON key) pairs.
-std::string shape_flags(const json& ours, const std::vector<std::pair<std::string, std::string>>& extra) {
+// them, but the warm-up: --baseline-warmup when given), plus `extra` (flag, JSON key) pairs.
+std::string shape_flags(const Flags& f, const json& ours, const std::vector<std::pair<std::string, std::string>>& extra) {
   std::vector<std::pair<std::string, std::string>> pairs{
       {"hidden", "hidden"},   {"layers", "layers"},       {"heads", "heads"},     {"kv-heads", "kv_heads"},
       {"head-dim", "head_dim"}, {"intermediate", "intermediate"}, {"vocab", "vocab"}, {"context", "context"},
-      {"anchors", "anchors"}, {"block-size", "block_size"}, {"warmup", "warmup"}, {"repeats", "repeats"}};
+      {"anchors", "anchors"}, {"block-size", "block_size"}, {"repeats", "repeats"}};
   pairs.insert(pairs.end(), extra.begin(), extra.end());
-  std::string flags;
+  std::string flags = " --warmup " + std::to_string(baseline_warmup(f, ours));
   for (const auto& [flag, key] : pairs) flags += " --" + flag + " " + std::to_string(ours.at(key).get<int64_t>());
   return flags;
 }
@@ -466,7 +471,7 @@ std::string shape_flags(const json& ours, const std::vector<std::pair<std::strin
 std::string eager_baseline_command(const Flags& f, const json& ours) {
   const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/reference/bench_drafter_baseline.py";
   std::string cmd = shell_quote(script) + " --device " + shell_quote(f.get("device", "cuda"));
-  cmd += shape_flags(ours, {{"docs", "docs"}});
+  cmd += shape_flags(f, ours, {{"docs", "docs"}});
   cmd += " --chunk-rows " + std::to_string(f.get_int("baseline-chunk-rows", 2048));
   cmd += " --peak-tflops " + std::to_string(f.get_double("peak-tflops", 790.0));
   if (ours.at("soft_labels").get<bool>()) cmd += " --soft-labels";
@@ -484,7 +489,7 @@ std::string specforge_baseline_command(const Flags& f, const json& ours) {
   const bool cuda = model::parse_device(device).is_cuda();
   const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/bench/specforge_drafter_step.py";
   std::string cmd = shell_quote(script) + " --device " + shell_quote(device);
-  cmd += shape_flags(ours, {{"context-layers", "context_layers"}});
+  cmd += shape_flags(f, ours, {{"context-layers", "context_layers"}});
   cmd += " --gamma " + std::to_string(ours.at("gamma").get<double>());
   cmd += cuda ? " --dtype bfloat16 --attention flex_attention --wrap fsdp" : " --dtype float32 --attention sdpa --wrap none";
   return cmd;
@@ -514,6 +519,7 @@ void add_baseline(const Flags& f, const std::string& kind, json& out) {
     out["baseline_same_objective"] = !soft;
   }
   out["baseline_kind"] = kind;
+  out["baseline_warmup"] = baseline_warmup(f, out);
   out["baseline"] = base;
   out["baseline_median_step_ms"] = base_s * 1e3;
   out["baseline_tokens_per_s"] = double(out.at("context").get<int64_t>() * out.at("docs").get<int64_t>()) / base_s;
@@ -530,12 +536,14 @@ int cmd_bench_drafter(int argc, char** argv) {
   Flags f(argc, argv,
           {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "context", "anchors",
            "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
-           "baseline-chunk-rows", "recompute-mlp", "embed-on",
+           "baseline-chunk-rows", "baseline-warmup", "recompute-mlp", "embed-on",
            "loss-curve", "python", "ab"},
           {"soft-labels", "profile", "recompute-mlp"});
   const std::string baseline = f.get("baseline", "");
   DFLASH_CHECK(baseline.empty() || baseline == "eager" || baseline == "specforge", ConfigError,
                "--baseline: expected eager or specforge, got '" << baseline << "'");
+  DFLASH_CHECK(!f.has("baseline-warmup") || (!baseline.empty() && f.get_int("baseline-warmup", 0) >= 1), ConfigError,
+               "--baseline-warmup: needs --baseline and a value >= 1");
   auto device = model::parse_device(f.get("device", "cuda"));
   bench_embed_on_host(f, device);  // a bad --embed-on fails before any work
   const int64_t curve_steps = f.get_int("loss-curve", 0);

@@ -4,7 +4,8 @@ numbers, the eager PyTorch baseline's (scripts/reference/bench_drafter_baseline.
 invocation), the ratios and the memory over steps, all finite and positive (creep >= 0). Then
 `--loss-curve 60` twice: 60 finite losses, bitwise the same in both runs (the seeds fix the curve,
 which the fused-vs-LibTorch comparison on a GPU relies on), falling over the run; and
-`--loss-curve -1` is a usage error (exit 2). `--embed-on`: without it (default host, the training
+`--loss-curve -1` is a usage error (exit 2), as are `--baseline-warmup 0` and `--baseline-warmup` without
+`--baseline` (the main run gives the baseline 2 warm-up steps to our 1: both in the JSON). `--embed-on`: without it (default host, the training
 default) and with `--embed-on device` the CPU embedding stays where it is (`embed_on_host: false`,
 as in the trainer); `--embed-on gpu` is a usage error (exit 2) naming the flag and its values, and
 the old `--embed-on-host` an unknown flag (exit 2).
@@ -17,7 +18,7 @@ import sys
 cmd = [sys.argv[1], "bench", "drafter", "--device", "cpu", "--hidden", "64", "--vocab", "512", "--context", "128",
        "--anchors", "8", "--block-size", "4", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
        "--intermediate", "128", "--repeats", "2", "--warmup", "1", "--steps", "3", "--soft-labels", "--baseline",
-       "eager"]
+       "eager", "--baseline-warmup", "2"]
 print(" ".join(cmd), flush=True)
 r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
 sys.stderr.write(r.stderr[-4000:])
@@ -63,6 +64,8 @@ if j.get("steps", {}).get("n") != 3:
 if j.get("trainable_params") != j.get("baseline", {}).get("trainable_params"):
     errors.append(f"trainable params differ: ours {j.get('trainable_params')} baseline "
                   f"{j.get('baseline', {}).get('trainable_params')}")
+if j.get("warmup") != 1 or j.get("baseline_warmup") != 2:
+    errors.append(f"warm-ups: ours {j.get('warmup')!r}, baseline {j.get('baseline_warmup')!r}, expected 1 and 2")
 if abs(j.get("speedup_vs_baseline", 0) - j["baseline"]["median_step_s"] / j["median_step_s"]) > 1e-9:
     errors.append("speedup_vs_baseline is not baseline / ours")
 print(f"ours {j['median_step_ms']:.1f} ms, {j['peak_gib']:.2f} GiB; baseline {j['baseline_median_step_ms']:.1f} ms, "
@@ -70,6 +73,10 @@ print(f"ours {j['median_step_ms']:.1f} ms, {j['peak_gib']:.2f} GiB; baseline {j[
       f"{j['memory_ratio_vs_baseline']:.2f}; creep {j['steps']['max_creep_gib']}")
 
 tiny = cmd[:cmd.index("--steps")]
+for bad in (["--baseline-warmup", "0", "--baseline", "eager"], ["--baseline-warmup", "2"]):
+    b = subprocess.run(tiny + bad, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    if b.returncode != 2 or "--baseline-warmup: needs --baseline and a value >= 1" not in b.stderr:
+        errors.append(f"{' '.join(bad)}: exit {b.returncode}, expected 2 naming --baseline-warmup; {b.stderr[-300:]!r}")
 
 
 def loss_curve(n):
