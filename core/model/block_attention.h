@@ -22,7 +22,9 @@
 // memory: nothing quadratic, no repeated KV heads, only the tail gather is copied (and recomputed in
 // backward rather than saved).
 // Kernels: on CUDA with bf16/fp16, PyTorch's flash attention (varlen for the tail, one batch for each
-// full run; GQA native). Elsewhere a plain reference kernel (per sequence, fp32 or fp64 math) so the
+// full run; GQA native; DFLASH_BSA_FULL=cudnn: the full runs on cuDNN's fused attention instead, each
+// run's query rows widened to a multiple of 128 so that cuDNN's per-shape plans form a bounded set).
+// Elsewhere a plain reference kernel (per sequence, fp32 or fp64 math) so the
 // decomposition itself is tested on CPU against the masked SDPA path.
 #pragma once
 #include <torch/torch.h>
