@@ -130,7 +130,8 @@ std::tuple<Tensor, Tensor, Tensor> flash_backward(const Tensor& dout, const Tens
 // 64 or 128 rows).
 // The ops take [1, H, S, D] views of our [S, H, D] rows. The log-sum-exp comes back as [1, Hq, S, 1]
 // fp32, laid out [Hq, S] (BHS), or [S, Hq] (BSH) on PyTorch's ragged path (the user's
-// TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1); the backward gets it in the forward's layout.
+// TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1; strides seen on the H200: (Hq*S, 1, Hq, 1)); the backward gets
+// it in the forward's layout (the BSH case has not run through our backward on a GPU yet).
 constexpr int64_t kCudnnRows = 128;
 constexpr double kNoMass = 1e4;  // exp(score - 1e4) is 0 in fp32 for any score below ~1e4 - 104
 std::atomic<int64_t> g_cudnn_calls{0};
@@ -252,7 +253,9 @@ bool use_kernel(const char* name, bool use_flash) {
 }
 
 // Whether the full runs go to cuDNN (DFLASH_BSA_FULL): `cudnn` needs the flash path (a ConfigError
-// before any work elsewhere); auto: flash (cuDNN is not yet measured against it in the step).
+// before any work elsewhere); auto: flash (on the H200 cuDNN's steps are faster once its plans are
+// built, but the plans still being built over the first hundreds of steps make it level with flash
+// in a bench's tens of steps; docs/perf.md).
 bool full_runs_on_cudnn(bool use_flash) {
   const std::string v = switches::get("DFLASH_BSA_FULL");
   DFLASH_CHECK(v != "cudnn" || use_flash, ConfigError,
