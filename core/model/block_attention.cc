@@ -153,10 +153,10 @@ struct CudnnOut {
   Tensor out, lse;  // the run's rows: [rows, Hq, D]; [Hq, rows] (a view in cuDNN's layout)
   bool lse_bsh = false;
 };
-CudnnOut cudnn_forward(const Tensor& q, const Tensor& k_ctx, const Tensor& v_ctx, const BlockSparsePlan::Full& f, double scale) {
+// Run f over its keys kc / vc ([k_rows, Hkv, D], the context prefix it sees).
+CudnnOut cudnn_forward(const Tensor& q, const Tensor& kc, const Tensor& vc, const BlockSparsePlan::Full& f, double scale) {
   g_cudnn_calls.fetch_add(1);
   const Widened w = widen(f, q.size(0));
-  const auto kc = k_ctx.narrow(0, f.k_row0, f.k_rows), vc = v_ctx.narrow(0, f.k_row0, f.k_rows);
   auto r = at::_scaled_dot_product_cudnn_attention(bshd(q.narrow(0, w.row0, w.rows)), bshd(kc), bshd(vc), std::nullopt,
                                                    /*compute_log_sumexp=*/true, 0.0, false, false, scale);
   const Tensor& l = std::get<1>(r);
@@ -164,21 +164,30 @@ CudnnOut cudnn_forward(const Tensor& q, const Tensor& k_ctx, const Tensor& v_ctx
           w.rows > 1 && q.size(1) > 1 && l.stride(2) != 1};
 }
 // Gradients of run f's rows given the MERGED out and lse (all rows; see the header): dq of its rows,
-// dk and dv of its keys.
-std::tuple<Tensor, Tensor, Tensor> cudnn_backward(const Tensor& dout, const Tensor& q, const Tensor& k_ctx, const Tensor& v_ctx,
+// dk and dv of its keys kc / vc. `no_dropout`: any int64 tensor on the device (the seed and offset
+// cuDNN's op takes; unread without dropout).
+std::tuple<Tensor, Tensor, Tensor> cudnn_backward(const Tensor& dout, const Tensor& q, const Tensor& kc, const Tensor& vc,
                                                   const Tensor& out, const Tensor& lse, bool lse_bsh,
-                                                  const BlockSparsePlan::Full& f, double scale) {
+                                                  const BlockSparsePlan::Full& f, double scale, const Tensor& no_dropout) {
   g_cudnn_calls.fetch_add(1);
   const Widened w = widen(f, q.size(0));
   const int64_t Hq = q.size(1);
-  auto l = torch::full({w.rows, Hq}, kNoMass, lse.options());  // BSH; a transposed view is BHS
-  l.narrow(0, w.off, f.q_rows).copy_(lse.narrow(1, f.q_row0, f.q_rows).t());
-  const Tensor l4 = lse_bsh ? l.view({1, w.rows, Hq, 1}).transpose(1, 2) : l.t().contiguous().view({1, Hq, w.rows, 1});
-  const Tensor none = torch::empty({}, q.options().dtype(torch::kInt64));  // dropout seed / offset: unused here
+  // The widened rows' log-sum-exp, built in the layout the forward returned (one fill, one copy).
+  const auto run_lse = lse.narrow(1, f.q_row0, f.q_rows);  // [Hq, q_rows]
+  Tensor l4;
+  if (lse_bsh) {
+    auto l = torch::full({w.rows, Hq}, kNoMass, lse.options());
+    l.narrow(0, w.off, f.q_rows).copy_(run_lse.t());
+    l4 = l.view({1, w.rows, Hq, 1}).transpose(1, 2);
+  } else {
+    auto l = torch::full({Hq, w.rows}, kNoMass, lse.options());
+    l.narrow(1, w.off, f.q_rows).copy_(run_lse);
+    l4 = l.view({1, Hq, w.rows, 1});
+  }
   auto rows = [&](const Tensor& x) { return bshd(x.narrow(0, w.row0, w.rows)); };
-  const auto kc = k_ctx.narrow(0, f.k_row0, f.k_rows), vc = v_ctx.narrow(0, f.k_row0, f.k_rows);
-  auto r = at::_scaled_dot_product_cudnn_attention_backward(rows(dout), rows(q), bshd(kc), bshd(vc), rows(out), l4, none, none,
-                                                            Tensor(), Tensor(), Tensor(), w.rows, f.k_rows, 0.0, false, scale);
+  auto r = at::_scaled_dot_product_cudnn_attention_backward(rows(dout), rows(q), bshd(kc), bshd(vc), rows(out), l4, no_dropout,
+                                                            no_dropout, Tensor(), Tensor(), Tensor(), w.rows, f.k_rows, 0.0,
+                                                            false, scale);
   return {from_bshd(std::get<0>(r)).narrow(0, w.off, f.q_rows), from_bshd(std::get<1>(r)), from_bshd(std::get<2>(r))};
 }
 
@@ -346,7 +355,7 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       const auto kc = k_ctx.narrow(0, f.k_row0, f.k_rows), vc = v_ctx.narrow(0, f.k_row0, f.k_rows);
       Tensor o, l;
       if (on_cudnn) {
-        auto r = cudnn_forward(q, k_ctx, v_ctx, f, scale);
+        auto r = cudnn_forward(q, kc, vc, f, scale);
         o = r.out;
         l = r.lse;
         lse_bsh = lse_bsh || r.lse_bsh;
@@ -422,6 +431,7 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     auto dkv_v = torch::zeros_like(dkv_k);
     scatter_tail(dkv_k, dkt, plan.tail_index, use_flash);
     scatter_tail(dkv_v, dvt, plan.tail_index, use_flash);
+    const Tensor no_dropout = on_cudnn ? torch::empty({}, q.options().dtype(torch::kInt64)) : Tensor();
     for (size_t r = 0; r < runs.size(); r += 4) {
       const BlockSparsePlan::Full f{runs[r], runs[r + 1], runs[r + 2], runs[r + 3]};
       const auto qs = q.narrow(0, f.q_row0, f.q_rows);
@@ -430,7 +440,7 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       const auto ls = lse.narrow(1, f.q_row0, f.q_rows);
       Tensor a, b, c;
       if (on_cudnn)
-        std::tie(a, b, c) = cudnn_backward(dout, q, k_ctx, v_ctx, out, lse, lse_bsh, f, scale);
+        std::tie(a, b, c) = cudnn_backward(dout, q, kc, vc, out, lse, lse_bsh, f, scale, no_dropout);
       else if (use_flash)
         std::tie(a, b, c) = flash_backward(dos, qs, kc, vc, os, ls.unsqueeze(0).contiguous(), full_seqs(f), scale, rng, unused);
       else

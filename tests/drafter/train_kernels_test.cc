@@ -9,8 +9,8 @@
 // kernel; the tail call with its query heads packed per KV head (DFLASH_BSA_GQA_PACK) and not, its
 // gradients scattered by index_add_ or by the CUDA kernel (DFLASH_BSA_SCATTER), the full-tile runs
 // merged by LibTorch ops or by the CUDA kernel (DFLASH_BSA_MERGE; the kernel also against the ops
-// alone), the full-tile runs on flash or on cuDNN (DFLASH_BSA_FULL). (6) GPU: the fused RMSNorm / SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the
-// LibTorch ops of the same autograd functions (the tolerances are stated with the tests). (7) The
+// alone), the full-tile runs on flash or on cuDNN (DFLASH_BSA_FULL). (6) GPU: the fused RMSNorm /
+// SwiGLU training kernels (DFLASH_FUSED_TRAIN_OPS=on) against the LibTorch ops of the same autograd functions (the tolerances are stated with the tests). (7) The
 // block inputs gathered from a host embedding (train.embed_on_host) against F::embedding, bitwise
 // (CPU), and a micro-batch with the embedding on the host against on the device (GPU, bitwise).
 #include <gtest/gtest.h>
