@@ -283,12 +283,13 @@ void scatter_tail(const Tensor& dkv, const Tensor& d_tail, const Tensor& index, 
   dkv.index_add_(0, index, d_tail.to(dkv.scalar_type()));
 }
 
-// One full run's o [rows, Hq, D] and lse l [Hq, rows] merged into out32's rows [q_row0, + rows) and
-// lse's columns there (the tail's result and lse so far), by log-sum-exp: LibTorch ops, or with
-// `kernel` (use_kernel) fused_train::merge_attention_rows (the same rounding points, one launch).
-void merge_run(const Tensor& out32, const Tensor& lse, const Tensor& o, const Tensor& l, const BlockSparsePlan::Full& f,
+// One full run's o [rows, Hq, D] and lse l [Hq, rows] merged into acc's rows [q_row0, + rows) and
+// lse's columns there (the tail's result and lse so far), by log-sum-exp: LibTorch ops (acc fp32), or
+// with `kernel` (use_kernel) fused_train::merge_attention_rows (the same rounding points, one launch;
+// acc fp32 or, the half-precision accumulator, q's dtype).
+void merge_run(const Tensor& acc, const Tensor& lse, const Tensor& o, const Tensor& l, const BlockSparsePlan::Full& f,
                bool kernel) {
-  const auto rows = out32.narrow(0, f.q_row0, f.q_rows);
+  const auto rows = acc.narrow(0, f.q_row0, f.q_rows);
   const auto lt = lse.narrow(1, f.q_row0, f.q_rows);
 #ifdef DFLASH_WITH_CUDA
   if (kernel) {
@@ -299,13 +300,56 @@ void merge_run(const Tensor& out32, const Tensor& lse, const Tensor& o, const Te
   (void)kernel;  // never true here: use_kernel refuses it in a build without CUDA kernels
 #endif
   auto merged = torch::logaddexp(lt, l);
-  auto wt = torch::exp(lt - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
-  auto wf = torch::exp(l - merged).transpose(0, 1).unsqueeze(-1).to(out32.scalar_type());
-  // In place: rows * wt, then + o * wf in one pass (o promoted to out32's dtype inside the kernel: no
+  auto wt = torch::exp(lt - merged).transpose(0, 1).unsqueeze(-1).to(acc.scalar_type());
+  auto wf = torch::exp(l - merged).transpose(0, 1).unsqueeze(-1).to(acc.scalar_type());
+  // In place: rows * wt, then + o * wf in one pass (o promoted to acc's dtype inside the kernel: no
   // cast and no [rows, Hq, D] temporary for the product).
   rows.mul_(wt).addcmul_(o, wf);
   lt.copy_(merged);
 }
+
+// The full runs' key and value gradients into dkv_k / dkv_v (fp32 [T + Q, Hkv, D], the tail's
+// already scattered in): added as each run's come (LibTorch add_), or, with the merge kernel (the
+// half-precision accumulator), held and added kMaxKeyRuns runs a launch, the last launch writing
+// the context rows [0, T) straight to the result's dtype (fused_train::add_key_runs: bitwise the
+// add_ sequence and the cast, without a read-modify-write of the accumulator per run).
+class KeyGradRuns {
+ public:
+  KeyGradRuns(const Tensor& dkv_k, const Tensor& dkv_v, bool kernel) : k_(dkv_k), v_(dkv_v), kernel_(kernel) {}
+  void add(const Tensor& dk, const Tensor& dv, int64_t row0) {
+    if (!kernel_) {
+      k_.narrow(0, row0, dk.size(0)).add_(dk);
+      v_.narrow(0, row0, dv.size(0)).add_(dv);
+      return;
+    }
+#ifdef DFLASH_WITH_CUDA
+    pk_.push_back({dk.contiguous(), row0});
+    pv_.push_back({dv.contiguous(), row0});
+    if (pk_.size() < size_t(fused_train::kMaxKeyRuns)) return;
+    fused_train::add_key_runs(k_, pk_, Tensor());
+    fused_train::add_key_runs(v_, pv_, Tensor());
+    pk_.clear();
+    pv_.clear();
+#endif
+  }
+  // The context rows [0, T) of the key and value gradients, in `dt`.
+  std::pair<Tensor, Tensor> context_grads(int64_t T, torch::ScalarType dt) {
+    if (!kernel_) return {k_.narrow(0, 0, T).to(dt), v_.narrow(0, 0, T).to(dt)};
+    auto gk = torch::empty({T, k_.size(1), k_.size(2)}, k_.options().dtype(dt)), gv = torch::empty_like(gk);
+#ifdef DFLASH_WITH_CUDA
+    fused_train::add_key_runs(k_, pk_, gk);
+    fused_train::add_key_runs(v_, pv_, gv);
+#endif
+    return {gk, gv};
+  }
+
+ private:
+  Tensor k_, v_;
+  bool kernel_;
+#ifdef DFLASH_WITH_CUDA
+  std::vector<fused_train::KeyRun> pk_, pv_;
+#endif
+};
 
 // Rows plan.tail_index of cat(ctx, blk). When the cat has fewer rows than the tail (training: the
 // context is the micro-batch's own, and every block sees most of a tile of it), the cat is built and
@@ -329,7 +373,6 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     const int64_t rep = tail_pack(q, k_ctx, use_flash), nb = plan.blocks, B = plan.block;
     const Seqs ts = packed_tail_seqs(plan, rep);
     const Tensor qt = rep == 1 ? q : pack_rows(q, nb, B, rep);
-    Tensor out32 = torch::empty(q.sizes(), q.options().dtype(use_flash ? torch::kFloat32 : math_type(q)));
     Tensor ot, lse, tail_lse_layout, rng, unused;
     if (use_flash) {
       auto f = flash_forward(qt, kt, vt, ts, scale);
@@ -341,10 +384,15 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     } else {
       std::tie(ot, lse) = ref_forward(qt, kt, vt, ts, scale);
     }
+    // The accumulator: fp32 (math_type off flash), or with the merge kernel q's dtype itself (every
+    // row meets at most one full run, and the kernel rounds the fp32 merge once, as the fp32
+    // accumulator's final cast would: bitwise the same result without an fp32 [Q, Hq, D] pass).
+    const auto acc_type = merge_kernel ? q.scalar_type() : use_flash ? torch::kFloat32 : math_type(q);
+    Tensor acc = rep == 1 && ot.scalar_type() == acc_type ? ot : torch::empty(q.sizes(), q.options().dtype(acc_type));
     if (rep == 1) {
-      out32.copy_(ot);
+      if (!acc.is_same(ot)) acc.copy_(ot);
     } else {
-      unpack_rows_into(out32, ot, nb, B, rep);
+      unpack_rows_into(acc, ot, nb, B, rep);
       lse = unpack_lse(lse, nb, B, rep);
     }
     // full runs: merged into the rows they cover
@@ -366,9 +414,9 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       } else {
         std::tie(o, l) = ref_forward(qs, kc, vc, full_seqs(f), scale);
       }
-      merge_run(out32, lse, o, l, f, merge_kernel);
+      merge_run(acc, lse, o, l, f, merge_kernel);
     }
-    auto out = out32.to(q.scalar_type());
+    auto out = acc.to(q.scalar_type());
     // rng / unused / tail_lse_layout stay undefined on the reference kernel's path.
     ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, plan.tail_index, plan.cu_q, plan.cu_k, rng, unused,
                             tail_lse_layout, plan.tail_ctx_src, plan.tail_ctx_dst, plan.tail_blk_dst});
@@ -421,16 +469,23 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       std::tie(dqt, dkt, dvt) = flash_backward(dot, qt, kt, vt, ot, lse_to_flash(lt, tail_lse_layout), ts, scale, rng, unused);
     else
       std::tie(dqt, dkt, dvt) = ref_backward(dot, qt, kt, vt, ot, lt, ts, scale);
+    // dq: every row gets at most one full run's addition, so with the merge kernel (the half-precision
+    // accumulator) it is summed in q's dtype (one fp32 sum rounded once: what the fp32 accumulator and
+    // its final cast give); dK / dV, summed over many runs, stay fp32.
+    const bool half_acc = use_kernel("DFLASH_BSA_MERGE", use_flash);
     const auto acc = use_flash ? torch::kFloat32 : math_type(q);
-    Tensor dq = torch::empty(q.sizes(), q.options().dtype(acc));
-    if (rep == 1)
-      dq.copy_(dqt);
-    else
+    const auto dq_type = half_acc ? q.scalar_type() : acc;
+    Tensor dq = rep == 1 && dqt.scalar_type() == dq_type ? dqt : torch::empty(q.sizes(), q.options().dtype(dq_type));
+    if (rep == 1) {
+      if (!dq.is_same(dqt)) dq.copy_(dqt);
+    } else {
       unpack_rows_into(dq, dqt, nb, B, rep);
+    }
     auto dkv_k = torch::zeros({T + k_blk.size(0), k_ctx.size(1), k_ctx.size(2)}, k_ctx.options().dtype(acc));
     auto dkv_v = torch::zeros_like(dkv_k);
     scatter_tail(dkv_k, dkt, plan.tail_index, use_flash);
     scatter_tail(dkv_v, dvt, plan.tail_index, use_flash);
+    KeyGradRuns key_runs(dkv_k, dkv_v, half_acc);
     const Tensor no_dropout = on_cudnn ? torch::empty({}, q.options().dtype(torch::kInt64)) : Tensor();
     for (size_t r = 0; r < runs.size(); r += 4) {
       const BlockSparsePlan::Full f{runs[r], runs[r + 1], runs[r + 2], runs[r + 3]};
@@ -445,14 +500,14 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
         std::tie(a, b, c) = flash_backward(dos, qs, kc, vc, os, ls.unsqueeze(0).contiguous(), full_seqs(f), scale, rng, unused);
       else
         std::tie(a, b, c) = ref_backward(dos, qs, kc, vc, os, ls, full_seqs(f), scale);
-      // Accumulated in acc (fp32 on flash): add_ promotes the bf16 part itself, no cast pass.
+      // add_ promotes the bf16 part itself, no cast pass.
       dq.narrow(0, f.q_row0, f.q_rows).add_(a);
-      dkv_k.narrow(0, f.k_row0, f.k_rows).add_(b);
-      dkv_v.narrow(0, f.k_row0, f.k_rows).add_(c);
+      key_runs.add(b, c, f.k_row0);
     }
+    auto [dk_ctx, dv_ctx] = key_runs.context_grads(T, k_ctx.scalar_type());
     return {dq.to(q.scalar_type()),
-            dkv_k.narrow(0, 0, T).to(k_ctx.scalar_type()),
-            dkv_v.narrow(0, 0, T).to(v_ctx.scalar_type()),
+            dk_ctx,
+            dv_ctx,
             dkv_k.narrow(0, T, k_blk.size(0)).to(k_blk.scalar_type()),
             dkv_v.narrow(0, T, v_blk.size(0)).to(v_blk.scalar_type()),
             Tensor(), Tensor(), Tensor()};

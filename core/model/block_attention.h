@@ -18,6 +18,10 @@
 // part's share of dq, dk, dv (P = exp(S - lse) and rowsum(dO * out) are the full softmax's); the
 // gathered tail keys' gradients are scattered back with index_add (fp32 accumulation;
 // DFLASH_BSA_SCATTER=kernel: one CUDA pass with fp32 atomics from the half-precision gradients).
+// A block belongs to at most one full run, so every query row is merged with at most one run: with
+// DFLASH_BSA_MERGE=kernel the result and dq are summed in the inputs' dtype (one fp32 sum rounded
+// once, bitwise what an fp32 accumulator and its cast give), the runs' dk / dv in fp32 (a context
+// row can be in every run) up to 8 runs a pass.
 // Work: ~ the visible keys plus < tile per block (the masked call attends the whole group prefix);
 // memory: nothing quadratic, no repeated KV heads, only the tail gather is copied (and recomputed in
 // backward rather than saved).
@@ -45,7 +49,7 @@ struct BlockSparsePlan {
   torch::Tensor cu_q, cu_k;       // [blocks + 1] int32 on the device
   std::vector<int64_t> cu_k_host;
   int64_t max_tail_keys = 0;
-  struct Full {
+  struct Full {  // disjoint query ranges (a block is in at most one run), in query order
     int64_t q_row0, q_rows, k_row0, k_rows;
   };
   std::vector<Full> full;

@@ -265,15 +265,18 @@ def host_peak_gib():
 
 def counted_flops(a, K, T):
     """Identical to services/drafter/bench_drafter.cc: 3x forward of the draft layers on N*B query
-    rows, their K/V projections over the context, the average visible keys, fc over T tokens and the
-    lm_head over N*(B-1) rows."""
+    rows, their K/V projections over the context and the average visible keys; 2x forward of the fc
+    over T tokens (no input gradient) and of the frozen lm_head over N*(B-1) rows (no weight
+    gradient); one more lm_head forward for the target's logits with soft labels."""
     H, N, B, D, Hq, Hkv, I, L = (a.hidden, a.anchors, a.block_size, a.head_dim, a.heads, a.kv_heads,
                                  a.intermediate, a.layers)
     Q = N * B
     layer_q = 2.0 * Q * (H * Hq * D * 2 + H * Hkv * D * 2 + 3 * H * I)
     layer_ctx = 2.0 * T * H * Hkv * D * 2
     attn = 4.0 * Q * Hq * D * (a.context / 2.0 + B)
-    return 3 * (L * (layer_q + layer_ctx + attn) + 2.0 * T * K * H * H + 2.0 * N * (B - 1) * H * a.vocab)
+    lm_head = 2.0 * N * (B - 1) * H * a.vocab
+    return (3 * L * (layer_q + layer_ctx + attn) + 2 * (2.0 * T * K * H * H)
+            + (3 if getattr(a, "soft_labels", False) else 2) * lm_head)
 
 
 def make_batch(a, doc_lens, dev, compute, K):

@@ -112,22 +112,34 @@ double timed(const torch::Device& device, const std::function<void()>& fn) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The timed steps in milliseconds, in the order they ran (a plan miss or a clock change shows as one
+// step apart from the rest).
+json step_ms(const std::vector<double>& seconds) {
+  json j = json::array();
+  for (double v : seconds) j.push_back(v * 1e3);
+  return j;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
 
-// FLOPs of one training step: 3x forward (fwd + bwd) of the draft layers on N*B queries, fc over T
-// context tokens, the per-layer K/V projections over the context, and the lm_head over N*(B-1)
-// rows. scripts/reference/bench_drafter_baseline.py counts with the same formula.
-double step_flops(const model::DrafterConfig& cfg, int64_t anchors, int64_t T, int64_t ctx) {
+// FLOPs of one training step, the work done: 3x forward (forward + backward) of the draft layers on
+// N*B queries, their K/V projections over the context and the attention over the average visible
+// keys; the fc over T context tokens and the lm_head over N*(B-1) rows 2x forward each (the fc's
+// input, the target's features, needs no gradient; the frozen lm_head no weight gradient); with soft
+// labels one more lm_head forward for the target's logits. scripts/reference/bench_drafter_baseline.py
+// counts with the same formula.
+double step_flops(const model::DrafterConfig& cfg, int64_t anchors, int64_t T, int64_t ctx, bool soft_labels) {
   const double N = anchors, B = cfg.block_size, Q = N * B, D = cfg.head_dim, Hq = cfg.num_heads,
                Hkv = cfg.num_kv_heads, I = cfg.intermediate_size, L = cfg.num_layers, H = cfg.hidden_size,
                V = cfg.vocab_size, K = cfg.num_context_layers();
   const double layer_q = 2 * Q * (H * Hq * D * 2 + H * Hkv * D * 2 + 3 * H * I);
   const double layer_ctx = 2 * double(T) * H * Hkv * D * 2;
   const double attn = 4 * Q * Hq * D * (ctx / 2.0 + B);  // average visible keys
-  return 3 * (L * (layer_q + layer_ctx + attn) + 2 * double(T) * K * H * H + 2 * N * (B - 1) * H * V);
+  const double lm_head = 2 * N * (B - 1) * H * V;
+  return 3 * L * (layer_q + layer_ctx + attn) + 2 * (2 * double(T) * K * H * H) + (soft_labels ? 3 : 2) * lm_head;
 }
 
 // --profile: one more trainer step under the kineto profiler; the top 60 names by total time, for
@@ -405,7 +417,7 @@ json bench_ours(const Flags& f, const torch::Device& device, const std::optional
   });
   const double t_step = timed(device, step) - t_fwd_bwd;
   const double med = median(times);
-  const double tflops = step_flops(cfg, to.max_anchors, ctx * docs, ctx) / med / 1e12;
+  const double tflops = step_flops(cfg, to.max_anchors, ctx * docs, ctx, to.loss.soft_labels) / med / 1e12;
   const json profile = f.has("profile") ? profile_step(trainer, mb, device) : json::object();
   json out = {{"bench", "drafter"},
               {"device", f.get("device", "cuda")},
@@ -432,6 +444,7 @@ json bench_ours(const Flags& f, const torch::Device& device, const std::optional
               {"repeats", repeats},
               {"median_step_s", med},
               {"median_step_ms", med * 1e3},
+              {"step_ms", step_ms(times)},
               {"tokens_per_s", double(ctx * docs) / med},
               {"tflops", tflops},
               {"mfu", tflops / f.get_double("peak-tflops", 790.0)},
@@ -507,10 +520,10 @@ void add_baseline(const Flags& f, const std::string& kind, json& out) {
   if (specforge) {
     const auto cfg = bench_drafter_config(f);
     const double tflops = step_flops(cfg, out.at("anchors").get<int64_t>(), out.at("context").get<int64_t>(),
-                                     out.at("context").get<int64_t>()) / base_s / 1e12;
+                                     out.at("context").get<int64_t>(), /*soft_labels=*/false) / base_s / 1e12;
     base["tflops"] = tflops;
     base["mfu"] = tflops / f.get_double("peak-tflops", 790.0);
-    base["mfu_note"] = "FLOPs of services/drafter/bench_drafter.cc step_flops (the same work as ours)";
+    base["mfu_note"] = "FLOPs of services/drafter/bench_drafter.cc step_flops (the same work as ours, hard labels)";
     const bool soft = out.at("soft_labels").get<bool>();
     out["baseline_objective"] = soft ? "hard-label CE only: SpecForge 0.2.0's DFlash objective has no soft-label "
                                        "(KL) term, while ours ran with soft labels; the ratio compares different "

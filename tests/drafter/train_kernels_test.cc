@@ -536,7 +536,7 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
   const std::vector<std::string> scatters = {"index_add"}, merges = {"ops"};
 #endif
   // The train_ops.h kernels each setting must launch: two scatters (keys, values) in the backward,
-  // one merge per full run in the forward.
+  // and the merge kernel's (below).
   const auto runs = static_cast<int64_t>(model::plan_block_sparse(c.ctx_begin, c.ctx_len, c.B, c.T, c.tile, torch::kCPU).full.size());
   ASSERT_GT(runs, 0);
   // The full runs on flash or on cuDNN (one forward and one backward call a run).
@@ -550,7 +550,10 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
                        " DFLASH_BSA_MERGE=" + merge);
           const int64_t before = train_kernel_launches(), cudnn_before = model::block_sparse_cudnn_calls();
           compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
-          EXPECT_EQ(train_kernel_launches() - before, (scatter == "kernel" ? 2 : 0) + (merge == "kernel" ? runs : 0));
+          // The merge kernel: one launch a run in the forward; in the backward add_key_runs, keys and values,
+          // once per kMaxKeyRuns runs and once more for the context rows' result.
+          const int64_t key_launches = 2 * (runs / model::fused_train::kMaxKeyRuns + 1);
+          EXPECT_EQ(train_kernel_launches() - before, (scatter == "kernel" ? 2 : 0) + (merge == "kernel" ? runs + key_launches : 0));
           EXPECT_EQ(model::block_sparse_cudnn_calls() - cudnn_before, std::string(full) == "cudnn" ? 2 * runs : 0);
         }
 }
@@ -647,6 +650,85 @@ TEST(BlockSparseAttentionGpu, MergeKernelEqualsOps) {
   EXPECT_THROW(model::fused_train::merge_attention_rows(torch::zeros({4, 2, 8}, cuda), shared.narrow(1, 0, 4),
                                                         torch::zeros({4, 2, 8}, bf), shared.narrow(1, 4, 4)),
                ConfigError);
+}
+
+// The merge kernel into a half-precision accumulator (the attention's, with the merge kernel on):
+// the fp32 accumulator holding the same bf16 / fp16 values, merged by the kernel, then cast, must be
+// bitwise what the kernel stores in place (one rounding of the same fp32 value); rows outside the run
+// untouched; a shifted l must not match (control).
+TEST(BlockSparseAttentionGpu, MergeKernelIntoHalfEqualsFp32ThenCast) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  torch::manual_seed(7);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const int64_t Q = 90, q0 = 11, n = 41;
+  for (auto dt : {torch::kBFloat16, torch::kHalf})
+    for (const auto& [heads, d] : std::vector<std::pair<int64_t, int64_t>>{{32, 128}, {3, 6}}) {
+      SCOPED_TRACE(std::string(dt == torch::kBFloat16 ? "bf16" : "fp16") + " Hq " + std::to_string(heads) + " D " + std::to_string(d));
+      const auto half0 = torch::randn({Q, heads, d}, cuda).to(dt), lse0 = torch::randn({heads, Q}, cuda) * 3 + 4;
+      const auto o = torch::randn({n, heads, d}, cuda).to(dt), l = (torch::randn({n, heads}, cuda) * 3 + 4).t();
+      auto out32 = half0.to(torch::kFloat32), lse32 = lse0.clone();
+      model::fused_train::merge_attention_rows(out32.narrow(0, q0, n), lse32.narrow(1, q0, n), o, l);
+      auto half = half0.clone(), lse = lse0.clone();
+      model::fused_train::merge_attention_rows(half.narrow(0, q0, n), lse.narrow(1, q0, n), o, l);
+      EXPECT_TRUE(torch::equal(half, out32.to(dt))) << "values not bitwise: " << half.ne(out32.to(dt)).sum().item<int64_t>();
+      EXPECT_TRUE(torch::equal(lse, lse32));
+      EXPECT_TRUE(torch::equal(half.narrow(0, 0, q0), half0.narrow(0, 0, q0)));
+      auto bad = half0.clone(), lse_bad = lse0.clone();
+      model::fused_train::merge_attention_rows(bad.narrow(0, q0, n), lse_bad.narrow(1, q0, n), o, l + 0.01);
+      EXPECT_GT(rel(bad.to(torch::kFloat32), half.to(torch::kFloat32)), 1e-4);
+    }
+  EXPECT_THROW(model::fused_train::merge_attention_rows(torch::zeros({4, 2, 8}, cuda.dtype(torch::kHalf)), torch::zeros({2, 4}, cuda),
+                                                        torch::zeros({4, 2, 8}, cuda.dtype(torch::kBFloat16)),
+                                                        torch::zeros({2, 4}, cuda)),
+               ConfigError);  // a half accumulator of another dtype than o
+}
+
+// add_key_runs against the add_ sequence it replaces: 19 runs (three launches: 8, 8, and 3 with the
+// cast) of prefixes and offset ranges, some overlapping, of bf16 / fp16 rows of 96 and 1024 elements
+// into an fp32 accumulator of 300 rows; bitwise the LibTorch adds, in place (rows outside every run
+// untouched) and with the cast into out; a run added at the wrong row must not match (control).
+TEST(BlockSparseAttentionGpu, AddKeyRunsEqualsAddsThenCast) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  namespace ft = model::fused_train;
+  torch::manual_seed(8);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const int64_t R = 300, T = 260;
+  for (auto dt : {torch::kBFloat16, torch::kHalf})
+    for (const auto& [heads, d] : std::vector<std::pair<int64_t, int64_t>>{{8, 128}, {3, 32}}) {
+      SCOPED_TRACE(std::string(dt == torch::kBFloat16 ? "bf16" : "fp16") + " C " + std::to_string(heads * d));
+      const auto acc0 = torch::randn({R, heads, d}, cuda);
+      std::vector<ft::KeyRun> runs;
+      for (int64_t i = 0; i < 19; ++i) {
+        const int64_t row0 = i % 3 == 0 ? 0 : (i * 29) % 120, rows = 20 + (i * 53) % (T - 20 - row0 + 1);
+        runs.push_back({torch::randn({rows, heads, d}, cuda).to(dt), row0});
+      }
+      auto ref = acc0.clone();
+      for (const auto& r : runs) ref.narrow(0, r.row0, r.src.size(0)).add_(r.src);
+      auto inplace = acc0.clone();
+      ft::add_key_runs(inplace, {runs.begin(), runs.begin() + 8}, Tensor());
+      ft::add_key_runs(inplace, {runs.begin() + 8, runs.begin() + 16}, Tensor());
+      auto partial = inplace.clone();
+      ft::add_key_runs(inplace, {runs.begin() + 16, runs.end()}, Tensor());
+      EXPECT_TRUE(torch::equal(inplace, ref)) << "in place: " << inplace.ne(ref).sum().item<int64_t>() << " values differ";
+      EXPECT_TRUE(torch::equal(inplace.narrow(0, T, R - T), acc0.narrow(0, T, R - T)));
+      auto out = torch::empty({T, heads, d}, cuda.dtype(dt));
+      auto before = partial.clone();
+      ft::add_key_runs(partial, {runs.begin() + 16, runs.end()}, out);
+      EXPECT_TRUE(torch::equal(out, ref.narrow(0, 0, T).to(dt))) << "into out: " << out.ne(ref.narrow(0, 0, T).to(dt)).sum().item<int64_t>();
+      EXPECT_TRUE(torch::equal(partial, before)) << "acc must not be written when out is given";
+      auto shifted = runs;
+      shifted.back().row0 += 1;
+      auto bad = partial.clone();
+      ft::add_key_runs(bad, {shifted.begin() + 16, shifted.end()}, Tensor());
+      EXPECT_FALSE(torch::equal(bad, ref));
+    }
+  const auto bf = cuda.dtype(torch::kBFloat16);
+  auto acc = torch::zeros({10, 8}, cuda);
+  EXPECT_THROW(ft::add_key_runs(acc, std::vector<ft::KeyRun>(ft::kMaxKeyRuns + 1, {torch::zeros({2, 8}, bf), 0}), Tensor()),
+               ConfigError);  // too many runs for one launch
+  EXPECT_THROW(ft::add_key_runs(acc, {{torch::zeros({4, 8}, bf), 8}}, Tensor()), ConfigError);  // rows past acc
+  EXPECT_THROW(ft::add_key_runs(acc, {{torch::zeros({4, 8}, bf), 4}}, torch::empty({6, 8}, bf)), ConfigError);  // past out
+  EXPECT_THROW(ft::add_key_runs(acc, {{torch::zeros({4, 6}, bf), 0}}, Tensor()), ConfigError);  // another row width
 }
 #endif
 

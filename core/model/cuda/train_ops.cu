@@ -429,10 +429,11 @@ __device__ __forceinline__ LseMerge lse_merge(float a, float b) {
 
 // One warp per (row, head), items = rows * heads in out's order: lane 0 reads lse and l and writes
 // the merged lse back (no other thread touches them), the weights reach the warp by shuffle (the
-// loop is warp-uniform); lane j updates columns [(32 i + j) kVec, + kVec) of the item's D.
-template <typename T, int kVec>
+// loop is warp-uniform); lane j updates columns [(32 i + j) kVec, + kVec) of the item's D. A: out's
+// element type (fp32, or T: the fp32 result rounded once as it is stored).
+template <typename T, typename A, int kVec>
 __global__ void __launch_bounds__(kMergeThreads)
-    merge_rows_kernel(float* __restrict__ out, const T* __restrict__ o, float* lse, const float* l, int64_t items,
+    merge_rows_kernel(A* __restrict__ out, const T* __restrict__ o, float* lse, const float* l, int64_t items,
                       int64_t heads, int64_t d, int64_t lse_s0, int64_t lse_s1, int64_t l_s0, int64_t l_s1) {
   constexpr int kWarps = kMergeThreads / 32;
   const int lane = threadIdx.x % 32;
@@ -442,14 +443,14 @@ __global__ void __launch_bounds__(kMergeThreads)
     LseMerge w{0.f, 0.f, 0.f};
     if (lane == 0) w = lse_merge(*lp, l[h * l_s0 + row * l_s1]);
     const float wt = __shfl_sync(0xffffffffu, w.wa, 0), wf = __shfl_sync(0xffffffffu, w.wb, 0);
-    float* x = out + item * d;
+    A* x = out + item * d;
     const T* y = o + item * d;
     for (int64_t c = int64_t(lane) * kVec; c < d; c += 32 * kVec) {
-      auto xv = load<float, kVec>(x + c);
+      auto xv = load<A, kVec>(x + c);
       const auto yv = load<T, kVec>(y + c);
       // mul_(wt) rounds the product to fp32; addcmul_(o, wf) is one fmaf (see the header).
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) xv.v[j] = fmaf(to_f(yv.v[j]), wf, __fmul_rn(xv.v[j], wt));
+      for (int j = 0; j < kVec; ++j) xv.v[j] = from_f<A>(fmaf(to_f(yv.v[j]), wf, __fmul_rn(to_f(xv.v[j]), wt)));
       store(x + c, xv);
     }
     if (lane == 0) *lp = w.m;
@@ -463,37 +464,140 @@ void check_fp32(const char* fn, const char* name, const torch::Tensor& t, torch:
 }
 }  // namespace
 
-void merge_attention_rows(const torch::Tensor& out32, const torch::Tensor& lse, const torch::Tensor& o_in,
+void merge_attention_rows(const torch::Tensor& out, const torch::Tensor& lse, const torch::Tensor& o_in,
                           const torch::Tensor& l) {
   const char* fn = "merge_attention_rows";
   check_cuda16(fn, "o", o_in);
   DFLASH_CHECK(o_in.dim() == 3, ConfigError, fn << ": o must be [rows, Hq, D], got " << o_in.sizes());
   const int64_t rows = o_in.size(0), heads = o_in.size(1), d = o_in.size(2);
-  check_fp32(fn, "out32", out32, {rows, heads, d}, o_in.device());
-  DFLASH_CHECK(out32.is_contiguous(), ConfigError, fn << ": out32 must be contiguous (it is updated in place)");
+  const bool half_out = out.scalar_type() == o_in.scalar_type();
+  DFLASH_CHECK(out.device() == o_in.device() && (half_out || out.scalar_type() == torch::kFloat32) &&
+                   out.sizes() == o_in.sizes(),
+               ConfigError, fn << ": out must be fp32 or " << o_in.scalar_type() << " " << o_in.sizes() << " on "
+                               << o_in.device() << ", got " << out.sizes() << " " << out.scalar_type() << " on " << out.device());
+  DFLASH_CHECK(out.is_contiguous(), ConfigError, fn << ": out must be contiguous (it is updated in place)");
   check_fp32(fn, "lse", lse, {heads, rows}, o_in.device());
   check_fp32(fn, "l", l, {heads, rows}, o_in.device());
-  DFLASH_CHECK(!lse.is_alias_of(out32) && !lse.is_alias_of(o_in) && !lse.is_alias_of(l), ConfigError,
-               fn << ": lse must not share storage with out32, o or l");
+  DFLASH_CHECK(!lse.is_alias_of(out) && !lse.is_alias_of(o_in) && !lse.is_alias_of(l), ConfigError,
+               fn << ": lse must not share storage with out, o or l");
   const int64_t items = rows * heads;
   if (items == 0) return;
   const auto o = o_in.contiguous();
-  const bool vec = d % 4 == 0 && reinterpret_cast<uintptr_t>(out32.data_ptr()) % 16 == 0 &&
+  const bool vec = d % 4 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % (half_out ? 8 : 16) == 0 &&
                    reinterpret_cast<uintptr_t>(o.data_ptr()) % 8 == 0;
   c10::cuda::CUDAGuard guard(o.device());
   with_dtype(o.scalar_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const auto launch = [&](auto width) {
-      auto* kernel = merge_rows_kernel<T, decltype(width)::value>;
+    const auto launch = [&](auto acc, auto width) {
+      using A = typename decltype(acc)::type;
+      auto* kernel = merge_rows_kernel<T, A, decltype(width)::value>;
       const unsigned grid = grid_size(kernel, kMergeThreads, items, kMergeThreads / 32);
       kernel<<<grid, kMergeThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-          ptr<float>(out32), ptr<T>(o), ptr<float>(lse), ptr<float>(l), items, heads, d, lse.stride(0), lse.stride(1),
+          ptr<A>(out), ptr<T>(o), ptr<float>(lse), ptr<float>(l), items, heads, d, lse.stride(0), lse.stride(1),
           l.stride(0), l.stride(1));
     };
-    if (vec)
-      launch(Int<4>{});
+    const auto with_width = [&](auto acc) {
+      if (vec)
+        launch(acc, Int<4>{});
+      else
+        launch(acc, Int<1>{});
+    };
+    if (half_out)
+      with_width(Tag<T>{});
     else
-      launch(Int<1>{});
+      with_width(Tag<float>{});
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  ++g_launches;
+}
+
+namespace {
+// One thread per 4 columns of a row of acc in [lo, hi): the row's fp32 value, plus every run that
+// covers the row in list order (each sum rounded to fp32), stored to acc, or rounded to T into out.
+template <typename T>
+struct KeyRunsArg {
+  const T* src[kMaxKeyRuns];
+  int64_t row0[kMaxKeyRuns], rows[kMaxKeyRuns];
+  int n;
+};
+template <typename T, bool kToOut>
+__global__ void add_key_runs_kernel(float* __restrict__ acc, T* __restrict__ out, const KeyRunsArg<T> runs, int64_t lo,
+                                    int64_t hi, int64_t quads) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (hi - lo) * quads; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = lo + i / quads, q = i % quads;
+    auto v = load<float, 4>(acc + (row * quads + q) * 4);
+    for (int r = 0; r < runs.n; ++r) {
+      const int64_t at = row - runs.row0[r];
+      if (at < 0 || at >= runs.rows[r]) continue;
+      const auto p = load<T, 4>(runs.src[r] + (at * quads + q) * 4);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v.v[j] = __fadd_rn(v.v[j], to_f(p.v[j]));
+    }
+    if constexpr (kToOut) {
+      Pack<T, 4> w;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w.v[j] = from_f<T>(v.v[j]);
+      store(out + (row * quads + q) * 4, w);
+    } else {
+      store(acc + (row * quads + q) * 4, v);
+    }
+  }
+}
+}  // namespace
+
+void add_key_runs(const torch::Tensor& acc, const std::vector<KeyRun>& runs, const torch::Tensor& out) {
+  const char* fn = "add_key_runs";
+  DFLASH_CHECK(acc.is_cuda() && acc.scalar_type() == torch::kFloat32 && acc.is_contiguous() && acc.dim() >= 1 &&
+                   reinterpret_cast<uintptr_t>(acc.data_ptr()) % 16 == 0,
+               ConfigError, fn << ": acc must be a contiguous 16-byte aligned CUDA fp32 tensor, got " << acc.sizes() << " "
+                               << acc.scalar_type() << " on " << acc.device());
+  const int64_t R = acc.size(0), C = R > 0 ? acc.numel() / R : 0;
+  DFLASH_CHECK(runs.size() <= size_t(kMaxKeyRuns), ConfigError,
+               fn << ": " << runs.size() << " runs in one call, at most " << kMaxKeyRuns);
+  DFLASH_CHECK(C % 4 == 0, ConfigError, fn << ": rows of " << C << " elements, not a multiple of 4");
+  const bool to_out = out.defined();
+  const int64_t out_rows = to_out ? out.size(0) : R;
+  if (to_out) {
+    check_cuda16(fn, "out", out);
+    DFLASH_CHECK(out.device() == acc.device() && out.is_contiguous() && out_rows <= R && out.numel() == out_rows * C &&
+                     reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0,
+                 ConfigError, fn << ": out must be a contiguous 8-byte aligned [<= " << R << ", ...] tensor of rows of " << C
+                                 << " elements on " << acc.device() << ", got " << out.sizes() << " on " << out.device());
+  }
+  int64_t lo = to_out ? 0 : R, hi = to_out ? out_rows : 0;
+  torch::ScalarType dt = to_out ? out.scalar_type() : torch::kBFloat16;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const auto& r = runs[i];
+    if (i == 0 && !to_out) dt = r.src.scalar_type();
+    check_cuda16(fn, "src", r.src);
+    DFLASH_CHECK(r.src.scalar_type() == dt && r.src.device() == acc.device() && r.src.is_contiguous() && r.src.dim() >= 1 &&
+                     r.src.numel() == r.src.size(0) * C && r.row0 >= 0 && r.row0 + r.src.size(0) <= out_rows &&
+                     reinterpret_cast<uintptr_t>(r.src.data_ptr()) % 8 == 0,
+                 ConfigError, fn << ": run " << i << " (rows [" << r.row0 << ", " << r.row0 + r.src.size(0) << "), " << r.src.sizes()
+                                 << " " << r.src.scalar_type() << ") must be a contiguous 8-byte aligned " << dt
+                                 << " tensor on " << acc.device() << " of rows of " << C << " elements inside [0, " << out_rows << ")");
+    if (!to_out) lo = std::min(lo, r.row0), hi = std::max(hi, r.row0 + r.src.size(0));
+  }
+  if (hi <= lo) return;
+  c10::cuda::CUDAGuard guard(acc.device());
+  const int64_t quads = C / 4, per_sm = 2048 / kElementwiseThreads;
+  const int64_t grid = std::min(((hi - lo) * quads + kElementwiseThreads - 1) / kElementwiseThreads,
+                                per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  with_dtype(dt, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    KeyRunsArg<T> arg{};
+    arg.n = static_cast<int>(runs.size());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      arg.src[i] = ptr<T>(runs[i].src);
+      arg.row0[i] = runs[i].row0;
+      arg.rows[i] = runs[i].src.size(0);
+    }
+    if (to_out)
+      add_key_runs_kernel<T, true><<<static_cast<unsigned>(grid), kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          ptr<float>(acc), ptr<T>(out), arg, lo, hi, quads);
+    else
+      add_key_runs_kernel<T, false><<<static_cast<unsigned>(grid), kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          ptr<float>(acc), nullptr, arg, lo, hi, quads);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   ++g_launches;

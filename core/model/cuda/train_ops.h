@@ -3,8 +3,8 @@
 // rms_norm_train / swiglu_down_train / swiglu_mlp_recompute_train in layers.h call them). bf16 or
 // fp16 tensors ("T" below) on CUDA, fp32 arithmetic, the rounding points of those functions' LibTorch
 // ops unless stated otherwise; tests/drafter/train_kernels_test.cc (label gpu) compares the two.
-// Also two kernels of the block-sparse attention (scatter_add_rows, merge_attention_rows; their
-// contracts below). Available only in CUDA builds (DFLASH_WITH_CUDA).
+// Also three kernels of the block-sparse attention (scatter_add_rows, merge_attention_rows,
+// add_key_runs; their contracts below). Available only in CUDA builds (DFLASH_WITH_CUDA).
 //
 // Inputs need not be contiguous (a contiguous copy is made) unless a function below says so (those
 // that update a tensor in place). A tensor these kernels cannot take
@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace dflash::model::fused_train {
 
@@ -78,23 +79,46 @@ void scatter_add_rows(const torch::Tensor& dst, const torch::Tensor& src, const 
 //   m  = logaddexp(lse[h, r], l[h, r])        (torch's CUDA definition: the same infinity twice is
 //                                              itself, else max + log1p(exp(-|a - b|)))
 //   wt = exp(lse[h, r] - m),   wf = exp(l[h, r] - m)
-//   out32[r, h, :] = fma(float(o[r, h, :]), wf, out32[r, h, :] * wt)     (the product rounded to fp32)
+//   out[r, h, :] = A(fma(float(o[r, h, :]), wf, float(out[r, h, :]) * wt))   (the product rounded to fp32)
 //   lse[h, r] = m
-// which is what the LibTorch ops of the ops path compute: logaddexp, exp of the differences,
-// out32.mul_(wt) (rounded to fp32), then addcmul_(o, wf), whose CUDA functor (aten's
+// which, for an fp32 out, is what the LibTorch ops of the ops path compute: logaddexp, exp of the
+// differences, out32.mul_(wt) (rounded to fp32), then addcmul_(o, wf), whose CUDA functor (aten's
 // pointwise_op_impl with value 1, PyTorch 2.11) is one fmaf of o's fp32 value, wf and the product;
 // lt.copy_(m). The rounding points are the same, so the results are expected to be bitwise equal;
 // expf / log1pf are libdevice's, as torch's kernels use them, but a different CUDA release's math
-// library may differ by an ulp or so: tests allow 1e-6 (lse) and 2e-6 (out32) relative error.
-//   out32: fp32 [rows, Hq, D], contiguous (a dim-0 narrow of a contiguous tensor is), updated;
+// library may differ by an ulp or so: tests allow 1e-6 (lse) and 2e-6 (out) relative error.
+// out may also be of o's dtype (A = T): the same fp32 value is rounded once to T as it is stored,
+// which is bitwise an fp32 out holding the same T values, merged, then cast to T (the attention's
+// half-precision accumulator, where every row is merged with at most one run).
+//   out:   fp32 or o's dtype [rows, Hq, D], contiguous (a dim-0 narrow of a contiguous tensor is), updated;
 //   lse:   fp32 [Hq, rows], any strides (lse.narrow(1, q_row0, rows) of [Hq, Q]), updated;
 //   o:     bf16 or fp16 [rows, Hq, D] (a contiguous copy is made if it is not contiguous);
 //   l:     fp32 [Hq, rows], any strides;
-// all on one CUDA device; lse must not share storage with out32, o or l. rows = 0 or Hq = 0 launches
-// nothing. One warp per (row, head): 4-wide accesses when D % 4 == 0 and out32 / o are 16 / 8-byte
-// aligned (D = 128: one access of each per lane), else one element at a time.
-void merge_attention_rows(const torch::Tensor& out32, const torch::Tensor& lse, const torch::Tensor& o,
+// all on one CUDA device; lse must not share storage with out, o or l. rows = 0 or Hq = 0 launches
+// nothing. One warp per (row, head): 4-wide accesses when D % 4 == 0 and out / o are 16 (fp32) or 8
+// (half) / 8-byte aligned (D = 128: one access of each per lane), else one element at a time.
+void merge_attention_rows(const torch::Tensor& out, const torch::Tensor& lse, const torch::Tensor& o,
                           const torch::Tensor& l);
+
+// The full-tile runs' key (or value) gradients into the block-sparse attention's fp32 accumulator,
+// up to kMaxKeyRuns runs a launch (DFLASH_BSA_MERGE=kernel). Run i adds src_i [rows_i, ...] (bf16 or
+// fp16, contiguous, 8-byte aligned, rows of C = acc.numel() / acc.size(0) elements, C % 4 == 0) at
+// rows [row0_i, row0_i + rows_i) of acc [R, ...] (fp32, contiguous, 16-byte aligned). For every row,
+// the runs covering it are added in list order, each sum rounded to fp32: bitwise the sequence
+// acc.narrow(0, row0_i, rows_i).add_(src_i).
+//   out undefined: the sums are stored back to acc (rows no run covers are not touched);
+//   out defined ([R_out, ...] of the runs' dtype, R_out <= R, contiguous, 8-byte aligned; every run
+//   inside [0, R_out)): rows [0, R_out) of the sums are rounded to out's dtype into out, and acc is
+//   not written: bitwise those adds followed by acc.narrow(0, 0, R_out).to(out's dtype), in one pass
+//   instead of a read-modify-write of acc per run and a cast.
+// Run i's tensor must stay alive until the launch's stream has run it (the caller's stream order
+// does this for tensors the caller holds until then or frees through the caching allocator).
+constexpr int kMaxKeyRuns = 8;
+struct KeyRun {
+  torch::Tensor src;
+  int64_t row0 = 0;
+};
+void add_key_runs(const torch::Tensor& acc, const std::vector<KeyRun>& runs, const torch::Tensor& out);
 
 // Kernels launched by the functions above since the process started (host-side count), for tests
 // that check a path really ran them.
