@@ -4,7 +4,9 @@
 #include "core/train/cuda/fused_loss.h"
 #endif
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "core/model/layers.h"
 #include "core/util/error.h"
@@ -182,6 +184,23 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   auto target_logits = [&](int64_t r0, int64_t n) {
     return F::linear(frozen.final_norm(mb.h_last_TH.index({lidx.narrow(0, r0, n) - 1}).to(compute)), lm_head);
   };
+#ifdef DFLASH_WITH_CUDA
+  // The fused kernel's target logits: a chunk's blocks overlap (an anchor every few tokens, blocks of
+  // B), so its rows' target positions (the token before each label) lie in a span [lo, hi] that is
+  // often shorter than the chunk. Then the target logits are computed once per position of the span
+  // (h_last rows lo..hi, no gather) and each row reads its own through t_rows; else one per row.
+  // Rows outside their document (weight 0, label index the anchor's) read a clamped position.
+  auto fused_target_logits = [&](int64_t r0, int64_t n) -> std::pair<torch::Tensor, torch::Tensor> {
+    int64_t lo = T, hi = -1;
+    for (int64_t r = r0; r < r0 + n; ++r) {
+      const int64_t src = std::max<int64_t>(label_idx[r] - 1, 0);
+      lo = std::min(lo, src), hi = std::max(hi, src);
+    }
+    if (hi - lo + 1 >= n) return {target_logits(r0, n).contiguous(), torch::Tensor()};
+    auto t = F::linear(frozen.final_norm(mb.h_last_TH.narrow(0, lo, hi - lo + 1).to(compute)), lm_head).contiguous();
+    return {t, (lidx.narrow(0, r0, n) - 1).clamp_min_(0).sub_(lo)};
+  };
+#endif
   // D-PACE weights need whole blocks in a chunk.
   const int64_t chunk_rows = dpace ? std::max<int64_t>(1, opt.logits_chunk_rows / (B - 1)) * (B - 1) : opt.logits_chunk_rows;
   for (int64_t r0 = 0; r0 < R; r0 += chunk_rows) {
@@ -190,12 +209,13 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
 #ifdef DFLASH_WITH_CUDA
     if (fused) {  // one kernel per chunk (core/train/cuda/fused_loss.h), same quantities as below
       auto z = F::linear(rows_d.narrow(0, r0, n), lm_head).contiguous();
-      torch::Tensor t;
-      if (opt.soft_labels) t = target_logits(r0, n).contiguous();
+      torch::Tensor t, t_rows;
+      if (opt.soft_labels) std::tie(t, t_rows) = fused_target_logits(r0, n);
       auto yc = labels.narrow(0, r0, n);
       auto wl = wc;  // D-PACE: a first pass for the rows' CE, which sets their weights
-      if (dpace) wl = wc * dpace_weights(cuda_loss::loss_rows(z, t, yc, wc, Tt, opt.kl_weight, false).ce, wc, B, opt.dpace_alpha);
-      auto r = cuda_loss::loss_rows(z, t, yc, wl, Tt, opt.kl_weight, backward);
+      if (dpace)
+        wl = wc * dpace_weights(cuda_loss::loss_rows(z, t, yc, wc, Tt, opt.kl_weight, false, t_rows).ce, wc, B, opt.dpace_alpha);
+      auto r = cuda_loss::loss_rows(z, t, yc, wl, Tt, opt.kl_weight, backward, t_rows);
       ce_sum += (wl * r.ce).sum();
       if (opt.soft_labels) kl_sum += (wc * r.kl).sum();
       correct.narrow(0, r0, n).copy_(r.correct);

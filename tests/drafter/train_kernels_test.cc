@@ -812,13 +812,25 @@ TEST(FusedLossGpu, EqualsPlainOps) {
 // The fused loss kernel against the plain ops on one micro-batch: the DFlash objective with soft
 // labels, and D-PACE (train.loss: dpace, hard labels). Sums within 1e-3, gradients within 2e-2
 // (bf16 features and weights; the two paths round at different points).
-void expect_fused_equals_plain(const train::LossOptions& lo);
+// anchor_step: the anchors of the micro-batch every anchor_step tokens from 0 (0: gpu_micro_batch's).
+void expect_fused_equals_plain(const train::LossOptions& lo, int64_t anchor_step = 0);
 
 TEST(FusedLossGpu, MicroBatchEqualsPlainLoss) {
   train::LossOptions lo;
   lo.soft_labels = true;
   lo.logits_chunk_rows = 100;
   expect_fused_equals_plain(lo);
+}
+
+// Anchors every 3 tokens from token 0 (blocks of 8 overlap, as in training): a 100-row chunk's target
+// positions span ~45 tokens, so the fused path computes the target logits once per position and the
+// rows read theirs through t_rows; blocks cross the documents' ends (weight-0 rows, the one at token
+// 0 with a clamped position).
+TEST(FusedLossGpu, MicroBatchWithOverlappingBlocksEqualsPlainLoss) {
+  train::LossOptions lo;
+  lo.soft_labels = true;
+  lo.logits_chunk_rows = 100;
+  expect_fused_equals_plain(lo, 3);
 }
 
 TEST(FusedLossGpu, DpaceMicroBatchEqualsPlainLoss) {
@@ -830,9 +842,13 @@ TEST(FusedLossGpu, DpaceMicroBatchEqualsPlainLoss) {
   expect_fused_equals_plain(lo);
 }
 
-void expect_fused_equals_plain(const train::LossOptions& lo) {
+void expect_fused_equals_plain(const train::LossOptions& lo, int64_t anchor_step) {
   ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
-  const auto g = gpu_micro_batch();
+  auto g = gpu_micro_batch();
+  if (anchor_step > 0) {
+    g.anchors.clear();
+    for (int64_t a = 0; a < g.mb.input_ids_T.size(0) - 1; a += anchor_step) g.anchors.push_back(a);
+  }
   std::vector<Tensor> r[2];
   for (int k = 0; k < 2; ++k) {
     ScopedSwitch loss("DFLASH_LOSS", k ? "fused" : "plain");

@@ -63,12 +63,13 @@ __device__ __forceinline__ Acc shfl(const Acc& v, int o) {
 }
 
 __global__ void __launch_bounds__(kThreads) loss_rows_kernel(
-    const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __restrict__ t, const int64_t* __restrict__ y,
+    const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __restrict__ t, const int64_t* __restrict__ t_rows,
+    const int64_t* __restrict__ y,
     const float* __restrict__ w, int64_t V, float inv_T, float c, float* __restrict__ ce, float* __restrict__ kl,
     float* __restrict__ correct, __nv_bfloat16* __restrict__ dz) {
   const int64_t row = blockIdx.x;
   const __nv_bfloat16* zr = z + row * V;
-  const __nv_bfloat16* tr = t ? t + row * V : nullptr;
+  const __nv_bfloat16* tr = t ? t + (t_rows ? t_rows[row] : row) * V : nullptr;
   Acc acc{-INFINITY, 0.f, -INFINITY, 0.f, -INFINITY, 0.f, 0.f, -INFINITY, 0x7fffffff};
   for (int64_t v = threadIdx.x; v < V; v += kThreads) {
     const float zv = __bfloat162float(zr[v]);
@@ -129,12 +130,19 @@ __global__ void __launch_bounds__(kThreads) loss_rows_kernel(
 bool supported(const torch::Tensor& z) { return z.is_cuda() && z.scalar_type() == torch::kBFloat16; }
 
 RowsOut loss_rows(const torch::Tensor& z, const torch::Tensor& t, const torch::Tensor& y, const torch::Tensor& w,
-                  double temperature, double kl_weight, bool backward) {
+                  double temperature, double kl_weight, bool backward, const torch::Tensor& t_rows) {
   DFLASH_CHECK(supported(z) && z.dim() == 2 && z.is_contiguous(), ConfigError,
                "fused loss: logits must be a contiguous CUDA bf16 [rows, V] tensor, got " << z.device() << " " << z.scalar_type());
   const int64_t n = z.size(0), V = z.size(1);
-  DFLASH_CHECK(!t.defined() || (t.sizes() == z.sizes() && t.scalar_type() == torch::kBFloat16 && t.is_contiguous()), ConfigError,
-               "fused loss: target logits must match the drafter logits' shape and dtype");
+  const bool mapped = t_rows.defined();
+  DFLASH_CHECK(!t.defined() || (t.dim() == 2 && t.size(1) == V && (mapped || t.size(0) == n) &&
+                                t.scalar_type() == torch::kBFloat16 && t.is_contiguous()),
+               ConfigError, "fused loss: target logits " << t.sizes() << " must be a contiguous bf16 [" << (mapped ? "m" : std::to_string(n))
+                                                         << ", " << V << "] tensor (the drafter logits' vocabulary)");
+  DFLASH_CHECK(!mapped || (t.defined() && t_rows.scalar_type() == torch::kInt64 && t_rows.numel() == n &&
+                           t_rows.device() == z.device()),
+               ConfigError, "fused loss: t_rows must be int64 [" << n << "] on " << z.device() << " with target logits, got "
+                                                                 << t_rows.sizes() << " " << t_rows.scalar_type());
   DFLASH_CHECK(y.numel() == n && w.numel() == n && y.scalar_type() == torch::kInt64 && w.scalar_type() == torch::kFloat32,
                ConfigError, "fused loss: labels int64 [" << n << "] and weights fp32 [" << n << "] expected");
   DFLASH_CHECK(V < (int64_t(1) << 31), ConfigError, "fused loss: vocabulary " << V << " too large");
@@ -143,10 +151,11 @@ RowsOut loss_rows(const torch::Tensor& z, const torch::Tensor& t, const torch::T
   RowsOut r{torch::empty({n}, f32), torch::empty({n}, f32), torch::empty({n}, f32), {}};
   if (backward) r.dz = torch::empty_like(z);
   if (n == 0) return r;
-  auto yc = y.contiguous(), wc = w.contiguous();
+  auto yc = y.contiguous(), wc = w.contiguous(), tr = mapped ? t_rows.contiguous() : torch::Tensor();
   loss_rows_kernel<<<static_cast<unsigned>(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(z.data_ptr()),
-      t.defined() ? reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()) : nullptr, yc.data_ptr<int64_t>(),
+      t.defined() ? reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()) : nullptr, mapped ? tr.data_ptr<int64_t>() : nullptr,
+      yc.data_ptr<int64_t>(),
       wc.data_ptr<float>(), V, static_cast<float>(1.0 / temperature), static_cast<float>(kl_weight * temperature),
       r.ce.data_ptr<float>(), r.kl.data_ptr<float>(), r.correct.data_ptr<float>(),
       backward ? reinterpret_cast<__nv_bfloat16*>(r.dz.data_ptr()) : nullptr);

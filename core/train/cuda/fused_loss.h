@@ -18,9 +18,12 @@ struct RowsOut {
   torch::Tensor dz;               // [n, V] bf16, or undefined when !backward
 };
 
-// z, t: [n, V] bf16 contiguous (t undefined: no soft labels); y: [n] int64; w: [n] fp32.
+// z: [n, V] bf16 contiguous; t: the target logits, bf16 contiguous (undefined: no soft labels),
+// [n, V], or [m, V] with t_rows (int64 [n], values in [0, m): row i's target logits are t[t_rows[i]],
+// so rows that share a target position share one row of t; unchecked on the device); y: [n] int64;
+// w: [n] fp32.
 RowsOut loss_rows(const torch::Tensor& z, const torch::Tensor& t, const torch::Tensor& y, const torch::Tensor& w,
-                  double temperature, double kl_weight, bool backward);
+                  double temperature, double kl_weight, bool backward, const torch::Tensor& t_rows = {});
 
 // True when loss_rows accepts these logits (CUDA build, CUDA bf16 tensor).
 bool supported(const torch::Tensor& z);
