@@ -272,15 +272,29 @@ bool full_runs_on_cudnn(bool use_flash) {
   return v == "cudnn";
 }
 
-// dkv [T + Q, Hkv, D] (acc dtype) += the tail's gradients d_tail at rows plan.tail_index
-// (DFLASH_BSA_SCATTER: index_add_ of an acc copy, or the CUDA kernel that converts as it adds).
-void scatter_tail(const Tensor& dkv, const Tensor& d_tail, const Tensor& index, bool use_flash) {
+// The tail's key (or value) gradients d_tail [tail rows, Hkv, D] into their rows
+// (DFLASH_BSA_SCATTER), as {acc, blk}:
+//   index_add: acc = [T + Q, Hkv, D] zeros (acc dtype) += an acc copy of d_tail at rows
+//              plan.tail_index; blk undefined (the block rows are acc's rows [T, T + Q));
+//   kernel:    acc = [T, Hkv, D] fp32 zeros += d_tail's context rows (plan.tail_ctx_dst) at their rows
+//              (plan.tail_ctx_src), converted as the kernel adds them; every block row is in exactly
+//              one tail, so blk = d_tail's block rows gathered (plan.tail_blk_dst), in d_tail's dtype:
+//              the same values as acc's converted and cast back, without the fp32 rows.
+std::pair<Tensor, Tensor> scatter_tail(const Tensor& d_tail, const BlockSparsePlan& plan, int64_t T, int64_t Q,
+                                       torch::ScalarType acc_type, bool use_flash) {
+  const auto opts = d_tail.options().dtype(acc_type);
 #ifdef DFLASH_WITH_CUDA
-  if (use_kernel("DFLASH_BSA_SCATTER", use_flash)) return fused_train::scatter_add_rows(dkv, d_tail, index);
+  if (use_kernel("DFLASH_BSA_SCATTER", use_flash)) {
+    auto acc = torch::zeros({T, d_tail.size(1), d_tail.size(2)}, opts);
+    fused_train::scatter_add_rows(acc, d_tail, plan.tail_ctx_src, plan.tail_ctx_dst);
+    return {acc, d_tail.index_select(0, plan.tail_blk_dst)};
+  }
 #else
   use_kernel("DFLASH_BSA_SCATTER", use_flash);  // refuses `kernel`
 #endif
-  dkv.index_add_(0, index, d_tail.to(dkv.scalar_type()));
+  auto acc = torch::zeros({T + Q, d_tail.size(1), d_tail.size(2)}, opts);
+  acc.index_add_(0, plan.tail_index, d_tail.to(acc_type));
+  return {acc, Tensor()};
 }
 
 // One full run's o [rows, Hq, D] and lse l [Hq, rows] merged into acc's rows [q_row0, + rows) and
@@ -308,8 +322,8 @@ void merge_run(const Tensor& acc, const Tensor& lse, const Tensor& o, const Tens
   lt.copy_(merged);
 }
 
-// The full runs' key and value gradients into dkv_k / dkv_v (fp32 [T + Q, Hkv, D], the tail's
-// already scattered in): added as each run's come (LibTorch add_), or, with the merge kernel (the
+// The full runs' key and value gradients into dkv_k / dkv_v (fp32, rows [0, T) the context's, the
+// tail's already scattered in): added as each run's come (LibTorch add_), or, with the merge kernel (the
 // half-precision accumulator), held and added kMaxKeyRuns runs a launch, the last launch writing
 // the context rows [0, T) straight to the result's dtype (fused_train::add_key_runs: bitwise the
 // add_ sequence and the cast, without a read-modify-write of the accumulator per run).
@@ -481,10 +495,9 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     } else {
       unpack_rows_into(dq, dqt, nb, B, rep);
     }
-    auto dkv_k = torch::zeros({T + k_blk.size(0), k_ctx.size(1), k_ctx.size(2)}, k_ctx.options().dtype(acc));
-    auto dkv_v = torch::zeros_like(dkv_k);
-    scatter_tail(dkv_k, dkt, plan.tail_index, use_flash);
-    scatter_tail(dkv_v, dvt, plan.tail_index, use_flash);
+    const int64_t Q = k_blk.size(0);
+    auto [dkv_k, dk_blk] = scatter_tail(dkt, plan, T, Q, acc, use_flash);
+    auto [dkv_v, dv_blk] = scatter_tail(dvt, plan, T, Q, acc, use_flash);
     KeyGradRuns key_runs(dkv_k, dkv_v, half_acc);
     const Tensor no_dropout = on_cudnn ? torch::empty({}, q.options().dtype(torch::kInt64)) : Tensor();
     for (size_t r = 0; r < runs.size(); r += 4) {
@@ -508,8 +521,8 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     return {dq.to(q.scalar_type()),
             dk_ctx,
             dv_ctx,
-            dkv_k.narrow(0, T, k_blk.size(0)).to(k_blk.scalar_type()),
-            dkv_v.narrow(0, T, v_blk.size(0)).to(v_blk.scalar_type()),
+            dk_blk.defined() ? dk_blk : dkv_k.narrow(0, T, Q).to(k_blk.scalar_type()),
+            dv_blk.defined() ? dv_blk : dkv_v.narrow(0, T, Q).to(v_blk.scalar_type()),
             Tensor(), Tensor(), Tensor()};
   }
 };

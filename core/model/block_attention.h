@@ -17,7 +17,8 @@
 // every part's kernel backward is called with the MERGED out and lse, which gives exactly that
 // part's share of dq, dk, dv (P = exp(S - lse) and rowsum(dO * out) are the full softmax's); the
 // gathered tail keys' gradients are scattered back with index_add (fp32 accumulation;
-// DFLASH_BSA_SCATTER=kernel: one CUDA pass with fp32 atomics from the half-precision gradients).
+// DFLASH_BSA_SCATTER=kernel: one CUDA pass with fp32 atomics from the half-precision gradients, of
+// the context rows only: each block row is in exactly one tail, so its gradient is gathered as is).
 // A block belongs to at most one full run, so every query row is merged with at most one run: with
 // DFLASH_BSA_MERGE=kernel the result and dq are summed in the inputs' dtype (one fp32 sum rounded
 // once, bitwise what an fp32 accumulator and its cast give), the runs' dk / dv in fp32 (a context

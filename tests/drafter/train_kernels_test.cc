@@ -560,7 +560,8 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
 
 #ifdef DFLASH_WITH_CUDA
 // The tail gradients' scatter kernel against index_add_ of the fp32-converted rows (repeated target
-// rows included): equal up to fp32 addition order; a shifted index must not match (control).
+// rows included), of all rows and of a subset (src_rows): equal up to fp32 addition order; a shifted
+// index or subset must not match (control).
 TEST(BlockSparseAttentionGpu, ScatterKernelEqualsIndexAdd) {
   ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
   torch::manual_seed(5);
@@ -577,6 +578,16 @@ TEST(BlockSparseAttentionGpu, ScatterKernelEqualsIndexAdd) {
     auto bad = dst0.clone();
     model::fused_train::scatter_add_rows(bad, src, (index + 1).remainder(50));
     EXPECT_GT(rel(bad, ref), 1e-2) << dt;
+    // A subset of src's rows (src_rows: every third row, backwards) at their own targets.
+    auto src_rows = torch::arange(299, -1, -3, cuda.dtype(torch::kInt64));
+    auto sub_index = torch::randint(0, 50, {src_rows.size(0)}, cuda.dtype(torch::kInt64));
+    auto sub_ref = dst0.clone().index_add_(0, sub_index, src.index_select(0, src_rows).to(torch::kFloat32));
+    auto sub = dst0.clone();
+    model::fused_train::scatter_add_rows(sub, src, sub_index, src_rows);
+    EXPECT_LT(rel(sub, sub_ref), 1e-6) << dt;
+    auto sub_bad = dst0.clone();
+    model::fused_train::scatter_add_rows(sub_bad, src, sub_index, (src_rows + 1).remainder(300));
+    EXPECT_GT(rel(sub_bad, sub_ref), 1e-2) << dt;
     std::printf("scatter_add_rows %s: rel err %.3g vs index_add_\n", dt == torch::kBFloat16 ? "bf16" : "fp16", e);
   }
   EXPECT_THROW(model::fused_train::scatter_add_rows(torch::zeros({50, 8, 16}, cuda.dtype(torch::kFloat64)),

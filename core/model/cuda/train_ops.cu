@@ -368,11 +368,13 @@ void launch_elementwise(const torch::Tensor& t, std::initializer_list<torch::Ten
 // scalar ones before).
 template <typename T>
 __global__ void scatter_add_rows_kernel(float* __restrict__ dst, const T* __restrict__ src, const int64_t* __restrict__ index,
-                                        int64_t rows, int64_t quads, int64_t dst_rows) {
+                                        const int64_t* __restrict__ src_rows, int64_t rows, int64_t quads, int64_t dst_rows,
+                                        int64_t src_count) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * quads; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / quads, q = i % quads, to = index[row];
+    const int64_t row = i / quads, q = i % quads, to = index[row], from = src_rows ? src_rows[row] : row;
     CUDA_KERNEL_ASSERT(to >= 0 && to < dst_rows);  // as index_add_: a device-side assert
-    const auto p = load<T, 4>(src + (row * quads + q) * 4);
+    CUDA_KERNEL_ASSERT(from >= 0 && from < src_count);
+    const auto p = load<T, 4>(src + (from * quads + q) * 4);
     float* d = dst + (to * quads + q) * 4;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     atomicAdd(reinterpret_cast<float4*>(d), make_float4(to_f(p.v[0]), to_f(p.v[1]), to_f(p.v[2]), to_f(p.v[3])));
@@ -384,23 +386,30 @@ __global__ void scatter_add_rows_kernel(float* __restrict__ dst, const T* __rest
 }
 }  // namespace
 
-void scatter_add_rows(const torch::Tensor& dst, const torch::Tensor& src_in, const torch::Tensor& index_in) {
+void scatter_add_rows(const torch::Tensor& dst, const torch::Tensor& src_in, const torch::Tensor& index_in,
+                      const torch::Tensor& src_rows_in) {
   const char* fn = "scatter_add_rows";
   check_cuda16(fn, "src", src_in);
+  const bool subset = src_rows_in.defined();
+  const int64_t src_count = src_in.dim() >= 1 ? src_in.size(0) : 0;
   DFLASH_CHECK(dst.is_cuda() && dst.device() == src_in.device() && dst.scalar_type() == torch::kFloat32 && dst.is_contiguous() &&
                    dst.dim() >= 1 && reinterpret_cast<uintptr_t>(dst.data_ptr()) % 16 == 0,
                ConfigError, fn << ": dst must be a contiguous 16-byte aligned fp32 tensor on " << src_in.device() << ", got "
                                << dst.sizes() << " " << dst.scalar_type() << " on " << dst.device());
-  const int64_t rows = src_in.dim() >= 1 ? src_in.size(0) : 0, R = dst.size(0);
-  const int64_t C = rows > 0 ? src_in.numel() / rows : 0;
-  DFLASH_CHECK(src_in.dim() >= 1 && (rows == 0 || (C % 4 == 0 && R > 0 && dst.numel() / R == C)), ConfigError,
+  DFLASH_CHECK(!subset || (src_rows_in.scalar_type() == torch::kInt64 && src_rows_in.dim() == 1 &&
+                           src_rows_in.device() == src_in.device()),
+               ConfigError, fn << ": src_rows must be int64 [rows] on " << src_in.device() << ", got " << src_rows_in.sizes()
+                               << " " << src_rows_in.scalar_type() << " on " << src_rows_in.device());
+  const int64_t rows = subset ? src_rows_in.size(0) : src_count, R = dst.size(0);
+  const int64_t C = src_count > 0 ? src_in.numel() / src_count : 0;
+  DFLASH_CHECK(src_in.dim() >= 1 && (rows == 0 || (src_count > 0 && C % 4 == 0 && R > 0 && dst.numel() / R == C)), ConfigError,
                fn << ": src " << src_in.sizes() << " and dst " << dst.sizes() << " need rows of the same width, a multiple of 4");
   DFLASH_CHECK(index_in.scalar_type() == torch::kInt64 && index_in.dim() == 1 && index_in.size(0) == rows &&
                    index_in.device() == src_in.device(),
                ConfigError, fn << ": index must be int64 [" << rows << "] on " << src_in.device() << ", got " << index_in.sizes()
                                << " " << index_in.scalar_type() << " on " << index_in.device());
   if (rows == 0) return;
-  const auto src = src_in.contiguous(), index = index_in.contiguous();
+  const auto src = src_in.contiguous(), index = index_in.contiguous(), src_rows = subset ? src_rows_in.contiguous() : torch::Tensor();
   DFLASH_CHECK(reinterpret_cast<uintptr_t>(src.data_ptr()) % 8 == 0, ConfigError, fn << ": src must be 8-byte aligned");
   c10::cuda::CUDAGuard guard(src.device());
   const int64_t quads = C / 4, per_sm = 2048 / kElementwiseThreads;
@@ -409,7 +418,8 @@ void scatter_add_rows(const torch::Tensor& dst, const torch::Tensor& src_in, con
   with_dtype(src.scalar_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     scatter_add_rows_kernel<T><<<static_cast<unsigned>(grid), kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        ptr<float>(dst), ptr<T>(src), ptr<int64_t>(index), rows, quads, R);
+        ptr<float>(dst), ptr<T>(src), ptr<int64_t>(index), subset ? ptr<int64_t>(src_rows) : nullptr, rows, quads, R,
+        src_count);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   ++g_launches;

@@ -72,7 +72,10 @@ torch::Tensor rope_backward(const torch::Tensor& dy, const torch::Tensor& cos, c
 // rows may share one (DFLASH_BSA_SCATTER=kernel). One pass with fp32 atomics (4 wide on sm_90), the
 // half-precision values converted in registers: index_add_ needs them converted to fp32 first. The
 // order of the additions is not fixed (as index_add_'s on CUDA): equal up to fp32 rounding order.
-void scatter_add_rows(const torch::Tensor& dst, const torch::Tensor& src, const torch::Tensor& index);
+// With src_rows (int64 [N'] on the device, values in [0, N); index then [N']): row i adds
+// src[src_rows[i]] at dst[index[i]] (a subset of src's rows, without gathering them first).
+void scatter_add_rows(const torch::Tensor& dst, const torch::Tensor& src, const torch::Tensor& index,
+                      const torch::Tensor& src_rows = {});
 
 // The log-sum-exp merge of one full-tile run into the block-sparse attention's accumulator
 // (DFLASH_BSA_MERGE=kernel), in place, one launch. For every row r and head h:
