@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU host (one H200): build with CUDA, run the GPU tests, run the benches. Results go to $OUT
-# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-fp8|bench-drafter|loss-curve|bench-drafter-embed-host|bench-drafter-scatter|bench-drafter-cudnn|ab-drafter|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
+# (or ./out/gpu). Usage: scripts/gpu_host_check.sh [build|test|bench-target|bench-target-flash|bench-hybrid|bench-moe|bench-fp8|bench-drafter|loss-curve|bench-drafter-embed-host|bench-drafter-scatter|bench-drafter-cudnn|proof-drafter|ab-drafter|mem-drafter|bench-pipeline|bench-generate|bench-eval|bench-regenerate|run-gpu|run-colocated|all]...
 # (`all` runs every step but mem-drafter, which takes ~6 min alone: 1,000 optimizer steps, and
 # run-colocated, ~4 min: a Qwen3-8B-shaped run on one GPU, bench-moe, two MoE-shaped benches
 # with HF baselines, bench-fp8, the FP8 targets against our bf16 path, loss-curve, 200 steps
@@ -8,6 +8,7 @@
 # with the embedding on the GPU and in host memory: --embed-on device, then host, the default, and
 # bench-drafter-scatter, both shapes against SpecForge with DFLASH_BSA_SCATTER index_add and kernel,
 # bench-drafter-cudnn, the 8k step with the full-tile runs on cuDNN after 200 warm-up steps against SpecForge,
+# proof-drafter, issue 22's step lines in one go (~6 min): 4k hard vs SpecForge, 4k and 8k soft vs eager,
 # and ab-drafter, in-process A/Bs of switches at 4096/512/16: `bench drafter --ab`.)
 # SpecForge (`bench-drafter`'s --baseline specforge): a wheel carried under .whl/ (`pip download
 # specforge==0.2.0 --no-deps -d .whl`) is installed --no-deps into /tmp/dflash-pyextra when the
@@ -22,7 +23,7 @@ export PYTHONUNBUFFERED=1 DFLASH_SOURCE_DIR=$root DFLASH_PYTHON=${DFLASH_PYTHON:
 export DFLASH_GPU_DEBS=${DFLASH_GPU_DEBS:-$root/.gpu-deps/debs} DFLASH_DEPS_PREFIX=${DFLASH_DEPS_PREFIX:-/tmp/dflash-deps}
 export LD_LIBRARY_PATH=$DFLASH_DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ] && [ "$1" != loss-curve ] && [ "$1" != bench-drafter-embed-host ] && [ "$1" != bench-drafter-scatter ] && [ "$1" != bench-drafter-cudnn ] && [ "$1" != ab-drafter ]; } && return 0; done; return 1; }
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ] && [ "$1" != loss-curve ] && [ "$1" != bench-drafter-embed-host ] && [ "$1" != bench-drafter-scatter ] && [ "$1" != bench-drafter-cudnn ] && [ "$1" != proof-drafter ] && [ "$1" != ab-drafter ]; } && return 0; done; return 1; }
 t0=$(date +%s)
 if ! python3 -c "import specforge" 2>/dev/null && compgen -G "$root/.whl/specforge-*.whl" > /dev/null; then
   python3 -m pip install -q --no-deps --target /tmp/dflash-pyextra "$root"/.whl/specforge-*.whl > "$out/pip_specforge.log" 2>&1 \
@@ -233,6 +234,20 @@ if has bench-drafter-cudnn; then
     --repeats 10 --baseline specforge --baseline-warmup 3 > "$out/bench_drafter_8k_specforge_cudnn.json" \
     2> "$out/bench_drafter_8k_specforge_cudnn.err"
   echo "bench drafter 8k specforge, full runs on cuDNN rc=$?"
+fi
+if has proof-drafter; then
+  # The drafter step's Proof lines at the defaults (the 8k hard line is bench-drafter-cudnn): 4k hard
+  # labels against SpecForge 0.2.0, 4k and 8k soft labels against the eager script with KL.
+  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --warmup 20 --repeats 10 \
+    --baseline specforge --baseline-warmup 3 > "$out/proof_drafter_4k_specforge.json" 2> "$out/proof_drafter_4k_specforge.err"
+  echo "proof 4k specforge rc=$?"
+  for shape in "4096 512 16" "8192 1024 32"; do
+    read -r c a bs <<< "$shape"
+    "$build/bin/dflash" bench drafter --context "$c" --anchors "$a" --block-size "$bs" --soft-labels --warmup 5 --repeats 8 \
+      --baseline eager --baseline-warmup 2 > "$out/proof_drafter_${c}_soft_eager.json" 2> "$out/proof_drafter_${c}_soft_eager.err"
+    echo "proof $c soft eager rc=$?"
+  done
+  python3 "$root/scripts/bench/summarize_drafter.py" "$out"/proof_drafter_*.json
 fi
 if has ab-drafter; then
   # Each lever of the drafter step against its alternative in ONE process, steps interleaved
