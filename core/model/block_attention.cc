@@ -224,6 +224,18 @@ Tensor pack_rows(const Tensor& x, int64_t blocks, int64_t B, int64_t rep) {
 void unpack_rows_into(const Tensor& into, const Tensor& p, int64_t blocks, int64_t B, int64_t rep) {
   packed_view(into, blocks, B, rep).copy_(p.view({blocks, rep, B, p.size(1), p.size(2)}));
 }
+// The tail call's per-row result t (packed when rep > 1) as an accumulator of q's shape in `dtype`:
+// t itself when it is unpacked and already of that dtype (updated in place afterwards), else a new
+// tensor it is copied or unpacked into.
+Tensor tail_rows_as(const Tensor& t, const Tensor& q, torch::ScalarType dtype, int64_t blocks, int64_t B, int64_t rep) {
+  if (rep == 1 && t.scalar_type() == dtype) return t;
+  auto acc = torch::empty(q.sizes(), q.options().dtype(dtype));
+  if (rep == 1)
+    acc.copy_(t);
+  else
+    unpack_rows_into(acc, t, blocks, B, rep);
+  return acc;
+}
 // lse [Hkv*rep, blocks*B] <-> [Hkv, blocks*rep*B].
 Tensor pack_lse(const Tensor& l, int64_t blocks, int64_t B, int64_t rep) {
   const int64_t hkv = l.size(0) / rep;
@@ -402,13 +414,8 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     // row meets at most one full run, and the kernel rounds the fp32 merge once, as the fp32
     // accumulator's final cast would: bitwise the same result without an fp32 [Q, Hq, D] pass).
     const auto acc_type = merge_kernel ? q.scalar_type() : use_flash ? torch::kFloat32 : math_type(q);
-    Tensor acc = rep == 1 && ot.scalar_type() == acc_type ? ot : torch::empty(q.sizes(), q.options().dtype(acc_type));
-    if (rep == 1) {
-      if (!acc.is_same(ot)) acc.copy_(ot);
-    } else {
-      unpack_rows_into(acc, ot, nb, B, rep);
-      lse = unpack_lse(lse, nb, B, rep);
-    }
+    Tensor acc = tail_rows_as(ot, q, acc_type, nb, B, rep);
+    if (rep > 1) lse = unpack_lse(lse, nb, B, rep);
     // full runs: merged into the rows they cover
     const bool on_cudnn = full_runs_on_cudnn(use_flash);
     bool lse_bsh = false;
@@ -488,13 +495,7 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     // its final cast give); dK / dV, summed over many runs, stay fp32.
     const bool half_acc = use_kernel("DFLASH_BSA_MERGE", use_flash);
     const auto acc = use_flash ? torch::kFloat32 : math_type(q);
-    const auto dq_type = half_acc ? q.scalar_type() : acc;
-    Tensor dq = rep == 1 && dqt.scalar_type() == dq_type ? dqt : torch::empty(q.sizes(), q.options().dtype(dq_type));
-    if (rep == 1) {
-      if (!dq.is_same(dqt)) dq.copy_(dqt);
-    } else {
-      unpack_rows_into(dq, dqt, nb, B, rep);
-    }
+    Tensor dq = tail_rows_as(dqt, q, half_acc ? q.scalar_type() : acc, nb, B, rep);
     const int64_t Q = k_blk.size(0);
     auto [dkv_k, dk_blk] = scatter_tail(dkt, plan, T, Q, acc, use_flash);
     auto [dkv_v, dv_blk] = scatter_tail(dvt, plan, T, Q, acc, use_flash);

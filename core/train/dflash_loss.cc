@@ -179,11 +179,10 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   // Loss arithmetic in fp32 (fp64 when the drafter computes in fp64: the CPU oracle tests).
   const auto loss_dt = compute == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
   const bool fused = fused_loss_enabled(lm_head);
-  // The target's logits for chunk rows [r0, r0 + n): lm_head(final_norm(h_last of the token before
-  // each label)), in the compute dtype.
-  auto target_logits = [&](int64_t r0, int64_t n) {
-    return F::linear(frozen.final_norm(mb.h_last_TH.index({lidx.narrow(0, r0, n) - 1}).to(compute)), lm_head);
-  };
+  // The target's logits of h_last rows h: lm_head(final_norm(h)), in the compute dtype; of chunk rows
+  // [r0, r0 + n): those of the token before each label.
+  auto target_logits_of = [&](const torch::Tensor& h) { return F::linear(frozen.final_norm(h.to(compute)), lm_head); };
+  auto target_logits = [&](int64_t r0, int64_t n) { return target_logits_of(mb.h_last_TH.index({lidx.narrow(0, r0, n) - 1})); };
 #ifdef DFLASH_WITH_CUDA
   // The fused kernel's target logits: a chunk's blocks overlap (an anchor every few tokens, blocks of
   // B), so its rows' target positions (the token before each label) lie in a span [lo, hi] that is
@@ -197,7 +196,7 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
       lo = std::min(lo, src), hi = std::max(hi, src);
     }
     if (hi - lo + 1 >= n) return {target_logits(r0, n).contiguous(), torch::Tensor()};
-    auto t = F::linear(frozen.final_norm(mb.h_last_TH.narrow(0, lo, hi - lo + 1).to(compute)), lm_head).contiguous();
+    auto t = target_logits_of(mb.h_last_TH.narrow(0, lo, hi - lo + 1)).contiguous();
     return {t, (lidx.narrow(0, r0, n) - 1).clamp_min_(0).sub_(lo)};
   };
 #endif

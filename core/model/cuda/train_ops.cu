@@ -344,6 +344,14 @@ RmsNormGrads rms_norm_backward(const torch::Tensor& dy_in, const torch::Tensor& 
 }
 
 namespace {
+// Blocks of kElementwiseThreads for a grid-stride kernel over `units` threads' work: no more than the
+// GPU holds at once (2048 threads an SM).
+unsigned elementwise_grid(int64_t units) {
+  const int64_t per_sm = 2048 / kElementwiseThreads;
+  return static_cast<unsigned>(std::min((units + kElementwiseThreads - 1) / kElementwiseThreads,
+                                        per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount));
+}
+
 // launch(Tag<T>, Int<kVec>, grid): an elementwise kernel over `t`'s elements in packs of kVec (8 when
 // the count and every pointer allow 16-byte accesses, else 1), kElementwiseThreads a block.
 template <class F>
@@ -352,14 +360,12 @@ void launch_elementwise(const torch::Tensor& t, std::initializer_list<torch::Ten
   bool vec = numel % 8 == 0;
   for (const auto& p : ptrs) vec = vec && reinterpret_cast<uintptr_t>(p.data_ptr()) % 16 == 0;
   const int64_t packs = vec ? numel / 8 : numel;
-  const int64_t per_sm = 2048 / kElementwiseThreads;
-  const int64_t grid = std::min((packs + kElementwiseThreads - 1) / kElementwiseThreads,
-                                per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const unsigned grid = elementwise_grid(packs);
   with_dtype(t.scalar_type(), [&](auto tag) {
     if (vec)
-      launch(tag, Int<8>{}, static_cast<unsigned>(grid), packs);
+      launch(tag, Int<8>{}, grid, packs);
     else
-      launch(tag, Int<1>{}, static_cast<unsigned>(grid), packs);
+      launch(tag, Int<1>{}, grid, packs);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   ++g_launches;
@@ -412,12 +418,11 @@ void scatter_add_rows(const torch::Tensor& dst, const torch::Tensor& src_in, con
   const auto src = src_in.contiguous(), index = index_in.contiguous(), src_rows = subset ? src_rows_in.contiguous() : torch::Tensor();
   DFLASH_CHECK(reinterpret_cast<uintptr_t>(src.data_ptr()) % 8 == 0, ConfigError, fn << ": src must be 8-byte aligned");
   c10::cuda::CUDAGuard guard(src.device());
-  const int64_t quads = C / 4, per_sm = 2048 / kElementwiseThreads;
-  const int64_t grid = std::min((rows * quads + kElementwiseThreads - 1) / kElementwiseThreads,
-                                per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const int64_t quads = C / 4;
+  const unsigned grid = elementwise_grid(rows * quads);
   with_dtype(src.scalar_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    scatter_add_rows_kernel<T><<<static_cast<unsigned>(grid), kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    scatter_add_rows_kernel<T><<<grid, kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         ptr<float>(dst), ptr<T>(src), ptr<int64_t>(index), subset ? ptr<int64_t>(src_rows) : nullptr, rows, quads, R,
         src_count);
   });
@@ -575,10 +580,10 @@ void add_key_runs(const torch::Tensor& acc, const std::vector<KeyRun>& runs, con
                                  << " elements on " << acc.device() << ", got " << out.sizes() << " on " << out.device());
   }
   int64_t lo = to_out ? 0 : R, hi = to_out ? out_rows : 0;
-  torch::ScalarType dt = to_out ? out.scalar_type() : torch::kBFloat16;
+  // The runs' dtype: out's, or the first run's (none: nothing to launch).
+  const torch::ScalarType dt = to_out ? out.scalar_type() : runs.empty() ? torch::kBFloat16 : runs[0].src.scalar_type();
   for (size_t i = 0; i < runs.size(); ++i) {
     const auto& r = runs[i];
-    if (i == 0 && !to_out) dt = r.src.scalar_type();
     check_cuda16(fn, "src", r.src);
     DFLASH_CHECK(r.src.scalar_type() == dt && r.src.device() == acc.device() && r.src.is_contiguous() && r.src.dim() >= 1 &&
                      r.src.numel() == r.src.size(0) * C && r.row0 >= 0 && r.row0 + r.src.size(0) <= out_rows &&
@@ -590,9 +595,8 @@ void add_key_runs(const torch::Tensor& acc, const std::vector<KeyRun>& runs, con
   }
   if (hi <= lo) return;
   c10::cuda::CUDAGuard guard(acc.device());
-  const int64_t quads = C / 4, per_sm = 2048 / kElementwiseThreads;
-  const int64_t grid = std::min(((hi - lo) * quads + kElementwiseThreads - 1) / kElementwiseThreads,
-                                per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const int64_t quads = C / 4;
+  const unsigned grid = elementwise_grid((hi - lo) * quads);
   with_dtype(dt, [&](auto tag) {
     using T = typename decltype(tag)::type;
     KeyRunsArg<T> arg{};
@@ -603,10 +607,10 @@ void add_key_runs(const torch::Tensor& acc, const std::vector<KeyRun>& runs, con
       arg.rows[i] = runs[i].src.size(0);
     }
     if (to_out)
-      add_key_runs_kernel<T, true><<<static_cast<unsigned>(grid), kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      add_key_runs_kernel<T, true><<<grid, kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
           ptr<float>(acc), ptr<T>(out), arg, lo, hi, quads);
     else
-      add_key_runs_kernel<T, false><<<static_cast<unsigned>(grid), kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      add_key_runs_kernel<T, false><<<grid, kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
           ptr<float>(acc), nullptr, arg, lo, hi, quads);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
