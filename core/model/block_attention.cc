@@ -217,23 +217,44 @@ int64_t tail_pack(const Tensor& q, const Tensor& k, bool use_flash) {
 Tensor packed_view(const Tensor& x, int64_t blocks, int64_t B, int64_t rep) {
   return x.view({blocks, B, x.size(1) / rep, rep, x.size(2)}).permute({0, 3, 1, 2, 4});
 }
-Tensor pack_rows(const Tensor& x, int64_t blocks, int64_t B, int64_t rep) {
+// x [blocks*B, Hkv*rep, D] packed into [blocks*rep*B, Hkv, D] (one copy): a strided LibTorch copy, or
+// with `kernel` (DFLASH_BSA_GQA_COPY) fused_train::gqa_pack_rows, 16 bytes a thread (bitwise the same).
+Tensor pack_rows(const Tensor& x, int64_t blocks, int64_t B, int64_t rep, bool kernel) {
+#ifdef DFLASH_WITH_CUDA
+  if (kernel) {
+    auto p = torch::empty({blocks * rep * B, x.size(1) / rep, x.size(2)}, x.options());
+    fused_train::gqa_pack_rows(x.contiguous(), p, blocks, B, rep, /*to_packed=*/true);
+    return p;
+  }
+#else
+  (void)kernel;  // never true here: use_kernel refuses it in a build without CUDA kernels
+#endif
   return packed_view(x, blocks, B, rep).reshape({blocks * rep * B, x.size(1) / rep, x.size(2)});
 }
-// The packed result p [blocks*rep*B, Hkv, D] into `into` [blocks*B, Hkv*rep, D] (one copy).
-void unpack_rows_into(const Tensor& into, const Tensor& p, int64_t blocks, int64_t B, int64_t rep) {
+// The packed result p [blocks*rep*B, Hkv, D] into `into` [blocks*B, Hkv*rep, D] (one copy; with
+// `kernel` and one dtype, gqa_pack_rows).
+void unpack_rows_into(const Tensor& into, const Tensor& p, int64_t blocks, int64_t B, int64_t rep, bool kernel) {
+#ifdef DFLASH_WITH_CUDA
+  if (kernel && into.scalar_type() == p.scalar_type()) {
+    fused_train::gqa_pack_rows(p.contiguous(), into, blocks, B, rep, /*to_packed=*/false);
+    return;
+  }
+#else
+  (void)kernel;
+#endif
   packed_view(into, blocks, B, rep).copy_(p.view({blocks, rep, B, p.size(1), p.size(2)}));
 }
 // The tail call's per-row result t (packed when rep > 1) as an accumulator of q's shape in `dtype`:
 // t itself when it is unpacked and already of that dtype (updated in place afterwards), else a new
 // tensor it is copied or unpacked into.
-Tensor tail_rows_as(const Tensor& t, const Tensor& q, torch::ScalarType dtype, int64_t blocks, int64_t B, int64_t rep) {
+Tensor tail_rows_as(const Tensor& t, const Tensor& q, torch::ScalarType dtype, int64_t blocks, int64_t B, int64_t rep,
+                    bool kernel) {
   if (rep == 1 && t.scalar_type() == dtype) return t;
   auto acc = torch::empty(q.sizes(), q.options().dtype(dtype));
   if (rep == 1)
     acc.copy_(t);
   else
-    unpack_rows_into(acc, t, blocks, B, rep);
+    unpack_rows_into(acc, t, blocks, B, rep, kernel);
   return acc;
 }
 // lse [Hkv*rep, blocks*B] <-> [Hkv, blocks*rep*B].
@@ -398,7 +419,8 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     auto vt = gather_tail(plan, v_ctx, v_blk);
     const int64_t rep = tail_pack(q, k_ctx, use_flash), nb = plan.blocks, B = plan.block;
     const Seqs ts = packed_tail_seqs(plan, rep);
-    const Tensor qt = rep == 1 ? q : pack_rows(q, nb, B, rep);
+    const bool copy_kernel = use_kernel("DFLASH_BSA_GQA_COPY", use_flash);
+    const Tensor qt = rep == 1 ? q : pack_rows(q, nb, B, rep, copy_kernel);
     Tensor ot, lse, tail_lse_layout, rng, unused;
     if (use_flash) {
       auto f = flash_forward(qt, kt, vt, ts, scale);
@@ -414,7 +436,7 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     // row meets at most one full run, and the kernel rounds the fp32 merge once, as the fp32
     // accumulator's final cast would: bitwise the same result without an fp32 [Q, Hq, D] pass).
     const auto acc_type = merge_kernel ? q.scalar_type() : use_flash ? torch::kFloat32 : math_type(q);
-    Tensor acc = tail_rows_as(ot, q, acc_type, nb, B, rep);
+    Tensor acc = tail_rows_as(ot, q, acc_type, nb, B, rep, copy_kernel);
     if (rep > 1) lse = unpack_lse(lse, nb, B, rep);
     // full runs: merged into the rows they cover
     const bool on_cudnn = full_runs_on_cudnn(use_flash);
@@ -483,7 +505,8 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     auto vt = gather_tail(plan, v_ctx, v_blk);
     const int64_t rep = ctx->saved_data["rep"].toInt(), nb = plan.blocks, B = plan.block;
     const Seqs ts = packed_tail_seqs(plan, rep);
-    const auto packed = [&](const Tensor& x) { return rep == 1 ? x : pack_rows(x, nb, B, rep); };
+    const bool copy_kernel = use_kernel("DFLASH_BSA_GQA_COPY", use_flash);
+    const auto packed = [&](const Tensor& x) { return rep == 1 ? x : pack_rows(x, nb, B, rep, copy_kernel); };
     const Tensor qt = packed(q), dot = packed(dout), ot = packed(out), lt = rep == 1 ? lse : pack_lse(lse, nb, B, rep);
     Tensor dqt, dkt, dvt;
     if (use_flash)
@@ -495,7 +518,7 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     // its final cast give); dK / dV, summed over many runs, stay fp32.
     const bool half_acc = use_kernel("DFLASH_BSA_MERGE", use_flash);
     const auto acc = use_flash ? torch::kFloat32 : math_type(q);
-    Tensor dq = tail_rows_as(dqt, q, half_acc ? q.scalar_type() : acc, nb, B, rep);
+    Tensor dq = tail_rows_as(dqt, q, half_acc ? q.scalar_type() : acc, nb, B, rep, copy_kernel);
     const int64_t Q = k_blk.size(0);
     auto [dkv_k, dk_blk] = scatter_tail(dkt, plan, T, Q, acc, use_flash);
     auto [dkv_v, dv_blk] = scatter_tail(dvt, plan, T, Q, acc, use_flash);

@@ -12,7 +12,8 @@
 //          batch): one unmasked varlen call for all blocks.
 //          The tail's B-row sequences leave flash's query tiles mostly empty, so the rep = Hq/Hkv
 //          query heads sharing a KV head are stacked as rows of one sequence (rep*B rows, Hkv heads;
-//          DFLASH_BSA_GQA_PACK, on for flash by default).
+//          DFLASH_BSA_GQA_PACK, on for flash by default; the packing copies on CUDA by
+//          fused_train::gqa_pack_rows, DFLASH_BSA_GQA_COPY).
 // Merge: lse = log(exp(lse_full) + exp(lse_tail)), out = sum_p exp(lse_p - lse) out_p. Backward:
 // every part's kernel backward is called with the MERGED out and lse, which gives exactly that
 // part's share of dq, dk, dv (P = exp(S - lse) and rowsum(dO * out) are the full softmax's); the

@@ -51,6 +51,13 @@ const std::vector<Switch>& registry() {
        "per sequence instead of block rows); auto: on for the flash kernels with GQA, off for the reference "
        "kernel; on: also the reference kernel.",
        true, false},
+      {"DFLASH_BSA_GQA_COPY", Kind::kChoice, {"ops", "kernel"}, kAuto,
+       "The drafter's block-sparse attention with the tail's query heads packed (DFLASH_BSA_GQA_PACK): the "
+       "packing copies (q, and in the backward dO and O, into the packed layout; the tail's result and dq "
+       "back) by LibTorch's strided copy, or kernel: one CUDA pass moving 16 bytes a thread "
+       "(fused_train::gqa_pack_rows, bitwise the same; the flash path only; elsewhere, or in a build without "
+       "CUDA kernels, a config error); auto: kernel on the flash path of a CUDA build, else ops.",
+       false, false},
       {"DFLASH_BSA_SCATTER", Kind::kChoice, {"index_add", "kernel"}, kAuto,
        "The drafter's block-sparse attention backward: the tail's key/value gradients into their rows by "
        "index_add_ (after an fp32 conversion), or kernel: one pass with fp32 atomics from the half-precision "

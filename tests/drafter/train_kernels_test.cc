@@ -531,9 +531,9 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
   doc(900, 124, 6);
   for (size_t j = 0; j < c.ctx_len.size(); ++j) c.ctx_len[j] = std::min<int64_t>(c.ctx_len[j], j < 24 ? 600 : j < 36 ? 300 : 124);
 #ifdef DFLASH_WITH_CUDA
-  const std::vector<std::string> scatters = {"index_add", "kernel"}, merges = {"ops", "kernel"};
+  const std::vector<std::string> scatters = {"index_add", "kernel"}, merges = {"ops", "kernel"}, copies = {"ops", "kernel"};
 #else
-  const std::vector<std::string> scatters = {"index_add"}, merges = {"ops"};
+  const std::vector<std::string> scatters = {"index_add"}, merges = {"ops"}, copies = {"ops"};
 #endif
   // The train_ops.h kernels each setting must launch: two scatters (keys, values) in the backward,
   // and the merge kernel's (below).
@@ -543,19 +543,25 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
   for (const char* full : {"flash", "cudnn"})
     for (const char* mode : {"off", "on"})  // the tail's query heads packed per KV head (rep 4) or not
       for (const auto& scatter : scatters)
-        for (const auto& merge : merges) {
-          ScopedSwitch fl("DFLASH_BSA_FULL", full), pack("DFLASH_BSA_GQA_PACK", mode), sc("DFLASH_BSA_SCATTER", scatter.c_str()),
-              mg("DFLASH_BSA_MERGE", merge.c_str());
-          SCOPED_TRACE(std::string("DFLASH_BSA_FULL=") + full + " DFLASH_BSA_GQA_PACK=" + mode + " DFLASH_BSA_SCATTER=" + scatter +
-                       " DFLASH_BSA_MERGE=" + merge);
-          const int64_t before = train_kernel_launches(), cudnn_before = model::block_sparse_cudnn_calls();
-          compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
-          // The merge kernel: one launch a run in the forward; in the backward add_key_runs, keys and values,
-          // once per kMaxKeyRuns runs and once more for the context rows' result.
-          const int64_t key_launches = 2 * (runs / model::fused_train::kMaxKeyRuns + 1);
-          EXPECT_EQ(train_kernel_launches() - before, (scatter == "kernel" ? 2 : 0) + (merge == "kernel" ? runs + key_launches : 0));
-          EXPECT_EQ(model::block_sparse_cudnn_calls() - cudnn_before, std::string(full) == "cudnn" ? 2 * runs : 0);
-        }
+        for (const auto& merge : merges)
+          for (const auto& copy : copies) {
+            ScopedSwitch fl("DFLASH_BSA_FULL", full), pack("DFLASH_BSA_GQA_PACK", mode), sc("DFLASH_BSA_SCATTER", scatter.c_str()),
+                mg("DFLASH_BSA_MERGE", merge.c_str()), cp("DFLASH_BSA_GQA_COPY", copy.c_str());
+            SCOPED_TRACE(std::string("DFLASH_BSA_FULL=") + full + " DFLASH_BSA_GQA_PACK=" + mode + " DFLASH_BSA_SCATTER=" + scatter +
+                         " DFLASH_BSA_MERGE=" + merge + " DFLASH_BSA_GQA_COPY=" + copy);
+            const int64_t before = train_kernel_launches(), cudnn_before = model::block_sparse_cudnn_calls();
+            compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
+            // The merge kernel: one launch a run in the forward; in the backward add_key_runs, keys and values,
+            // once per kMaxKeyRuns runs and once more for the context rows' result.
+            const int64_t key_launches = 2 * (runs / model::fused_train::kMaxKeyRuns + 1);
+            // The copy kernel, packed tail: q packed in the forward, q, dO and O in the backward; the tail's
+            // result and dq unpacked in each direction when they are kept in the inputs' dtype (merge kernel).
+            const int64_t copy_launches =
+                std::string(mode) == "on" && copy == "kernel" ? 4 + (merge == "kernel" ? 2 : 0) : 0;
+            EXPECT_EQ(train_kernel_launches() - before,
+                      (scatter == "kernel" ? 2 : 0) + (merge == "kernel" ? runs + key_launches : 0) + copy_launches);
+            EXPECT_EQ(model::block_sparse_cudnn_calls() - cudnn_before, std::string(full) == "cudnn" ? 2 * runs : 0);
+          }
 }
 
 #ifdef DFLASH_WITH_CUDA
@@ -594,6 +600,30 @@ TEST(BlockSparseAttentionGpu, ScatterKernelEqualsIndexAdd) {
                                                     torch::randn({3, 8, 16}, cuda).to(torch::kBFloat16),
                                                     torch::zeros({3}, cuda.dtype(torch::kInt64))),
                ConfigError);
+}
+
+// The GQA packing kernel against LibTorch's copy of the permuted view, both directions, bf16 and fp32
+// (D 128 and 12: one and several 16-byte units a head vector): bitwise; a packing with the wrong
+// group count must differ (control); a misfit shape is a ConfigError.
+TEST(BlockSparseAttentionGpu, GqaPackKernelEqualsPermutedCopy) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  torch::manual_seed(8);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const int64_t blocks = 7, B = 16, hkv = 3, rep = 4;
+  for (auto [dt, D] : {std::pair{torch::kBFloat16, int64_t(128)}, std::pair{torch::kFloat32, int64_t(12)}}) {
+    auto x = torch::randn({blocks * B, hkv * rep, D}, cuda).to(dt);
+    auto want = x.view({blocks, B, hkv, rep, D}).permute({0, 3, 1, 2, 4}).reshape({blocks * rep * B, hkv, D});
+    auto packed = torch::empty_like(want);
+    model::fused_train::gqa_pack_rows(x, packed, blocks, B, rep, /*to_packed=*/true);
+    EXPECT_TRUE(torch::equal(packed, want)) << dt;
+    auto back = torch::empty_like(x);
+    model::fused_train::gqa_pack_rows(packed, back, blocks, B, rep, /*to_packed=*/false);
+    EXPECT_TRUE(torch::equal(back, x)) << dt;
+    auto wrong = torch::empty({blocks * 2 * B, hkv * 2, D}, x.options());
+    model::fused_train::gqa_pack_rows(x, wrong, blocks, B, 2, /*to_packed=*/true);
+    EXPECT_FALSE(torch::equal(wrong.view_as(want), want)) << dt;
+    EXPECT_THROW(model::fused_train::gqa_pack_rows(x, torch::empty_like(x), blocks, B, rep, /*to_packed=*/true), ConfigError);
+  }
 }
 
 namespace {
@@ -789,32 +819,43 @@ std::vector<Tensor> sums_and_grads(const GpuMicroBatch& g, const train::LossOpti
 TEST(FusedLossGpu, EqualsPlainOps) {
   ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
   torch::manual_seed(21);
-  const int64_t n = 67, V = 151936;
+  const int64_t n = 67;
   const double T = 2.0, kw = 0.15;
   auto o = torch::TensorOptions().device(torch::kCUDA);
-  auto z = (torch::randn({n, V}, o) * 3).to(torch::kBFloat16), t = (torch::randn({n, V}, o) * 3).to(torch::kBFloat16);
-  auto y = torch::randint(V, {n}, o.dtype(torch::kInt64));
-  auto w = torch::rand({n}, o);
-  w[3] = 0;
-  for (bool soft : {false, true}) {
-    auto r = train::cuda_loss::loss_rows(z, soft ? t : Tensor(), y, w, T, kw, /*backward=*/true);
-    auto z32 = z.to(torch::kFloat32), t32 = t.to(torch::kFloat32);
-    auto lse = z32.logsumexp(-1);
-    auto ce = lse - z32.gather(1, y.unsqueeze(1)).squeeze(1);
-    auto dz = torch::softmax(z32, -1) - torch::one_hot(y, V).to(torch::kFloat32);
-    dz = dz * w.unsqueeze(1);
-    if (soft) {
-      auto tl = torch::log_softmax(t32 / T, -1), dl = torch::log_softmax(z32 / T, -1);
-      auto kl = (tl.exp() * (tl - dl)).sum(-1);
-      EXPECT_LT(rel(r.kl, kl), 1e-5);
-      dz = dz + (kw * T) * w.unsqueeze(1) * (dl.exp() - tl.exp());
+  // 151936 (Qwen's vocabulary): rows read 8 values a load; 1003: one value a load.
+  for (int64_t V : {int64_t(151936), int64_t(1003)}) {
+    auto z = (torch::randn({n, V}, o) * 3).to(torch::kBFloat16), t = (torch::randn({n, V}, o) * 3).to(torch::kBFloat16);
+    auto y = torch::randint(V, {n}, o.dtype(torch::kInt64));
+    // argmax == label must be seen: rows 4-11 labelled with their argmax; rows 1 and 2 with a tied
+    // maximum at 10 and 700 (the first counts, as torch.argmax's), labelled 10 and 700.
+    y.narrow(0, 4, 8).copy_(z.narrow(0, 4, 8).to(torch::kFloat32).argmax(-1));
+    for (int64_t r : {1, 2}) z[r][10] = 100, z[r][700] = 100;
+    y[1] = 10, y[2] = 700;
+    auto w = torch::rand({n}, o);
+    w[3] = 0;
+    for (bool soft : {false, true}) {
+      auto r = train::cuda_loss::loss_rows(z, soft ? t : Tensor(), y, w, T, kw, /*backward=*/true);
+      auto z32 = z.to(torch::kFloat32), t32 = t.to(torch::kFloat32);
+      auto lse = z32.logsumexp(-1);
+      auto ce = lse - z32.gather(1, y.unsqueeze(1)).squeeze(1);
+      auto dz = torch::softmax(z32, -1) - torch::one_hot(y, V).to(torch::kFloat32);
+      dz = dz * w.unsqueeze(1);
+      if (soft) {
+        auto tl = torch::log_softmax(t32 / T, -1), dl = torch::log_softmax(z32 / T, -1);
+        auto kl = (tl.exp() * (tl - dl)).sum(-1);
+        EXPECT_LT(rel(r.kl, kl), 1e-5) << V;
+        dz = dz + (kw * T) * w.unsqueeze(1) * (dl.exp() - tl.exp());
+      }
+      EXPECT_LT(rel(r.ce, ce), 1e-5) << soft << " " << V;
+      EXPECT_TRUE(torch::equal(r.correct, z32.argmax(-1).eq(y).to(torch::kFloat32))) << soft << " " << V;
+      EXPECT_EQ(r.correct.narrow(0, 4, 8).sum().item<float>(), 8.f) << soft << " " << V;
+      EXPECT_EQ(r.correct[1].item<float>(), 1.f) << soft << " " << V;
+      EXPECT_EQ(r.correct[2].item<float>(), 0.f) << soft << " " << V;
+      const double e = rel(r.dz, dz);
+      EXPECT_LT(e, 5e-3) << soft << " " << V;  // bf16 output
+      EXPECT_EQ(r.dz[3].abs().max().item<float>(), 0.f);
+      std::printf("fused loss (V %lld, soft %d): ce %.3g, dz %.3g rel err\n", static_cast<long long>(V), int(soft), rel(r.ce, ce), e);
     }
-    EXPECT_LT(rel(r.ce, ce), 1e-5) << soft;
-    EXPECT_TRUE(torch::equal(r.correct, z32.argmax(-1).eq(y).to(torch::kFloat32))) << soft;
-    const double e = rel(r.dz, dz);
-    EXPECT_LT(e, 5e-3) << soft;  // bf16 output
-    EXPECT_EQ(r.dz[3].abs().max().item<float>(), 0.f);
-    std::printf("fused loss (soft %d): ce %.3g, dz %.3g rel err\n", int(soft), rel(r.ce, ce), e);
   }
 }
 

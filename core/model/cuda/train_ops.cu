@@ -675,6 +675,58 @@ torch::Tensor rope_backward(const torch::Tensor& dy, const torch::Tensor& cos, c
   return rope("rope_backward", dy, cos, sin, true);
 }
 
+namespace {
+// One thread per 16-byte unit of dst (a grid-stride loop): unpacked [blocks, B, Hkv, rep, U] and packed
+// [blocks, rep, B, Hkv, U] units (U = units per head vector); dst is walked in its own order, so the
+// stores are coalesced and the loads read whole head vectors.
+template <bool kToPacked>
+__global__ void gqa_rows_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, int64_t n, int64_t B, int64_t hkv,
+                                int64_t rep, int64_t U) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t q = i;
+    const int64_t u = q % U;
+    q /= U;
+    if (kToPacked) {  // dst (j, h, r, g) <- src (j, r, g, h)
+      const int64_t g = q % hkv, r = (q / hkv) % B, h = (q / (hkv * B)) % rep, j = q / (hkv * B * rep);
+      dst[i] = src[(((j * B + r) * hkv + g) * rep + h) * U + u];
+    } else {  // dst (j, r, g, h) <- src (j, h, r, g)
+      const int64_t h = q % rep, g = (q / rep) % hkv, r = (q / (rep * hkv)) % B, j = q / (rep * hkv * B);
+      dst[i] = src[(((j * rep + h) * B + r) * hkv + g) * U + u];
+    }
+  }
+}
+}  // namespace
+
+void gqa_pack_rows(const torch::Tensor& src, const torch::Tensor& dst, int64_t blocks, int64_t B, int64_t rep, bool to_packed) {
+  const char* fn = "gqa_pack_rows";
+  for (const auto& [name, t] : {std::pair<const char*, const torch::Tensor*>{"src", &src}, {"dst", &dst}})
+    DFLASH_CHECK(t->is_cuda() && t->dim() == 3 && t->is_contiguous() && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 &&
+                     (t->size(2) * t->element_size()) % 16 == 0 && t->scalar_type() == src.scalar_type() &&
+                     t->device() == src.device(),
+                 ConfigError, fn << ": " << name << " must be a contiguous 16-byte aligned CUDA [rows, heads, D] tensor of "
+                                 << src.scalar_type() << " on " << src.device() << " with D * element size a multiple of 16, got "
+                                 << t->sizes() << " " << t->scalar_type() << " on " << t->device());
+  const auto& un = to_packed ? src : dst;
+  const auto& pk = to_packed ? dst : src;
+  DFLASH_CHECK(blocks >= 0 && B > 0 && rep > 0 && un.size(1) % rep == 0 && un.size(0) == blocks * B &&
+                   pk.size(0) == blocks * rep * B && pk.size(1) * rep == un.size(1) && pk.size(2) == un.size(2),
+               ConfigError, fn << ": unpacked " << un.sizes() << " and packed " << pk.sizes() << " do not fit " << blocks
+                               << " blocks of " << B << " rows with " << rep << " query heads per KV head");
+  DFLASH_CHECK(src.data_ptr() != dst.data_ptr(), ConfigError, fn << ": src and dst must be distinct tensors");
+  const int64_t U = src.size(2) * src.element_size() / 16, n = src.numel() * src.element_size() / 16;
+  if (n == 0) return;
+  c10::cuda::CUDAGuard guard(src.device());
+  const auto* s = static_cast<const uint4*>(src.data_ptr());
+  auto* d = static_cast<uint4*>(dst.data_ptr());
+  const unsigned grid = elementwise_grid(n);
+  if (to_packed)
+    gqa_rows_kernel<true><<<grid, kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(s, d, n, B, pk.size(1), rep, U);
+  else
+    gqa_rows_kernel<false><<<grid, kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(s, d, n, B, pk.size(1), rep, U);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  ++g_launches;
+}
+
 torch::Tensor swiglu_forward(const torch::Tensor& g_in, const torch::Tensor& u_in) {
   check_cuda16("swiglu_forward", "g", g_in);
   check_like("swiglu_forward", "u", u_in, "g", g_in);

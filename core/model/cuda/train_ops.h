@@ -3,8 +3,8 @@
 // rms_norm_train / swiglu_down_train / swiglu_mlp_recompute_train in layers.h call them). bf16 or
 // fp16 tensors ("T" below) on CUDA, fp32 arithmetic, the rounding points of those functions' LibTorch
 // ops unless stated otherwise; tests/drafter/train_kernels_test.cc (label gpu) compares the two.
-// Also three kernels of the block-sparse attention (scatter_add_rows, merge_attention_rows,
-// add_key_runs; their contracts below). Available only in CUDA builds (DFLASH_WITH_CUDA).
+// Also four kernels of the block-sparse attention (scatter_add_rows, merge_attention_rows,
+// add_key_runs, gqa_pack_rows; their contracts below). Available only in CUDA builds (DFLASH_WITH_CUDA).
 //
 // Inputs need not be contiguous (a contiguous copy is made) unless a function below says so (those
 // that update a tensor in place). A tensor these kernels cannot take
@@ -122,6 +122,16 @@ struct KeyRun {
   int64_t row0 = 0;
 };
 void add_key_runs(const torch::Tensor& acc, const std::vector<KeyRun>& runs, const torch::Tensor& out);
+
+// The GQA packing of the block-sparse attention's tail call (DFLASH_BSA_GQA_COPY=kernel). With
+// Hq = Hkv * rep query heads and blocks of B rows, the unpacked layout [blocks * B, Hq, D] (row
+// j * B + r, head g * rep + h) and the packed one [blocks * rep * B, Hkv, D] (row j * rep * B + h * B
+// + r, head g) hold the same D-vectors. to_packed: src unpacked into dst packed; else src packed into
+// dst unpacked. A bitwise copy of any dtype, 16 bytes a thread (LibTorch's strided copy of the
+// permuted view moves one element a thread): src and dst contiguous, 16-byte aligned, distinct, of
+// one dtype, D * element size a multiple of 16.
+void gqa_pack_rows(const torch::Tensor& src, const torch::Tensor& dst, int64_t blocks, int64_t B, int64_t rep,
+                   bool to_packed);
 
 // Kernels launched by the functions above since the process started (host-side count), for tests
 // that check a path really ran them.

@@ -1,6 +1,7 @@
 // Fused DFlash loss rows (see fused_loss.h). One block per row; pass 1 keeps, per thread, online
 // (max, sum) pairs for z, z/T and t/T, the KL numerator and the argmax, merged across the block;
-// pass 2 writes dz. fp32 arithmetic, no fast-math.
+// pass 2 writes dz. Rows are read 8 values (16 bytes) a load where their layout allows. fp32
+// arithmetic, no fast-math.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -23,14 +24,6 @@ struct Acc {
   int idx;
 };
 
-__device__ __forceinline__ void add_value(float& m, float& s, float x) {
-  if (x > m) {
-    s = s * __expf(m - x) + 1.f;
-    m = x;
-  } else {
-    s += __expf(x - m);
-  }
-}
 __device__ __forceinline__ float rescale(float s, float m_from, float m_to) {
   return m_from == -INFINITY ? 0.f : s * expf(m_from - m_to);
 }
@@ -62,31 +55,92 @@ __device__ __forceinline__ Acc shfl(const Acc& v, int o) {
   return r;
 }
 
+// VEC consecutive bf16 values of a row (VEC = 8: one 16-byte load; the row and its start 16-byte
+// aligned, checked by the caller) as fp32.
+template <int VEC>
+__device__ __forceinline__ void load_row(const __nv_bfloat16* __restrict__ r, int64_t i, float (&f)[VEC]) {
+  if constexpr (VEC == 8) {
+    const uint4 u = reinterpret_cast<const uint4*>(r)[i];
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 p = __bfloat1622float2(h[k]);
+      f[2 * k] = p.x, f[2 * k + 1] = p.y;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) f[k] = __bfloat162float(r[i * VEC + k]);
+  }
+}
+template <int VEC>
+__device__ __forceinline__ void store_row(__nv_bfloat16* __restrict__ r, int64_t i, const float (&f)[VEC]) {
+  if constexpr (VEC == 8) {
+    uint4 u;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+    reinterpret_cast<uint4*>(r)[i] = u;
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) r[i * VEC + k] = __float2bfloat16(f[k]);
+  }
+}
+
+// One block per row; each thread takes VEC consecutive values at a time. Per group: its max
+// rescales the running sums once (the z/T maximum is the z maximum times 1/T: rounding is
+// monotonic), then one exp per value and sum. SOFT: with target logits.
+template <int VEC, bool SOFT>
 __global__ void __launch_bounds__(kThreads) loss_rows_kernel(
     const __nv_bfloat16* __restrict__ z, const __nv_bfloat16* __restrict__ t, const int64_t* __restrict__ t_rows,
     const int64_t* __restrict__ y,
     const float* __restrict__ w, int64_t V, float inv_T, float c, float* __restrict__ ce, float* __restrict__ kl,
     float* __restrict__ correct, __nv_bfloat16* __restrict__ dz) {
-  const int64_t row = blockIdx.x;
+  const int64_t row = blockIdx.x, groups = V / VEC;
   const __nv_bfloat16* zr = z + row * V;
-  const __nv_bfloat16* tr = t ? t + (t_rows ? t_rows[row] : row) * V : nullptr;
+  const __nv_bfloat16* tr = SOFT ? t + (t_rows ? t_rows[row] : row) * V : nullptr;
   Acc acc{-INFINITY, 0.f, -INFINITY, 0.f, -INFINITY, 0.f, 0.f, -INFINITY, 0x7fffffff};
-  for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-    const float zv = __bfloat162float(zr[v]);
-    add_value(acc.m1, acc.s1, zv);
-    if (zv > acc.best) acc.best = zv, acc.idx = static_cast<int>(v);  // v increases: first max kept
-    if (tr) {
-      const float zt = zv * inv_T, tt = __bfloat162float(tr[v]) * inv_T;
-      add_value(acc.m2, acc.s2, zt);
-      if (tt > acc.m3) {
-        acc.a = acc.a * __expf(acc.m3 - tt) + (tt - zt);
-        acc.s3 = acc.s3 * __expf(acc.m3 - tt) + 1.f;
-        acc.m3 = tt;
-      } else {
-        const float e = __expf(tt - acc.m3);
-        acc.a += e * (tt - zt);
-        acc.s3 += e;
+  for (int64_t i = threadIdx.x; i < groups; i += kThreads) {
+    float zf[VEC];
+    load_row<VEC>(zr, i, zf);
+    float mz = zf[0];
+    int kz = 0;
+#pragma unroll
+    for (int k = 1; k < VEC; ++k)
+      if (zf[k] > mz) mz = zf[k], kz = k;                                            // first max of the group
+    if (mz > acc.best) acc.best = mz, acc.idx = static_cast<int>(i * VEC + kz);  // i increases: first max kept
+    if (mz > acc.m1) {
+      acc.s1 *= __expf(acc.m1 - mz);
+      if (SOFT) acc.s2 *= __expf(acc.m2 - mz * inv_T);
+      acc.m1 = mz;
+      acc.m2 = mz * inv_T;
+    }
+    float s1 = 0.f;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) s1 += __expf(zf[k] - acc.m1);
+    acc.s1 += s1;
+    if constexpr (SOFT) {
+      float tf[VEC];
+      load_row<VEC>(tr, i, tf);
+      float mt = tf[0] * inv_T;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) tf[k] *= inv_T, mt = fmaxf(mt, tf[k]);
+      if (mt > acc.m3) {
+        const float e = __expf(acc.m3 - mt);
+        acc.s3 *= e;
+        acc.a *= e;
+        acc.m3 = mt;
       }
+      float s2 = 0.f, s3 = 0.f, a = 0.f;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float zt = zf[k] * inv_T, e = __expf(tf[k] - acc.m3);
+        s2 += __expf(zt - acc.m2);
+        s3 += e;
+        a += e * (tf[k] - zt);
+      }
+      acc.s2 += s2;
+      acc.s3 += s3;
+      acc.a += a;
     }
   }
   for (int o = 16; o > 0; o >>= 1) acc = merge(acc, shfl(acc, o));
@@ -103,7 +157,7 @@ __global__ void __launch_bounds__(kThreads) loss_rows_kernel(
     ce[row] = lse1 - __bfloat162float(zr[label]);
     correct[row] = r.idx == label ? 1.f : 0.f;
     lse[0] = lse1;
-    if (tr) {
+    if (SOFT) {
       lse[1] = r.m2 + logf(r.s2);
       lse[2] = r.m3 + logf(r.s3);
       kl[row] = r.a / r.s3 + lse[1] - lse[2];
@@ -114,16 +168,35 @@ __global__ void __launch_bounds__(kThreads) loss_rows_kernel(
   __syncthreads();
   if (!dz) return;
   const float wr = w[row], cw = c * wr, l1 = lse[0];
-  const float l2 = tr ? lse[1] : 0.f, l3 = tr ? lse[2] : 0.f;
+  const float l2 = SOFT ? lse[1] : 0.f, l3 = SOFT ? lse[2] : 0.f;
   const int64_t label = y[row];
   __nv_bfloat16* dr = dz + row * V;
-  for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-    const float zv = __bfloat162float(zr[v]);
-    float g = wr * (__expf(zv - l1) - (v == label ? 1.f : 0.f));
-    if (tr) g += cw * (__expf(zv * inv_T - l2) - __expf(__bfloat162float(tr[v]) * inv_T - l3));
-    dr[v] = __float2bfloat16(g);
+  for (int64_t i = threadIdx.x; i < groups; i += kThreads) {
+    float zf[VEC], g[VEC];
+    load_row<VEC>(zr, i, zf);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) g[k] = wr * (__expf(zf[k] - l1) - (i * VEC + k == label ? 1.f : 0.f));
+    if constexpr (SOFT) {
+      float tf[VEC];
+      load_row<VEC>(tr, i, tf);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) g[k] += cw * (__expf(zf[k] * inv_T - l2) - __expf(tf[k] * inv_T - l3));
+    }
+    store_row<VEC>(dr, i, g);
   }
 }
+
+template <int VEC>
+void launch_rows(bool soft, unsigned rows, cudaStream_t stream, const __nv_bfloat16* z, const __nv_bfloat16* t,
+                 const int64_t* t_rows, const int64_t* y, const float* w, int64_t V, float inv_T, float c, float* ce,
+                 float* kl, float* correct, __nv_bfloat16* dz) {
+  if (soft)
+    loss_rows_kernel<VEC, true><<<rows, kThreads, 0, stream>>>(z, t, t_rows, y, w, V, inv_T, c, ce, kl, correct, dz);
+  else
+    loss_rows_kernel<VEC, false><<<rows, kThreads, 0, stream>>>(z, t, t_rows, y, w, V, inv_T, c, ce, kl, correct, dz);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
@@ -152,13 +225,15 @@ RowsOut loss_rows(const torch::Tensor& z, const torch::Tensor& t, const torch::T
   if (backward) r.dz = torch::empty_like(z);
   if (n == 0) return r;
   auto yc = y.contiguous(), wc = w.contiguous(), tr = mapped ? t_rows.contiguous() : torch::Tensor();
-  loss_rows_kernel<<<static_cast<unsigned>(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const __nv_bfloat16*>(z.data_ptr()),
-      t.defined() ? reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()) : nullptr, mapped ? tr.data_ptr<int64_t>() : nullptr,
-      yc.data_ptr<int64_t>(),
-      wc.data_ptr<float>(), V, static_cast<float>(1.0 / temperature), static_cast<float>(kl_weight * temperature),
-      r.ce.data_ptr<float>(), r.kl.data_ptr<float>(), r.correct.data_ptr<float>(),
-      backward ? reinterpret_cast<__nv_bfloat16*>(r.dz.data_ptr()) : nullptr);
+  const auto* zp = reinterpret_cast<const __nv_bfloat16*>(z.data_ptr());
+  const auto* tp = t.defined() ? reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()) : nullptr;
+  auto* dp = backward ? reinterpret_cast<__nv_bfloat16*>(r.dz.data_ptr()) : nullptr;
+  // 16-byte loads when every row starts 16-byte aligned (V a multiple of 8, aligned bases), else one value a load.
+  const bool vec = V % 8 == 0 && aligned16(zp) && (!tp || aligned16(tp)) && (!dp || aligned16(dp));
+  (vec ? launch_rows<8> : launch_rows<1>)(t.defined(), static_cast<unsigned>(n), at::cuda::getCurrentCUDAStream(), zp, tp,
+                                          mapped ? tr.data_ptr<int64_t>() : nullptr, yc.data_ptr<int64_t>(), wc.data_ptr<float>(),
+                                          V, static_cast<float>(1.0 / temperature), static_cast<float>(kl_weight * temperature),
+                                          r.ce.data_ptr<float>(), r.kl.data_ptr<float>(), r.correct.data_ptr<float>(), dp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return r;
 }
