@@ -4,6 +4,9 @@
 #include <cstdlib>
 
 #include "core/model/block_attention.h"
+#ifdef DFLASH_WITH_CUDA
+#include "core/model/cuda/train_ops.h"
+#endif
 
 #include "core/io/safetensors.h"
 #include "core/model/weights.h"
@@ -145,14 +148,20 @@ void Drafter::load_parameters(const std::vector<std::pair<std::string, torch::Te
 
 namespace {
 // p.to(copy's dtype) for autograd, with the value of `copy` (p's current cast): the backward is
-// Tensor::to's, the gradient converted to p's dtype.
+// Tensor::to's, the gradient converted to p's dtype (on CUDA, half to fp32, by
+// fused_train::widen_to_float: bitwise the same).
 struct CachedCastFn : public torch::autograd::Function<CachedCastFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& p, const torch::Tensor& copy) {
     ctx->saved_data["dtype"] = static_cast<int64_t>(p.scalar_type());
     return copy.detach();  // shares storage (and version counter) with the copy, not a view for autograd
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list g) {
-    return {g[0].to(static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt())), torch::Tensor()};
+    const auto dt = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());
+#ifdef DFLASH_WITH_CUDA
+    // CUDA half -> fp32 (the kept copies' case): the same bits in one vectorized pass.
+    if (dt == torch::kFloat32 && fused_train::supported(g[0])) return {fused_train::widen_to_float(g[0]), torch::Tensor()};
+#endif
+    return {g[0].to(dt), torch::Tensor()};
   }
 };
 }  // namespace

@@ -602,6 +602,24 @@ TEST(BlockSparseAttentionGpu, ScatterKernelEqualsIndexAdd) {
                ConfigError);
 }
 
+// widen_to_float against Tensor::to: bitwise, bf16 and fp16, a count that takes 8-wide packs and an
+// odd one (one value a thread), and a non-contiguous input; a value changed must show (control).
+TEST(FusedTrainOpsGpu, WidenToFloatEqualsToBitwise) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  torch::manual_seed(9);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  for (auto dt : {torch::kBFloat16, torch::kHalf})
+    for (auto x : {torch::randn({4096, 96}, cuda).to(dt), torch::randn({7, 13}, cuda).to(dt),
+                   torch::randn({64, 96}, cuda).to(dt).t()}) {
+      auto y = model::fused_train::widen_to_float(x);
+      EXPECT_EQ(y.scalar_type(), torch::kFloat32);
+      EXPECT_TRUE(torch::equal(y, x.to(torch::kFloat32))) << dt << " " << x.sizes();
+      auto bad = x.contiguous().clone();
+      bad.view(-1)[bad.numel() / 2] = 1000;
+      EXPECT_FALSE(torch::equal(model::fused_train::widen_to_float(bad), x.to(torch::kFloat32))) << dt;
+    }
+}
+
 // The GQA packing kernel against LibTorch's copy of the permuted view, both directions, bf16 and fp32
 // (D 128 and 12: one and several 16-byte units a head vector): bitwise; a packing with the wrong
 // group count must differ (control); a misfit shape is a ConfigError.

@@ -727,6 +727,36 @@ void gqa_pack_rows(const torch::Tensor& src, const torch::Tensor& dst, int64_t b
   ++g_launches;
 }
 
+namespace {
+template <typename T, int kVec>
+__global__ void widen_kernel(const T* __restrict__ x, float* __restrict__ y, int64_t packs) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < packs; i += int64_t(gridDim.x) * blockDim.x) {
+    const auto p = load<T, kVec>(x + i * kVec);
+    if constexpr (kVec == 8) {  // two 16-byte stores
+      reinterpret_cast<float4*>(y)[2 * i] = make_float4(to_f(p.v[0]), to_f(p.v[1]), to_f(p.v[2]), to_f(p.v[3]));
+      reinterpret_cast<float4*>(y)[2 * i + 1] = make_float4(to_f(p.v[4]), to_f(p.v[5]), to_f(p.v[6]), to_f(p.v[7]));
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) y[i * kVec + j] = to_f(p.v[j]);
+    }
+  }
+}
+}  // namespace
+
+torch::Tensor widen_to_float(const torch::Tensor& x_in) {
+  check_cuda16("widen_to_float", "x", x_in);
+  const auto x = x_in.contiguous();
+  auto y = torch::empty(x.sizes(), x.options().dtype(torch::kFloat32));
+  if (x.numel() == 0) return y;
+  c10::cuda::CUDAGuard guard(x.device());
+  launch_elementwise(x, {x, y}, [&](auto tag, auto vec, unsigned grid, int64_t packs) {
+    using T = typename decltype(tag)::type;
+    widen_kernel<T, decltype(vec)::value><<<grid, kElementwiseThreads, 0, at::cuda::getCurrentCUDAStream()>>>(ptr<T>(x), ptr<float>(y),
+                                                                                                             packs);
+  });
+  return y;
+}
+
 torch::Tensor swiglu_forward(const torch::Tensor& g_in, const torch::Tensor& u_in) {
   check_cuda16("swiglu_forward", "g", g_in);
   check_like("swiglu_forward", "u", u_in, "g", g_in);

@@ -133,6 +133,12 @@ void add_key_runs(const torch::Tensor& acc, const std::vector<KeyRun>& runs, con
 void gqa_pack_rows(const torch::Tensor& src, const torch::Tensor& dst, int64_t blocks, int64_t B, int64_t rep,
                    bool to_packed);
 
+// x (bf16 or fp16, any shape) converted to fp32, 8 values a thread (16-byte loads) when the count and
+// alignment allow: bitwise x.to(torch::kFloat32) (the conversion is exact). The drafter's weight
+// gradients from its kept half-precision copies take this way to their fp32 parameters (LibTorch's
+// converting copy moves one value a thread).
+torch::Tensor widen_to_float(const torch::Tensor& x);
+
 // Kernels launched by the functions above since the process started (host-side count), for tests
 // that check a path really ran them.
 int64_t kernel_launches();
