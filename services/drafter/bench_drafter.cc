@@ -142,6 +142,44 @@ double step_flops(const model::DrafterConfig& cfg, int64_t anchors, int64_t T, i
   return 3 * L * (layer_q + layer_ctx + attn) + 2 * (2 * double(T) * K * H * H) + (soft_labels ? 3 : 2) * lm_head;
 }
 
+// One device activity of a profiled step: its interval and name.
+struct DeviceSpan {
+  uint64_t start_ns, end_ns;
+  std::string name;
+};
+
+// Where the device sat idle within the profiled step: the first activity's start to the last one's
+// end, minus the union of the activities; the 12 longest gaps with the activity before and after each
+// (a host-side wait or a launch-bound stretch shows up here, not in the per-kernel totals).
+json idle_gaps(std::vector<DeviceSpan> spans) {
+  if (spans.empty()) return json::object();
+  std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) { return a.start_ns < b.start_ns; });
+  struct Gap {
+    uint64_t ns;
+    size_t after;
+  };
+  std::vector<Gap> gaps;
+  uint64_t busy_end = spans[0].end_ns, idle_ns = 0;
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].start_ns > busy_end) {
+      gaps.push_back({spans[i].start_ns - busy_end, i});
+      idle_ns += spans[i].start_ns - busy_end;
+    }
+    busy_end = std::max(busy_end, spans[i].end_ns);
+  }
+  std::sort(gaps.begin(), gaps.end(), [](const Gap& a, const Gap& b) { return a.ns > b.ns; });
+  json top = json::array();
+  for (size_t g = 0; g < gaps.size() && g < 12; ++g)
+    top.push_back({{"ms", gaps[g].ns / 1e6},
+                   {"at_ms", (spans[gaps[g].after].start_ns - spans[0].start_ns) / 1e6},
+                   {"before", spans[gaps[g].after - 1].name},
+                   {"after", spans[gaps[g].after].name}});
+  return {{"span_ms", (busy_end - spans[0].start_ns) / 1e6},
+          {"idle_ms", idle_ns / 1e6},
+          {"gaps_over_20us", std::count_if(gaps.begin(), gaps.end(), [](const Gap& x) { return x.ns > 20000; })},
+          {"longest", top}};
+}
+
 // --profile: one more trainer step under the kineto profiler; the top 60 names by total time, for
 // CPU ops and for device kernels separately (where the step's time goes), each with its call count
 // and its name cut to 400 characters.
@@ -161,10 +199,13 @@ json profile_step(train::Trainer& trainer, const train::MicroBatch& mb, const to
   // prefix (template instantiations such as direct_copy_kernel_cuda's) stay apart.
   using Table = std::map<std::string, std::pair<double, int64_t>>;
   Table cpu_ops, kernels;
+  std::vector<DeviceSpan> spans;
   for (const auto& e : result->events()) {
-    auto& slot = (e.deviceType() == c10::DeviceType::CPU ? cpu_ops : kernels)[e.name()];
+    const bool cpu = e.deviceType() == c10::DeviceType::CPU;
+    auto& slot = (cpu ? cpu_ops : kernels)[e.name()];
     slot.first += e.durationNs() / 1e6;
     slot.second += 1;
+    if (!cpu) spans.push_back({e.startNs(), e.endNs(), e.name().substr(0, 120)});
   }
   auto top = [](const Table& t) {
     std::vector<const Table::value_type*> v;
@@ -175,7 +216,7 @@ json profile_step(train::Trainer& trainer, const train::MicroBatch& mb, const to
       j.push_back({{"ms", v[i]->second.first}, {"calls", v[i]->second.second}, {"name", v[i]->first.substr(0, 400)}});
     return j;
   };
-  return {{"cpu_ops_total_ms", top(cpu_ops)}, {"device_kernels_total_ms", top(kernels)}};
+  return {{"cpu_ops_total_ms", top(cpu_ops)}, {"device_kernels_total_ms", top(kernels)}, {"device_idle", idle_gaps(spans)}};
 }
 
 // --steps N: N more optimizer steps, each with its own peak; peaks at steps 1, 10 and N and the
