@@ -142,16 +142,17 @@ double step_flops(const model::DrafterConfig& cfg, int64_t anchors, int64_t T, i
   return 3 * L * (layer_q + layer_ctx + attn) + 2 * (2 * double(T) * K * H * H) + (soft_labels ? 3 : 2) * lm_head;
 }
 
-// One device activity of a profiled step: its interval and name.
-struct DeviceSpan {
+// One activity of a profiled step (a host op or a device kernel/copy): its interval and name.
+struct Span {
   uint64_t start_ns, end_ns;
   std::string name;
 };
 
 // Where the device sat idle within the profiled step: the first activity's start to the last one's
 // end, minus the union of the activities; the 12 longest gaps with the activity before and after each
-// (a host-side wait or a launch-bound stretch shows up here, not in the per-kernel totals).
-json idle_gaps(std::vector<DeviceSpan> spans) {
+// (a host-side wait or a launch-bound stretch shows up here, not in the per-kernel totals), and the
+// host ops that ran longest during each gap (nested ops included: what the host was doing).
+json idle_gaps(std::vector<Span> spans, const std::vector<Span>& host) {
   if (spans.empty()) return json::object();
   std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) { return a.start_ns < b.start_ns; });
   struct Gap {
@@ -169,12 +170,26 @@ json idle_gaps(std::vector<DeviceSpan> spans) {
   }
   std::sort(gaps.begin(), gaps.end(), [](const Gap& a, const Gap& b) { return a.ns > b.ns; });
   json top = json::array();
-  for (size_t g = 0; g < gaps.size() && g < 12; ++g)
+  for (size_t g = 0; g < gaps.size() && g < 12; ++g) {
+    const uint64_t g1 = spans[gaps[g].after].start_ns, g0 = g1 - gaps[g].ns;
+    std::vector<std::pair<uint64_t, const std::string*>> during;  // overlap with the gap, host op
+    for (const auto& h : host) {
+      const uint64_t a = std::max(h.start_ns, g0), b = std::min(h.end_ns, g1);
+      if (b > a) during.push_back({b - a, &h.name});
+    }
+    std::sort(during.begin(), during.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+    json ops = json::array();
+    for (size_t i = 0; i < during.size() && i < 6; ++i) ops.push_back({{"ms", during[i].first / 1e6}, {"name", *during[i].second}});
     top.push_back({{"ms", gaps[g].ns / 1e6},
-                   {"at_ms", (spans[gaps[g].after].start_ns - spans[0].start_ns) / 1e6},
+                   {"at_ms", (g1 - spans[0].start_ns) / 1e6},
                    {"before", spans[gaps[g].after - 1].name},
-                   {"after", spans[gaps[g].after].name}});
+                   {"after", spans[gaps[g].after].name},
+                   {"host_ops", ops}});
+  }
+  uint64_t host0 = spans[0].start_ns;
+  for (const auto& h : host) host0 = std::min(host0, h.start_ns);
   return {{"span_ms", (busy_end - spans[0].start_ns) / 1e6},
+          {"host_lead_ms", (spans[0].start_ns - host0) / 1e6},  // the host's work before the first device activity
           {"idle_ms", idle_ns / 1e6},
           {"gaps_over_20us", std::count_if(gaps.begin(), gaps.end(), [](const Gap& x) { return x.ns > 20000; })},
           {"longest", top}};
@@ -199,13 +214,13 @@ json profile_step(train::Trainer& trainer, const train::MicroBatch& mb, const to
   // prefix (template instantiations such as direct_copy_kernel_cuda's) stay apart.
   using Table = std::map<std::string, std::pair<double, int64_t>>;
   Table cpu_ops, kernels;
-  std::vector<DeviceSpan> spans;
+  std::vector<Span> spans, host;
   for (const auto& e : result->events()) {
     const bool cpu = e.deviceType() == c10::DeviceType::CPU;
     auto& slot = (cpu ? cpu_ops : kernels)[e.name()];
     slot.first += e.durationNs() / 1e6;
     slot.second += 1;
-    if (!cpu) spans.push_back({e.startNs(), e.endNs(), e.name().substr(0, 120)});
+    (cpu ? host : spans).push_back({e.startNs(), e.endNs(), e.name().substr(0, 120)});
   }
   auto top = [](const Table& t) {
     std::vector<const Table::value_type*> v;
@@ -216,7 +231,7 @@ json profile_step(train::Trainer& trainer, const train::MicroBatch& mb, const to
       j.push_back({{"ms", v[i]->second.first}, {"calls", v[i]->second.second}, {"name", v[i]->first.substr(0, 400)}});
     return j;
   };
-  return {{"cpu_ops_total_ms", top(cpu_ops)}, {"device_kernels_total_ms", top(kernels)}, {"device_idle", idle_gaps(spans)}};
+  return {{"cpu_ops_total_ms", top(cpu_ops)}, {"device_kernels_total_ms", top(kernels)}, {"device_idle", idle_gaps(spans, host)}};
 }
 
 // --steps N: N more optimizer steps, each with its own peak; peaks at steps 1, 10 and N and the
