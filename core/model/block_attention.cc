@@ -566,6 +566,14 @@ BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const s
   std::vector<int64_t> index, ctx_src, ctx_dst, blk_dst;
   std::vector<int32_t> cu_k{0};
   p.cu_k_host = {0};
+  int64_t tail_ctx = 0;  // sized up front: the vectors are filled without regrowing (host time is step time)
+  for (size_t j = 0; j < ctx_len.size(); ++j) tail_ctx += std::max<int64_t>(ctx_len[j], 0) % tile;
+  index.reserve(tail_ctx + p.blocks * B);
+  ctx_src.reserve(tail_ctx);
+  ctx_dst.reserve(tail_ctx);
+  blk_dst.reserve(p.blocks * B);
+  cu_k.reserve(p.blocks + 1);
+  p.cu_k_host.reserve(p.blocks + 1);
   for (int64_t j = 0; j < p.blocks; ++j) {
     const int64_t b = ctx_begin[j], n = ctx_len[j], t = n / tile;
     DFLASH_CHECK(b >= 0 && n >= 0 && b + n <= T, ConfigError,
@@ -591,12 +599,12 @@ BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const s
   }
   std::vector<int32_t> cu_q;
   for (int64_t j = 0; j <= p.blocks; ++j) cu_q.push_back(static_cast<int32_t>(j * B));
-  p.tail_index = to_device_async(torch::tensor(index, torch::kInt64), device);
-  p.tail_ctx_src = to_device_async(torch::tensor(ctx_src, torch::kInt64), device);
-  p.tail_ctx_dst = to_device_async(torch::tensor(ctx_dst, torch::kInt64), device);
-  p.tail_blk_dst = to_device_async(torch::tensor(blk_dst, torch::kInt64), device);
-  p.cu_q = to_device_async(torch::tensor(cu_q, torch::kInt32), device);
-  p.cu_k = to_device_async(torch::tensor(cu_k, torch::kInt32), device);
+  p.tail_index = to_device_async(index, device);
+  p.tail_ctx_src = to_device_async(ctx_src, device);
+  p.tail_ctx_dst = to_device_async(ctx_dst, device);
+  p.tail_blk_dst = to_device_async(blk_dst, device);
+  p.cu_q = to_device_async(cu_q, device);
+  p.cu_k = to_device_async(cu_k, device);
   return p;
 }
 

@@ -324,9 +324,10 @@ torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor
   const bool sparse = kernel == BlockAttention::Kernel::kBlockSparse;
   const int64_t tile = switches::is_set("DFLASH_BSA_TILE") ? switches::get_int("DFLASH_BSA_TILE") : attn.tile;
   DFLASH_CHECK(tile > 0, ConfigError, "block-sparse attention tile must be > 0 (BlockAttention::tile), got " << tile);
-  // Built once per forward, shared by every layer.
+  // Built once per forward, shared by every layer. The block-sparse plan is built on the host just
+  // before the first attention, while layer 0's norm, projections and rope run on the device.
   const auto groups = sparse ? std::vector<AttnGroup>{} : plan_attention(attn, x.device());
-  const auto bsp = sparse ? plan_block_sparse(attn.ctx_begin, attn.ctx_len, cfg_.block_size, T, tile, x.device()) : BlockSparsePlan{};
+  BlockSparsePlan bsp;
   const double scale = 1.0 / std::sqrt(double(D));
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
@@ -340,6 +341,7 @@ torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor
     q = apply_rope_train(q, rope_q);
     k_blk = apply_rope_train(k_blk, rope_q);
     if (rope_c) ctx.k = apply_rope_train(ctx.k, *rope_c);
+    if (sparse && l == 0) bsp = plan_block_sparse(attn.ctx_begin, attn.ctx_len, cfg_.block_size, T, tile, x.device());
     auto a = (sparse ? block_sparse_attention(q, ctx.k, ctx.v, k_blk, v_blk, bsp, scale, block_sparse_flash_supported(q))
                      : attention(q, ctx.k, ctx.v, k_blk, v_blk, groups))
                  .reshape({Q, Hq * D});

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/util/error.h"
 #include "core/util/switches.h"
@@ -207,6 +208,19 @@ torch::Tensor to_device_async(const torch::Tensor& host, torch::Device device) {
   return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host.to(device);
 }
 
+template <class T>
+torch::Tensor to_device_async(const std::vector<T>& host, torch::Device device) {
+  const torch::TensorOptions opts = torch::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  const int64_t n = static_cast<int64_t>(host.size());
+  if (n == 0) return torch::empty({0}, opts.device(device));
+  torch::Tensor staged = torch::empty({n}, opts.pinned_memory(device.is_cuda()));
+  std::memcpy(staged.data_ptr(), host.data(), n * sizeof(T));
+  return device.is_cuda() ? staged.to(device, /*non_blocking=*/true) : staged.to(device);
+}
+template torch::Tensor to_device_async(const std::vector<int64_t>&, torch::Device);
+template torch::Tensor to_device_async(const std::vector<int32_t>&, torch::Device);
+template torch::Tensor to_device_async(const std::vector<float>&, torch::Device);
+
 RopeOptions rope_options(const io::RopeConfig& rope, int64_t rotary_dim) {
   RopeOptions ro;
   ro.theta = rope.theta;
@@ -266,7 +280,7 @@ torch::Tensor doc_positions(const std::vector<int64_t>& doc_lens, torch::Device 
   pos.reserve(total);
   for (auto n : doc_lens)
     for (int64_t i = 0; i < n; ++i) pos.push_back(i);
-  return to_device_async(torch::tensor(pos, torch::kInt64), device);
+  return to_device_async(pos, device);
 }
 
 namespace {

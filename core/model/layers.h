@@ -65,6 +65,10 @@ torch::Tensor apply_rope_train(const torch::Tensor& x, const RopeTable& rope);
 // pageable memory would wait for all the GPU work queued before it); the pinned block is recycled
 // by PyTorch's caching host allocator once the copy has run.
 torch::Tensor to_device_async(const torch::Tensor& host, torch::Device device);
+// A host vector (int64_t, int32_t or float) as a 1-D tensor on `device`: written once, straight into
+// pinned memory, then copied as above (no pageable tensor, no second host copy, no is_pinned query).
+template <class T>
+torch::Tensor to_device_async(const std::vector<T>& host, torch::Device device);
 
 // Positions [T] int64 restarting at 0 in every document.
 torch::Tensor doc_positions(const std::vector<int64_t>& doc_lens, torch::Device device);
