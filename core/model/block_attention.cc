@@ -555,6 +555,20 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
 
 BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const std::vector<int64_t>& ctx_len, int64_t B,
                                   int64_t T, int64_t tile, torch::Device device) {
+  auto p = plan_block_sparse_host(ctx_begin, ctx_len, B, T, tile, device.is_cuda());
+  upload_block_sparse_plan(p, device);
+  return p;
+}
+
+void upload_block_sparse_plan(BlockSparsePlan& p, torch::Device device) {
+  DFLASH_CHECK(p.staged, ConfigError, "block-sparse attention: the plan holds no staged host arrays (uploaded twice?)");
+  auto t = p.staged->upload(device);
+  p.staged.reset();
+  p.tail_index = t[0], p.tail_ctx_src = t[1], p.tail_ctx_dst = t[2], p.tail_blk_dst = t[3], p.cu_q = t[4], p.cu_k = t[5];
+}
+
+BlockSparsePlan plan_block_sparse_host(const std::vector<int64_t>& ctx_begin, const std::vector<int64_t>& ctx_len,
+                                       int64_t B, int64_t T, int64_t tile, bool pinned) {
   DFLASH_CHECK(ctx_begin.size() == ctx_len.size() && B > 0 && tile > 0, ConfigError,
                "block-sparse attention: " << ctx_begin.size() << " ctx_begin vs " << ctx_len.size()
                                           << " ctx_len entries, block " << B << ", tile " << tile);
@@ -599,12 +613,11 @@ BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const s
   }
   std::vector<int32_t> cu_q;
   for (int64_t j = 0; j <= p.blocks; ++j) cu_q.push_back(static_cast<int32_t>(j * B));
-  p.tail_index = to_device_async(index, device);
-  p.tail_ctx_src = to_device_async(ctx_src, device);
-  p.tail_ctx_dst = to_device_async(ctx_dst, device);
-  p.tail_blk_dst = to_device_async(blk_dst, device);
-  p.cu_q = to_device_async(cu_q, device);
-  p.cu_k = to_device_async(cu_k, device);
+  p.staged = std::make_shared<HostStaging>();
+  for (auto* v : {&index, &ctx_src, &ctx_dst, &blk_dst}) p.staged->add(std::move(*v));
+  p.staged->add(std::move(cu_q));
+  p.staged->add(std::move(cu_k));
+  p.staged->pack(pinned);
   return p;
 }
 

@@ -36,7 +36,10 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
+
+#include "core/model/layers.h"
 
 namespace dflash::model {
 
@@ -55,11 +58,19 @@ struct BlockSparsePlan {
     int64_t q_row0, q_rows, k_row0, k_rows;
   };
   std::vector<Full> full;
+  // Between plan_block_sparse_host and upload_block_sparse_plan: the index arrays above, packed in
+  // one host block (device tensors undefined until the upload).
+  std::shared_ptr<HostStaging> staged;
 };
 
 // ctx_begin/ctx_len per block as in BlockAttention; T context rows; B rows per block.
 BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const std::vector<int64_t>& ctx_len, int64_t B,
                                   int64_t T, int64_t tile, torch::Device device);
+// The same in two halves: the host work (safe on another thread: it touches no device and no
+// stream; `pinned` for a CUDA device), then on the step's thread the arrays' one copy to `device`.
+BlockSparsePlan plan_block_sparse_host(const std::vector<int64_t>& ctx_begin, const std::vector<int64_t>& ctx_len,
+                                       int64_t B, int64_t T, int64_t tile, bool pinned);
+void upload_block_sparse_plan(BlockSparsePlan& plan, torch::Device device);
 
 // q [Q, Hq, D], k/v_ctx [T, Hkv, D], k/v_blk [Q, Hkv, D] (Q = blocks * B) -> [Q, Hq, D]. Autograd
 // through all five inputs. `use_flash`: the CUDA flash kernels (needs CUDA bf16/fp16), else the

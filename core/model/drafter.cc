@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <future>
 
 #include "core/model/block_attention.h"
 #ifdef DFLASH_WITH_CUDA
@@ -147,21 +148,42 @@ void Drafter::load_parameters(const std::vector<std::pair<std::string, torch::Te
 }
 
 namespace {
+// A half-precision gradient in `dt` (fp32 for the kept copies): on CUDA by
+// fused_train::widen_to_float, bitwise Tensor::to.
+torch::Tensor widen_grad(const torch::Tensor& g, torch::ScalarType dt) {
+#ifdef DFLASH_WITH_CUDA
+  if (dt == torch::kFloat32 && fused_train::supported(g)) return fused_train::widen_to_float(g);
+#endif
+  return g.to(dt);
+}
+
 // p.to(copy's dtype) for autograd, with the value of `copy` (p's current cast): the backward is
-// Tensor::to's, the gradient converted to p's dtype (on CUDA, half to fp32, by
-// fused_train::widen_to_float: bitwise the same).
+// Tensor::to's, the gradient converted to p's dtype. With `pending` (a pointer to the copy's
+// pending-gradient slot, defer_copy_gradients on): the first gradient while p has no .grad stays in
+// the slot unconverted and p gets none from this call; a later one returns slot + gradient in fp32
+// (what p.grad = g1; p.grad += g2 gives: fp32 addition commutes) and empties the slot.
 struct CachedCastFn : public torch::autograd::Function<CachedCastFn> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& p, const torch::Tensor& copy) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& p, const torch::Tensor& copy,
+                               torch::Tensor* pending) {
     ctx->saved_data["dtype"] = static_cast<int64_t>(p.scalar_type());
+    ctx->saved_data["pending"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(pending));
+    if (pending) ctx->saved_data["param"] = p;  // the leaf itself: its .grad is read in backward
     return copy.detach();  // shares storage (and version counter) with the copy, not a view for autograd
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list g) {
     const auto dt = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());
-#ifdef DFLASH_WITH_CUDA
-    // CUDA half -> fp32 (the kept copies' case): the same bits in one vectorized pass.
-    if (dt == torch::kFloat32 && fused_train::supported(g[0])) return {fused_train::widen_to_float(g[0]), torch::Tensor()};
-#endif
-    return {g[0].to(dt), torch::Tensor()};
+    auto* pending = reinterpret_cast<torch::Tensor*>(static_cast<intptr_t>(ctx->saved_data["pending"].toInt()));
+    if (!pending) return {widen_grad(g[0], dt), torch::Tensor(), torch::Tensor()};
+    if (!pending->defined() && !ctx->saved_data["param"].toTensor().grad().defined()) {
+      *pending = g[0];
+      return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
+    auto out = widen_grad(g[0], dt);
+    if (pending->defined()) {
+      out = widen_grad(*pending, dt).add_(out);
+      *pending = torch::Tensor();
+    }
+    return {out, torch::Tensor(), torch::Tensor()};
   }
 };
 }  // namespace
@@ -191,7 +213,24 @@ torch::Tensor Drafter::w(const std::string& name, torch::ScalarType compute) con
     c.value = p.detach().to(compute);
     c.version = p._version();
   }
-  return torch::GradMode::is_enabled() && p.requires_grad() ? CachedCastFn::apply(p, c.value) : c.value;
+  if (!(torch::GradMode::is_enabled() && p.requires_grad())) return c.value;
+  return CachedCastFn::apply(p, c.value, defer_copy_grads_ ? &c.pending : nullptr);
+}
+
+torch::Tensor Drafter::gradient(size_t i) {
+  auto& p = params_.at(i).second;
+  if (i >= copies_.size() || !copies_[i].pending.defined()) return p.grad();
+  auto& pending = copies_[i].pending;
+  if (!p.grad().defined()) return pending;
+  torch::NoGradGuard g;
+  p.mutable_grad().add_(widen_grad(pending, p.scalar_type()));
+  pending = torch::Tensor();
+  return p.grad();
+}
+
+void Drafter::drop_gradients() {
+  for (auto& [_, p] : params_) p.mutable_grad() = torch::Tensor();
+  for (auto& c : copies_) c.pending = torch::Tensor();
 }
 
 torch::Tensor Drafter::fuse_context(const torch::Tensor& features_TKH, torch::ScalarType compute) const {
@@ -324,9 +363,15 @@ torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor
   const bool sparse = kernel == BlockAttention::Kernel::kBlockSparse;
   const int64_t tile = switches::is_set("DFLASH_BSA_TILE") ? switches::get_int("DFLASH_BSA_TILE") : attn.tile;
   DFLASH_CHECK(tile > 0, ConfigError, "block-sparse attention tile must be > 0 (BlockAttention::tile), got " << tile);
-  // Built once per forward, shared by every layer. The block-sparse plan is built on the host just
-  // before the first attention, while layer 0's norm, projections and rope run on the device.
+  // Built once per forward, shared by every layer. The block-sparse plan's host work runs on another
+  // thread while this one queues layer 0's norm, projections and rope; its arrays are copied to the
+  // device (one copy) just before the first attention.
   const auto groups = sparse ? std::vector<AttnGroup>{} : plan_attention(attn, x.device());
+  std::future<BlockSparsePlan> planned;
+  if (sparse)
+    planned = std::async(std::launch::async, [&attn, B = cfg_.block_size, T, tile, pinned = x.is_cuda()] {
+      return plan_block_sparse_host(attn.ctx_begin, attn.ctx_len, B, T, tile, pinned);
+    });
   BlockSparsePlan bsp;
   const double scale = 1.0 / std::sqrt(double(D));
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
@@ -341,7 +386,10 @@ torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor
     q = apply_rope_train(q, rope_q);
     k_blk = apply_rope_train(k_blk, rope_q);
     if (rope_c) ctx.k = apply_rope_train(ctx.k, *rope_c);
-    if (sparse && l == 0) bsp = plan_block_sparse(attn.ctx_begin, attn.ctx_len, cfg_.block_size, T, tile, x.device());
+    if (sparse && l == 0) {
+      bsp = planned.get();
+      upload_block_sparse_plan(bsp, x.device());
+    }
     auto a = (sparse ? block_sparse_attention(q, ctx.k, ctx.v, k_blk, v_blk, bsp, scale, block_sparse_flash_supported(q))
                      : attention(q, ctx.k, ctx.v, k_blk, v_blk, groups))
                  .reshape({Q, Hq * D});

@@ -101,6 +101,24 @@ class Drafter {
   // One entry per parameter (parameters() order): its current copy, or undefined (none kept, or
   // stale). For the optimizer step that rewrites them.
   std::vector<torch::Tensor> compute_copies() const;
+  // Pending copy gradients (with kept copies; the trainer turns them on when one process holds the
+  // whole world): the first gradient a kept copy receives in a backward stays in the copy's dtype,
+  // held here instead of being widened into the parameter's fp32 .grad, so that a step of one
+  // micro-batch reads it as it is (the optimizer kernel and the norm widen it as they read; a
+  // half-to-fp32 conversion is exact). A second gradient for the same parameter folds both into
+  // .grad in fp32, in the order autograd would have added them (bitwise the same sums). Off by default.
+  void defer_copy_gradients(bool on) { defer_copy_grads_ = on; }
+  // Parameter i's gradient for the optimizer step: its fp32 .grad with any pending gradient added in
+  // fp32 (a .grad and a pending gradient are both present when autograd ran the parameter's
+  // accumulation after a later cast's backward), or the pending half-precision gradient alone, or
+  // undefined (no gradient this step).
+  torch::Tensor gradient(size_t i);
+  // Drops every parameter's .grad and pending gradient (set_to_none, between steps), or parameter
+  // i's pending gradient only (after the caller has widened it into .grad).
+  void drop_gradients();
+  void drop_pending_gradient(size_t i) {
+    if (i < copies_.size()) copies_[i].pending = torch::Tensor();
+  }
   // Copies values in (strict: every name present, shapes equal); `source` names the origin in errors.
   void load_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& values, const std::string& source);
 
@@ -162,9 +180,11 @@ class Drafter {
   struct ComputeCopy {
     torch::Tensor value;
     int64_t version = -1;  // the parameter's _version() when value was written
+    torch::Tensor pending;  // the pending gradient in the copy's dtype (defer_copy_gradients), or undefined
   };
   std::optional<torch::ScalarType> copy_dtype_;  // set by keep_compute_copies
   mutable std::vector<ComputeCopy> copies_;      // by parameter index
+  bool defer_copy_grads_ = false;
 };
 
 }  // namespace dflash::model

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "core/util/error.h"
 #include "core/util/switches.h"
@@ -217,6 +218,49 @@ torch::Tensor to_device_async(const std::vector<T>& host, torch::Device device) 
   std::memcpy(staged.data_ptr(), host.data(), n * sizeof(T));
   return device.is_cuda() ? staged.to(device, /*non_blocking=*/true) : staged.to(device);
 }
+template <class T>
+size_t HostStaging::add(std::vector<T> values) {
+  DFLASH_CHECK(!block_.defined(), ConfigError, "HostStaging::add after pack()");
+  Slot s;
+  s.dtype = c10::CppTypeToScalarType<T>::value;
+  s.n = static_cast<int64_t>(values.size());
+  if constexpr (std::is_same_v<T, int64_t>) s.i64 = std::move(values);
+  else if constexpr (std::is_same_v<T, int32_t>) s.i32 = std::move(values);
+  else s.f32 = std::move(values);
+  slots_.push_back(std::move(s));
+  return slots_.size() - 1;
+}
+template size_t HostStaging::add(std::vector<int64_t>);
+template size_t HostStaging::add(std::vector<int32_t>);
+template size_t HostStaging::add(std::vector<float>);
+
+void HostStaging::pack(bool pinned) {
+  if (block_.defined()) return;
+  int64_t bytes = 0;
+  for (auto& s : slots_) {
+    s.offset = bytes;
+    bytes += (s.n * static_cast<int64_t>(c10::elementSize(s.dtype)) + 7) / 8 * 8;
+  }
+  block_ = torch::empty({std::max<int64_t>(bytes, 8)}, torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(pinned));
+  auto* base = static_cast<char*>(block_.data_ptr());
+  for (auto& s : slots_) {
+    const void* src = s.dtype == torch::kInt64 ? static_cast<const void*>(s.i64.data())
+                      : s.dtype == torch::kInt32 ? static_cast<const void*>(s.i32.data())
+                                                 : static_cast<const void*>(s.f32.data());
+    if (s.n) std::memcpy(base + s.offset, src, s.n * c10::elementSize(s.dtype));
+    s.i64 = {}, s.i32 = {}, s.f32 = {};
+  }
+}
+
+std::vector<torch::Tensor> HostStaging::upload(torch::Device device) {
+  pack(device.is_cuda());
+  auto dev = device.is_cuda() ? block_.to(device, /*non_blocking=*/true) : block_.to(device);
+  std::vector<torch::Tensor> out;
+  for (const auto& s : slots_)
+    out.push_back(dev.narrow(0, s.offset, s.n * static_cast<int64_t>(c10::elementSize(s.dtype))).view(s.dtype));
+  return out;
+}
+
 template torch::Tensor to_device_async(const std::vector<int64_t>&, torch::Device);
 template torch::Tensor to_device_async(const std::vector<int32_t>&, torch::Device);
 template torch::Tensor to_device_async(const std::vector<float>&, torch::Device);

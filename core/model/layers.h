@@ -70,6 +70,30 @@ torch::Tensor to_device_async(const torch::Tensor& host, torch::Device device);
 template <class T>
 torch::Tensor to_device_async(const std::vector<T>& host, torch::Device device);
 
+// Host arrays (int64_t, int32_t, float) for one device, written into one host block (pinned for a
+// CUDA device) and copied in one transfer: a step's small index uploads cost one allocation and one
+// copy instead of one each. add() may run on any thread; pack() too (it does the host work: the
+// allocation and the copies into the block); upload() on the thread whose CUDA stream is to carry
+// the copy. Each slot comes back as a 1-D tensor on the device, a view of the one copy.
+class HostStaging {
+ public:
+  template <class T>
+  size_t add(std::vector<T> values);  // the slot's index
+  void pack(bool pinned);
+  std::vector<torch::Tensor> upload(torch::Device device);  // packs first (pinned for CUDA) if not packed
+
+ private:
+  struct Slot {
+    torch::ScalarType dtype;
+    int64_t n = 0, offset = 0;  // elements, byte offset in the block (aligned to 8)
+    std::vector<int64_t> i64;
+    std::vector<int32_t> i32;
+    std::vector<float> f32;
+  };
+  std::vector<Slot> slots_;
+  torch::Tensor block_;  // uint8, after pack()
+};
+
 // Positions [T] int64 restarting at 0 in every document.
 torch::Tensor doc_positions(const std::vector<int64_t>& doc_lens, torch::Device device);
 

@@ -169,9 +169,13 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
       }
     }
   }
-  auto lidx = model::to_device_async(label_idx, dev);
-  auto labels = mb.input_ids_T.index({lidx});                                                  // [R]
-  auto weights = model::to_device_async(base_w, dev) * mb.loss_mask_T.index({lidx}).to(torch::kFloat32);
+  model::HostStaging staged;  // both arrays in one copy
+  staged.add(label_idx);  // a copy: the host loop of the fused target logits reads it below
+  staged.add(std::move(base_w));
+  const auto up = staged.upload(dev);
+  const auto& lidx = up[0];
+  auto labels = mb.input_ids_T.index({lidx});                                   // [R]
+  auto weights = up[1] * mb.loss_mask_T.index({lidx}).to(torch::kFloat32);
 
   // Drafter forward up to the final norm (graph kept for the backward).
   auto ctx_pos = model::doc_positions(mb.doc_lens, dev);

@@ -55,24 +55,35 @@ AdamWOptions::Impl AdamW::impl() const {
 }
 
 void AdamW::step(double lr, const torch::Tensor& found_inf, const torch::Tensor& grad_factor,
-                 const std::vector<torch::Tensor>& copies) {
+                 const std::vector<torch::Tensor>& copies, const std::vector<torch::Tensor>& grads) {
   torch::NoGradGuard g;
   ++steps_;
   const auto impl = this->impl();
+  DFLASH_CHECK(grads.empty() || grads.size() == params_->size(), ConfigError,
+               "AdamW::step: " << grads.size() << " gradients for " << params_->size() << " parameters");
+  std::vector<torch::Tensor> grad(params_->size());
   std::vector<size_t> live;  // parameters with a gradient
-  for (size_t i = 0; i < params_->size(); ++i)
-    if ((*params_)[i].second.grad().defined()) live.push_back(i);
+  for (size_t i = 0; i < params_->size(); ++i) {
+    const auto& p = (*params_)[i].second;
+    grad[i] = grads.empty() ? p.grad() : grads[i];
+    if (!grad[i].defined()) continue;
+    DFLASH_CHECK(impl == AdamWOptions::Impl::kKernel || grad[i].scalar_type() == p.scalar_type(), ConfigError,
+                 "AdamW::step: the gradient of " << (*params_)[i].first << " is " << grad[i].scalar_type()
+                                                 << "; only DFLASH_ADAMW=kernel reads gradients in another dtype than the "
+                                                 << p.scalar_type() << " parameter");
+    live.push_back(i);
+  }
   if (impl != AdamWOptions::Impl::kKernel && grad_factor.defined()) {
     std::vector<torch::Tensor> gs;
-    for (size_t i : live) gs.push_back((*params_)[i].second.grad());
+    for (size_t i : live) gs.push_back(grad[i]);
     at::_foreach_mul_(gs, grad_factor);
   }
-  if (impl == AdamWOptions::Impl::kPlain) return plain_step(lr, found_inf, live);
+  if (impl == AdamWOptions::Impl::kPlain) return plain_step(lr, found_inf, live, grad);
   std::vector<torch::Tensor> ps, gs, ms, vs, cs;
   for (size_t i : live) {
     auto& p = (*params_)[i].second;
     ps.push_back(p);
-    gs.push_back(impl == AdamWOptions::Impl::kKernel ? p.grad().contiguous() : p.grad());
+    gs.push_back(impl == AdamWOptions::Impl::kKernel ? grad[i].contiguous() : grad[i]);
     ms.push_back(m_[i]);
     vs.push_back(v_[i]);
     cs.push_back(i < copies.size() ? copies[i] : torch::Tensor());
@@ -94,7 +105,8 @@ void AdamW::step(double lr, const torch::Tensor& found_inf, const torch::Tensor&
                     found_inf.defined() ? std::optional<torch::Tensor>(found_inf) : std::nullopt);
 }
 
-void AdamW::plain_step(double lr, const torch::Tensor& found_inf, const std::vector<size_t>& live) {
+void AdamW::plain_step(double lr, const torch::Tensor& found_inf, const std::vector<size_t>& live,
+                       const std::vector<torch::Tensor>& grads) {
   if (found_inf.defined() && found_inf.item<float>() == 1) return;
   applied_.add_(1);
   const double n = applied_.item<double>();
@@ -102,7 +114,7 @@ void AdamW::plain_step(double lr, const torch::Tensor& found_inf, const std::vec
   const double bc2 = 1.0 - std::pow(opt_.beta2, n);
   for (size_t i : live) {
     auto& p = (*params_)[i].second;
-    auto grad = p.grad();
+    const auto& grad = grads[i];
     p.mul_(1.0 - lr * opt_.weight_decay);
     m_[i].lerp_(grad, 1.0 - opt_.beta1);
     v_[i].mul_(opt_.beta2).addcmul_(grad, grad, 1.0 - opt_.beta2);

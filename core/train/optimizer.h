@@ -24,7 +24,7 @@ struct AdamWOptions {
 class AdamW {
  public:
   AdamW(std::vector<std::pair<std::string, torch::Tensor>>* params, const AdamWOptions& opt);
-  // One optimizer step with learning rate `lr` from the params' current .grad(); steps() counts
+  // One optimizer step with learning rate `lr` from the params' current .grad() (or `grads`); steps() counts
   // every call. `found_inf` (optional): an fp32 scalar tensor on the params' device holding 0 or 1.
   // At 1 the step is skipped: weights and moments stay bitwise as they are and the bias-correction
   // count (state "step") does not advance, as torch.optim's fused AdamW does under found_inf.
@@ -36,8 +36,12 @@ class AdamW {
   // one per parameter, each undefined or a bf16/fp16 tensor of the parameter's shape): kKernel
   // rewrites each defined one as the new weight rounded to its dtype; the other paths ignore them
   // (their in-place updates advance the parameter's version counter, the drafter's sign to recast).
+  // `grads` (optional, one per parameter, each undefined or that parameter's gradient): the
+  // gradients to use instead of the .grad tensors; kKernel also takes them in bf16/fp16 (pending
+  // copy gradients, Drafter::defer_copy_gradients), widened exactly as they are read; the other
+  // paths need them in the parameter's dtype. An undefined entry means no gradient: not updated.
   void step(double lr, const torch::Tensor& found_inf = {}, const torch::Tensor& grad_factor = {},
-            const std::vector<torch::Tensor>& copies = {});
+            const std::vector<torch::Tensor>& copies = {}, const std::vector<torch::Tensor>& grads = {});
   // The implementation step() takes now (kAuto and DFLASH_ADAMW resolved).
   AdamWOptions::Impl impl() const;
   int64_t steps() const { return steps_; }  // calls of step(), skipped ones included
@@ -53,8 +57,9 @@ class AdamW {
  private:
   std::vector<std::pair<std::string, torch::Tensor>>* params_;
   AdamWOptions opt_;
-  // The LibTorch loop over the parameters `live` (those with a gradient).
-  void plain_step(double lr, const torch::Tensor& found_inf, const std::vector<size_t>& live);
+  // The LibTorch loop over the parameters `live` (those with a gradient), grads[i] parameter i's.
+  void plain_step(double lr, const torch::Tensor& found_inf, const std::vector<size_t>& live,
+                  const std::vector<torch::Tensor>& grads);
   std::vector<torch::Tensor> m_, v_;
   torch::Tensor applied_;  // "step": [1] fp32; the fused kernel reads it as every parameter's step
   int64_t steps_ = 0;

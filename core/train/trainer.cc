@@ -19,7 +19,12 @@ Trainer::Trainer(model::Drafter& drafter, const model::FrozenTargetParts& frozen
       optimizer_(&drafter.parameters(), opt.adamw) {
   // Our AdamW kernel rewrites the half-precision weights the forward multiplies with (no cast pass).
   if (optimizer_.impl() == AdamWOptions::Impl::kKernel && (opt.compute == torch::kBFloat16 || opt.compute == torch::kHalf))
+  {
     drafter.keep_compute_copies(opt.compute);
+    // One process holding the whole world: a step's gradients stay in the copies' dtype until the
+    // optimizer kernel reads them (an all-reduce sums fp32 gradients, so more ranks widen first).
+    drafter.defer_copy_gradients(coll_->world_size() == 1);
+  }
 }
 
 double Trainer::noise_amplitude(int64_t step) const {
@@ -41,9 +46,7 @@ std::vector<int64_t> Trainer::micro_batch(const MicroBatch& mb) {
 // AccumulateGrad then takes its fresh fp32 gradient as .grad instead of adding it to zeros, which
 // saves a zero pass and an add pass over every gradient per step, and the gradients' memory is free
 // during the next forward. Bitwise the same: 0 + g == g.
-void Trainer::release_grads() {
-  for (auto& [_, p] : drafter_.parameters()) p.mutable_grad() = torch::Tensor();
-}
+void Trainer::release_grads() { drafter_.drop_gradients(); }
 
 double Trainer::warm_up(int64_t tokens, int64_t doc_len, int64_t feature_width, int64_t hidden, int64_t vocab) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -127,25 +130,38 @@ PendingMetrics Trainer::end_step() {
     sums.narrow(0, 6, B).add_(s.correct_k);
     sums.narrow(0, 6 + B, B).add_(s.counted_k);
   }
+  // Each parameter's gradient: fp32, or (pending copy gradients, one micro-batch) still in the
+  // copies' dtype where our AdamW kernel reads it; anywhere else it is widened into .grad first.
+  const bool half_ok = optimizer_.impl() == AdamWOptions::Impl::kKernel && coll_->world_size() == 1;
   std::vector<torch::Tensor> grads;
-  for (auto& [_, p] : params) {
-    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-    grads.push_back(p.grad());
+  bool any_half = false;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& p = params[i].second;
+    auto g = drafter_.gradient(i);
+    if (g.defined() && g.scalar_type() != p.scalar_type() && !half_ok) {
+      p.mutable_grad() = g.to(p.scalar_type());
+      drafter_.drop_pending_gradient(i);
+      g = p.grad();
+    }
+    if (!g.defined()) p.mutable_grad() = g = torch::zeros_like(p);
+    any_half = any_half || g.scalar_type() != p.scalar_type();
+    grads.push_back(g);
   }
   grads.push_back(sums);
   coll_->all_reduce_sum(grads);
+  grads.pop_back();
 
   // Normalise by the GLOBAL weight sum, clip by the global norm, skip a non-finite step: all on the
   // device, with the same arithmetic the host metrics use (fp64 from the fp32 sums, the divisor and
   // the clip factor rounded to fp32 once), so the flag agrees with the metrics bit for bit.
   torch::NoGradGuard g;
-  std::vector<torch::Tensor> gl;
-  for (auto& [_, p] : params) gl.push_back(p.grad());
   auto s64 = sums.to(torch::kFloat64);
   auto denom = s64[2].clamp_min(1e-12);
   // Per-tensor norms of the summed gradients in one multi-tensor launch, then their norm (no
   // flattened copy of all grads); divided by the denominator it is the normalised gradient's norm.
-  auto norm64 = torch::stack(at::_foreach_norm(gl, 2)).norm().to(torch::kFloat64) / denom;
+  // Half-precision gradients are summed in fp32 (their values widened exactly as they are read).
+  const auto norm_dtype = any_half ? std::optional<torch::ScalarType>(torch::kFloat32) : std::nullopt;
+  auto norm64 = torch::stack(at::_foreach_norm(grads, 2, norm_dtype)).norm().to(torch::kFloat64) / denom;
   auto norm = norm64.to(torch::kFloat32);
   // The division by the denominator and torch's clip rule (multiply by clip / (norm + 1e-6) when
   // norm > clip) folded into a single fp32 factor, which the optimizer applies to the gradients.
@@ -160,7 +176,7 @@ PendingMetrics Trainer::end_step() {
   StepMetrics known;
   known.lr = lr_at(opt_.schedule, optimizer_.steps());
   known.micro_batches = static_cast<int64_t>(pending_.size());
-  optimizer_.step(known.lr, found_inf, factor.to(torch::kFloat32), drafter_.compute_copies());
+  optimizer_.step(known.lr, found_inf, factor.to(torch::kFloat32), drafter_.compute_copies(), grads);
   known.step = optimizer_.steps();
   release_grads();
   pending_.clear();

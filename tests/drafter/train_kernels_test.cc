@@ -324,6 +324,51 @@ TEST(FusedAdamW, KernelNeedsCudaParameters) {
   }
 }
 
+// (3c) Pending copy gradients (Drafter::defer_copy_gradients): after one backward each parameter's
+// gradient is its copy's bf16 gradient, not yet in .grad, and widened it is bitwise the .grad a
+// drafter without deferral gets; after a second and a third backward (gradient accumulation) it is
+// folded into fp32 .grad bitwise as autograd accumulates. drop_gradients clears both.
+TEST(ComputeCopies, PendingGradientsAreTheWidenedGradients) {
+  const auto cfg = small_drafter(32, 8, 48, 3, 64);
+  torch::manual_seed(3);
+  model::FrozenTargetParts frozen;
+  frozen.embed = torch::randn({64, 32}).to(torch::kBFloat16);
+  frozen.lm_head = torch::randn({64, 32}).to(torch::kBFloat16);
+  frozen.norm = torch::ones({32}).to(torch::kBFloat16);
+  train::MicroBatch mb;
+  mb.doc_lens = {30, 20};
+  mb.input_ids_T = mb.input_ids_host = torch::randint(63, {50}, torch::kInt64);
+  mb.loss_mask_T = torch::ones({50}, torch::kUInt8);
+  mb.loss_mask_host.assign(50, 1);
+  mb.features_TKH = torch::randn({50, 64}).to(torch::kBFloat16);
+  mb.h_last_TH = torch::randn({50, 32}).to(torch::kBFloat16);
+  model::Drafter ref(cfg, torch::kCPU, 5), def(cfg, torch::kCPU, 5);
+  ref.keep_compute_copies(torch::kBFloat16);
+  def.keep_compute_copies(torch::kBFloat16);
+  def.defer_copy_gradients(true);
+  const size_t P = ref.parameters().size();
+  for (int round = 1; round <= 3; ++round) {
+    const std::vector<int64_t> anchors{round % 2 ? 2 : 4, 9, 15, 33, 40 - round};
+    for (auto* d : {&ref, &def}) train::forward_backward(*d, frozen, mb, anchors, train::LossOptions{}, {}, torch::kBFloat16, true);
+    for (size_t i = 0; i < P; ++i) {
+      const auto& want = ref.parameters()[i].second.grad();
+      ASSERT_TRUE(want.defined()) << i;
+      if (round == 1) {
+        EXPECT_FALSE(def.parameters()[i].second.grad().defined()) << "round 1: parameter " << i << " has no .grad yet";
+        const auto g = def.gradient(i);
+        EXPECT_EQ(g.scalar_type(), torch::kBFloat16) << i;
+        EXPECT_TRUE(torch::equal(g.to(torch::kFloat32), want)) << "round 1, parameter " << i;
+      } else {
+        const auto g = def.gradient(i);
+        EXPECT_EQ(g.scalar_type(), torch::kFloat32) << i;
+        EXPECT_TRUE(torch::equal(g, want)) << "round " << round << ", parameter " << i;
+      }
+    }
+  }
+  def.drop_gradients();
+  for (size_t i = 0; i < P; ++i) EXPECT_FALSE(def.gradient(i).defined()) << i;
+}
+
 #ifdef DFLASH_WITH_CUDA
 // GPU: our AdamW kernel against PyTorch's fused kernel over 6 steps of 6 parameters (lengths with
 // and without a multiple of 4, a parameter without a copy, an fp16 copy): a clip factor on every

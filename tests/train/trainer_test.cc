@@ -450,6 +450,46 @@ static void steady_state_steps(const char* adamw) {
 TEST(TrainerGpu, SteadyStateStepsDoNotSynchroniseTheHost) { steady_state_steps("auto"); }
 TEST(TrainerGpu, PyTorchFusedAdamWStepsDoNotSynchroniseTheHost) { steady_state_steps("fused"); }
 
+// Pending copy gradients (Drafter::defer_copy_gradients, on by default with our AdamW kernel in one
+// process): a step whose gradients stay in bf16 until the kernel and the norm read them equals, bit
+// for bit, the same trainer with them widened into fp32 .grad first: weights, moments, copies and
+// metrics, at one micro-batch a step (the bf16 path) and at two (folded into fp32 in autograd's
+// order). The control: the deferred trainer really held bf16 gradients (none in .grad).
+TEST(TrainerGpu, PendingCopyGradientsAreBitwiseTheWidenedOnes) {
+  ASSERT_TRUE(torch::cuda::is_available());
+  for (int64_t accum : {1, 2}) {
+    auto s = make_setup(torch::kCUDA, torch::kBFloat16, 1e-3);
+    s.opt.grad_accum = accum;
+    model::Drafter a(s.cfg, s.dev, 5), b(s.cfg, s.dev, 5);
+    train::Trainer ta(a, s.frozen, s.opt), tb(b, s.frozen, s.opt);
+    ASSERT_EQ(ta.optimizer().impl(), train::AdamWOptions::Impl::kKernel);
+    b.defer_copy_gradients(false);
+    for (int64_t step = 0; step < 4; ++step) {
+      std::vector<train::MicroBatch> mbs;
+      for (int64_t j = 0; j < accum; ++j) mbs.push_back(batch(s, step, j));
+      for (const auto& mb : mbs) ta.micro_batch(mb), tb.micro_batch(mb);
+      int64_t pending = 0, widened = 0;
+      for (size_t i = 0; i < a.parameters().size(); ++i) {
+        pending += a.parameters()[i].second.grad().defined() ? 0 : 1;
+        widened += b.parameters()[i].second.grad().defined() ? 1 : 0;
+      }
+      const int64_t P = static_cast<int64_t>(a.parameters().size());
+      EXPECT_EQ(widened, P);
+      if (accum == 1) EXPECT_EQ(pending, P) << "one micro-batch: every gradient is still pending in bf16";
+      const auto ma = ta.end_step().wait(), mb = tb.end_step().wait();
+      EXPECT_EQ(ma.loss, mb.loss) << accum << " " << step;
+      EXPECT_EQ(ma.grad_norm, mb.grad_norm) << accum << " " << step;
+      for (size_t i = 0; i < a.parameters().size(); ++i)
+        EXPECT_TRUE(torch::equal(a.parameters()[i].second, b.parameters()[i].second))
+            << "accum " << accum << " step " << step << " " << a.parameters()[i].first;
+    }
+    const auto sa = ta.optimizer().state(), sb = tb.optimizer().state();
+    for (size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(torch::equal(sa[i].second, sb[i].second)) << sa[i].first;
+    const auto ca = a.compute_copies(), cb = b.compute_copies();
+    for (size_t i = 0; i < ca.size(); ++i) EXPECT_TRUE(ca[i].defined() && torch::equal(ca[i], cb[i])) << i;
+  }
+}
+
 // train.embed_on_host: with the embedding in host memory, the block inputs' host gather and its
 // upload (pinned staging, non-blocking copy) do not synchronise the host either (step 0 warms up).
 TEST(TrainerGpu, HostEmbeddingStepsDoNotSynchroniseTheHost) {

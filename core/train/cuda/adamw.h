@@ -25,7 +25,8 @@ struct Hyper {
   double lr = 0, beta1 = 0.9, beta2 = 0.999, weight_decay = 0, eps = 1e-8;
 };
 
-// params, grads, exp_avg, exp_avg_sq: one fp32 contiguous CUDA tensor each per parameter, all of
+// params, exp_avg, exp_avg_sq: one fp32 contiguous CUDA tensor each per parameter (grads: fp32, or
+// bf16/fp16 read and widened exactly, the drafter's pending copy gradients), all of
 // one shape per index and on one device; copies[i]: that parameter's bf16/fp16 copy of the same
 // shape, or undefined (none kept). step: fp32 [1], the update count including this step. factor:
 // fp32 [1] multiplying every gradient, or undefined (1). found_inf: fp32 [1] (0 or 1) or undefined.
