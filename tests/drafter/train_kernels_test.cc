@@ -231,14 +231,10 @@ TEST(FusedAdamW, EqualsPlainLoopAcrossStepsAndAResume) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_LT(rel(b[i].second, a[i].second), 1e-6) << a[i].first;
 }
 
-// (3b) The drafter's kept compute copies (the forward under DFLASH_ADAMW=kernel): the loss and
-// every parameter gradient bitwise those of fresh casts, over steps whose weights change in place
-// (as the LibTorch and PyTorch-fused optimizers change them: the copies go stale and are recast).
-// Negative control: a weight written past its version counter (only our AdamW kernel does that,
-// and it rewrites the copy with it) keeps its old copy in use, and the loss then differs.
-TEST(ComputeCopies, ForwardAndGradsAreTheCastsAndFollowInPlaceUpdates) {
-  const auto cfg = small_drafter(32, 8, 48, 3, 64);
-  torch::manual_seed(2);
+// The kept-copies tests' inputs: bf16 frozen parts (vocab 64, hidden 32) and one micro-batch of
+// two documents (30 + 20 tokens, features of width 64), drawn after torch::manual_seed(seed).
+static std::pair<model::FrozenTargetParts, train::MicroBatch> bf16_copies_case(uint64_t seed) {
+  torch::manual_seed(seed);
   model::FrozenTargetParts frozen;
   frozen.embed = torch::randn({64, 32}).to(torch::kBFloat16);
   frozen.lm_head = torch::randn({64, 32}).to(torch::kBFloat16);
@@ -250,6 +246,19 @@ TEST(ComputeCopies, ForwardAndGradsAreTheCastsAndFollowInPlaceUpdates) {
   mb.loss_mask_host.assign(50, 1);
   mb.features_TKH = torch::randn({50, 64}).to(torch::kBFloat16);
   mb.h_last_TH = torch::randn({50, 32}).to(torch::kBFloat16);
+  return {frozen, mb};
+}
+
+// (3b) The drafter's kept compute copies (the forward under DFLASH_ADAMW=kernel): the loss and
+// every parameter gradient bitwise those of fresh casts, over steps whose weights change in place
+// (as the LibTorch and PyTorch-fused optimizers change them: the copies go stale and are recast).
+// Negative control: a weight written past its version counter (only our AdamW kernel does that,
+// and it rewrites the copy with it) keeps its old copy in use, and the loss then differs.
+TEST(ComputeCopies, ForwardAndGradsAreTheCastsAndFollowInPlaceUpdates) {
+  const auto cfg = small_drafter(32, 8, 48, 3, 64);
+  const auto inputs = bf16_copies_case(2);
+  const auto& frozen = inputs.first;
+  const auto& mb = inputs.second;
   const std::vector<int64_t> anchors{2, 9, 15, 33, 40};
   model::Drafter plain(cfg, torch::kCPU, 5), kept(cfg, torch::kCPU, 5);
   kept.keep_compute_copies(torch::kBFloat16);
@@ -330,18 +339,9 @@ TEST(FusedAdamW, KernelNeedsCudaParameters) {
 // folded into fp32 .grad bitwise as autograd accumulates. drop_gradients clears both.
 TEST(ComputeCopies, PendingGradientsAreTheWidenedGradients) {
   const auto cfg = small_drafter(32, 8, 48, 3, 64);
-  torch::manual_seed(3);
-  model::FrozenTargetParts frozen;
-  frozen.embed = torch::randn({64, 32}).to(torch::kBFloat16);
-  frozen.lm_head = torch::randn({64, 32}).to(torch::kBFloat16);
-  frozen.norm = torch::ones({32}).to(torch::kBFloat16);
-  train::MicroBatch mb;
-  mb.doc_lens = {30, 20};
-  mb.input_ids_T = mb.input_ids_host = torch::randint(63, {50}, torch::kInt64);
-  mb.loss_mask_T = torch::ones({50}, torch::kUInt8);
-  mb.loss_mask_host.assign(50, 1);
-  mb.features_TKH = torch::randn({50, 64}).to(torch::kBFloat16);
-  mb.h_last_TH = torch::randn({50, 32}).to(torch::kBFloat16);
+  const auto inputs = bf16_copies_case(3);
+  const auto& frozen = inputs.first;
+  const auto& mb = inputs.second;
   model::Drafter ref(cfg, torch::kCPU, 5), def(cfg, torch::kCPU, 5);
   ref.keep_compute_copies(torch::kBFloat16);
   def.keep_compute_copies(torch::kBFloat16);
