@@ -217,13 +217,14 @@ torch::Tensor Drafter::w(const std::string& name, torch::ScalarType compute) con
   return CachedCastFn::apply(p, c.value, defer_copy_grads_ ? &c.pending : nullptr);
 }
 
-torch::Tensor Drafter::gradient(size_t i) {
+torch::Tensor Drafter::gradient(size_t i, bool half_ok) {
   auto& p = params_.at(i).second;
   if (i >= copies_.size() || !copies_[i].pending.defined()) return p.grad();
   auto& pending = copies_[i].pending;
-  if (!p.grad().defined()) return pending;
+  if (!p.grad().defined() && half_ok) return pending;
   torch::NoGradGuard g;
-  p.mutable_grad().add_(widen_grad(pending, p.scalar_type()));
+  if (p.grad().defined()) p.mutable_grad().add_(widen_grad(pending, p.scalar_type()));
+  else p.mutable_grad() = widen_grad(pending, p.scalar_type());
   pending = torch::Tensor();
   return p.grad();
 }

@@ -110,15 +110,11 @@ class Drafter {
   void defer_copy_gradients(bool on) { defer_copy_grads_ = on; }
   // Parameter i's gradient for the optimizer step: its fp32 .grad with any pending gradient added in
   // fp32 (a .grad and a pending gradient are both present when autograd ran the parameter's
-  // accumulation after a later cast's backward), or the pending half-precision gradient alone, or
-  // undefined (no gradient this step).
-  torch::Tensor gradient(size_t i);
-  // Drops every parameter's .grad and pending gradient (set_to_none, between steps), or parameter
-  // i's pending gradient only (after the caller has widened it into .grad).
+  // accumulation after a later cast's backward), or the pending half-precision gradient alone when
+  // `half_ok` (else it is widened into .grad first), or undefined (no gradient this step).
+  torch::Tensor gradient(size_t i, bool half_ok = true);
+  // Drops every parameter's .grad and pending gradient (set_to_none, between steps).
   void drop_gradients();
-  void drop_pending_gradient(size_t i) {
-    if (i < copies_.size()) copies_[i].pending = torch::Tensor();
-  }
   // Copies values in (strict: every name present, shapes equal); `source` names the origin in errors.
   void load_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& values, const std::string& source);
 

@@ -137,12 +137,7 @@ PendingMetrics Trainer::end_step() {
   bool any_half = false;
   for (size_t i = 0; i < params.size(); ++i) {
     auto& p = params[i].second;
-    auto g = drafter_.gradient(i);
-    if (g.defined() && g.scalar_type() != p.scalar_type() && !half_ok) {
-      p.mutable_grad() = g.to(p.scalar_type());
-      drafter_.drop_pending_gradient(i);
-      g = p.grad();
-    }
+    auto g = drafter_.gradient(i, half_ok);
     if (!g.defined()) p.mutable_grad() = g = torch::zeros_like(p);
     any_half = any_half || g.scalar_type() != p.scalar_type();
     grads.push_back(g);
