@@ -236,11 +236,15 @@ if has bench-drafter-cudnn; then
   echo "bench drafter 8k specforge, full runs on cuDNN rc=$?"
 fi
 if has proof-drafter; then
-  # The drafter step's Proof lines at the defaults (the 8k hard line is bench-drafter-cudnn): 4k hard
-  # labels against SpecForge 0.2.0, 4k and 8k soft labels against the eager script with KL.
-  "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --warmup 20 --repeats 10 \
-    --baseline specforge --baseline-warmup 3 > "$out/proof_drafter_4k_specforge.json" 2> "$out/proof_drafter_4k_specforge.err"
-  echo "proof 4k specforge rc=$?"
+  # The drafter step's Proof lines at the defaults (cuDNN's attention plans built at setup, the JSON's
+  # full_runs): 4k and 8k hard labels against SpecForge 0.2.0, 4k and 8k soft labels against the
+  # eager script with KL.
+  for shape in "4096 512 16" "8192 1024 32"; do
+    read -r c a bs <<< "$shape"
+    "$build/bin/dflash" bench drafter --context "$c" --anchors "$a" --block-size "$bs" --warmup 20 --repeats 10 \
+      --baseline specforge --baseline-warmup 3 > "$out/proof_drafter_${c}_specforge.json" 2> "$out/proof_drafter_${c}_specforge.err"
+    echo "proof $c specforge rc=$?"
+  done
   for shape in "4096 512 16" "8192 1024 32"; do
     read -r c a bs <<< "$shape"
     "$build/bin/dflash" bench drafter --context "$c" --anchors "$a" --block-size "$bs" --soft-labels --warmup 5 --repeats 8 \

@@ -2,13 +2,11 @@
 
 #include <ATen/ops/_flash_attention_backward.h>
 #include <ATen/ops/_flash_attention_forward.h>
-#include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
-#include <ATen/ops/_scaled_dot_product_cudnn_attention_backward.h>
 
-#include <atomic>
 #include <cmath>
 #include <limits>
 
+#include "core/model/cudnn_runs.h"
 #include "core/model/layers.h"
 #ifdef DFLASH_WITH_CUDA
 #include "core/model/cuda/train_ops.h"
@@ -118,78 +116,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_backward(const Tensor& dout, const Tens
   return {std::get<0>(r).squeeze(0), std::get<1>(r).squeeze(0), std::get<2>(r).squeeze(0)};
 }
 
-// --- cuDNN (CUDA bf16/fp16; the full runs only: one sequence, no mask) ----------------------------
-// PyTorch builds a cuDNN execution plan on the host for every new problem shape (~0.1 s, forward and
-// backward apart) and caches it per thread; the runs' query counts change with every draw of
-// anchors. So a run's query rows are widened to a multiple of kCudnnRows with neighbouring rows of q
-// (a run's rows are independent): the shapes come from (Q / kCudnnRows) x (T / tile) pairs. The
-// forward keeps the run's own rows of the result. The backward gives the extra rows a log-sum-exp
-// of kNoMass, so their probabilities are exactly 0 and they add nothing to dK and dV (their dQ is
-// dropped); out and dO there are the real rows' (finite). Widening adds < kCudnnRows query rows a
-// run, at most the part of the last query tile that the kernel would otherwise mask (its tiles are
-// 64 or 128 rows).
-// The ops take [1, H, S, D] views of our [S, H, D] rows. The log-sum-exp comes back as [1, Hq, S, 1]
-// fp32, laid out [Hq, S] (BHS), or [S, Hq] (BSH) on PyTorch's ragged path (the user's
-// TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1; strides seen on the H200: (Hq*S, 1, Hq, 1)); the backward gets
-// it in the forward's layout (the BSH case has not run through our backward on a GPU yet).
-constexpr int64_t kCudnnRows = 128;
-constexpr double kNoMass = 1e4;  // exp(score - 1e4) is 0 in fp32 for any score below ~1e4 - 104
-std::atomic<int64_t> g_cudnn_calls{0};
-
-Tensor bshd(const Tensor& x) { return x.unsqueeze(0).transpose(1, 2); }
-Tensor from_bshd(const Tensor& x) { return x.transpose(1, 2).squeeze(0); }
-
-// The widened row range [row0, row0 + rows) of q (Q rows) holding run f's rows; off: f's first row in it.
-struct Widened {
-  int64_t row0, rows, off;
-};
-Widened widen(const BlockSparsePlan::Full& f, int64_t Q) {
-  const int64_t rows = std::min(Q, (f.q_rows + kCudnnRows - 1) / kCudnnRows * kCudnnRows);
-  const int64_t row0 = std::min(f.q_row0, Q - rows);
-  return {row0, rows, f.q_row0 - row0};
-}
-
-struct CudnnOut {
-  Tensor out, lse;  // the run's rows: [rows, Hq, D]; [Hq, rows] (a view in cuDNN's layout)
-  bool lse_bsh = false;
-};
-// Run f over its keys kc / vc ([k_rows, Hkv, D], the context prefix it sees).
-CudnnOut cudnn_forward(const Tensor& q, const Tensor& kc, const Tensor& vc, const BlockSparsePlan::Full& f, double scale) {
-  g_cudnn_calls.fetch_add(1);
-  const Widened w = widen(f, q.size(0));
-  auto r = at::_scaled_dot_product_cudnn_attention(bshd(q.narrow(0, w.row0, w.rows)), bshd(kc), bshd(vc), std::nullopt,
-                                                   /*compute_log_sumexp=*/true, 0.0, false, false, scale);
-  const Tensor& l = std::get<1>(r);
-  return {from_bshd(std::get<0>(r)).narrow(0, w.off, f.q_rows), l.squeeze(3).squeeze(0).narrow(1, w.off, f.q_rows),
-          w.rows > 1 && q.size(1) > 1 && l.stride(2) != 1};
-}
-// Gradients of run f's rows given the MERGED out and lse (all rows; see the header): dq of its rows,
-// dk and dv of its keys kc / vc. `no_dropout`: any int64 tensor on the device (the seed and offset
-// cuDNN's op takes; unread without dropout).
-std::tuple<Tensor, Tensor, Tensor> cudnn_backward(const Tensor& dout, const Tensor& q, const Tensor& kc, const Tensor& vc,
-                                                  const Tensor& out, const Tensor& lse, bool lse_bsh,
-                                                  const BlockSparsePlan::Full& f, double scale, const Tensor& no_dropout) {
-  g_cudnn_calls.fetch_add(1);
-  const Widened w = widen(f, q.size(0));
-  const int64_t Hq = q.size(1);
-  // The widened rows' log-sum-exp, built in the layout the forward returned (one fill, one copy).
-  const auto run_lse = lse.narrow(1, f.q_row0, f.q_rows);  // [Hq, q_rows]
-  Tensor l4;
-  if (lse_bsh) {
-    auto l = torch::full({w.rows, Hq}, kNoMass, lse.options());
-    l.narrow(0, w.off, f.q_rows).copy_(run_lse.t());
-    l4 = l.view({1, w.rows, Hq, 1}).transpose(1, 2);
-  } else {
-    auto l = torch::full({Hq, w.rows}, kNoMass, lse.options());
-    l.narrow(1, w.off, f.q_rows).copy_(run_lse);
-    l4 = l.view({1, Hq, w.rows, 1});
-  }
-  auto rows = [&](const Tensor& x) { return bshd(x.narrow(0, w.row0, w.rows)); };
-  auto r = at::_scaled_dot_product_cudnn_attention_backward(rows(dout), rows(q), bshd(kc), bshd(vc), rows(out), l4, no_dropout,
-                                                            no_dropout, Tensor(), Tensor(), Tensor(), w.rows, f.k_rows, 0.0,
-                                                            false, scale);
-  return {from_bshd(std::get<0>(r)).narrow(0, w.off, f.q_rows), from_bshd(std::get<1>(r)), from_bshd(std::get<2>(r))};
-}
+// --- cuDNN: the full runs' calls and their plans are in cudnn_runs.h --------------------------------
 
 // --- the plan, flattened into the autograd context ---------------------------------------------------
 Seqs tail_seqs(const BlockSparsePlan& p) {
@@ -294,15 +221,23 @@ bool use_kernel(const char* name, bool use_flash) {
 #endif
 }
 
-// Whether the full runs go to cuDNN (DFLASH_BSA_FULL): `cudnn` needs the flash path (a ConfigError
-// before any work elsewhere); auto: flash (on the H200 cuDNN's steps are faster once its plans are
-// built, but the plans still being built over the first hundreds of steps make it level with flash
-// in a bench's tens of steps; docs/perf.md).
-bool full_runs_on_cudnn(bool use_flash) {
+// Where the full runs go (DFLASH_BSA_FULL): `cudnn` (every run; a shape first met builds its plan
+// then) needs the flash path, a ConfigError before any work elsewhere; `flash`; auto on the flash
+// path: a run goes to cuDNN when the calling thread has prepared its shape (cudnn_runs::prepare, the
+// trainer does it up front), to flash otherwise (noted for cudnn_runs::prepare_missed), so no step
+// waits for a plan.
+enum class FullRuns { kFlash, kCudnn, kPrepared };
+FullRuns full_runs_backend(bool use_flash) {
   const std::string v = switches::get("DFLASH_BSA_FULL");
   DFLASH_CHECK(v != "cudnn" || use_flash, ConfigError,
                "DFLASH_BSA_FULL=cudnn needs the flash path (CUDA bf16/fp16 attention inputs)");
-  return v == "cudnn";
+  if (!use_flash || v == "flash") return FullRuns::kFlash;
+  return v == "cudnn" ? FullRuns::kCudnn : FullRuns::kPrepared;
+}
+bool run_on_cudnn(FullRuns b, const Tensor& q, const Tensor& k_ctx, const BlockSparsePlan::Full& f) {
+  if (b != FullRuns::kPrepared) return b == FullRuns::kCudnn;
+  const cudnn_runs::Problem p{q.size(1), k_ctx.size(1), q.size(2), q.scalar_type(), q.device().index()};
+  return cudnn_runs::prepared_or_note(p, {cudnn_runs::widen(f.q_row0, f.q_rows, q.size(0)).rows, f.k_rows});
 }
 
 // The tail's key (or value) gradients d_tail [tail rows, Hkv, D] into their rows
@@ -439,14 +374,17 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     Tensor acc = tail_rows_as(ot, q, acc_type, nb, B, rep, copy_kernel);
     if (rep > 1) lse = unpack_lse(lse, nb, B, rep);
     // full runs: merged into the rows they cover
-    const bool on_cudnn = full_runs_on_cudnn(use_flash);
+    const FullRuns backend = full_runs_backend(use_flash);
     bool lse_bsh = false;
+    std::vector<int64_t> runs;  // per run: q_row0, q_rows, k_row0, k_rows, on cuDNN
     for (const auto& f : plan.full) {
+      const bool on_cudnn = run_on_cudnn(backend, q, k_ctx, f);
+      runs.insert(runs.end(), {f.q_row0, f.q_rows, f.k_row0, f.k_rows, on_cudnn});
       const auto qs = q.narrow(0, f.q_row0, f.q_rows);
       const auto kc = k_ctx.narrow(0, f.k_row0, f.k_rows), vc = v_ctx.narrow(0, f.k_row0, f.k_rows);
       Tensor o, l;
       if (on_cudnn) {
-        auto r = cudnn_forward(q, kc, vc, f, scale);
+        auto r = cudnn_runs::forward(q, kc, vc, f.q_row0, f.q_rows, scale);
         o = r.out;
         l = r.lse;
         lse_bsh = lse_bsh || r.lse_bsh;
@@ -463,14 +401,11 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     // rng / unused / tail_lse_layout stay undefined on the reference kernel's path.
     ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, plan.tail_index, plan.cu_q, plan.cu_k, rng, unused,
                             tail_lse_layout, plan.tail_ctx_src, plan.tail_ctx_dst, plan.tail_blk_dst});
-    std::vector<int64_t> runs;
-    for (const auto& f : plan.full) runs.insert(runs.end(), {f.q_row0, f.q_rows, f.k_row0, f.k_rows});
     ctx->saved_data["runs"] = runs;
     ctx->saved_data["cu_k_host"] = plan.cu_k_host;
     ctx->saved_data["dims"] = std::vector<int64_t>{plan.block, plan.blocks, plan.ctx_rows, plan.tile, plan.max_tail_keys};
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["flash"] = use_flash;
-    ctx->saved_data["cudnn"] = on_cudnn;
     ctx->saved_data["cudnn_lse_bsh"] = lse_bsh;
     ctx->saved_data["rep"] = rep;
     return out;
@@ -496,7 +431,7 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     plan.cu_k_host = ctx->saved_data["cu_k_host"].toIntVector();
     const auto runs = ctx->saved_data["runs"].toIntVector();
     const double scale = ctx->saved_data["scale"].toDouble();
-    const bool use_flash = ctx->saved_data["flash"].toBool(), on_cudnn = ctx->saved_data["cudnn"].toBool();
+    const bool use_flash = ctx->saved_data["flash"].toBool();
     const bool lse_bsh = ctx->saved_data["cudnn_lse_bsh"].toBool();
     const auto dout = grads[0].contiguous();
     const int64_t T = k_ctx.size(0);
@@ -523,8 +458,10 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
     auto [dkv_k, dk_blk] = scatter_tail(dkt, plan, T, Q, acc, use_flash);
     auto [dkv_v, dv_blk] = scatter_tail(dvt, plan, T, Q, acc, use_flash);
     KeyGradRuns key_runs(dkv_k, dkv_v, half_acc);
-    const Tensor no_dropout = on_cudnn ? torch::empty({}, q.options().dtype(torch::kInt64)) : Tensor();
-    for (size_t r = 0; r < runs.size(); r += 4) {
+    Tensor no_dropout;
+    for (size_t r = 0; r < runs.size(); r += 5) {
+      const bool on_cudnn = runs[r + 4] != 0;
+      if (on_cudnn && !no_dropout.defined()) no_dropout = torch::empty({}, q.options().dtype(torch::kInt64));
       const BlockSparsePlan::Full f{runs[r], runs[r + 1], runs[r + 2], runs[r + 3]};
       const auto qs = q.narrow(0, f.q_row0, f.q_rows);
       const auto kc = k_ctx.narrow(0, f.k_row0, f.k_rows), vc = v_ctx.narrow(0, f.k_row0, f.k_rows);
@@ -532,7 +469,7 @@ struct BlockSparseFn : public torch::autograd::Function<BlockSparseFn> {
       const auto ls = lse.narrow(1, f.q_row0, f.q_rows);
       Tensor a, b, c;
       if (on_cudnn)
-        std::tie(a, b, c) = cudnn_backward(dout, q, kc, vc, out, lse, lse_bsh, f, scale, no_dropout);
+        std::tie(a, b, c) = cudnn_runs::backward(dout, q, kc, vc, out, lse, lse_bsh, f.q_row0, f.q_rows, scale, no_dropout);
       else if (use_flash)
         std::tie(a, b, c) = flash_backward(dos, qs, kc, vc, os, ls.unsqueeze(0).contiguous(), full_seqs(f), scale, rng, unused);
       else
@@ -565,6 +502,20 @@ void upload_block_sparse_plan(BlockSparsePlan& p, torch::Device device) {
   auto t = p.staged->upload(device);
   p.staged.reset();
   p.tail_index = t[0], p.tail_ctx_src = t[1], p.tail_ctx_dst = t[2], p.tail_blk_dst = t[3], p.cu_q = t[4], p.cu_k = t[5];
+}
+
+std::vector<BlockSparsePlan::Full> full_runs(const std::vector<int64_t>& ctx_begin, const std::vector<int64_t>& ctx_len,
+                                             int64_t B, int64_t tile) {
+  std::vector<BlockSparsePlan::Full> runs;
+  for (size_t j = 0; j < ctx_len.size(); ++j) {
+    const int64_t b = ctx_begin[j], t = std::max<int64_t>(ctx_len[j], 0) / tile, q0 = static_cast<int64_t>(j) * B;
+    if (t == 0) continue;
+    if (!runs.empty() && runs.back().k_row0 == b && runs.back().k_rows == t * tile && runs.back().q_row0 + runs.back().q_rows == q0)
+      runs.back().q_rows += B;
+    else
+      runs.push_back({q0, B, b, t * tile});
+  }
+  return runs;
 }
 
 BlockSparsePlan plan_block_sparse_host(const std::vector<int64_t>& ctx_begin, const std::vector<int64_t>& ctx_len,
@@ -604,13 +555,8 @@ BlockSparsePlan plan_block_sparse_host(const std::vector<int64_t>& ctx_begin, co
     p.cu_k_host.push_back(static_cast<int64_t>(index.size()));
     cu_k.push_back(static_cast<int32_t>(index.size()));
     p.max_tail_keys = std::max(p.max_tail_keys, p.cu_k_host.back() - p.cu_k_host[j]);
-    if (t == 0) continue;
-    auto& runs = p.full;
-    if (!runs.empty() && runs.back().k_row0 == b && runs.back().k_rows == t * tile && runs.back().q_row0 + runs.back().q_rows == j * B)
-      runs.back().q_rows += B;
-    else
-      runs.push_back({j * B, B, b, t * tile});
   }
+  p.full = full_runs(ctx_begin, ctx_len, B, tile);
   std::vector<int32_t> cu_q;
   for (int64_t j = 0; j <= p.blocks; ++j) cu_q.push_back(static_cast<int32_t>(j * B));
   p.staged = std::make_shared<HostStaging>();
@@ -621,7 +567,7 @@ BlockSparsePlan plan_block_sparse_host(const std::vector<int64_t>& ctx_begin, co
   return p;
 }
 
-int64_t block_sparse_cudnn_calls() { return g_cudnn_calls.load(); }
+int64_t block_sparse_cudnn_calls() { return cudnn_runs::calls(); }
 
 bool block_sparse_flash_supported(const torch::Tensor& q) {
   return q.is_cuda() && (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf) && q.size(-1) <= 256 &&

@@ -28,8 +28,9 @@
 // memory: nothing quadratic, no repeated KV heads, only the tail gather is copied (and recomputed in
 // backward rather than saved).
 // Kernels: on CUDA with bf16/fp16, PyTorch's flash attention (varlen for the tail, one batch for each
-// full run; GQA native; DFLASH_BSA_FULL=cudnn: the full runs on cuDNN's fused attention instead, each
-// run's query rows widened to a multiple of 128 so that cuDNN's per-shape plans form a bounded set).
+// full run; GQA native; DFLASH_BSA_FULL: the full runs on cuDNN's fused attention instead, each run's
+// query rows widened to a multiple of 128 so that cuDNN's per-shape plans form a bounded set, built
+// up front: core/model/cudnn_runs.h).
 // Elsewhere a plain reference kernel (per sequence, fp32 or fp64 math) so the
 // decomposition itself is tested on CPU against the masked SDPA path.
 #pragma once
@@ -71,6 +72,9 @@ BlockSparsePlan plan_block_sparse(const std::vector<int64_t>& ctx_begin, const s
 BlockSparsePlan plan_block_sparse_host(const std::vector<int64_t>& ctx_begin, const std::vector<int64_t>& ctx_len,
                                        int64_t B, int64_t T, int64_t tile, bool pinned);
 void upload_block_sparse_plan(BlockSparsePlan& plan, torch::Device device);
+// The plan's full runs alone (BlockSparsePlan::full) for blocks of B rows with these contexts.
+std::vector<BlockSparsePlan::Full> full_runs(const std::vector<int64_t>& ctx_begin, const std::vector<int64_t>& ctx_len,
+                                             int64_t B, int64_t tile);
 
 // q [Q, Hq, D], k/v_ctx [T, Hkv, D], k/v_blk [Q, Hkv, D] (Q = blocks * B) -> [Q, Hq, D]. Autograd
 // through all five inputs. `use_flash`: the CUDA flash kernels (needs CUDA bf16/fp16), else the
@@ -79,8 +83,8 @@ torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& k_blk, const torch::Tensor& v_blk, const BlockSparsePlan& plan,
                                      double scale, bool use_flash);
 
-// cuDNN attention calls (forward or backward of a full run, DFLASH_BSA_FULL) made by
-// block_sparse_attention since the process started (for tests that check the path really ran).
+// cuDNN attention calls (forward or backward of a full run, DFLASH_BSA_FULL) made since the process
+// started (for tests and benches that check the path really ran).
 int64_t block_sparse_cudnn_calls();
 
 // True when block_sparse_attention can use flash for these inputs (CUDA, bf16/fp16, head dim <= 256).

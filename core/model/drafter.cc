@@ -347,6 +347,29 @@ torch::Tensor Drafter::forward_kv(const torch::Tensor& x_QH, const torch::Tensor
                     [&](int64_t l, const KvWeights&) { return ctx_kv[l]; }, /*rope_c=*/nullptr);
 }
 
+namespace {
+bool flash_capable(torch::Device device, torch::ScalarType compute, int64_t D) {
+  return device.is_cuda() && (compute == torch::kBFloat16 || compute == torch::kHalf) && D <= 256 && D % 8 == 0;
+}
+}  // namespace
+
+BlockAttention::Kernel Drafter::attention_kernel(const BlockAttention& attn, torch::ScalarType compute) const {
+  if (attn.kernel != BlockAttention::Kernel::kAuto) return attn.kernel;
+  const std::string e = switches::get("DFLASH_DRAFTER_ATTENTION");
+  const bool flash = flash_capable(device_, compute, cfg_.head_dim);
+  return e == "masked" || (e == switches::kAuto && !flash) ? BlockAttention::Kernel::kMasked : BlockAttention::Kernel::kBlockSparse;
+}
+
+bool Drafter::block_sparse_on_flash(const BlockAttention& attn, torch::ScalarType compute) const {
+  return attention_kernel(attn, compute) == BlockAttention::Kernel::kBlockSparse && flash_capable(device_, compute, cfg_.head_dim);
+}
+
+int64_t Drafter::block_sparse_tile(const BlockAttention& attn) {
+  const int64_t tile = switches::is_set("DFLASH_BSA_TILE") ? switches::get_int("DFLASH_BSA_TILE") : attn.tile;
+  DFLASH_CHECK(tile > 0, ConfigError, "block-sparse attention tile must be > 0 (BlockAttention::tile), got " << tile);
+  return tile;
+}
+
 torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor& q_pos_Q, int64_t T,
                                   const BlockAttention& attn, torch::ScalarType compute, bool recompute_mlp,
                                   const ContextKvOf& ctx_kv_of, const RopeTable* rope_c) const {
@@ -355,15 +378,8 @@ torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor
   const double eps = cfg_.rms_norm_eps;
   auto rope_q = rope_table(inv_freq_, q_pos_Q, compute);
   auto x = x_QH.to(compute);
-  auto kernel = attn.kernel;
-  if (kernel == BlockAttention::Kernel::kAuto) {
-    const std::string e = switches::get("DFLASH_DRAFTER_ATTENTION");
-    const bool flash = x.is_cuda() && (compute == torch::kBFloat16 || compute == torch::kHalf) && D <= 256 && D % 8 == 0;
-    kernel = e == "masked" || (e == switches::kAuto && !flash) ? BlockAttention::Kernel::kMasked : BlockAttention::Kernel::kBlockSparse;
-  }
-  const bool sparse = kernel == BlockAttention::Kernel::kBlockSparse;
-  const int64_t tile = switches::is_set("DFLASH_BSA_TILE") ? switches::get_int("DFLASH_BSA_TILE") : attn.tile;
-  DFLASH_CHECK(tile > 0, ConfigError, "block-sparse attention tile must be > 0 (BlockAttention::tile), got " << tile);
+  const bool sparse = attention_kernel(attn, compute) == BlockAttention::Kernel::kBlockSparse;
+  const int64_t tile = block_sparse_tile(attn);
   // Built once per forward, shared by every layer. The block-sparse plan's host work runs on another
   // thread while this one queues layer 0's norm, projections and rope; its arrays are copied to the
   // device (one copy) just before the first attention.

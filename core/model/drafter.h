@@ -90,6 +90,12 @@ class Drafter {
   std::vector<std::pair<std::string, torch::Tensor>>& parameters() { return params_; }
   const std::vector<std::pair<std::string, torch::Tensor>>& parameters() const { return params_; }
   int64_t num_parameters() const;
+  // The attention kernel the forward uses for `attn` in `compute` on this device (kAuto resolved by
+  // DFLASH_DRAFTER_ATTENTION), whether its block-sparse path runs on the flash kernels, and the
+  // block-sparse full tile (DFLASH_BSA_TILE, else attn.tile).
+  BlockAttention::Kernel attention_kernel(const BlockAttention& attn, torch::ScalarType compute) const;
+  bool block_sparse_on_flash(const BlockAttention& attn, torch::ScalarType compute) const;
+  static int64_t block_sparse_tile(const BlockAttention& attn);
   // Compute-dtype copies of the parameters kept between steps (training with DFLASH_ADAMW=kernel,
   // whose optimizer step rewrites them with the weights): the forward multiplies with the copy
   // instead of casting its parameter again. A copy is current while its parameter's version counter

@@ -42,26 +42,30 @@ torch::Tensor dpace_weights(const torch::Tensor& ce_R, const torch::Tensor& mask
   return (prefix * on).flip({1}).cumsum(1).flip({1}).reshape({-1});
 }
 
+model::BlockAttention block_contexts(const std::vector<int64_t>& anchors, const std::vector<int64_t>& doc_lens) {
+  std::vector<int64_t> starts(1, 0);
+  for (auto n : doc_lens) starts.push_back(starts.back() + n);
+  model::BlockAttention attn;
+  size_t d = 0;
+  for (const int64_t a : anchors) {
+    while (d + 1 < starts.size() && a >= starts[d + 1]) ++d;
+    DFLASH_CHECK(d < doc_lens.size(), DataError, "anchor " << a << " outside the packed batch");
+    attn.ctx_begin.push_back(starts[d]);
+    attn.ctx_len.push_back(a - starts[d]);  // context strictly before the anchor
+  }
+  return attn;
+}
+
 BlockInputs make_blocks(const std::vector<int64_t>& anchors, const std::vector<int64_t>& doc_lens,
                         const torch::Tensor& input_ids_T, int64_t B, int64_t mask_token_id) {
   const int64_t N = anchors.size();
-  std::vector<int64_t> doc_start, starts(1, 0);
-  for (auto n : doc_lens) starts.push_back(starts.back() + n);
   BlockInputs bi;
-  std::vector<int64_t> pos(N * B), anchor_idx(N);
-  size_t d = 0;
-  for (int64_t j = 0; j < N; ++j) {
-    const int64_t a = anchors[j];
-    while (d + 1 < starts.size() && a >= starts[d + 1]) ++d;
-    DFLASH_CHECK(d < doc_lens.size(), DataError, "anchor " << a << " outside the packed batch");
-    const int64_t p = a - starts[d];
-    bi.attn.ctx_begin.push_back(starts[d]);
-    bi.attn.ctx_len.push_back(p);  // context strictly before the anchor
-    for (int64_t k = 0; k < B; ++k) pos[j * B + k] = p + k;
-    anchor_idx[j] = a;
-  }
+  bi.attn = block_contexts(anchors, doc_lens);
+  std::vector<int64_t> pos(N * B);
+  for (int64_t j = 0; j < N; ++j)
+    for (int64_t k = 0; k < B; ++k) pos[j * B + k] = bi.attn.ctx_len[j] + k;
   auto dev = input_ids_T.device();
-  auto idx = model::to_device_async(anchor_idx, dev);
+  auto idx = model::to_device_async(anchors, dev);
   auto ids = torch::full({N, B}, mask_token_id, torch::TensorOptions().dtype(torch::kInt64).device(dev));
   ids.index_put_({Slice(), 0}, input_ids_T.index({idx}));
   bi.ids_Q = ids.reshape({N * B});

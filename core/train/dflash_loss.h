@@ -86,6 +86,9 @@ struct BlockInputs {
 // blocks ([R], R a multiple of B-1); returns W [R] in ce_R's dtype (no gradient).
 torch::Tensor dpace_weights(const torch::Tensor& ce_R, const torch::Tensor& mask_R, int64_t block_size, double alpha);
 
+// Each anchor's block context (BlockAttention ctx_begin / ctx_len): its document's first packed row
+// and the document's rows before the anchor. DataError for an anchor past the batch.
+model::BlockAttention block_contexts(const std::vector<int64_t>& anchors, const std::vector<int64_t>& doc_lens);
 BlockInputs make_blocks(const std::vector<int64_t>& anchors, const std::vector<int64_t>& doc_lens,
                         const torch::Tensor& input_ids_T, int64_t block_size, int64_t mask_token_id);
 

@@ -4,9 +4,13 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <chrono>
+#include <set>
 
+#include "core/model/block_attention.h"
 #include "core/train/anchors.h"
 #include "core/util/error.h"
+#include "core/util/log.h"
+#include "core/util/switches.h"
 
 namespace dflash::train {
 
@@ -76,6 +80,31 @@ double Trainer::warm_up(int64_t tokens, int64_t doc_len, int64_t feature_width, 
   release_grads();
   if (dev.is_cuda()) torch::cuda::synchronize();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+model::cudnn_runs::PrepareReport Trainer::prepare_attention(int64_t tokens, int64_t doc_len) {
+  const model::BlockAttention attn;  // as forward_backward builds it (make_blocks)
+  if (switches::get("DFLASH_BSA_FULL") != switches::kAuto || !drafter_.block_sparse_on_flash(attn, opt_.compute)) return {};
+  DFLASH_CHECK(tokens > 0 && doc_len > 0, ConfigError,
+               "prepare_attention: tokens " << tokens << " and doc_len " << doc_len << " must be > 0");
+  const auto& cfg = drafter_.config();
+  const int64_t B = cfg.block_size, tile = model::Drafter::block_sparse_tile(attn);
+  std::vector<int64_t> doc_lens;
+  for (int64_t left = tokens; left > 0; left -= doc_len) doc_lens.push_back(std::min(left, doc_len));
+  const std::vector<uint8_t> mask(tokens, 1);
+  std::set<model::cudnn_runs::Shape> shapes;
+  for (int d = 0; d < kPlanDraws; ++d) {
+    const auto anchors = draw_anchors(mask, doc_lens, opt_.max_anchors, opt_.anchors_per_document,
+                                      mix_seed(0x636e706c616e7321ull, d));  // "cnplans!": not a training seed
+    const auto ctx = block_contexts(anchors, doc_lens);
+    const int64_t Q = static_cast<int64_t>(anchors.size()) * B;
+    for (const auto& f : model::full_runs(ctx.ctx_begin, ctx.ctx_len, B, tile))
+      shapes.insert({model::cudnn_runs::widen(f.q_row0, f.q_rows, Q).rows, f.k_rows});
+  }
+  const model::cudnn_runs::Problem p{cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, opt_.compute,
+                                     drafter_.parameters().front().second.device().index()};
+  plans_prepared_ = true;
+  return model::cudnn_runs::prepare(p, {shapes.begin(), shapes.end()});
 }
 
 HostCopy::HostCopy(const torch::Tensor& t) {
@@ -176,7 +205,16 @@ PendingMetrics Trainer::end_step() {
   release_grads();
   pending_.clear();
   micro_in_step_ = 0;
-  return PendingMetrics(std::move(known), torch::cat({sums, norm.reshape({1}), found_inf.reshape({1})}), opt_.loss, B);
+  PendingMetrics metrics(std::move(known), torch::cat({sums, norm.reshape({1}), found_inf.reshape({1})}), opt_.loss, B);
+  // Shapes this step ran on flash for want of a plan: built now, while the device runs the step.
+  if (plans_prepared_) {
+    const auto r = model::cudnn_runs::prepare_missed(kPlansPerStep);
+    if (!r.error.empty() && !plans_error_logged_) {
+      plans_error_logged_ = true;
+      LOG_WARN("cuDNN refused the attention's plans for shapes met in training; those full runs stay on flash: " << r.error);
+    }
+  }
+  return metrics;
 }
 
 }  // namespace dflash::train

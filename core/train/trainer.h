@@ -15,6 +15,7 @@
 #include <optional>
 #include <vector>
 
+#include "core/model/cudnn_runs.h"
 #include "core/model/drafter.h"
 #include "core/train/collectives.h"
 #include "core/train/dflash_loss.h"
@@ -97,6 +98,16 @@ class Trainer {
   // allocator holds the peak's blocks. Weights, optimizer state, step counters and the training
   // RNG streams are untouched (the next step is bitwise the same as without it). Returns seconds.
   double warm_up(int64_t tokens, int64_t doc_len, int64_t feature_width, int64_t hidden, int64_t vocab);
+  // The attention's cuDNN plans, built before the first step (DFLASH_BSA_FULL=auto on the flash
+  // path; elsewhere nothing is done and the report's shapes are 0). The shapes are those of the full
+  // runs of kPlanDraws simulated anchor draws of this trainer's sampler over micro-batches of
+  // `tokens` tokens in documents of `doc_len` (every position a valid anchor; seeds of their own,
+  // the training draws are untouched). A shape a step meets unprepared runs on flash in that step
+  // and is built at the end of it, at most kPlansPerStep a step. Not thread-safe: call it on the
+  // thread that runs the steps (the plans are the calling thread's).
+  static constexpr int kPlanDraws = 64;
+  static constexpr int64_t kPlansPerStep = 2;
+  model::cudnn_runs::PrepareReport prepare_attention(int64_t tokens, int64_t doc_len);
   AdamW& optimizer() { return optimizer_; }
   const TrainerOptions& options() const { return opt_; }
   double noise_amplitude(int64_t step) const;
@@ -112,6 +123,8 @@ class Trainer {
   Collectives* coll_;
   AdamW optimizer_;
   int64_t micro_in_step_ = 0;
+  bool plans_prepared_ = false;  // prepare_attention ran: end_step builds the shapes steps missed
+  bool plans_error_logged_ = false;
   std::vector<MicroBatchStats> pending_;
 };
 

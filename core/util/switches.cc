@@ -74,7 +74,9 @@ const std::vector<Switch>& registry() {
        "The drafter's block-sparse attention: its full-tile runs (each an unmasked attention of a block range "
        "over a context prefix; nearly all its FLOPs), forward and backward, on PyTorch's flash kernels or on "
        "cuDNN's fused attention (query rows widened to multiples of 128 so that cuDNN's per-shape plans stay a "
-       "bounded set; cudnn: the flash path only, else a config error); auto: flash.",
+       "bounded set; cudnn: every run, a shape first met builds its plan then; the flash path only, else a "
+       "config error); auto on the flash path: cuDNN for the shapes whose plans the trainer built at start "
+       "or after the step that first met them, flash for the others, so no step waits for a plan.",
        true, false},
       {"DFLASH_ROPE_TRAIN", Kind::kChoice, {"ops", "kernel"}, kAuto,
        "The drafter layers' RoPE (queries, block keys, context keys), forward and backward: LibTorch ops (a "

@@ -54,8 +54,8 @@ def timed(fn, repeats, setup=None):
     return ts[len(ts) // 2]
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def add_shape_args(ap):
+    """The drafter attention's shape flags (defaults: the 8192/1024/32 bench, Qwen3-8B heads)."""
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--anchors", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=32)
@@ -63,6 +63,11 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    add_shape_args(ap)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--draws", type=int, default=3, help="anchor draws (new run shapes) for cuDNN's first-pass cost")
     a = ap.parse_args()

@@ -468,12 +468,25 @@ json bench_ours(const Flags& f, const torch::Device& device, const std::optional
     trainer.step();
   };
 
+  // Setup, as a training run does before its first step: cuDNN's attention plans (auto, flash path).
+  const auto plans = trainer.prepare_attention(ctx * docs, ctx);
   std::vector<double> times;
+  int64_t cudnn0 = 0, unprepared0 = 0;
   for (int64_t i = 0; i < warmup + repeats; ++i) {
-    if (i == warmup) model::reset_peak_memory(device);
+    if (i == warmup) {
+      model::reset_peak_memory(device);
+      cudnn0 = model::cudnn_runs::calls();
+      unprepared0 = model::cudnn_runs::unprepared_runs();
+    }
     const double s = timed(device, step);
     if (i >= warmup) times.push_back(s);
   }
+  const json full_runs = {{"cudnn_plans_prepared", plans.shapes},
+                          {"cudnn_plans_built", plans.built},
+                          {"cudnn_plans_seconds", plans.seconds},
+                          {"cudnn_plans_error", plans.error},
+                          {"cudnn_calls_in_repeats", model::cudnn_runs::calls() - cudnn0},
+                          {"unprepared_runs_in_repeats", model::cudnn_runs::unprepared_runs() - unprepared0}};
   const Mem mem = memory(device);  // of the repeats alone: an A/B's interleaved values share one peak
   const json ab_out = ab ? ab_steps(*ab, repeats, device, step) : json();
   // Phase split (synchronised, so each phase is timed alone): forward + loss without backward,
@@ -524,6 +537,7 @@ json bench_ours(const Flags& f, const torch::Device& device, const std::optional
               {"phases_s", {{"forward_loss", t_fwd}, {"forward_loss_backward", t_fwd_bwd},
                             {"fuse_context_fwd", t_ctx}, {"optimizer_step_approx", t_step}}},
               {"profile", profile},
+              {"full_runs", full_runs},
               {"switches", switches::to_json()}};
   if (ab) out["ab"] = ab_out;
   // After the warm-up, the timed repeats and the phases.

@@ -434,6 +434,7 @@ class DrafterRank final : private pipeline::WorkerBase, private StepHooks {
   void build();
   void verify_replicas();
   void warm_up();
+  void log_attention_plans(const model::cudnn_runs::PrepareReport& r) const;
   void open_logs();
   void train();
   void expect_end_of_links();
@@ -622,12 +623,23 @@ void DrafterRank::verify_replicas() {
 
 // At the largest shape of this launch's packing (token_budget tokens of max_seq_len documents,
 // max_anchors anchors): an OOM shows now, before any batch is consumed.
+void DrafterRank::log_attention_plans(const model::cudnn_runs::PrepareReport& r) const {
+  if (r.shapes == 0) return;  // not on cuDNN's path (DFLASH_BSA_FULL, device, dtype)
+  if (!r.error.empty())
+    LOG_WARN("drafter " << rank_ << ": cuDNN refused the attention's plans, its full runs stay on flash "
+                        << "(DFLASH_BSA_FULL=flash silences this): " << r.error);
+  else
+    LOG_INFO("drafter " << rank_ << ": cuDNN attention plans for " << r.shapes << " full-run shapes built in " << r.seconds
+                        << " s (shapes met later are built after the step that meets them)");
+}
+
 void DrafterRank::warm_up() {
   if (start_step_ < total_steps_) {
     const auto& gen = sched_->generations()[sched_->segment_of(start_step_).generation];
     const int64_t T = gen.packing.token_budget, H = plan_->hidden_size;
-    const double s = trainer_->warm_up(T, std::min<int64_t>(T, cfg_.data.max_seq_len), plan_->num_context_layers() * H, H,
-                                       plan_->vocab_size);
+    const int64_t doc_len = std::min<int64_t>(T, cfg_.data.max_seq_len);
+    log_attention_plans(trainer_->prepare_attention(T, doc_len));
+    const double s = trainer_->warm_up(T, doc_len, plan_->num_context_layers() * H, H, plan_->vocab_size);
     LOG_INFO("drafter " << rank_ << ": warm-up at " << T << " tokens, up to " << cfg_.train.max_anchors << " anchors in " << s
                         << " s (peak GPU memory allocated " << pipeline::peak_gpu_bytes(opt_.device).at("allocated") / double(1 << 30)
                         << " GiB)");

@@ -1,12 +1,14 @@
-// Shared gtest helpers: error capture and substring checks, plus everything in files.h.
+// Shared gtest helpers: error capture, substring checks and scoped switches, plus everything in files.h.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <functional>
 #include <string>
 
 #include "core/util/error.h"
+#include "core/util/switches.h"
 #include "tests/common/files.h"
 
 namespace dflash::testing {
@@ -29,5 +31,20 @@ std::string error_of(const std::function<void()>& f) {
 inline bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
+
+// A switch set for one scope (the switch registry reads the environment once).
+struct ScopedSwitch {
+  ScopedSwitch(const char* name, const char* value) : name_(name) {
+    ::setenv(name, value, 1);
+    switches::reload();
+  }
+  ~ScopedSwitch() {
+    ::unsetenv(name_);
+    switches::reload();
+  }
+  ScopedSwitch(const ScopedSwitch&) = delete;
+  ScopedSwitch& operator=(const ScopedSwitch&) = delete;
+  const char* name_;
+};
 
 }  // namespace dflash::testing

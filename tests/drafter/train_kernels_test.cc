@@ -16,9 +16,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <set>
 
 #include "core/model/block_attention.h"
+#include "core/model/cudnn_runs.h"
 #include "core/model/drafter.h"
 #include "core/model/layers.h"
 #include "core/train/dflash_loss.h"
@@ -30,6 +33,7 @@
 #endif
 #include "core/util/error.h"
 #include "core/util/switches.h"
+#include "tests/common/test_util.h"
 
 using namespace dflash;
 using torch::Tensor;
@@ -132,18 +136,7 @@ void compare(const Case& c, torch::Device dev, torch::ScalarType dt, bool flash,
   }
 }
 
-// A switch set for one scope (the switch registry reads the environment once).
-struct ScopedSwitch {
-  ScopedSwitch(const char* name, const char* value) : name_(name) {
-    ::setenv(name, value, 1);
-    switches::reload();
-  }
-  ~ScopedSwitch() {
-    ::unsetenv(name_);
-    switches::reload();
-  }
-  const char* name_;
-};
+using dflash::testing::ScopedSwitch;
 
 // Kernels of core/model/cuda/train_ops.h launched so far (none in a build without them).
 int64_t train_kernel_launches() {
@@ -568,10 +561,9 @@ TEST(BlockSparseAttention, DrafterForwardAndGradsEqualMaskedPath) {
   for (size_t i = 0; i < results[0].size(); ++i) EXPECT_LT(rel(results[1][i], results[0][i]), 1e-10) << i;
 }
 
-TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
-  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
-  compare(small_case(), torch::kCUDA, torch::kFloat32, /*flash=*/false, 1e-5);  // reference kernel on the GPU
-  // Drafter shape: 32/8 heads of 128, blocks of 16 over 3 documents of a 1024-row context.
+// The drafter-shaped case of FlashEqualsDense: 32/8 heads of 128, blocks of 16 over 3 documents of a
+// 1024-row context.
+Case drafter_case() {
   Case c{16, 1024, 32, 8, 128, 256, {}, {}};
   auto doc = [&](int64_t begin, int64_t len, int64_t n) {
     for (int64_t i = 0; i < n; ++i) c.ctx_begin.push_back(begin), c.ctx_len.push_back((i * 37 * len / n) / 37 + (i % 3));
@@ -580,6 +572,13 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
   doc(600, 300, 12);
   doc(900, 124, 6);
   for (size_t j = 0; j < c.ctx_len.size(); ++j) c.ctx_len[j] = std::min<int64_t>(c.ctx_len[j], j < 24 ? 600 : j < 36 ? 300 : 124);
+  return c;
+}
+
+TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  compare(small_case(), torch::kCUDA, torch::kFloat32, /*flash=*/false, 1e-5);  // reference kernel on the GPU
+  const Case c = drafter_case();
 #ifdef DFLASH_WITH_CUDA
   const std::vector<std::string> scatters = {"index_add", "kernel"}, merges = {"ops", "kernel"}, copies = {"ops", "kernel"};
 #else
@@ -612,6 +611,45 @@ TEST(BlockSparseAttentionGpu, FlashEqualsDense) {
                       (scatter == "kernel" ? 2 : 0) + (merge == "kernel" ? runs + key_launches : 0) + copy_launches);
             EXPECT_EQ(model::block_sparse_cudnn_calls() - cudnn_before, std::string(full) == "cudnn" ? 2 * runs : 0);
           }
+}
+
+// DFLASH_BSA_FULL=auto: a full run goes to cuDNN exactly when this thread has prepared its shape,
+// to flash otherwise (counted, and built by prepare_missed); every mix agrees with the dense result.
+// Control: with nothing prepared, no cuDNN call is made.
+TEST(BlockSparseAttentionGpu, AutoRunsPreparedShapesOnCudnn) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  namespace cr = model::cudnn_runs;
+  const Case c = drafter_case();
+  const auto runs = model::full_runs(c.ctx_begin, c.ctx_len, c.B, c.tile);
+  const int64_t Q = int64_t(c.ctx_begin.size()) * c.B;
+  std::vector<cr::Shape> shapes;
+  for (const auto& f : runs) shapes.push_back({cr::widen(f.q_row0, f.q_rows, Q).rows, f.k_rows});
+  std::set<cr::Shape> distinct(shapes.begin(), shapes.end());
+  ASSERT_GE(distinct.size(), 3u);
+  const cr::Problem p{c.Hq, c.Hkv, c.D, torch::kBFloat16, 0};
+  ScopedSwitch fl("DFLASH_BSA_FULL", "auto");
+  // Runs compare() makes go to cuDNN (forward and backward calls) and to flash.
+  auto check = [&](int64_t on_cudnn, const char* what) {
+    SCOPED_TRACE(what);
+    const int64_t calls = cr::calls(), unprepared = cr::unprepared_runs();
+    compare(c, torch::kCUDA, torch::kBFloat16, /*flash=*/true, 2e-2);
+    EXPECT_EQ(cr::calls() - calls, 2 * on_cudnn);
+    EXPECT_EQ(cr::unprepared_runs() - unprepared, int64_t(runs.size()) - on_cudnn);
+  };
+  check(0, "nothing prepared");
+  const std::vector<cr::Shape> half(distinct.begin(), std::next(distinct.begin(), distinct.size() / 2));
+  const auto r = cr::prepare(p, half);
+  ASSERT_TRUE(r.error.empty()) << r.error;
+  EXPECT_EQ(r.built, int64_t(half.size()));
+  int64_t in_half = 0;
+  for (const auto& s : shapes) in_half += std::count(half.begin(), half.end(), s);
+  check(in_half, "half the shapes prepared");
+  const auto m = cr::prepare_missed(1000);  // the shapes the two passes met unprepared
+  ASSERT_TRUE(m.error.empty()) << m.error;
+  EXPECT_EQ(m.built, int64_t(distinct.size() - half.size()));
+  EXPECT_EQ(cr::prepared_count(p), int64_t(distinct.size()));
+  check(int64_t(runs.size()), "every shape prepared");
+  EXPECT_EQ(cr::prepare(p, shapes).built, 0);
 }
 
 #ifdef DFLASH_WITH_CUDA

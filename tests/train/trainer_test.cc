@@ -20,6 +20,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include "core/model/cudnn_runs.h"
 #include "core/train/anchors.h"
 #include "core/train/checkpoint.h"
 #include "core/util/switches.h"
@@ -488,6 +489,37 @@ TEST(TrainerGpu, PendingCopyGradientsAreBitwiseTheWidenedOnes) {
     const auto ca = a.compute_copies(), cb = b.compute_copies();
     for (size_t i = 0; i < ca.size(); ++i) EXPECT_TRUE(ca[i].defined() && torch::equal(ca[i], cb[i])) << i;
   }
+}
+
+// DFLASH_BSA_FULL=auto in training: prepare_attention builds the shapes its simulated draws give,
+// and a step that meets an unprepared shape builds it in end_step (under the step's NoGradGuard) so
+// that it is prepared afterwards. Documents of 8 (simulated) against the batches' 10-20 tokens, with
+// 4-row tiles, make the steps meet shapes the simulation did not give.
+TEST(TrainerGpu, AttentionPlansMissedByAStepAreBuiltAfterIt) {
+  ASSERT_TRUE(torch::cuda::is_available());
+  dflash::testing::ScopedSwitch tile("DFLASH_BSA_TILE", "4");
+  auto s = make_setup(torch::kCUDA, torch::kBFloat16, 1e-3);
+  s.cfg.head_dim = 64, s.cfg.rope.rotary_dim = 64;  // a head dim cuDNN's fused attention takes
+  model::Drafter d(s.cfg, s.dev, 5);
+  train::Trainer tr(d, s.frozen, s.opt);
+  namespace cr = model::cudnn_runs;
+  const cr::Problem p{s.cfg.num_heads, s.cfg.num_kv_heads, s.cfg.head_dim, torch::kBFloat16, 0};
+  const auto r = tr.prepare_attention(44, 8);
+  ASSERT_TRUE(r.error.empty()) << r.error;
+  ASSERT_GT(r.built, 0);
+  EXPECT_EQ(cr::prepared_count(p), r.built);
+  int64_t grew = 0;
+  for (int64_t step = 0; step < 4; ++step) {
+    const int64_t before = cr::prepared_count(p), missed = cr::unprepared_runs();
+    for (int64_t j = 0; j < s.opt.grad_accum; ++j) tr.micro_batch(batch(s, step, j));
+    const bool met_unprepared = cr::unprepared_runs() > missed;
+    tr.step();
+    const int64_t built = cr::prepared_count(p) - before;
+    EXPECT_LE(built, train::Trainer::kPlansPerStep) << step;
+    if (met_unprepared) EXPECT_GT(built, 0) << "step " << step << " met unprepared shapes and built none";
+    grew += built;
+  }
+  EXPECT_GT(grew, 0) << "the steps never met an unprepared shape: the test checks nothing";
 }
 
 // train.embed_on_host: with the embedding in host memory, the block inputs' host gather and its
