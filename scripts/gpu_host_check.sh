@@ -170,6 +170,10 @@ if has bench-fp8; then
   timeout 300 "$build/bin/dflash" bench target --shape qwen3.6-27b --batches 1x4096,2x8192 --fp8 --baseline \
     > "$out/bench_target_fp8_qwen36_27b.json" 2> "$out/bench_target_fp8_qwen36_27b.err"
   echo "bench target --fp8 qwen3.6-27b rc=$?"; tail -2 "$out/bench_target_fp8_qwen36_27b.err"
+  # DFLASH_FP8_GEMM=tuned (cuBLASLt's candidates timed per shape) on the 8B, next to the default above.
+  DFLASH_FP8_GEMM=tuned timeout 300 "$build/bin/dflash" bench target --shape qwen3-8b --batches 1x4096,4x4096 --fp8 --baseline \
+    > "$out/bench_target_fp8_tuned_qwen3_8b.json" 2> "$out/bench_target_fp8_tuned_qwen3_8b.err"
+  echo "bench target --fp8 qwen3-8b, DFLASH_FP8_GEMM=tuned rc=$?"; tail -2 "$out/bench_target_fp8_tuned_qwen3_8b.err"
 fi
 if has bench-drafter; then
   # --baseline eager: scripts/reference/bench_drafter_baseline.py (eager PyTorch) in the same invocation.

@@ -35,6 +35,11 @@ const std::vector<Switch>& registry() {
        "cuBLASLt algorithms timed per shape for the hybrid target's projections; 1: the heuristic's first choice, "
        "untimed.",
        true, false},
+      {"DFLASH_FP8_GEMM", Kind::kChoice, {"scaled_mm", "tuned"}, "scaled_mm",
+       "The FP8 projections' block-scaled GEMM on Hopper: at::_scaled_mm (cuBLASLt's heuristic first choice), or "
+       "tuned: cuBLASLt called directly with the algorithm timed per shape, as for the hybrid's bf16 projections "
+       "(A/B; not yet measured on a GPU).",
+       true, false},
       {"DFLASH_C10D_SEND", Kind::kChoice, {"staged", "direct"}, "staged",
        "How a CUDA target sends over c10d: staged through its pinned host slot (payload checksummed), or direct: "
        "NCCL sends straight from the capture buffers (no host copy, no payload checksum; not yet measured on GPUs).",

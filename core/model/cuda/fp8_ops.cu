@@ -1,5 +1,5 @@
 // FP8 projections on Hopper: activation quantization (one warp per row and 128-column group) and the
-// block-scaled GEMM through at::_scaled_mm.
+// block-scaled GEMM through at::_scaled_mm (or cuBLASLt tuned per shape, DFLASH_FP8_GEMM).
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/_scaled_mm.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,6 +8,8 @@
 
 #include "core/model/cuda/device_common.cuh"
 #include "core/model/cuda/fp8_ops.h"
+#include "core/model/cuda/tuned_gemm.h"
+#include "core/util/switches.h"
 
 namespace dflash::model::fp8_cuda {
 namespace {
@@ -144,9 +146,13 @@ void check_weight(const torch::Tensor& w_q, int64_t K) {
 // inside the quantization (no extra pass over the input) and the padding is sliced off the output.
 int64_t padded_rows(int64_t M) { return (M + kGroup - 1) / kGroup * kGroup; }
 
+// DFLASH_FP8_GEMM: at::_scaled_mm (cuBLASLt's heuristic first choice), or `tuned`: cuBLASLt with the
+// algorithm timed per shape (cuda_gemm::fp8_block_scaled_linear), the same operands and scales.
 torch::Tensor scaled_gemm(const std::pair<torch::Tensor, torch::Tensor>& qs, const torch::Tensor& w_q,
                           const torch::Tensor& scale_inv, int64_t M) {
-  auto y = at::_scaled_mm(qs.first, w_q.t(), qs.second, scale_inv.t(), std::nullopt, std::nullopt, torch::kBFloat16);
+  auto y = switches::get("DFLASH_FP8_GEMM") == "tuned"
+               ? cuda_gemm::fp8_block_scaled_linear(qs.first, qs.second, w_q, scale_inv)
+               : at::_scaled_mm(qs.first, w_q.t(), qs.second, scale_inv.t(), std::nullopt, std::nullopt, torch::kBFloat16);
   return y.size(0) == M ? y : y.narrow(0, 0, M);
 }
 

@@ -33,13 +33,14 @@ uint32_t alignment(const void* p) {
 }
 
 // One GEMM shape: row-major C [M, N] (+)= X [M, K] W [N, K]^T with row strides ldx, ldw, ldc. In
-// cuBLAS's column-major terms: C^T (N x M) = op_T(W^T as K x N) * X^T (K x M).
+// cuBLAS's column-major terms: C^T (N x M) = op_T(W^T as K x N) * X^T (K x M). fp8: X and W are
+// float8_e4m3fn with block scales (W's 128x128, cuBLAS's A; X's 1x128, cuBLAS's B), set per call.
 struct Shape {
   int device;
   int64_t M, N, K, ldx, ldw, ldc;
-  bool acc;
+  bool acc, fp8;
   uint32_t ax, aw, ac;
-  auto tie() const { return std::tie(device, M, N, K, ldx, ldw, ldc, acc, ax, aw, ac); }
+  auto tie() const { return std::tie(device, M, N, K, ldx, ldw, ldc, acc, fp8, ax, aw, ac); }
   bool operator<(const Shape& o) const { return tie() < o.tie(); }
 };
 
@@ -52,8 +53,14 @@ struct Descriptors {
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "set TRANSA");
     check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "set TRANSB");
-    check(cublasLtMatrixLayoutCreate(&w, CUDA_R_16BF, s.K, s.N, s.ldw), "layout W");
-    check(cublasLtMatrixLayoutCreate(&x, CUDA_R_16BF, s.K, s.M, s.ldx), "layout X");
+    const cudaDataType_t in = s.fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
+    if (s.fp8) {
+      const int32_t w_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, x_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &w_mode, sizeof(w_mode)), "set A scale mode");
+      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &x_mode, sizeof(x_mode)), "set B scale mode");
+    }
+    check(cublasLtMatrixLayoutCreate(&w, in, s.K, s.N, s.ldw), "layout W");
+    check(cublasLtMatrixLayoutCreate(&x, in, s.K, s.M, s.ldx), "layout X");
     check(cublasLtMatrixLayoutCreate(&c, CUDA_R_16BF, s.N, s.M, s.ldc), "layout C");
     check(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
     const uint64_t ws = kMaxWorkspace;
@@ -94,16 +101,28 @@ Cache& cache() {
   return c;
 }
 
+// The block scales of an FP8 call (undefined pointers for bf16): set on the plan's descriptor just
+// before each call, under the cache's lock (a descriptor is shared by every call of its shape).
+struct Scales {
+  const void* w = nullptr;
+  const void* x = nullptr;
+};
+
 cublasStatus_t matmul(const Plan& p, const cublasLtMatmulAlgo_t& algo, size_t ws_bytes, const void* x, const void* w,
-                      void* c, bool acc, void* ws, cudaStream_t stream) {
+                      void* c, bool acc, void* ws, cudaStream_t stream, const Scales& sc) {
   const float alpha = 1.f, beta = acc ? 1.f : 0.f;
+  if (sc.w) {
+    check(cublasLtMatmulDescSetAttribute(p.desc->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sc.w, sizeof(sc.w)), "set A scale");
+    check(cublasLtMatmulDescSetAttribute(p.desc->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sc.x, sizeof(sc.x)), "set B scale");
+  }
   return cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), p.desc->op, &alpha, w, p.desc->w, x, p.desc->x, &beta,
                         c, p.desc->c, c, p.desc->c, &algo, ws, ws_bytes, stream);
 }
 
 // The heuristic's candidates for the shape, each timed on these operands (into a scratch output of
 // C's shape, so an accumulating call's C is untouched); the fastest is the plan.
-Plan tune(const Shape& s, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& c, cudaStream_t stream) {
+Plan tune(const Shape& s, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& c, cudaStream_t stream,
+          const Scales& sc) {
   Plan p;
   p.desc = std::make_unique<Descriptors>(s);
   const int want = std::clamp(tuning().candidates, 1, 64);
@@ -112,9 +131,10 @@ Plan tune(const Shape& s, const torch::Tensor& x, const torch::Tensor& w, const 
   check(cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), p.desc->op, p.desc->w, p.desc->x,
                                        p.desc->c, p.desc->c, p.desc->pref, want, res.data(), &n),
         "AlgoGetHeuristic");
-  TORCH_CHECK(n > 0, "cuBLASLt has no algorithm for a bf16 GEMM of M=", s.M, " N=", s.N, " K=", s.K);
+  TORCH_CHECK(n > 0, "cuBLASLt has no algorithm for a ", s.fp8 ? "block-scaled FP8" : "bf16", " GEMM of M=", s.M, " N=", s.N,
+              " K=", s.K);
   std::ostringstream note;
-  note << s.M << "x" << s.N << "x" << s.K << (s.acc ? "+acc" : "");
+  note << s.M << "x" << s.N << "x" << s.K << (s.acc ? "+acc" : "") << (s.fp8 ? " fp8" : "");
   if (n == 1 || want == 1) {
     p.algo = res[0].algo, p.workspace = res[0].workspaceSize;
     note << ": heuristic first of " << n << " (untimed)";
@@ -132,7 +152,7 @@ Plan tune(const Shape& s, const torch::Tensor& x, const torch::Tensor& w, const 
   // 8.4 ms in the model, where another candidate that tuned slower ran at 8.2 ms).
   auto run = [&](int i) {
     return matmul(p, res[i].algo, res[i].workspaceSize, x.data_ptr(), w.data_ptr(), scratch.data_ptr(), s.acc,
-                  ws.data_ptr(), stream);
+                  ws.data_ptr(), stream, sc);
   };
   std::vector<int> runnable;
   for (int i = 0; i < n; ++i) {
@@ -164,29 +184,32 @@ Plan tune(const Shape& s, const torch::Tensor& x, const torch::Tensor& w, const 
   return p;
 }
 
+// Runs C (+)= X W^T through the shape's plan (tuned on its first call). Operands checked by the callers.
+void run_planned(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& c, bool acc, bool fp8, const Scales& sc) {
+  if (x.size(0) == 0 || w.size(0) == 0) return;
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = at::cuda::getCurrentCUDAStream().stream();
+  const Shape s{x.device().index(), x.size(0), w.size(0), x.size(1), x.stride(0), w.stride(0), c.stride(0), acc, fp8,
+                alignment(x.data_ptr()), alignment(w.data_ptr()), alignment(c.data_ptr())};
+  auto& ca = cache();
+  std::unique_lock<std::mutex> lock(ca.mu);
+  auto it = ca.plans.find(s);
+  if (it == ca.plans.end()) it = ca.plans.emplace(s, tune(s, x, w, c, stream, sc)).first;
+  const Plan* plan = &it->second;  // std::map nodes are stable
+  if (!fp8) lock.unlock();  // an FP8 call sets its scales on the shared descriptor: enqueued under the lock
+  torch::Tensor ws;
+  if (plan->workspace > 0) ws = torch::empty({static_cast<int64_t>(plan->workspace)}, c.options().dtype(torch::kUInt8));
+  check(matmul(*plan, plan->algo, plan->workspace, x.data_ptr(), w.data_ptr(), c.data_ptr(), acc,
+               ws.defined() ? ws.data_ptr() : nullptr, stream, sc),
+        "Matmul");
+}
+
 void gemm(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& c, bool acc) {
   TORCH_CHECK(supported(x, w), "cuda_gemm: unsupported operands (need CUDA bf16 [M, K] x [N, K], unit stride along K)");
   TORCH_CHECK(c.scalar_type() == torch::kBFloat16 && c.dim() == 2 && c.size(0) == x.size(0) && c.size(1) == w.size(0) &&
                   c.stride(1) == 1 && c.stride(0) % 8 == 0 && c.device() == x.device(),
               "cuda_gemm: output must be CUDA bf16 [M, N] with unit stride along N");
-  if (x.size(0) == 0 || w.size(0) == 0) return;
-  c10::cuda::CUDAGuard guard(x.device());
-  const auto stream = at::cuda::getCurrentCUDAStream().stream();
-  const Shape s{x.device().index(), x.size(0), w.size(0), x.size(1), x.stride(0), w.stride(0), c.stride(0), acc,
-                alignment(x.data_ptr()), alignment(w.data_ptr()), alignment(c.data_ptr())};
-  auto& ca = cache();
-  const Plan* plan = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(ca.mu);
-    auto it = ca.plans.find(s);
-    if (it == ca.plans.end()) it = ca.plans.emplace(s, tune(s, x, w, c, stream)).first;
-    plan = &it->second;  // std::map nodes are stable
-  }
-  torch::Tensor ws;
-  if (plan->workspace > 0) ws = torch::empty({static_cast<int64_t>(plan->workspace)}, c.options().dtype(torch::kUInt8));
-  check(matmul(*plan, plan->algo, plan->workspace, x.data_ptr(), w.data_ptr(), c.data_ptr(), acc,
-               ws.defined() ? ws.data_ptr() : nullptr, stream),
-        "Matmul");
+  run_planned(x, w, c, acc, /*fp8=*/false, {});
 }
 
 }  // namespace
@@ -216,6 +239,26 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 void linear_add_(torch::Tensor& acc, const torch::Tensor& x, const torch::Tensor& w) { gemm(x, w, acc, true); }
+
+torch::Tensor fp8_block_scaled_linear(const torch::Tensor& x_q, const torch::Tensor& x_scale, const torch::Tensor& w_q,
+                                      const torch::Tensor& w_scale) {
+  const int64_t M = x_q.size(0), K = x_q.size(1), N = w_q.size(0);
+  TORCH_CHECK(x_q.is_cuda() && x_q.scalar_type() == torch::kFloat8_e4m3fn && x_q.dim() == 2 && x_q.is_contiguous() &&
+                  w_q.scalar_type() == torch::kFloat8_e4m3fn && w_q.dim() == 2 && w_q.is_contiguous() && w_q.size(1) == K &&
+                  w_q.device() == x_q.device() && K % 128 == 0 && N % 16 == 0 && M % 16 == 0,
+              "cuda_gemm::fp8_block_scaled_linear: need contiguous float8_e4m3fn x [M, K] and w [N, K] on one CUDA device "
+              "with K % 128 == 0, N % 16 == 0 and M % 16 == 0");
+  const int64_t kb = K / 128, nb = (N + 127) / 128;
+  TORCH_CHECK(x_scale.scalar_type() == torch::kFloat32 && x_scale.dim() == 2 && x_scale.size(0) == M && x_scale.size(1) == kb &&
+                  x_scale.stride(0) == 1 && x_scale.stride(1) == M && x_scale.device() == x_q.device(),
+              "cuda_gemm::fp8_block_scaled_linear: x_scale must be fp32 [M, K/128] with strides (1, M)");
+  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.dim() == 2 && w_scale.size(0) == nb && w_scale.size(1) == kb &&
+                  w_scale.is_contiguous() && w_scale.device() == x_q.device(),
+              "cuda_gemm::fp8_block_scaled_linear: w_scale must be contiguous fp32 [ceil(N/128), K/128]");
+  auto c = torch::empty({M, N}, x_q.options().dtype(torch::kBFloat16));
+  run_planned(x_q, w_q, c, /*acc=*/false, /*fp8=*/true, {w_scale.data_ptr(), x_scale.data_ptr()});
+  return c;
+}
 
 std::vector<std::string> chosen() {
   auto& ca = cache();
