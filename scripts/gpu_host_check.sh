@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED=1 DFLASH_SOURCE_DIR=$root DFLASH_PYTHON=${DFLASH_PYTHON:
 export DFLASH_GPU_DEBS=${DFLASH_GPU_DEBS:-$root/.gpu-deps/debs} DFLASH_DEPS_PREFIX=${DFLASH_DEPS_PREFIX:-/tmp/dflash-deps}
 export LD_LIBRARY_PATH=$DFLASH_DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ] && [ "$1" != loss-curve ] && [ "$1" != bench-drafter-embed-host ] && [ "$1" != bench-drafter-scatter ] && [ "$1" != bench-drafter-cudnn ] && [ "$1" != proof-drafter ] && [ "$1" != ab-drafter ]; } && return 0; done; return 1; }
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != mem-drafter ] && [ "$1" != run-colocated ] && [ "$1" != bench-moe ] && [ "$1" != bench-fp8 ] && [ "$1" != loss-curve ] && [ "$1" != bench-drafter-embed-host ] && [ "$1" != bench-drafter-scatter ] && [ "$1" != bench-drafter-cudnn ] && [ "$1" != proof-drafter ] && [ "$1" != ab-drafter ] && [ "$1" != bench-pipeline-mps ]; } && return 0; done; return 1; }
 t0=$(date +%s)
 if ! python3 -c "import specforge" 2>/dev/null && compgen -G "$root/.whl/specforge-*.whl" > /dev/null; then
   python3 -m pip install -q --no-deps --target /tmp/dflash-pyextra "$root"/.whl/specforge-*.whl > "$out/pip_specforge.log" 2>&1 \
@@ -278,6 +278,34 @@ if has mem-drafter; then
   "$build/bin/dflash" bench drafter --context 4096 --anchors 512 --block-size 16 --soft-labels --repeats 3 \
     --steps 1000 > "$out/mem_drafter_4k_1000.json" 2> "$out/mem_drafter_4k_1000.err"
   echo "mem drafter 4k x1000 rc=$?"
+fi
+if has bench-pipeline-mps; then
+  # The one-GPU pipeline under MPS (issue 22's waiting line; not part of `all`). Without MPS the
+  # target and the drafter time-slice the GPU; as clients of one MPS daemon their kernels share the
+  # SMs at once, the drafter limited to DFLASH_MPS_DRAFTER_PCT percent of them
+  # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, its process only) so that the target can keep ahead. Judged
+  # by the pair's rate as well as the waiting: first the same bench without MPS. --samples 192 (48
+  # batches) so that the slots filled during the drafter's start-up weigh little.
+  work=${DFLASH_BENCH_WORK:-/tmp/dflash-bench-pipeline}
+  if ! command -v nvidia-cuda-mps-control > /dev/null; then
+    echo "bench-pipeline-mps: nvidia-cuda-mps-control is not on this host"
+  else
+    "$build/bin/dflash" bench pipeline --transport shm --shape qwen3-8b --device cuda --target-gpu 0 --drafter-gpu 0 \
+      --samples 192 --work "$work" > "$out/bench_pipeline_shm_qwen3_8b_long.json" 2> "$out/bench_pipeline_shm_qwen3_8b_long.err"
+    echo "bench pipeline shm qwen3-8b, 48 batches, no MPS rc=$?"
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/dflash-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dflash-mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && echo "MPS daemon started"
+    for pct in ${DFLASH_MPS_DRAFTER_PCT:-50 70}; do
+      "$build/bin/dflash" bench pipeline --transport shm --shape qwen3-8b --device cuda --target-gpu 0 --drafter-gpu 0 \
+        --samples 192 --work "$work" --drafter-env "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" \
+        > "$out/bench_pipeline_shm_qwen3_8b_mps$pct.json" 2> "$out/bench_pipeline_shm_qwen3_8b_mps$pct.err"
+      echo "bench pipeline shm qwen3-8b, MPS, drafter at $pct% of the SMs rc=$?"
+    done
+    echo quit | nvidia-cuda-mps-control
+    tail -5 "$CUDA_MPS_LOG_DIRECTORY/control.log" 2> /dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
 fi
 if has bench-pipeline; then
   # 1 target server + 1 drafter trainer as processes (dflash bench pipeline), qwen3-8b random weights

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -43,7 +44,10 @@ const char* kUsage =
     "         [--device cpu|cuda] [--target-gpu 0] [--drafter-gpu 0] [--samples N] [--seq-len L]\n"
     "         [--token-budget T] [--max-batch-size B] [--epochs 1] [--drafter-layers 5] [--block-size 16]\n"
     "         [--max-anchors 512] [--inflight-depth 2] [--work DIR] [--bin-dir DIR] [--timeout-s 3000] [--keep-run]\n"
+    "         [--drafter-env NAME=VALUE,...] [--target-env NAME=VALUE,...]\n"
     "  Both transports use inflight_depth slots per link (shm_slots = inflight_depth).\n"
+    "  --drafter-env / --target-env: extra environment of that process only (e.g. an MPS client's\n"
+    "  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE when both share a GPU under MPS).\n"
     "  --shape writes a random-weight HF dir (config.json + model.safetensors) under --work once and\n"
     "  reuses it; --model uses an existing one (e.g. the tiny test model).\n";
 
@@ -243,8 +247,28 @@ struct BenchOptions {
   int64_t seq_len = 0, token_budget = 0, max_batch = 0, samples = 0, epochs = 0, drafter_layers = 0, block = 0, anchors = 0,
           inflight = 0;
   double timeout_s = 0, grace_s = 0;
+  std::vector<std::string> drafter_env, target_env;  // NAME=VALUE, that process only
   fs::path work, bin;  // from prepare_dirs()
 };
+
+// --drafter-env / --target-env: comma-separated NAME=VALUE entries, NAME of [A-Za-z0-9_] not starting
+// with a digit.
+std::vector<std::string> env_entries(const Flags& f, const char* flag) {
+  std::vector<std::string> out;
+  const std::string v = f.get(flag, "");
+  size_t at = 0;
+  while (at < v.size()) {
+    const size_t end = std::min(v.find(',', at), v.size());
+    const std::string e = v.substr(at, end - at);
+    const size_t eq = e.find('=');
+    bool ok = eq != std::string::npos && eq > 0 && !std::isdigit(static_cast<unsigned char>(e[0]));
+    for (size_t i = 0; ok && i < eq; ++i) ok = std::isalnum(static_cast<unsigned char>(e[i])) || e[i] == '_';
+    DFLASH_CHECK(ok, ConfigError, "--" << flag << ": expected NAME=VALUE[,NAME=VALUE...], got entry '" << e << "'");
+    out.push_back(e);
+    at = end + 1;
+  }
+  return out;
+}
 
 BenchOptions parse_options(const Flags& f) {
   DFLASH_CHECK(f.positional().empty(), ConfigError, kUsage);
@@ -272,6 +296,8 @@ BenchOptions parse_options(const Flags& f) {
   o.inflight = f.get_int("inflight-depth", 2);
   o.timeout_s = f.get_double("timeout-s", 3000), o.grace_s = f.get_double("grace-s", 60);
   o.keep_run = f.has("keep-run");
+  o.drafter_env = env_entries(f, "drafter-env");
+  o.target_env = env_entries(f, "target-env");
   DFLASH_CHECK(o.seq_len >= 2 * o.block && o.token_budget >= o.seq_len && o.max_batch >= 1 && o.samples >= 1 && o.epochs >= 1 &&
                    o.drafter_layers >= 1 && o.anchors >= 1 && o.inflight >= 1 && o.timeout_s > 0,
                ConfigError, "bench pipeline: flags out of range (need seq-len >= 2*block-size, token-budget >= seq-len, others >= 1)");
@@ -320,23 +346,28 @@ std::string bench_config_yaml(const BenchOptions& o, const std::string& model_di
 // both. BenchError with both logs' ends when either fails.
 std::vector<Proc> run_pair(const BenchOptions& o, const fs::path& cfg_path, int store_port) {
   const std::string run_id = std::to_string(0x6e00 + (::getpid() & 0xffff));
-  auto env_for = [&](int gpu) {
+  auto env_for = [&](int gpu, const std::vector<std::string>& extra) {
     std::vector<std::string> e = {"OMP_NUM_THREADS=" + std::string(std::getenv("OMP_NUM_THREADS") ? std::getenv("OMP_NUM_THREADS") : "1")};
     if (o.cuda) e.push_back("CUDA_VISIBLE_DEVICES=" + std::to_string(gpu));
+    e.insert(e.end(), extra.begin(), extra.end());
     return e;
   };
   std::vector<Proc> ps;
   ps.push_back(spawn("drafter",
                      {(o.bin / "dflash-drafter").string(), "train", "--config", cfg_path.string(), "--rank", "0", "--run-id", run_id,
                       "--store-port", std::to_string(store_port), "--device", o.device, "--hash-every", "0"},
-                     env_for(o.dgpu), o.work));
+                     env_for(o.dgpu, o.drafter_env), o.work));
   ps.push_back(spawn("target",
                      {(o.bin / "dflash-target").string(), "serve", "--config", cfg_path.string(), "--rank", "0", "--run-id", run_id,
                       "--device", o.device},
-                     env_for(o.tgpu), o.work));
+                     env_for(o.tgpu, o.target_env), o.work));
   wait_all(ps, o.timeout_s, o.grace_s);
-  for (const auto& p : ps) {
-    if (WIFEXITED(p.status) && WEXITSTATUS(p.status) == 0) continue;
+  // The process that failed first is named (the other may only have been killed for it).
+  const Proc* first = nullptr;
+  for (const auto& p : ps)
+    if (!(WIFEXITED(p.status) && WEXITSTATUS(p.status) == 0) && (!first || p.end < first->end)) first = &p;
+  if (first) {
+    const Proc& p = *first;
     std::string msg = "bench pipeline: " + p.role + " (pid " + std::to_string(p.pid) + ") " + exit_str(p.status) + "; its log " +
                       p.err.string() + " ends:\n" + tail_of(p.err);
     for (const auto& q : ps)
@@ -375,7 +406,8 @@ json result_json(const BenchOptions& o, const std::vector<Proc>& ps, const std::
       {"config",
        {{"samples", o.samples}, {"seq_len", o.seq_len}, {"token_budget", o.token_budget}, {"max_batch_size", o.max_batch},
         {"epochs", o.epochs}, {"drafter_layers", o.drafter_layers}, {"block_size", o.block}, {"max_anchors", o.anchors},
-        {"inflight_depth", o.inflight}, {"file", cfg_path.string()}}},
+        {"inflight_depth", o.inflight}, {"file", cfg_path.string()}, {"drafter_env", o.drafter_env},
+        {"target_env", o.target_env}}},
       {"setup_s", setup_s},
       {"wall_s", wall_s},
       {"batches", mbs},
@@ -406,7 +438,7 @@ int cmd_bench_pipeline(int argc, char** argv) {
   Flags f(argc, argv,
           {"transport", "shape", "model", "device", "target-gpu", "drafter-gpu", "samples", "seq-len", "token-budget",
            "max-batch-size", "epochs", "drafter-layers", "block-size", "max-anchors", "inflight-depth", "work", "bin-dir",
-           "timeout-s", "grace-s", "keep-run"}, {"keep-run"});
+           "timeout-s", "grace-s", "keep-run", "drafter-env", "target-env"}, {"keep-run"});
   const auto t_setup = Clock::now();
   BenchOptions o = parse_options(f);
   prepare_dirs(f, o);

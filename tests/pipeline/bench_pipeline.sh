@@ -8,7 +8,8 @@ py=${DFLASH_PYTHON:-python3}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 rm -rf "$work" && mkdir -p "$work"
 "$bin/dflash" bench pipeline --transport shm --model "$data/qwen3" --device cpu --samples 24 --seq-len 64 \
-  --work "$work" --timeout-s 600 > "$work/bench.json" 2> "$work/bench.log" || { tail -40 "$work/bench.log"; exit 1; }
+  --work "$work" --timeout-s 600 --drafter-env BENCH_NOTE=drafter,BENCH_SECOND=2 \
+  > "$work/bench.json" 2> "$work/bench.log" || { tail -40 "$work/bench.log"; exit 1; }
 cat "$work/bench.json"
 "$py" - "$work/bench.json" <<'PY'
 import json, sys
@@ -42,6 +43,18 @@ for role in ["target", "drafter"]:
     assert "peak_gpu_allocated_bytes" in p and "peak_gpu_reserved_bytes" in p, (role, p)
 # 24 documents of 64 tokens, 4 per batch: 6 batches, all trained by the single drafter.
 assert r["batches"] == 6 and r["tokens"] == 24 * 64, r
+assert r["config"]["drafter_env"] == ["BENCH_NOTE=drafter", "BENCH_SECOND=2"] and r["config"]["target_env"] == [], r["config"]
 print("bench pipeline JSON OK:", r["batches"], "batches,", round(r["tokens_per_s"]), "tok/s")
 PY
+# --target-env reaches the target alone: a bad switch value there fails the target at start, and the
+# bench says so (naming the target and the switch) instead of waiting out its timeout.
+if "$bin/dflash" bench pipeline --transport shm --model "$data/qwen3" --device cpu --samples 8 --seq-len 64 \
+  --work "$work/env" --timeout-s 300 --grace-s 2 --target-env DFLASH_C10D_SEND=bogus > "$work/env.json" 2> "$work/env.log"; then
+  echo "FAIL: a bad switch value in --target-env did not fail the target"; exit 1
+fi
+grep -q 'target (pid' "$work/env.log" && grep -q 'DFLASH_C10D_SEND' "$work/env.log" || { tail -20 "$work/env.log"; echo FAIL; exit 1; }
+# A malformed entry is refused before anything starts (exit 2, naming the flag).
+rc=0
+"$bin/dflash" bench pipeline --model "$data/qwen3" --drafter-env 1X=2 > /dev/null 2> "$work/bad.log" || rc=$?
+[ "$rc" -eq 2 ] && grep -q -- '--drafter-env' "$work/bad.log" || { cat "$work/bad.log"; echo "FAIL: exit $rc"; exit 1; }
 echo PASS
