@@ -139,16 +139,14 @@ PrepareReport prepare(const Problem& p, const std::vector<Shape>& shapes) {
   rep.shapes = static_cast<int64_t>(shapes.size());
   auto& t = plans();
   auto& mine = t.prepared[p];
-  if (t.refused.count(p)) {
-    rep.error = t.refused[p];
-    return rep;
-  }
+  const auto refused = t.refused.find(p);
+  if (refused != t.refused.end()) rep.error = refused->second;  // nothing is built; the shapes leave the missed list
   std::vector<int64_t> flat;
   int64_t max_rows = 0, max_keys = 0;
   for (const auto& s : shapes) {
     DFLASH_CHECK(s.rows > 0 && s.keys > 0, ConfigError,
                  "cuDNN plan shape: " << s.rows << " query rows and " << s.keys << " key rows (both must be > 0)");
-    if (mine.count(s)) continue;
+    if (mine.count(s) || !rep.error.empty()) continue;
     flat.insert(flat.end(), {s.rows, s.keys});
     max_rows = std::max(max_rows, s.rows);
     max_keys = std::max(max_keys, s.keys);
