@@ -52,13 +52,22 @@ std::vector<int64_t> Trainer::micro_batch(const MicroBatch& mb) {
 // during the next forward. Bitwise the same: 0 + g == g.
 void Trainer::release_grads() { drafter_.drop_gradients(); }
 
+namespace {
+// `tokens` packed as documents of doc_len (the last one shorter): the largest batch a run will see.
+std::vector<int64_t> full_documents(int64_t tokens, int64_t doc_len) {
+  std::vector<int64_t> lens;
+  for (int64_t left = tokens; left > 0; left -= doc_len) lens.push_back(std::min(left, doc_len));
+  return lens;
+}
+}  // namespace
+
 double Trainer::warm_up(int64_t tokens, int64_t doc_len, int64_t feature_width, int64_t hidden, int64_t vocab) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t B = drafter_.config().block_size;
   auto dev = drafter_.device();
   auto gen = at::detail::createCPUGenerator(0x7761726d);  // its own generator: global RNG untouched
   MicroBatch mb;
-  for (int64_t left = tokens; left > 0; left -= doc_len) mb.doc_lens.push_back(std::min(left, doc_len));
+  mb.doc_lens = full_documents(tokens, doc_len);
   mb.input_ids_host = torch::randint(0, vocab - 1, {tokens}, gen, torch::kInt64);
   mb.input_ids_T = mb.input_ids_host.to(dev);
   mb.loss_mask_T = torch::ones({tokens}, torch::kUInt8).to(dev);
@@ -89,8 +98,7 @@ model::cudnn_runs::PrepareReport Trainer::prepare_attention(int64_t tokens, int6
                "prepare_attention: tokens " << tokens << " and doc_len " << doc_len << " must be > 0");
   const auto& cfg = drafter_.config();
   const int64_t B = cfg.block_size, tile = model::Drafter::block_sparse_tile(attn);
-  std::vector<int64_t> doc_lens;
-  for (int64_t left = tokens; left > 0; left -= doc_len) doc_lens.push_back(std::min(left, doc_len));
+  const auto doc_lens = full_documents(tokens, doc_len);
   const std::vector<uint8_t> mask(tokens, 1);
   std::set<model::cudnn_runs::Shape> shapes;
   for (int d = 0; d < kPlanDraws; ++d) {

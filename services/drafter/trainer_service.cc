@@ -621,8 +621,6 @@ void DrafterRank::verify_replicas() {
                                              in_collective_since_, opt_.peer_grace_s, rank_);
 }
 
-// At the largest shape of this launch's packing (token_budget tokens of max_seq_len documents,
-// max_anchors anchors): an OOM shows now, before any batch is consumed.
 void DrafterRank::log_attention_plans(const model::cudnn_runs::PrepareReport& r) const {
   if (r.shapes == 0) return;  // not on cuDNN's path (DFLASH_BSA_FULL, device, dtype)
   if (!r.error.empty())
@@ -633,6 +631,8 @@ void DrafterRank::log_attention_plans(const model::cudnn_runs::PrepareReport& r)
                         << " s (shapes met later are built after the step that meets them)");
 }
 
+// At the largest shape of this launch's packing (token_budget tokens of max_seq_len documents,
+// max_anchors anchors): an OOM shows now, before any batch is consumed.
 void DrafterRank::warm_up() {
   if (start_step_ < total_steps_) {
     const auto& gen = sched_->generations()[sched_->segment_of(start_step_).generation];
