@@ -4,6 +4,8 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
+#include <pthread.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -15,6 +17,8 @@
 #include <cstring>
 #include <ctime>
 #include <algorithm>
+#include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -114,8 +118,46 @@ void bump_and_wake(std::atomic<uint32_t>* word) {
 
 using detail::deadline_after;
 
+// Serialises every "look at a name, then unlink it" and the O_EXCL creation of a segment, between
+// processes (an exclusive flock on /dev/shm itself, held for microseconds) and between threads (a
+// mutex). Without it a sweep that judged a name stale could unlink the segment a new receiver
+// created under that name in between (a restarted run's drafters sweep while each creates its own
+// links). flock leaves nothing behind and dies with its holder. A fork waits for the mutex (see
+// pthread_atfork below), so no child inherits a descriptor that holds the lock.
+class NameLock {
+ public:
+  NameLock() {
+    static std::once_flag at_fork;
+    std::call_once(at_fork, [] { ::pthread_atfork([] { mu().lock(); }, [] { mu().unlock(); }, [] { mu().unlock(); }); });
+    std::unique_lock<std::mutex> held(mu());
+    fd_ = ::open("/dev/shm", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DFLASH_CHECK(fd_ >= 0, TransportError, "shm: cannot open /dev/shm to lock segment names: " << errno_str(errno));
+    while (::flock(fd_, LOCK_EX) != 0) {
+      const int e = errno;
+      if (e == EINTR) continue;
+      ::close(fd_);
+      DFLASH_FAIL(TransportError, "shm: flock of /dev/shm failed: " << errno_str(e));
+    }
+    held.release();
+  }
+  ~NameLock() {
+    ::close(fd_);  // the only descriptor: closing it releases the flock
+    mu().unlock();
+  }
+  NameLock(const NameLock&) = delete;
+  NameLock& operator=(const NameLock&) = delete;
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  int fd_ = -1;
+};
+
 // Unlinks `name` only if it still names the segment (dev, ino): never someone's newer segment.
 void unlink_if_same(const std::string& name, dev_t dev, ino_t ino) {
+  NameLock lock;
   int fd = ::shm_open(name.c_str(), O_RDONLY, 0);
   if (fd < 0) return;
   struct stat st {};
@@ -198,6 +240,7 @@ size_t remove_stale_segments(const std::string& prefix) {
   }
   ::closedir(dir);
   size_t removed = 0;
+  NameLock lock;  // the look and the unlink as one step (see NameLock)
   for (const auto& name : names) {
     SegmentInfo info = inspect_segment(name);
     if (!info.exists) continue;
@@ -214,6 +257,12 @@ size_t remove_stale_segments(const std::string& prefix) {
     }
   }
   return removed;
+}
+
+bool remove_own_segment(const std::string& name) {
+  NameLock lock;
+  const SegmentInfo info = inspect_segment(name);
+  return info.valid && info.receiver_pid == ::getpid() && ::shm_unlink(name.c_str()) == 0;
 }
 
 // ---------------- both ends ----------------
@@ -275,6 +324,7 @@ std::unique_ptr<ShmReceiver> ShmReceiver::create(const std::string& name, const 
   const size_t total = control_bytes + stride * opts.slots;
 
   int fd = -1;
+  std::optional<NameLock> lock(std::in_place);  // until the name is ours (see NameLock)
   for (int attempt = 0; attempt < 3 && fd < 0; ++attempt) {
     fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     if (fd >= 0) break;
@@ -292,6 +342,7 @@ std::unique_ptr<ShmReceiver> ShmReceiver::create(const std::string& name, const 
     ::shm_unlink(name.c_str());
   }
   DFLASH_CHECK(fd >= 0, TransportError, "shm link " << name << ": could not create the segment (keeps reappearing)");
+  lock.reset();  // a sweep skips a young segment without a valid header: sizing and setup need no lock
 
   auto fail = [&](const std::string& what, int e) {
     ::close(fd);
@@ -504,6 +555,7 @@ std::unique_ptr<ShmSender> ShmSender::attach(const std::string& name, millisecon
     int fd = ::shm_open(name.c_str(), O_RDWR, 0);
     if (fd < 0) {
       DFLASH_CHECK(errno == ENOENT, TransportError, "shm link " << name << ": shm_open failed: " << errno_str(errno));
+      waiting_for = "the segment to appear";
       continue;
     }
     struct stat st {};

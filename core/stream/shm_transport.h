@@ -22,6 +22,9 @@
 //   the same segment), so a crashed drafter leaves nothing behind once the target exits.
 // - remove_stale_segments(prefix) sweeps /dev/shm for segments with that prefix whose creator is
 //   dead, e.g. at process start.
+// - Every look-then-unlink of a name (the sweep, create()'s removal of a stale segment, the
+//   unlinks above) and create()'s O_EXCL open run under one exclusive flock of /dev/shm, so a
+//   sweep never unlinks a segment created under a name after it judged that name stale.
 // - One sender per segment lifetime (attach fails when a sender already attached).
 // - attach() skips a stale segment whose receiver is dead (left by a crashed run under the same
 //   name) and keeps waiting for the new receiver to replace it.
@@ -60,6 +63,10 @@ std::string shm_segment_name(const std::string& prefix, uint64_t run_id, uint32_
 // Unlinks every /dev/shm segment whose name starts with `prefix` (leading '/' optional) and whose
 // creator process is dead or whose header is not a valid segment. Returns how many were removed.
 size_t remove_stale_segments(const std::string& prefix);
+
+// Unlinks segment `name` if its header names this process as the receiver (a process about to
+// _exit without destructors removes its own links, never a successor's). True if it did.
+bool remove_own_segment(const std::string& name);
 
 struct ShmSegment;  // mapping + control block (shm_transport.cc)
 

@@ -2,7 +2,6 @@
 #include "services/drafter/trainer_service.h"
 
 #include <signal.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -140,7 +139,7 @@ class PeerWatchdog {
         if (static_cast<int>(r) == rank_ || pid_alive(peers_[r])) continue;
         LOG_ERROR("drafter " << rank_ << ": peer drafter rank " << r << " (pid " << peers_[r] << ") died while this rank waited "
                              << waited << " s in a collective; exiting");
-        for (const auto& n : segments_) ::shm_unlink(n.c_str());
+        for (const auto& n : segments_) stream::remove_own_segment(n);
         try {
           stream::remove_stale_segments(prefix_);  // the dead peer's, if no target removed them
         } catch (...) {
@@ -691,7 +690,7 @@ json DrafterRank::plan_line() const {
 // The schedule from the launch's start step, through the shared train loop.
 void DrafterRank::train() {
   if (client_) client_->set_on_lost([names = segment_names_] {
-    for (const auto& n : names) ::shm_unlink(n.c_str());
+    for (const auto& n : names) stream::remove_own_segment(n);
   });
   LinkSource source(links_, *plan_, opt_, cfg_.train.soft_labels.enabled, device_, *tcoll_, met_, prof_);
   std::optional<CoordinatorRequests> requests;

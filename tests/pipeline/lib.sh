@@ -43,6 +43,16 @@ for s in socks: s.close()
 PY
 }
 
+# The last lines of every worker log of run output dir $1 (a failing test shows what its workers said).
+show_worker_logs() {  # RUN_DIR [LINES]
+  local f
+  for f in "$1"/logs/*.log; do
+    [ -e "$f" ] || continue
+    echo "--- $f (last ${2:-25} lines)"
+    tail -n "${2:-25}" "$f" | cut -c1-400
+  done
+}
+
 # shm segments of run id $1 (decimal) still in /dev/shm
 run_segments() {
   local f

@@ -449,6 +449,83 @@ TEST_F(ShmTransport, AttachSkipsAStaleSegmentOfADeadReceiver) {
   tx->close();
 }
 
+// A restarted run: the new drafters sweep the run's stale segments while each of them creates its
+// own in place of its predecessor's. A sweep that judged a name stale must never unlink the
+// segment created under that name after its look (the new link would vanish and its target wait
+// for it until the attach timeout). Two sweeper threads loop while the main thread replaces a
+// dead creator's segment again and again; after each replacement each sweeper makes two more full
+// passes, then the new segment must still be there.
+TEST_F(ShmTransport, SweepNeverRemovesASegmentCreatedInPlaceOfAStaleOne) {
+  const std::string name = test_prefix() + "-race";
+  ShmLinkOptions o;
+  o.slots = 1;
+  o.slot_bytes = 4096;
+  o.verify_checksum = false;  // no thread in the forked creators
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> passes[2] = {0, 0};
+  auto sweep = [&](int k) {
+    while (!stop) {
+      remove_stale_segments(test_prefix());
+      passes[k].fetch_add(1);
+      std::this_thread::yield();
+    }
+  };
+  std::thread sweeper1(sweep, 0), sweeper2(sweep, 1);  // two, as two drafters of a restarted run
+  int lost = 0;
+  constexpr int kRounds = 3000;  // without the name lock about 1 in 300 replacements was lost
+  for (int i = 0; i < kRounds; ++i) {
+    const pid_t child = ::fork();
+    if (child == 0) {
+      auto rx = ShmReceiver::create(name, o);
+      (void)rx.release();  // dies without unlinking: a stale segment of a dead receiver
+      ::_exit(0);
+    }
+    int st = 0;
+    ASSERT_EQ(::waitpid(child, &st, 0), child);
+    auto rx = ShmReceiver::create(name, o);
+    const uint64_t seen[2] = {passes[0].load(), passes[1].load()};
+    while (passes[0].load() < seen[0] + 2 || passes[1].load() < seen[1] + 2) std::this_thread::yield();
+    if (!segment_exists(name)) ++lost;
+    rx.reset();
+  }
+  stop = true;
+  sweeper1.join();
+  sweeper2.join();
+  EXPECT_EQ(lost, 0) << "of " << kRounds << " segments created in place of a stale one, " << lost
+                     << " were unlinked by a concurrent sweep";
+}
+
+// The attach timeout names what the sender waited for last: after the stale segment it first saw
+// was swept and no new one came, the segment to appear (not the dead receiver of the swept one).
+TEST_F(ShmTransport, AttachTimeoutNamesTheLastStateSeen) {
+  const std::string name = test_prefix() + "-gone";
+  ShmLinkOptions o;
+  o.slots = 1;
+  o.slot_bytes = 4096;
+  o.verify_checksum = false;
+  const pid_t child = ::fork();
+  if (child == 0) {
+    auto rx = ShmReceiver::create(name, o);
+    (void)rx.release();
+    ::_exit(0);
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(child, &st, 0), child);
+  std::string error;
+  std::thread t([&] {
+    try {
+      ShmSender::attach(name, 800ms);
+    } catch (const TransportError& e) {
+      error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(remove_stale_segments(name.substr(1)), 1u);
+  t.join();
+  EXPECT_NE(error.find("waiting for the segment to appear"), std::string::npos) << error;
+  EXPECT_EQ(error.find("is dead"), std::string::npos) << error;
+}
+
 TEST_F(ShmTransport, AttachTimesOutAndRejectsUnknownVersion) {
   const auto t0 = Clock::now();
   EXPECT_THROW(ShmSender::attach(test_prefix() + "-nobody", 200ms), TransportError);
