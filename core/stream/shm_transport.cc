@@ -132,11 +132,21 @@ class NameLock {
     std::unique_lock<std::mutex> held(mu());
     fd_ = ::open("/dev/shm", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     DFLASH_CHECK(fd_ >= 0, TransportError, "shm: cannot open /dev/shm to lock segment names: " << errno_str(errno));
-    while (::flock(fd_, LOCK_EX) != 0) {
+    // Holders keep it for microseconds: a lock still held after kWait is a stopped or hung holder,
+    // reported rather than waited for forever.
+    const auto until = Clock::now() + kWait;
+    while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int e = errno;
+      if (e == EWOULDBLOCK && Clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        continue;
+      }
       if (e == EINTR) continue;
       ::close(fd_);
-      DFLASH_FAIL(TransportError, "shm: flock of /dev/shm failed: " << errno_str(e));
+      DFLASH_CHECK(e == EWOULDBLOCK, TransportError, "shm: flock of /dev/shm failed: " << errno_str(e));
+      DFLASH_FAIL(TransportError, "shm: the /dev/shm name lock (flock) was not free within "
+                                      << std::chrono::duration_cast<std::chrono::seconds>(kWait).count()
+                                      << " s: a process holding it is stopped or hung");
     }
     held.release();
   }
@@ -148,6 +158,7 @@ class NameLock {
   NameLock& operator=(const NameLock&) = delete;
 
  private:
+  static constexpr std::chrono::seconds kWait{30};
   static std::mutex& mu() {
     static std::mutex m;
     return m;
