@@ -208,6 +208,7 @@ void TargetServer::connect() {
 #endif
   for (int d = 0; d < M_; ++d) {
     const auto name = pipeline::link_name(opt_.run_id, rank_, d, M_);
+    control::BlockedOn blocked("drafter " + std::to_string(d) + "'s link " + name + " (attach)");  // shown by dflash status
     links_.push_back(pipeline::make_sender_link(cfg_, opt_.run_id, rank_, d, opt_.device, ms_of(opt_.attach_timeout_s)));
     LOG_INFO("attached " << name << " -> drafter " << d << " (" << links_.back()->num_slots() << " slots of "
                          << links_.back()->slot_capacity() << " bytes)");
