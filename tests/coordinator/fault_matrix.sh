@@ -34,17 +34,17 @@ wait_ledger() {  # NAME PATTERN: until the ledger has a line matching PATTERN
   echo "FAIL: $1: '$2' never appeared in the ledger"; exit 1
 }
 # NAME: run NAME failed or did not check out: the coordinator's and the workers' last words.
-ran() { tail -20 "$work/$1.log"; show_worker_logs "$work/$1"; exit 1; }
-check() { "$py" "$here/check_run.py" "$work/$1" --samples $samples "${@:2}" || ran "$1"; }
+show_failure() { tail -20 "$work/$1.log"; show_worker_logs "$work/$1"; exit 1; }
+check() { "$py" "$here/check_run.py" "$work/$1" --samples $samples "${@:2}" || show_failure "$1"; }
 
 t0=$(date +%s)
 config ref "[]"
-"$bin/dflash" run "$work/ref.yaml" --quiet 2> "$work/ref.log" || ran ref
+"$bin/dflash" run "$work/ref.yaml" --quiet 2> "$work/ref.log" || show_failure ref
 check ref
 echo "  fault-free run: $(( $(date +%s) - t0 )) s"
 
 config target_crash "[{kind: crash, role: target, rank: 1, step: 14}]"
-"$bin/dflash" run "$work/target_crash.yaml" --quiet 2> "$work/target_crash.log" || ran target_crash
+"$bin/dflash" run "$work/target_crash.yaml" --quiet 2> "$work/target_crash.log" || show_failure target_crash
 check target_crash --reference "$work/ref" --expect-restarts 1
 
 config drafter_kill "[]"
@@ -56,7 +56,7 @@ pid=$(pgrep -f -- "dflash-drafter train --config $work/drafter_kill.yaml --rank 
 kill -9 "$pid"
 "$bin/dflash" status --config "$work/drafter_kill.yaml" --json | "$py" -c \
   "import json,sys; w=json.load(sys.stdin)['workers']; assert any(x['role']=='drafter' and x['rank']==1 for x in w), w"
-wait $coord || ran drafter_kill
+wait $coord || show_failure drafter_kill
 check drafter_kill --reference "$work/ref" --expect-restarts 1
 
 config coord_kill "[]"
@@ -69,15 +69,15 @@ wait $coord 2>/dev/null || true
 # Local workers die with their coordinator (PR_SET_PDEATHSIG); give the kernel a moment.
 for _ in $(seq 50); do pgrep -f "$work/coord_kill.yaml" >/dev/null || break; sleep 0.1; done
 ! pgrep -f "$work/coord_kill.yaml" >/dev/null || { echo "FAIL: workers outlived the killed coordinator"; exit 1; }
-"$bin/dflash" run "$work/coord_kill.yaml" --resume latest --quiet 2>> "$work/coord_kill.log" || ran coord_kill
+"$bin/dflash" run "$work/coord_kill.yaml" --resume latest --quiet 2>> "$work/coord_kill.log" || show_failure coord_kill
 check coord_kill --reference "$work/ref"
 
 config oom "[{kind: oom, role: drafter, rank: 1, step: 15}]"
-"$bin/dflash" run "$work/oom.yaml" --quiet 2> "$work/oom.log" || ran oom
+"$bin/dflash" run "$work/oom.yaml" --quiet 2> "$work/oom.log" || show_failure oom
 check oom --reference "$work/ref" --expect-restarts 1 --expect-oom --differs-from-reference
 
 config corrupt "[{kind: corrupt_checkpoint, role: drafter, rank: 0, step: 20}]"
-"$bin/dflash" run "$work/corrupt.yaml" --quiet 2> "$work/corrupt.log" || ran corrupt
+"$bin/dflash" run "$work/corrupt.yaml" --quiet 2> "$work/corrupt.log" || show_failure corrupt
 grep -q "fails verification" "$work/corrupt.log" || { echo "FAIL: no warning about the corrupted checkpoint"; exit 1; }
 check corrupt --reference "$work/ref" --expect-restarts 1 --expect-skipped-checkpoint
 
@@ -92,12 +92,12 @@ wait_ledger stop '"rank":0,.*"step":4,'
 "$bin/dflash" checkpoint --config "$work/stop.yaml"
 wait_ledger stop '"type":"checkpoint"'
 "$bin/dflash" stop --config "$work/stop.yaml"
-wait $coord || ran stop
+wait $coord || show_failure stop
 grep -q '"type":"stopped"' "$work/stop/ledger.jsonl" || { echo "FAIL: no stopped record after dflash stop"; exit 1; }
 [ "$(grep -c '"type":"checkpoint"' "$work/stop/ledger.jsonl")" = 2 ] \
   || { echo "FAIL: expected 2 commits (dflash checkpoint, dflash stop):"; grep '"type":"checkpoint"' "$work/stop/ledger.jsonl"; exit 1; }
 [ ! -e "$work/stop/export" ] || { echo "FAIL: a stopped run exported"; exit 1; }
-"$bin/dflash" run "$work/stop.yaml" --resume latest --quiet 2>> "$work/stop.log" || ran stop
+"$bin/dflash" run "$work/stop.yaml" --resume latest --quiet 2>> "$work/stop.log" || show_failure stop
 check stop
 
 left=$(compgen -G "/dev/shm/dflash-*" || true)
