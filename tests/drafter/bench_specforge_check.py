@@ -58,6 +58,11 @@ if j.get("baseline_kind") != "specforge" or base.get("bench") != "specforge":
     errors.append(f"baseline_kind {j.get('baseline_kind')!r} / baseline.bench {base.get('bench')!r}, expected specforge")
 if base.get("specforge_version") != "0.2.0":
     errors.append(f"baseline.specforge_version = {base.get('specforge_version')!r}")
+# The stubs the harness put in for missing optional imports: counted always, named when there are any.
+stubs = base.get("stubbed_module_count")
+if not isinstance(stubs, int) or stubs < 0 or len(base.get("stubbed_modules", [])) != stubs or \
+        ("stubbed_modules" in base) != (stubs > 0):
+    errors.append(f"baseline.stubbed_module_count {stubs!r} / stubbed_modules {base.get('stubbed_modules')!r} disagree")
 if j.get("trainable_params") != base.get("trainable_params"):
     errors.append(f"trainable params differ: ours {j.get('trainable_params')}, SpecForge {base.get('trainable_params')}")
 settings = base.get("settings", {})
