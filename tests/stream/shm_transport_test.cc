@@ -43,6 +43,20 @@ size_t count_segments(const std::string& prefix) {
 
 bool segment_exists(const std::string& name) { return ::access(("/dev/shm" + name).c_str(), F_OK) == 0; }
 
+// Leaves segment `name` as a crashed receiver would: created by a child that exits without its
+// destructor (so without unlinking); the child is reaped, so its pid reads as dead. True once
+// the child has been reaped (a concurrent sweep may remove the segment right away).
+bool make_stale_segment(const std::string& name, const ShmLinkOptions& o) {
+  const pid_t child = ::fork();
+  if (child == 0) {
+    auto rx = ShmReceiver::create(name, o);
+    (void)rx.release();  // no destructor: the segment stays, like after kill -9
+    ::_exit(0);
+  }
+  int st = 0;
+  return ::waitpid(child, &st, 0) == child;
+}
+
 struct Shape {
   uint32_t k, h;
   DType dtype;
@@ -429,14 +443,7 @@ TEST_F(ShmTransport, AttachSkipsAStaleSegmentOfADeadReceiver) {
   ShmLinkOptions o;
   o.slots = 2;
   o.slot_bytes = 4096;
-  const pid_t child = ::fork();
-  if (child == 0) {
-    auto rx = ShmReceiver::create(name, o);
-    (void)rx.release();  // no destructor: the segment stays, like after kill -9
-    ::_exit(0);
-  }
-  int st = 0;
-  ASSERT_EQ(::waitpid(child, &st, 0), child);
+  ASSERT_TRUE(make_stale_segment(name, o));
   ASSERT_TRUE(segment_exists(name));
   std::unique_ptr<ShmSender> tx;
   std::thread t([&] { tx = ShmSender::attach(name, 5s); });
@@ -474,14 +481,10 @@ TEST_F(ShmTransport, SweepNeverRemovesASegmentCreatedInPlaceOfAStaleOne) {
   int lost = 0;
   constexpr int kRounds = 3000;  // without the name lock about 1 in 300 replacements was lost
   for (int i = 0; i < kRounds; ++i) {
-    const pid_t child = ::fork();
-    if (child == 0) {
-      auto rx = ShmReceiver::create(name, o);
-      (void)rx.release();  // dies without unlinking: a stale segment of a dead receiver
-      ::_exit(0);
+    if (!make_stale_segment(name, o)) {
+      ADD_FAILURE() << "the child that leaves the stale segment was not reaped";
+      break;
     }
-    int st = 0;
-    ASSERT_EQ(::waitpid(child, &st, 0), child);
     auto rx = ShmReceiver::create(name, o);
     const uint64_t seen[2] = {passes[0].load(), passes[1].load()};
     while (passes[0].load() < seen[0] + 2 || passes[1].load() < seen[1] + 2) std::this_thread::yield();
@@ -503,14 +506,7 @@ TEST_F(ShmTransport, AttachTimeoutNamesTheLastStateSeen) {
   o.slots = 1;
   o.slot_bytes = 4096;
   o.verify_checksum = false;
-  const pid_t child = ::fork();
-  if (child == 0) {
-    auto rx = ShmReceiver::create(name, o);
-    (void)rx.release();
-    ::_exit(0);
-  }
-  int st = 0;
-  ASSERT_EQ(::waitpid(child, &st, 0), child);
+  ASSERT_TRUE(make_stale_segment(name, o));
   std::string error;
   std::thread t([&] {
     try {
