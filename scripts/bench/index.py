@@ -27,8 +27,10 @@ BENCH = os.path.join(ROOT, "docs", "bench")
 MANIFEST = os.path.join(ROOT, "scripts", "gpu-host", "checks.json")
 BEGIN, END = "<!-- bench-index:begin -->", "<!-- bench-index:end -->"
 # The README's table: at most 8 rows, the checks a newcomer compares against.
-README_CHECKS = ["bench-target", "bench-hybrid", "bench-moe", "proof-drafter", "bench-generate",
-                 "bench-eval", "bench-regenerate", "bench-pipeline"]
+README_CHECKS = {"bench-target": "target capture (dense)", "bench-hybrid": "target capture (hybrid)",
+                 "bench-moe": "target capture (MoE)", "proof-drafter": "drafter training step",
+                 "bench-generate": "greedy decoding", "bench-eval": "speculative eval",
+                 "bench-regenerate": "data regenerate", "bench-pipeline": "target + drafter pipeline"}
 
 
 def fx(v, digits=2):
@@ -67,7 +69,7 @@ def headline(name, d):
             text += f", memory {fx(d['memory_ratio_vs_baseline'])}"
         return text, baseline_name(d)
     if isinstance(s, dict) and s:
-        return ", ".join(f"{k} {fx(v)}" for k, v in s.items()), baseline_name(d)
+        return f"{d.get('shape', '')} " + ", ".join(f"{k} {fx(v)}" for k, v in sorted(s.items())), baseline_name(d)
     if "ratio" in d and isinstance(d["ratio"], (int, float)):
         return fx(d["ratio"], 1), baseline_name(d)
     ab = d.get("ab")
@@ -137,7 +139,7 @@ def readme_table(results):
     for c in README_CHECKS:
         if c in by:
             h, b = summary(by[c])
-            rows.append(f"| [{c}](docs/bench/{by[c]['_file']}) | {h} | {b} | {by[c]['device']} |")
+            rows.append(f"| [{README_CHECKS[c]}](docs/bench/{by[c]['_file']}) | {h} | {b} | {by[c]['device']} |")
     return "\n".join(rows)
 
 
