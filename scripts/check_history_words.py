@@ -58,8 +58,8 @@ def hits(root):
 
 
 def self_test():
-    planted = {"a.md": "In the " + "nineteenth session we", "b.cc": "// see iss" + "ue #12",
-               "c.txt": "Sess" + "ion 20 numbers", "d.py": "twenty-" + "second session",
+    planted = {"a.md": "In the nineteenth " + "sess" + "ion we", "b.cc": "// see iss" + "ue #12",
+               "c.txt": "Sess" + "ion 20 numbers", "d.py": "twenty-second " + "sess" + "ion",
                "e.md": "fixed in 3rd " + "session", "f_sess" + "ion26.json": "{}",
                "clean.md": "a session of training; issue a token; the session's 4 GPUs"}
     with tempfile.TemporaryDirectory() as tmp:

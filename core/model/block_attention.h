@@ -1,4 +1,4 @@
-// DFlash training attention without a dense mask (issue 6): block j (B query rows) sees the context
+// DFlash training attention without a dense mask: block j (B query rows) sees the context
 // rows [ctx_begin[j], ctx_begin[j] + ctx_len[j]) of its document and its own B rows (both
 // directions), nothing else. Instead of one masked call over every key, the visible keys of each
 // block are split into parts that need no mask at all, each attended by a fused kernel that returns

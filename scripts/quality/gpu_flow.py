@@ -64,7 +64,7 @@ VARIANTS = {
 ZLAB_VARIANTS = ("plain", "specforge")
 # Wall seconds per step kind on one H200 at the full setting (docs/quality.md, "Time budget"); only
 # the --deadline-s check reads them, and a measured step of the same kind replaces them.
-# Measured 2026-12-02 (seventeenth session) with 4 trainings, then 4 evals and the z-lab pairs side by
+# Measured 2026-12-02 with 4 trainings, then 4 evals and the z-lab pairs side by
 # side, at the default prompt counts except the batch-1 kinds (zlab-ours, zlab, speed), which were
 # measured on 16 prompts and scale with their prompt count (PER_PROMPT_KINDS; the values are per 32).
 DEFAULT_ESTIMATE_S = {"regenerate": 340, "import": 10, "prompts": 1, "plan": 10, "train": 300, "specforge": 300,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The quality run of issue 23 (docs/quality.md): fetch and pack here, unpack and gpu on the GPU
+"""The quality run (docs/quality.md): fetch and pack here, unpack and gpu on the GPU
 host, report here.
 
   run.py fetch BUNDLE [--train N] [--heldout N] [--wheels DIR]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Baseline for `dflash bench drafter --baseline eager`: one DFlash drafter training step in eager PyTorch,
-the way users run it today (issue 6), written from the training recipe (docs/recipe.md); it does
+the way users run it today, written from the training recipe (docs/recipe.md); it does
 not read or call the C++ code.
 
 Per step (random weights and inputs with the shapes of `dflash bench drafter`):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Running degraded (issue 5): 2 targets + 2 drafters, resilience.max_restarts 1. Drafter 1 crashes in
+# Running degraded: 2 targets + 2 drafters, resilience.max_restarts 1. Drafter 1 crashes in
 # two launches in a row (restarts exhausted), then target 1 does the same:
 #   - allow_degraded false: the run stops (exit 1) with the reason and its last commit kept;
 #   - allow_degraded true: the coordinator leaves drafter 1 out (a schedule generation for one

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5 proof on CPU: `dflash run` of 2 targets + 2 drafters on the tiny model, fault-free and
+# On CPU: `dflash run` of 2 targets + 2 drafters on the tiny model, fault-free and
 # with each fault of the matrix; check_run.py verifies every run from its ledger and the drafters'
 # own logs (exactly-once per epoch, steps committed by every rank) and compares final weights with
 # the fault-free run:

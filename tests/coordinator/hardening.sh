@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Hardening of `dflash run` (issue 20), one ctest entry per CASE, on tiny CPU runs:
+# Hardening of `dflash run`, one ctest entry per CASE, on tiny CPU runs:
 #   port_taken   two coordinators on one fixed coordinator.listen port: the second exits 2 naming
 #                the port and the first one's pid (no SO_REUSEPORT sharing).
 #   run_lock     two `dflash run` on one run.output_dir: the second exits 2 naming the holder's pid;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Resume with other worker counts (issue 5): a 2-target + 2-drafter run is stopped midway
+# Resume with other worker counts: a 2-target + 2-drafter run is stopped midway
 # (`dflash stop`), resumed as 1 target + 1 drafter, stopped again, and finished as 3 targets +
 # 2 drafters. The drafter state is replicated, so it loads on any rank count; the coordinator opens
 # a schedule generation for each change of the drafter count (the rest of the epoch re-planned from

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A drafter learns as well on FP8-captured features as on the original weights' (issue 24), on CPU:
+# A drafter learns as well on FP8-captured features as on the original weights', on CPU:
 #   1. the copy target and its data (copy_fixture.sh, shared with learn_resume_eval.sh); its FP8
 #      checkpoint written by make_tiny_fp8.py --from (every projection e4m3 with 128x128 block
 #      scales, the rest bf16). On CPU the FP8 target dequantizes its weights to fp32 at load.

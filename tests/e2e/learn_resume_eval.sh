@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End to end on CPU (issue 3 proof): a tiny drafter learns, resume is bitwise exact, and `dflash eval`
+# End to end on CPU: a tiny drafter learns, resume is bitwise exact, and `dflash eval`
 # agrees with z-lab's dflash_generate on the trained drafter.
 #   1. a tiny target that continues repeated phrases (make_copy_target.py), data = repeated-phrase
 #      prompts continued by that target's greedy decoding -> dflash data import

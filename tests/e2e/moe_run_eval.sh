@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A mixture-of-experts target through the whole pipeline on CPU (issue 27): `dflash run` with 2 target
+# A mixture-of-experts target through the whole pipeline on CPU: `dflash run` with 2 target
 # servers on the tiny Qwen3-MoE model of make_tiny_moe.py (top-2 of 8 experts, layer 1 dense, the
 # others sparse, per-expert weights) and 2 drafter trainers, 2 epochs, to the export; then
 # `dflash eval` of that export against the same target.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tau measured during training (issue 25), on CPU: `dflash run` with an `eval:` section and
+# tau measured during training, on CPU: `dflash run` with an `eval:` section and
 # run.keep_last: 1, 1 target + 1 drafter on the tiny qwen3 target, 128 steps, a checkpoint every 8.
 #   1. The coordinator evaluates the checkpoint of every 16th step in an eval worker beside
 #      training. Once the step-16 checkpoint is committed the run is stopped (`dflash stop`; the

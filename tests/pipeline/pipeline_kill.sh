@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4 proof on CPU: killing one side of the data plane mid-stream.
+# On CPU: killing one side of the data plane mid-stream.
 #   1. kill -9 target 0 while 2 targets + 2 drafters train: both drafters exit non-zero with an
 #      error naming the dead target (or, for a drafter blocked in the all-reduce, the dead peer
 #      drafter) within a few seconds; target 1 exits non-zero (its drafters are gone); no /dev/shm

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4 proof on CPU: 2 `dflash-target serve` + 2 `dflash-drafter train` processes started by hand
+# On CPU: 2 `dflash-target serve` + 2 `dflash-drafter train` processes started by hand
 # over shm on the tiny qwen3 target (configs/tiny-cpu.yaml), then checks (check_pipeline.py):
 #   (a) every sample of every epoch trained exactly once across the drafters, or listed as
 #       unassigned (round-robin remainder / cut to whole steps) by the plan;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GGUF -> HF conversion on the real model (issue 23): SmolLM2-135M-Instruct from PyPI converted
+# GGUF -> HF conversion on the real model: SmolLM2-135M-Instruct from PyPI converted
 # once into the fixture cache (scripts/quality/make_smollm2_fixture.sh), then `dflash-target capture`
 # of 4 layers on 2 real prompts (float32) must be within 1e-4 (relative) of transformers' own GGUF
 # load (scripts/quality/check_gguf_capture.py). Usage: gguf_capture_test.sh SOURCE_DIR BIN_DIR WORK

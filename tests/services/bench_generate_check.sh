@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `dflash bench generate --baseline` on CPU (issue 25's bench, run small): the JSON has every field
+# `dflash bench generate --baseline` on CPU (run small): the JSON has every field
 # for each batch, the engine produced exactly --new-tokens per request (the bench checks that
 # itself and fails otherwise), HF generate ran in the same invocation and the ratio is ours / HF's.
 # Then --model DIR (a model folder's own weights, the tiny Qwen3 of the golden fixture) with HF

@@ -122,7 +122,7 @@ TEST(RunPlan, TrainerOptionsAndJson) {
   EXPECT_EQ(j.at("packing").at("max_batch_size"), 4);
 }
 
-// Item 4 of issue 19: a core option struct built without the plan trains what the config's
+// a core option struct built without the plan trains what the config's
 // defaults say (no second set of defaults).
 TEST(RunPlan, CoreDefaultsAgreeWithTheConfigs) {
   const config::RunConfig c;

@@ -1,4 +1,4 @@
-// Fused DFlash loss rows on CUDA (issue 6): one kernel reads a chunk of bf16 drafter logits z (and
+// Fused DFlash loss rows on CUDA: one kernel reads a chunk of bf16 drafter logits z (and
 // target logits t for soft labels) and produces, per row, CE, KL, argmax == label and, for the
 // backward, the gradient w.r.t. z in bf16:
 //   ce  = logsumexp(z) - z[y]
