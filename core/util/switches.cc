@@ -109,11 +109,12 @@ const std::vector<Switch>& registry() {
        "error messages.",
        false, false},
       {"DFLASH_PYTHON", Kind::kText, {}, "python3",
-       "Python of the bench baselines (bench target/drafter/generate --baseline) and of data prepare/regenerate "
-       "when --python is not given.", false, false},
+       "Python of the bench baselines (bench target/drafter/generate --baseline) and of the dflash-tools package "
+       "(data prepare/regenerate, report) when --python is not given; default there: an installed release's "
+       "venv/, else the build's Python.", false, false},
       {"DFLASH_SOURCE_DIR", Kind::kText, {}, ".",
-       "Source checkout holding scripts/reference/ (the bench baselines) and scripts/dflash_data/ (data "
-       "prepare/regenerate; default there: the checkout the build was configured from).", false, false},
+       "Source checkout holding scripts/reference/ and scripts/bench/ (the bench baselines; for bench "
+       "regenerate --baseline the default is the checkout the build was configured from).", false, false},
       {"DFLASH_CONTROL_TOKEN", Kind::kText, {}, "",
        "Bearer token of the coordinator's control API (clients and workers send it).", false, true},
       {"DFLASH_CONTROL_TOKEN_FILE", Kind::kText, {}, "",

@@ -51,10 +51,14 @@ const char* kBenchRegenerateUsage =
     "                               [--baseline [--baseline-batch 64] [--baseline-repeats 2]] [--work DIR] [--python PY]\n"
     "  `dflash data regenerate` over --records random tokenized prompts on MODEL_DIR (generation tokens/s from\n"
     "  the engine's log, and wall tokens/s), against HF transformers generate on the same weights at\n"
-    "  --baseline-batch (same invocation); JSON on stdout (scripts/dflash_data/bench_regenerate.py).\n";
+    "  --baseline-batch (same invocation); JSON on stdout (python/dflash_tools/data/bench_regenerate.py).\n"
+    "  Needs torch in the tools' Python, and with --baseline the checkout's scripts/reference\n"
+    "  ($DFLASH_SOURCE_DIR, else the checkout of this build).\n";
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+
+constexpr const char* kDataModule = "dflash_tools.data";  // python/dflash_tools/data
 
 std::vector<std::string> split_commas(const std::string& s) {
   std::vector<std::string> out;
@@ -120,10 +124,9 @@ int cmd_data_prepare(int argc, char** argv) {
     if (flags.has(name) && flags.get(name) != "0" && flags.get(name) != "false")
       args.push_back(std::string("--") + name);
   const std::string python = python_interpreter(flags.get("python", ""));
-  const std::string scripts = python_scripts_dir("dflash_data");
   if (!to_dir) {
     args.insert(args.end(), {"--out", out});
-    return run_python_module(python, scripts, "dflash_data", args, false);
+    return run_python_module(python, kDataModule, args, false);
   }
 
   // --out DIR: prepare into a sibling temporary folder, then import (which publishes DIR atomically).
@@ -139,7 +142,7 @@ int cmd_data_prepare(int argc, char** argv) {
   const std::string jsonl = tmpl + "/prepared.jsonl";
   args.insert(args.end(), {"--out", jsonl});
   try {
-    const int rc = run_python_module(python, scripts, "dflash_data", args, true);
+    const int rc = run_python_module(python, kDataModule, args, true);
     if (rc != kExitOk) {
       fs::remove_all(tmpl, ec);
       return rc;
@@ -163,7 +166,7 @@ int cmd_data_prepare(int argc, char** argv) {
   return kExitOk;
 }
 
-// Runs `python -m dflash_data SUBCOMMAND FLAGS... --dflash THIS_BINARY`: the flags go to the
+// Runs `python -m dflash_tools.data SUBCOMMAND FLAGS... --dflash THIS_BINARY`: the flags go to the
 // Python tool as they are (it validates them: exit 2); --help / -h print `usage` here.
 int forward_to_dflash_data(const char* subcommand, const char* what, const char* usage, int argc, char** argv) {
   std::vector<std::string> args = {subcommand};
@@ -185,10 +188,11 @@ int forward_to_dflash_data(const char* subcommand, const char* what, const char*
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   DFLASH_CHECK(!ec, ConfigError, what << ": cannot find this binary (/proc/self/exe): " << ec.message());
   args.insert(args.end(), {"--dflash", self.string()});
-  return run_python_module(python_interpreter(python_flag), python_scripts_dir("dflash_data"), "dflash_data", args, false);
+  if (std::string(subcommand) == "bench-regenerate") args.insert(args.end(), {"--reference-dir", reference_scripts_dir()});
+  return run_python_module(python_interpreter(python_flag), kDataModule, args, false);
 }
 
-// `data regenerate`: scripts/dflash_data/regenerate.py, with this binary as the `dflash generate` it runs.
+// `data regenerate`: python/dflash_tools/data/regenerate.py, with this binary as the `dflash generate` it runs.
 int cmd_data_regenerate(int argc, char** argv) {
   return forward_to_dflash_data("regenerate", "data regenerate", kDataUsage, argc, argv);
 }

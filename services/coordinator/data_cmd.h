@@ -12,15 +12,15 @@ namespace dflash::cli {
 //   prepare --tokenizer DIR --input F.jsonl[,...] --out DIR|FILE.jsonl [--format ...] [--thinking ...]
 //           [--last-turn-only] [--max-seq-len N] [--system TEXT] [--skip-bad] [--python PY]
 //           [--workers N] [--prompts-only] [--block-size B] [--shard-tokens N]
-//     Runs `PYTHON -m dflash_data prepare` (scripts/dflash_data, docs/data.md): chats -> tokenized
+//     Runs `PYTHON -m dflash_tools.data prepare` (python/dflash_tools/data, docs/data.md): chats -> tokenized
 //     JSONL with the model's chat template; --out DIR then imports it into shards.
-//   regenerate --target DIR --input F.jsonl --out OUT.jsonl [...]   (flags: scripts/dflash_data/regenerate.py)
+//   regenerate --target DIR --input F.jsonl --out OUT.jsonl [...]   (flags: python/dflash_tools/data/regenerate.py)
 //     The target rewrites every assistant reply with `dflash generate` (this binary), turn by turn.
 // Returns 0 on success, 2 on a usage/config error (unknown flag, existing non-empty DIR, unreadable
 // input, missing tokenizer files), 4 on bad data (a bad line without --skip-bad: nothing is
 // written), 1 on anything else (e.g. the Python died). Never throws.
 int cmd_data(int argc, char** argv);
-// `dflash bench regenerate ...`: the regeneration throughput bench (scripts/dflash_data/bench_regenerate.py).
+// `dflash bench regenerate ...`: the regeneration throughput bench (python/dflash_tools/data/bench_regenerate.py).
 int cmd_bench_regenerate(int argc, char** argv);
 
 }  // namespace dflash::cli

@@ -21,24 +21,65 @@ namespace dflash::cli {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// PREFIX when this binary runs from an installed release (deploy/install.sh): PREFIX/bin/dflash,
+// or PREFIX/libexec/dflash behind a wrapper, beside PREFIX/MANIFEST and PREFIX/BUILDINFO.
+std::string release_root() {
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return "";
+  const fs::path root = self.parent_path().parent_path();
+  return fs::is_regular_file(root / "MANIFEST", ec) && fs::is_regular_file(root / "BUILDINFO", ec) ? root.string()
+                                                                                                   : "";
+}
+
+}  // namespace
+
 std::string python_interpreter(const std::string& flag) {
   if (!flag.empty()) return flag;
   if (switches::is_set("DFLASH_PYTHON")) return switches::get("DFLASH_PYTHON");
-  return DFLASH_BUILD_PYTHON;
+  const std::string release = release_root();
+  if (release.empty()) return DFLASH_BUILD_PYTHON;
+  const std::string venv_python = release + "/venv/bin/python";
+  DFLASH_CHECK(::access(venv_python.c_str(), X_OK) == 0, ConfigError,
+               "this command runs the Python tools (the dflash-tools package), which are not set up in the release "
+                   << release << ": run " << release << "/deploy/install-python.sh " << release
+                   << " (a venv from the bundled wheels, offline; needs python3 with venv), or set DFLASH_PYTHON / "
+                      "--python to a Python that has dflash-tools installed");
+  return venv_python;
 }
 
-std::string python_scripts_dir(const std::string& package) {
+std::string reference_scripts_dir() {
   const std::string root = switches::is_set("DFLASH_SOURCE_DIR") ? switches::get("DFLASH_SOURCE_DIR")
                                                                   : std::string(DFLASH_BUILD_SOURCE_DIR);
-  const std::string dir = root + "/scripts";
-  DFLASH_CHECK(fs::exists(dir + "/" + package + "/__main__.py"), ConfigError,
-               dir << "/" << package << ": not found (set DFLASH_SOURCE_DIR to the dflash source checkout)");
-  return dir;
+  return root + "/scripts/reference";
 }
 
-int run_python_module(const std::string& python, const std::string& scripts, const std::string& module,
-                      const std::vector<std::string>& args, bool quiet) {
-  std::vector<std::string> argv_s = {python, "-m", module};
+namespace {
+
+// `python -c kBootstrap MODULE ARGS...`: runs MODULE as `-m` would, after checking that this
+// Python can import it, so that a missing package is named instead of a bare ModuleNotFoundError.
+constexpr const char* kBootstrap =
+    "import importlib.util, runpy, sys\n"
+    "m = sys.argv[1]\n"
+    "try:\n"
+    "    found = importlib.util.find_spec(m) is not None\n"
+    "except ImportError:\n"
+    "    found = False\n"
+    "if not found:\n"
+    "    sys.stderr.write(m + ': the dflash-tools package is not installed for ' + sys.executable + '; install it '\n"
+    "                     'into that Python: pip install SOURCE/python (a checkout), or PREFIX/deploy/install-python.sh '\n"
+    "                     'PREFIX (an installed release), or point DFLASH_PYTHON / --python at a Python that has it\\n')\n"
+    "    sys.exit(2)\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_module(m, run_name='__main__', alter_sys=True)\n";
+
+}  // namespace
+
+int run_python_module(const std::string& python, const std::string& module, const std::vector<std::string>& args,
+                      bool quiet) {
+  std::vector<std::string> argv_s = {python, "-c", kBootstrap, module};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   std::vector<char*> av;
   for (auto& a : argv_s) av.push_back(a.data());
@@ -50,9 +91,6 @@ int run_python_module(const std::string& python, const std::string& scripts, con
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // `kill -9` of dflash takes the Python (and its children) along
     if (::getppid() != parent) ::_exit(1);
-    const char* old = ::getenv("PYTHONPATH");
-    const std::string path = old && *old ? scripts + ":" + old : scripts;
-    ::setenv("PYTHONPATH", path.c_str(), 1);
     if (quiet) {
       const int devnull = ::open("/dev/null", O_WRONLY);
       if (devnull >= 0) ::dup2(devnull, 1);

@@ -30,8 +30,7 @@ int cmd_report(int argc, char** argv) {
     }
     std::vector<std::string> args = {f.positional()[0]};
     if (f.has("out")) args.insert(args.end(), {"--out", f.get("out")});
-    return run_python_module(python_interpreter(f.get("python", "")), python_scripts_dir("dflash_report"),
-                             "dflash_report", args, false);
+    return run_python_module(python_interpreter(f.get("python", "")), "dflash_tools.report", args, false);
   } catch (const std::exception& e) {
     LOG_ERROR(e.what());
     return exit_code_for(e);

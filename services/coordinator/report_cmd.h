@@ -4,7 +4,7 @@
 namespace dflash::cli {
 
 // argv holds the arguments AFTER `dflash report`: RUN_DIR [--out DIR] [--python PY].
-// Runs `PYTHON -m dflash_report` (scripts/dflash_report, matplotlib): reads RUN_DIR/metrics.jsonl,
+// Runs `PYTHON -m dflash_tools.report` (python/dflash_tools/report, matplotlib): reads RUN_DIR/metrics.jsonl,
 // RUN_DIR/ledger.jsonl (when present) and RUN_DIR/pipeline/*.jsonl (when present) and writes into
 // DIR (default RUN_DIR/report) one PNG per curve (loss, tau and accuracy, per-position acceptance,
 // learning rate, gradient norm, throughput, and the drafters' stage times when pipeline logs

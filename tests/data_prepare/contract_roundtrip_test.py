@@ -25,8 +25,7 @@ import fixtures  # noqa: E402
 
 DFLASH, WORK = sys.argv[1], sys.argv[2]
 SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(SRC, "scripts"))
-from dflash_data.prepare import CONTRACT_KEYS  # noqa: E402
+from dflash_tools.data.prepare import CONTRACT_KEYS  # noqa: E402  (the build links python/ into the venv)
 
 check = fixtures.check
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

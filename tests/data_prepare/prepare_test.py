@@ -182,12 +182,11 @@ def prepare_in_process(*args):
     without the CLI around it, for the runs whose CLI path other runs cover."""
     import contextlib
     import io
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-    from dflash_data.prepare import main as prepare_main
+    from dflash_tools.data.prepare import main as prepare_main
     t = time.time()
     with contextlib.redirect_stdout(io.StringIO()):
         rc = prepare_main(list(args))
-    print(f"  python -m dflash_data prepare {' '.join(args[:6])}... -> rc {rc} in {time.time() - t:.1f}s")
+    print(f"  python -m dflash_tools.data prepare {' '.join(args[:6])}... -> rc {rc} in {time.time() - t:.1f}s")
     return rc
 
 

@@ -95,8 +95,7 @@ def server_check(tok, model, stop, inp, engine_out):
     import io
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-    from dflash_data.regenerate import main as regenerate_main
+    from dflash_tools.data.regenerate import main as regenerate_main
 
     state = {"fail": "Numbers?", "lock": threading.Lock()}
 

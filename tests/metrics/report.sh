@@ -3,7 +3,7 @@
 # logged twice as a resumed run does; a ledger with a restart and a rollback; drafter 0's step log):
 # the PNGs and index.html are written, each PNG is an image of the expected size class, the page
 # shows every one, the summary counts each step once; a missing metrics.jsonl exits 2, a malformed
-# line exits 4 naming FILE:LINE.
+# line exits 4 naming FILE:LINE; a Python without the dflash-tools package exits 2 naming it.
 # Usage: report.sh BIN_DIR WORK_DIR   (DFLASH_PYTHON, DFLASH_SOURCE_DIR set)
 set -euo pipefail
 bin=$1 work=$2
@@ -70,4 +70,9 @@ rc=0; "$bin/dflash" report "$work/run" 2> "$work/err4" || rc=$?
 [ $rc = 4 ] && grep -q "metrics.jsonl:33: not JSON" "$work/err4" || { cat "$work/err4"; echo "FAIL: bad line: exit $rc"; exit 1; }
 rc=0; "$bin/dflash" report 2> "$work/err_usage" || rc=$?
 [ $rc = 2 ] || { echo "FAIL: no RUN_DIR: exit $rc"; exit 1; }
+# A Python without the dflash-tools package (-S: no site-packages): exit 2 naming the package.
+printf '#!/bin/sh\nexec "%s" -S "$@"\n' "$py" > "$work/python-without-tools" && chmod +x "$work/python-without-tools"
+rc=0; "$bin/dflash" report "$work/run" --python "$work/python-without-tools" 2> "$work/err_nopkg" || rc=$?
+[ $rc = 2 ] && grep -q "dflash_tools.report: the dflash-tools package is not installed" "$work/err_nopkg" \
+  || { cat "$work/err_nopkg"; echo "FAIL: a Python without dflash-tools: exit $rc"; exit 1; }
 echo "PASS"

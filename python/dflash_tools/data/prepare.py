@@ -2,7 +2,7 @@
 `dflash data import`, with the model's own chat template and tokenizer (HF transformers).
 
 Run through `dflash data prepare` (which also handles --out DIR by importing into shards), or as
-`python -m dflash_data prepare --tokenizer DIR --input a.jsonl --out prepared.jsonl`.
+`python -m dflash_tools.data prepare --tokenizer DIR --input a.jsonl --out prepared.jsonl`.
 Writes OUT (atomically) and OUT.meta.json (the stats and provenance below), prints the same JSON
 on stdout and a progress line on stderr. Exit codes: 0 ok; 2 usage/config (bad flag, missing
 tokenizer files, no chat template, OUT exists, --thinking on a template without enable_thinking);

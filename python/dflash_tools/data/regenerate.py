@@ -24,7 +24,7 @@ kill -9 at any point and a rerun give every input id exactly once. OUT.work/ is 
 record is in OUT.
 
 With --server URL (an OpenAI-compatible chat endpoint) the replies of chat lines come from it
-instead (scripts/dflash_data/server.py); tokenized lines are skipped.
+instead (server.py); tokenized lines are skipped.
 
 Exit codes: 0 ok; 2 usage/config; 4 bad data (a bad line without --skip-bad, names FILE:LINE);
 1 when some records got no answer from --server (a rerun asks again); others from `dflash generate`

@@ -1,4 +1,4 @@
-"""python -m dflash_report RUN_DIR [--out DIR] (normally run by `dflash report`)."""
+"""python -m dflash_tools.report RUN_DIR [--out DIR] (normally run by `dflash report`)."""
 
 import sys
 

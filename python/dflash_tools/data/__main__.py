@@ -1,4 +1,4 @@
-"""python -m dflash_data prepare|regenerate|bench-regenerate ARGS (normally run by `dflash data ...` and
+"""python -m dflash_tools.data prepare|regenerate|bench-regenerate ARGS (normally run by `dflash data ...` and
 `dflash bench regenerate`)."""
 
 import sys
@@ -6,7 +6,7 @@ import sys
 
 def main():
     if len(sys.argv) < 2 or sys.argv[1] not in ("prepare", "regenerate", "bench-regenerate"):
-        print("usage: python -m dflash_data prepare|regenerate|bench-regenerate ARGS (see --help)", file=sys.stderr)
+        print("usage: python -m dflash_tools.data prepare|regenerate|bench-regenerate ARGS (see --help)", file=sys.stderr)
         return 2
     if sys.argv[1] == "bench-regenerate":
         from .bench_regenerate import main as bench_main

@@ -10,11 +10,15 @@ generated tokens are COUNTED from the output (the trained runs), not assumed.
 
 Reported, ours: generation tokens/s (the engine's own "generate: T tokens in S s" log line: model
 loading excluded, as HF's timing excludes it) and wall tokens/s (the whole command: Python, model
-load, writing). Baseline: scripts/reference/bench_hf_generate.py --model DIR at --baseline-batch
+load, writing). Baseline: scripts/reference/bench_hf_generate.py (of the source checkout, passed as
+--reference-dir by `dflash bench regenerate`) --model DIR at --baseline-batch
 prompts of the same length, min_new_tokens = max_new_tokens = N (HF's tokens/s, median of
 --baseline-repeats timed runs after one warm-up). ratio = ours generation tokens/s / HF tokens/s.
 
-Exit codes: 0 ok; 2 usage; 1 when a side fails (its output on stderr)."""
+Needs torch (the random prompts, and the baseline): the `bench` extra of dflash-tools.
+
+Exit codes: 0 ok; 2 usage, torch missing, or --baseline without the checkout's scripts/reference;
+1 when a side fails (its output on stderr)."""
 import argparse
 import json
 import os
@@ -23,8 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
-import torch
 
 
 def parse_args(argv):
@@ -42,14 +44,25 @@ def parse_args(argv):
     p.add_argument("--baseline-repeats", type=int, default=2)
     p.add_argument("--work", default=None, help="work folder (default: a temporary one, removed)")
     p.add_argument("--dflash", required=True, help="the dflash binary (set by `dflash bench regenerate`)")
+    p.add_argument("--reference-dir", default=None,
+                   help="the source checkout's scripts/reference (set by `dflash bench regenerate`)")
     a = p.parse_args(argv)
     for name in ("records", "prompt_len", "new_tokens", "batch_size", "baseline_batch", "baseline_repeats"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.baseline and not (a.reference_dir and os.path.isfile(os.path.join(a.reference_dir, "bench_hf_generate.py"))):
+        p.error(f"--baseline runs bench_hf_generate.py of the dflash source checkout, not found in {a.reference_dir}: "
+                "set DFLASH_SOURCE_DIR to the checkout")
     return a
 
 
 def write_records(a, path, vocab):
+    try:
+        import torch
+    except ImportError:
+        sys.stderr.write(f"bench regenerate: torch is not installed for {sys.executable}; install the bench extra "
+                         "(pip install 'dflash-tools[bench]') or use the project's development venv\n")
+        raise SystemExit(2)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab - 8, (a.records, a.prompt_len), generator=g).tolist()
     with open(path, "w") as f:
@@ -89,8 +102,7 @@ def run_ours(a, work, vocab):
 
 
 def run_baseline(a):
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reference",
-                          "bench_hf_generate.py")
+    script = os.path.join(a.reference_dir, "bench_hf_generate.py")
     cmd = [sys.executable, script, "--model", a.target, "--batches", f"{a.baseline_batch}x{a.prompt_len}",
            "--new-tokens", str(a.new_tokens), "--device", a.device, "--dtype", a.dtype, "--warmup", "1",
            "--repeats", str(a.baseline_repeats)]
