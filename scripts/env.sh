@@ -7,13 +7,21 @@ set -euo pipefail
 DFLASH_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export DFLASH_ROOT
 
+# What the build and the demo need (libgtest-dev: the build compiles the tests too).
 dflash_apt_packages=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libyaml-cpp-dev
-  prometheus-cpp-dev libgtest-dev nlohmann-json3-dev shellcheck curl prometheus)
+  prometheus-cpp-dev libgtest-dev nlohmann-json3-dev)
+# What only the tests need (scripts/test.sh installs them): shellcheck (deploy_shellcheck), curl
+# and a Prometheus server (deploy_grafana_metrics, deploy_prometheus_panels). On a systemd host
+# Debian's prometheus package also starts a server on :9090, which the demo must not do.
+# shellcheck disable=SC2034  # read by scripts/test.sh
+dflash_apt_test_packages=(shellcheck curl prometheus)
 
+# dflash_install_debs [PACKAGE...]: installs the missing ones (default: dflash_apt_packages).
 dflash_install_debs() {
-  local missing=()
-  for p in "${dflash_apt_packages[@]}"; do
+  local missing=() wanted=("$@")
+  [ $# -gt 0 ] || wanted=("${dflash_apt_packages[@]}")
+  for p in "${wanted[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
@@ -39,6 +47,8 @@ dflash_install_venv() {
   fi
   dflash_install_venv_extras
   export DFLASH_VENV DFLASH_PYTHON="$DFLASH_VENV/bin/python"
+  # The dflash-tools package (python/), linked like `pip install -e`; every build does it again.
+  "$DFLASH_PYTHON" "$DFLASH_ROOT/python/link_dev.py" "$DFLASH_ROOT/python"
 }
 
 # Light packages on top of the torch venv, keyed by their own hash so that adding one does not

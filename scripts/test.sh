@@ -3,7 +3,7 @@
 # Env: DFLASH_BUILD_DIR (default ./build), DFLASH_JOBS, DFLASH_CUDA (AUTO|ON|OFF), CTEST_ARGS.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 start=$(date +%s)
-dflash_install_debs
+dflash_install_debs "${dflash_apt_packages[@]}" "${dflash_apt_test_packages[@]}"
 dflash_install_venv
 build=${DFLASH_BUILD_DIR:-$DFLASH_ROOT/build}
 dflash_configure_build "$build" -DDFLASH_CUDA="${DFLASH_CUDA:-AUTO}"

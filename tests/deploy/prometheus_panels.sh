@@ -16,7 +16,7 @@ src=${DFLASH_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 here=$(cd "$(dirname "$0")" && pwd)
 if ! command -v prometheus >/dev/null; then
   echo "SKIP: no 'prometheus' on PATH: the panel-query test needs Debian's prometheus package" \
-       "(scripts/env.sh installs it)"
+       "(scripts/test.sh installs it)"
   exit 77
 fi
 source "$here/../pipeline/lib.sh"

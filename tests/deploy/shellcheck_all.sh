@@ -8,7 +8,7 @@
 set -euo pipefail
 src=$(cd "$1" && pwd)
 cd "$src"
-command -v shellcheck >/dev/null || { echo "FAIL: shellcheck not installed (scripts/env.sh installs it)"; exit 1; }
+command -v shellcheck >/dev/null || { echo "FAIL: shellcheck not installed (scripts/test.sh installs it)"; exit 1; }
 strict=()
 while IFS= read -r -d '' f; do strict+=("$f"); done < <(find deploy tests/deploy -type f \( -name '*.sh' -o -path '*/fake-bin/*' \) -print0 | sort -z)
 warn=()
