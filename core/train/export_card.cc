@@ -37,6 +37,51 @@ std::string tau_text(const json& prov) {
   return "final " + fin + ", best " + best;
 }
 
+// base_model of the card's front matter: the target's name (run_provenance: config.json's
+// _name_or_path or an HF cache path's ORG/NAME), else its folder; empty outside a run.
+std::string base_model(const json& prov) {
+  const std::string name = field(prov, {"target", "name"});
+  if (name != "unknown" && !name.empty()) return name;
+  const std::string dir = field(prov, {"target", "model_dir"});
+  return dir == "unknown" ? "" : dir;
+}
+
+// The YAML front matter the Hugging Face Hub reads. license: the project's (Apache-2.0; the body
+// points at the target's license too). library_name transformers: the export is a transformers
+// checkpoint (config.json with `architectures` + model.safetensors) that transformers-based code
+// loads (z-lab's DFlashDraftModel is a PreTrainedModel; vLLM and SGLang read the same layout), so
+// the Hub's loading widget and filters fit; no other library has a loader for it. pipeline_tag
+// text-generation: a draft model generates tokens for its target's text generation.
+std::string front_matter(const json& prov) {
+  std::ostringstream o;
+  o << "---\nlicense: apache-2.0\n";
+  const std::string base = base_model(prov);
+  if (!base.empty()) o << "base_model: " << json(base).dump() << "\n";  // a JSON string is a YAML string
+  o << "library_name: transformers\npipeline_tag: text-generation\n"
+    << "tags:\n- dflash\n- speculative-decoding\n- draft-model\n---\n\n";
+  return o.str();
+}
+
+// A few lines of Python that load the export: z-lab's reference class for DFlashDraftModel,
+// config.json + safetensors for the successors' architectures (their loaders live in the engines).
+std::string load_snippet(const json& config, const std::string& export_dir) {
+  const json archs = config.value("architectures", json::array());
+  const std::string arch = archs.is_array() && !archs.empty() && archs[0].is_string() ? archs[0].get<std::string>() : "";
+  std::ostringstream o;
+  o << "## Load in Python\n\n```python\n";
+  if (arch == "DFlashDraftModel") {
+    o << "from dflash.model import DFlashDraftModel  # z-lab's DFlash reference: pip install dflash\n\n"
+      << "drafter = DFlashDraftModel.from_pretrained(" << json(export_dir).dump() << ", dtype=\"auto\")\n";
+  } else {
+    o << "import json\n\nfrom safetensors.torch import load_file\n\n"
+      << "config = json.load(open(" << json(export_dir + "/config.json").dump() << "))  # architectures: "
+      << (arch.empty() ? "unknown" : arch) << "\n"
+      << "weights = load_file(" << json(export_dir + "/model.safetensors").dump() << ")  # name -> tensor\n";
+  }
+  o << "```\n\n";
+  return o.str();
+}
+
 }  // namespace
 
 json provenance_json(const ExportProvenance& p) {
@@ -59,8 +104,7 @@ std::string model_card(const json& config, const std::string& export_dir) {
   const std::string target_arg = target == "unknown" ? "TARGET_MODEL_DIR" : target;
   const int64_t block = config["block_size"].get<int64_t>();
   std::ostringstream o;
-  o << "---\ntags:\n- dflash\n- speculative-decoding\n- draft-model\n---\n\n"
-    << "# DFlash drafter for `" << target << "`\n\n"
+  o << front_matter(prov) << "# DFlash drafter for `" << target << "`\n\n"
     << "A DFlash block-diffusion draft model for speculative decoding: it proposes " << block - 1
     << " tokens per step from the target's hidden states, and the target verifies them. Trained and exported by "
     << "dflash-pipeline " << field(prov, {"dflash_version"}) << " (commit `" << field(prov, {"dflash_commit"})
@@ -91,12 +135,16 @@ std::string model_card(const json& config, const std::string& export_dir) {
     << "```bash\npython -m sglang.launch_server \\\n  --model-path " << target_arg << " \\\n"
     << "  --speculative-algorithm DFLASH \\\n  --speculative-draft-model-path " << export_dir << " \\\n"
     << "  --speculative-num-draft-tokens " << block << " \\\n  --trust-remote-code\n```\n\n"
+    << load_snippet(config, export_dir)
     << "## Prompts\n\n"
     << "The drafter learned the target's tokens as the training data rendered them: serve with the same "
     << "chat template and system prompt, and with thinking mode `" << contract_field(contract, "thinking")
     << "` (`on`: `enable_thinking=True`, `off`: `enable_thinking=False`, e.g. `chat_template_kwargs` in "
        "OpenAI-compatible requests; `keep`: the template's default). Acceptance drops several-fold when "
-       "they differ.\n";
+       "they differ.\n\n"
+    << "## License\n\n"
+    << "Apache-2.0, the license of dflash-pipeline. The drafter learned from the target's hidden states and "
+       "outputs: check the target model's license, which may apply to it as well.\n";
   return o.str();
 }
 

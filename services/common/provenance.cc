@@ -27,6 +27,19 @@ json data_inputs(const json& manifest) {
 
 }  // namespace
 
+json target_name(const std::string& model_dir, const json& config) {
+  const auto it = config.find("_name_or_path");
+  if (it != config.end() && it->is_string() && !it->get<std::string>().empty()) return *it;
+  const std::string key = "models--";
+  const size_t at = model_dir.rfind(key);
+  if (at == std::string::npos) return nullptr;
+  std::string repo = model_dir.substr(at + key.size());
+  repo = repo.substr(0, repo.find('/'));
+  const size_t sep = repo.find("--");
+  if (sep == std::string::npos || sep == 0 || sep + 2 >= repo.size()) return nullptr;
+  return repo.substr(0, sep) + "/" + repo.substr(sep + 2);
+}
+
 json run_provenance(const config::RunConfig& cfg) {
   const std::string manifest_path = cfg.data.shard_dir + "/" + data::kManifestFile;
   const json manifest = io::JsonDocument::parse_file(manifest_path).json();
@@ -37,8 +50,10 @@ json run_provenance(const config::RunConfig& cfg) {
                {"tokens", manifest.value("tokens", json())},
                {"trainable_tokens", manifest.value("trainable_tokens", json())},
                {"inputs", data_inputs(manifest)}};
+  const std::string target_config = cfg.target.model_dir + "/config.json";
   return {{"target", {{"model_dir", cfg.target.model_dir},
-                      {"config_sha256", data::sha256_file(cfg.target.model_dir + "/config.json")}}},
+                      {"name", target_name(cfg.target.model_dir, io::JsonDocument::parse_file(target_config).json())},
+                      {"config_sha256", data::sha256_file(target_config)}}},
           {"data", data},
           {"data_contract", data::contract_from_manifest(manifest).fields}};
 }

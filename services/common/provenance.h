@@ -5,12 +5,14 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "core/config/config.h"
 
 namespace dflash::pipeline {
 
-// {"target": {"model_dir", "config_sha256"},
+// {"target": {"model_dir", "name", "config_sha256"},   name: config.json's _name_or_path, else ORG/NAME
+//                                                   of an HF cache path, else null
 //  "data": {"shard_dir", "manifest_sha256", "index_sha256", "documents", "tokens", "trainable_tokens",
 //           "inputs": [{"file", "sha256"}]},     sha256 of each imported JSONL when its sidecar has it
 //  "data_contract": {...}}                        {} when unknown
@@ -18,5 +20,10 @@ namespace dflash::pipeline {
 // cheap: the index holds 32 bytes per document; the token shards are not read). DataError naming
 // the file when one cannot be read.
 nlohmann::json run_provenance(const config::RunConfig& cfg);
+
+// The target's name, for the export's model card (base_model): `config`'s (its config.json's)
+// `_name_or_path` when set (HF writes the Hub id there), else ORG/NAME of a Hugging Face cache path
+// (.../models--ORG--NAME/snapshots/REV), else null (the card then names the folder).
+nlohmann::json target_name(const std::string& model_dir, const nlohmann::json& config);
 
 }  // namespace dflash::pipeline
