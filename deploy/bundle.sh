@@ -17,6 +17,12 @@
 #               sub-libraries, libtorch_cuda_linalg, libcaffe2_nvrtc, NVRTC) and their
 #               dependencies; DFLASH_BUNDLE_CUDA_EXTRAS=0 leaves those out.
 #   configs/    the run configs; deploy/ these scripts (proxmox/, systemd/, grafana/, ...)
+#   python/     wheels/: the dflash-tools package (python/ of the checkout) and every wheel it needs
+#               (transformers, tokenizers, jinja2, matplotlib, numpy, ...; no torch), for the Python
+#               version in PYTHON_VERSION (the build venv's); deploy/install-python.sh makes
+#               PREFIX/venv from them offline. Fetching the wheels needs pip's index (network) here;
+#               DFLASH_BUNDLE_PYTHON=0 leaves python/ out (then `dflash data prepare/regenerate` and
+#               `dflash report` need a Python with dflash-tools on the host, via DFLASH_PYTHON).
 #   env.sh      `source PREFIX/env.sh` puts bin/ on PATH
 #   BUILDINFO   source commit, build date, glibc/libstdc++ versions the binaries need
 #   MANIFEST    sha256sum lines for every other file (install.sh verifies them)
@@ -118,6 +124,23 @@ EOF
   fi
 done
 
+if [ "${DFLASH_BUNDLE_PYTHON:-1}" = 1 ]; then
+  mkdir -p "$stage/python/wheels"
+  "$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' > "$stage/python/PYTHON_VERSION"
+  # The versions of the build venv pin the dependencies (what the tests ran with).
+  "$py" -m pip freeze --exclude-editable 2>/dev/null | grep -v -e ' @ ' -e '^-e ' > "$tmp/constraints.txt" || true
+  # Built from a copy: setuptools writes build/ and *.egg-info next to the sources.
+  cp -r "$src/python" "$tmp/python-src"
+  rm -rf "$tmp/python-src/build" "$tmp/python-src"/*.egg-info
+  if ! "$py" -m pip wheel -q --no-deps -w "$stage/python/wheels" "$tmp/python-src" >"$tmp/pip.log" 2>&1 ||
+     ! "$py" -m pip download -q --only-binary=:all: -c "$tmp/constraints.txt" -d "$stage/python/wheels" \
+       "$stage/python/wheels"/dflash_tools-*.whl >>"$tmp/pip.log" 2>&1; then
+    tail -20 "$tmp/pip.log" >&2
+    echo "bundle: cannot fetch the wheels of the Python tools (pip above; it needs its index, i.e. network);" \
+         "DFLASH_BUNDLE_PYTHON=0 bundles without them" >&2
+    exit 1
+  fi
+fi
 cp -r "$src/configs" "$stage/configs"
 mkdir -p "$stage/deploy"
 (cd "$src/deploy" && tar -cf - --exclude='__pycache__' .) | tar -C "$stage/deploy" -xf -
@@ -139,6 +162,11 @@ need_glibcxx=$(for f in "$stage"/bin/* "$stage"/libexec/* "$stage"/lib/*; do [ -
   echo "requires_glibc: ${need_glibc#GLIBC_}"
   echo "requires_glibcxx: ${need_glibcxx#GLIBCXX_}"
   echo "cuda_extras: ${DFLASH_BUNDLE_CUDA_EXTRAS:-1}"
+  if [ -f "$stage/python/PYTHON_VERSION" ]; then
+    echo "python_tools: $(find "$stage/python/wheels" -name "*.whl" | wc -l) wheels for Python $(cat "$stage/python/PYTHON_VERSION")"
+  else
+    echo "python_tools: none"
+  fi
   echo "libraries: ${#libs[@]}"
 } > "$stage/BUILDINFO"
 

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
 # Installs a release archive made by deploy/bundle.sh. Needs only tar, sha256sum (coreutils) and
 # gzip or zstd for a compressed archive: no network, no package manager, no Python.
-#   deploy/install.sh [--force] ARCHIVE PREFIX
+#   deploy/install.sh [--force] [--python] ARCHIVE PREFIX
+# --python also sets up PREFIX/venv from the bundled wheels (PREFIX/deploy/install-python.sh, offline;
+# needs python3 of the bundle's version with venv): the Python of `dflash data prepare/regenerate`
+# and `dflash report`. Without it those commands say how to set it up; everything else runs as is.
 # PREFIX must be absent, empty, or hold an earlier dflash install (replaced only after the new one
 # is verified; --force replaces anything). Steps: unpack beside PREFIX, verify every file against
 # MANIFEST (and that nothing unlisted came along), check glibc against BUILDINFO, check that every
 # library of bin/ resolves inside the release and that `dflash --help` runs, then move into place.
 # Prints what the host still needs for GPUs (driver) when it cannot see one.
 set -euo pipefail
-force=0
-if [ "${1:-}" = --force ]; then force=1; shift; fi
+force=0 with_python=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --force) force=1; shift ;;
+    --python) with_python=1; shift ;;
+    -*) echo "install: unknown option $1; usage: $0 [--force] [--python] ARCHIVE PREFIX" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
 if [ $# -ne 2 ]; then
-  echo "usage: $0 [--force] ARCHIVE PREFIX" >&2
+  echo "usage: $0 [--force] [--python] ARCHIVE PREFIX" >&2
   exit 2
 fi
 archive=$1
@@ -106,6 +116,12 @@ fi
 trap - EXIT
 echo "install: $(sed -n 's/^version: //p' "$prefix/BUILDINFO") installed in $prefix ($(wc -l < "$prefix/MANIFEST") files verified)"
 echo "install: add it to PATH with: source $prefix/env.sh"
+if [ $with_python = 1 ]; then
+  bash "$prefix/deploy/install-python.sh" "$prefix"
+elif [ -d "$prefix/python/wheels" ]; then
+  echo "install: the Python tools (dflash data prepare/regenerate, dflash report) are not set up; to set them" \
+       "up offline: $prefix/deploy/install-python.sh $prefix (or install.sh --python)"
+fi
 if [ ! -e /dev/nvidiactl ] && ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "install: note: no NVIDIA device visible here; GPU runs need the driver on the host and the device" \
        "nodes passed into this container (deploy/proxmox/README.md); CPU runs work as is"
