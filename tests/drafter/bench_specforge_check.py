@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""`dflash bench drafter --device cpu --baseline specforge` at tiny shapes (issue 22):
+"""`dflash bench drafter --device cpu --baseline specforge` at tiny shapes:
 1. the same invocation runs SpecForge 0.2.0's own DFlash step (scripts/bench/specforge_drafter_step.py,
    CPU: sdpa attention, fp32, no FSDP) and the JSON carries both sides (ms/step, tokens/s, peak
    memory, MFU), the ratios, the same trainable parameter count and SpecForge's settings; with

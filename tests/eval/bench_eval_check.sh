@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `dflash bench generate --eval` on CPU with tiny sizes (issue 25's eval bench, run small): the JSON
+# `dflash bench generate --eval` on CPU with tiny sizes (the eval bench, run small): the JSON
 # has every key, the KV-cached speculative decoding and the uncached reference produced the same
 # ids and acceptance lengths (on the prompts both ran: --baseline-prompts 2 of 3 for the dense shape),
 # each generated --max-new-tokens per prompt, the baseline ran one prompt at a time, and the ratio

@@ -1,4 +1,4 @@
-// Trainer::end_step without host synchronisation (issue 6). CPU: the device-side step (denominator,
+// Trainer::end_step without host synchronisation. CPU: the device-side step (denominator,
 // division, grad norm, clipping and the non-finite skip as tensors; AdamW's found_inf; metrics read
 // one step late) gives bitwise the weights, optimizer state and metrics of the host-side step it
 // replaced, reproduced here independently (host reads, host branches, a plain AdamW), over steps
@@ -83,8 +83,8 @@ train::MicroBatch batch(const Setup& s, int64_t step, int64_t j) {
 // A NaN in one gradient element (a device op: no synchronisation).
 void poison(model::Drafter& d) { d.parameters()[1].second.mutable_grad().view({-1})[3].fill_(NAN); }
 
-// The step as it was before issue 6: metrics and grad norm read on the host, host branches for the
-// clip and the skip, and a plain AdamW of its own. Counting as docs/decisions.md says: the
+// The step with host synchronisation: metrics and grad norm read on the host, host branches for
+// the clip and the skip, and a plain AdamW of its own. Counting as docs/decisions.md says: the
 // learning rate and the seeds follow the attempted steps, the bias correction the applied ones.
 class HostSideStep {
  public:
