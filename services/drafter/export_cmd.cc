@@ -8,6 +8,7 @@
 #include "core/model/drafter.h"
 #include "core/train/checkpoint.h"
 #include "core/train/export.h"
+#include "core/train/export_speculators.h"
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/process.h"
@@ -17,12 +18,38 @@ namespace {
 
 const char* kExportUsage =
     "usage: dflash export --checkpoint DIR --out DIR [--dtype bfloat16|float16|float32 (bfloat16)]\n"
-    "  writes OUT/config.json + OUT/model.safetensors (HF DFlash format, loadable by z-lab DFlashDraftModel)\n"
-    "  and the model card OUT/README.md; config.json's dflash_config.provenance names the target, the data\n"
-    "  and its contract, the steps and this build (from the checkpoint's run_info)\n";
+    "                     [--format hf|speculators (hf)] [--verifier PATH]\n"
+    "  --format hf: OUT/config.json + OUT/model.safetensors (HF DFlash format, loadable by z-lab\n"
+    "  DFlashDraftModel, SGLang and vLLM) and the model card OUT/README.md; config.json's\n"
+    "  dflash_config.provenance names the target, the data and its contract, the steps and this build\n"
+    "  (from the checkpoint's run_info)\n"
+    "  --format speculators: OUT/config.json + OUT/model.safetensors as vLLM speculators 0.9.0 saves a\n"
+    "  DFlash / DSpark / DFlash2 drafter (SpeculatorModel.from_pretrained loads it; the embedding and\n"
+    "  lm_head come from the verifier). The verifier is --verifier PATH (the target model's directory\n"
+    "  or Hub id), else the target directory the checkpoint's run recorded\n";
+
+// The verifier of a speculators export: --verifier, else the target directory in the checkpoint's
+// provenance (run_info.provenance.target.model_dir); ConfigError naming the flag when neither.
+std::string verifier_for(const Flags& flags, const nlohmann::json& run_provenance, const std::string& ckpt) {
+  if (flags.has("verifier")) {
+    DFLASH_CHECK(!flags.get("verifier").empty(), ConfigError, "export: --verifier must not be empty\n" << kExportUsage);
+    return flags.get("verifier");
+  }
+  if (run_provenance.is_object()) {
+    const auto t = run_provenance.find("target");
+    if (t != run_provenance.end() && t->is_object()) {
+      const auto d = t->find("model_dir");
+      if (d != t->end() && d->is_string() && !d->get<std::string>().empty()) return d->get<std::string>();
+    }
+  }
+  DFLASH_FAIL(ConfigError, "export --format speculators: " << ckpt
+                               << " records no target model directory; pass --verifier PATH (the target "
+                                  "model's directory or Hub id)\n"
+                               << kExportUsage);
+}
 
 int run_export(int argc, char** argv) {
-  Flags flags(argc, argv, {"checkpoint", "out", "dtype", "help"}, {"help"});
+  Flags flags(argc, argv, {"checkpoint", "out", "dtype", "format", "verifier", "help"}, {"help"});
   if (flags.has("help")) {
     std::cout << kExportUsage;
     return kExitOk;
@@ -33,6 +60,11 @@ int run_export(int argc, char** argv) {
                "export: --checkpoint and --out are required\n" << kExportUsage);
   const std::string ckpt = flags.get("checkpoint"), out = flags.get("out");
   const torch::ScalarType dtype = train::parse_export_dtype(flags.get("dtype", "bfloat16"));
+  const std::string format = flags.get("format", "hf");
+  DFLASH_CHECK(format == "hf" || format == "speculators", ConfigError,
+               "export: --format must be hf or speculators, got '" << format << "'\n" << kExportUsage);
+  DFLASH_CHECK(format == "speculators" || !flags.has("verifier"), ConfigError,
+               "export: --verifier applies to --format speculators only\n" << kExportUsage);
 
   const train::LoadedCheckpoint meta = train::inspect_checkpoint(ckpt);
   model::Drafter drafter(meta.config, torch::kCPU, /*init_seed=*/0);
@@ -42,12 +74,22 @@ int run_export(int argc, char** argv) {
   train::ExportProvenance prov;
   if (loaded.state.run_info.is_object()) prov.run = loaded.state.run_info.value("provenance", nlohmann::json());
   prov.steps = loaded.state.step;
-  train::export_hf(drafter, out, dtype, prov);
-  const nlohmann::json summary{{"out", out},
+  std::string verifier;
+  if (format == "speculators") {
+    verifier = verifier_for(flags, prov.run, ckpt);
+    train::SpeculatorsExportInfo info = train::speculators_info_for_verifier(verifier);
+    info.provenance = prov;
+    train::export_speculators(drafter, out, dtype, info);
+  } else {
+    train::export_hf(drafter, out, dtype, prov);
+  }
+  nlohmann::json summary{{"out", out},
                                {"checkpoint", ckpt},
                                {"step", loaded.state.step},
                                {"dtype", train::export_dtype_name(dtype)},
+                               {"format", format},
                                {"parameters", drafter.num_parameters()}};
+  if (!verifier.empty()) summary["verifier"] = verifier;
   std::cout << summary.dump(2) << std::endl;
   return kExitOk;
 }
