@@ -93,7 +93,10 @@ def check_export(export, expect_contract, expect_provenance, mask_id, what):
     check(cfg["dflash_config"]["mask_token_id"] == mask_id, f"{what}: mask_token_id {cfg['dflash_config']['mask_token_id']}")
     card = open(os.path.join(export, "README.md"), encoding="utf-8").read()
     for want in ('"method": "dflash"', '"num_speculative_tokens": 7', "--speculative-algorithm DFLASH",
-                 "--speculative-num-draft-tokens 8", "thinking mode `off`", expect_contract["chat_template_sha256"]):
+                 "--speculative-num-draft-tokens 8", "thinking mode `off`", expect_contract["chat_template_sha256"],
+                 "---\nlicense: apache-2.0\nbase_model: " + json.dumps(expect_provenance["target"]["name"] or
+                                                                    expect_provenance["target"]["model_dir"]),
+                 "library_name: transformers\npipeline_tag: text-generation\n"):
         check(want in card, f"{what}: model card lacks {want!r}")
     return cfg
 
@@ -139,7 +142,10 @@ def main():
     record = json.loads(open(os.path.join(run_dir, "ledger.jsonl")).readline())
     prov = record["provenance"]
     check(prov["data_contract"] == contract, f"ledger: data_contract {prov['data_contract']} != prepare's {contract}")
-    check(prov["target"] == {"model_dir": target, "config_sha256": sha256(os.path.join(target, "config.json"))},
+    # name: the target config's _name_or_path (the model card's base_model); this one saves none.
+    name = json.load(open(os.path.join(target, "config.json"))).get("_name_or_path") or None
+    check(prov["target"] == {"model_dir": target, "name": name,
+                             "config_sha256": sha256(os.path.join(target, "config.json"))},
           f"ledger: target {prov['target']}")
     check(prov["data"]["inputs"] == [{"file": prepared, "sha256": meta["out_sha256"]}], f"ledger: inputs {prov['data']['inputs']}")
     check(prov["data"]["shard_dir"] == os.path.join(run_dir, "shards"), f"ledger: shard_dir {prov['data']['shard_dir']}")
