@@ -168,7 +168,7 @@ int cmd_data_prepare(int argc, char** argv) {
 
 // Runs `python -m dflash_tools.data SUBCOMMAND FLAGS... --dflash THIS_BINARY`: the flags go to the
 // Python tool as they are (it validates them: exit 2); --help / -h print `usage` here.
-int forward_to_dflash_data(const char* subcommand, const char* what, const char* usage, int argc, char** argv) {
+int forward_to_data_tools(const char* subcommand, const char* what, const char* usage, int argc, char** argv) {
   std::vector<std::string> args = {subcommand};
   std::string python_flag;
   for (int i = 0; i < argc; ++i) {
@@ -194,7 +194,7 @@ int forward_to_dflash_data(const char* subcommand, const char* what, const char*
 
 // `data regenerate`: python/dflash_tools/data/regenerate.py, with this binary as the `dflash generate` it runs.
 int cmd_data_regenerate(int argc, char** argv) {
-  return forward_to_dflash_data("regenerate", "data regenerate", kDataUsage, argc, argv);
+  return forward_to_data_tools("regenerate", "data regenerate", kDataUsage, argc, argv);
 }
 
 }  // namespace
@@ -209,7 +209,7 @@ int cmd_bench_regenerate(int argc, char** argv) {
       DFLASH_CHECK(f.positional().empty(), ConfigError,
                    "bench regenerate: unexpected argument '" << f.positional().front() << "'\n" << kBenchRegenerateUsage);
     }
-    return forward_to_dflash_data("bench-regenerate", "bench regenerate", kBenchRegenerateUsage, argc, argv);
+    return forward_to_data_tools("bench-regenerate", "bench regenerate", kBenchRegenerateUsage, argc, argv);
   } catch (const std::exception& e) {
     LOG_ERROR(user_message(e));
     return exit_code_for(e);
