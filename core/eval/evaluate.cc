@@ -157,7 +157,7 @@ EvalReport evaluate(model::TargetModel& target, const model::Drafter& drafter, c
     for (auto i : indices) group_prompts.push_back(prompts[i].input_ids);
     EvalStats& s = rep.groups[name];
     s.prompts = indices.size();
-    s.acceptance_histogram.assign(rep.block_size, 0);
+    s.acceptance_histogram.assign(verify_width(drafter.config(), rep.block_size), 0);  // dspark: B + 1
     model::synchronize(target.options().device);
     const auto t0 = std::chrono::steady_clock::now();
     SpecDecodeOptions decode = options.decode;

@@ -11,9 +11,10 @@
 // group's wall times are its own. Statistics per group and overall (all prompts):
 //   rounds = verify rounds of all prompts (z-lab's acceptance_lengths entries);
 //   tau = sum of acceptance lengths / rounds (0 when there were no rounds);
-//   acceptance_histogram[L - 1] = rounds whose acceptance length is L, for L = 1..block size;
+//   acceptance_histogram[L - 1] = rounds whose acceptance length is L, for L = 1..W, W = the most
+//     tokens of one round (verify_width, spec_decode.h: the block size; the block size + 1 for dspark);
 //   position_acceptance[k - 1] = rounds whose acceptance length is > k (the k-th draft token of the
-//     block was accepted) / rounds, for k = 1..block size - 1 (0 when there were no rounds);
+//     block was accepted) / rounds, for k = 1..W - 1 (0 when there were no rounds);
 //   generated_tokens, seconds (wall time of the speculative decoding of the group, prefills
 //     included), tokens_per_second = generated_tokens / seconds;
 //   baseline_generated_tokens, baseline_seconds, baseline_tokens_per_second (the target's greedy
@@ -67,7 +68,7 @@ struct EvalStats {
   int64_t prompts = 0, rounds = 0, accepted = 0;  // accepted = sum of acceptance lengths
   int64_t generated_tokens = 0;
   double seconds = 0;
-  std::vector<int64_t> acceptance_histogram;  // [block size]
+  std::vector<int64_t> acceptance_histogram;  // [W]
   int64_t baseline_generated_tokens = 0;
   double baseline_seconds = 0;
 

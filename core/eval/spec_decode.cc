@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/eval/successor_draft.h"
 #include "core/util/error.h"
 
 namespace dflash::eval {
@@ -39,7 +40,23 @@ bool is_stop(int64_t token, const std::vector<int64_t>& stops) {
   return std::find(stops.begin(), stops.end(), token) != stops.end();
 }
 
+// DFlash2's convolution weights with the first `taps` of their taps: base_kernel [2, T, H] and
+// kernel_projection.weight [2 * T * G, H] (rows ordered side, tap, group); other tensors as they are.
+torch::Tensor first_taps(const std::string& name, const torch::Tensor& w, int64_t T, int64_t taps) {
+  const auto ends_with = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (ends_with("base_kernel")) return w.narrow(1, 0, taps).contiguous();
+  if (ends_with("kernel_projection.weight"))
+    return w.view({2, T, -1, w.size(1)}).narrow(1, 0, taps).reshape({-1, w.size(1)});
+  return w;
+}
+
 }  // namespace
+
+int64_t verify_width(const model::DrafterConfig& drafter, int64_t block_size) {
+  return block_size + drafter.label_shift();
+}
 
 void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab) {
   DFLASH_CHECK(!prompt.empty(), DataError, "empty prompt");
@@ -64,16 +81,19 @@ SpeculativeDecoder::SpeculativeDecoder(model::TargetModel& target, const model::
   for (const auto& [name, p] : drafter.parameters()) weights_.push_back(p.detach().to(o.device, o.dtype));
 }
 
-const model::Drafter& SpeculativeDecoder::drafter_for(int64_t V) {
-  auto it = by_block_size_.find(V);
+const model::Drafter& SpeculativeDecoder::drafter_for(int64_t rows) {
+  auto it = by_block_size_.find(rows);
   if (it != by_block_size_.end()) return *it->second;
   model::DrafterConfig c = cfg_;
-  c.block_size = V;
+  c.block_size = rows;
+  const bool fewer_taps = c.method == model::DrafterMethod::kDflash2 && c.dflash2.conv_taps > rows;
+  if (fewer_taps) c.dflash2.conv_taps = rows;
   auto d = std::make_unique<model::Drafter>(c, target_.options().device, model::Drafter::Uninitialized{});
   auto& params = d->parameters();
   DFLASH_CHECK(params.size() == weights_.size(), ConfigError, "drafter parameter count mismatch");
-  for (size_t i = 0; i < params.size(); ++i) params[i].second = weights_[i];  // shared, no copy
-  return *by_block_size_.emplace(V, std::move(d)).first->second;
+  for (size_t i = 0; i < params.size(); ++i)  // shared, no copy (but the first taps of DFlash2's convolutions)
+    params[i].second = fewer_taps ? first_taps(params[i].first, weights_[i], cfg_.dflash2.conv_taps, rows) : weights_[i];
+  return *by_block_size_.emplace(rows, std::move(d)).first->second;
 }
 
 struct SpeculativeDecoder::Slot {
@@ -139,9 +159,10 @@ std::vector<SpecDecodeResult> SpeculativeDecoder::generate_batch(const std::vect
   if (!opt.uncached_target)
     cache = std::make_unique<model::SequenceCache>(target_.config(), S, longest + opt.max_new_tokens,
                                                    target_.options().device, target_.options().dtype);
-  // The drafter's context K/V of positions 0..start-1 of every slot (no drafting when B == 1).
+  // The drafter's context K/V of positions 0..start-1 of every slot (none when no round drafts:
+  // dflash / dflash2 with B == 1).
   std::unique_ptr<model::DrafterContextCache> context;
-  if (B > 1)
+  if (verify_width(cfg_, B) > 1)
     context = std::make_unique<model::DrafterContextCache>(cfg_, S, longest + opt.max_new_tokens,
                                                            target_.options().device, target_.options().dtype);
   std::vector<Slot> slots(S);
@@ -216,6 +237,7 @@ void SpeculativeDecoder::append_context(model::DrafterContextCache& context, int
 std::vector<std::vector<int64_t>> SpeculativeDecoder::draft(const model::DrafterContextCache& context,
                                                             std::vector<Slot>& slots, const std::vector<int64_t>& which,
                                                             int64_t V, const SpecDecodeOptions& opt) {
+  if (cfg_.method != model::DrafterMethod::kDflash) return draft_successor(context, slots, which, V, opt);
   std::vector<int64_t> block_ids;
   for (auto i : which) {
     const Slot& s = slots[i];
@@ -247,6 +269,40 @@ std::vector<std::vector<int64_t>> SpeculativeDecoder::draft(const model::Drafter
   return drafts;
 }
 
+std::vector<std::vector<int64_t>> SpeculativeDecoder::draft_successor(const model::DrafterContextCache& context,
+                                                                      std::vector<Slot>& slots,
+                                                                      const std::vector<int64_t>& which, int64_t V,
+                                                                      const SpecDecodeOptions& opt) {
+  const auto dev = target_.options().device;
+  const int64_t P = V - 1;                                // drafts per block
+  const int64_t first = cfg_.first_predicting_slot();     // dspark 0, dflash2 1
+  const int64_t rows = P + first;                         // the drafter's block
+  std::vector<int64_t> block_ids, anchors;
+  std::vector<at::Generator> gens;
+  for (auto i : which) {
+    const Slot& s = slots[i];
+    DFLASH_CHECK(context.length(i) == s.start, ConfigError,
+                 "spec decode: the drafter context of slot " << i << " holds " << context.length(i)
+                                                             << " rows, the slot's block starts at " << s.start);
+    anchors.push_back(s.seq[s.start]);
+    block_ids.push_back(s.seq[s.start]);
+    block_ids.insert(block_ids.end(), rows - 1, cfg_.mask_token_id);
+    if (opt.sampling.temperature > 0) gens.push_back(s.gen);
+  }
+  const auto& drafter = drafter_for(rows);
+  auto h_QH = context.forward(drafter, target_.embed_tokens(ids_tensor(block_ids, dev)), which);
+  const int64_t N = which.size();
+  const auto h = h_QH.reshape({N, rows, -1}).narrow(1, first, P);  // the predicting rows
+  const auto unary = F::linear(h, target_.lm_head_weight());
+  auto walk = SuccessorWalk(drafter, h, unary, ids_tensor(anchors, dev), opt.sampling, std::move(gens)).run();
+  if (walk.q_NPV.defined())
+    for (int64_t j = 0; j < N; ++j) slots[which[j]].q_RV = walk.q_NPV[j];
+  const auto ids = to_vector(walk.ids_NP);
+  std::vector<std::vector<int64_t>> drafts(N);
+  for (int64_t j = 0; j < N; ++j) drafts[j].assign(ids.begin() + j * P, ids.begin() + (j + 1) * P);
+  return drafts;
+}
+
 void SpeculativeDecoder::round(model::SequenceCache* cache, model::DrafterContextCache* context,
                                std::vector<Slot>& slots, int64_t B, const SpecDecodeOptions& opt) {
   std::vector<int64_t> which, lengths;
@@ -255,7 +311,7 @@ void SpeculativeDecoder::round(model::SequenceCache* cache, model::DrafterContex
     const Slot& s = slots[i];
     if (!s.active || s.done) continue;
     which.push_back(i);
-    lengths.push_back(std::min(B, s.max_length - s.start));
+    lengths.push_back(std::min(verify_width(cfg_, B), s.max_length - s.start));
     by_V[lengths.back()].push_back(i);
   }
   if (which.empty()) return;
@@ -273,6 +329,7 @@ void SpeculativeDecoder::round(model::SequenceCache* cache, model::DrafterContex
     ids.push_back(slots[i].seq[slots[i].start]);
     const auto& d = drafts[i];
     ids.insert(ids.end(), d.begin(), d.end());
+    if (opt.on_drafts) opt.on_drafts(slots[i].index, d);
   }
   auto verified = append(cache, slots, which, held, lengths, ids, /*rollback=*/true);
   const bool sampling = opt.sampling.temperature > 0;

@@ -1,7 +1,7 @@
 // Greedy speculative decoding with a DFlash drafter (docs/recipe.md#speculative-decoding), round
 // for round the same as z-lab's `dflash_generate` at temperature 0, so output ids AND per-round
 // acceptance lengths can be compared exactly. Legend: S = accepted sequence length (prompt +
-// generated), V = verify size (tokens of one block, <= B), H = hidden size, K = captured target
+// generated), V = verify size (tokens of one block, <= B; dspark: <= B + 1), H = hidden size, K = captured target
 // layers, B = block size.
 //
 // One prompt (max_length = prompt + max_new_tokens):
@@ -22,13 +22,28 @@
 //   output = generated tokens seq[prompt .. min(start + 1, max_length)) (a stop token is included).
 // With B == 1 there is no drafting (the target emits one token per round), as in z-lab.
 //
+// Methods (DrafterConfig::method; the walks inside a block: core/eval/successor_draft.h). B is the
+// number of drafts per round plus one for dflash and dflash2 (their anchor row predicts nothing), and
+// the number of drafts per round for dspark, whose every row predicts; verify_width() below:
+//   dflash   as above (this path is the z-lab-exact one).
+//   dflash2  the same rounds and block, the drafts chosen by the candidate-selector walk over rows
+//            1..V-1 instead of each row's own argmax.
+//   dspark   V = min(B + 1, max_length - start) (>= 2 whenever a round runs); the drafter's block is
+//            [seq[start], MASK x (V-2)], V-1 rows at positions start..start+V-2, and row k drafts
+//            token start+k+1 (the Markov walk); the target verifies [seq[start], drafts] (V rows),
+//            and the acceptance, bonus, caps and stop tokens follow the rule above, so a round
+//            produces up to B+1 tokens. The confidence head does not cut the draft: every round
+//            verifies all V-1 drafts (a static verify length, as SGLang's static verify mode;
+//            speculators 0.9.0 has no inference loop of its own).
+//
 // Sampling (SpecDecodeOptions::sampling.temperature > 0): the standard speculative sampling rule,
 // so that the generated tokens follow the target's own sampling distribution exactly. p = the
 // target's and q = the drafter's distribution at each block row, both after temperature, top-k and
 // top-p (model::sampling_probs, core/model/generation.h). Per round and prompt, all from the
 // prompt's own generator (seeded SpecDecodeOptions::seed + its index in the call, on the target's
 // device), in this order:
-//   drafts x_i ~ q_i (rows 1..V-1 of the drafter, i = 0..V-2);
+//   drafts x_i ~ q_i (rows 1..V-1 of the drafter, i = 0..V-2; dspark and dflash2: drawn one after
+//     the other by the walk, q_i given the drafts before it, dflash2's q_i zero outside its candidates);
 //   u_i ~ U[0, 1); draft i is accepted iff u_i q_i(x_i) < p_i(x_i) (probability min(1, p/q));
 //   correction c_i ~ max(0, p_i - q_i) normalized (p_i itself when that is all zero, i.e. p_i <= q_i
 //     everywhere, which can only differ from p_i == q_i by rounding), bonus c_{V-1} ~ p_{V-1};
@@ -93,6 +108,9 @@ struct SpecDecodeOptions {
   // differences between the full forward and the cached extend). The drafter keeps its context
   // cache either way (this switch is about the target).
   bool uncached_target = false;
+  // Called in every round with the prompt's index in the call and the drafts the target verifies
+  // (empty when V == 1), before the verification (reference comparisons); empty: nothing is called.
+  std::function<void(size_t, const std::vector<int64_t>&)> on_drafts;
   // Called after each prompt of a generate_batch call finishes, with the number finished so far
   // in that call (progress lines); empty: nothing is called.
   std::function<void(int64_t)> on_prompt_done;
@@ -117,9 +135,11 @@ class SpeculativeDecoder {
                                                const SpecDecodeOptions& opt);
 
  private:
-  // Drafter::forward treats its rows as blocks of config().block_size, so each verify size V gets a
-  // drafter whose block_size is V; all of them share the same weight tensors (built once per V).
-  const model::Drafter& drafter_for(int64_t V);
+  // Drafter::forward treats its rows as blocks of config().block_size, so each block of `rows` rows
+  // (V for dflash / dflash2, V-1 for dspark) gets a drafter whose block_size is `rows`; all of them
+  // share the same weight tensors (built once per size). DFlash2 with more convolution taps than
+  // rows keeps the first `rows` taps (the others never reach a row of the block).
+  const model::Drafter& drafter_for(int64_t rows);
   struct Slot;  // one running prompt
   // The target over `ids` (lengths[j] tokens for slot which[j], back to back) following the first
   // held[j] accepted tokens of each slot: an extend of `cache`, or without a cache (null,
@@ -142,6 +162,10 @@ class SpeculativeDecoder {
   // per slot; when sampling, also each slot's q rows (Slot::q_RV).
   std::vector<std::vector<int64_t>> draft(const model::DrafterContextCache& context, std::vector<Slot>& slots,
                                           const std::vector<int64_t>& which, int64_t V, const SpecDecodeOptions& opt);
+  // draft() of a dspark or dflash2 drafter: the method's block and walk (core/eval/successor_draft.h).
+  std::vector<std::vector<int64_t>> draft_successor(const model::DrafterContextCache& context, std::vector<Slot>& slots,
+                                                    const std::vector<int64_t>& which, int64_t V,
+                                                    const SpecDecodeOptions& opt);
   // Sampling: per listed slot, [V-1 acceptance flags (0/1), then V candidates c] (see above).
   std::vector<std::vector<int64_t>> sample_verdicts(std::vector<Slot>& slots, const std::vector<int64_t>& which,
                                                     const std::vector<int64_t>& lengths,
@@ -154,6 +178,10 @@ class SpeculativeDecoder {
   std::vector<torch::Tensor> weights_;  // in Drafter parameter order, target dtype/device
   std::map<int64_t, std::unique_ptr<model::Drafter>> by_block_size_;
 };
+
+// The most tokens one round verifies (and produces) with B = SpecDecodeOptions::block_size (or the
+// drafter's): B for dflash and dflash2, B + 1 for dspark (B drafts and the bonus token).
+int64_t verify_width(const model::DrafterConfig& drafter, int64_t block_size);
 
 // DataError when the prompt is empty or holds a token outside [0, vocab).
 void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab);
