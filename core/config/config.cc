@@ -49,6 +49,9 @@ DFLASH_ENUM_TABLE(NoiseType, {NoiseType::kUniform, "uniform"}, {NoiseType::kGaus
                   {NoiseType::kNone, "none"})
 DFLASH_ENUM_TABLE(Overlong, {Overlong::kTruncate, "truncate"}, {Overlong::kDrop, "drop"})
 DFLASH_ENUM_TABLE(LossType, {LossType::kDflash, "dflash"}, {LossType::kDpace, "dpace"})
+DFLASH_ENUM_TABLE(DrafterMethod, {DrafterMethod::kDflash, "dflash"}, {DrafterMethod::kDspark, "dspark"},
+                  {DrafterMethod::kDflash2, "dflash2"})
+DFLASH_ENUM_TABLE(MarkovHead, {MarkovHead::kVanilla, "vanilla"}, {MarkovHead::kGated, "gated"}, {MarkovHead::kRnn, "rnn"})
 DFLASH_ENUM_TABLE(AnchorSpread, {AnchorSpread::kBatch, "batch"}, {AnchorSpread::kDocument, "document"})
 DFLASH_ENUM_TABLE(EmbedOnHost, {EmbedOnHost::kFalse, "false"}, {EmbedOnHost::kTrue, "true"}, {EmbedOnHost::kAuto, "auto"})
 DFLASH_ENUM_TABLE(Transport, {Transport::kShm, "shm"}, {Transport::kC10d, "c10d"})
@@ -78,6 +81,8 @@ const char* to_string(Dtype v) { return enum_name(v); }
 const char* to_string(NoiseType v) { return enum_name(v); }
 const char* to_string(Overlong v) { return enum_name(v); }
 const char* to_string(LossType v) { return enum_name(v); }
+const char* to_string(DrafterMethod v) { return enum_name(v); }
+const char* to_string(MarkovHead v) { return enum_name(v); }
 const char* to_string(AnchorSpread v) { return enum_name(v); }
 const char* to_string(EmbedOnHost v) { return enum_name(v); }
 const char* to_string(Transport v) { return enum_name(v); }
@@ -167,7 +172,26 @@ void fields(V& v, TargetSection& s) {
 }
 
 template <class V>
+void fields(V& v, DsparkSection& s) {
+  v("markov_rank", s.markov_rank);
+  v("markov_head", s.markov_head);
+  v("confidence_head", s.confidence_head);
+  v("confidence_with_markov", s.confidence_with_markov);
+}
+
+template <class V>
+void fields(V& v, Dflash2Section& s) {
+  v("conv_taps", s.conv_taps);
+  v("conv_group", s.conv_group);
+  v("selector_rank", s.selector_rank);
+  v("selector_top_k", s.selector_top_k);
+}
+
+template <class V>
 void fields(V& v, DrafterSection& s) {
+  v("method", s.method);
+  v("dspark", s.dspark);
+  v("dflash2", s.dflash2);
   v("num_layers", s.num_layers);
   v("block_size", s.block_size);
   v("mask_token_id", s.mask_token_id);
@@ -194,6 +218,18 @@ void fields(V& v, NoiseOptions& s) {
 }
 
 template <class V>
+void fields(V& v, DsparkLossOptions& s) {
+  v("ce_weight", s.ce_weight);
+  v("tv_weight", s.tv_weight);
+  v("confidence_weight", s.confidence_weight);
+}
+
+template <class V>
+void fields(V& v, Dflash2LossOptions& s) {
+  v("selector_weight", s.selector_weight);
+}
+
+template <class V>
 void fields(V& v, TrainSection& s) {
   v("lr", s.lr);
   v("warmup_ratio", s.warmup_ratio);
@@ -210,6 +246,8 @@ void fields(V& v, TrainSection& s) {
   v("embed_on_host", s.embed_on_host);
   v("loss", s.loss);
   v("dpace_alpha", s.dpace_alpha);
+  v("dspark", s.dspark);
+  v("dflash2", s.dflash2);
 }
 
 template <class V>
@@ -838,6 +876,36 @@ bool uses_placeholder(const std::string& tmpl, const std::string& name) {
   return tmpl.find("{" + name + "}") != std::string::npos;
 }
 
+// drafter.method's own fields and the combinations its objective defines (docs/recipe.md#methods).
+void validate_method(const RunConfig& c, Ctx& ctx) {
+  const auto& d = c.drafter;
+  in_range(ctx, "drafter.dspark.markov_rank", d.dspark.markov_rank, 0, 4096);
+  in_range(ctx, "drafter.dflash2.conv_taps", d.dflash2.conv_taps, 1, 64);
+  if (d.method == DrafterMethod::kDflash2 && d.block_size >= 2 && d.dflash2.conv_taps > d.block_size)
+    ctx.check("drafter.dflash2.conv_taps", "expected at most drafter.block_size (" + num(d.block_size) + "), got " +
+                                               num(d.dflash2.conv_taps) + " (the taps stay inside a block)");
+  at_least(ctx, "drafter.dflash2.conv_group", d.dflash2.conv_group, 1);
+  in_range(ctx, "drafter.dflash2.selector_rank", d.dflash2.selector_rank, 1, 4096);
+  in_range(ctx, "drafter.dflash2.selector_top_k", d.dflash2.selector_top_k, 1, 1024);
+  at_least(ctx, "train.dspark.ce_weight", c.train.dspark.ce_weight, 0.0);
+  at_least(ctx, "train.dspark.tv_weight", c.train.dspark.tv_weight, 0.0);
+  at_least(ctx, "train.dspark.confidence_weight", c.train.dspark.confidence_weight, 0.0);
+  at_least(ctx, "train.dflash2.selector_weight", c.train.dflash2.selector_weight, 0.0);
+  if (d.method == DrafterMethod::kDspark) {
+    if (d.dspark.confidence_head && d.dspark.confidence_with_markov && d.dspark.markov_rank == 0)
+      ctx.check("drafter.dspark.confidence_with_markov",
+                "expected false when drafter.dspark.markov_rank is 0 (there are no Markov features)");
+    if (c.train.soft_labels.enabled)
+      ctx.check("train.soft_labels.enabled",
+                "expected false when drafter.method is dspark (its distribution term is train.dspark.tv_weight)");
+    if (c.train.loss == LossType::kDpace)
+      ctx.check("train.loss", "expected dflash when drafter.method is dspark (D-PACE's weights are defined on a CE "
+                              "term; dspark's objective mixes CE, TV and the confidence BCE)");
+    if (!c.target.ship_h_last)
+      ctx.check("target.ship_h_last", "expected true when drafter.method is dspark (its TV term needs h_last)");
+  }
+}
+
 void validate(RunConfig& c, Ctx& ctx) {
   // run
   if (c.run.name.empty()) ctx.check("run.name", "expected a non-empty name");
@@ -881,6 +949,8 @@ void validate(RunConfig& c, Ctx& ctx) {
                                           num(c.drafter.num_heads) + "), got " +
                                           num(c.drafter.num_kv_heads));
   }
+
+  validate_method(c, ctx);
 
   // train
   positive(ctx, "train.lr", c.train.lr);
@@ -1053,7 +1123,9 @@ void validate(RunConfig& c, Ctx& ctx) {
       "max_anchors", "block_size", "gamma",       "lr",          "warmup_ratio", "weight_decay",
       "grad_accum",  "grad_clip",  "soft_labels", "kl_weight",   "temperature",  "noise",
       "epochs",      "seed",       "max_seq_len", "num_layers",  "loss",         "dpace_alpha",
-      "anchor_spread"};
+      "anchor_spread", "method",   "dspark",      "dflash2",     "markov_rank",  "markov_head",
+      "confidence_head", "confidence_with_markov", "conv_taps", "conv_group", "selector_rank", "selector_top_k",
+      "ce_weight", "tv_weight", "confidence_weight", "selector_weight"};
   for (size_t i = 0; i < oom.allow_changing.size(); ++i) {
     const std::string& full = oom.allow_changing[i];
     const size_t dot = full.rfind('.');

@@ -48,6 +48,8 @@ enum class Dtype { kBfloat16, kFloat16, kFloat32 };            // bfloat16 | flo
 enum class NoiseType { kUniform, kGaussian, kNone };          // uniform | gaussian | none
 enum class Overlong { kTruncate, kDrop };                     // truncate | drop
 enum class LossType { kDflash, kDpace };                      // dflash | dpace
+enum class DrafterMethod { kDflash, kDspark, kDflash2 };      // dflash | dspark | dflash2
+enum class MarkovHead { kVanilla, kGated, kRnn };             // vanilla | gated | rnn
 enum class AnchorSpread { kBatch, kDocument };                // batch | document
 enum class EmbedOnHost { kFalse, kTrue, kAuto };              // false | true | auto
 enum class Transport { kShm, kC10d };                         // shm | c10d
@@ -60,6 +62,8 @@ const char* to_string(Dtype v);
 const char* to_string(NoiseType v);
 const char* to_string(Overlong v);
 const char* to_string(LossType v);
+const char* to_string(DrafterMethod v);
+const char* to_string(MarkovHead v);
 const char* to_string(AnchorSpread v);
 const char* to_string(EmbedOnHost v);
 const char* to_string(Transport v);
@@ -87,7 +91,26 @@ struct TargetSection {
   bool ship_h_last = true;                // must be true when train.soft_labels.enabled
 };
 
+// drafter.method: dspark (docs/recipe.md#dspark).
+struct DsparkSection {
+  int markov_rank = 256;                  // [0, 4096]; 0 = no Markov head
+  MarkovHead markov_head = MarkovHead::kVanilla;
+  bool confidence_head = true;
+  bool confidence_with_markov = true;     // needs markov_rank > 0
+};
+
+// drafter.method: dflash2 (docs/recipe.md#dflash2).
+struct Dflash2Section {
+  int conv_taps = 2;                      // [1, drafter.block_size]
+  int conv_group = 16;                    // >= 1, divides the hidden size
+  int selector_rank = 256;                // [1, 4096]
+  int selector_top_k = 16;                // [1, 1024]
+};
+
 struct DrafterSection {
+  DrafterMethod method = DrafterMethod::kDflash;  // docs/recipe.md#methods
+  DsparkSection dspark;
+  Dflash2Section dflash2;
   int num_layers = 5;                     // >= 1
   int block_size = 32;                    // >= 2
   int64_t mask_token_id = -1;             // -1 = from the target's tokenizer (core/io/hf_tokenizer.h; warned)
@@ -110,6 +133,17 @@ struct NoiseOptions {
   NoiseType type = NoiseType::kUniform;
   double start = 0.05;                    // >= 0, amplitude at step 0
   double end = 0.01;                      // >= 0, amplitude at the last step (linear anneal)
+};
+
+// The objective weights of drafter.method: dspark (core/train/successor_loss.h).
+struct DsparkLossOptions {
+  double ce_weight = 0.1;                 // >= 0
+  double tv_weight = 0.9;                 // >= 0, total variation to the target's distribution
+  double confidence_weight = 1.0;         // >= 0, the confidence head's BCE
+};
+
+struct Dflash2LossOptions {
+  double selector_weight = 1.0;           // >= 0, the candidate selector's CE
 };
 
 struct TrainSection {
@@ -135,6 +169,8 @@ struct TrainSection {
   EmbedOnHost embed_on_host = EmbedOnHost::kAuto;
   LossType loss = LossType::kDflash;      // dpace: D-PACE position weights (needs soft_labels.enabled false)
   double dpace_alpha = 0.5;               // [0, 1], D-PACE smoothing (loss: dpace only)
+  DsparkLossOptions dspark;               // drafter.method: dspark only
+  Dflash2LossOptions dflash2;             // drafter.method: dflash2 only
 };
 
 struct DataSection {

@@ -5,6 +5,7 @@
 #include <future>
 
 #include "core/model/block_attention.h"
+#include "core/model/successor_heads.h"
 #ifdef DFLASH_WITH_CUDA
 #include "core/model/cuda/train_ops.h"
 #endif
@@ -25,6 +26,47 @@ std::vector<int64_t> default_target_layer_ids(int64_t L_t, int64_t L_d) {
     ids.push_back(static_cast<int64_t>(std::nearbyint(1.0 + double(i) * double(L_t - 4) / double(L_d - 1))));
   return ids;
 }
+
+const char* to_string(DrafterMethod m) {
+  switch (m) {
+    case DrafterMethod::kDspark: return "dspark";
+    case DrafterMethod::kDflash2: return "dflash2";
+    default: return "dflash";
+  }
+}
+
+const char* to_string(MarkovHeadType t) {
+  switch (t) {
+    case MarkovHeadType::kGated: return "gated";
+    case MarkovHeadType::kRnn: return "rnn";
+    default: return "vanilla";
+  }
+}
+
+namespace {
+// The method's own fields against the shapes (ConfigError naming the drafter.* field).
+void check_method_options(const DrafterConfig& c) {
+  if (c.method == DrafterMethod::kDspark) {
+    const auto& d = c.dspark;
+    DFLASH_CHECK(d.markov_rank >= 0 && d.markov_rank <= 4096, ConfigError,
+                 "drafter.dspark.markov_rank must be in [0, 4096], got " << d.markov_rank);
+    DFLASH_CHECK(!(d.confidence_head && d.confidence_with_markov) || d.markov_rank > 0, ConfigError,
+                 "drafter.dspark.confidence_with_markov: true needs drafter.dspark.markov_rank > 0 (it is 0)");
+  }
+  if (c.method == DrafterMethod::kDflash2) {
+    const auto& d = c.dflash2;
+    DFLASH_CHECK(d.conv_taps >= 1 && d.conv_taps <= c.block_size, ConfigError,
+                 "drafter.dflash2.conv_taps must be in [1, drafter.block_size = " << c.block_size << "], got " << d.conv_taps);
+    DFLASH_CHECK(d.conv_group >= 1 && c.hidden_size % d.conv_group == 0, ConfigError,
+                 "drafter.dflash2.conv_group must divide the hidden size " << c.hidden_size << ", got " << d.conv_group);
+    DFLASH_CHECK(d.selector_rank >= 1 && d.selector_rank <= 4096, ConfigError,
+                 "drafter.dflash2.selector_rank must be in [1, 4096], got " << d.selector_rank);
+    DFLASH_CHECK(d.selector_top_k >= 1 && d.selector_top_k <= std::min<int64_t>(1024, c.vocab_size), ConfigError,
+                 "drafter.dflash2.selector_top_k must be in [1, min(1024, vocab " << c.vocab_size << ")], got "
+                                                                                    << d.selector_top_k);
+  }
+}
+}  // namespace
 
 DrafterConfig drafter_config_for_target(const io::TargetConfig& t, const DrafterConfig& o) {
   DrafterConfig c = o;
@@ -54,6 +96,7 @@ DrafterConfig drafter_config_for_target(const io::TargetConfig& t, const Drafter
   DFLASH_CHECK(c.num_heads % c.num_kv_heads == 0, ConfigError,
                "drafter num_heads " << c.num_heads << " must be a multiple of num_kv_heads " << c.num_kv_heads);
   DFLASH_CHECK(c.block_size >= 2, ConfigError, "drafter.block_size must be >= 2, got " << c.block_size);
+  check_method_options(c);
   return c;
 }
 
@@ -85,6 +128,53 @@ FrozenTargetParts load_frozen_target_parts(const std::string& dir, torch::Device
   return p;
 }
 
+namespace {
+// [2, T, H] base taps of a block convolution: tap 0 is 1 on both sides, the others 0 (identity).
+torch::Tensor identity_taps(const std::vector<int64_t>& shape) {
+  auto t = torch::zeros(shape);
+  t.select(1, 0).fill_(1.0);
+  return t;
+}
+}  // namespace
+
+// The method's parameters, named as the speculators export names them, drawn after the backbone's.
+template <typename AddFn>
+void Drafter::add_method_parameters(const DrafterConfig& cfg, AddFn& add) {
+  const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
+  if (cfg.method == DrafterMethod::kDspark) {
+    const auto& d = cfg.dspark;
+    const int64_t r = d.markov_rank;
+    if (r > 0) {
+      add("markov_head.markov_w1.weight", {V, r}, ParamInit::kNormal, 0.01);
+      add("markov_head.markov_w2.weight", {V, r}, ParamInit::kNormal, 0.02);
+      if (d.markov_head == MarkovHeadType::kGated) {
+        add("markov_head.gate_proj.weight", {r, H + r}, ParamInit::kNormal, 0.02);
+        add("markov_head.gate_proj.bias", {r}, ParamInit::kZeros, 0.0);
+      } else if (d.markov_head == MarkovHeadType::kRnn) {
+        add("markov_head.joint_proj.weight", {3 * r, 2 * r + H}, ParamInit::kNormal, 0.02);
+        add("markov_head.joint_proj.bias", {3 * r}, ParamInit::kZeros, 0.0);
+      }
+    }
+    if (d.confidence_head) {
+      add("confidence_head.proj.weight", {1, H + (d.confidence_with_markov ? r : 0)}, ParamInit::kNormal, 0.02);
+      add("confidence_head.proj.bias", {1}, ParamInit::kZeros, 0.0);
+    }
+  }
+  if (cfg.method == DrafterMethod::kDflash2) {
+    const auto& d = cfg.dflash2;
+    const int64_t G = H / d.conv_group;
+    for (int64_t l = 0; l < cfg.num_layers; ++l)
+      for (const char* side : {"attention_conv", "mlp_conv"}) {
+        const std::string p = "layers." + std::to_string(l) + "." + side + ".";
+        add(p + "base_kernel", {2, d.conv_taps, H}, ParamInit::kIdentityTaps, 0.0);
+        add(p + "kernel_projection.weight", {2 * d.conv_taps * G, H}, ParamInit::kZeros, 0.0);
+      }
+    add("candidate_selector.predecessor_codebook", {V, d.selector_rank}, ParamInit::kNormal, 0.02);
+    add("candidate_selector.successor_codebook", {V, d.selector_rank}, ParamInit::kZeros, 0.0);
+    add("candidate_selector.hidden_projection.weight", {d.selector_rank, H}, ParamInit::kNormal, 0.02);
+  }
+}
+
 Drafter::Drafter(const DrafterConfig& cfg, torch::Device device, uint64_t seed)
     : Drafter(cfg, device, std::optional<uint64_t>(seed)) {}
 
@@ -95,11 +185,17 @@ Drafter::Drafter(const DrafterConfig& cfg, torch::Device device, std::optional<u
   const int64_t H = cfg.hidden_size, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
   const int64_t I = cfg.intermediate_size, KH = cfg.num_context_layers() * H;
   auto gen = at::detail::createCPUGenerator(seed.value_or(0));
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool ones) {
-    auto t = !seed ? torch::zeros(shape, torch::TensorOptions().device(device))
-                   : (ones ? torch::ones(shape) : torch::randn(shape, gen) * 0.02).to(device);
+  auto add_init = [&](const std::string& name, std::vector<int64_t> shape, ParamInit init, double std = 0.02) {
+    torch::Tensor t;
+    if (!seed || init == ParamInit::kZeros) t = torch::zeros(shape, torch::TensorOptions().device(device));
+    else if (init == ParamInit::kOnes) t = torch::ones(shape).to(device);
+    else if (init == ParamInit::kIdentityTaps) t = identity_taps(shape).to(device);
+    else t = (torch::randn(shape, gen) * std).to(device);
     index_[name] = params_.size();
     params_.emplace_back(name, t.set_requires_grad(true));
+  };
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool ones) {
+    add_init(name, std::move(shape), ones ? ParamInit::kOnes : ParamInit::kNormal);
   };
   add("fc.weight", {H, KH}, false);
   add("hidden_norm.weight", {H}, true);
@@ -118,6 +214,7 @@ Drafter::Drafter(const DrafterConfig& cfg, torch::Device device, std::optional<u
     add(p + "mlp.down_proj.weight", {H, I}, false);
   }
   add("norm.weight", {H}, true);
+  add_method_parameters(cfg, add_init);
   inv_freq_ = rope_inv_freq(cfg.rope).to(device);
   // SDPA would pick cuDNN attention for the masked group calls; cuDNN builds an execution plan per
   // new shape on the host (~11 ms forward, ~18 ms backward per call, measured on the H200), and
@@ -132,7 +229,7 @@ int64_t Drafter::num_parameters() const {
 }
 
 void Drafter::load_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& values,
-                              const std::string& source) {
+                              const std::string& source, bool shared_only) {
   std::map<std::string, const torch::Tensor*> by_name;
   for (auto& [n, t] : values) by_name[n] = &t;
   for (auto& [n, t] : values)
@@ -140,6 +237,7 @@ void Drafter::load_parameters(const std::vector<std::pair<std::string, torch::Te
   torch::NoGradGuard g;
   for (auto& [name, p] : params_) {
     auto it = by_name.find(name);
+    if (shared_only && it == by_name.end()) continue;
     DFLASH_CHECK(it != by_name.end(), DataError, source << ": missing drafter tensor '" << name << "'");
     DFLASH_CHECK(it->second->sizes() == p.sizes(), DataError,
                  source << ": tensor '" << name << "' has shape " << it->second->sizes() << ", expected " << p.sizes());
@@ -391,9 +489,15 @@ torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor
     });
   BlockSparsePlan bsp;
   const double scale = 1.0 / std::sqrt(double(D));
+  const bool conv = cfg_.method == DrafterMethod::kDflash2;
+  DFLASH_CHECK(!conv || Q % cfg_.block_size == 0, ConfigError,
+               "drafter forward: DFlash2's block convolution needs whole blocks, got " << Q << " rows for blocks of "
+                                                                                      << cfg_.block_size);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
     auto h = rms_norm_train(x, w(p + "input_layernorm.weight", compute), eps);
+    BlockConv attn_conv;  // DFlash2: the attention's convolution pair (else inactive)
+    if (conv) h = (attn_conv = BlockConv(*this, l, "attention_conv", h, compute)).input();
     const auto kvw = kv_weights(l, compute);
     auto q = rms_norm_train(F::linear(h, w(p + "self_attn.q_proj.weight", compute)).view({Q, Hq, D}),
                             w(p + "self_attn.q_norm.weight", compute), eps);
@@ -410,12 +514,15 @@ torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor
     auto a = (sparse ? block_sparse_attention(q, ctx.k, ctx.v, k_blk, v_blk, bsp, scale, block_sparse_flash_supported(q))
                      : attention(q, ctx.k, ctx.v, k_blk, v_blk, groups))
                  .reshape({Q, Hq * D});
-    x = x + F::linear(a, w(p + "self_attn.o_proj.weight", compute));
+    auto o = F::linear(a, w(p + "self_attn.o_proj.weight", compute));
+    x = x + (conv ? attn_conv.output(o) : o);
     h = rms_norm_train(x, w(p + "post_attention_layernorm.weight", compute), eps);
+    BlockConv mlp_conv;
+    if (conv) h = (mlp_conv = BlockConv(*this, l, "mlp_conv", h, compute)).input();
     const auto wg = w(p + "mlp.gate_proj.weight", compute), wu = w(p + "mlp.up_proj.weight", compute);
     const auto wd = w(p + "mlp.down_proj.weight", compute);
-    x = x + (recompute_mlp ? swiglu_mlp_recompute_train(h, wg, wu, wd)
-                           : swiglu_down_train(F::linear(h, wg), F::linear(h, wu), wd));
+    auto m = recompute_mlp ? swiglu_mlp_recompute_train(h, wg, wu, wd) : swiglu_down_train(F::linear(h, wg), F::linear(h, wu), wd);
+    x = x + (conv ? mlp_conv.output(m) : m);
   }
   return rms_norm_train(x, w("norm.weight", compute), eps);
 }

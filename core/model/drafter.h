@@ -21,7 +21,44 @@
 
 namespace dflash::model {
 
+// The drafting method (drafter.method; docs/recipe.md#methods). All three share the backbone
+// above; each adds its own parameters after the shared ones, so a seed draws the same backbone for
+// every method.
+//   dflash   slot k = 1..B-1 of a block predicts token anchor+k (slot 0, the anchor, predicts nothing).
+//   dspark   slot k = 0..B-1 predicts token anchor+k+1 (sample from the anchor), and a low-rank
+//            Markov bias W2 W1[prev] on each slot's logits, prev = the token before the slot's label
+//            (the anchor for slot 0; the drafted token at inference). Optional confidence head:
+//            sigmoid(proj([h; W1[prev]])) estimates the slot's acceptance given its prefix.
+//   dflash2  dflash's slots, a grouped dynamic convolution inside the block around every attention
+//            and MLP sublayer (identity at init: a fresh one leaves a DFlash drafter unchanged), and
+//            a candidate selector that re-ranks each slot's unary top-K with a bilinear term
+//            <A[prev] * (W_h h), Bc[candidate]> (Bc = 0 at init: plain argmax).
+enum class DrafterMethod { kDflash, kDspark, kDflash2 };
+enum class MarkovHeadType { kVanilla, kGated, kRnn };
+const char* to_string(DrafterMethod m);
+const char* to_string(MarkovHeadType t);
+
+struct DsparkOptions {
+  int64_t markov_rank = 256;          // 0: no Markov head
+  MarkovHeadType markov_head = MarkovHeadType::kVanilla;
+  bool confidence_head = true;
+  bool confidence_with_markov = true;  // the head reads [h; W1[prev]] (needs markov_rank > 0)
+};
+
+struct Dflash2Options {
+  int64_t conv_taps = 2;        // taps of each block-local convolution (<= block_size)
+  int64_t conv_group = 16;      // channels sharing one dynamic tap (divides hidden_size)
+  int64_t selector_rank = 256;
+  int64_t selector_top_k = 16;  // candidates the selector re-ranks per slot
+};
+
 struct DrafterConfig {
+  DrafterMethod method = DrafterMethod::kDflash;
+  DsparkOptions dspark;
+  Dflash2Options dflash2;
+  // Slot k of a block predicts token anchor + k + label_shift(); the first slot that predicts.
+  int64_t label_shift() const { return method == DrafterMethod::kDspark ? 1 : 0; }
+  int64_t first_predicting_slot() const { return method == DrafterMethod::kDspark ? 0 : 1; }
   int64_t hidden_size = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, intermediate_size = 0;
   int64_t num_layers = 5;  // num_layers and block_size: the run config's defaults
   int64_t vocab_size = 0;
@@ -87,6 +124,9 @@ class Drafter {
   const DrafterConfig& config() const { return cfg_; }
   torch::Device device() const { return device_; }
 
+  // The parameter `name` in `compute` (the kept copy when current, else a cast autograd sees).
+  torch::Tensor weight(const std::string& name, torch::ScalarType compute) const { return w(name, compute); }
+  bool has_parameter(const std::string& name) const { return index_.count(name) > 0; }
   std::vector<std::pair<std::string, torch::Tensor>>& parameters() { return params_; }
   const std::vector<std::pair<std::string, torch::Tensor>>& parameters() const { return params_; }
   int64_t num_parameters() const;
@@ -122,7 +162,10 @@ class Drafter {
   // Drops every parameter's .grad and pending gradient (set_to_none, between steps).
   void drop_gradients();
   // Copies values in (strict: every name present, shapes equal); `source` names the origin in errors.
-  void load_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& values, const std::string& source);
+  // shared_only: `values` may lack the method's own parameters (a DFlash drafter's tensors into a
+  // successor); those keep their values.
+  void load_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& values, const std::string& source,
+                       bool shared_only = false);
 
   // ctx_TH = hidden_norm(fc(features_TKH)), computed once per batch and shared by every layer.
   torch::Tensor fuse_context(const torch::Tensor& features_TKH, torch::ScalarType compute) const;
@@ -150,6 +193,9 @@ class Drafter {
 
  private:
   Drafter(const DrafterConfig& cfg, torch::Device device, std::optional<uint64_t> seed);  // nullopt: zeros
+  enum class ParamInit { kNormal, kOnes, kZeros, kIdentityTaps };
+  template <typename AddFn>
+  static void add_method_parameters(const DrafterConfig& cfg, AddFn& add);
   torch::Tensor w(const std::string& name, torch::ScalarType compute) const;
   // One masked attention call: blocks [first, first+count) over context rows [ctx_start, ctx_start+ctx_keys).
   struct AttnGroup {

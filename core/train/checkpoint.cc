@@ -192,8 +192,44 @@ json drafter_config_to_json(const model::DrafterConfig& c) {
               {"block_size", c.block_size},
               {"mask_token_id", c.mask_token_id},
               {"target_layer_ids", c.target_layer_ids},
-              {"num_target_layers", c.num_target_layers}};
+              {"num_target_layers", c.num_target_layers},
+              {"method", model::to_string(c.method)},
+              {"dspark",
+               {{"markov_rank", c.dspark.markov_rank},
+                {"markov_head", model::to_string(c.dspark.markov_head)},
+                {"confidence_head", c.dspark.confidence_head},
+                {"confidence_with_markov", c.dspark.confidence_with_markov}}},
+              {"dflash2",
+               {{"conv_taps", c.dflash2.conv_taps},
+                {"conv_group", c.dflash2.conv_group},
+                {"selector_rank", c.dflash2.selector_rank},
+                {"selector_top_k", c.dflash2.selector_top_k}}}};
 }
+
+namespace {
+// The method and its options; a checkpoint written before methods existed is a DFlash drafter.
+void method_from_json(const io::JsonValue& r, model::DrafterConfig& c) {
+  const std::string m = r.get_or<std::string>("method", "dflash");
+  if (m == "dspark") c.method = model::DrafterMethod::kDspark;
+  else if (m == "dflash2") c.method = model::DrafterMethod::kDflash2;
+  else if (m != "dflash") r.at("method").fail("expected dflash, dspark or dflash2, got '" + m + "'");
+  if (r.has("dspark")) {
+    const io::JsonValue d = r.at("dspark");
+    c.dspark.markov_rank = d.get<int64_t>("markov_rank");
+    const std::string h = d.get<std::string>("markov_head");
+    if (h == "gated") c.dspark.markov_head = model::MarkovHeadType::kGated;
+    else if (h == "rnn") c.dspark.markov_head = model::MarkovHeadType::kRnn;
+    else if (h != "vanilla") d.at("markov_head").fail("expected vanilla, gated or rnn, got '" + h + "'");
+    c.dspark.confidence_head = d.get<bool>("confidence_head");
+    c.dspark.confidence_with_markov = d.get<bool>("confidence_with_markov");
+  }
+  if (r.has("dflash2")) {
+    const io::JsonValue d = r.at("dflash2");
+    c.dflash2 = {d.get<int64_t>("conv_taps"), d.get<int64_t>("conv_group"), d.get<int64_t>("selector_rank"),
+                 d.get<int64_t>("selector_top_k")};
+  }
+}
+}  // namespace
 
 model::DrafterConfig drafter_config_from_json(const io::JsonValue& r) {
   model::DrafterConfig c;
@@ -217,6 +253,7 @@ model::DrafterConfig drafter_config_from_json(const io::JsonValue& r) {
   c.mask_token_id = r.get<int64_t>("mask_token_id");
   c.target_layer_ids = r.get<std::vector<int64_t>>("target_layer_ids");
   c.num_target_layers = r.get<int64_t>("num_target_layers");
+  method_from_json(r, c);
   const std::string problem = drafter_config_bounds_problem(c);
   if (!problem.empty()) r.fail("is implausible: " + problem);
   return c;
@@ -247,6 +284,15 @@ std::string drafter_config_bounds_problem(const model::DrafterConfig& c) {
   range("target_layer_ids (count)", static_cast<int64_t>(c.target_layer_ids.size()), 1, b.max_layers);
   for (size_t i = 0; i < c.target_layer_ids.size(); ++i)
     range(("target_layer_ids[" + std::to_string(i) + "]").c_str(), c.target_layer_ids[i], 0, c.num_target_layers - 1);
+  if (c.method == model::DrafterMethod::kDspark) range("dspark.markov_rank", c.dspark.markov_rank, 0, 4096);
+  if (c.method == model::DrafterMethod::kDflash2) {
+    range("dflash2.conv_taps", c.dflash2.conv_taps, 1, c.block_size);
+    range("dflash2.conv_group", c.dflash2.conv_group, 1, c.hidden_size);
+    if (p.tellp() == 0 && c.hidden_size % c.dflash2.conv_group != 0)
+      p << "dflash2.conv_group " << c.dflash2.conv_group << " must divide hidden_size " << c.hidden_size;
+    range("dflash2.selector_rank", c.dflash2.selector_rank, 1, 4096);
+    range("dflash2.selector_top_k", c.dflash2.selector_top_k, 1, std::min<int64_t>(1024, c.vocab_size));
+  }
   return p.str();
 }
 
@@ -254,7 +300,19 @@ int64_t drafter_parameter_count(const model::DrafterConfig& c) {
   // Mirrors model::Drafter's constructor. Within DrafterBounds every term stays far below 2^63.
   const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_heads, Hkv = c.num_kv_heads, I = c.intermediate_size;
   const int64_t per_layer = H + Hq * D * H + 2 * Hkv * D * H + H * Hq * D + 2 * D + H + 3 * I * H;
-  return H * c.num_context_layers() * H + H + c.num_layers * per_layer + H;
+  int64_t method = 0;
+  const int64_t V = c.vocab_size;
+  if (c.method == model::DrafterMethod::kDspark) {
+    const int64_t r = c.dspark.markov_rank;
+    if (r > 0) method += 2 * V * r;
+    if (r > 0 && c.dspark.markov_head == model::MarkovHeadType::kGated) method += r * (H + r) + r;
+    if (r > 0 && c.dspark.markov_head == model::MarkovHeadType::kRnn) method += 3 * r * (2 * r + H) + 3 * r;
+    if (c.dspark.confidence_head) method += H + (c.dspark.confidence_with_markov ? r : 0) + 1;
+  } else if (c.method == model::DrafterMethod::kDflash2) {
+    const int64_t T = c.dflash2.conv_taps, G = c.dflash2.conv_group > 0 ? H / c.dflash2.conv_group : 0, r = c.dflash2.selector_rank;
+    method += c.num_layers * 2 * (2 * T * H + 2 * T * G * H) + 2 * V * r + r * H;
+  }
+  return H * c.num_context_layers() * H + H + c.num_layers * per_layer + H + method;
 }
 
 std::string drafter_config_difference(const model::DrafterConfig& a, const model::DrafterConfig& b) {
@@ -285,6 +343,20 @@ std::string drafter_config_difference(const model::DrafterConfig& a, const model
   if (d.tellp() == 0 && a.target_layer_ids != b.target_layer_ids)
     d << "target_layer_ids: " << c10::IntArrayRef(a.target_layer_ids) << " vs " << c10::IntArrayRef(b.target_layer_ids);
   cmp("num_target_layers", a.num_target_layers, b.num_target_layers);
+  cmp("method", std::string(model::to_string(a.method)), std::string(model::to_string(b.method)));
+  if (a.method == model::DrafterMethod::kDspark && b.method == a.method) {
+    cmp("dspark.markov_rank", a.dspark.markov_rank, b.dspark.markov_rank);
+    cmp("dspark.markov_head", std::string(model::to_string(a.dspark.markov_head)),
+        std::string(model::to_string(b.dspark.markov_head)));
+    cmp("dspark.confidence_head", a.dspark.confidence_head, b.dspark.confidence_head);
+    cmp("dspark.confidence_with_markov", a.dspark.confidence_with_markov, b.dspark.confidence_with_markov);
+  }
+  if (a.method == model::DrafterMethod::kDflash2 && b.method == a.method) {
+    cmp("dflash2.conv_taps", a.dflash2.conv_taps, b.dflash2.conv_taps);
+    cmp("dflash2.conv_group", a.dflash2.conv_group, b.dflash2.conv_group);
+    cmp("dflash2.selector_rank", a.dflash2.selector_rank, b.dflash2.selector_rank);
+    cmp("dflash2.selector_top_k", a.dflash2.selector_top_k, b.dflash2.selector_top_k);
+  }
   return d.str();
 }
 

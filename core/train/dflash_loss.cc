@@ -1,4 +1,5 @@
 #include "core/train/dflash_loss.h"
+#include "core/train/successor_loss.h"
 
 #ifdef DFLASH_WITH_CUDA
 #include "core/train/cuda/fused_loss.h"
@@ -119,6 +120,32 @@ torch::Tensor embed_block_inputs(const torch::Tensor& embed, const BlockInputs& 
   return gather_block_embeddings(embed, mb.input_ids_host, anchors, B, mask_token_id, dev);
 }
 
+torch::Tensor block_hidden(const model::Drafter& drafter, const model::FrozenTargetParts& frozen, const MicroBatch& mb,
+                           const std::vector<int64_t>& anchors, const LossOptions& opt, const NoiseOptions& noise,
+                           torch::ScalarType compute) {
+  const auto& cfg = drafter.config();
+  const int64_t B = cfg.block_size;
+  auto dev = mb.input_ids_T.device();
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(dev);
+  // The fused context first: its GEMM runs on the device while the host plans the blocks (nothing
+  // between draws random numbers, so the noise is the same as in any order).
+  auto feats = mb.features_TKH;
+  if (noise.type != NoiseType::kNone && noise.amplitude > 0) {
+    if (dev.is_cuda()) torch::cuda::manual_seed(noise.seed);
+    auto gen = at::detail::createCPUGenerator(noise.seed);
+    auto shape = feats.sizes();
+    torch::Tensor r = dev.is_cuda() ? (noise.type == NoiseType::kUniform ? torch::rand(shape, f32) * 2 - 1 : torch::randn(shape, f32))
+                                    : (noise.type == NoiseType::kUniform ? torch::rand(shape, gen) * 2 - 1 : torch::randn(shape, gen));
+    feats = feats.to(torch::kFloat32) + r * noise.amplitude;
+  }
+  auto ctx = drafter.fuse_context(feats, compute);
+  auto blocks = make_blocks(anchors, mb.doc_lens, mb.input_ids_T, B, cfg.mask_token_id);
+  blocks.attn.max_group_blocks = opt.attn_group_blocks;
+  auto ctx_pos = model::doc_positions(mb.doc_lens, dev);
+  auto x = embed_block_inputs(frozen.embed, blocks, mb, anchors, B, cfg.mask_token_id).to(compute);
+  return drafter.forward(x, blocks.pos_Q, ctx, ctx_pos, blocks.attn, compute, opt.recompute_mlp);
+}
+
 MicroBatchStats forward_backward(const model::Drafter& drafter, const model::FrozenTargetParts& frozen,
                                  const MicroBatch& mb, const std::vector<int64_t>& anchors, const LossOptions& opt,
                                  const NoiseOptions& noise, torch::ScalarType compute, bool backward) {
@@ -136,24 +163,16 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   st.tokens = T;
   if (N == 0) {
     st.ce_sum = st.kl_sum = st.weight_sum = st.accept_sum = torch::zeros({}, f32);
-    if (dpace) st.weight_sum = torch::full({}, static_cast<double>(mb.doc_lens.size()), f32);
+    if (dpace && cfg.method == model::DrafterMethod::kDflash)
+      st.weight_sum = torch::full({}, static_cast<double>(mb.doc_lens.size()), f32);
     st.correct_k = st.counted_k = torch::zeros({B}, f32);
     return st;
   }
-  // The fused context first: its GEMM runs on the device while the host plans the blocks and labels
-  // below (nothing between draws random numbers, so the noise is the same as in any order).
-  auto feats = mb.features_TKH;
-  if (noise.type != NoiseType::kNone && noise.amplitude > 0) {
-    if (dev.is_cuda()) torch::cuda::manual_seed(noise.seed);
-    auto gen = at::detail::createCPUGenerator(noise.seed);
-    auto shape = feats.sizes();
-    torch::Tensor r = dev.is_cuda() ? (noise.type == NoiseType::kUniform ? torch::rand(shape, f32) * 2 - 1 : torch::randn(shape, f32))
-                                    : (noise.type == NoiseType::kUniform ? torch::rand(shape, gen) * 2 - 1 : torch::randn(shape, gen));
-    feats = feats.to(torch::kFloat32) + r * noise.amplitude;
-  }
-  auto ctx = drafter.fuse_context(feats, compute);
-  auto blocks = make_blocks(anchors, mb.doc_lens, mb.input_ids_T, B, cfg.mask_token_id);
-  blocks.attn.max_group_blocks = opt.attn_group_blocks;
+  // Drafter forward up to the final norm (graph kept for the backward). The host plans the labels
+  // below while the device runs it.
+  auto hidden = block_hidden(drafter, frozen, mb, anchors, opt, noise, compute);  // [N*B, H]
+  if (cfg.method != model::DrafterMethod::kDflash)
+    return successor_forward_backward(drafter, frozen, mb, anchors, hidden, opt, compute, backward);
 
   // Labels, weights and soft-label sources for rows (block j, position k >= 1): [N, B-1].
   std::vector<int64_t> label_idx(N * (B - 1)), doc_end(N);
@@ -181,10 +200,6 @@ MicroBatchStats forward_backward(const model::Drafter& drafter, const model::Fro
   auto labels = mb.input_ids_T.index({lidx});                                   // [R]
   auto weights = up[1] * mb.loss_mask_T.index({lidx}).to(torch::kFloat32);
 
-  // Drafter forward up to the final norm (graph kept for the backward).
-  auto ctx_pos = model::doc_positions(mb.doc_lens, dev);
-  auto x = embed_block_inputs(frozen.embed, blocks, mb, anchors, B, cfg.mask_token_id).to(compute);
-  auto hidden = drafter.forward(x, blocks.pos_Q, ctx, ctx_pos, blocks.attn, compute, opt.recompute_mlp);       // [N*B, H]
   auto rows_h = hidden.view({N, B, -1}).index({Slice(), Slice(1)}).reshape({N * (B - 1), -1});  // [R, H]
 
   // Chunked logits + loss with a hand-written gradient (no autograd graph per chunk): for chunk

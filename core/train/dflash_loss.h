@@ -41,6 +41,9 @@ struct LossOptions {
   int64_t attn_group_blocks = 64;  // blocks per masked attention call (see model::BlockAttention)
   LossType type = LossType::kDflash;
   double dpace_alpha = 0.5;  // D-PACE smoothing in [0, 1] (train.dpace_alpha); else ConfigError
+  // drafter.method: dspark / dflash2 (core/train/successor_loss.h): the terms' weights.
+  double dspark_ce_weight = 0.1, dspark_tv_weight = 0.9, dspark_confidence_weight = 1.0;  // train.dspark.*
+  double selector_weight = 1.0;                                                          // train.dflash2.selector_weight
 };
 
 // A packed micro-batch as delivered by a target server (the tensors on the drafter's device unless
@@ -72,7 +75,14 @@ struct NoiseOptions {
 };
 
 // Runs forward (and backward when `backward`) for the given sorted anchors (packed indices).
-// Throws ConfigError for D-PACE with soft labels or dpace_alpha outside [0, 1].
+// Throws ConfigError for D-PACE with soft labels or dpace_alpha outside [0, 1]. For drafter.method
+// dspark / dflash2 the objective is successor_forward_backward's (core/train/successor_loss.h).
+//
+// The backbone alone: the drafter's final-normed block rows [N*B, H] in `compute` (noise on the
+// features, the fused context, the blocks at the anchors and the draft layers), with the graph.
+torch::Tensor block_hidden(const model::Drafter& drafter, const model::FrozenTargetParts& frozen, const MicroBatch& mb,
+                           const std::vector<int64_t>& anchors, const LossOptions& opt, const NoiseOptions& noise,
+                           torch::ScalarType compute);
 MicroBatchStats forward_backward(const model::Drafter& drafter, const model::FrozenTargetParts& frozen,
                                  const MicroBatch& mb, const std::vector<int64_t>& anchors, const LossOptions& opt,
                                  const NoiseOptions& noise, torch::ScalarType compute, bool backward);

@@ -16,6 +16,7 @@
 #include "core/train/checkpoint.h"
 #include "core/util/error.h"
 #include "core/util/fileio.h"
+#include "core/util/log.h"
 
 namespace dflash::train {
 namespace fs = std::filesystem;
@@ -53,6 +54,73 @@ constexpr SharedDim kSharedDims[] = {
     {&io::TargetConfig::vocab_size, &model::DrafterConfig::vocab_size},
 };
 
+namespace {
+// The successors' fields, as their serving engines read them (docs/recipe.md#export):
+// DFlash2 as SGLang's / vLLM's DFLASH path loads it (architecture DFlash2DraftModel, the conv and
+// selector fields in dflash_config, is_causal false written out: block attention is bidirectional);
+// DSpark as SGLang's DSPARK loader reads it (architecture Qwen3DSparkModel, the head fields and
+// block_size = the drafts per round at the top level, slot k predicting anchor + k + 1).
+void add_method_fields(const model::DrafterConfig& c, json& j) {
+  if (c.method == model::DrafterMethod::kDflash2) {
+    const auto& d = c.dflash2;
+    j["architectures"] = {"DFlash2DraftModel"};
+    j["is_causal"] = false;
+    j["layer_types"] = std::vector<std::string>(c.num_layers, "full_attention");
+    auto& dc = j["dflash_config"];
+    dc["block_size"] = c.block_size;
+    dc["conv_kernel_size"] = d.conv_taps;
+    dc["conv_group_size"] = d.conv_group;
+    dc["selector_rank"] = d.selector_rank;
+    dc["selector_top_k"] = d.selector_top_k;
+  } else if (c.method == model::DrafterMethod::kDspark) {
+    const auto& d = c.dspark;
+    j["architectures"] = {"Qwen3DSparkModel"};
+    j["markov_rank"] = d.markov_rank;
+    j["markov_head_type"] = model::to_string(d.markov_head);
+    j["enable_confidence_head"] = d.confidence_head;
+    j["confidence_head_with_markov"] = d.confidence_with_markov;
+    j["mask_token_id"] = c.mask_token_id;
+    j["target_layer_ids"] = c.target_layer_ids;
+    j["sample_from_anchor"] = true;
+  }
+}
+
+// The method an HF config.json names in `architectures` (nullopt: not a drafter of ours).
+std::optional<model::DrafterMethod> method_of_architectures(const json& root) {
+  auto a = root.find("architectures");
+  if (a == root.end() || !a->is_array()) return std::nullopt;
+  for (auto& e : *a) {
+    if (!e.is_string()) continue;
+    const auto s = e.get<std::string>();
+    if (s == "DFlashDraftModel") return model::DrafterMethod::kDflash;
+    if (s == "DFlash2DraftModel") return model::DrafterMethod::kDflash2;
+    if (s == "Qwen3DSparkModel") return model::DrafterMethod::kDspark;
+  }
+  return std::nullopt;
+}
+
+// The method's fields back from config.json (as add_method_fields writes them).
+template <typename DraftValue>
+void read_method_fields(const io::JsonValue& root, const DraftValue& draft_value, model::DrafterConfig& c) {
+  if (c.method == model::DrafterMethod::kDflash2) {
+    auto& d = c.dflash2;
+    if (const auto v = draft_value("conv_kernel_size")) d.conv_taps = v->template get<int64_t>();
+    if (const auto v = draft_value("conv_group_size")) d.conv_group = v->template get<int64_t>();
+    if (const auto v = draft_value("selector_rank")) d.selector_rank = v->template get<int64_t>();
+    if (const auto v = draft_value("selector_top_k")) d.selector_top_k = v->template get<int64_t>();
+  } else if (c.method == model::DrafterMethod::kDspark) {
+    auto& d = c.dspark;
+    d.markov_rank = root.get_or<int64_t>("markov_rank", d.markov_rank);
+    const std::string h = root.get_or<std::string>("markov_head_type", "vanilla");
+    if (h == "gated") d.markov_head = model::MarkovHeadType::kGated;
+    else if (h == "rnn") d.markov_head = model::MarkovHeadType::kRnn;
+    else if (h != "vanilla") root.at("markov_head_type").fail("expected vanilla, gated or rnn, got '" + h + "'");
+    d.confidence_head = root.get_or<bool>("enable_confidence_head", d.confidence_head);
+    d.confidence_with_markov = root.get_or<bool>("confidence_head_with_markov", d.confidence_with_markov);
+  }
+}
+}  // namespace
+
 json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dtype) {
   io::TargetConfig dims;
   dims.family = io::Family::kQwen3;
@@ -86,6 +154,7 @@ json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dty
     j["rope_scaling"] = scaling;  // older loaders (transformers < 5, SGLang) read this spelling
   }
   j["rope_parameters"] = rope;
+  add_method_fields(c, j);
   return j;
 }
 
@@ -93,11 +162,10 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
   const io::JsonDocument doc = io::JsonDocument::parse_text(text, io::JsonSource{source, 0, /*config=*/true});
   const io::JsonValue root = doc.root();
   DFLASH_CHECK(root.raw().is_object(), ConfigError, source << ": config is not a JSON object");
-  bool is_dflash = false;
-  if (auto a = root.raw().find("architectures"); a != root.raw().end() && a->is_array())
-    for (auto& e : *a) is_dflash |= e.is_string() && e.get<std::string>() == "DFlashDraftModel";
-  DFLASH_CHECK(is_dflash, ConfigError,
-               source << ": field 'architectures' must contain \"DFlashDraftModel\" (not a DFlash drafter export)");
+  const auto method = method_of_architectures(root.raw());
+  DFLASH_CHECK(method.has_value(), ConfigError,
+               source << ": field 'architectures' must contain \"DFlashDraftModel\", \"DFlash2DraftModel\" or "
+                         "\"Qwen3DSparkModel\" (not a drafter export of ours)");
   const io::TargetConfig t = io::parse_hf_config_json(text, source);
   DFLASH_CHECK(t.family == io::Family::kQwen3, ConfigError,
                source << ": field 'model_type' must be \"qwen3\" for a DFlash drafter, got \"" << t.model_type << "\"");
@@ -114,6 +182,7 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
   };
 
   model::DrafterConfig c;
+  c.method = *method;
   for (const auto& d : kSharedDims) c.*d.drafter = t.*d.target;
   c.rms_norm_eps = t.rms_norm_eps;
   c.rope = model::rope_options(t.rope, static_cast<int64_t>(t.head_dim * t.rope.partial_rotary_factor));
@@ -150,6 +219,7 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
                  source << ": field 'num_hidden_layers' must be at most " << max_layers << ", got " << c.num_layers);
     c.target_layer_ids = model::default_target_layer_ids(c.num_target_layers, c.num_layers);
   }
+  read_method_fields(root, draft_value, c);
   const std::string problem = drafter_config_bounds_problem(c);
   DFLASH_CHECK(problem.empty(), ConfigError, source << ": implausible drafter shape: " << problem);
   return c;
@@ -235,11 +305,21 @@ ImportedDrafter import_hf(const std::string& dir) {
 
 void init_from_export(model::Drafter& drafter, const std::string& dir) {
   ImportedDrafter imp = import_hf(dir);
-  const std::string diff = drafter_config_difference(imp.config, drafter.config());
+  // A DFlash export warm-starts a successor's backbone: its parameters are the successor's shared
+  // ones, and the successor's own start as they were initialised (DFlash2's identity convolutions
+  // and zero successor codebook leave the DFlash drafter's predictions unchanged).
+  const bool warm = imp.config.method == model::DrafterMethod::kDflash && drafter.config().method != model::DrafterMethod::kDflash;
+  model::DrafterConfig expect = drafter.config();
+  if (warm) expect.method = model::DrafterMethod::kDflash;
+  const std::string diff = drafter_config_difference(imp.config, expect);
   DFLASH_CHECK(diff.empty(), ConfigError,
                dir << "/config.json: the exported drafter's config differs from this drafter's: " << diff
                    << " (export vs current)");
-  drafter.load_parameters(imp.tensors, dir + "/model.safetensors");
+  drafter.load_parameters(imp.tensors, dir + "/model.safetensors", /*shared_only=*/warm);
+  if (warm)
+    LOG_INFO("drafter.init_from " << dir << ": a DFlash drafter warm-starts this " << model::to_string(drafter.config().method)
+                                  << " drafter (" << imp.tensors.size() << " of " << drafter.parameters().size()
+                                  << " tensors loaded; the method's own keep their initialisation)");
 }
 
 }  // namespace dflash::train

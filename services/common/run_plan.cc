@@ -32,6 +32,18 @@ model::DrafterConfig drafter_config(const config::RunConfig& cfg, const io::Targ
   over.head_dim = cfg.drafter.head_dim;
   over.intermediate_size = cfg.drafter.intermediate_size;
   over.target_layer_ids = layer_ids;
+  over.method = cfg.drafter.method == config::DrafterMethod::kDspark    ? model::DrafterMethod::kDspark
+                : cfg.drafter.method == config::DrafterMethod::kDflash2 ? model::DrafterMethod::kDflash2
+                                                                        : model::DrafterMethod::kDflash;
+  const auto& ds = cfg.drafter.dspark;
+  over.dspark.markov_rank = ds.markov_rank;
+  over.dspark.markov_head = ds.markov_head == config::MarkovHead::kGated ? model::MarkovHeadType::kGated
+                            : ds.markov_head == config::MarkovHead::kRnn ? model::MarkovHeadType::kRnn
+                                                                         : model::MarkovHeadType::kVanilla;
+  over.dspark.confidence_head = ds.confidence_head;
+  over.dspark.confidence_with_markov = ds.confidence_with_markov;
+  const auto& d2 = cfg.drafter.dflash2;
+  over.dflash2 = {d2.conv_taps, d2.conv_group, d2.selector_rank, d2.selector_top_k};
   return model::drafter_config_for_target(target, over);
 }
 
@@ -45,6 +57,10 @@ train::TrainerOptions trainer_options_from(const config::RunConfig& cfg, torch::
   to.loss.recompute_mlp = cfg.train.recompute_mlp;
   to.loss.type = cfg.train.loss == config::LossType::kDpace ? train::LossType::kDpace : train::LossType::kDflash;
   to.loss.dpace_alpha = cfg.train.dpace_alpha;
+  to.loss.dspark_ce_weight = cfg.train.dspark.ce_weight;
+  to.loss.dspark_tv_weight = cfg.train.dspark.tv_weight;
+  to.loss.dspark_confidence_weight = cfg.train.dspark.confidence_weight;
+  to.loss.selector_weight = cfg.train.dflash2.selector_weight;
   to.schedule = {cfg.train.lr, cfg.train.warmup_ratio, 0};
   to.adamw.weight_decay = cfg.train.weight_decay;
   to.grad_clip = cfg.train.grad_clip;
@@ -202,6 +218,8 @@ nlohmann::json RunPlan::to_json() const {
            {{"gamma", t.loss.gamma}, {"soft_labels", t.loss.soft_labels}, {"kl_weight", t.loss.kl_weight},
             {"temperature", t.loss.temperature}, {"recompute_mlp", t.loss.recompute_mlp},
             {"loss", t.loss.type == train::LossType::kDpace ? "dpace" : "dflash"}, {"dpace_alpha", t.loss.dpace_alpha},
+            {"dspark_ce_weight", t.loss.dspark_ce_weight}, {"dspark_tv_weight", t.loss.dspark_tv_weight},
+            {"dspark_confidence_weight", t.loss.dspark_confidence_weight}, {"selector_weight", t.loss.selector_weight},
             {"lr", t.schedule.lr},
             {"warmup_ratio", t.schedule.warmup_ratio}, {"weight_decay", t.adamw.weight_decay}, {"grad_clip", t.grad_clip},
             {"grad_accum", t.grad_accum}, {"max_anchors", t.max_anchors},

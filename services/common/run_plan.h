@@ -76,6 +76,11 @@ struct RunPlan {
   // The trainer options with a learning-rate / noise schedule of `schedule_steps` optimizer steps
   // (the run schedule's lr_schedule_steps, or the coordinator's fixed value).
   train::TrainerOptions trainer_options(int64_t schedule_steps) const;
+  // Whether the drafter's objective reads the target's last hidden state: soft labels, or
+  // drafter.method dspark (its TV term).
+  bool objective_needs_h_last() const {
+    return trainer.loss.soft_labels || drafter.method == model::DrafterMethod::kDspark;
+  }
   // Every field above (dtype names as in dtype_name; the drafter config as checkpoints write it).
   nlohmann::json to_json() const;
 

@@ -43,8 +43,18 @@ const char* memory_source(const torch::Device& d) {
                      : "host VmHWM (peak resident set of the process) / VmRSS";
 }
 
-// The drafter of the bench: DFlash on a Qwen3-8B-shaped target (sizes from the flags).
-model::DrafterConfig bench_drafter_config(const Flags& f) {
+// --method dflash|dspark|dflash2 (default dflash).
+model::DrafterMethod bench_method(const Flags& f) {
+  const std::string m = f.get("method", "dflash");
+  if (m == "dspark") return model::DrafterMethod::kDspark;
+  if (m == "dflash2") return model::DrafterMethod::kDflash2;
+  DFLASH_CHECK(m == "dflash", ConfigError, "--method: expected dflash, dspark or dflash2, got '" << m << "'");
+  return model::DrafterMethod::kDflash;
+}
+
+// The drafter of the bench: --method (or `method` when given) on a Qwen3-8B-shaped target (sizes
+// from the flags), the method's options at their defaults.
+model::DrafterConfig bench_drafter_config(const Flags& f, std::optional<model::DrafterMethod> method = std::nullopt) {
   const int64_t H = f.get_int("hidden", 4096), V = f.get_int("vocab", 151936);
   io::TargetConfig t;
   t.family = io::Family::kQwen3;
@@ -60,6 +70,7 @@ model::DrafterConfig bench_drafter_config(const Flags& f) {
   over.num_layers = f.get_int("layers", 5);
   over.block_size = f.get_int("block-size", 16);
   over.mask_token_id = V - 1;
+  over.method = method.value_or(bench_method(f));
   return model::drafter_config_for_target(t, over);
 }
 
@@ -447,12 +458,13 @@ std::string attention_name() {
 
 // Our measurement; every tensor it makes is freed when it returns (the baseline runs afterwards on
 // the same device).
-json bench_ours(const Flags& f, const torch::Device& device, const std::optional<AbSpec>& ab) {
+json bench_ours(const Flags& f, const torch::Device& device, const std::optional<AbSpec>& ab,
+                std::optional<model::DrafterMethod> method = std::nullopt) {
   const int64_t ctx = f.get_int("context", 4096), docs = f.get_int("docs", 1);
   const int64_t repeats = f.get_int("repeats", 5), warmup = f.get_int("warmup", 2), steps = f.get_int("steps", 0);
   DFLASH_CHECK(repeats >= 1 && warmup >= 1 && steps >= 0, ConfigError,
                "bench drafter: need --repeats >= 1, --warmup >= 1, --steps >= 0");
-  const auto cfg = bench_drafter_config(f);
+  const auto cfg = bench_drafter_config(f, method);
   const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
   const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
   model::Drafter drafter(cfg, device, 0);
@@ -503,6 +515,7 @@ json bench_ours(const Flags& f, const torch::Device& device, const std::optional
   const double tflops = step_flops(cfg, to.max_anchors, ctx * docs, ctx, to.loss.soft_labels) / med / 1e12;
   const json profile = f.has("profile") ? profile_step(trainer, mb, device) : json::object();
   json out = {{"bench", "drafter"},
+              {"method", model::to_string(cfg.method)},
               {"device", f.get("device", "cuda")},
               {"attention", attention_name()},
               {"layers", cfg.num_layers},
@@ -563,7 +576,7 @@ std::string shape_flags(const Flags& f, const json& ours, const std::vector<std:
   return flags;
 }
 
-// --baseline eager: the eager PyTorch step (issue 6), scripts/reference/bench_drafter_baseline.py,
+// --baseline eager: the eager PyTorch step, scripts/reference/bench_drafter_baseline.py,
 // same shapes, same FLOP formula; it keeps its own loss chunking (2048 rows, as first measured).
 std::string eager_baseline_command(const Flags& f, const json& ours) {
   const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/reference/bench_drafter_baseline.py";
@@ -634,7 +647,7 @@ int cmd_bench_drafter(int argc, char** argv) {
           {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "context", "anchors",
            "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
            "baseline-chunk-rows", "baseline-warmup", "recompute-mlp", "embed-on",
-           "loss-curve", "python", "ab"},
+           "loss-curve", "python", "ab", "method"},
           {"soft-labels", "profile", "recompute-mlp"});
   const std::string baseline = f.get("baseline", "");
   DFLASH_CHECK(baseline.empty() || baseline == "eager" || baseline == "specforge", ConfigError,
@@ -648,6 +661,15 @@ int cmd_bench_drafter(int argc, char** argv) {
   const std::optional<AbSpec> ab = f.has("ab") ? std::optional<AbSpec>(parse_ab(f.get("ab"))) : std::nullopt;
   json out = bench_ours(f, device, ab);
   model::release_cached_memory(device);  // the baseline needs the memory
+  if (bench_method(f) != model::DrafterMethod::kDflash) {
+    // A successor's step against our own DFlash step of the same shape, in the same process.
+    const json dflash = bench_ours(f, device, std::nullopt, model::DrafterMethod::kDflash);
+    model::release_cached_memory(device);
+    out["dflash_step_ms"] = dflash.at("median_step_ms");
+    out["dflash_peak_gib"] = dflash.at("peak_gib");
+    out["step_ratio_vs_dflash"] = out.at("median_step_s").get<double>() / dflash.at("median_step_s").get<double>();
+    out["flops_note"] = "tflops / mfu count the shared backbone's FLOPs only (not the method's heads)";
+  }
   if (curve_steps > 0) {
     out["loss_curve"] = loss_curve(f, device, curve_steps);
     model::release_cached_memory(device);

@@ -201,7 +201,7 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   }
 
   LocalTrainResult res;
-  CaptureSource source(*target, shards, {plan.target_layer_ids, cfg.train.soft_labels.enabled}, device);
+  CaptureSource source(*target, shards, {plan.target_layer_ids, plan.objective_needs_h_last()}, device);
   SingleRankGroup single;
   const json provenance = pipeline::run_provenance(cfg);
   LocalSteps hooks(cfg, opt, drafter, trainer, total_steps, res, provenance);

@@ -234,7 +234,8 @@ class BatchUpload {
     const int64_t T = static_cast<int64_t>(L.tokens), KH = int64_t(L.k) * L.h;
     const auto dt = pipeline::torch_dtype(L.dtype);
     DFLASH_CHECK(!want_h_last || v.h_last() != nullptr, DataError,
-                 "packed batch " << v.header().batch_id << " has no h_last but train.soft_labels.enabled needs it (target.ship_h_last)");
+                 "packed batch " << v.header().batch_id
+                     << " has no h_last but the objective needs it (train.soft_labels.enabled or drafter.method: dspark; target.ship_h_last)");
     train::MicroBatch mb;
     const uint8_t* mask = v.loss_mask();
     mb.loss_mask_host.assign(mask, mask + T);
@@ -692,7 +693,7 @@ void DrafterRank::train() {
   if (client_) client_->set_on_lost([names = segment_names_] {
     for (const auto& n : names) stream::remove_own_segment(n);
   });
-  LinkSource source(links_, *plan_, opt_, cfg_.train.soft_labels.enabled, device_, *tcoll_, met_, prof_);
+  LinkSource source(links_, *plan_, opt_, plan_->objective_needs_h_last(), device_, *tcoll_, met_, prof_);
   std::optional<CoordinatorRequests> requests;
   if (client_) requests.emplace(*client_, rank_);
   TrainLoopOptions lo;

@@ -748,5 +748,25 @@ TEST(ConfigCheckCmd, SyntaxErrorUnreadableAndUsage) {
   EXPECT_EQ(run_check({"--help"}, &out, &err), 0);
 }
 
+// drafter.method: the successors' fields are checked, and a combination their objectives do not
+// define is refused naming the field.
+TEST(Config, DrafterMethodFieldsAndCombinations) {
+  ParseResult ok = parse(kMinimal + "drafter: {method: dflash2, dflash2: {conv_taps: 2, selector_top_k: 8}}\n");
+  EXPECT_TRUE(ok.problems.empty()) << dump(ok);
+  EXPECT_EQ(ok.config.drafter.method, DrafterMethod::kDflash2);
+  EXPECT_EQ(ok.config.drafter.dflash2.selector_top_k, 8);
+
+  ParseResult r = parse(kMinimal + "drafter: {method: dspark, dspark: {markov_rank: 0}}\n"
+                                   "train: {loss: dpace, soft_labels: {enabled: false}}\n");
+  EXPECT_EQ(paths_of(r), (std::vector<std::string>{"drafter.dspark.confidence_with_markov", "train.loss"})) << dump(r);
+
+  Problem p = only_problem(parse(kMinimal + "drafter: {method: dspark}\n"));
+  EXPECT_EQ(p.path, "train.soft_labels.enabled");
+  Problem q = only_problem(parse(kMinimal + "drafter: {method: dflash2, block_size: 4, dflash2: {conv_taps: 5}}\n"));
+  EXPECT_EQ(q.path, "drafter.dflash2.conv_taps");
+  Problem m = only_problem(parse(kMinimal + "drafter: {method: eagle}\n"));
+  EXPECT_EQ(m.path, "drafter.method");
+}
+
 }  // namespace
 }  // namespace dflash::config

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Proxmox launch path against fake `pct`/`ssh` (tests/deploy/fake-bin: they log their argv and
 # run the command here). The launch templates are read from configs/proxmox-2host.yaml and
-# expanded the way the coordinator's launcher does (issue 8 contract): {host} {ctid} substituted,
+# expanded the way the coordinator's launcher does: {host} {ctid} substituted,
 # {cmd} replaced by the worker command line, shell-quoted, with an `env K=V ...` prefix, and the
 # result run by /bin/sh -c with an EMPTY environment (pct exec and ssh forward none, so the env
 # prefix must carry everything).

@@ -1,0 +1,277 @@
+#include "core/train/successor_loss.h"
+
+#include <cmath>
+
+#include "core/model/layers.h"
+#include "core/model/successor_heads.h"
+#include "core/util/error.h"
+
+namespace dflash::train {
+namespace F = torch::nn::functional;
+using torch::indexing::Slice;
+
+SlotRows slot_rows(const model::DrafterConfig& cfg, const std::vector<int64_t>& anchors, const std::vector<int64_t>& doc_lens,
+                   double gamma) {
+  SlotRows r;
+  const int64_t B = cfg.block_size, shift = cfg.label_shift(), N = anchors.size();
+  r.first_slot = cfg.first_predicting_slot();
+  r.slots = B - r.first_slot;
+  std::vector<int64_t> starts(1, 0);
+  for (auto n : doc_lens) starts.push_back(starts.back() + n);
+  size_t d = 0;
+  for (int64_t j = 0; j < N; ++j) {
+    while (d + 1 < starts.size() && anchors[j] >= starts[d + 1]) ++d;
+    for (int64_t k = r.first_slot; k < B; ++k) {
+      const int64_t g = anchors[j] + k + shift;
+      const bool inside = g < starts[d + 1];
+      // An unsupervised row reads the anchor's own label (always inside): any valid index will do.
+      const int64_t label = inside ? g : anchors[j] + 1;
+      r.label_idx.push_back(label);
+      r.prev_idx.push_back(label - 1);
+      r.decay.push_back(inside ? static_cast<float>(std::exp(-double(k - r.first_slot) / gamma)) : 0.0f);
+    }
+  }
+  return r;
+}
+
+namespace {
+
+// One micro-batch's rows through the method's heads and objective, a chunk of rows at a time: each
+// chunk's graph (logits [rows, V] in the loss dtype) is built, differentiated into the detached
+// rows and the heads' parameters, and dropped before the next.
+class SuccessorObjective {
+ public:
+  SuccessorObjective(const model::Drafter& d, const model::FrozenTargetParts& frozen, const MicroBatch& mb,
+                     const std::vector<int64_t>& anchors, const LossOptions& opt, torch::ScalarType compute)
+      : d_(d), frozen_(frozen), mb_(mb), opt_(opt), compute_(compute), N_(anchors.size()),
+        rows_(slot_rows(d.config(), anchors, mb.doc_lens, opt.gamma)) {
+    const auto dev = mb.input_ids_T.device();
+    model::HostStaging staged;
+    staged.add(rows_.label_idx);
+    staged.add(rows_.prev_idx);
+    staged.add(rows_.decay);
+    const auto up = staged.upload(dev);
+    lidx_ = up[0];
+    labels_ = mb.input_ids_T.index({lidx_});
+    prev_ = mb.input_ids_T.index({up[1]});
+    mask_ = up[2].gt(0).logical_and(mb.loss_mask_T.index({lidx_}).gt(0)).to(torch::kFloat32);
+    // D-PACE's weights replace the position decay (they are multiplied in per chunk).
+    weights_ = opt.type == LossType::kDpace ? mask_ : up[2] * mask_;
+    loss_dt_ = compute == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+    lm_head_ = frozen.lm_head.to(compute);
+  }
+
+  // The rows of `hidden` [N*B, H] this method supervises, through the objective; backward into
+  // hidden's graph when asked.
+  MicroBatchStats run(const torch::Tensor& hidden, bool backward);
+
+ private:
+  bool dspark() const { return d_.config().method == model::DrafterMethod::kDspark; }
+  bool dpace() const { return opt_.type == LossType::kDpace; }
+  int64_t chunk_rows() const;
+  // Target log-probabilities at temperature T of rows [r0, r0 + n) (no gradient).
+  torch::Tensor target_log_probs(int64_t r0, int64_t n, double T) const;
+  struct Chunk {
+    torch::Tensor numerator, kl_numerator, correct;  // numerators: scalars (no graph); correct [n]
+  };
+  // One chunk's numerator (and KL numerator with soft labels) and correct flags; backward: its
+  // gradient into h and the heads' parameters.
+  Chunk dspark_chunk(const torch::Tensor& h, int64_t r0, int64_t n, bool backward) const;
+  Chunk dflash2_chunk(const torch::Tensor& h, int64_t r0, int64_t n, bool backward) const;
+  MicroBatchStats stats(const torch::Tensor& num, const torch::Tensor& kl, const torch::Tensor& correct) const;
+
+  const model::Drafter& d_;
+  const model::FrozenTargetParts& frozen_;
+  const MicroBatch& mb_;
+  const LossOptions& opt_;
+  torch::ScalarType compute_, loss_dt_;
+  int64_t N_;
+  SlotRows rows_;
+  torch::Tensor lidx_, labels_, prev_, mask_, weights_, lm_head_;
+};
+
+int64_t SuccessorObjective::chunk_rows() const {
+  // Whole blocks: the rnn head and D-PACE's weights run along a block's slots.
+  const int64_t S = rows_.slots;
+  return std::max<int64_t>(1, opt_.logits_chunk_rows / S) * S;
+}
+
+torch::Tensor SuccessorObjective::target_log_probs(int64_t r0, int64_t n, double T) const {
+  torch::NoGradGuard g;
+  auto h = mb_.h_last_TH.index({lidx_.narrow(0, r0, n) - 1});
+  auto t = F::linear(frozen_.final_norm(h.to(compute_)), lm_head_).to(loss_dt_);
+  return torch::log_softmax(T == 1.0 ? t : t / T, -1);
+}
+
+// The [rows, V] part of each objective has its gradient written by hand (no autograd graph over
+// the logits; for CE, TV and the unary top-K), the small heads go through autograd. With
+// q = softmax(z), p the target's distribution, m = [q < p] and M = sum_v m_v q_v:
+//   d/dz CE(z, y)          = q - onehot(y)
+//   d/dz (1 - sum min(p, q)) = -q * (m - M)
+// and the selector's scores s = z[C] + edge pass their gradient softmax(s) - onehot(pos) to the K
+// candidates' logits.
+SuccessorObjective::Chunk SuccessorObjective::dspark_chunk(const torch::Tensor& h, int64_t r0, int64_t n,
+                                                           bool backward) const {
+  const auto& o = d_.config().dspark;
+  torch::Tensor e, zc = F::linear(h, lm_head_);
+  if (o.markov_rank > 0) {
+    e = model::markov_embeddings(d_, prev_.narrow(0, r0, n), compute_);
+    zc = zc + model::markov_bias(d_, e, h, compute_);
+  }
+  auto y = labels_.narrow(0, r0, n).unsqueeze(1);
+  auto w = weights_.narrow(0, r0, n).to(loss_dt_);
+  torch::Tensor dz, num, overlap, correct;
+  {
+    torch::NoGradGuard g;
+    auto z = zc.detach().to(loss_dt_);
+    auto lse = z.logsumexp(-1, true);
+    auto q = (z - lse).exp_();
+    auto p = target_log_probs(r0, n, 1.0).exp_();
+    auto ce = (lse - z.gather(1, y)).squeeze(1);
+    overlap = torch::minimum(q, p).sum(-1);
+    num = (w * (ce * opt_.dspark_ce_weight + (1.0 - overlap) * opt_.dspark_tv_weight)).sum();
+    correct = z.argmax(-1).eq(y.squeeze(1)).to(torch::kFloat32);
+    if (backward) {
+      auto below = q.lt(p).to(loss_dt_);
+      auto M = (below * q).sum(-1, true);
+      dz = below.sub_(M).mul_(-opt_.dspark_tv_weight).add_(opt_.dspark_ce_weight).mul_(q);
+      dz.scatter_add_(1, y, torch::full({n, 1}, -opt_.dspark_ce_weight, dz.options()));
+      dz.mul_(w.unsqueeze(1));
+    }
+  }
+  std::vector<torch::Tensor> outs{zc}, grads;
+  if (backward) grads.push_back(dz.to(zc.scalar_type()));
+  if (o.confidence_head) {
+    auto c = model::confidence_logits(d_, h, e, compute_).to(loss_dt_);
+    auto bce = F::binary_cross_entropy_with_logits(c, overlap, F::BinaryCrossEntropyWithLogitsFuncOptions().reduction(torch::kNone));
+    auto conf = (w * bce).sum() * opt_.dspark_confidence_weight;
+    num = num + conf.detach();
+    outs.push_back(conf);
+    if (backward) grads.push_back(torch::ones_like(conf));
+  }
+  if (backward) torch::autograd::backward(outs, grads);
+  return {num, torch::Tensor(), correct};
+}
+
+SuccessorObjective::Chunk SuccessorObjective::dflash2_chunk(const torch::Tensor& h, int64_t r0, int64_t n,
+                                                            bool backward) const {
+  const int64_t K = d_.config().dflash2.selector_top_k, B = rows_.slots + 1;
+  auto uc = F::linear(h, lm_head_);
+  auto y = labels_.narrow(0, r0, n);
+  auto w = weights_.narrow(0, r0, n).to(loss_dt_);
+  auto mask = mask_.narrow(0, r0, n).to(loss_dt_);
+  torch::Tensor dz, num, kl, u_cand, cand, pos, contains;
+  {
+    torch::NoGradGuard g;
+    auto u = uc.detach().to(loss_dt_);
+    auto lse = u.logsumexp(-1, true);
+    auto ce = (lse - u.gather(1, y.unsqueeze(1))).squeeze(1);
+    auto wu = dpace() ? w * dpace_weights(ce, mask, B, opt_.dpace_alpha) : w;
+    num = (wu * ce).sum();
+    if (backward) {
+      dz = (u - lse).exp_();
+      dz.scatter_add_(1, y.unsqueeze(1), torch::full({n, 1}, -1.0, dz.options()));
+      dz.mul_(wu.unsqueeze(1));
+    }
+    if (opt_.soft_labels) {
+      const double T = opt_.temperature;
+      auto t_logp = target_log_probs(r0, n, T);
+      auto d_logp = torch::log_softmax(u / T, -1);
+      auto p_t = t_logp.exp();
+      kl = (w * (p_t * (t_logp - d_logp)).sum(-1)).sum();
+      if (backward) dz.add_(d_logp.exp_().sub_(p_t).mul_(w.unsqueeze(1) * (opt_.kl_weight * T)));
+    }
+    // The unary top-K; in training the label takes the K-th candidate's place when it is missing.
+    cand = std::get<1>(u.topk(K, -1));
+    auto hit = cand.eq(y.unsqueeze(1));
+    contains = hit.any(-1);
+    pos = torch::where(contains, hit.to(torch::kInt64).argmax(-1), torch::full_like(y, K - 1));
+    cand.select(1, K - 1).copy_(torch::where(contains, cand.select(1, K - 1), y));
+    u_cand = u.gather(1, cand);
+  }
+  auto s = u_cand + model::selector_edges(d_, h, prev_.narrow(0, r0, n), cand, compute_).to(loss_dt_);
+  auto sel_ce = s.logsumexp(-1) - s.gather(1, pos.unsqueeze(1)).squeeze(1);
+  auto ws = dpace() ? w * dpace_weights(sel_ce.detach(), mask, B, opt_.dpace_alpha) : w;
+  auto sel = (ws * sel_ce).sum() * opt_.selector_weight;
+  num = num + sel.detach();
+  auto correct = s.detach().argmax(-1).eq(pos).logical_and(contains).to(torch::kFloat32);
+  if (backward) {
+    {
+      torch::NoGradGuard g;  // the selector's gradient on the candidates' unary logits
+      auto ds = torch::softmax(s.detach(), -1);
+      ds.scatter_add_(1, pos.unsqueeze(1), torch::full({n, 1}, -1.0, ds.options()));
+      dz.scatter_add_(1, cand, ds.mul_((ws * opt_.selector_weight).unsqueeze(1)));
+    }
+    torch::autograd::backward({uc, sel}, {dz.to(uc.scalar_type()), torch::ones_like(sel)});
+  }
+  return {num, kl, correct};
+}
+
+MicroBatchStats SuccessorObjective::run(const torch::Tensor& hidden, bool backward) {
+  const int64_t B = d_.config().block_size, S = rows_.slots, R = N_ * S;
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(hidden.device());
+  auto rows = hidden.view({N_, B, -1}).index({Slice(), Slice(rows_.first_slot)}).reshape({R, -1}).detach();
+  auto grad_rows = backward ? torch::empty_like(rows) : torch::Tensor();
+  auto num = torch::zeros({}, f32), kl = torch::zeros({}, f32), correct = torch::empty({R}, f32);
+  const int64_t step = chunk_rows();
+  for (int64_t r0 = 0; r0 < R; r0 += step) {
+    const int64_t n = std::min(step, R - r0);
+    torch::AutoGradMode grad_mode(backward);
+    auto h = rows.narrow(0, r0, n).detach().requires_grad_(backward);  // a leaf per chunk
+    auto c = dspark() ? dspark_chunk(h, r0, n, backward) : dflash2_chunk(h, r0, n, backward);
+    num += c.numerator.to(torch::kFloat32);
+    if (c.kl_numerator.defined()) kl += c.kl_numerator.to(torch::kFloat32);
+    correct.narrow(0, r0, n).copy_(c.correct);
+    if (backward) grad_rows.narrow(0, r0, n).copy_(h.grad());
+  }
+  if (backward) {
+    auto grad = torch::zeros({N_, B, hidden.size(1)}, hidden.options());
+    grad.index_put_({Slice(), Slice(rows_.first_slot)}, grad_rows.view({N_, S, -1}));
+    hidden.backward(grad.view({N_ * B, -1}));
+  }
+  return stats(num, kl, correct);
+}
+
+MicroBatchStats SuccessorObjective::stats(const torch::Tensor& num, const torch::Tensor& kl, const torch::Tensor& correct) const {
+  const int64_t B = d_.config().block_size, S = rows_.slots;
+  const auto f32 = num.options();
+  MicroBatchStats st;
+  st.blocks = N_;
+  st.tokens = mb_.input_ids_T.size(0);
+  st.ce_sum = num;
+  st.kl_sum = kl;
+  st.weight_sum = mask_.sum();
+  auto counted = mask_.view({N_, S});
+  auto corr = (correct.view({N_, S}) * counted);
+  auto pad = torch::zeros({rows_.first_slot}, f32);
+  st.correct_k = torch::cat({pad, corr.sum(0)});
+  st.counted_k = torch::cat({pad, counted.sum(0)});
+  st.accept_sum = (1.0 + corr.cumprod(1).sum(1)).sum();
+  (void)B;
+  return st;
+}
+
+}  // namespace
+
+MicroBatchStats successor_forward_backward(const model::Drafter& drafter, const model::FrozenTargetParts& frozen,
+                                           const MicroBatch& mb, const std::vector<int64_t>& anchors,
+                                           const torch::Tensor& hidden, const LossOptions& opt,
+                                           torch::ScalarType compute, bool backward) {
+  const auto method = drafter.config().method;
+  DFLASH_CHECK(method != model::DrafterMethod::kDflash, ConfigError, "successor_forward_backward: drafter.method is dflash");
+  DFLASH_CHECK(method != model::DrafterMethod::kDspark || (opt.type != LossType::kDpace && !opt.soft_labels), ConfigError,
+               "drafter.method: dspark has its own distribution term (train.dspark.tv_weight) and position weights: set "
+               "train.soft_labels.enabled: false and train.loss: dflash");
+  DFLASH_CHECK(!(opt.type == LossType::kDpace && opt.soft_labels), ConfigError,
+               "train.loss: dpace does not combine with soft labels (set train.soft_labels.enabled: false)");
+  DFLASH_CHECK(opt.dpace_alpha >= 0.0 && opt.dpace_alpha <= 1.0, ConfigError,
+               "train.dpace_alpha: expected a value in [0, 1], got " << opt.dpace_alpha);
+  const bool needs_h_last = method == model::DrafterMethod::kDspark || opt.soft_labels;
+  DFLASH_CHECK(!needs_h_last || mb.h_last_TH.defined(), ConfigError,
+               "drafter.method: " << model::to_string(method) << (opt.soft_labels ? " with soft labels" : "")
+                                  << " needs the target's last hidden state (target.ship_h_last: true)");
+  SuccessorObjective obj(drafter, frozen, mb, anchors, opt, compute);
+  return obj.run(hidden, backward);
+}
+
+}  // namespace dflash::train
