@@ -34,7 +34,9 @@ def main(argv):
             f.write(src + "\n")
         os.replace(tmp, pth)
         print(f"dflash-tools: {pth} -> {src}" + (f" (was {old})" if old else ""))
-    sys.path = [p for p in sys.path if os.path.realpath(p) != src]
+    # This process read the old link at start: drop it, so the check below sees the new one.
+    stale = {src} | ({os.path.realpath(old)} if old else set())
+    sys.path = [p for p in sys.path if os.path.realpath(p) not in stale]
     sys.path.append(src)
     spec = importlib.util.find_spec("dflash_tools")
     where = os.path.realpath(os.path.dirname(spec.origin)) if spec and spec.origin else None

@@ -19,9 +19,6 @@ namespace dflash::train {
 namespace F = torch::nn::functional;
 using torch::indexing::Slice;
 
-namespace {
-// The fused CUDA loss kernel for CUDA bf16 logits (DFLASH_LOSS=plain|fused overrides; fused needs
-// a CUDA build and bf16 on CUDA, else ConfigError).
 bool fused_loss_enabled(const torch::Tensor& lm_head) {
   const std::string env = switches::get("DFLASH_LOSS");
 #ifdef DFLASH_WITH_CUDA
@@ -32,7 +29,6 @@ bool fused_loss_enabled(const torch::Tensor& lm_head) {
   DFLASH_CHECK(env != "fused" || ok, ConfigError, "DFLASH_LOSS=fused needs a CUDA build and bf16 logits on CUDA");
   return env == switches::kAuto ? ok : env == "fused";
 }
-}  // namespace
 
 torch::Tensor dpace_weights(const torch::Tensor& ce_R, const torch::Tensor& mask_R, int64_t B, double alpha) {
   torch::NoGradGuard no_grad;

@@ -74,6 +74,12 @@ struct NoiseOptions {
   uint64_t seed = 0;
 };
 
+// Whether the loss rows run on the fused CUDA kernels (core/train/cuda/fused_loss.h, and
+// fused_tv_loss.h for DSpark): by default for bf16 logits on CUDA; DFLASH_LOSS=plain|fused
+// overrides (fused needs a CUDA build and bf16 on CUDA, else ConfigError). `lm_head` in the compute
+// dtype on the training device.
+bool fused_loss_enabled(const torch::Tensor& lm_head);
+
 // Runs forward (and backward when `backward`) for the given sorted anchors (packed indices).
 // Throws ConfigError for D-PACE with soft labels or dpace_alpha outside [0, 1]. For drafter.method
 // dspark / dflash2 the objective is successor_forward_backward's (core/train/successor_loss.h).

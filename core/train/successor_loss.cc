@@ -6,6 +6,11 @@
 #include "core/model/successor_heads.h"
 #include "core/util/error.h"
 
+#ifdef DFLASH_WITH_CUDA
+#include "core/train/cuda/fused_loss.h"
+#include "core/train/cuda/fused_tv_loss.h"
+#endif
+
 namespace dflash::train {
 namespace F = torch::nn::functional;
 using torch::indexing::Slice;
@@ -59,6 +64,7 @@ class SuccessorObjective {
     weights_ = opt.type == LossType::kDpace ? mask_ : up[2] * mask_;
     loss_dt_ = compute == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
     lm_head_ = frozen.lm_head.to(compute);
+    fused_ = fused_loss_enabled(lm_head_);
   }
 
   // The rows of `hidden` [N*B, H] this method supervises, through the objective; backward into
@@ -69,8 +75,16 @@ class SuccessorObjective {
   bool dspark() const { return d_.config().method == model::DrafterMethod::kDspark; }
   bool dpace() const { return opt_.type == LossType::kDpace; }
   int64_t chunk_rows() const;
-  // Target log-probabilities at temperature T of rows [r0, r0 + n) (no gradient).
+  // The target's logits of rows [r0, r0 + n) in the compute dtype, and its log-probabilities at
+  // temperature T in the loss dtype (no gradient).
+  torch::Tensor target_logits(int64_t r0, int64_t n) const;
   torch::Tensor target_log_probs(int64_t r0, int64_t n, double T) const;
+  // The unary part of a DFlash2 chunk: CE numerator, KL numerator (soft labels) and, when
+  // backward, dz [n, V] in the compute dtype (fused) or the loss dtype.
+  struct Unary {
+    torch::Tensor num, kl, dz;
+  };
+  Unary dflash2_unary(const torch::Tensor& uc, const torch::Tensor& u, int64_t r0, int64_t n, bool backward) const;
   struct Chunk {
     torch::Tensor numerator, kl_numerator, correct;  // numerators: scalars (no graph); correct [n]
   };
@@ -85,6 +99,7 @@ class SuccessorObjective {
   const MicroBatch& mb_;
   const LossOptions& opt_;
   torch::ScalarType compute_, loss_dt_;
+  bool fused_ = false;  // the [rows, V] parts on the fused CUDA kernels
   int64_t N_;
   SlotRows rows_;
   torch::Tensor lidx_, labels_, prev_, mask_, weights_, lm_head_;
@@ -96,10 +111,15 @@ int64_t SuccessorObjective::chunk_rows() const {
   return std::max<int64_t>(1, opt_.logits_chunk_rows / S) * S;
 }
 
-torch::Tensor SuccessorObjective::target_log_probs(int64_t r0, int64_t n, double T) const {
+torch::Tensor SuccessorObjective::target_logits(int64_t r0, int64_t n) const {
   torch::NoGradGuard g;
   auto h = mb_.h_last_TH.index({lidx_.narrow(0, r0, n) - 1});
-  auto t = F::linear(frozen_.final_norm(h.to(compute_)), lm_head_).to(loss_dt_);
+  return F::linear(frozen_.final_norm(h.to(compute_)), lm_head_).contiguous();
+}
+
+torch::Tensor SuccessorObjective::target_log_probs(int64_t r0, int64_t n, double T) const {
+  auto t = target_logits(r0, n).to(loss_dt_);
+  torch::NoGradGuard g;
   return torch::log_softmax(T == 1.0 ? t : t / T, -1);
 }
 
@@ -121,6 +141,17 @@ SuccessorObjective::Chunk SuccessorObjective::dspark_chunk(const torch::Tensor& 
   auto y = labels_.narrow(0, r0, n).unsqueeze(1);
   auto w = weights_.narrow(0, r0, n).to(loss_dt_);
   torch::Tensor dz, num, overlap, correct;
+#ifdef DFLASH_WITH_CUDA
+  if (fused_) {  // one kernel for the [n, V] part (core/train/cuda/fused_tv_loss.h)
+    torch::NoGradGuard g;
+    auto r = cuda_tv_loss::tv_rows(zc.detach().contiguous(), target_logits(r0, n), y.squeeze(1), w,
+                                   opt_.dspark_ce_weight, opt_.dspark_tv_weight, backward);
+    overlap = r.overlap;
+    num = (w * (r.ce * opt_.dspark_ce_weight + (1.0 - overlap) * opt_.dspark_tv_weight)).sum();
+    correct = r.correct;
+    dz = r.dz;
+  } else
+#endif
   {
     torch::NoGradGuard g;
     auto z = zc.detach().to(loss_dt_);
@@ -153,6 +184,46 @@ SuccessorObjective::Chunk SuccessorObjective::dspark_chunk(const torch::Tensor& 
   return {num, torch::Tensor(), correct};
 }
 
+SuccessorObjective::Unary SuccessorObjective::dflash2_unary(const torch::Tensor& uc, const torch::Tensor& u, int64_t r0,
+                                                            int64_t n, bool backward) const {
+  torch::NoGradGuard g;
+  const int64_t B = rows_.slots + 1;
+  auto y = labels_.narrow(0, r0, n);
+  auto w = weights_.narrow(0, r0, n).to(loss_dt_);
+  auto mask = mask_.narrow(0, r0, n).to(loss_dt_);
+  Unary out;
+#ifdef DFLASH_WITH_CUDA
+  if (fused_) {  // DFlash's fused kernel (core/train/cuda/fused_loss.h); D-PACE: a first pass for the CE
+    auto z = uc.detach().contiguous();
+    auto t = opt_.soft_labels ? target_logits(r0, n) : torch::Tensor();
+    auto wu = dpace() ? w * dpace_weights(cuda_loss::loss_rows(z, t, y, w, 1.0, 0.0, false).ce, mask, B, opt_.dpace_alpha) : w;
+    auto r = cuda_loss::loss_rows(z, t, y, wu, opt_.temperature, opt_.kl_weight, backward);
+    out.num = (wu * r.ce).sum();
+    if (opt_.soft_labels) out.kl = (w * r.kl).sum();
+    out.dz = r.dz;
+    return out;
+  }
+#endif
+  auto lse = u.logsumexp(-1, true);
+  auto ce = (lse - u.gather(1, y.unsqueeze(1))).squeeze(1);
+  auto wu = dpace() ? w * dpace_weights(ce, mask, B, opt_.dpace_alpha) : w;
+  out.num = (wu * ce).sum();
+  if (backward) {
+    out.dz = (u - lse).exp_();
+    out.dz.scatter_add_(1, y.unsqueeze(1), torch::full({n, 1}, -1.0, out.dz.options()));
+    out.dz.mul_(wu.unsqueeze(1));
+  }
+  if (opt_.soft_labels) {
+    const double T = opt_.temperature;
+    auto t_logp = target_log_probs(r0, n, T);
+    auto d_logp = torch::log_softmax(u / T, -1);
+    auto p_t = t_logp.exp();
+    out.kl = (w * (p_t * (t_logp - d_logp)).sum(-1)).sum();
+    if (backward) out.dz.add_(d_logp.exp_().sub_(p_t).mul_(w.unsqueeze(1) * (opt_.kl_weight * T)));
+  }
+  return out;
+}
+
 SuccessorObjective::Chunk SuccessorObjective::dflash2_chunk(const torch::Tensor& h, int64_t r0, int64_t n,
                                                             bool backward) const {
   const int64_t K = d_.config().dflash2.selector_top_k, B = rows_.slots + 1;
@@ -160,51 +231,37 @@ SuccessorObjective::Chunk SuccessorObjective::dflash2_chunk(const torch::Tensor&
   auto y = labels_.narrow(0, r0, n);
   auto w = weights_.narrow(0, r0, n).to(loss_dt_);
   auto mask = mask_.narrow(0, r0, n).to(loss_dt_);
-  torch::Tensor dz, num, kl, u_cand, cand, pos, contains;
+  // The fused unary loss reads the logits in the compute dtype, the plain one upcast; the candidates
+  // come from the compute-dtype logits either way (the same ties).
+  const Unary unary = dflash2_unary(uc, fused_ ? uc.detach() : uc.detach().to(loss_dt_), r0, n, backward);
+  const auto u = uc.detach();
+  torch::Tensor u_cand, cand, pos, contains;
   {
     torch::NoGradGuard g;
-    auto u = uc.detach().to(loss_dt_);
-    auto lse = u.logsumexp(-1, true);
-    auto ce = (lse - u.gather(1, y.unsqueeze(1))).squeeze(1);
-    auto wu = dpace() ? w * dpace_weights(ce, mask, B, opt_.dpace_alpha) : w;
-    num = (wu * ce).sum();
-    if (backward) {
-      dz = (u - lse).exp_();
-      dz.scatter_add_(1, y.unsqueeze(1), torch::full({n, 1}, -1.0, dz.options()));
-      dz.mul_(wu.unsqueeze(1));
-    }
-    if (opt_.soft_labels) {
-      const double T = opt_.temperature;
-      auto t_logp = target_log_probs(r0, n, T);
-      auto d_logp = torch::log_softmax(u / T, -1);
-      auto p_t = t_logp.exp();
-      kl = (w * (p_t * (t_logp - d_logp)).sum(-1)).sum();
-      if (backward) dz.add_(d_logp.exp_().sub_(p_t).mul_(w.unsqueeze(1) * (opt_.kl_weight * T)));
-    }
     // The unary top-K; in training the label takes the K-th candidate's place when it is missing.
     cand = std::get<1>(u.topk(K, -1));
     auto hit = cand.eq(y.unsqueeze(1));
     contains = hit.any(-1);
     pos = torch::where(contains, hit.to(torch::kInt64).argmax(-1), torch::full_like(y, K - 1));
     cand.select(1, K - 1).copy_(torch::where(contains, cand.select(1, K - 1), y));
-    u_cand = u.gather(1, cand);
+    u_cand = u.gather(1, cand).to(loss_dt_);
   }
   auto s = u_cand + model::selector_edges(d_, h, prev_.narrow(0, r0, n), cand, compute_).to(loss_dt_);
   auto sel_ce = s.logsumexp(-1) - s.gather(1, pos.unsqueeze(1)).squeeze(1);
   auto ws = dpace() ? w * dpace_weights(sel_ce.detach(), mask, B, opt_.dpace_alpha) : w;
   auto sel = (ws * sel_ce).sum() * opt_.selector_weight;
-  num = num + sel.detach();
   auto correct = s.detach().argmax(-1).eq(pos).logical_and(contains).to(torch::kFloat32);
   if (backward) {
+    auto dz = unary.dz;
     {
       torch::NoGradGuard g;  // the selector's gradient on the candidates' unary logits
       auto ds = torch::softmax(s.detach(), -1);
       ds.scatter_add_(1, pos.unsqueeze(1), torch::full({n, 1}, -1.0, ds.options()));
-      dz.scatter_add_(1, cand, ds.mul_((ws * opt_.selector_weight).unsqueeze(1)));
+      dz.scatter_add_(1, cand, ds.mul_((ws * opt_.selector_weight).unsqueeze(1)).to(dz.scalar_type()));
     }
     torch::autograd::backward({uc, sel}, {dz.to(uc.scalar_type()), torch::ones_like(sel)});
   }
-  return {num, kl, correct};
+  return {unary.num + sel.detach(), unary.kl, correct};
 }
 
 MicroBatchStats SuccessorObjective::run(const torch::Tensor& hidden, bool backward) {

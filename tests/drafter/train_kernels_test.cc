@@ -30,6 +30,7 @@
 #ifdef DFLASH_WITH_CUDA
 #include "core/model/cuda/train_ops.h"
 #include "core/train/cuda/fused_loss.h"
+#include "core/train/cuda/fused_tv_loss.h"
 #endif
 #include "core/util/error.h"
 #include "core/util/switches.h"
@@ -971,7 +972,8 @@ TEST(FusedLossGpu, EqualsPlainOps) {
 // labels, and D-PACE (train.loss: dpace, hard labels). Sums within 1e-3, gradients within 2e-2
 // (bf16 features and weights; the two paths round at different points).
 // anchor_step: the anchors of the micro-batch every anchor_step tokens from 0 (0: gpu_micro_batch's).
-void expect_fused_equals_plain(const train::LossOptions& lo, int64_t anchor_step = 0);
+void expect_fused_equals_plain(const train::LossOptions& lo, int64_t anchor_step = 0,
+                               model::DrafterMethod method = model::DrafterMethod::kDflash);
 
 TEST(FusedLossGpu, MicroBatchEqualsPlainLoss) {
   train::LossOptions lo;
@@ -1000,9 +1002,48 @@ TEST(FusedLossGpu, DpaceMicroBatchEqualsPlainLoss) {
   expect_fused_equals_plain(lo);
 }
 
-void expect_fused_equals_plain(const train::LossOptions& lo, int64_t anchor_step) {
+// The DSpark kernel (core/train/cuda/fused_tv_loss.h) against the same quantities in fp32 ops.
+TEST(FusedLossGpu, TvRowsEqualPlainOps) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
+  torch::manual_seed(22);
+  const int64_t n = 37, V = 151936;
+  const double a_ce = 0.1, a_tv = 0.9;
+  auto o = torch::TensorOptions().device(torch::kCUDA);
+  auto z = (torch::randn({n, V}, o) * 3).to(torch::kBFloat16), t = (torch::randn({n, V}, o) * 3).to(torch::kBFloat16);
+  auto y = torch::randint(V, {n}, o.dtype(torch::kInt64));
+  y.narrow(0, 0, 5).copy_(z.narrow(0, 0, 5).argmax(-1));
+  auto w = torch::rand({n}, o);
+  auto r = train::cuda_tv_loss::tv_rows(z, t, y, w, a_ce, a_tv, /*backward=*/true);
+  auto z32 = z.to(torch::kFloat32), t32 = t.to(torch::kFloat32);
+  auto q = torch::softmax(z32, -1), p = torch::softmax(t32, -1);
+  auto ce = z32.logsumexp(-1) - z32.gather(1, y.unsqueeze(1)).squeeze(1);
+  auto ov = torch::minimum(q, p).sum(-1);
+  auto m = q.lt(p).to(torch::kFloat32);
+  auto M = (m * q).sum(-1, true);
+  auto dz = (a_ce * (q - torch::one_hot(y, V).to(torch::kFloat32)) - a_tv * q * (m - M)) * w.unsqueeze(1);
+  EXPECT_LT(rel(r.ce, ce), 1e-5);
+  EXPECT_LT(rel(r.overlap, ov), 1e-4);
+  EXPECT_TRUE(torch::equal(r.correct, z32.argmax(-1).eq(y).to(torch::kFloat32)));
+  EXPECT_EQ(r.correct.narrow(0, 0, 5).sum().item<float>(), 5.f);
+  EXPECT_LT(rel(r.dz, dz), 5e-3);  // bf16 output
+}
+
+// DSpark and DFlash2 micro-batches: the fused kernels against the plain ops (successor_loss.cc).
+TEST(FusedLossGpu, SuccessorMicroBatchesEqualPlainLoss) {
+  for (auto m : {model::DrafterMethod::kDspark, model::DrafterMethod::kDflash2}) {
+    train::LossOptions lo;
+    lo.soft_labels = m == model::DrafterMethod::kDflash2;
+    lo.logits_chunk_rows = 100;
+    expect_fused_equals_plain(lo, 0, m);
+  }
+}
+
+void expect_fused_equals_plain(const train::LossOptions& lo, int64_t anchor_step, model::DrafterMethod method) {
   ASSERT_TRUE(torch::cuda::is_available()) << "this test needs a CUDA device (ctest label gpu)";
   auto g = gpu_micro_batch();
+  g.cfg.method = method;
+  g.cfg.dspark.markov_rank = 32;
+  g.cfg.dflash2.selector_rank = 32;
   if (anchor_step > 0) {
     g.anchors.clear();
     for (int64_t a = 0; a < g.mb.input_ids_T.size(0) - 1; a += anchor_step) g.anchors.push_back(a);
