@@ -63,10 +63,13 @@ def headline(name, d):
         return (m.group(1), "") if m else ("", "")
     s = d.get("speedup_vs_baseline")
     if isinstance(s, (int, float)):
-        text = f"{d.get('context', '')}/{d.get('anchors', '')}/{d.get('block_size', '')} " \
+        method = f"{d['method']} " if d.get("method", "dflash") != "dflash" else ""
+        text = f"{method}{d.get('context', '')}/{d.get('anchors', '')}/{d.get('block_size', '')} " \
                f"{'soft' if d.get('soft_labels') else 'hard'}: {fx(s)}"
         if "memory_ratio_vs_baseline" in d:
             text += f", memory {fx(d['memory_ratio_vs_baseline'])}"
+        if "step_ratio_vs_dflash" in d:
+            text += f", step {fx(d['step_ratio_vs_dflash'])} our DFlash's"
         return text, baseline_name(d)
     if isinstance(s, dict) and s:
         return f"{d.get('shape', '')} " + ", ".join(f"{k} {fx(v)}" for k, v in sorted(s.items())), baseline_name(d)
