@@ -225,9 +225,8 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
   return c;
 }
 
-void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype,
-               const ExportProvenance& provenance) {
-  const std::string dtype_name = export_dtype_name(dtype);
+void write_drafter_folder(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype,
+                          const std::vector<std::pair<std::string, std::string>>& files) {
   std::error_code ec;
   if (fs::exists(fs::symlink_status(out_dir))) {
     DFLASH_CHECK(fs::is_directory(out_dir) && fs::is_empty(out_dir), ConfigError,
@@ -247,10 +246,7 @@ void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch:
     }
     io::save_safetensors(tmp + "/model.safetensors", tensors, {{"format", "pt"}});
     tensors.clear();
-    json config = hf_drafter_config_json(drafter.config(), dtype);
-    config["dflash_config"]["provenance"] = provenance_json(provenance);
-    write_file_synced(tmp + "/config.json", config.dump(2) + "\n");
-    write_file_synced(tmp + "/README.md", model_card(config, fs::absolute(out_dir).lexically_normal().string()));
+    for (const auto& [name, text] : files) write_file_synced(tmp + "/" + name, text);
     fsync_file(tmp + "/model.safetensors");
     fsync_dir(tmp);
     if (fs::is_directory(out_dir)) fs::remove(out_dir, ec);  // empty (checked above)
@@ -260,6 +256,15 @@ void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch:
     throw;
   }
   fsync_dir(parent.string());
+}
+
+void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype,
+               const ExportProvenance& provenance) {
+  json config = hf_drafter_config_json(drafter.config(), dtype);
+  config["dflash_config"]["provenance"] = provenance_json(provenance);
+  write_drafter_folder(drafter, out_dir, dtype,
+                       {{"config.json", config.dump(2) + "\n"},
+                        {"README.md", model_card(config, fs::absolute(out_dir).lexically_normal().string())}});
 }
 
 ImportedDrafter import_hf(const std::string& dir) {

@@ -69,6 +69,11 @@ nlohmann::json provenance_json(const ExportProvenance& p);
 // `export_dir` in vLLM and SGLang.
 std::string model_card(const nlohmann::json& config, const std::string& export_dir);
 
+// OUT with the drafter's tensors in `dtype` (model.safetensors) and `files` (name, text) beside
+// them, written as the contract above says (atomic, fsynced, OUT absent or empty).
+void write_drafter_folder(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype,
+                          const std::vector<std::pair<std::string, std::string>>& files);
+
 // Writes OUT (config.json with dflash_config.provenance, model.safetensors, README.md); contract above.
 void export_hf(const model::Drafter& drafter, const std::string& out_dir, torch::ScalarType dtype = torch::kBFloat16,
                const ExportProvenance& provenance = {});

@@ -1,16 +1,10 @@
 #include "core/train/export_speculators.h"
 
-#include <sys/stat.h>
-
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
-#include "core/io/safetensors.h"
 #include "core/util/error.h"
-#include "core/util/fileio.h"
 #include "core/util/log.h"
 
 namespace dflash::train {
@@ -162,35 +156,7 @@ void export_speculators(const model::Drafter& drafter, const std::string& out_di
                         const SpeculatorsExportInfo& info) {
   // Every check before anything is written.
   const json config = speculators_config_json(drafter.config(), dtype, info);
-  std::error_code ec;
-  if (fs::exists(fs::symlink_status(out_dir))) {
-    DFLASH_CHECK(fs::is_directory(out_dir) && fs::is_empty(out_dir), ConfigError,
-                 out_dir << " already exists and is not an empty directory; refusing to overwrite it");
-  }
-  const fs::path parent = fs::path(out_dir).parent_path().empty() ? fs::path(".") : fs::path(out_dir).parent_path();
-  fs::create_directories(parent, ec);
-  DFLASH_CHECK(!ec, DataError, parent.string() << ": cannot create: " << ec.message());
-  const std::string tmp = unique_tmp_path(out_dir);
-  DFLASH_CHECK(::mkdir(tmp.c_str(), 0755) == 0, DataError, tmp << ": cannot create: " << std::strerror(errno));
-  try {
-    std::vector<std::pair<std::string, torch::Tensor>> tensors;
-    {
-      torch::NoGradGuard g;
-      for (auto& [name, p] : drafter.parameters())
-        tensors.emplace_back(name, p.detach().to(torch::kCPU).to(dtype).contiguous());
-    }
-    io::save_safetensors(tmp + "/model.safetensors", tensors, {{"format", "pt"}});
-    tensors.clear();
-    write_file_synced(tmp + "/config.json", config.dump(2) + "\n");
-    fsync_file(tmp + "/model.safetensors");
-    fsync_dir(tmp);
-    if (fs::is_directory(out_dir)) fs::remove(out_dir, ec);  // empty (checked above)
-    rename_no_replace(tmp, out_dir);
-  } catch (...) {
-    fs::remove_all(tmp, ec);
-    throw;
-  }
-  fsync_dir(parent.string());
+  write_drafter_folder(drafter, out_dir, dtype, {{"config.json", config.dump(2) + "\n"}});
 }
 
 }  // namespace dflash::train

@@ -18,27 +18,17 @@
 #include "core/eval/spec_decode.h"
 #include "core/model/generation.h"
 #include "core/util/error.h"
+#include "tests/eval/sampling_fit.h"
 
 namespace dflash::eval {
 namespace {
-namespace F = torch::nn::functional;
 
-constexpr int64_t kVocab = 12;
+constexpr int64_t kVocab = testing::kFitVocab;
+using testing::chi_square;
+using testing::Fit;
+using testing::next_probs;
 
-std::unique_ptr<model::TargetModel> tiny_target() {
-  io::TargetConfig c{};
-  c.family = io::Family::kQwen3;
-  c.model_type = "qwen3";
-  c.rms_norm_eps = 1e-6;
-  c.rope.theta = 1e6;
-  c.max_position_embeddings = 4096;
-  c.qk_norm = true;
-  c.tie_word_embeddings = false;
-  c.weight_prefix = "model.";
-  c.vocab_size = kVocab, c.hidden_size = 32, c.intermediate_size = 64, c.num_layers = 2;
-  c.num_heads = 2, c.num_kv_heads = 1, c.head_dim = 16;
-  return model::make_random_target(c, {}, /*seed=*/3);
-}
+std::unique_ptr<model::TargetModel> tiny_target() { return testing::fit_target(); }
 
 // A random one-layer drafter of block size 4 for it (mask token = the last id).
 model::Drafter tiny_drafter(const model::TargetModel& target) {
@@ -48,48 +38,6 @@ model::Drafter tiny_drafter(const model::TargetModel& target) {
   o.mask_token_id = kVocab - 1;
   o.target_layer_ids = {1};
   return model::Drafter(model::drafter_config_for_target(target.config(), o), torch::kCPU, /*init_seed=*/5);
-}
-
-// The target's sampling distribution of the token after `seq` (fp32 [vocab]).
-std::vector<double> next_probs(model::TargetModel& t, const std::vector<int64_t>& seq, const model::SamplingOptions& s) {
-  torch::NoGradGuard g;
-  model::CaptureSpec spec;
-  spec.last_hidden = true;
-  const int64_t S = seq.size();
-  auto cap = t.forward_capture(torch::tensor(seq, torch::kInt64), {S}, spec);
-  auto logits = F::linear(t.final_norm(cap.last_hidden_TH.narrow(0, S - 1, 1)), t.lm_head_weight());
-  auto p = model::sampling_probs(logits, s)[0].to(torch::kFloat64).contiguous();
-  return std::vector<double>(p.data_ptr<double>(), p.data_ptr<double>() + kVocab);
-}
-
-struct Fit {
-  double chi2 = 0, bound = 0, tv = 0;
-  int64_t dof = 0;
-};
-
-// Pearson's chi-square of counts (n samples) against the probabilities `expect` (same bins).
-Fit chi_square(const std::vector<int64_t>& counts, const std::vector<double>& expect, int64_t n) {
-  Fit f;
-  double pooled_obs = 0, pooled_exp = 0;
-  int64_t bins = 0;
-  for (size_t i = 0; i < counts.size(); ++i) {
-    const double e = expect[i] * n, o = counts[i];
-    f.tv += 0.5 * std::abs(o / n - expect[i]);
-    if (e >= 5) {
-      f.chi2 += (o - e) * (o - e) / e;
-      ++bins;
-    } else {
-      pooled_obs += o;
-      pooled_exp += e;
-    }
-  }
-  if (pooled_exp > 0) {
-    f.chi2 += (pooled_obs - pooled_exp) * (pooled_obs - pooled_exp) / pooled_exp;
-    ++bins;
-  }
-  f.dof = bins - 1;
-  f.bound = f.dof + 6 * std::sqrt(2.0 * f.dof);
-  return f;
 }
 
 TEST(SpecSampling, KeepsTheTargetsDistribution) {
@@ -105,21 +53,9 @@ TEST(SpecSampling, KeepsTheTargetsDistribution) {
   const std::vector<int64_t> prompt = {1, 4, 2, 7, 3};
 
   // Exact: P(t1, t2, t3) = p(t1) p(t2 | t1) p(t3 | t1, t2).
-  std::vector<double> pair12(kVocab * kVocab, 0.0), pair23(kVocab * kVocab, 0.0);
-  const auto p1 = next_probs(*target, prompt, opt.sampling);
-  for (int64_t a = 0; a < kVocab; ++a) {
-    auto s1 = prompt;
-    s1.push_back(a);
-    const auto p2 = next_probs(*target, s1, opt.sampling);
-    for (int64_t b = 0; b < kVocab; ++b) {
-      pair12[a * kVocab + b] = p1[a] * p2[b];
-      if (p1[a] * p2[b] == 0) continue;
-      auto s2 = s1;
-      s2.push_back(b);
-      const auto p3 = next_probs(*target, s2, opt.sampling);
-      for (int64_t c = 0; c < kVocab; ++c) pair23[b * kVocab + c] += p1[a] * p2[b] * p3[c];
-    }
-  }
+  const auto exact = testing::exact_pairs(*target, prompt, opt.sampling);
+  const auto& pair12 = exact.pair12;
+  const auto& pair23 = exact.pair23;
 
   const int64_t N = 8000;
   const std::vector<std::vector<int64_t>> prompts(N, prompt);
