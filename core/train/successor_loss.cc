@@ -290,7 +290,7 @@ MicroBatchStats SuccessorObjective::run(const torch::Tensor& hidden, bool backwa
 }
 
 MicroBatchStats SuccessorObjective::stats(const torch::Tensor& num, const torch::Tensor& kl, const torch::Tensor& correct) const {
-  const int64_t B = d_.config().block_size, S = rows_.slots;
+  const int64_t S = rows_.slots;
   const auto f32 = num.options();
   MicroBatchStats st;
   st.blocks = N_;
@@ -304,7 +304,6 @@ MicroBatchStats SuccessorObjective::stats(const torch::Tensor& num, const torch:
   st.correct_k = torch::cat({pad, corr.sum(0)});
   st.counted_k = torch::cat({pad, counted.sum(0)});
   st.accept_sum = (1.0 + corr.cumprod(1).sum(1)).sum();
-  (void)B;
   return st;
 }
 
