@@ -25,8 +25,9 @@ weights; it has NO soft-label (KL) term. --soft-labels is therefore refused here
 caller reports the objective mismatch.
 
 Only SpecForge's DFlash modules are imported. Third-party modules they import but this path never
-calls are replaced by stubs when missing ("stubbed_module_count", and their names in
-"stubbed_modules" when there are any; calling one raises).
+calls are replaced by stubs when missing (named in "stubbed_modules" when there are any; calling one
+raises). "specforge_modules" lists the SpecForge modules the measured step was built from, as
+imported (sys.modules), so the JSON shows which code ran.
 
 Output: one JSON object on stdout (median_step_s, tokens_per_s, peak_gib, settings); progress on
 stderr. Exit: 0 measured; 1 the step failed; 2 bad usage or SpecForge not usable
@@ -318,7 +319,8 @@ def main(argv=None):
                      "objective_checkpointing": True, "soft_labels": False,
                      "fc_in_features": int(draft.fc.in_features),
                      "target_layer_ids": list(draft.target_layer_ids)},
-        "stubbed_module_count": len(stubbed), "torch": torch.__version__, "transformers": transformers.__version__})
+        "specforge_modules": sorted(m for m in sys.modules if m == "specforge" or m.startswith("specforge.")),
+        "torch": torch.__version__, "transformers": transformers.__version__})
     if stubbed:
         result["stubbed_modules"] = stubbed
     print(json.dumps(result, indent=1))
