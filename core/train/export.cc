@@ -121,7 +121,7 @@ void read_method_fields(const io::JsonValue& root, const DraftValue& draft_value
 }
 }  // namespace
 
-json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dtype) {
+json drafter_decoder_config_json(const model::DrafterConfig& c) {
   io::TargetConfig dims;
   dims.family = io::Family::kQwen3;
   dims.model_type = "qwen3";
@@ -130,13 +130,8 @@ json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dty
   dims.rope.theta = c.rope.theta;
   dims.max_position_embeddings = kExportMaxPositionEmbeddings;
   json j = io::hf_dense_config_json(dims);
-  j["architectures"] = {"DFlashDraftModel"};
   j["attention_dropout"] = 0.0;
   j["use_sliding_window"] = false;
-  j["num_target_layers"] = c.num_target_layers;
-  j["block_size"] = c.block_size;
-  j["dflash_config"] = {{"target_layer_ids", c.target_layer_ids}, {"mask_token_id", c.mask_token_id}};
-  j["dtype"] = export_dtype_name(dtype);
   json rope{{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
   const int64_t rotary = c.rope.rotary_dim > 0 ? c.rope.rotary_dim : c.head_dim;
   if (rotary != c.head_dim) {
@@ -154,6 +149,16 @@ json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dty
     j["rope_scaling"] = scaling;  // older loaders (transformers < 5, SGLang) read this spelling
   }
   j["rope_parameters"] = rope;
+  return j;
+}
+
+json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dtype) {
+  json j = drafter_decoder_config_json(c);
+  j["architectures"] = {"DFlashDraftModel"};
+  j["num_target_layers"] = c.num_target_layers;
+  j["block_size"] = c.block_size;
+  j["dflash_config"] = {{"target_layer_ids", c.target_layer_ids}, {"mask_token_id", c.mask_token_id}};
+  j["dtype"] = export_dtype_name(dtype);
   add_method_fields(c, j);
   return j;
 }

@@ -42,6 +42,9 @@ namespace dflash::train {
 // max_position_embeddings written to config.json (DrafterConfig carries none; Qwen3's value).
 constexpr int64_t kExportMaxPositionEmbeddings = 40960;
 
+// The draft decoder as a Qwen3 config.json object: shapes, norm eps, RoPE (rope_parameters, plus
+// rope_scaling for llama3 and partial_rotary_factor when only part of a head rotates).
+nlohmann::json drafter_decoder_config_json(const model::DrafterConfig& c);
 // The config.json object for `c` with weights in `dtype` (bf16 | fp16 | fp32).
 nlohmann::json hf_drafter_config_json(const model::DrafterConfig& c, torch::ScalarType dtype);
 // Parses an HF DFlash config.json text; `source` names the file in errors (ConfigError).

@@ -39,38 +39,11 @@ const char* speculators_architecture(model::DrafterMethod m) {
 // transformer_layer_config: the draft decoder as a Qwen3 config (speculators builds its layers,
 // norms and rotary embedding from it; num_hidden_layers is the number of draft layers).
 json transformer_layer_config(const model::DrafterConfig& c) {
-  json rope{{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
-  json j{{"model_type", "qwen3"},
-         {"hidden_size", c.hidden_size},
-         {"intermediate_size", c.intermediate_size},
-         {"num_hidden_layers", c.num_layers},
-         {"num_attention_heads", c.num_heads},
-         {"num_key_value_heads", c.num_kv_heads},
-         {"head_dim", c.head_dim},
-         {"vocab_size", c.vocab_size},
-         {"rms_norm_eps", c.rms_norm_eps},
-         {"max_position_embeddings", kExportMaxPositionEmbeddings},
-         {"hidden_act", "silu"},
-         {"attention_bias", false},
-         {"attention_dropout", 0.0},
-         {"tie_word_embeddings", false},
-         {"use_sliding_window", false},
-         {"sliding_window", nullptr},
-         {"layer_types", std::vector<std::string>(c.num_layers, "full_attention")},
-         {"rope_theta", c.rope.theta}};
-  if (c.rope.type == "llama3") {
-    json scaling{{"rope_type", "llama3"},
-                 {"factor", c.rope.factor},
-                 {"low_freq_factor", c.rope.low_freq_factor},
-                 {"high_freq_factor", c.rope.high_freq_factor},
-                 {"original_max_position_embeddings", c.rope.original_max_position}};
-    for (auto& [k, v] : scaling.items()) rope[k] = v;
-    j["rope_scaling"] = scaling;  // transformers < 5 reads this spelling
-  } else {
-    DFLASH_CHECK(c.rope.type == "default", ConfigError,
-                 "export --format speculators: RoPE type '" << c.rope.type << "' has no speculators spelling here");
-  }
-  j["rope_parameters"] = rope;
+  DFLASH_CHECK(c.rope.type == "default" || c.rope.type == "llama3", ConfigError,
+               "export --format speculators: RoPE type '" << c.rope.type << "' has no speculators spelling here");
+  json j = drafter_decoder_config_json(c);
+  j["sliding_window"] = nullptr;
+  j["layer_types"] = std::vector<std::string>(c.num_layers, "full_attention");
   return j;
 }
 
