@@ -4,6 +4,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace dflash {
 
@@ -20,9 +21,14 @@ class Error : public std::runtime_error {
  public:
   Error(ExitCode code, const std::string& msg) : std::runtime_error(msg), code_(code) {}
   ExitCode code() const { return code_; }
+  // "FILE:LINE" of the DFLASH_CHECK that threw it, "" otherwise. Kept out of what(), so that the
+  // messages users read carry no source locations; debug logs add it (user_message, process.h).
+  const std::string& where() const { return where_; }
+  void set_where(const char* file, int line) { where_ = std::string(file) + ":" + std::to_string(line); }
 
  private:
   ExitCode code_;
+  std::string where_;
 };
 
 struct ConfigError : Error {
@@ -44,14 +50,25 @@ int exit_code_for(const std::exception& e);
 
 }  // namespace dflash
 
-// DFLASH_CHECK(cond, ErrorType, "message " << value): throws ErrorType with file:line on failure.
-#define DFLASH_CHECK(cond, ErrT, msg)                                               \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::ostringstream dflash_oss_;                                               \
-      dflash_oss_ << msg << " [" << __FILE__ << ":" << __LINE__ << "]";             \
-      throw ErrT(dflash_oss_.str());                                                \
-    }                                                                               \
+namespace dflash::detail {
+// Throws E(msg), recording file:line in Error::where() (not in the message).
+template <class E>
+[[noreturn]] void throw_check_failure(const std::string& msg, const char* file, int line) {
+  E e(msg);
+  if constexpr (std::is_base_of_v<Error, E>) e.set_where(file, line);
+  throw e;
+}
+}  // namespace dflash::detail
+
+// DFLASH_CHECK(cond, ErrorType, "message " << value): throws ErrorType on failure; the check's
+// file:line is kept in Error::where(), never in the message (docs/cli.md#output).
+#define DFLASH_CHECK(cond, ErrT, msg)                                                   \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
+      std::ostringstream dflash_oss_;                                                   \
+      dflash_oss_ << msg;                                                               \
+      ::dflash::detail::throw_check_failure<ErrT>(dflash_oss_.str(), __FILE__, __LINE__); \
+    }                                                                                   \
   } while (0)
 
 #define DFLASH_FAIL(ErrT, msg) DFLASH_CHECK(false, ErrT, msg)

@@ -46,7 +46,15 @@ std::string strip_source_locations(const std::string& text) {
 }
 
 std::string user_message(const std::exception& e) {
-  return log_level() == LogLevel::kDebug ? e.what() : strip_source_locations(e.what());
+  std::string text = e.what();
+  const auto* err = dynamic_cast<const Error*>(&e);
+  if (log_level() == LogLevel::kDebug) return err && !err->where().empty() ? text + " [" + err->where() + "]" : text;
+  // A LibTorch error carries the C++ frames after its message: never shown to a user.
+  for (const char* trace : {"\nException raised from ", "\nframe #0"}) {
+    const auto at = text.find(trace);
+    if (at != std::string::npos) text.resize(at);
+  }
+  return strip_source_locations(text);
 }
 
 int run_command(const std::function<int()>& body) {

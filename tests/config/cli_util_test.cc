@@ -72,6 +72,25 @@ TEST(ErrorText, SourceLocationsOnlyAtDebugLevel) {
   set_log_level(LogLevel::kInfo);
 }
 
+TEST(ErrorText, ChecksKeepTheirLocationOutOfTheMessage) {
+  try {
+    DFLASH_CHECK(1 + 1 == 3, DataError, "data.jsonl:3: bad id " << 7);
+    FAIL() << "no throw";
+  } catch (const DataError& e) {
+    EXPECT_STREQ(e.what(), "data.jsonl:3: bad id 7");  // what() is what JSON and warnings carry
+    EXPECT_NE(e.where().find("cli_util_test.cc:"), std::string::npos) << e.where();
+    set_log_level(LogLevel::kDebug);
+    EXPECT_NE(user_message(e).find("[" + e.where() + "]"), std::string::npos);
+    set_log_level(LogLevel::kInfo);
+    EXPECT_EQ(user_message(e), "data.jsonl:3: bad id 7");
+  }
+  // A LibTorch error's C++ frames never reach a user.
+  const std::runtime_error torch_like(
+      "Trying to create tensor with negative dimension\nException raised from check at /pt/c10/core/x.cpp:12 "
+      "(most recent call first):\nframe #0: c10::Error::Error() + 0x9");
+  EXPECT_EQ(user_message(torch_like), "Trying to create tensor with negative dimension");
+}
+
 TEST(Log, Iso8601UtcLinesAndLevels) {
   const auto t = std::chrono::system_clock::time_point(std::chrono::milliseconds(1796126400123LL));
   EXPECT_EQ(iso8601_utc(t), "2026-12-01T12:00:00.123Z");
