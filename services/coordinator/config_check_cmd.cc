@@ -11,6 +11,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/process.h"
+#include "services/coordinator/control_token.h"
 
 namespace dflash::cli {
 
@@ -19,6 +20,8 @@ namespace {
 constexpr const char* kUsage =
     "usage: dflash config check FILE\n"
     "  Parses and validates a run config; prints every problem as FILE: field.path: message.\n"
+    "  Also checks the control token the coordinator would serve with (coordinator.token, the file of\n"
+    "  coordinator.token_file, or DFLASH_CONTROL_TOKEN): present, not a placeholder, >= 16 characters.\n"
     "  Exit status: 0 valid, 2 any problem.\n";
 
 // "run 'x': 2 target(s) + 2 drafter(s) on 1 host(s), transport shm, ..."
@@ -64,7 +67,9 @@ int cmd_config_check(int argc, char** argv) {
       std::cerr << file << ": " << result.problems.size() << " problem(s)\n";
       return kExitConfig;
     }
-    std::cout << file << ": ok\n" << summarize(result.config) << "\n";
+    // The control token the coordinator would serve with: its source must be there and not a placeholder.
+    const coordinator::TokenSource token = coordinator::token_source(result.config.coordinator);
+    std::cout << file << ": ok\n" << summarize(result.config) << "\ncontrol token: " << token.source << "\n";
     return kExitOk;
   } catch (const std::exception& e) {
     std::cerr << file << ": " << user_message(e) << "\n";

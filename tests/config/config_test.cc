@@ -114,6 +114,19 @@ TEST(Config, DataJsonlDefaultsTheShardDirIntoTheRunDir) {
             "data.jsonl[0]");
 }
 
+// run.report_to: empty by default; known trackers, each once; an unknown one is named by its index.
+TEST(Config, ReportToNamesKnownTrackers) {
+  EXPECT_TRUE(parse(kMinimal).config.run.report_to.empty());
+  ParseResult ok = parse(kMinimal + "run: {report_to: [tensorboard, wandb, mlflow]}\n");
+  EXPECT_TRUE(ok.ok()) << dump(ok);
+  EXPECT_EQ(ok.config.run.report_to, (std::vector<std::string>{"tensorboard", "wandb", "mlflow"}));
+  const Problem unknown = only_problem(parse(kMinimal + "run: {report_to: [tensorboard, comet]}\n"));
+  EXPECT_EQ(unknown.path, "run.report_to[1]");
+  EXPECT_NE(unknown.message.find("comet"), std::string::npos) << unknown.message;
+  EXPECT_EQ(only_problem(parse(kMinimal + "run: {report_to: [wandb, wandb]}\n")).path, "run.report_to[1]");
+  EXPECT_EQ(only_problem(parse(kMinimal + "run: {report_to: tensorboard}\n")).path, "run.report_to");
+}
+
 TEST(Config, EmptyDocumentReportsBothRequiredFields) {
   ParseResult r = parse("");
   EXPECT_EQ(paths_of(r), (std::vector<std::string>{"target.model_dir", "data.shard_dir"})) << dump(r);
@@ -748,6 +761,37 @@ TEST(ConfigCheckCmd, SyntaxErrorUnreadableAndUsage) {
   EXPECT_EQ(run_check({"--help"}, &out, &err), 0);
 }
 
+// The control token source of the shipped multi-host config (coordinator.token_file, from
+// $DFLASH_TOKEN_FILE): config check fails when the file is missing, empty, the example's placeholder
+// or short, and names DFLASH_CONTROL_TOKEN when that is set instead.
+TEST(ConfigCheckCmd, TokenSourceMustExistAndNotBeAPlaceholder) {
+  const std::string file = source_dir() + "/configs/proxmox-2host.yaml";
+  const std::string token = write_temp("0123456789abcdef0123456789abcdef\n");
+  std::string out, err;
+  ::setenv("DFLASH_TOKEN_FILE", token.c_str(), 1);
+  EXPECT_EQ(run_check({file}, &out, &err), 0) << err;
+  EXPECT_NE(out.find("control token: coordinator.token_file " + token), std::string::npos) << out;
+  const std::string missing = token + ".missing";
+  ::setenv("DFLASH_TOKEN_FILE", missing.c_str(), 1);
+  EXPECT_EQ(run_check({file}, &out, &err), kExitConfig);
+  EXPECT_NE(err.find("coordinator.token_file: cannot read " + missing + ": write the token into it"), std::string::npos)
+      << err;
+  ::setenv("DFLASH_CONTROL_TOKEN", "0123456789abcdef0123456789abcdef", 1);
+  EXPECT_EQ(run_check({file}, &out, &err), kExitConfig);
+  EXPECT_NE(err.find("DFLASH_CONTROL_TOKEN is set but this config reads coordinator.token_file"), std::string::npos)
+      << err;
+  ::unsetenv("DFLASH_CONTROL_TOKEN");
+  ::setenv("DFLASH_TOKEN_FILE", token.c_str(), 1);
+  for (const char* bad : {"change-me\n", "CHANGE-ME\n", "\n", "short-token\n"}) {
+    std::ofstream(token) << bad;
+    EXPECT_EQ(run_check({file}, &out, &err), kExitConfig) << bad;
+    EXPECT_NE(err.find(file + ": coordinator.token"), std::string::npos) << err;
+    EXPECT_EQ(err.find(".cc:"), std::string::npos) << err;  // no source location
+  }
+  ::unsetenv("DFLASH_TOKEN_FILE");
+  unlink(token.c_str());
+}
+
 // drafter.method: the successors' fields are checked, and a combination their objectives do not
 // define is refused naming the field.
 TEST(Config, DrafterMethodFieldsAndCombinations) {
@@ -766,6 +810,26 @@ TEST(Config, DrafterMethodFieldsAndCombinations) {
   EXPECT_EQ(q.path, "drafter.dflash2.conv_taps");
   Problem m = only_problem(parse(kMinimal + "drafter: {method: eagle}\n"));
   EXPECT_EQ(m.path, "drafter.method");
+}
+
+// drafter.sliding_window and drafter.layer_types: one entry per layer, known names, and a window
+// exactly when some layer slides.
+TEST(Config, DrafterSlidingWindowFields) {
+  ParseResult ok = parse(kMinimal + "drafter: {num_layers: 2, sliding_window: 2048, "
+                                    "layer_types: [sliding_attention, full_attention]}\n");
+  EXPECT_TRUE(ok.problems.empty()) << dump(ok);
+  EXPECT_EQ(ok.config.drafter.sliding_window, 2048);
+  EXPECT_EQ(ok.config.drafter.layer_types, (std::vector<std::string>{"sliding_attention", "full_attention"}));
+  EXPECT_TRUE(parse(kMinimal + "drafter: {sliding_window: 64}\n").problems.empty());
+  EXPECT_EQ(only_problem(parse(kMinimal + "drafter: {sliding_window: -1}\n")).path, "drafter.sliding_window");
+  EXPECT_EQ(only_problem(parse(kMinimal + "drafter: {num_layers: 2, sliding_window: 8, layer_types: [sliding_attention]}\n")).path,
+            "drafter.layer_types");
+  EXPECT_EQ(only_problem(parse(kMinimal + "drafter: {num_layers: 1, sliding_window: 8, layer_types: [local]}\n")).path,
+            "drafter.layer_types[0]");
+  EXPECT_EQ(only_problem(parse(kMinimal + "drafter: {num_layers: 1, layer_types: [sliding_attention]}\n")).path,
+            "drafter.sliding_window");
+  EXPECT_EQ(only_problem(parse(kMinimal + "drafter: {num_layers: 1, sliding_window: 8, layer_types: [full_attention]}\n")).path,
+            "drafter.layer_types");
 }
 
 }  // namespace

@@ -14,7 +14,7 @@ for key in 'Restart=on-failure' 'EnvironmentFile=/etc/dflash/coordinator.env' \
            'ExecStart=/opt/dflash/bin/dflash run ${DFLASH_CONFIG} --resume auto' 'RestartPreventExitStatus=2'; do
   grep -qxF "$key" "$unit" || { echo "FAIL: $unit lacks '$key'"; exit 1; }
 done
-grep -q '^DFLASH_CONTROL_TOKEN=' "$src/deploy/systemd/coordinator.env.example" || { echo "FAIL: env example lacks the token"; exit 1; }
+! grep -q '^DFLASH_CONTROL_TOKEN=' "$src/deploy/systemd/coordinator.env.example" || { echo "FAIL: env example sets a token the shipped configs do not read"; exit 1; }
 printf '#!/bin/sh\nexit 0\n' > "$work/opt/bin/dflash" && chmod +x "$work/opt/bin/dflash"
 DFLASH_SYSTEMD_ETC=$work/etc bash "$src/deploy/systemd/install-units.sh" "$work/opt"
 installed=$work/etc/systemd/system/dflash-coordinator.service
