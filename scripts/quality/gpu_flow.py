@@ -24,12 +24,23 @@ Steps (a step runs when the steps it needs are done, in this order of preference
                         same prompts, one prompt at a time, same dtype (in bfloat16 the two
                         implementations' different kernels split near-tied greedy paths, which
                         moves tau by more than the 1% the comparison is about)
+  xexport:<v>           for a successor drafter (drafter.method dspark | dflash2), with --xcheck-prompts:
+                        `dflash export --format speculators` of v's last checkpoint (the dtype of its
+                        run's export, the target folder as the verifier)
+  xcheck-ours:<v>       `dflash eval --batch-size 1` of v's export on xcheck.jsonl in --xcheck-dtype
+  xcheck-ref:<v>        the reference drafting loop (scripts/reference/successor_generate.py
+                        --format speculators: speculators 0.9.0's own model, loaded by its own
+                        SpeculatorModel.from_pretrained from the xexport folder, verified by
+                        transformers' target) on the same prompts, same dtype, batch 1
+  xcheck:<v>            the two side by side: prompts with identical output ids and identical
+                        acceptance lengths per round, tau by each (the check passes when all agree)
   speed:<v>             `dflash eval --batch-size 1` on speed.jsonl; speed:plain also runs the
                         target's own greedy decoding (the baseline of every speedup). These steps
                         run alone on the device (nothing else at the same time), after the others;
                         none for --recipe variants (recipe measurements compare tau).
 --recipe NAME=BASE:SECTION.FIELD=VALUE[;...] adds a variant trained like BASE with its own overrides
-(train:NAME, eval:NAME); a rerun with more --recipe flags trains only the new ones.
+(train:NAME, eval:NAME); a rerun with more --recipe flags trains only the new ones. A recipe whose
+only override is run.seed is a second seed of BASE (the report groups it with BASE).
 
 Each finished step writes OUT/steps/<step>.json (its wall time and results); a step whose record
 exists is skipped, so a rerun resumes where the last one stopped (a killed `dflash run` continues
@@ -54,12 +65,40 @@ EXIT_DEADLINE = 3
 MAX_SEQ_LEN = 2048
 BLOCK_SIZE = 16
 GROUPS = {"sharegpt_heldout": "heldout_prompts.jsonl", "humaneval": "humaneval_prompts.jsonl"}
-# Recipe variants: overrides of quality.yaml's train section (the plain DFlash loss is the baseline).
+# Recipe variants: overrides of quality.yaml by section (the plain DFlash loss is the baseline).
+_OFF = {"soft_labels": {"enabled": False}, "noise": {"type": "none"}}
 VARIANTS = {
-    "plain": {"soft_labels": {"enabled": False}, "noise": {"type": "none"}},
-    "soft": {"soft_labels": {"enabled": True}, "noise": {"type": "none"}},
-    "noise": {"soft_labels": {"enabled": False}, "noise": {"type": "uniform", "start": 0.05, "end": 0.01}},
-    "dpace": {"loss": "dpace", "soft_labels": {"enabled": False}, "noise": {"type": "none"}},
+    "plain": {"train": dict(_OFF)},
+    "soft": {"train": {"soft_labels": {"enabled": True}, "noise": {"type": "none"}}},
+    "noise": {"train": {"soft_labels": {"enabled": False}, "noise": {"type": "uniform", "start": 0.05, "end": 0.01}}},
+    "dpace": {"train": dict(_OFF, loss="dpace")},
+    # The successors with their reference recipes' per-method settings (docs/quality.md,
+    # "Successor variants"): DSpark as DeepSpec's DSpark recipe (7 drafts per round from the anchor
+    # row, gamma 4, CE 0.1 + TV 0.9 + confidence BCE 1.0, a vanilla Markov head of rank 256, the
+    # confidence head on the Markov feature, lr 6e-4, no weight decay); DFlash2 as its reference
+    # recipe (block 8: 7 drafts, gamma 7, lr 5e-4, hard-label CE + selector CE at weight 1, two
+    # taps of groups of 16 channels, a selector of rank 256 over the top 16).
+    "dspark": {"drafter": {"method": "dspark", "block_size": 7,
+                           "dspark": {"markov_rank": 256, "markov_head": "vanilla", "confidence_head": True,
+                                      "confidence_with_markov": True}},
+               "train": dict(_OFF, loss="dflash", gamma=4, lr=6.0e-4, weight_decay=0.0,
+                             dspark={"ce_weight": 0.1, "tv_weight": 0.9, "confidence_weight": 1.0})},
+    "dflash2": {"drafter": {"method": "dflash2", "block_size": 8,
+                            "dflash2": {"conv_taps": 2, "conv_group": 16, "selector_rank": 256, "selector_top_k": 16}},
+                "train": dict(_OFF, loss="dflash", gamma=7, lr=5.0e-4, dflash2={"selector_weight": 1.0})},
+}
+SUCCESSORS = ("dspark", "dflash2")  # drafter.method values the reference loop cross-checks
+# What each successor's reference recipe does that this run does not (our config has no such knob,
+# or the setting is held equal for every method on purpose); results.json carries it beside the
+# settings that differ from `plain` (computed from the configs).
+REFERENCE_NOT_APPLIED = {
+    "dspark": ["5 draft layers in the reference recipe; here 3 for every method (the drafter shape is held equal)",
+               "10 epochs at 512 sequences per step in the reference; here the same data, epochs and steps as "
+               "every method"],
+    "dflash2": ["a constant learning rate in the reference; here 4% warmup then cosine decay, as every method "
+                "(the config has no constant schedule)",
+                "5 draft layers with sliding-window attention of 2048 in the reference; here 3 full-attention "
+                "layers, as every method (documents are at most 2048 tokens, so a 2048 window sees them whole)"],
 }
 ZLAB_VARIANTS = ("plain", "specforge")
 # Wall seconds per step kind on one H200 at the full setting (docs/quality.md, "Time budget"); only
@@ -67,9 +106,13 @@ ZLAB_VARIANTS = ("plain", "specforge")
 # Measured 2026-12-02 with 4 trainings, then 4 evals and the z-lab pairs side by
 # side, at the default prompt counts except the batch-1 kinds (zlab-ours, zlab, speed), which were
 # measured on 16 prompts and scale with their prompt count (PER_PROMPT_KINDS; the values are per 32).
+# The cross-check kinds (xcheck-ours like zlab-ours; xcheck-ref, an uncached reference loop, guessed at
+# 1.5x z-lab's generate) are not measured yet.
 DEFAULT_ESTIMATE_S = {"regenerate": 340, "import": 10, "prompts": 1, "plan": 10, "train": 300, "specforge": 300,
-                      "eval": 240, "zlab-ours": 320, "zlab": 370, "compare": 1, "speed": 100}
-PER_PROMPT_KINDS = {"zlab-ours": "zlab_prompts", "zlab": "zlab_prompts", "speed": "speed_prompts"}
+                      "eval": 240, "zlab-ours": 320, "zlab": 370, "compare": 1, "speed": 100, "xexport": 20,
+                      "xcheck-ours": 320, "xcheck-ref": 560}
+PER_PROMPT_KINDS = {"zlab-ours": "zlab_prompts", "zlab": "zlab_prompts", "speed": "speed_prompts",
+                    "xcheck-ours": "xcheck_prompts", "xcheck-ref": "xcheck_prompts"}
 
 
 class StepError(Exception):
@@ -132,8 +175,9 @@ class GpuFlow:
             raise StepError("--variants: 'specforge' needs 'plain' (its steps and drafter shape)")
         if a.parallel < 1:
             raise StepError(f"--parallel: expected >= 1, got {a.parallel}")
-        if a.zlab_prompts > a.eval_prompts or a.speed_prompts > a.eval_prompts:
-            raise StepError("--zlab-prompts and --speed-prompts must not exceed --eval-prompts (same prompts)")
+        if max(a.zlab_prompts, a.speed_prompts, a.xcheck_prompts) > a.eval_prompts:
+            raise StepError("--zlab-prompts, --speed-prompts and --xcheck-prompts must not exceed --eval-prompts "
+                            "(same prompts)")
         self.estimates = dict(DEFAULT_ESTIMATE_S)
         for k, count in PER_PROMPT_KINDS.items():  # the defaults are for 32 prompts
             self.estimates[k] *= getattr(a, count) / 32
@@ -199,11 +243,30 @@ class GpuFlow:
                               lambda v=v: {}, env=self.ref_env, stdout=os.path.join(self.out, "evals", f"zlab_{v}.json")))
             steps.append(Step(f"zlab:{v}", "compare", [f"zlab-ours:{v}", f"zlab-generate:{v}"], None,
                               lambda v=v: self.collect_zlab(v)))
+        steps += self.xcheck_steps()
         if a.speed_prompts > 0:  # not for --recipe variants: their tau decides, and speed steps run alone
             for v in (v for v in self.variants if v not in self.recipes):
                 deps = [f"train:{v}", "prompts"] + ([] if v == "plain" else ["speed:plain"])
                 steps.append(Step(f"speed:{v}", "speed", deps, lambda v=v: self.speed_command(v),
                                   lambda v=v: self.collect_speed(v), exclusive=True))
+        return steps
+
+    def xcheck_steps(self):
+        """The reference cross-check of every successor variant (not the --recipe ones)."""
+        if self.a.xcheck_prompts <= 0:
+            return []
+        steps = []
+        for v in (v for v in self.variants if v in VARIANTS and self.method_of(v) in SUCCESSORS):
+            steps += [Step(f"xexport:{v}", "xexport", [f"train:{v}"], lambda v=v: self.xexport_command(v),
+                           lambda v=v: {"export": self.xexport_dir(v)}),
+                      Step(f"xcheck-ours:{v}", "xcheck-ours", [f"train:{v}", "prompts"],
+                           lambda v=v: self.eval_argv(v, "xcheck", f"xcheck_ours_{v}", 1, self.a.xcheck_dtype),
+                           lambda v=v: {}),
+                      Step(f"xcheck-ref:{v}", "xcheck-ref", [f"xexport:{v}", "prompts"],
+                           lambda v=v: self.xcheck_ref_command(v), lambda v=v: {}, env=self.ref_env,
+                           stdout=os.path.join(self.out, "evals", f"xcheck_ref_{v}.json")),
+                      Step(f"xcheck:{v}", "compare", [f"xcheck-ours:{v}", f"xcheck-ref:{v}"], None,
+                           lambda v=v: self.collect_xcheck(v))]
         return steps
 
     def collect_regenerate(self):
@@ -225,33 +288,56 @@ class GpuFlow:
             for r in read_jsonl(os.path.join(self.bundle, "data", f))[:a.eval_prompts]:
                 rows.append({"id": r.get("id"), "input_ids": r["input_ids"], "group": g})
         first = [r for r in rows if r["group"] == "sharegpt_heldout"]
-        for name, subset in (("eval", rows), ("speed", first[:a.speed_prompts]), ("zlab", first[:a.zlab_prompts])):
+        for name, subset in (("eval", rows), ("speed", first[:a.speed_prompts]), ("zlab", first[:a.zlab_prompts]),
+                             ("xcheck", first[:a.xcheck_prompts])):
             with open(os.path.join(self.out, "prompts", name + ".jsonl"), "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in subset)
         counts = {g: sum(1 for r in rows if r["group"] == g) for g in GROUPS}
-        return {"eval": counts, "speed": min(a.speed_prompts, len(first)), "zlab": min(a.zlab_prompts, len(first))}
+        return {"eval": counts, "speed": min(a.speed_prompts, len(first)), "zlab": min(a.zlab_prompts, len(first)),
+                "xcheck": min(a.xcheck_prompts, len(first))}
 
-    def train_config(self, v):
-        """quality.yaml with the bundle's paths, epochs, dtype, this variant's train overrides and a
+    def config_dict(self, v):
+        """quality.yaml with the bundle's paths, epochs, dtype, this variant's overrides and a
         control plane of its own (ephemeral port, no /metrics) so variants can run side by side."""
         import yaml
         cfg = yaml.safe_load(open(os.path.join(HERE, "quality.yaml")))
         cfg["run"].update(name=f"quality-{v}", output_dir=os.path.join(self.out, "runs", v), epochs=self.a.epochs)
         cfg["target"].update(model_dir=self.model, dtype=self.a.dtype)
         cfg["data"]["shard_dir"] = self.shards
-        base, own = self.recipes[v] if v in self.recipes else (v, [])
-        for k, val in VARIANTS[base].items():
-            if isinstance(val, dict):
-                cfg["train"].setdefault(k, {}).update(val)
-            else:
-                cfg["train"][k] = val
-        cfg["topology"]["c10d_port_base"] = 29700 + 16 * self.variants.index(v)
+        base, own = self.base_of(v), self.recipes[v][1] if v in self.recipes else []
+        for section, fields in VARIANTS[base].items():
+            merge(cfg.setdefault(section, {}), fields)
+        slot = self.variants.index(v) if v in self.variants else len(self.variants)  # plain as a baseline only
+        cfg["topology"]["c10d_port_base"] = 29700 + 16 * slot
         for kv in (self.a.set or []) + own:  # a recipe's own overrides last: they win
             apply_set(cfg, kv)
-        cfg["target"]["ship_h_last"] = bool(cfg["train"]["soft_labels"]["enabled"])
+        # The target ships its last hidden state when the objective reads it: soft labels, or
+        # DSpark's distribution terms.
+        cfg["target"]["ship_h_last"] = bool(cfg["train"]["soft_labels"]["enabled"]) or \
+            cfg["drafter"].get("method", "dflash") == "dspark"
+        return cfg
+
+    def train_config(self, v):
+        """config_dict(v) written to OUT/configs/<v>.yaml (what `dflash run` reads)."""
+        import yaml
         path = os.path.join(self.out, "configs", v + ".yaml")
-        yaml.safe_dump(cfg, open(path, "w"), sort_keys=False)
+        yaml.safe_dump(self.config_dict(v), open(path, "w"), sort_keys=False)
         return path
+
+    def base_of(self, v):
+        return self.recipes[v][0] if v in self.recipes else v
+
+    def method_of(self, v):
+        """drafter.method of v's config (dflash for SpecForge's drafter)."""
+        return "dflash" if v == "specforge" else self.config_dict(v)["drafter"].get("method", "dflash")
+
+    def recipe_differences(self, v):
+        """The settings of v's config that differ from `plain`'s (paths, names and ports aside):
+        {SECTION.FIELD: {"plain": value, v: value}}."""
+        skip = {"run.name", "run.output_dir", "topology.c10d_port_base"}
+        mine, ref = flatten(self.config_dict(v)), flatten(self.config_dict("plain"))
+        return {k: {"plain": ref.get(k), v: mine.get(k)} for k in sorted(set(mine) | set(ref))
+                if k not in skip and mine.get(k) != ref.get(k)}
 
     def train_command(self, v):
         return [self.dflash, "run", self.train_config(v), "--device", self.a.device, "--quiet"]
@@ -308,7 +394,7 @@ class GpuFlow:
         if v == "specforge":
             return "dflash"
         base, own = self.recipes[v] if v in self.recipes else (v, [])
-        loss = VARIANTS[base].get("loss", "dflash")
+        loss = VARIANTS[base]["train"].get("loss", "dflash")
         for kv in (self.a.set or []) + own:  # the order train_config applies them in
             if kv.startswith("train.loss="):
                 loss = kv.partition("=")[2]
@@ -352,6 +438,47 @@ class GpuFlow:
         return {"prompts": len(z), "dtype": self.a.zlab_dtype, "tau_zlab": zs["tau"], "tau_ours": os_["tau"],
                 "ratio": zs["tau"] / os_["tau"] if os_["tau"] else None, "same_output_prompts": same}
 
+    def xexport_dir(self, v):
+        return os.path.join(self.out, "runs", v, "export-speculators")
+
+    def last_checkpoint(self, v):
+        """v's checkpoint of its last step (runs/<v>/checkpoints/step-NNNNNNNN)."""
+        steps = self.record(f"train:{v}")["steps"]
+        path = os.path.join(self.out, "runs", v, "checkpoints", f"step-{steps:08d}")
+        if not os.path.isfile(os.path.join(path, "state.json")):
+            raise StepError(f"{path}: no checkpoint of train:{v}'s last step {steps}")
+        return path
+
+    def xexport_command(self, v):
+        """`dflash export --format speculators` in the dtype of the run's own export (its weights are
+        then the ones our eval reads), the target folder as the verifier."""
+        dtype = json.load(open(os.path.join(self.export_of(v), "config.json")))["dtype"]
+        return [self.dflash, "export", "--checkpoint", self.last_checkpoint(v), "--out", self.xexport_dir(v),
+                "--format", "speculators", "--dtype", dtype, "--verifier", self.model]
+
+    def xcheck_ref_command(self, v):
+        return [sys.executable, os.path.join(ROOT, "scripts", "reference", "successor_generate.py"), "--target",
+                self.model, "--drafter", self.xexport_dir(v), "--format", "speculators", "--input",
+                os.path.join(self.out, "prompts", "xcheck.jsonl"), "--max-new-tokens", str(self.a.max_new_tokens),
+                "--stop-token-ids", stop_ids(self.model), "--device", self.a.device, "--dtype", self.a.xcheck_dtype]
+
+    def collect_xcheck(self, v):
+        """Ours and the reference loop on the same prompts: identical output ids and acceptance
+        lengths per round on every prompt, tau by each."""
+        ref = json.load(open(os.path.join(self.out, "evals", f"xcheck_ref_{v}.json")))["results"]
+        ours = json.load(open(os.path.join(self.out, "evals", f"xcheck_ours_{v}.json")))["results"]
+        if len(ours) != len(ref):  # both in xcheck.jsonl's order
+            raise StepError(f"xcheck:{v}: the reference has {len(ref)} results, ours {len(ours)} (the same prompts "
+                            "expected)")
+        rs, os_ = group_stats(ref), group_stats(ours)
+        ids = sum(1 for a, b in zip(ref, ours) if a["output_ids"] == b["output_ids"])
+        lens = sum(1 for a, b in zip(ref, ours) if a["acceptance_lengths"] == b["acceptance_lengths"])
+        return {"prompts": len(ref), "dtype": self.a.xcheck_dtype, "method": self.method_of(v),
+                "reference": "speculators 0.9.0 model (SpeculatorModel.from_pretrained of `dflash export --format "
+                             "speculators`), scripts/reference/successor_generate.py loop",
+                "tau_reference": rs["tau"], "tau_ours": os_["tau"], "same_output_prompts": ids,
+                "same_acceptance_prompts": lens, "identical": ids == lens == len(ref)}
+
     def speed_command(self, v):  # plain's also runs the target's own greedy decoding (the baseline)
         return self.eval_argv(v, "speed", f"speed_{v}", 1, self.a.dtype, baseline=v == "plain")
 
@@ -383,7 +510,29 @@ class GpuFlow:
         out = open(step.stdout or log + ".out", "w")
         return subprocess.Popen(argv, stdout=out, stderr=open(log + ".err", "w"), env=step.env), log
 
+    def host_info(self):
+        """OUT/host.json, once per output folder: the build (`dflash --version`) and the device that
+        measured (the GPU's name through torch, in a child process: the flow itself holds no CUDA
+        context). The report names both beside the speedups."""
+        path = os.path.join(self.out, "host.json")
+        if os.path.isfile(path):
+            return json.load(open(path))
+        version = subprocess.run([self.dflash, "--version"], capture_output=True, text=True)
+        if version.returncode != 0:
+            raise StepError(f"{self.dflash} --version exited {version.returncode}: {version.stderr[-500:]}")
+        gpu = None
+        if self.a.device.startswith("cuda"):
+            probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
+                                   capture_output=True, text=True)
+            if probe.returncode != 0:
+                raise StepError(f"the GPU's name: torch exited {probe.returncode}: {probe.stderr[-500:]}")
+            gpu = probe.stdout.strip()
+        info = {"dflash_version": version.stdout.strip(), "gpu": gpu, "device": self.a.device}
+        write_json(path, info)
+        return info
+
     def run(self):
+        self.host_info()
         t0 = time.time()
         deadline = t0 + self.a.deadline_s if self.a.deadline_s else None
         done = {s.name for s in self.steps if self.record(s.name)}
@@ -455,7 +604,11 @@ class GpuFlow:
                            "speed": f"first {prompts.get('speed')} held-out ShareGPT prompts, batch 1, "
                                     "greedy baseline on the same prompts",
                            "zlab": f"first {prompts.get('zlab')} held-out ShareGPT prompts, batch 1, {a.zlab_dtype}, "
-                                   "z-lab's dflash_generate and our eval"},
+                                   "z-lab's dflash_generate and our eval",
+                           "xcheck": f"first {prompts.get('xcheck')} held-out ShareGPT prompts, batch 1, "
+                                     f"{a.xcheck_dtype}, the reference loop with speculators' model and our eval"},
+               "host": json.load(open(os.path.join(self.out, "host.json")))
+               if os.path.isfile(os.path.join(self.out, "host.json")) else None,
                "steps": {n: r["wall_s"] for n, r in rec.items() if r},
                "regenerate": (rec.get("regenerate") or {}).get("stats"), "variants": {}}
         for v in self.variants:
@@ -463,17 +616,43 @@ class GpuFlow:
             r = {"steps": tr["steps"] if tr else None, "train_wall_s": tr["wall_s"] if tr else None,
                  "export": tr["export"] if tr else None, "groups": ev["groups"] if ev else None,
                  "loss_curve": os.path.join(self.out, "curves", v + ".json") if tr else None}
-            for k in ("zlab", "speed"):
+            for k in ("zlab", "speed", "xcheck"):
                 if rec.get(f"{k}:{v}"):
                     r[k] = {x: y for x, y in rec[f"{k}:{v}"].items() if x not in ("step", "kind")}
             if v in self.recipes:
                 r["recipe"] = {"base": self.recipes[v][0], "set": self.recipes[v][1]}
             r["loss"] = self.loss_of(v)
+            if v != "specforge":
+                cfg = self.config_dict(v)
+                r.update(base=self.base_of(v), method=self.method_of(v), seed=cfg["run"]["seed"],
+                         block_size=cfg["drafter"]["block_size"], differs_from_plain=self.recipe_differences(v))
+                if self.method_of(v) in REFERENCE_NOT_APPLIED:
+                    r["reference_not_applied"] = REFERENCE_NOT_APPLIED[self.method_of(v)]
             res["variants"][v] = r
         sp = rec.get("speed:plain")
         res["target_greedy"] = ({"tokens_per_second": sp["greedy_tokens_per_second"], "seconds": sp["greedy_seconds"],
                                  "prompts": sp["prompts"], "batch_size": 1} if sp else None)
         return res
+
+
+def merge(node, fields):
+    """fields (nested dicts) into node, section by section."""
+    for k, val in fields.items():
+        if isinstance(val, dict):
+            merge(node.setdefault(k, {}), val)
+        else:
+            node[k] = val
+
+
+def flatten(cfg, prefix=""):
+    """{"a.b.c": value} of a nested config dict (lists are values)."""
+    out = {}
+    for k, val in cfg.items():
+        if isinstance(val, dict):
+            out.update(flatten(val, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = val
+    return out
 
 
 def apply_set(cfg, kv):
@@ -497,8 +676,8 @@ def apply_set(cfg, kv):
 
 def parse_recipes(specs):
     """--recipe NAME=BASE:SECTION.FIELD=VALUE[;SECTION.FIELD=VALUE...] -> {NAME: (BASE, [overrides])}:
-    a variant trained like BASE (plain, soft, noise or dpace) with its own overrides, for the recipe
-    measurements (e.g. layers5=plain:drafter.num_layers=5)."""
+    a variant trained like BASE (one of VARIANTS) with its own overrides, for the recipe
+    measurements (e.g. layers5=plain:drafter.num_layers=5) and second seeds (dspark_s2=dspark:run.seed=4321)."""
     out = {}
     for spec in specs:
         name, eq, rest = spec.partition("=")
@@ -537,7 +716,7 @@ def add_arguments(g):
     g.add_argument("bundle")
     g.add_argument("out")
     g.add_argument("--variants", default="plain,specforge,soft,noise,dpace",
-                   help="our recipe variants (plain, soft, noise, dpace) and specforge (needs plain)")
+                   help="our recipe variants (plain, soft, noise, dpace, dspark, dflash2) and specforge (needs plain)")
     g.add_argument("--epochs", type=int, default=1, help="epochs over the regenerated data (the lr schedule's length)")
     g.add_argument("--device", default="cuda")
     g.add_argument("--dtype", default="bfloat16")
@@ -548,6 +727,9 @@ def add_arguments(g):
     g.add_argument("--speed-prompts", type=int, default=32, help="first N held-out prompts for the speedup (batch 1)")
     g.add_argument("--zlab-prompts", type=int, default=32, help="first N held-out prompts for the z-lab cross-check")
     g.add_argument("--zlab-dtype", default="float32", help="dtype of the z-lab cross-check, both sides")
+    g.add_argument("--xcheck-prompts", type=int, default=0,
+                   help="first N held-out prompts for the successors' cross-check with the reference loop (0: none)")
+    g.add_argument("--xcheck-dtype", default="float32", help="dtype of the successors' cross-check, both sides")
     g.add_argument("--parallel", type=int, default=1, help="steps run at once (trainings and evals as processes)")
     g.add_argument("--deadline-s", type=float, default=0, help="start no step that would end later (0: none); exit 3")
     g.add_argument("--estimate", action="append", metavar="KIND=S", help="wall estimate of a step kind (seconds)")

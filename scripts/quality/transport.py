@@ -11,6 +11,15 @@ What travels (DEST is the rebuilt bundle):
                             SpecForge 0.2.0 and z-lab's `dflash` (both MIT, their LICENSE files
                             beside them), imported as modules by the reference steps of `run.py
                             gpu`; never part of our sources
+  refpy/speculators, refpy/pydantic, refpy/typing_inspection, refpy/annotated_types,
+  refpy/typing_extensions.py
+                            vLLM speculators 0.9.0 (Apache-2.0; the successors' reference loop) and
+                            the pure-Python part of what its models import that the host lacks
+                            (pydantic 2 and its helpers; typing_extensions at the version pydantic
+                            asks for), from the Python running `pack`
+  refwheels/*.whl           pydantic_core (compiled) as binary wheels for several CPython versions
+                            (`run.py fetch` downloads them); unpack extracts the one of the host's
+                            Python into refpy (install_ref_wheels)
   model/<small files>       the bundle's config, generation config and tokenizer files, so the
                             rebuilt folder is the bundle's byte for byte
   data/*                    the prepared data (large files gzip-compressed in transit)
@@ -33,7 +42,10 @@ import tempfile
 
 MIB = 1 << 20
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-REFERENCE_MODULES = ("specforge", "dflash")  # SpecForge 0.2.0, z-lab dflash
+# SpecForge 0.2.0, z-lab dflash, speculators 0.9.0 and the pure-Python packages its models need.
+REFERENCE_MODULES = ("specforge", "dflash", "speculators", "pydantic", "typing_inspection", "annotated_types")
+REFERENCE_SINGLE_FILES = ("typing_extensions",)  # one-file modules
+REF_WHEELS = "refwheels"  # binary wheels (pydantic_core), one per CPython version
 COMPLETE = ".complete"
 EXIT_INCOMPLETE = 3
 
@@ -77,6 +89,14 @@ def module_dir(name):
     return pkg, licences
 
 
+def module_file(name):
+    """The source file of a one-file module (e.g. typing_extensions.py)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise TransportError(f"the Python running this has no one-file module '{name}' to ship")
+    return spec.origin
+
+
 def tree_files(src, dest_prefix):
     """(source path, pack name) of every file under src except caches."""
     out = []
@@ -103,6 +123,12 @@ def pack_sources(bundle):
         pkg, licences = module_dir(name)
         files += [(p, n, False) for p, n in tree_files(pkg, "refpy/" + name)]
         files += [(p, f"refpy/{name}/{os.path.basename(p)}.dist", False) for p in licences]
+    files += [(module_file(name), f"refpy/{name}.py", False) for name in REFERENCE_SINGLE_FILES]
+    wheels = os.path.join(bundle, REF_WHEELS)
+    found = sorted(f for f in os.listdir(wheels) if f.endswith(".whl")) if os.path.isdir(wheels) else []
+    if not found:
+        raise TransportError(f"{wheels}: no binary wheels (pydantic_core; run `run.py fetch` first)")
+    files += [(os.path.join(wheels, f), f"{REF_WHEELS}/{f}", False) for f in found]
     model = os.path.join(bundle, "model")
     files += [(os.path.join(model, f), "model/" + f, False) for f in sorted(os.listdir(model))
               if f != "model.safetensors" and os.path.isfile(os.path.join(model, f))]
@@ -301,6 +327,28 @@ def rebuild_model(index, dest, python):
     return how
 
 
+def install_ref_wheels(dest, tag=None):
+    """Extracts each binary wheel of DEST/refwheels built for this Python (tag `cpXY`, default the
+    running interpreter's) into DEST/refpy; returns the wheels extracted. A package with wheels but
+    none for this Python is an error naming the versions there are."""
+    import zipfile
+    tag = tag or f"cp{sys.version_info.major}{sys.version_info.minor}"
+    wheels = os.path.join(dest, REF_WHEELS)
+    by_package = {}
+    for f in sorted(os.listdir(wheels)) if os.path.isdir(wheels) else []:
+        if f.endswith(".whl"):
+            by_package.setdefault(f.split("-")[0], []).append(f)
+    done = []
+    for package, names in sorted(by_package.items()):
+        mine = [f for f in names if f.split("-")[2] == tag]
+        if not mine:
+            raise TransportError(f"{wheels}: no {package} wheel for this Python ({tag}); there are {names}")
+        with zipfile.ZipFile(os.path.join(wheels, mine[0])) as z:
+            z.extractall(os.path.join(dest, "refpy"))
+        done.append(mine[0])
+    return done
+
+
 def unpack(paths, dest, python):
     """Stores the given parts in DEST; when every part is there, rebuilds the bundle in DEST.
     Returns a status dict: complete (bool), missing_parts, model (how the rebuilt model compares)."""
@@ -320,7 +368,7 @@ def unpack(paths, dest, python):
     if missing:
         return status
     assemble(index, incoming, dest)
-    status.update(complete=True, model=rebuild_model(index, dest, python))
+    status.update(complete=True, model=rebuild_model(index, dest, python), ref_wheels=install_ref_wheels(dest))
     json.dump(status, open(os.path.join(dest, COMPLETE), "w"))
     shutil.rmtree(incoming)
     return status

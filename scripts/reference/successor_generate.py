@@ -7,7 +7,9 @@ speculators 0.9.0 ships the models but no drafting loop, so the loop is written 
 model computation in it is speculators' or HF transformers' own:
   - the drafter: `DSparkDraftModel` / `DFlash2DraftModel` built from our HF export and loaded by name
     exactly as scripts/quality/check_successor_speculators.py does (strict keys), its embedding and
-    lm_head the target's; each round runs its fc + hidden_norm over the target features of the
+    lm_head the target's; or (--format speculators) our `dflash export --format speculators` folder
+    loaded by speculators' own `SpeculatorModel.from_pretrained`, which resolves the class from the
+    config and rebuilds the embedding and lm_head from the verifier the export names; each round runs its fc + hidden_norm over the target features of the
     accepted prefix and its decoder layers over [context, block] with no mask (the block attends the
     whole context and itself), from scratch (no cache), then its final norm and lm_head;
   - DSpark's walk: x_k = argmax(U_k + markov_head.block_bias(prev tokens [anchor, x_0..x_{k-1}],
@@ -30,8 +32,9 @@ per round) every round's drafts, rejected ones included, must equal the referenc
 bias), plain_argmax (DFlash2 drafts by the unary argmax, no selector).
 
 Usage: successor_generate.py --target DIR --drafter EXPORT_DIR --input PROMPTS.jsonl --max-new-tokens N
-                             [--block-size B] [--stop-token-ids a,b] [--compare OURS.json]
-                             [--mutate no_markov|plain_argmax] [--dtype float32|float64]
+                             [--format hf|speculators] [--block-size B] [--stop-token-ids a,b]
+                             [--compare OURS.json] [--mutate no_markov|plain_argmax]
+                             [--dtype float32|float64] [--device cpu|cuda]
 Prints {"results": [{"output_ids": [...], "acceptance_lengths": [...]}...]} on stdout.
 Exit: 0 agreement (or no --compare), 1 disagreement, 2 bad usage / missing file / wrong speculators.
 """
@@ -48,6 +51,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "quality"))
 from speculators_ref import import_speculators  # noqa: E402
 
 METHODS = {"Qwen3DSparkModel": "dspark", "DFlash2DraftModel": "dflash2"}
+SPECULATORS_METHODS = {"dspark": "dspark", "dflash2": "dflash2"}  # speculators_model_type -> method
 
 
 def log(*a):
@@ -71,9 +75,20 @@ def load_prompts(path):
 class Reference:
     """The drafter (speculators) and the target (transformers) of one export, with the round rule."""
 
-    def __init__(self, target_dir, export_dir, dtype, mutate):
-        from check_successor_speculators import build_reference
+    def __init__(self, target_dir, export_dir, dtype, mutate, fmt="hf", device="cpu"):
         from transformers import AutoModelForCausalLM
+        self.mutate, self.device = mutate, torch.device(device)
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(self.device).eval()
+        if fmt == "speculators":
+            self.model = self.load_speculators(export_dir)
+        else:
+            self.model = self.load_hf(export_dir)
+        self.model = self.model.to(device=self.device, dtype=dtype).eval()
+
+    def load_hf(self, export_dir):
+        """speculators' model class of our HF export, built and loaded by name; the target's
+        embedding and lm_head."""
+        from check_successor_speculators import build_reference
         with open(os.path.join(export_dir, "config.json")) as f:
             cfg = json.load(f)
         arch = [a for a in cfg.get("architectures", []) if a in METHODS]
@@ -84,18 +99,44 @@ class Reference:
         self.block_size = int(cfg["block_size"])
         self.layer_ids = list(cfg["dflash_config"]["target_layer_ids"])
         self.mask = int(cfg["dflash_config"]["mask_token_id"])
-        self.mutate = mutate
-        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-        self.model = build_reference(export_dir, {"method": self.method, "block_size": self.block_size}).to(dtype)
-        self.model.eval()
+        model = build_reference(export_dir, {"method": self.method, "block_size": self.block_size})
         with torch.no_grad():
-            self.model.embed_tokens.weight.copy_(self.target.get_input_embeddings().weight)
-            self.model.lm_head.weight.copy_(self.target.get_output_embeddings().weight)
+            model.embed_tokens.weight.copy_(self.target.get_input_embeddings().weight)
+            model.lm_head.weight.copy_(self.target.get_output_embeddings().weight)
+        return model
+
+    def load_speculators(self, export_dir):
+        """Our speculators-format export through speculators' own loader: the class from the
+        config's speculators_model_type, the drafter's tensors (strict: no missing, unexpected or
+        mismatched key), the embedding and lm_head from the verifier the export names."""
+        from speculators.config import SpeculatorModelConfig
+        from speculators.model import SpeculatorModel
+        with open(os.path.join(export_dir, "config.json")) as f:
+            cfg = json.load(f)
+        method = SPECULATORS_METHODS.get(cfg.get("speculators_model_type"))
+        if method is None:
+            raise ValueError(f"{export_dir}/config.json: speculators_model_type {cfg.get('speculators_model_type')!r} "
+                             "is not dspark or dflash2")
+        if bool(cfg.get("sample_from_anchor")) != (method == "dspark"):
+            raise ValueError(f"{export_dir}/config.json: sample_from_anchor {cfg.get('sample_from_anchor')} is not "
+                             f"the {method} convention this loop drafts with")
+        self.method, self.block_size = method, int(cfg["block_size"])
+        self.layer_ids, self.mask = list(cfg["aux_hidden_state_layer_ids"]), int(cfg["mask_token_id"])
+        config = SpeculatorModelConfig.from_pretrained(export_dir)
+        config.transformer_layer_config._attn_implementation = "eager"  # noqa: SLF001
+        model, info = SpeculatorModel.from_pretrained(export_dir, config=config, output_loading_info=True)
+        bad = {k: sorted(map(str, v)) for k, v in info.items() if v}
+        if bad:
+            raise ValueError(f"{export_dir}: speculators' loading report is not clean: {bad}")
+        if torch.isnan(model.lm_head.weight).any() or torch.isnan(model.embed_tokens.weight).any():
+            raise ValueError(f"{export_dir}: the verifier's embedding / lm_head were not loaded (NaN)")
+        return model
 
     @torch.no_grad()
     def target_forward(self, ids):
         """(logits [S, V], captured features [S, K*H]) of one uncached forward over ids."""
-        out = self.target(input_ids=torch.tensor([ids]), use_cache=False, output_hidden_states=True)
+        out = self.target(input_ids=torch.tensor([ids], device=self.device), use_cache=False,
+                          output_hidden_states=True)
         feats = torch.cat([out.hidden_states[l + 1][0] for l in self.layer_ids], dim=-1)
         return out.logits[0], feats
 
@@ -105,8 +146,8 @@ class Reference:
         [anchor, MASK x (rows - 1)] at positions start..start+rows-1: final-normed hidden [rows, H]."""
         m = self.model
         ctx = m.hidden_norm(m.fc(feats[:start].unsqueeze(0)))
-        x = m.embed_tokens(torch.tensor([[anchor] + [self.mask] * (rows - 1)]))
-        pos = torch.arange(start + rows).unsqueeze(0)
+        x = m.embed_tokens(torch.tensor([[anchor] + [self.mask] * (rows - 1)], device=self.device))
+        pos = torch.arange(start + rows, device=self.device).unsqueeze(0)
         pe = m.rotary_emb(x, pos)
         for layer in m.layers:
             x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos,
@@ -121,7 +162,8 @@ class Reference:
         for k in range(h.shape[0]):
             s = unary[k]
             if head is not None and self.mutate != "no_markov":
-                bias = head.block_bias(prev_token_ids=torch.tensor([prev]), hidden_states=h[: k + 1].unsqueeze(0))
+                bias = head.block_bias(prev_token_ids=torch.tensor([prev], device=self.device),
+                                       hidden_states=h[: k + 1].unsqueeze(0))
                 s = s + bias[0, k].to(s.dtype)
             drafts.append(int(torch.argmax(s)))
             prev.append(drafts[-1])
@@ -136,7 +178,7 @@ class Reference:
             if self.mutate == "plain_argmax":
                 drafts.append(int(torch.argmax(unary[k])))
             else:
-                cand, scores = sel.select(unary[k : k + 1], h[k : k + 1], torch.tensor([pred]))
+                cand, scores = sel.select(unary[k : k + 1], h[k : k + 1], torch.tensor([pred], device=self.device))
                 drafts.append(int(cand[0, torch.argmax(scores[0])]))
             pred = drafts[-1]
         return drafts
@@ -200,6 +242,9 @@ def main(argv=None):
     ap.add_argument("--compare", default=None, help="our results JSON ({\"results\": [...]})")
     ap.add_argument("--mutate", default="", choices=("", "no_markov", "plain_argmax"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    ap.add_argument("--format", default="hf", choices=("hf", "speculators"),
+                    help="--drafter is our HF export, or our `dflash export --format speculators` folder")
+    ap.add_argument("--device", default="cpu", help="torch device of the target and the drafter (cpu, cuda)")
     args = ap.parse_args(argv)
     for p in (os.path.join(args.target, "config.json"), os.path.join(args.drafter, "config.json"), args.input):
         if not os.path.isfile(p):
@@ -217,12 +262,20 @@ def main(argv=None):
     except (OSError, ValueError, KeyError) as e:
         log(f"ERROR: {e}")
         return 2
+    if args.format == "speculators":  # before speculators is imported: its weight loading logs through loguru
+        from check_speculators_export import provide_loguru
+        provide_loguru()
     _, stubbed = import_speculators()
     log(f"speculators imported; stubbed training-stack modules: {stubbed}")
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = Reference(args.target, args.drafter, getattr(torch, args.dtype), args.mutate)
+        try:
+            ref = Reference(args.target, args.drafter, getattr(torch, args.dtype), args.mutate, args.format,
+                            args.device)
+        except ValueError as e:
+            log(f"ERROR: {e}")
+            return 2
         B = args.block_size or ref.block_size
         stops = {int(t) for t in args.stop_token_ids.split(",")} if args.stop_token_ids else set()
         results = [ref.generate(p, args.max_new_tokens, B, stops) for p in prompts]

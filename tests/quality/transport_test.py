@@ -7,17 +7,50 @@ a fake bundle (a 3 MiB "GGUF", pylib, the model's small files and a safetensors,
   - parts stored over two batches (in reverse order): the first batch leaves exactly the other
     parts missing; after the second, assemble() rebuilds every file with the bundle's bytes;
   - a damaged chunk, and a part of another pack, are refused (TransportError naming them);
-  - safetensors_tensor_digests() ignores the header order and sees a changed tensor.
+  - safetensors_tensor_digests() ignores the header order and sees a changed tensor;
+  - the reference modules travel (SpecForge, speculators, pydantic, typing_extensions) and
+    install_ref_wheels() extracts the binary wheel of the asked CPython version into refpy, and
+    refuses a version with no wheel.
 The round trip with the real conversion is in tests/quality/fetch_test.sh. Exit 0 when all hold."""
 import hashlib
+import io
 import json
 import os
 import shutil
 import sys
+import zipfile
 
 import torch
 from safetensors.torch import save_file
 from verdict import verdict
+
+
+def fake_wheel(tag):
+    """A wheel of a package 'pydantic_core' built for CPython `tag`, its module naming the tag."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("pydantic_core/__init__.py", f"TAG = {tag!r}\n")
+        z.writestr("pydantic_core-9.9.9.dist-info/WHEEL", f"Tag: {tag}-{tag}-manylinux_2_17_x86_64\n")
+    return buf.getvalue()
+
+
+def ref_checks(transport, dest):
+    fails = []
+    for name in ("specforge/__init__.py", "speculators/__init__.py", "pydantic/__init__.py", "typing_extensions.py",
+                 "annotated_types/__init__.py", "typing_inspection/__init__.py"):
+        if not os.path.isfile(os.path.join(dest, "refpy", name)):
+            fails.append(f"refpy/{name} not shipped")
+    done = transport.install_ref_wheels(dest, "cp312")
+    got = open(os.path.join(dest, "refpy", "pydantic_core", "__init__.py")).read()
+    if done != ["pydantic_core-9.9.9-cp312-cp312-manylinux_2_17_x86_64.whl"] or "cp312" not in got:
+        fails.append(f"install_ref_wheels(cp312): {done}, module {got!r}")
+    try:
+        transport.install_ref_wheels(dest, "cp399")
+        fails.append("a CPython version without a wheel was accepted")
+    except transport.TransportError as e:
+        if "cp399" not in str(e):
+            fails.append(f"no wheel: message {e}")
+    return fails
 
 
 def main():
@@ -31,6 +64,8 @@ def main():
              "pylib/acc/__init__.py": b"X = 1\n", "model/config.json": b'{"a": 1}', "model/tokenizer.json": b"{}",
              "data/train.jsonl": b"".join(b'{"input_ids": [%d, 2, 3]}\n' % i for i in range(60000)),
              "data/heldout_prompts.jsonl": b'{"input_ids": [1]}\n'}
+    for tag in ("cp311", "cp312"):
+        files[f"{transport.REF_WHEELS}/pydantic_core-9.9.9-{tag}-{tag}-manylinux_2_17_x86_64.whl"] = fake_wheel(tag)
     for name, data in files.items():
         os.makedirs(os.path.dirname(os.path.join(b, name)), exist_ok=True)
         open(os.path.join(b, name), "wb").write(data)
@@ -65,8 +100,7 @@ def main():
     for name, data in files.items():
         if not name.startswith("model/") and open(os.path.join(dest, name), "rb").read() != data:
             fails.append(f"{name}: rebuilt bytes differ")
-    if not os.path.isfile(os.path.join(dest, "refpy", "specforge", "__init__.py")):
-        fails.append("refpy/specforge not shipped")
+    fails += ref_checks(transport, dest)
     chunk = os.path.join(parts[0], sorted(f for f in os.listdir(parts[0]) if f.endswith(".bin"))[0])
     open(chunk, "r+b").write(b"\0\0\0\0")
     for bad, what in ((parts[:1], "damaged"), ([parts[1]], "pack")):
