@@ -251,6 +251,28 @@ EventFile read_event_file(const std::string& path) {
   return out;
 }
 
+namespace {
+void add_scalars(const nlohmann::json& v, const std::string& tag, std::vector<std::pair<std::string, double>>& out) {
+  if (v.is_number()) {
+    out.emplace_back(tag, v.get<double>());
+  } else if (v.is_array()) {
+    for (size_t i = 0; i < v.size(); ++i) add_scalars(v[i], tag + "/" + std::to_string(i), out);
+  } else if (v.is_object()) {
+    for (const auto& [k, x] : v.items()) add_scalars(x, tag + "/" + k, out);
+  }
+}
+}  // namespace
+
+std::vector<std::pair<std::string, double>> record_scalars(const nlohmann::json& record) {
+  std::vector<std::pair<std::string, double>> out;
+  if (!record.is_object() || !record.contains("step") || !record["step"].is_number_integer()) return out;
+  const auto ev = record.find("event");
+  const std::string prefix = ev != record.end() && ev->is_string() ? ev->get<std::string>() + "/" : "";
+  for (const auto& [k, v] : record.items())
+    if (k != "step" && k != "event") add_scalars(v, prefix + k, out);
+  return out;
+}
+
 bool is_event_file_name(const std::string& name) { return name.find("tfevents") != std::string::npos; }
 
 ScalarEventWriter::ScalarEventWriter(std::string dir) : dir_(std::move(dir)) {

@@ -30,6 +30,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace dflash::metrics::tensorboard {
 
 uint32_t crc32c(const void* data, size_t n);
@@ -61,6 +63,12 @@ EventFile read_event_file(const std::string& path);
 
 // True for the file names TensorBoard reads as event files (containing "tfevents").
 bool is_event_file_name(const std::string& name);
+
+// The scalars of one metrics.jsonl record as TensorBoard tags: every number but "step", by its key;
+// array element i as KEY/i, object members as KEY/MEMBER (nested likewise); strings, booleans and
+// nulls are left out. A record with an "event" name (such as "eval") prefixes its tags with
+// "EVENT/". Records without an integer "step" have no scalars.
+std::vector<std::pair<std::string, double>> record_scalars(const nlohmann::json& record);
 
 class ScalarEventWriter {
  public:

@@ -139,6 +139,20 @@ TEST(TensorBoard, ReopenedWriterSkipsLoggedSteps) {
   EXPECT_EQ(loss, (std::vector<std::pair<int64_t, float>>{{1, 3.0f}, {2, 2.0f}, {3, 1.0f}, {4, 0.5f}}));
 }
 
+// Every number of a metrics.jsonl record becomes a tag; eval lines are prefixed.
+TEST(TensorBoard, RecordScalarsTakeEveryNumber) {
+  using Scalars = std::vector<std::pair<std::string, double>>;
+  const auto step = nlohmann::json::parse(
+      R"({"step": 3, "epoch": 0, "loss": 2.5, "acc_k": [1.0, 0.5], "lr": 1e-4, "tokens": 96, "skipped_nonfinite": false,
+          "kl": null})");
+  EXPECT_EQ(record_scalars(step),
+            (Scalars{{"acc_k/0", 1.0}, {"acc_k/1", 0.5}, {"epoch", 0}, {"loss", 2.5}, {"lr", 1e-4}, {"tokens", 96}}));
+  const auto eval = nlohmann::json::parse(R"({"event": "eval", "step": 4, "checkpoint": "c", "tau": 1.5, "groups": {"code": 2.0}})");
+  EXPECT_EQ(record_scalars(eval), (Scalars{{"eval/groups/code", 2.0}, {"eval/tau", 1.5}}));
+  EXPECT_TRUE(record_scalars(nlohmann::json::parse(R"({"loss": 1.0})")).empty());
+  EXPECT_TRUE(record_scalars(nlohmann::json::parse(R"({"step": 1.5, "loss": 1.0})")).empty());
+}
+
 // A corrupt event file in the directory stops the writer before it writes anything.
 TEST(TensorBoard, WriterRefusesADirectoryWithACorruptFile) {
   ScratchDir tmp;
