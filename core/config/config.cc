@@ -161,6 +161,7 @@ void fields(V& v, RunSection& s) {
   v("keep_last", s.keep_last);
   v("keep_every", s.keep_every);
   v("resume", s.resume);
+  v("report_to", s.report_to);
 }
 
 template <class V>
@@ -963,6 +964,19 @@ void validate(RunConfig& c, Ctx& ctx) {
   at_least(ctx, "train.soft_labels.kl_weight", c.train.soft_labels.kl_weight, 0.0);
   positive(ctx, "train.soft_labels.temperature", c.train.soft_labels.temperature);
   at_least(ctx, "train.noise.start", c.train.noise.start, 0.0);
+// run.report_to: known trackers, each once (docs/metrics.md#trackers).
+void validate_report_to(const std::vector<std::string>& trackers, Ctx& ctx) {
+  std::set<std::string> seen;
+  for (size_t i = 0; i < trackers.size(); ++i) {
+    const std::string& t = trackers[i];
+    const std::string path = join_index("run.report_to", i);
+    if (t != "tensorboard" && t != "wandb" && t != "mlflow")
+      ctx.check(path, "unknown tracker '" + t + "': expected tensorboard, wandb or mlflow");
+    else if (!seen.insert(t).second)
+      ctx.check(path, "'" + t + "' is listed twice");
+  }
+}
+
   at_least(ctx, "train.noise.end", c.train.noise.end, 0.0);
   at_least(ctx, "train.max_nonfinite_steps", c.train.max_nonfinite_steps, 0);
   in_range(ctx, "train.dpace_alpha", c.train.dpace_alpha, 0.0, 1.0);
@@ -975,6 +989,7 @@ void validate(RunConfig& c, Ctx& ctx) {
               "expected true when train.soft_labels.enabled is true (soft labels need h_last)");
   }
 
+  validate_report_to(c.run.report_to, ctx);
   // data
   if (c.data.shard_dir.empty()) ctx.check("data.shard_dir", "required field is missing");  // data.jsonl sets a default
   at_least(ctx, "data.max_batch_size", c.data.max_batch_size, 1);

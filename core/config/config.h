@@ -85,6 +85,9 @@ struct RunSection {
 };
 
 struct TargetSection {
+  // Trackers that receive metrics.jsonl's scalars (docs/metrics.md#trackers): each of
+  // tensorboard | wandb | mlflow at most once. Empty = none.
+  std::vector<std::string> report_to;
   std::string model_dir;                  // REQUIRED: HF-style dir (config.json + safetensors)
   Dtype dtype = Dtype::kBfloat16;
   std::vector<int> target_layer_ids;      // empty = the paper's default formula; else >= 0, unique

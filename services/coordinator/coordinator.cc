@@ -29,6 +29,7 @@
 #include "services/common/run_plan.h"
 #include "services/coordinator/control_token.h"
 #include "services/coordinator/plan_report.h"
+#include "services/coordinator/python_module.h"
 
 extern char** environ;
 
@@ -105,6 +106,7 @@ int Coordinator::run() {
     const int rc = supervise();
     drain_evals();
     finish();
+    start_trackers();
     return rc;
   } catch (...) {
     if (lock_) {  // the directory is ours: leave no shared memory of this run behind
@@ -553,6 +555,7 @@ void Coordinator::poll_workers(Outcome& out, int& alive, int& drafters, int& dra
       if (w.exit.exited) {
         w.state = w.exit.code == 0 ? "done" : "failed";
         if (stopped_by_signal(w.exit)) w.state = "stopped";
+    if (trackers_) trackers_->poll();
         if (w.exit.code != 0 && out.worker < 0 && !(stop_requested_ && w.spec.role == config::Role::kTarget) &&
             !stopped_by_signal(w.exit)) {
           out.worker = static_cast<int>(i);
@@ -752,6 +755,7 @@ void Coordinator::stop_run(const RecoveryDecision& d, const WorkerState& w) {
   const int64_t committed = ledger_->state().committed_step();
   ledger_->append({{"type", "stopped"}, {"reason", d.reason}, {"step", committed}});
   switch (d.stop_cause) {
+      if (trackers_) trackers_->poll();
     case StopCause::kNotRetriable:  // a bad config or bad data fails the same way on every restart
       LOG_ERROR("run stopped (not restarted: " << (d.exit_code == kExitConfig ? "config" : "data") << " error): " << d.reason
                                                << "; log: " << w.spec.log_path);
@@ -809,3 +813,17 @@ void Coordinator::finish() {
 }
 
 }  // namespace dflash::coordinator
+// The trackers of run.report_to; the sidecars' Python only when wandb or mlflow is asked for.
+void Coordinator::start_trackers() {
+  const auto& to = cfg_.run.report_to;
+  if (to.empty()) return;
+  TrackerOptions o;
+  o.run_dir = cfg_.run.output_dir;
+  o.report_to = to;
+  o.run_name = cfg_.run.name;
+  if (std::find(to.begin(), to.end(), "wandb") != to.end() || std::find(to.begin(), to.end(), "mlflow") != to.end())
+    o.python = cli::python_interpreter("");
+  trackers_ = std::make_unique<RunTrackers>(std::move(o));
+}
+
+  if (trackers_) trackers_->finish();

@@ -40,7 +40,8 @@
 //      4 data) and a "stopped" record; the last commit stays valid for --resume.
 // 5. finish(): the run ended: exit 0 when every drafter finished (rank 0 committed the final
 //    checkpoint and exported; a "finished" record), or after `dflash stop` / SIGINT / SIGTERM once
-//    the drafters stopped with a checkpoint (a "stopped" record). The server stops,
+//    the drafters stopped with a checkpoint (a "stopped" record). The trackers of run.report_to
+//    get metrics.jsonl's last lines (services/coordinator/trackers.h). The server stops,
 //    coordinator.json is removed and the run's dead /dev/shm segments are unlinked (also on the
 //    way out after an error, and at the start for leftovers of a killed launch).
 // tau during training (config `eval:`, docs/recipe.md#tau-during-training; coordinator_eval.cc):
@@ -92,6 +93,7 @@ struct RunOptions {
   std::string resume;                 // --resume: "" | "latest" | "auto" | a committed checkpoint dir
   bool plan_only = false;             // --plan
   std::optional<std::string> device;  // --device cpu|cuda (default: cuda on a CUDA build whose host has an NVIDIA GPU)
+#include "services/coordinator/trackers.h"
   bool quiet = false;                 // --quiet: no progress lines, no per-worker start lines
   std::optional<int> metrics_port;    // --metrics-port (default coordinator.metrics_port; <= 0: none)
   // --plan-samples/--plan-lengths (only with --plan): the samples' token counts as stated by the
@@ -190,6 +192,7 @@ class Coordinator final : public control::Coordinator::Service {
   void count_failure(const Outcome& out);
   void stop_all();
   bool take_signals();
+  void start_trackers();  // run.report_to (services/coordinator/trackers.h)
   void remove_run_segments(const char* when);
   int end_run(const Outcome& outcome);
   RecoveryDecision handle_failure(const Outcome& outcome);
@@ -269,3 +272,4 @@ class Coordinator final : public control::Coordinator::Service {
 };
 
 }  // namespace dflash::coordinator
+  std::unique_ptr<RunTrackers> trackers_;  // when run.report_to names any, from start_trackers()

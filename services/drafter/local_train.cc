@@ -6,11 +6,13 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include <memory>
 #include "core/data/shards.h"
 #include "core/io/json_file.h"
 #include "core/io/jsonl_log.h"
 #include "core/model/drafter.h"
 #include "core/model/layers.h"
+#include "core/metrics/tensorboard.h"
 #include "core/model/target.h"
 #include "core/train/checkpoint.h"
 #include "core/train/export.h"
@@ -90,7 +92,9 @@ class LocalSteps final : public StepHooks {
         provenance_(provenance),
         ckpt_root_(fs::path(cfg.run.output_dir) / "checkpoints"),
         metrics_log_(io::JsonlLog::open((fs::path(cfg.run.output_dir) / "metrics.jsonl").string(), io::JsonlLog::Mode::kAppend)),
-        t_loop_(Clock::now()) {}
+        t_loop_(Clock::now()) {
+    open_tensorboard();
+  }
 
   void report(const train::StepMetrics& m, const StepRecord& r) override {
     const double secs = std::chrono::duration<double>(Clock::now() - t_loop_).count();
@@ -105,6 +109,7 @@ class LocalSteps final : public StepHooks {
     steps_window_.add(secs, m.step);  // from the first step trained: loading and start-up never count
     if (!opt_.quiet && (m.step % 10 == 0 || m.step == total_steps_))
       LOG_INFO("step " << m.step << "/" << total_steps_ << " epoch " << r.epoch << " loss " << m.loss << " tau "
+    write_tensorboard(m.step, line);
                        << m.accept_len << " lr " << m.lr << " tok/s " << int(tok_s) << " ETA "
                        << format_duration(steps_window_.eta_s(total_steps_, m.step)));
   }
@@ -133,6 +138,33 @@ class LocalSteps final : public StepHooks {
   train::Trainer& trainer_;
   const int64_t total_steps_;
   LocalTrainResult& res_;
+  // run.report_to (docs/metrics.md#trackers): `dflash train` writes the TensorBoard events itself,
+  // as the coordinator does for `dflash run`; the wandb / mlflow sidecar is started by `dflash run`
+  // only. A TensorBoard failure is a warning: training goes on.
+  void open_tensorboard() {
+    const auto& to = cfg_.run.report_to;
+    for (const auto& t : to)
+      if (t != "tensorboard")
+        LOG_WARN("run.report_to: " << t << " is forwarded by `dflash run`; beside `dflash train` run: python -m dflash_tools.track "
+                                   << "--run-dir " << cfg_.run.output_dir << " --to " << t);
+    if (std::find(to.begin(), to.end(), "tensorboard") == to.end()) return;
+    try {
+      tb_ = std::make_unique<metrics::tensorboard::ScalarEventWriter>((fs::path(cfg_.run.output_dir) / "tensorboard").string());
+    } catch (const std::exception& e) {
+      LOG_WARN("tensorboard: " << e.what() << "; no TensorBoard events in this run");
+    }
+  }
+  void write_tensorboard(int64_t step, const json& line) {
+    if (!tb_) return;
+    const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    try {
+      tb_->write_step(step, metrics::tensorboard::record_scalars(line), now);
+    } catch (const std::exception& e) {
+      LOG_WARN("tensorboard: " << e.what() << "; no more TensorBoard events in this run");
+      tb_.reset();
+    }
+  }
+
   const json& provenance_;  // run_provenance(): into every checkpoint
   const fs::path ckpt_root_;
   io::JsonlLog metrics_log_;  // whole records, fsynced; DataError naming the file on a failed write
@@ -143,6 +175,7 @@ class LocalSteps final : public StepHooks {
 // The schedule step a checkpoint's data position (epoch, next batch) resumes at; the schedule's
 // end when the epoch is past the config's epochs.
 int64_t resume_step(const stream::RunSchedule& sched, int64_t epoch, int64_t batch, const std::string& source) {
+  std::unique_ptr<metrics::tensorboard::ScalarEventWriter> tb_;  // run.report_to has tensorboard
   const int A = sched.shape().grad_accum;
   for (const auto& sg : sched.segments()) {
     if (sg.epoch != epoch) continue;
