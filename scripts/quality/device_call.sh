@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call of the quality run (docs/quality.md, "How to reproduce"), run on the GPU host from
 # the repository root:
-#   scripts/quality/device_call.sh [--gpu-tests REGEX] [--part DIR]... [--regen DIR] [--gpu DEADLINE_S]
-#                                  [-- EXTRA_GPU_FLAGS...]
+#   scripts/quality/device_call.sh [--gpu-tests REGEX] [--part DIR]... [--regen DIR]
+#                                  [--out-archive FILE] [--gpu DEADLINE_S] [-- EXTRA_GPU_FLAGS...]
 # In order:
 #   1. builds the binaries into $DFLASH_GPU_BUILD (default /tmp/build-gpu; tests off) when its
 #      bin/dflash is missing, with .gpu-deps/build.sh (carry .gpu-deps on that call); with
@@ -15,10 +15,16 @@
 #   2b. --regen DIR: restores the regenerated data that an earlier session's call left in $OUT
 #      (DIR/regen.tgz.NN, carried back): the regenerate step is then done. Refused (exit 4) when it
 #      was made from another bundle (the bundle's manifest.json differs);
+#   2c. --out-archive FILE: an earlier session's $OUT/quality-out.tgz, carried back, restored into a
+#      fresh /tmp/quality/out (refused, exit 2, when it already holds results.json): the steps it
+#      records are done, except import and prompts, whose files (shards, prompt subsets) the
+#      archive does not hold: they run again (seconds). A rerun with more --recipe flags (e.g. a
+#      second seed) then trains and evaluates only those. Needs the regenerated data (--regen or
+#      an earlier regenerate step) for the import;
 #   3. with --gpu S: `run.py gpu /tmp/quality/bundle /tmp/quality/out --parallel 6 --deadline-s S`
 #      plus EXTRA_GPU_FLAGS (it resumes where the last call stopped); stopped at S + 45 s (exit 3);
 #   4. always, when $OUT is set and /tmp/quality/out exists: one archive $OUT/quality-out.tgz of its
-#      results.json, steps, curves, evals and logs (a device call returns few files, and /tmp is lost
+#      results.json, host.json (the build and GPU that measured), steps, curves, evals and logs (a device call returns few files, and /tmp is lost
 #      once the host goes back), so every call leaves what it measured here; once the regenerate
 #      step is done, also $OUT/regen.tgz.NN (the regenerated data with its step record, gzip, cut
 #      into files of 15 MiB), so that a run cut off by the end of a session can skip regeneration in
@@ -30,12 +36,13 @@ set -uo pipefail
 build=${DFLASH_GPU_BUILD:-/tmp/build-gpu}
 qdir=${DFLASH_QUALITY_DIR:-/tmp/quality}
 dest=$qdir/bundle out_dir=$qdir/out
-parts=() deadline="" extra=() regen="" gpu_tests=""
+parts=() deadline="" extra=() regen="" gpu_tests="" out_archive=""
 while [ $# -gt 0 ]; do
   case $1 in
     --part) parts+=("$2"); shift 2 ;;
     --gpu) deadline=$2; shift 2 ;;
     --regen) regen=$2; shift 2 ;;
+    --out-archive) out_archive=$2; shift 2 ;;
     --gpu-tests) gpu_tests=$2; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "ERROR: device_call.sh: unknown argument '$1'" >&2; exit 2 ;;
@@ -45,7 +52,7 @@ done
 archive() {
   [ -n "${OUT:-}" ] && [ -d "$out_dir" ] || return 0
   local have=()
-  for f in results.json steps curves evals logs; do [ -e "$out_dir/$f" ] && have+=("$f"); done
+  for f in results.json host.json steps curves evals logs; do [ -e "$out_dir/$f" ] && have+=("$f"); done
   [ ${#have[@]} -gt 0 ] && tar czf "$OUT/quality-out.tgz" -C "$out_dir" "${have[@]}" && echo "archived ${have[*]} into \$OUT/quality-out.tgz"
   if [ -f "$out_dir/steps/regenerate.json" ] && [ -f "$dest/manifest.json" ]; then
     sha256sum "$dest/manifest.json" | cut -d' ' -f1 > "$out_dir/regen-bundle.sha256"
@@ -125,6 +132,18 @@ if [ -n "$regen" ]; then
   for f in regenerated.jsonl regenerated.jsonl.meta.json steps/regenerate.json regen-bundle.sha256; do mv "$tmp/$f" "$out_dir/$f"; done
   rm -rf "$tmp"
   echo "restored the regenerated data from $regen"
+fi
+if [ -n "$out_archive" ]; then
+  [ -f "$out_archive" ] || { echo "ERROR: --out-archive: $out_archive not found" >&2; exit 2; }
+  [ ! -f "$out_dir/results.json" ] || { echo "ERROR: --out-archive: $out_dir already holds a run (results.json)" >&2; exit 2; }
+  mkdir -p "$out_dir"
+  tar xzf "$out_archive" -C "$out_dir" && [ -d "$out_dir/steps" ] \
+    || { echo "ERROR: --out-archive: $out_archive is not a quality-out archive" >&2; exit 4; }
+  rm -f "$out_dir/steps/import.json" "$out_dir/steps/prompts.json"
+  if [ -z "$regen" ] && [ ! -f "$out_dir/regenerated.jsonl" ]; then
+    rm -f "$out_dir/steps/regenerate.json"  # the data is not here: regenerate again
+  fi
+  echo "restored the steps of $out_archive (import and prompts run again)"
 fi
 [ -n "$deadline" ] || exit $rc
 [ $rc = 0 ] || { echo "ERROR: --gpu: the bundle is not complete yet (parts missing)" >&2; exit 3; }

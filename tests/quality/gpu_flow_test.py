@@ -32,7 +32,9 @@ fixture (tokenized documents, two prompt groups); then:
       results copy with the decision beside the doc;
   (f) device_call.sh archives the regenerated data into $OUT/regen.tgz.*; in a fresh quality dir
       --regen restores it (the regenerate step done, the same bytes, nothing started before the
-      deadline); from a bundle whose manifest differs it is refused (exit 4).
+      deadline); from a bundle whose manifest differs it is refused (exit 4);
+  (g) --out-archive with --regen in a fresh quality dir and one more --recipe (a second seed of
+      plain): only import, that training and its eval start, the earlier results stay.
 Exit 0 when all hold."""
 import json
 import os
@@ -265,6 +267,19 @@ def regen_checks(src, gpu_flags, env, bundle, out, work, dev_out):
             os.path.join(out, "regenerated.jsonl"), "rb").read() or not os.path.isfile(
             os.path.join(q2, "out", "steps", "regenerate.json")):
         fails.append(f"(f) --regen: a step started or the data/record not restored: {r.stderr[-500:]}")
+    # (g) a later session: the finished run's archive and regenerated data restored into a fresh
+    # quality dir, a second seed added: only import, its training and its eval start.
+    q4 = os.path.join(work, "q4")
+    os.makedirs(q4)
+    os.symlink(bundle, os.path.join(q4, "bundle"))
+    r = run([call, "--regen", kept, "--out-archive", os.path.join(kept, "quality-out.tgz"), "--gpu", "600", "--",
+             *gpu_flags, "--recipe", "plain_s2=plain:run.seed=4321"], 0, cwd=src, env=dict(env, DFLASH_QUALITY_DIR=q4))
+    started = [line for line in r.stderr.splitlines() if line.startswith("+ ")]
+    res4 = json.load(open(os.path.join(q4, "out", "results.json")))["variants"]
+    if len(started) != 3 or " data import " not in started[0] or "plain_s2.yaml" not in started[1] \
+            or "runs/plain_s2/export" not in started[2] or res4.get("plain_s2", {}).get("seed") != 4321 \
+            or not (res4["plain_s2"].get("groups") or {}).get("humaneval") or not res4["dspark"].get("xcheck"):
+        fails.append(f"(g) --out-archive with a second seed: started {started}, plain_s2 {res4.get('plain_s2')}")
     json.dump({"bundle": "another"}, open(os.path.join(bundle, "manifest.json"), "w"))
     q3 = os.path.join(work, "q3")
     os.makedirs(q3)
