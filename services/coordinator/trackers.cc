@@ -101,14 +101,16 @@ void RunTrackers::reap_sidecars(bool report) {
   }
 }
 
-void RunTrackers::read_new_lines() {
+bool RunTrackers::read_new_lines() {
   std::ifstream in(metrics_path_, std::ios::binary);
-  if (!in) return;  // no step yet
+  if (!in) return false;  // no step yet
   in.seekg(0, std::ios::end);
   const auto size = static_cast<uint64_t>(std::max<std::streamoff>(in.tellg(), 0));
   if (size < offset_) offset_ = 0, line_ = 0;  // the file was replaced: read it again (logged steps are skipped)
-  if (size == offset_) return;
-  std::string buf(size - offset_, '\0');
+  if (size == offset_) return false;
+  // A bounded piece per call: the coordinator holds its lock meanwhile (a resumed run's first look
+  // at a long metrics.jsonl takes several calls).
+  std::string buf(std::min<uint64_t>(size - offset_, kMaxBytesPerPoll), '\0');
   in.seekg(static_cast<std::streamoff>(offset_));
   in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
   buf.resize(static_cast<size_t>(std::max<std::streamsize>(in.gcount(), 0)));
@@ -130,7 +132,13 @@ void RunTrackers::read_new_lines() {
       tb_.reset();
     }
   }
+  if (start == 0 && buf.size() == kMaxBytesPerPoll) {
+    LOG_WARN("tensorboard: " << metrics_path_ << ":" << line_ + 1 << ": a line longer than " << kMaxBytesPerPoll
+                             << " bytes; no more TensorBoard events in this launch");
+    tb_.reset();
+  }
   offset_ += start;
+  return offset_ < size;
 }
 
 void RunTrackers::poll() {
@@ -139,6 +147,8 @@ void RunTrackers::poll() {
 }
 
 void RunTrackers::finish(double grace_s) {
+  while (tb_ && read_new_lines()) {
+  }
   poll();
   for (auto& s : sidecars_)
     if (s.pid > 0) ::kill(s.pid, SIGTERM);

@@ -45,10 +45,13 @@ class RunTrackers {
   RunTrackers(const RunTrackers&) = delete;
   RunTrackers& operator=(const RunTrackers&) = delete;
 
-  // Never blocks on a sidecar; reads metrics.jsonl's new lines (contract above).
+  // Never blocks on a sidecar; reads metrics.jsonl's new lines, at most kMaxBytesPerPoll of them
+  // (contract above).
   void poll();
   // The last poll, then each sidecar gets SIGTERM and up to `grace_s` to forward what is left.
   void finish(double grace_s = 30);
+
+  static constexpr uint64_t kMaxBytesPerPoll = uint64_t(4) << 20;
 
   // TensorBoard events written by this process (values, not records).
   int64_t tensorboard_values() const { return tb_values_; }
@@ -60,7 +63,7 @@ class RunTrackers {
   };
   void start_sidecar(const std::string& to);
   void reap_sidecars(bool report);
-  void read_new_lines();
+  bool read_new_lines();  // true when metrics.jsonl has more to read than this call took
 
   TrackerOptions opt_;
   std::unique_ptr<metrics::tensorboard::ScalarEventWriter> tb_;

@@ -80,6 +80,26 @@ TEST(Trackers, NewProcessWritesOnlyNewSteps) {
   EXPECT_EQ(t.tensorboard_values(), 5);
 }
 
+// A long metrics.jsonl (a resumed run's first look) is read a bounded piece per poll; finish()
+// reads it to the end.
+TEST(Trackers, LongHistoryIsReadInPieces) {
+  ScratchDir tmp;
+  std::string text;
+  int steps = 0;
+  while (text.size() < RunTrackers::kMaxBytesPerPoll + (1 << 20)) {
+    ++steps;
+    text += step_line(steps, 1.0 / steps);
+  }
+  write_file(tmp.file("metrics.jsonl"), text);
+  RunTrackers t(TrackerOptions{tmp.path(), {"tensorboard"}, "", "test"});
+  t.poll();
+  EXPECT_GT(t.tensorboard_values(), 0);
+  EXPECT_LT(t.tensorboard_values(), steps * 5);
+  t.finish();
+  EXPECT_EQ(t.tensorboard_values(), steps * 5);
+  EXPECT_EQ(logged_loss(tmp.path()).back().first, steps);
+}
+
 // The sidecar gets the run directory and the tracker, and SIGTERM at finish() (it exits 0 on it).
 TEST(Trackers, SidecarIsStartedAndStopped) {
   ScratchDir tmp;
