@@ -821,8 +821,15 @@ void Coordinator::start_trackers() {
   o.run_dir = cfg_.run.output_dir;
   o.report_to = to;
   o.run_name = cfg_.run.name;
-  if (std::find(to.begin(), to.end(), "wandb") != to.end() || std::find(to.begin(), to.end(), "mlflow") != to.end())
-    o.python = cli::python_interpreter("");
+  if (std::find(to.begin(), to.end(), "wandb") != to.end() || std::find(to.begin(), to.end(), "mlflow") != to.end()) {
+    try {
+      o.python = cli::python_interpreter("");
+    } catch (const std::exception& e) {  // a release without its Python tools: train on without the sidecars
+      LOG_WARN(user_message(e) << "; wandb / mlflow of run.report_to are not forwarded");
+      o.report_to.erase(std::remove_if(o.report_to.begin(), o.report_to.end(), [](const std::string& t) { return t != "tensorboard"; }),
+                        o.report_to.end());
+    }
+  }
   trackers_ = std::make_unique<RunTrackers>(std::move(o));
 }
 
