@@ -2,8 +2,8 @@
 # run.report_to on a tiny CPU `dflash run` (2 targets + 2 drafters), read back with TensorBoard's own
 # reader (check_tensorboard.py):
 #   1. report_to: [tensorboard, wandb] with a wandb that cannot be imported (a stand-in first on
-#      PYTHONPATH): drafter 0 crashes after step 10 (injected), the coordinator restarts from the
-#      step-8 checkpoint, so metrics.jsonl logs steps 9-10 twice; `dflash stop` after step 14.
+#      PYTHONPATH): drafter 0 crashes after step 11 (injected), the coordinator restarts from the
+#      step-8 checkpoint, so metrics.jsonl logs steps 9-10 (at least) twice; `dflash stop` after step 14.
 #      The log names the wandb package and its pip command once; the run stops with exit 0.
 #   2. `dflash run --resume latest`: a second coordinator appends a second event file, to the end.
 #   3. The events hold every step of metrics.jsonl once, with its loss and every other scalar at
@@ -33,14 +33,14 @@ fail() {
 sed -e "s|^  output_dir: .*|  output_dir: $work/run|" -e "s/^  epochs: .*/  epochs: 8/" \
     -e "s/^  save_interval_steps: .*/  save_interval_steps: 4/" -e "s/^  backoff_s: .*/  backoff_s: 0.2/" \
     -e "s/^  resume: .*/  resume: auto\n  report_to: [tensorboard, wandb]/" \
-    -e "s/^  fault_injection: .*/  fault_injection: [{kind: crash, role: drafter, rank: 0, step: 10}]/" \
+    -e "s/^  fault_injection: .*/  fault_injection: [{kind: crash, role: drafter, rank: 0, step: 11}]/" \
     "$src/configs/tiny-cpu.yaml" > "$work/run.yaml"
 grep -q "report_to: \[tensorboard, wandb\]" "$work/run.yaml" || fail "the config edit did not apply"
 mkdir -p "$work/no-wandb/wandb"
 echo 'raise ImportError("No module named wandb")' > "$work/no-wandb/wandb/__init__.py"
 export PYTHONPATH=$work/no-wandb
 
-# 1. Until `dflash stop` after step 14 (the crash at step 10 came first).
+# 1. Until `dflash stop` after step 14 (the crash after step 11 came first).
 "$bin/dflash" run "$work/run.yaml" --quiet 2> "$work/run1.log" &
 coord=$!
 for _ in $(seq 1200); do
