@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "core/io/jsonl.h"
+#include "core/io/prompts.h"
 #include "core/model/device_memory.h"
 #include "core/model/generation.h"
 #include "core/util/error.h"
@@ -50,30 +51,9 @@ void run_baseline(model::TargetModel& target, const std::vector<std::vector<int6
 
 }  // namespace
 
-std::vector<EvalPrompt> read_eval_prompts(const std::string& path) {
-  std::ifstream in(path);
-  DFLASH_CHECK(in, DataError, path << ": cannot open prompts JSONL file");
+std::vector<EvalPrompt> read_eval_prompts(const std::string& path, const io::PromptLimits& limits) {
   std::vector<EvalPrompt> out;
-  std::string line;
-  size_t line_no = 0;
-  while (std::getline(in, line)) {
-    ++line_no;
-    if (std::all_of(line.begin(), line.end(), [](unsigned char c) { return std::isspace(c); })) continue;
-    const std::string where = path + ":" + std::to_string(line_no);
-    const auto doc = io::parse_token_json_line(line, where);  // checks the line and its input_ids
-    EvalPrompt p;
-    p.input_ids.assign(doc.input_ids.begin(), doc.input_ids.end());
-    const auto j = nlohmann::json::parse(line);
-    for (const char* key : {"group", "benchmark"}) {
-      if (!j.contains(key)) continue;
-      DFLASH_CHECK(j[key].is_string(), DataError, where << ": '" << key << "' must be a string");
-      p.group = j[key].get<std::string>();
-      break;
-    }
-    out.push_back(std::move(p));
-  }
-  DFLASH_CHECK(!in.bad(), DataError, path << ": read error after line " << line_no);
-  DFLASH_CHECK(!out.empty(), DataError, path << ": no prompts");
+  for (auto& p : io::read_prompt_lines(path, limits)) out.push_back({std::move(p.input_ids), std::move(p.group)});
   return out;
 }
 

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "core/eval/spec_decode.h"
+#include "core/io/prompts.h"
 #include "core/model/drafter.h"
 #include "core/model/target.h"
 
@@ -51,11 +52,12 @@ struct EvalPrompt {
   std::string group = "default";
 };
 
-// Reads eval prompts from JSONL: one object per line with "input_ids" (as core/io/jsonl.h reads
-// them) and an optional string "group", else "benchmark", naming its group ("default" if neither).
-// DataError naming FILE:LINE for a bad line or a group that is not a string; DataError when the file
-// has no prompt or cannot be opened.
-std::vector<EvalPrompt> read_eval_prompts(const std::string& path);
+// Reads eval prompts from JSONL, the prompt schema of core/io/prompts.h (the one `dflash generate`
+// reads): "input_ids", an optional unique "id", an optional string "group", else "benchmark" ("default"
+// if neither). DataError naming FILE:LINE for a bad line, a token outside limits.vocab_size (naming
+// the id) or a prompt longer than limits.max_positions; DataError when the file has no prompt or
+// cannot be opened.
+std::vector<EvalPrompt> read_eval_prompts(const std::string& path, const io::PromptLimits& limits = {});
 
 struct EvalOptions {
   SpecDecodeOptions decode;  // block size, max_new_tokens, stop tokens, batch size, sampling, seed

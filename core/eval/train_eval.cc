@@ -3,40 +3,17 @@
 #include <chrono>
 #include <fstream>
 
-#include "core/io/jsonl.h"
+#include "core/io/prompts.h"
 #include "core/util/error.h"
 
 namespace dflash::eval {
 using nlohmann::json;
 
-namespace {
-// The line's "group" (else "benchmark") string; "default" when it has neither.
-std::string group_of(const std::string& line, const std::string& where) {
-  const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);  // parse_token_json_line checked it
-  for (const char* key : {"group", "benchmark"}) {
-    const auto it = j.find(key);
-    if (it == j.end()) continue;
-    DFLASH_CHECK(it->is_string(), DataError, where << ": '" << key << "' must be a string, got " << it->dump());
-    return it->get<std::string>();
-  }
-  return "default";
-}
-}  // namespace
-
 std::vector<EvalPrompt> read_eval_prompts(const std::string& path, int64_t max_prompts) {
   DFLASH_CHECK(max_prompts >= 1, ConfigError, "max_prompts must be >= 1, got " << max_prompts);
-  std::ifstream in(path, std::ios::binary);
-  DFLASH_CHECK(in, DataError, path << ": cannot read the eval prompts");
   std::vector<EvalPrompt> out;
-  std::string line;
-  for (int64_t n = 1; int64_t(out.size()) < max_prompts && std::getline(in, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = path + ":" + std::to_string(n);
-    const io::TokenDoc doc = io::parse_token_json_line(line, where);
-    out.push_back({std::vector<int64_t>(doc.input_ids.begin(), doc.input_ids.end()), group_of(line, where)});
-  }
-  DFLASH_CHECK(!in.bad(), DataError, path << ": read error");
-  DFLASH_CHECK(!out.empty(), DataError, path << ": no prompts");
+  for (auto& p : io::read_prompt_lines(path, io::PromptLimits{}, max_prompts))  // the schema of core/io/prompts.h
+    out.push_back({std::move(p.input_ids), std::move(p.group)});
   return out;
 }
 

@@ -4,11 +4,11 @@
 // SpeculativeDecoder::generate) can change without touching its callers.
 //
 // Contracts:
-// - read_eval_prompts reads the first `max_prompts` non-blank lines of a token JSONL file: each
-//   line {"input_ids": [...]} under io::parse_token_json_line's rules, with an optional string
-//   "group" (else an optional string "benchmark"; else the group is "default"). DataError naming
-//   FILE:LINE for a bad line or a group that is not a string; DataError naming the file when it
-//   holds no prompt or cannot be read; ConfigError when max_prompts < 1.
+// - read_eval_prompts reads the first `max_prompts` prompts of a prompt file, the one schema of
+//   core/io/prompts.h that `dflash generate` and `dflash eval` read ("input_ids", an optional unique
+//   "id", an optional string "group", else "benchmark"; else the group is "default"). DataError naming
+//   FILE:LINE for a bad line; DataError naming the file when it holds no prompt or cannot be read;
+//   ConfigError when max_prompts < 1.
 // - measure_tau decodes every prompt greedily with speculative decoding (spec_decode.h; exact
 //   against z-lab's dflash_generate) and reports tau = tokens produced / decoding rounds (the mean
 //   acceptance length, bonus token included, as `dflash eval` reports it), overall and per group,

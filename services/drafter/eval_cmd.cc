@@ -9,7 +9,8 @@
 
 #include "core/data/contract.h"
 #include "core/eval/evaluate.h"
-#include "core/io/jsonl.h"
+#include "core/io/hf_config.h"
+#include "core/io/prompts.h"
 #include "core/model/drafter.h"
 #include "core/model/target.h"
 #include "core/train/export.h"
@@ -27,13 +28,16 @@ const char* kEvalUsage =
     "                   [--block-size B (the drafter's)] [--device cpu|cuda] [--dtype float32|bfloat16]\n"
     "                   [--stop-token-ids a,b] [--batch-size B (1)] [--no-baseline] [--out FILE.json]\n"
     "                   [--temperature T (0: greedy) [--top-p P (1)] [--top-k K (0)] [--seed S (0)]] [--allow-mismatch]\n"
-    "  speculative decoding of each prompt line {\"input_ids\": [...], \"group\"|\"benchmark\": ...},\n"
+    "  speculative decoding of each prompt line {\"input_ids\": [...], \"id\": ..., \"group\"|\"benchmark\": ...}\n"
+    "  (the schema `dflash generate` reads; id and group optional; ids unique),\n"
     "  and the target's own greedy decoding of the same prompts (speedup); prints the JSON report\n"
     "  {\"results\": [{\"output_ids\", \"acceptance_lengths\", \"group\"}...], \"tau\", \"tokens_per_second\",\n"
     "   \"acceptance_histogram\", \"position_acceptance\", \"baseline_tokens_per_second\", \"speedup\",\n"
     "   \"groups\": {...}, ...} (core/eval/evaluate.h)\n"
     "  prompts prepared with another chat template, tokenizer, system prompt or thinking mode than the\n"
-    "  drafter's training data (FILE.jsonl.meta.json vs the export's provenance) exit 2 unless --allow-mismatch\n";
+    "  drafter's training data (FILE.jsonl.meta.json vs the export's provenance) exit 2 unless --allow-mismatch;\n"
+    "  a prompt longer than the target's max_position_embeddings or with a token outside its vocabulary\n"
+    "  exits 4 naming FILE:LINE; a --max-new-tokens beyond the positions left after the longest prompt exits 2\n";
 
 int run_eval(int argc, char** argv) {
   Flags flags(argc, argv,
@@ -76,7 +80,13 @@ int run_eval(int argc, char** argv) {
   load.device = model::parse_device(flags.get("device", "cpu"));
   load.dtype = model::parse_dtype(flags.get("dtype", "float32"));
 
-  const auto prompts = eval::read_eval_prompts(input);
+  // The target's limits from its config.json alone, checked before any weight is loaded.
+  const io::TargetConfig target_cfg = io::parse_hf_config(target_dir);
+  const io::PromptLimits limits{target_cfg.vocab_size, target_cfg.max_position_embeddings, target_dir + "/config.json"};
+  const auto prompt_lines = io::read_prompt_lines(input, limits);
+  io::check_new_tokens(prompt_lines, dec.max_new_tokens, limits, "--max-new-tokens");
+  std::vector<eval::EvalPrompt> prompts;
+  for (const auto& p : prompt_lines) prompts.push_back({p.input_ids, p.group});
   auto target = model::load_target(target_dir, load);
   train::ImportedDrafter imported = train::import_hf(drafter_dir);
   DFLASH_CHECK(imported.config.vocab_size == target->config().vocab_size, ConfigError,

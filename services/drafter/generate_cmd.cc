@@ -16,7 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/io/jsonl.h"
+#include "core/io/hf_config.h"
+#include "core/io/prompts.h"
 #include "core/model/generation.h"
 #include "core/model/target.h"
 #include "core/model/weights.h"
@@ -34,14 +35,11 @@ const char* kGenerateUsage =
     "                       [--temperature T (0 = greedy)] [--top-p P (1)] [--top-k K (0 = off)] [--seed S (0)]\n"
     "                       [--batch-size B (8)] [--device cpu|cuda] [--dtype float32|bfloat16]\n"
     "                       [--stop-token-ids a,b]\n"
-    "  generates for each line {\"id\": ..., \"input_ids\": [...]}; appends the line plus \"output_ids\" and\n"
-    "  \"finish_reason\" (stop|length) to OUT as each request finishes; ids already in OUT are skipped\n";
-
-struct Prompt {
-  nlohmann::json line;  // the input object
-  std::string key;      // its "id" as JSON text
-  std::vector<int64_t> ids;
-};
+    "  generates for each prompt line {\"input_ids\": [...], \"id\": ... (optional; else the line number)}, the\n"
+    "  schema `dflash eval` reads; appends the line plus \"id\", \"output_ids\" and \"finish_reason\" (stop|length)\n"
+    "  to OUT as each request finishes; ids already in OUT are skipped. A prompt longer than the model's\n"
+    "  max_position_embeddings or with a token outside its vocabulary exits 4 naming FILE:LINE; a\n"
+    "  --max-new-tokens beyond the positions left after the longest prompt exits 2 before any work\n";
 
 // One `dflash generate` run, in its steps: read_input, read_done, open_out, generate.
 class GenerateJob {
@@ -62,7 +60,7 @@ class GenerateJob {
   model::LoadOptions load_;
   model::GenerationOptions opt_;
   uint64_t seed_ = 0;
-  std::vector<Prompt> prompts_;
+  std::vector<io::PromptLine> prompts_;
   std::set<std::string> done_;  // keys already in OUT
   int fd_ = -1;
 };
@@ -88,24 +86,13 @@ GenerateJob::GenerateJob(const Flags& flags)
 }
 
 void GenerateJob::read_input() {
-  std::ifstream in(input_);
-  DFLASH_CHECK(in, DataError, input_ << ": cannot open");
-  std::set<std::string> keys;
-  std::string text;
-  for (int64_t ln = 1; std::getline(in, text); ++ln) {
-    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = input_ + ":" + std::to_string(ln);
-    Prompt p;
-    const auto doc = io::parse_token_json_line(text, where);
-    p.ids.assign(doc.input_ids.begin(), doc.input_ids.end());
-    p.line = nlohmann::json::parse(text);
-    DFLASH_CHECK(p.line.contains("id") && (p.line["id"].is_string() || p.line["id"].is_number_integer()), DataError,
-                 where << ": \"id\" (a string or an integer) is missing");
-    p.key = p.line["id"].dump();
-    DFLASH_CHECK(keys.insert(p.key).second, DataError, where << ": id " << p.key << " appears twice");
-    prompts_.push_back(std::move(p));
-  }
-  DFLASH_CHECK(!prompts_.empty(), DataError, input_ << ": no prompts");
+  // The model's limits from its config.json alone: prompts and --max-new-tokens are checked against
+  // them before the weights are loaded or anything is allocated.
+  const io::TargetConfig cfg = io::parse_hf_config(model_dir_);
+  const io::PromptLimits limits{cfg.vocab_size, cfg.max_position_embeddings, model_dir_ + "/config.json"};
+  prompts_ = io::read_prompt_lines(input_, limits);
+  io::check_new_tokens(prompts_, opt_.max_new_tokens, limits, "--max-new-tokens");
+  for (auto& p : prompts_) p.line["id"] = p.id;  // an output line always names its prompt
 }
 
 void GenerateJob::read_done() {
@@ -147,12 +134,12 @@ void GenerateJob::write_line(const std::string& text) {
 }
 
 void GenerateJob::generate() {
-  std::vector<const Prompt*> todo;
+  std::vector<const io::PromptLine*> todo;
   std::vector<model::GenerationRequest> requests;
   for (const auto& p : prompts_) {
     if (done_.count(p.key)) continue;
     todo.push_back(&p);
-    requests.push_back({p.ids, model::name_seed(seed_, p.key)});
+    requests.push_back({p.input_ids, model::name_seed(seed_, p.key)});
   }
   const size_t total = prompts_.size(), skipped = total - todo.size();
   LOG_INFO("generate: " << total << " prompts, " << skipped << " already in " << out_ << ", batch size "
