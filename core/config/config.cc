@@ -581,6 +581,15 @@ void read_value(const YAML::Node& n, const std::string& path, E& out, Ctx& ctx) 
       return;
     }
   }
+  if constexpr (std::is_same_v<E, Dtype>) {  // the short spellings the CLI's --dtype takes (model::parse_dtype)
+    for (const auto& [value, name] : {std::pair{Dtype::kBfloat16, "bf16"}, std::pair{Dtype::kFloat16, "fp16"},
+                                      std::pair{Dtype::kFloat32, "fp32"}}) {
+      if (n.Scalar() == name) {
+        out = value;
+        return;
+      }
+    }
+  }
   std::string msg = "expected " + expected + ", got " + describe(n);
   const std::string hint = closest_match(n.Scalar(), enum_names<E>());
   if (!hint.empty()) msg += " (did you mean '" + hint + "'?)";

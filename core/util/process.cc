@@ -121,6 +121,33 @@ int unknown_command(const Binary& b, int argc, char** argv) {
   return kExitConfig;
 }
 
+// The command matching argv[1..] (the most words), or nullptr; its word count in *words.
+const Subcommand* find_command(const Binary& b, int argc, char** argv, int* words) {
+  const Subcommand* best = nullptr;
+  *words = 0;
+  for (const auto& c : b.commands) {
+    const int n = matched_words(c.name, argc, argv);
+    if (n > *words) best = &c, *words = n;
+  }
+  return best;
+}
+
+// `BINARY help COMMAND...` (argv[0] is "help"): that command's usage alone, or its group's, on
+// stdout, exit 0; an unknown command as unknown_command.
+int help_for(const Binary& b, int argc, char** argv) {
+  int words = 0;
+  if (const Subcommand* c = find_command(b, argc, argv, &words)) {
+    std::cout << usage_text(b.name, {*c});
+    return kExitOk;
+  }
+  const auto group = group_commands(b, argv[1]);
+  if (!group.empty() && argc == 2) {
+    std::cout << usage_text(b.name, group);
+    return kExitOk;
+  }
+  return unknown_command(b, argc, argv);
+}
+
 int run_registered(const Binary& b, const Subcommand& c, int argc, char** argv, const char* version, const char* commit) {
   for (int i = 0; i < argc && std::strcmp(argv[i], "--"); ++i) {
     if (!std::strcmp(argv[i], "--version")) {
@@ -146,6 +173,7 @@ int dispatch_subcommand(int argc, char** argv, const Binary& b, const char* vers
     std::cerr << usage_text(b.name, b.commands);
     return kExitConfig;
   }
+  if (argc > 2 && is_arg(argv[1], {"help"})) return help_for(b, argc - 1, argv + 1);
   if (is_arg(argv[1], {"--help", "-h", "help"})) {
     std::cout << usage_text(b.name, b.commands);
     return kExitOk;
@@ -158,12 +186,8 @@ int dispatch_subcommand(int argc, char** argv, const Binary& b, const char* vers
     for (const auto& c : b.commands) std::cout << c.name << "\n";
     return kExitOk;
   }
-  const Subcommand* best = nullptr;
   int best_words = 0;
-  for (const auto& c : b.commands) {
-    const int n = matched_words(c.name, argc, argv);
-    if (n > best_words) best = &c, best_words = n;
-  }
+  const Subcommand* best = find_command(b, argc, argv, &best_words);
   if (best) return run_registered(b, *best, argc - 1 - best_words, argv + 1 + best_words, version, commit);
   const auto group = group_commands(b, argv[1]);
   if (!group.empty() && (argc == 2 || is_arg(argv[2], {"--help", "-h"}))) {

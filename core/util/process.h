@@ -58,7 +58,8 @@ std::string version_line(const char* binary, const char* version, const char* co
 
 // A binary's main() (the conventions of docs/cli.md): sets the log role, then
 // - no arguments -> usage_text on stderr, exit 2;
-// - --help, -h or help -> usage_text on stdout, exit 0; --version -> version_line on stdout, exit 0;
+// - --help, -h or help -> usage_text on stdout, exit 0; help COMMAND (or help GROUP) -> that
+//   command's (group's) usage alone on stdout, exit 0; --version -> version_line on stdout, exit 0;
 //   --list-commands -> every command name, one per line, exit 0 (the CLI test iterates over them);
 // - a known command (its longest matching name): --version anywhere in its arguments -> version_line,
 //   exit 0; else the log level switch is applied (apply_log_level_switch) and the command runs under

@@ -29,6 +29,7 @@
 #include "services/common/run_plan.h"
 #include "services/coordinator/control_token.h"
 #include "services/coordinator/plan_report.h"
+#include "services/coordinator/run_summary.h"
 #include "services/coordinator/python_module.h"
 
 extern char** environ;
@@ -145,7 +146,7 @@ json Coordinator::plan() {
   first_total_steps_ = sched0.total_steps();
   device_ = resolve_device(opts_.device);
   const auto p = make_plan(cfg_, lengths_, sched0, device_);
-  print_plan(p, std::cerr);
+  if (!opts_.quiet) print_plan(p, std::cerr);  // --quiet: the plan JSON of --plan alone
   if (!opts_.plan_batches.empty()) {
     write_step_batches(sched0, opts_.plan_batches);
     std::cerr << "  batches of every step: " << opts_.plan_batches << "\n";
@@ -640,16 +641,13 @@ void Coordinator::stop_all() {
 void Coordinator::print_progress(bool final_line) {
   double tps = 0;
   for (const auto& [_, v] : tokens_per_s_) tps += v;
-  const double frac = total_steps_ ? double(step_) / double(total_steps_) : 0;
   // The ETA's rate: steps over the last kEtaWindowS seconds, sampled from this launch's first step on
   // (start-up, worker loading and the first batch never count).
   if (step_ > start_step_) eta_window_.add(seconds_since(t0_), step_);
   const double eta = eta_window_.eta_s(total_steps_, step_);
-  std::ostringstream os;
-  os << "[dflash] step " << step_ << "/" << total_steps_ << " (" << int(100 * frac) << "%) epoch " << last_epoch_ << " | "
-     << int64_t(tps) << " tok/s | loss " << std::setprecision(4) << last_loss_ << " | tau " << std::setprecision(3) << last_tau_
-     << " | ETA " << (final_line ? "0:00:00" : format_duration(eta)) << " | attempt " << attempt_;
-  std::cerr << os.str() << std::endl;
+  std::cerr << run_progress_line({step_, total_steps_, last_epoch_, attempt_, tps, last_loss_, last_tau_, eta,
+                                  /*measured=*/step_ > start_step_, final_line})
+            << std::endl;
 }
 
 // The attempt ended without a failure: every drafter finished, or `dflash stop` / a signal.

@@ -201,14 +201,13 @@ int cmd_data_regenerate(int argc, char** argv) {
 
 int cmd_bench_regenerate(int argc, char** argv) {
   try {
-    if (!help_requested(argc, argv, kBenchRegenerateUsage)) {  // flags checked here for did-you-mean; Python re-checks values
-      Flags f(argc, argv,
-              {"target", "records", "prompt-len", "new-tokens", "batch-size", "device", "dtype", "baseline",
-               "baseline-batch", "baseline-repeats", "work", "python"},
-              {"baseline"});
-      DFLASH_CHECK(f.positional().empty(), ConfigError,
-                   "bench regenerate: unexpected argument '" << f.positional().front() << "'\n" << kBenchRegenerateUsage);
-    }
+    if (help_requested(argc, argv, kBenchRegenerateUsage)) return kExitOk;  // the usage once
+    Flags f(argc, argv,  // flags checked here for did-you-mean; Python re-checks values
+            {"target", "records", "prompt-len", "new-tokens", "batch-size", "device", "dtype", "baseline",
+             "baseline-batch", "baseline-repeats", "work", "python"},
+            {"baseline"});
+    DFLASH_CHECK(f.positional().empty(), ConfigError,
+                 "bench regenerate: unexpected argument '" << f.positional().front() << "'\n" << kBenchRegenerateUsage);
     return forward_to_data_tools("bench-regenerate", "bench regenerate", kBenchRegenerateUsage, argc, argv);
   } catch (const std::exception& e) {
     LOG_ERROR(user_message(e));

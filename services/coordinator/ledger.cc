@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -46,6 +47,24 @@ int64_t StepRanges::count() const {
   return n;
 }
 
+namespace {
+// A "dir" of record `r` as a usable path: one stored relative to the run directory (relative_paths)
+// resolved against the directory of the ledger it was read from.
+std::string stored_path(const LedgerState& s, const io::JsonValue& r, const std::string& p) {
+  if (!s.relative_paths || p.empty() || std::filesystem::path(p).is_absolute()) return p;
+  return (std::filesystem::path(r.source().file).parent_path() / p).lexically_normal().string();
+}
+
+// `p` relative to `run_dir` when it lies inside it, else absolute.
+std::string relative_to(const std::string& p, const std::string& run_dir) {
+  namespace fs = std::filesystem;
+  const fs::path abs = fs::absolute(p).lexically_normal(), base = fs::absolute(run_dir).lexically_normal();
+  const fs::path rel = abs.lexically_relative(base);
+  if (rel.empty() || *rel.begin() == "..") return abs.string();
+  return rel.string();
+}
+}  // namespace
+
 void Ledger::apply(LedgerState& s, const io::JsonValue& r) {
   if (!r.raw().is_object()) r.fail("is not a JSON object (a ledger record)");
   const auto type = r.get<std::string>("type");
@@ -54,6 +73,7 @@ void Ledger::apply(LedgerState& s, const io::JsonValue& r) {
     s.run = r.raw();
     s.schedule_steps = r.get<int64_t>("schedule_steps");
     s.generations = {{0, r.get<int64_t>("token_budget"), r.get<int64_t>("max_batch_size"), r.get_or<int>("drafters", 0)}};
+    s.relative_paths = r.get_or<std::string>("paths", "") == "run_dir";
   } else if (type == "launch") {
     s.attempts = r.get<int>("attempt") + 1;
     s.stopped_reason.clear();
@@ -70,7 +90,8 @@ void Ledger::apply(LedgerState& s, const io::JsonValue& r) {
     auto it = s.latest_by_rank.find(rank);
     if (it == s.latest_by_rank.end() || it->second.step <= st.step) s.latest_by_rank[rank] = std::move(st);
   } else if (type == "checkpoint") {
-    s.checkpoints.push_back({r.get<int64_t>("step"), r.get_or<int64_t>("optimizer_step", 0), r.get<std::string>("dir")});
+    s.checkpoints.push_back(
+        {r.get<int64_t>("step"), r.get_or<int64_t>("optimizer_step", 0), stored_path(s, r, r.get<std::string>("dir"))});
   } else if (type == "packing") {
     if (s.generations.empty()) r.fail("is a packing record before the run record");
     control::GenerationSpec g{r.get<int64_t>("start_step"), r.get<int64_t>("token_budget"), r.get<int64_t>("max_batch_size"),
@@ -96,7 +117,7 @@ void Ledger::apply(LedgerState& s, const io::JsonValue& r) {
     s.evals.erase(std::remove_if(s.evals.begin(), s.evals.end(), [&](const LedgerEval& e) { return e.step > to; }),
                   s.evals.end());
   } else if (type == "eval") {
-    LedgerEval e{r.get<int64_t>("step"), r.get<std::string>("dir"), r.get<double>("tau"), {}, r.get<double>("wall_s")};
+    LedgerEval e{r.get<int64_t>("step"), stored_path(s, r, r.get<std::string>("dir")), r.get<double>("tau"), {}, r.get<double>("wall_s")};
     const io::JsonValue groups = r.at("groups");
     if (!groups.raw().is_object()) groups.fail("must be an object {group: tau}");
     for (auto it = groups.raw().begin(); it != groups.raw().end(); ++it) e.groups[it.key()] = groups.get<double>(it.key());
@@ -154,10 +175,21 @@ void Ledger::append(json r) {
   r["time"] = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   // Records come from this process; applying to a copy first means a malformed one is never
   // written, and a failed write leaves the state as the file is.
+  const bool run_record = r.value("type", "") == "run";
+  if (run_record) r["paths"] = "run_dir";
+  json written = r;
+  if (run_record || state_.relative_paths) {
+    const std::string run_dir = std::filesystem::path(log_.path()).parent_path().string();
+    for (const char* key : {"dir", "resume"})
+      if (r.contains(key) && r[key].is_string() && !r[key].get<std::string>().empty())
+        written[key] = relative_to(r[key].get<std::string>(), run_dir.empty() ? "." : run_dir);
+  }
   LedgerState next = state_;
+  next.relative_paths = false;  // state() keeps this process's paths as given; only the file has them relative
   const io::JsonSource source{log_.path(), lines_ + 1};
   apply(next, io::JsonValue(r, source));
-  log_.append(r);
+  next.relative_paths = run_record || state_.relative_paths;
+  log_.append(written);
   ++lines_;
   state_ = std::move(next);
 }

@@ -106,6 +106,9 @@ struct LedgerState {
   bool finished = false;
   std::string stopped_reason;                         // last "stopped" record's reason ("" if none after the last launch)
   int64_t records = 0;
+  // The run record says "paths": "run_dir": the later records' "dir" / "resume" inside the run
+  // directory are stored relative to it (a copied run directory names its own files).
+  bool relative_paths = false;
 
   int64_t committed_step() const { return checkpoints.empty() ? 0 : checkpoints.back().step; }
   // The highest reported step not rolled back (0 when none).
@@ -136,7 +139,10 @@ class Ledger {
   // the complete records and their bytes. The same DataErrors as open().
   static LedgerState replay(const std::string& path, int64_t* lines = nullptr, uint64_t* keep = nullptr);
 
-  // Adds "time" (unix seconds), checks the record against the state (DataError when malformed:
+  // Adds "time" (unix seconds) ("paths": "run_dir" to a run record; "dir" / "resume" inside the
+  // ledger's directory are then written relative to it, and replay resolves them against the
+  // directory the ledger is read from; state() holds them as given), checks the record against the
+  // state (DataError when malformed:
   // nothing is written), writes the line and fsyncs, then applies it to state(). When the write
   // fails, DataError (exit 4) naming the file and the problem; the file ends with the last complete
   // record and state() is unchanged.

@@ -1,6 +1,7 @@
 #include "services/coordinator/plan_report.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <filesystem>
 #include <iomanip>
 #include <map>
@@ -228,6 +229,27 @@ std::vector<uint32_t> stated_lengths(int64_t samples, const std::string& histogr
   return out;
 }
 
+namespace {
+// "N" when every epoch has the same `key`, else "MIN-MAX".
+std::string per_epoch(const json& epochs, const char* key) {
+  int64_t lo = INT64_MAX, hi = INT64_MIN;
+  for (const auto& e : epochs) {
+    lo = std::min(lo, e[key].get<int64_t>());
+    hi = std::max(hi, e[key].get<int64_t>());
+  }
+  return lo == hi ? std::to_string(lo) : std::to_string(lo) + "-" + std::to_string(hi);
+}
+}  // namespace
+
+std::string epochs_line(const json& epochs) {
+  int64_t steps = 0, batches = 0;
+  for (const auto& e : epochs) steps += e["steps"].get<int64_t>(), batches += e["batches"].get<int64_t>();
+  return std::to_string(epochs.size()) + " epoch(s): " + std::to_string(batches) + " batches -> " + std::to_string(steps) +
+         " steps; per epoch " + per_epoch(epochs, "steps") + " steps, " + per_epoch(epochs, "untrained_batches") +
+         " batches left over by round-robin/accumulation, " + per_epoch(epochs, "dropped_samples") + " samples dropped, " +
+         per_epoch(epochs, "truncated_samples") + " truncated";
+}
+
 void print_plan(const json& p, std::ostream& os) {
   os << "plan: " << p["topology"]["targets"] << " target server(s) + " << p["topology"]["drafters"] << " drafter trainer(s) over "
      << p["topology"]["transport"].get<std::string>() << "\n";
@@ -236,10 +258,7 @@ void print_plan(const json& p, std::ostream& os) {
        << h["target_gpus"].dump() << ", drafter GPUs " << h["drafter_gpus"].dump() << "\n";
   os << "  " << p["samples"] << " samples; " << p["total_steps"] << " optimizer steps; ~" << p["tokens_per_step"]
      << " tokens per step\n";
-  for (const auto& e : p["epochs"])
-    os << "  epoch " << e["epoch"] << ": " << e["batches"] << " batches -> " << e["steps"] << " steps (" << e["untrained_batches"]
-       << " batches left over by round-robin/accumulation, " << e["dropped_samples"] << " samples dropped, "
-       << e["truncated_samples"] << " truncated)\n";
+  if (!p["epochs"].empty()) os << "  " << epochs_line(p["epochs"]) << "\n";
   os << "  memory estimate: " << p["memory_estimate"].dump() << "\n";
 }
 

@@ -41,7 +41,11 @@ std::vector<uint32_t> stated_lengths(int64_t samples, const std::string& histogr
 // an unwritable path is an Error naming it.
 void write_step_batches(const stream::RunSchedule& sched, const std::string& path);
 
-// The plan as readable lines.
+// The plan as readable lines: the epochs as ONE line (epochs_line), however many there are.
 void print_plan(const nlohmann::json& plan, std::ostream& os);
+// "E epoch(s): B batches -> S steps; per epoch S' steps, U batches left over by
+// round-robin/accumulation, D samples dropped, T truncated" (a value that differs between epochs
+// as MIN-MAX) of the plan's "epochs" array.
+std::string epochs_line(const nlohmann::json& epochs);
 
 }  // namespace dflash::coordinator

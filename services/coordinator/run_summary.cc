@@ -5,9 +5,11 @@
 #include <iomanip>
 #include <map>
 #include <ostream>
+#include <sstream>
 
 #include "core/io/json_file.h"
 #include "core/util/error.h"
+#include "core/util/progress.h"
 #include "services/coordinator/ledger.h"
 
 namespace dflash::coordinator {
@@ -76,6 +78,40 @@ json summarize_run(const std::string& run_dir) {
   return s;
 }
 
+std::string fixed_number(const json& v, int digits) {
+  if (!v.is_number()) return "-";
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(digits) << v.get<double>();
+  return os.str();
+}
+
+std::string packing_text(const json& generations) {
+  if (!generations.is_array() || generations.empty()) return "-";
+  std::string out;
+  for (const auto& g : generations) {
+    if (!out.empty()) out += "; ";
+    out += "from step " + g.value("start_step", json(0)).dump() + ": token_budget " + g.value("token_budget", json("?")).dump() +
+           ", max_batch_size " + g.value("max_batch_size", json("?")).dump() + ", " + g.value("drafters", json("?")).dump() +
+           " drafter(s)";
+  }
+  return out;
+}
+
+std::string run_progress_line(const RunProgress& p) {
+  std::ostringstream os;
+  const int pct = p.total_steps > 0 ? int(100 * p.step / p.total_steps) : 0;
+  os << "[dflash] step " << p.step << "/" << p.total_steps << " (" << pct << "%) epoch " << p.epoch << " | ";
+  if (!p.measured && !p.final_line) {
+    os << "starting: waiting for the first step | attempt " << p.attempt;
+    return os.str();
+  }
+  os << (p.tokens_per_s > 0 ? std::to_string(int64_t(p.tokens_per_s)) : std::string("-")) << " tok/s | loss "
+     << fixed_number(p.loss, 4) << " | tau " << fixed_number(p.tau, 2) << " | ETA "
+     << (p.final_line ? std::string("0:00:00") : p.eta_s < 0 ? std::string("-") : format_duration(p.eta_s)) << " | attempt "
+     << p.attempt;
+  return os.str();
+}
+
 void print_run_summary(const json& s, std::ostream& os) {
   os << "run " << (s["name"].get<std::string>().empty() ? "" : "'" + s["name"].get<std::string>() + "' ") << "in "
      << s["run_dir"].get<std::string>() << ": " << s["state"].get<std::string>();
@@ -85,8 +121,8 @@ void print_run_summary(const json& s, std::ostream& os) {
   if (!s["last_checkpoint"].get<std::string>().empty()) os << " (" << s["last_checkpoint"].get<std::string>() << ")";
   os << ", " << s["attempts"] << " launch(es)\n";
   if (s.contains("tokens"))
-    os << "tokens " << s["tokens"] << std::setprecision(4) << ", loss " << s.value("loss", 0.0) << ", tau final "
-       << s["tau_final"].get<double>() << " best " << s["tau_best"].get<double>() << "\n";
+    os << "tokens " << s["tokens"] << ", loss " << fixed_number(s.value("loss", json()), 4) << ", tau final "
+       << fixed_number(s["tau_final"], 2) << " best " << fixed_number(s["tau_best"], 2) << "\n";
   os << "restarts: " << s["restarts"].size();
   for (const auto& [role, n] : s["restarts_by_role"].items()) os << " " << role << "=" << n;
   os << "\n";
@@ -100,6 +136,50 @@ void print_run_summary(const json& s, std::ostream& os) {
   if (s["exports"].empty()) os << " none";
   for (const auto& e : s["exports"]) os << " " << e.get<std::string>();
   os << "\n";
+}
+
+namespace {
+void print_status_workers(const json& s, std::ostream& os) {
+  os << "role     rank host        gpu  pid      state     step   tok/s      heartbeat\n";
+  for (const auto& w : s["workers"]) {
+    std::ostringstream hb;
+    const double ago = w["last_heartbeat_s_ago"].get<double>();
+    if (ago >= 0) hb << std::fixed << std::setprecision(1) << ago << " s ago";
+    os << std::left << std::setw(9) << w["role"].get<std::string>() << std::setw(5) << w["rank"].get<int>() << std::setw(12)
+       << w["host"].get<std::string>() << std::setw(5) << w["gpu"].get<int>() << std::setw(9) << w["pid"].get<int>()
+       << std::setw(10) << w["state"].get<std::string>() << std::setw(7) << w["step"].get<int64_t>() << std::setw(11)
+       << int64_t(w["tokens_per_s"].get<double>()) << hb.str()
+       << (w.value("waiting", "").empty() ? "" : "  " + w["waiting"].get<std::string>()) << std::right << "\n";
+  }
+}
+}  // namespace
+
+void print_live_status(const json& s, std::ostream& os) {
+  const bool measured = s.value("step", int64_t(0)) > 0;  // loss and tau come with the first step
+  os << "run " << s["run"].get<std::string>() << " at " << s["address"].get<std::string>() << ": step " << s["step"] << "/"
+     << s["total_steps"] << ", epoch " << s["epoch"] << ", loss " << (measured ? fixed_number(s["loss"], 4) : "-")
+     << ", tau " << (measured ? fixed_number(s["tau"], 2) : "-") << ", "
+     << (measured ? std::to_string(int64_t(s["tokens_per_s"].get<double>())) : std::string("-")) << " tok/s, attempt "
+     << s["attempt"] << ", committed step " << s["committed_step"] << "\n";
+  os << "packing: " << packing_text(s["packing"]) << "\n";
+  print_status_workers(s, os);
+  for (const auto& x : s["degraded"])
+    os << "degraded: left out " << x.value("role", "?") << " " << x.value("rank", -1) << " (host " << x.value("host", "?")
+       << " GPU " << x.value("gpu", -1) << ") from step " << x.value("step", int64_t(-1)) << ": " << x.value("reason", "")
+       << "\n";
+  if (!s["left_out"].empty())
+    os << "running degraded: " << s["targets"] << " target(s) + " << s["drafters"] << " drafter(s), left out "
+       << s["left_out"].dump() << "\n";
+  for (const auto& r : s["restarts"])
+    os << "restart: " << r.value("role", "?") << " " << r.value("rank", -1) << " attempt " << r.value("attempt", -1) << ": "
+       << r.value("reason", "") << "\n";
+  if (const json e = s.value("eval", json()); e.is_object()) {  // config `eval:`
+    auto tau_at = [](const json& x) {
+      return x.is_null() ? std::string("-") : fixed_number(x["tau"], 2) + " (step " + x["step"].dump() + ")";
+    };
+    os << "eval: latest tau " << tau_at(e["latest"]) << ", best tau " << tau_at(e["best"]) << ", " << e["evals"] << " eval(s), "
+       << e["failures"] << " failed" << (e.value("busy", false) ? ", one running or queued" : "") << "\n";
+  }
 }
 
 }  // namespace dflash::coordinator

@@ -76,12 +76,27 @@ size_t print_leftovers(const Flags& f, const std::string& dir) {
   return left.size();
 }
 
-// No `dflash run` holds `dir`/run.lock: says so with the run's leftover shared memory, then fails.
+// The leftover shared memory of the run in `dir` as one clause ("" when none), with the cleanup command.
+std::string leftovers_clause(const Flags& f, const std::string& dir) {
+  if (!fs::exists(fs::path(dir) / "ledger.jsonl") || fs::file_size(fs::path(dir) / "ledger.jsonl") == 0) return "";
+  const auto left = run_segments(run_id_in(f, dir));
+  if (left.empty()) return "";
+  const std::string which = f.has("config") ? "--config " + f.get("config") : "--run-dir " + dir;
+  return "; it left " + std::to_string(left.size()) + " shared-memory segment(s) (/dev/shm/" + left.front() +
+         (left.size() > 1 ? " ..." : "") + "): remove them with dflash stop --cleanup " + which;
+}
+
+// How the run in `dir` that no coordinator holds ended ("finished", "stopped (...)", "failed (...)").
+std::string ended_state(const std::string& dir) {
+  const json s = summarize_run(dir);  // ConfigError "no run in DIR" when it never started
+  const std::string reason = s["reason"].get<std::string>();
+  return s["state"].get<std::string>() + (reason.empty() ? "" : " (" + reason + ")");
+}
+
+// No `dflash run` holds `dir`/run.lock: one ConfigError saying how the run ended and what it left.
 [[noreturn]] void report_dead_run(const Flags& f, const std::string& dir) {
-  std::cerr << "no dflash run is running for " << dir << " (nobody holds " << (fs::path(dir) / "run.lock").string() << ")\n";
-  const size_t left = print_leftovers(f, dir);
-  DFLASH_FAIL(ConfigError, "no coordinator is running for " << dir
-                           << (left == 0 ? "" : " (" + std::to_string(left) + " leftover shared-memory segment(s))"));
+  DFLASH_FAIL(ConfigError, "no coordinator is running for " << dir << ": the run has ended, " << ended_state(dir)
+                                                            << leftovers_clause(f, dir));
 }
 
 // `dflash stop --cleanup`: removes the shared memory a dead run left (holding the run's lock
@@ -134,43 +149,6 @@ void check_status(const grpc::Status& st, const ClientTarget& c) {
                "the coordinator at " << c.address << " refused the call: " << st.error_message());
   DFLASH_CHECK(st.ok(), TransportError, "coordinator at " << c.address << ": " << st.error_message());
 }
-// The status JSON (Coordinator::GetStatus) as a table.
-void print_status(const json& s, std::ostream& os) {
-  os << "run " << s["run"].get<std::string>() << " at " << s["address"].get<std::string>() << ": step " << s["step"] << "/"
-     << s["total_steps"] << ", epoch " << s["epoch"] << ", loss " << s["loss"] << ", tau " << s["tau"] << ", "
-     << int64_t(s["tokens_per_s"].get<double>()) << " tok/s, attempt " << s["attempt"] << ", committed step "
-     << s["committed_step"] << "\n";
-  os << "packing: " << s["packing"].dump() << "\n";
-  os << "role     rank host        gpu  pid      state     step   tok/s      heartbeat\n";
-  for (const auto& w : s["workers"]) {
-    std::ostringstream hb;
-    const double ago = w["last_heartbeat_s_ago"].get<double>();
-    if (ago >= 0) hb << std::fixed << std::setprecision(1) << ago << " s ago";
-    os << std::left << std::setw(9) << w["role"].get<std::string>() << std::setw(5) << w["rank"].get<int>() << std::setw(12)
-       << w["host"].get<std::string>() << std::setw(5) << w["gpu"].get<int>() << std::setw(9) << w["pid"].get<int>()
-       << std::setw(10) << w["state"].get<std::string>() << std::setw(7) << w["step"].get<int64_t>() << std::setw(11)
-       << int64_t(w["tokens_per_s"].get<double>()) << hb.str()
-       << (w.value("waiting", "").empty() ? "" : "  " + w["waiting"].get<std::string>()) << "\n";
-  }
-  for (const auto& x : s["degraded"])
-    os << "degraded: left out " << x.value("role", "?") << " " << x.value("rank", -1) << " (host " << x.value("host", "?")
-       << " GPU " << x.value("gpu", -1) << ") from step " << x.value("step", int64_t(-1)) << ": " << x.value("reason", "")
-       << "\n";
-  if (!s["left_out"].empty())
-    os << "running degraded: " << s["targets"] << " target(s) + " << s["drafters"] << " drafter(s), left out "
-       << s["left_out"].dump() << "\n";
-  for (const auto& r : s["restarts"])
-    os << "restart: " << r.value("role", "?") << " " << r.value("rank", -1) << " attempt " << r.value("attempt", -1) << ": "
-       << r.value("reason", "") << "\n";
-  if (const json e = s.value("eval", json()); e.is_object()) {  // config `eval:`
-    auto tau_at = [](const json& x) {
-      return x.is_null() ? std::string("-") : x["tau"].dump() + " (step " + x["step"].dump() + ")";
-    };
-    os << "eval: latest tau " << tau_at(e["latest"]) << ", best tau " << tau_at(e["best"]) << ", " << e["evals"] << " eval(s), "
-       << e["failures"] << " failed" << (e.value("busy", false) ? ", one running or queued" : "") << "\n";
-  }
-}
-
 // `dflash status` of a run no coordinator holds: its summary from the ledger, and its leftover
 // shared memory (with the cleanup command) on stderr.
 int print_ended_run(const Flags& f, const std::string& dir) {
@@ -201,7 +179,7 @@ int cmd_status(int argc, char** argv) {
     std::cout << s.dump(2) << std::endl;
     return kExitOk;
   }
-  print_status(s, std::cout);
+  print_live_status(s, std::cout);
   return kExitOk;
 }
 
@@ -210,6 +188,14 @@ int cmd_control(const char* action, int argc, char** argv) {
   if (f.has("cleanup")) {
     DFLASH_CHECK(std::string(action) == "stop", ConfigError, "--cleanup is a flag of dflash stop only");
     return cleanup_dead_run(f);
+  }
+  if (std::string(action) == "stop" && !f.has("coordinator") && (f.has("run-dir") || f.has("config"))) {
+    const std::string dir = run_dir_of(f);
+    if (!RunLock::held(dir)) {  // nothing to stop: one line, exit 0 (docs/cli.md#stop)
+      std::cout << "nothing to stop: the run in " << dir << " has ended, " << ended_state(dir) << leftovers_clause(f, dir)
+                << std::endl;
+      return kExitOk;
+    }
   }
   const auto c = client_target(f);
   auto stub = stub_for(c);

@@ -7,9 +7,11 @@
 // With --run-dir / --config, a run whose <output_dir>/run.lock nobody holds has ended (finished,
 // stopped, or failed / killed): `status` prints its summary from the ledger (run_summary.h; --json:
 // as JSON) and exits 0, and names the run's leftover /dev/shm segments (by its run id, from --config
-// or the ledger's run record) on stderr with the cleanup command; `stop` / `checkpoint` list those
-// segments on stderr and fail with ConfigError.
-// Exit codes: 0 ok; 2 (ConfigError) on a usage error, a dead run (stop / checkpoint), a directory
+// or the ledger's run record) on stderr with the cleanup command; `stop` has nothing to do: ONE line
+// on stdout saying how the run ended (with the cleanup command when it left segments), exit 0;
+// `checkpoint` fails with ONE ConfigError saying the same.
+// Exit codes: 0 ok (stop of an ended run included); 2 (ConfigError) on a usage error, `checkpoint`
+// of an ended run, a directory
 // without a ledger (status), no coordinator.json, an unreadable token
 // file, or a call the coordinator refused for its token; 1 (TransportError) when the coordinator
 // cannot be reached or the call fails otherwise (10 s deadline).
@@ -19,7 +21,7 @@ namespace dflash::coordinator {
 
 // `dflash status [--coordinator ADDR | --run-dir DIR | --config CONFIG] [--token-file F] [--json]`:
 // the run's step, loss, tau, tokens/s, packing generations, workers, restarts and left-out
-// workers as a table, or the coordinator's status JSON with --json; for a run that has ended, its
+// workers as a table (run_summary.h print_live_status: rounded numbers, packing in words), or the coordinator's status JSON with --json; for a run that has ended, its
 // summary from the ledger. argv: the args after "status".
 int cmd_status(int argc, char** argv);
 

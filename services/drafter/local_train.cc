@@ -1,18 +1,20 @@
 #include "services/drafter/local_train.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 
-#include <memory>
 #include "core/data/shards.h"
 #include "core/io/json_file.h"
 #include "core/io/jsonl_log.h"
+#include "core/metrics/tensorboard.h"
 #include "core/model/drafter.h"
 #include "core/model/layers.h"
-#include "core/metrics/tensorboard.h"
 #include "core/model/target.h"
 #include "core/train/checkpoint.h"
 #include "core/train/export.h"
@@ -88,7 +90,8 @@ class LocalSteps final : public StepHooks {
  public:
   LocalSteps(const config::RunConfig& cfg, const LocalTrainOptions& opt, model::Drafter& drafter, train::Trainer& trainer,
              int64_t total_steps, LocalTrainResult& res, const json& provenance)
-      : cfg_(cfg), opt_(opt), drafter_(drafter), trainer_(trainer), total_steps_(total_steps), res_(res),
+      : cfg_(cfg), opt_(opt), drafter_(drafter), trainer_(trainer), total_steps_(total_steps),
+        shown_total_(opt.max_steps >= 0 ? std::min(total_steps, opt.max_steps) : total_steps), res_(res),
         provenance_(provenance),
         ckpt_root_(fs::path(cfg.run.output_dir) / "checkpoints"),
         metrics_log_(io::JsonlLog::open((fs::path(cfg.run.output_dir) / "metrics.jsonl").string(), io::JsonlLog::Mode::kAppend)),
@@ -106,12 +109,15 @@ class LocalSteps final : public StepHooks {
                  {"tokens", m.tokens}, {"anchors", m.anchors}, {"tokens_per_s", tok_s},
                  {"skipped_nonfinite", m.skipped_nonfinite}};
     metrics_log_.append(line);
-    steps_window_.add(secs, m.step);  // from the first step trained: loading and start-up never count
-    if (!opt_.quiet && (m.step % 10 == 0 || m.step == total_steps_))
-      LOG_INFO("step " << m.step << "/" << total_steps_ << " epoch " << r.epoch << " loss " << m.loss << " tau "
     write_tensorboard(m.step, line);
-                       << m.accept_len << " lr " << m.lr << " tok/s " << int(tok_s) << " ETA "
-                       << format_duration(steps_window_.eta_s(total_steps_, m.step)));
+    steps_window_.add(secs, m.step);  // from the first step trained: loading and start-up never count
+    if (!opt_.quiet && (m.step % 10 == 0 || m.step == shown_total_)) {  // the steps this run trains (--max-steps)
+      const double eta = steps_window_.eta_s(shown_total_, m.step);
+      LOG_INFO("step " << m.step << "/" << shown_total_ << " epoch " << r.epoch << " loss " << std::fixed
+                       << std::setprecision(4) << m.loss << " tau " << std::setprecision(2) << m.accept_len
+                       << std::defaultfloat << std::setprecision(3) << " lr " << m.lr << " tok/s " << int(tok_s) << " ETA "
+                       << (eta < 0 ? std::string("-") : format_duration(eta)));
+    }
   }
 
   // The data position is (epoch, index of the next batch to train in its plan).
@@ -132,12 +138,6 @@ class LocalSteps final : public StepHooks {
   }
 
  private:
-  const config::RunConfig& cfg_;
-  const LocalTrainOptions& opt_;
-  model::Drafter& drafter_;
-  train::Trainer& trainer_;
-  const int64_t total_steps_;
-  LocalTrainResult& res_;
   // run.report_to (docs/metrics.md#trackers): `dflash train` writes the TensorBoard events itself,
   // as the coordinator does for `dflash run`; the wandb / mlflow sidecar is started by `dflash run`
   // only. A TensorBoard failure is a warning: training goes on.
@@ -165,9 +165,17 @@ class LocalSteps final : public StepHooks {
     }
   }
 
+  const config::RunConfig& cfg_;
+  const LocalTrainOptions& opt_;
+  model::Drafter& drafter_;
+  train::Trainer& trainer_;
+  const int64_t total_steps_;
+  const int64_t shown_total_;  // the last step this run trains: total_steps_, or --max-steps when fewer
+  LocalTrainResult& res_;
   const json& provenance_;  // run_provenance(): into every checkpoint
   const fs::path ckpt_root_;
   io::JsonlLog metrics_log_;  // whole records, fsynced; DataError naming the file on a failed write
+  std::unique_ptr<metrics::tensorboard::ScalarEventWriter> tb_;  // run.report_to has tensorboard
   const Clock::time_point t_loop_;
   RateWindow steps_window_{30.0};  // steps per second over the last 30 s, for the ETA
 };
@@ -175,7 +183,6 @@ class LocalSteps final : public StepHooks {
 // The schedule step a checkpoint's data position (epoch, next batch) resumes at; the schedule's
 // end when the epoch is past the config's epochs.
 int64_t resume_step(const stream::RunSchedule& sched, int64_t epoch, int64_t batch, const std::string& source) {
-  std::unique_ptr<metrics::tensorboard::ScalarEventWriter> tb_;  // run.report_to has tensorboard
   const int A = sched.shape().grad_accum;
   for (const auto& sg : sched.segments()) {
     if (sg.epoch != epoch) continue;

@@ -761,6 +761,22 @@ TEST(ConfigCheckCmd, SyntaxErrorUnreadableAndUsage) {
   EXPECT_EQ(run_check({"--help"}, &out, &err), 0);
 }
 
+// dtype spellings: the YAML takes the CLI's (--dtype bf16|fp16|fp32, model::parse_dtype) as well
+// as the full names, and writes the full name back; anything else is refused with the choices.
+TEST(Config, DtypeTakesTheCliSpellings) {
+  for (const auto& [spelling, want] : {std::pair{"bf16", Dtype::kBfloat16}, std::pair{"bfloat16", Dtype::kBfloat16},
+                                       std::pair{"fp16", Dtype::kFloat16}, std::pair{"fp32", Dtype::kFloat32}}) {
+    ParseResult r = parse(std::string("target:\n  model_dir: /models/t\n  dtype: ") + spelling + "\ndata:\n  shard_dir: /data/s\n");
+    ASSERT_TRUE(r.ok()) << spelling << ": " << dump(r);
+    EXPECT_EQ(r.config.target.dtype, want) << spelling;
+    EXPECT_EQ(parse(to_yaml(r.config)).config.target.dtype, want) << spelling;
+  }
+  ParseResult bad = parse("target:\n  model_dir: /models/t\n  dtype: bf17\ndata:\n  shard_dir: /data/s\n");
+  ASSERT_EQ(bad.problems.size(), 1u) << dump(bad);
+  EXPECT_NE(bad.problems[0].message.find("expected one of bfloat16|float16|float32, got \"bf17\""), std::string::npos)
+      << bad.problems[0].message;
+}
+
 // The control token source of the shipped multi-host config (coordinator.token_file, from
 // $DFLASH_TOKEN_FILE): config check fails when the file is missing, empty, the example's placeholder
 // or short, and names DFLASH_CONTROL_TOKEN when that is set instead.

@@ -57,7 +57,9 @@ grep -q "wrong control-plane token" "$work/c2.log" || { echo "FAIL (c): wrong to
 echo "(c) RPC without token: $(grep -o 'refused the call: .*token' "$work/c1.log" | head -1); wrong token refused too"
 "$bin/dflash" stop --config "$work/run.yaml" > /dev/null
 wait $coord
-committed=$(grep '"type":"checkpoint"' "$work/run/ledger.jsonl" | tail -1 | "$py" -c "import json,sys; print(json.load(sys.stdin)['dir'])")
+# (a checkpoint's "dir" is relative to the run directory: services/coordinator/ledger.h)
+committed=$(grep '"type":"checkpoint"' "$work/run/ledger.jsonl" | tail -1 |
+            "$py" -c "import json,os,sys; print(os.path.join(sys.argv[1], json.load(sys.stdin)['dir']))" "$work/run")
 [ -d "$committed" ] || { echo "FAIL: no committed checkpoint after dflash stop"; exit 1; }
 
 # (d) truncate a shard, resume: exit 4 naming it; nothing committed is lost.

@@ -4,12 +4,15 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <sstream>
 
 #include "core/config/config.h"
 #include "core/util/error.h"
 #include "services/coordinator/eval_runner.h"
 #include "services/coordinator/launcher.h"
 #include "services/coordinator/ledger.h"
+#include "services/coordinator/plan_report.h"
 #include "services/coordinator/run_summary.h"
 #include "tests/common/cli_test_util.h"
 #include "tests/common/file_size_limit.h"
@@ -489,4 +492,109 @@ TEST(EvalRunner, RunsJobsInOrderAndReportsResultsFailuresAndTimeouts) {
     EXPECT_NE(d.error.find("timed out"), std::string::npos) << d.error;
     EXPECT_LT(d.wall_s, 5.0);
   }
+}
+
+// `dflash status` for people: rounded numbers, packing as words, dashes before the first step.
+TEST(StatusText, RoundedNumbersAndReadablePacking) {
+  json s = {{"run", "r"}, {"address", "127.0.0.1:5000"}, {"step", 12}, {"total_steps", 40}, {"epoch", 1},
+            {"loss", 3.4954277464372696}, {"tau", 2.318181818}, {"tokens_per_s", 1234.56}, {"attempt", 1},
+            {"committed_step", 10}, {"workers", json::array()}, {"degraded", json::array()}, {"left_out", json::array()},
+            {"restarts", json::array()}, {"targets", 2}, {"drafters", 2},
+            {"packing", {{{"start_step", 0}, {"token_budget", 4096}, {"max_batch_size", 8}, {"drafters", 2}},
+                         {{"start_step", 30}, {"token_budget", 3072}, {"max_batch_size", 8}, {"drafters", 2}}}},
+            {"eval", {{"latest", {{"tau", 3.14159}, {"step", 10}}}, {"best", nullptr}, {"evals", 1}, {"failures", 0}}}};
+  std::ostringstream os;
+  print_live_status(s, os);
+  const std::string text = os.str();
+  EXPECT_NE(text.find("loss 3.4954, tau 2.32, 1234 tok/s"), std::string::npos) << text;
+  EXPECT_EQ(text.find("3.49542"), std::string::npos) << text;
+  EXPECT_NE(text.find("packing: from step 0: token_budget 4096, max_batch_size 8, 2 drafter(s); from step 30: "
+                      "token_budget 3072"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("{\""), std::string::npos) << "raw JSON in: " << text;
+  EXPECT_NE(text.find("eval: latest tau 3.14 (step 10), best tau -"), std::string::npos) << text;
+  s["step"] = 0, s["loss"] = 0.0, s["tau"] = 0.0, s["tokens_per_s"] = 0.0;
+  std::ostringstream first;
+  print_live_status(s, first);
+  EXPECT_NE(first.str().find("loss -, tau -, - tok/s"), std::string::npos) << first.str();
+
+  const json ended = {{"name", "r"}, {"run_dir", "/runs/r"}, {"state", "finished"}, {"reason", ""}, {"steps", 40},
+                      {"total_steps", 40}, {"committed_step", 40}, {"last_checkpoint", ""}, {"attempts", 1},
+                      {"tokens", 1000}, {"loss", 1.523456789}, {"tau_final", 3.9123}, {"tau_best", 3.97},
+                      {"restarts", json::array()}, {"restarts_by_role", json::object()}, {"degraded", json::array()},
+                      {"exports", json::array()}};
+  std::ostringstream summary;
+  print_run_summary(ended, summary);
+  EXPECT_NE(summary.str().find("tokens 1000, loss 1.5235, tau final 3.91 best 3.97"), std::string::npos) << summary.str();
+}
+
+// The plan's epochs: one line however many epochs, ranges where epochs differ.
+TEST(PlanText, EpochsInOneLine) {
+  json epochs = json::array();
+  for (int e = 0; e < 40; ++e)
+    epochs.push_back({{"epoch", e}, {"batches", 12}, {"steps", 3}, {"untrained_batches", 0}, {"dropped_samples", 1},
+                      {"truncated_samples", 0}});
+  json plan = {{"topology", {{"targets", 2}, {"drafters", 2}, {"transport", "shm"}, {"hosts", json::array()}}},
+               {"samples", 100}, {"total_steps", 120}, {"tokens_per_step", 512}, {"epochs", epochs},
+               {"memory_estimate", json::object()}};
+  std::ostringstream os;
+  print_plan(plan, os);
+  const std::string text = os.str();
+  EXPECT_NE(text.find("  40 epoch(s): 480 batches -> 120 steps; per epoch 3 steps, 0 batches left over by "
+                      "round-robin/accumulation, 1 samples dropped, 0 truncated\n"),
+            std::string::npos)
+      << text;
+  size_t lines_with_epoch = 0;
+  for (size_t at = text.find("epoch"); at != std::string::npos; at = text.find("epoch", text.find('\n', at)))
+    ++lines_with_epoch;
+  EXPECT_EQ(lines_with_epoch, 1u) << text;
+  epochs[7]["steps"] = 2;
+  EXPECT_NE(epochs_line(epochs).find("119 steps; per epoch 2-3 steps"), std::string::npos) << epochs_line(epochs);
+}
+
+// Run records name files inside the run directory relative to it: a copied run directory names
+// its own checkpoints; paths outside it stay absolute; a ledger without "paths" keeps them as written.
+TEST(Ledger, PathsInsideTheRunDirAreRelativeSoACopyNamesItsOwnFiles) {
+  const fs::path root = fs::path(tmp_path("relative")), a = root / "a", b = root / "b";
+  fs::remove_all(root);
+  fs::create_directories(a / "checkpoints" / "step-10");
+  {
+    auto l = Ledger::open((a / "ledger.jsonl").string());
+    l.append({{"type", "run"}, {"schedule_steps", 100}, {"token_budget", 576}, {"max_batch_size", 8}});
+    l.append({{"type", "launch"}, {"attempt", 0}, {"start_step", 0}, {"resume", ""}});
+    l.append({{"type", "checkpoint"}, {"step", 10}, {"dir", (a / "checkpoints" / "step-10").string()}, {"optimizer_step", 10}});
+    l.append({{"type", "checkpoint"}, {"step", 20}, {"dir", "/elsewhere/step-20"}, {"optimizer_step", 20}});
+    EXPECT_EQ(l.state().checkpoints[0].dir, (a / "checkpoints" / "step-10").string());  // this process: as given
+  }
+  std::ifstream in(a / "ledger.jsonl");
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(all.find("\"dir\":\"checkpoints/step-10\""), std::string::npos) << all;
+  EXPECT_NE(all.find("\"dir\":\"/elsewhere/step-20\""), std::string::npos) << all;
+  EXPECT_EQ(all.find(a.string()), std::string::npos) << "the run dir's own path is in its ledger: " << all;
+  fs::copy(a, b, fs::copy_options::recursive);
+  const LedgerState copy = Ledger::replay((b / "ledger.jsonl").string());
+  ASSERT_EQ(copy.checkpoints.size(), 2u);
+  EXPECT_EQ(copy.checkpoints[0].dir, (b / "checkpoints" / "step-10").string());
+  EXPECT_TRUE(fs::is_directory(copy.checkpoints[0].dir));
+  EXPECT_EQ(copy.checkpoints[1].dir, "/elsewhere/step-20");
+  // A ledger written before "paths" existed: its dirs are taken as written.
+  std::ofstream(root / "old.jsonl") << "{\"type\":\"run\",\"schedule_steps\":1,\"token_budget\":8,\"max_batch_size\":1}\n"
+                                    << "{\"type\":\"checkpoint\",\"step\":1,\"dir\":\"runs/x/step-1\"}\n";
+  EXPECT_EQ(Ledger::replay((root / "old.jsonl").string()).checkpoints[0].dir, "runs/x/step-1");
+  fs::remove_all(root);
+}
+
+// The run's progress line: no zeros posing as measurements before the first step of a launch.
+TEST(StatusText, ProgressLineSaysStartingUntilTheFirstStep) {
+  RunProgress p;
+  p.total_steps = 40;
+  const std::string first = run_progress_line(p);
+  EXPECT_EQ(first, "[dflash] step 0/40 (0%) epoch 0 | starting: waiting for the first step | attempt 0");
+  EXPECT_EQ(first.find("tok/s"), std::string::npos);
+  EXPECT_EQ(first.find("ETA ?"), std::string::npos);
+  p.step = 1, p.measured = true, p.loss = 3.4954277464372696, p.tau = 1.23456;
+  EXPECT_EQ(run_progress_line(p), "[dflash] step 1/40 (2%) epoch 0 | - tok/s | loss 3.4954 | tau 1.23 | ETA - | attempt 0");
+  p.step = 20, p.tokens_per_s = 1500.7, p.eta_s = 65;
+  EXPECT_EQ(run_progress_line(p), "[dflash] step 20/40 (50%) epoch 0 | 1500 tok/s | loss 3.4954 | tau 1.23 | ETA 0:01:05 | attempt 0");
 }

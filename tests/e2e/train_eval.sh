@@ -132,7 +132,7 @@ for name in ("export", "export-best"):
     card = open(f"{run}/{name}/README.md").read()
     assert f"{best['tau']}"[:5] in card, (name, "tau_best not in the model card")
 with open(f"{run}/best_dir", "w") as f:
-    f.write(best["dir"])
+    f.write(os.path.join(run, best["dir"]))  # ledger paths are relative to the run directory
 PY
 
 # export-best/ is the best checkpoint exported (float32 on CPU), and z-lab loads it.
