@@ -293,6 +293,8 @@ void fields(V& v, CoordinatorSection& s) {
   v("progress_timeout_s", s.progress_timeout_s);
   v("metrics_port", s.metrics_port);
   v("worker_metrics_port_base", s.worker_metrics_port_base);
+  v("wait_cycle_s", s.wait_cycle_s);
+  v("receive_timeout_s", s.receive_timeout_s);
   v("metrics_listen", s.metrics_listen);
   v("profile_interval_s", s.profile_interval_s);
 }
@@ -851,6 +853,31 @@ void in_range(Ctx& ctx, const std::string& path, T v, T lo, T hi) {
 
 // "HOST:PORT" with PORT in [0, 65535]; returns the port, or -1 after reporting.
 int check_listen(Ctx& ctx, const std::string& path, const std::string& listen, std::string* host) {
+// coordinator.wait_cycle_s and receive_timeout_s, and how they relate to progress_timeout_s
+// (docs/design.md#recovery): the coordinator's checks must fire before a drafter's receive gives up.
+void check_liveness_timeouts(Ctx& ctx, const CoordinatorSection& co) {
+  if (co.wait_cycle_s != 0 && (co.wait_cycle_s < kMinHeartbeatTimeoutS || co.wait_cycle_s > kMaxTimeoutS)) {
+    ctx.check("coordinator.wait_cycle_s", "expected 0 (off) or a value in [" + num(kMinHeartbeatTimeoutS) + ", " +
+                                              num(static_cast<int64_t>(kMaxTimeoutS)) + "] seconds, got " + num(co.wait_cycle_s));
+  }
+  if (!(co.receive_timeout_s > 0 && co.receive_timeout_s <= kMaxTimeoutS)) {
+    ctx.check("coordinator.receive_timeout_s",
+              "expected a value in (0, " + num(static_cast<int64_t>(kMaxTimeoutS)) + "] seconds, got " + num(co.receive_timeout_s));
+    return;
+  }
+  const double check_s = std::max(co.progress_timeout_s, co.wait_cycle_s);
+  if (check_s <= 0) return;  // both checks off: the timeouts are the only bound
+  const double needed = check_s + kLivenessMarginS;
+  auto secs = [](double v) { return v == std::floor(v) && v < 1e15 ? num(static_cast<int64_t>(v)) : num(v); };
+  if (co.receive_timeout_s < needed) {
+    const bool progress = co.progress_timeout_s >= co.wait_cycle_s;
+    ctx.check("coordinator.receive_timeout_s",
+              "expected a value >= " + secs(needed) + " (coordinator." + (progress ? "progress_timeout_s " : "wait_cycle_s ") +
+                  secs(check_s) + " + " + secs(kLivenessMarginS) + " s), got " + secs(co.receive_timeout_s) +
+                  ": a drafter would give up waiting on a hung worker, and take the blame, before the coordinator finds it");
+  }
+}
+
   const size_t colon = listen.rfind(':');
   const std::string port_text = colon == std::string::npos ? "" : listen.substr(colon + 1);
   const bool digits = !port_text.empty() && port_text.size() <= 5 &&
@@ -1132,6 +1159,7 @@ void validate_report_to(const std::vector<std::string>& trackers, Ctx& ctx) {
               "expected a value <= " + num(c.data.token_budget) + " (data.token_budget), got " +
                   num(oom.token_budget_floor));
   } else if (oom.token_budget_floor < c.data.max_seq_len) {
+  check_liveness_timeouts(ctx, co);
     ctx.check("resilience.oom.token_budget_floor",
               "expected a value >= " + num(c.data.max_seq_len) + " (data.max_seq_len), got " +
                   num(oom.token_budget_floor));

@@ -39,6 +39,9 @@ constexpr int64_t kMaxTokenBudget = 2147483647;
 constexpr double kMinHeartbeatTimeoutS = 2.0;
 // Waits and timeouts are at most a day (a longer one would never fire within a run).
 constexpr double kMaxTimeoutS = 86400.0;
+// coordinator.receive_timeout_s exceeds progress_timeout_s and wait_cycle_s by at least this: the
+// heartbeat (every 0.5 s), the monitor tick and stopping the attempt fit in it.
+constexpr double kLivenessMarginS = 10.0;
 // The wait before restart n is backoff_s * 2^min(n-1, 6): at most 64 hours.
 constexpr double kMaxBackoffS = 3600.0;
 
@@ -220,14 +223,26 @@ struct CoordinatorSection {
   std::string token;                       // control-plane token (at most one of token/token_file);
   std::string token_file;                  // one is required when listen is not loopback
   double heartbeat_timeout_s = 30.0;       // [kMinHeartbeatTimeoutS, kMaxTimeoutS]
-  // A worker whose progress counter (control_client.h) stands still this long while its main loop
-  // is blocked on nothing is hung and restarted; 0 = off, else [kMinHeartbeatTimeoutS, kMaxTimeoutS].
+  // Liveness beyond heartbeats (docs/design.md#recovery, services/coordinator/liveness.h):
+  // A worker whose progress counter (control_client.h) stands still this long, whether its main
+  // loop waits or not, is hung: the worker its waits lead to is restarted. 0 = off, else
+  // [kMinHeartbeatTimeoutS, kMaxTimeoutS].
   double progress_timeout_s = 600.0;
   int metrics_port = 9400;                 // [0, 65535], 0 = off (coordinator's /metrics)
   int worker_metrics_port_base = 9401;     // [0, 65535], worker i serves base + i, 0 = off
   // Host address every /metrics server binds ("" = bind_host(): 127.0.0.1 on an all-local run,
   // else the process's own configured host); an explicit value (0.0.0.0 included) is used as given.
   std::string metrics_listen;
+  // Workers that wait on each other in a cycle (target 0 on drafter 0's credits, drafter 0 on
+  // target 0's batch, ...), none of them progressing, this long: the one that waited first is hung.
+  // 0 = off, else [kMinHeartbeatTimeoutS, kMaxTimeoutS].
+  double wait_cycle_s = 10.0;
+  // How long a drafter started by the coordinator waits for one micro-batch from a target, or for
+  // its peers in a collective, before it fails (exit 1); dflash-drafter train's --recv-timeout-s and
+  // --collective-timeout-s override it. At least progress_timeout_s and wait_cycle_s plus
+  // kLivenessMarginS, so the coordinator finds the hung worker before a healthy drafter waiting on
+  // it gives up and takes the blame. (0, kMaxTimeoutS].
+  double receive_timeout_s = 900.0;
   double profile_interval_s = 0.0;         // [0, kMaxTimeoutS] (0 = off)
 };
 

@@ -7,17 +7,38 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <mutex>
 #include <vector>
 
 #include "core/io/json_file.h"
 #include "core/util/error.h"
 #include "core/util/fileio.h"
 #include "core/util/log.h"
+#include "core/util/switches.h"
 
 namespace dflash::io {
 namespace {
 
 std::string errno_text() { return std::strerror(errno); }
+
+// DFLASH_TEST_JSONL_ENOSPC=NAME:N (tests only, docs/switches.md): the Nth append of this process to
+// a log whose file name is NAME fails as on a full disk, once: half the line is written, then the
+// write fails with ENOSPC (the transient full disk the ledger tests need).
+bool injected_enospc_due(const std::string& path) {
+  static std::mutex mu;
+  static std::map<std::string, int64_t> appends;  // file name -> appends so far
+  const std::string v = switches::get("DFLASH_TEST_JSONL_ENOSPC");
+  if (v.empty()) return false;
+  const auto colon = v.rfind(':');
+  DFLASH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < v.size() &&
+                   v.find_first_not_of("0123456789", colon + 1) == std::string::npos,
+               ConfigError, "DFLASH_TEST_JSONL_ENOSPC: expected NAME:N, got '" << v << "'");
+  const std::string name = std::filesystem::path(path).filename().string();
+  if (name != v.substr(0, colon)) return false;
+  std::lock_guard<std::mutex> lk(mu);
+  return ++appends[name] == std::stoll(v.substr(colon + 1));
+}
 
 int open_log_fd(const std::string& path) {
   const auto parent = std::filesystem::path(path).parent_path();
@@ -124,6 +145,11 @@ void JsonlLog::append(const nlohmann::json& record) {
 }
 
 void JsonlLog::write_line(const std::string& line) {
+  if (injected_enospc_due(path_)) {
+    (void)!::write(fd_, line.data(), line.size() / 2);
+    errno = ENOSPC;
+    fail_and_cut("write failed: " + errno_text() + " (injected by DFLASH_TEST_JSONL_ENOSPC)");
+  }
   ssize_t n;
   do {
     n = ::write(fd_, line.data(), line.size());

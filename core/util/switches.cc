@@ -120,8 +120,13 @@ const std::vector<Switch>& registry() {
       {"DFLASH_CONTROL_TOKEN_FILE", Kind::kText, {}, "",
        "File holding the control token, read when DFLASH_CONTROL_TOKEN is not set.", false, false},
       {"DFLASH_TEST_FREEZE_TARGET", Kind::kText, {}, "",
-       "Tests only: RANK:BATCHES; in launch attempt 0, target RANK's main loop sleeps for good after sending "
-       "BATCHES batches while its heartbeat goes on (the progress-liveness test).",
+       "Tests only: RANK:BATCHES[:wait]; in launch attempt 0, target RANK's main loop sleeps for good after sending "
+       "BATCHES batches while its heartbeat goes on (the progress-liveness test); with :wait it sleeps inside its "
+       "wait for the credits of the drafter it sent that batch to (the wait-cycle test).",
+       false, false},
+      {"DFLASH_TEST_JSONL_ENOSPC", Kind::kText, {}, "",
+       "Tests only: NAME:N; the Nth append of this process to a JSON-lines log named NAME (e.g. ledger.jsonl) "
+       "writes half its line, then fails with ENOSPC, once (a transient full disk).",
        false, false},
   };
   return r;

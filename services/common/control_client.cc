@@ -152,6 +152,7 @@ namespace {
 std::atomic<int64_t> g_progress{0};
 std::mutex g_blocked_mu;
 std::string g_blocked_on;
+std::chrono::steady_clock::time_point g_blocked_since;
 }  // namespace
 
 void advance_progress(int64_t n) { g_progress.fetch_add(n, std::memory_order_relaxed); }
@@ -160,14 +161,21 @@ int64_t progress() { return g_progress.load(std::memory_order_relaxed); }
 BlockedOn::BlockedOn(std::string what) {
   std::lock_guard<std::mutex> lk(g_blocked_mu);
   previous_ = std::exchange(g_blocked_on, std::move(what));
+  previous_since_ = std::exchange(g_blocked_since, std::chrono::steady_clock::now());
 }
 BlockedOn::~BlockedOn() {
   std::lock_guard<std::mutex> lk(g_blocked_mu);
   g_blocked_on = std::move(previous_);
+  g_blocked_since = previous_since_;
 }
 std::string BlockedOn::current() {
   std::lock_guard<std::mutex> lk(g_blocked_mu);
   return g_blocked_on;
+}
+std::pair<std::string, double> BlockedOn::current_with_age() {
+  std::lock_guard<std::mutex> lk(g_blocked_mu);
+  if (g_blocked_on.empty()) return {"", 0.0};
+  return {g_blocked_on, std::chrono::duration<double>(std::chrono::steady_clock::now() - g_blocked_since).count()};
 }
 
 void ControlClient::heartbeat_loop() {
@@ -180,7 +188,9 @@ void ControlClient::heartbeat_loop() {
     req.set_tokens_per_second(tps_.load());
     req.set_gpu_memory_bytes(mem_.load());
     req.set_progress(control::progress());
-    req.set_blocked_on(BlockedOn::current());
+    const auto [blocked_on, blocked_s] = BlockedOn::current_with_age();
+    req.set_blocked_on(blocked_on);
+    req.set_blocked_s(blocked_s);
     pb::HeartbeatResponse resp;
     grpc::ClientContext ctx;
     impl_->prepare(ctx, std::max(0.5, opt_.heartbeat_interval_s * 2));

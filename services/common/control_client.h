@@ -13,19 +13,22 @@
 //   - Liveness from progress: the heartbeat also carries this process's progress counter
 //     (advance_progress(), called by the main loop: a target per batch sent, a drafter per step)
 //     and what the main loop is blocked on (a BlockedOn scope: "target 1", "drafter 0",
-//     "drafter peers (collective)", "checkpoint write", ...). The coordinator declares a worker
-//     hung when its counter stands still for coordinator.progress_timeout_s while it is blocked on
-//     nothing, and restarts it; a worker blocked on a peer is not blamed for the peer's stall.
+//     "drafter peers (collective)", "checkpoint write", ...) and for how long. The coordinator
+//     declares a hang when a counter stands still for coordinator.progress_timeout_s (waiting or
+//     not), or when workers wait on each other in a cycle for coordinator.wait_cycle_s, and blames
+//     the worker the waits lead to (services/coordinator/liveness.h), not a peer waiting on it.
 //   - report_step / commit_checkpoint / report_failure: synchronous calls with a deadline; a failure
 //     of report_step or commit_checkpoint throws TransportError (a commit the coordinator did not
 //     record did not happen).
 // Without a coordinator (manual runs, tests of the data plane) workers use LaunchPlan::standalone.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -150,9 +153,12 @@ class BlockedOn {
   BlockedOn(const BlockedOn&) = delete;
   BlockedOn& operator=(const BlockedOn&) = delete;
   static std::string current();  // "" when nothing is
+  // current() and how long, in seconds, the main loop has been in that scope (0 when in none).
+  static std::pair<std::string, double> current_with_age();
 
  private:
   std::string previous_;
+  std::chrono::steady_clock::time_point previous_since_;
 };
 
 // Runs `body`; on an exception reports it to the coordinator (when `client` is non-null) with the

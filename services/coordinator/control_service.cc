@@ -30,6 +30,7 @@ grpc::Status Coordinator::append_ledger(const nlohmann::json& record) {
     ledger_->append(record);
     return grpc::Status::OK;
   } catch (const std::exception& e) {
+    if (ledger_failure_.empty()) ledger_failure_ = e.what();  // monitor() stops the run on it (exit 4)
     return {grpc::StatusCode::INTERNAL, e.what()};
   }
 }
@@ -46,7 +47,7 @@ grpc::Status Coordinator::Register(grpc::ServerContext* ctx, const pb::RegisterR
               "no such worker: role " + std::to_string(req->role()) + " rank " + std::to_string(req->rank())};
     auto& w = workers_[idx];
     w.registered = true;
-    w.last_heartbeat = Clock::now();
+    w.last_heartbeat = w.progress_at = Clock::now();
     w.metrics_port = req->metrics_port();
     w.state = "running";
     resp->set_run_id(cfg_.run.name);
@@ -67,10 +68,12 @@ grpc::Status Coordinator::Heartbeat(grpc::ServerContext* ctx, const pb::Heartbea
     w.last_heartbeat = Clock::now();
     w.step = req->step();
     w.tokens_per_s = req->tokens_per_second();
-    // The stall clock runs only while the main loop is blocked on nothing (see poll_workers).
-    if (req->progress() != w.progress || !req->blocked_on().empty()) w.progress_at = w.last_heartbeat;
+    // The stall clock restarts when the counter moves, waiting or not (liveness.h).
+    if (req->progress() != w.progress) w.progress_at = w.last_heartbeat, w.last_wait_on.clear();
+    if (!req->blocked_on().empty()) w.last_wait_on = req->blocked_on(), w.last_wait_s = req->blocked_s();
     w.progress = req->progress();
     w.blocked_on = req->blocked_on();
+    w.blocked_s = req->blocked_s();
     if (w.spec.role == config::Role::kDrafter) {
       resp->set_stop(stop_requested_);
       resp->set_checkpoint_now(checkpoint_requested_);
@@ -179,7 +182,8 @@ json Coordinator::status_json() const {  // mu_ held
                   {"pid", w.pid}, {"state", w.state}, {"step", w.step}, {"tokens_per_s", w.tokens_per_s},
                   {"last_heartbeat_s_ago", w.registered ? seconds_since(w.last_heartbeat) : -1.0}, {"metrics_port", w.metrics_port},
                   {"exit", w.exit.exited ? w.exit.describe() : ""}, {"progress", w.progress},
-                  {"waiting", w.blocked_on.empty() ? "" : "waiting on " + w.blocked_on}});
+                  {"waiting", w.blocked_on.empty() ? "" : "waiting on " + w.blocked_on},
+                  {"waiting_s", w.blocked_on.empty() || !w.registered ? 0.0 : w.blocked_s + seconds_since(w.last_heartbeat)}});
   const auto& st = ledger_->state();
   json gens = json::array();
   for (const auto& g : st.generations)

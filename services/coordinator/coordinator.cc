@@ -29,6 +29,7 @@
 #include "services/common/run_plan.h"
 #include "services/coordinator/control_token.h"
 #include "services/coordinator/plan_report.h"
+#include "services/coordinator/run_record.h"
 #include "services/coordinator/run_summary.h"
 #include "services/coordinator/python_module.h"
 
@@ -92,6 +93,7 @@ Coordinator::Coordinator(config::RunConfig cfg, RunOptions opts)
 Coordinator::~Coordinator() = default;
 
 int Coordinator::run() {
+  if (!opts_.plan_only) lock_run_dir();  // before plan() imports data.jsonl into the directory
   const json p = plan();
   if (opts_.plan_only) {
     std::cout << p.dump(2) << std::endl;
@@ -129,8 +131,36 @@ void Coordinator::remove_run_segments(const char* when) {
 // ---------------------------------------------------------------------------------------------
 // Step 1: the plan.
 
+// <output_dir>/run.lock (services/coordinator/run_lock.h): ConfigError naming the holder's pid.
+void Coordinator::lock_run_dir() {
+  if (lock_) return;
+  const fs::path out = cfg_.run.output_dir;
+  fs::create_directories(out);
+  lock_.emplace(RunLock::acquire(out.string()));
+}
+
+// `--plan` imports data.jsonl only into a directory no run holds, and holds its lock while it
+// does; a live run's directory is planned read-only (from shards it imported already).
+void Coordinator::lock_for_plan_import() {
+  const bool needs_import =
+      !cfg_.data.jsonl.empty() && !fs::exists(fs::path(cfg_.data.shard_dir) / data::kManifestFile);
+  if (!needs_import || lock_) return;
+  if (RunLock::held(cfg_.run.output_dir)) {
+    std::string holder;
+    std::getline(std::ifstream(fs::path(cfg_.run.output_dir) / "run.lock"), holder);
+    DFLASH_FAIL(ConfigError, "run.output_dir " << cfg_.run.output_dir << " is locked by "
+                                               << (holder.empty() ? "an unknown process" : holder)
+                                               << " (a live dflash run) and data.shard_dir " << cfg_.data.shard_dir
+                                               << " holds no import yet: --plan does not import data.jsonl into a live run's "
+                                                  "directory; plan it once that run has imported its data, or size it with "
+                                                  "--plan-samples/--plan-lengths");
+  }
+  lock_run_dir();
+}
+
 json Coordinator::plan() {
   if (opts_.plan_lengths.empty()) {
+    if (opts_.plan_only) lock_for_plan_import();
     if (auto imported = pipeline::import_run_data(cfg_)) data_import_ = *imported;  // data.jsonl, once per run dir
     lengths_ = data::ShardReader::open(cfg_.data.shard_dir).lengths();
   } else {
@@ -168,8 +198,7 @@ config::RunConfig redacted(config::RunConfig cfg) {
 
 bool Coordinator::open_ledger() {
   const fs::path out = cfg_.run.output_dir;
-  fs::create_directories(out);
-  lock_.emplace(RunLock::acquire(out.string()));  // before anything in the directory is read or moved
+  lock_run_dir();  // run() took it before the plan; before anything in the directory is read or moved
   remove_run_segments("left by an earlier launch of this run");
   const std::string ledger_path = (out / "ledger.jsonl").string();
   const bool existed = fs::exists(ledger_path) && fs::file_size(ledger_path) > 0;
@@ -189,6 +218,7 @@ bool Coordinator::open_ledger() {
                      {"plan", pipeline::RunPlan::build(cfg_, io::parse_hf_config(cfg_.target.model_dir), device_).to_json()},
                      {"switches", switches::to_json()}, {"provenance", pipeline::run_provenance(cfg_)}, {"data_import", data_import_}});
   } else {
+    refuse_resume_drift();
     resume_ledger();
   }
   if (ledger_->state().finished) {
@@ -196,6 +226,21 @@ bool Coordinator::open_ledger() {
     return false;
   }
   return true;
+}
+
+// A resume continues the run its ledger records: a config (file and overrides) that changes what
+// that run trains is refused, naming each field (services/coordinator/run_record.h).
+void Coordinator::refuse_resume_drift() const {
+  const auto& run = ledger_->state().run;
+  if (!run.contains("config") || !run["config"].is_string()) return;
+  const auto drift = resume_drift(run["config"].get<std::string>(), base_cfg_);
+  if (drift.empty()) return;
+  std::string list;
+  for (const auto& d : drift) list += (list.empty() ? "" : "; ") + d;
+  DFLASH_FAIL(ConfigError, "cannot resume the run in " << cfg_.run.output_dir << " with other settings than it was started with ("
+                                                       << list << "): a resume continues the run its ledger records; restore "
+                                                       << (drift.size() == 1 ? "this value" : "these values") << " in "
+                                                       << opts_.config_path << " or its overrides, or start a fresh run.output_dir");
 }
 
 void Coordinator::resume_ledger() {
@@ -293,6 +338,7 @@ int Coordinator::supervise() {
     lk.unlock();
     const auto outcome = monitor();
     lk.lock();
+    if (outcome.kind == Outcome::kLedgerFailed) return stop_on_ledger_failure();
     if (outcome.kind != Outcome::kFailed) return end_run(outcome);
     const RecoveryDecision d = handle_failure(outcome);
     if (d.action == RecoveryAction::kStop) return d.exit_code;
@@ -510,6 +556,11 @@ Coordinator::Outcome Coordinator::monitor() {
     if (m_epoch_) m_epoch_->set(double(last_epoch_));
     if (m_committed_) m_committed_->set(double(ledger_->state().committed_step()));
     poll_evals();
+    if (!ledger_failure_.empty()) {  // before any worker's failure: theirs follow from it
+      stop_all();
+      out.kind = Outcome::kLedgerFailed;
+      return out;
+    }
     if (out.worker >= 0 && !out.hang) blame_root_cause(out);
     if (out.worker >= 0) {
       count_failure(out);
@@ -574,29 +625,38 @@ void Coordinator::poll_workers(Outcome& out, int& alive, int& drafters, int& dra
         out.reason = w.registered ? "no heartbeat for " + std::to_string(int(seconds_since(w.last_heartbeat))) + " s (hung)"
                                   : "did not register within " + std::to_string(int(startup_timeout)) + " s";
       }
-      std::string stall;
-      if (!hung && out.worker < 0 && progress_stalled(w, &stall)) {
-        out.worker = static_cast<int>(i);
-        out.hang = true;
-        out.reason = stall;
-      }
     } else if (w.spec.role == config::Role::kDrafter && (w.exit.code == 0 || stopped_by_signal(w.exit))) {
       ++drafters_done;
     }
   }
+  if (out.worker < 0) find_progress_hang(out);
 }
 
-// Liveness from progress: a worker that has made progress in this launch, whose counter then stood
-// still for coordinator.progress_timeout_s (0 = off) while its main loop was blocked on nothing.
-bool Coordinator::progress_stalled(const WorkerState& w, std::string* reason) const {
-  const double limit = cfg_.coordinator.progress_timeout_s;
-  if (limit <= 0 || !w.registered || w.progress <= 0 || !w.blocked_on.empty()) return false;
-  const double idle = seconds_since(w.progress_at);
-  if (idle <= limit) return false;
-  *reason = "no progress for " + std::to_string(int(idle)) + " s with heartbeats alive (progress counter at " +
-            std::to_string(w.progress) + ", waiting on nothing; coordinator.progress_timeout_s=" + std::to_string(int(limit)) +
-            "): main loop hung";
-  return true;
+// Every worker of the attempt as liveness.h sees it, with the peers its wait names.
+std::vector<WorkerView> Coordinator::liveness_views() const {
+  std::vector<WorkerView> ws(workers_.size());
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    const auto& w = workers_[i];
+    auto& v = ws[i];
+    v.name = std::string(config::to_string(w.spec.role)) + " " + std::to_string(w.spec.rank);
+    v.live = w.registered && !w.exit.exited;
+    v.progress = w.progress;
+    v.idle_s = w.registered ? seconds_since(w.progress_at) : 0;
+    v.waiting = w.blocked_on;
+    v.wait_s = w.blocked_on.empty() || !w.registered ? 0 : w.blocked_s + seconds_since(w.last_heartbeat);
+  }
+  for (size_t i = 0; i < ws.size(); ++i) ws[i].waits_on = peers_named(ws[i].waiting, static_cast<int>(i), ws);
+  return ws;
+}
+
+// Hangs with heartbeats alive: a wait cycle, or a counter standing still (liveness.h).
+void Coordinator::find_progress_hang(Outcome& out) const {
+  const auto& co = cfg_.coordinator;
+  const HangVerdict v = find_hang(liveness_views(), {co.progress_timeout_s, co.wait_cycle_s});
+  if (v.worker < 0) return;
+  out.worker = v.worker;
+  out.hang = true;
+  out.reason = v.reason;
 }
 
 // Peers of a failing worker fail right after it (a closed link, a dead peer in a collective). Give
@@ -621,6 +681,31 @@ void Coordinator::blame_root_cause(Outcome& out) {
       if (rank_of(w) == 0) out.reason = "CUDA out of memory (" + out.reason + ")";
     }
   }
+  if (rank_of(workers_[out.worker]) == 3) blame_awaited_peer(out);
+}
+
+// A worker that failed after it waited on a peer since its counter last moved (a receive or
+// credit wait that timed out): when that wait leads to a live worker whose counter has stood still
+// at least as long as that wait lasted (it stopped before the failed worker began to wait), the
+// failure is that worker's hang (liveness.h's blame rule).
+void Coordinator::blame_awaited_peer(Outcome& out) {
+  const auto& failed = workers_[out.worker];
+  if (failed.last_wait_on.empty() || failed.last_wait_s < config::kMinHeartbeatTimeoutS) return;
+  auto ws = liveness_views();
+  auto named = ws;  // the chain passes through peers that failed after it: name them too
+  for (auto& v : named) v.live = true;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (!ws[i].live) ws[i].waiting = workers_[i].last_wait_on;
+    ws[i].waits_on = peers_named(ws[i].waiting, static_cast<int>(i), named);
+  }
+  const auto& f = ws[out.worker];
+  const int c = culprit_of_wait(ws, out.worker, failed.last_wait_s);
+  if (c < 0) return;
+  out.reason = ws[c].name + " hung (counter still for " + std::to_string(int(ws[c].idle_s)) + " s, " +
+               (ws[c].waiting.empty() ? "waiting on nothing" : "waiting on " + ws[c].waiting) + "): " + f.name +
+               " waited on it for " + std::to_string(int(failed.last_wait_s)) + " s, then failed: " + out.reason;
+  out.worker = c;
+  out.hang = true;
 }
 
 void Coordinator::count_failure(const Outcome& out) {
@@ -664,6 +749,25 @@ int Coordinator::end_run(const Outcome& outcome) {
   LOG_INFO("run stopped at the committed step " << committed << "; continue with dflash run " << opts_.config_path
                                                 << " --resume latest");
   return kExitOk;
+}
+
+// A worker's record could not be written to the ledger: the run cannot go on recording what it
+// trains. Stop (no restart: no worker is to blame), record why when the disk allows, exit 4.
+int Coordinator::stop_on_ledger_failure() {
+  const fs::path dir = fs::absolute(ledger_->path()).parent_path();
+  std::error_code ec;
+  const auto space = fs::space(dir, ec);
+  const std::string disk = ec ? "" : "; the filesystem of " + dir.string() + " has " + std::to_string(space.available >> 20) + " MiB free";
+  const int64_t committed = ledger_->state().committed_step();
+  try {
+    ledger_->append({{"type", "stopped"}, {"reason", "cannot write the run ledger: " + ledger_failure_}, {"step", committed}});
+  } catch (const std::exception& e) {
+    LOG_WARN("the stopped record could not be written either: " << e.what());
+  }
+  LOG_ERROR("run stopped (exit 4): cannot write the run ledger: " << ledger_failure_ << disk << ". The workers were stopped; the commit at step "
+                                                                  << committed << " stays valid: free space, then dflash run "
+                                                                  << opts_.config_path << " --resume latest");
+  return kExitData;
 }
 
 // The run's last attempt ended: the evals still queued (the final checkpoint's) run to their end;

@@ -1,17 +1,21 @@
 // The coordinator of `dflash run` (docs/design.md#roles, #run-ledger, #recovery): one object per run,
 // whose run() goes through these steps (each a method below):
 //
-// 1. plan(): opens the token shards (DataError, exit 4), checks that the data gives at least one
+// 0. run() takes the run directory's lock (services/coordinator/run_lock.h; ConfigError naming the
+//    holder's pid when another `dflash run` has it) before anything else touches the directory.
+// 1. plan(): imports data.jsonl into data.shard_dir when it holds no import yet (`--plan` does so
+//    only holding the lock, and refuses, naming the holder, when a live run holds the directory and
+//    its data is not imported yet; otherwise it plans read-only); opens the token shards (DataError, exit 4), checks that the data gives at least one
 //    optimizer step (ConfigError, exit 2), reads the eval prompts when `eval:` is on (DataError,
 //    exit 4), resolves the device (--device; ConfigError unless cpu or
 //    cuda) and prints the plan: topology, GPUs per role, batches per epoch, tokens per step, steps,
 //    a memory estimate per role (services/coordinator/plan_report.h). `--plan` stops there.
-// 2. open_ledger(): takes the run directory's lock first (services/coordinator/run_lock.h;
-//    ConfigError naming the holder when another `dflash run` has it), then
-//    <output_dir>/ledger.jsonl (services/coordinator/ledger.h). A new run records its "run"
+// 2. open_ledger(): <output_dir>/ledger.jsonl (services/coordinator/ledger.h). A new run records its "run"
 //    record; an existing ledger is resumed (--resume latest, --resume auto, or run.resume: auto);
 //    --resume DIR resumes from that committed checkpoint (a "rollback" record). --resume auto
-//    starts fresh when there is no ledger. A finished run exits 0 at once. ConfigError for
+//    starts fresh when there is no ledger. A resume whose config (file and overrides) changes
+//    what the recorded run trains is a ConfigError naming each field with its recorded and new
+//    value (services/coordinator/run_record.h). A finished run exits 0 at once. ConfigError for
 //    --resume latest|DIR without a ledger, or a ledger with run.resume never and no --resume.
 // 3. serve_control(): the control plane (proto/control.proto) on coordinator.listen with the run's
 //    token (services/coordinator/control_token.h), written with the address to
@@ -27,13 +31,22 @@
 //      started (services/coordinator/launcher.h), drafters first. A progress line every 2 s
 //      (step, epoch, tokens/s, loss, tau, ETA) unless --quiet.
 //    monitor(): a worker that exits non-zero, dies, misses heartbeats for
-//      coordinator.heartbeat_timeout_s (hung; 4x that, at least 120 s, to register), or whose
-//      progress counter stands still for coordinator.progress_timeout_s while its main loop is
-//      blocked on nothing (hung main loop, heartbeats alive; a worker blocked on a peer is not
-//      blamed) ends the attempt: every worker is stopped, and the root cause is blamed (an OOM
-//      first, then a worker killed by a signal, then a reported config/data error, then anything
-//      else; a hang is blamed on the hung worker).
+//      coordinator.heartbeat_timeout_s (hung; 4x that, at least 120 s, to register), or a hang
+//      with heartbeats alive (services/coordinator/liveness.h: a progress counter standing still
+//      for coordinator.progress_timeout_s, waiting or not, or workers waiting on each other in a
+//      cycle for coordinator.wait_cycle_s) ends the attempt: every worker is stopped, and the root
+//      cause is blamed (an OOM first, then a worker killed by a signal, then a reported config/data
+//      error, then anything else; a hang is blamed on the worker the waits lead to, and so is a
+//      worker that failed while it waited on a peer that is stuck, e.g. a receive timeout).
+//    A record a worker reports that cannot be written to the ledger (a full disk, any write error)
+//      ends the run instead: workers stopped, no restart (the failure is the disk's, not a
+//      worker's), a best-effort "stopped" record with the cause, exit 4 naming the file and the
+//      free space of its filesystem; the last commit stays valid for --resume.
 //    handle_failure(): records the "restart" and carries out recovery_policy.h's decide_recovery:
+//      A record a worker reports that cannot be written to the ledger (a full disk, any write
+//      error) ends the run instead: workers stopped, no restart (the failure is the disk's, not a
+//      worker's), a best-effort "stopped" record with the cause, exit 4 naming the file and the
+//      free space of its filesystem; the last commit stays valid for --resume.
 //      restart from the commit after the backoff, a new packing generation after an OOM, leave the
 //      worker out (degraded; ledger "degraded", dflash_coordinator_left_out_workers, `dflash
 //      status`), or stop with its exit code (1 restarts exhausted, 2 config, 3 OOM at the floors,
@@ -80,6 +93,7 @@
 #include "core/util/progress.h"
 #include "services/coordinator/eval_runner.h"
 #include "services/coordinator/launcher.h"
+#include "services/coordinator/liveness.h"
 #include "services/coordinator/ledger.h"
 #include "services/coordinator/recovery_policy.h"
 #include "services/coordinator/run_lock.h"
@@ -156,19 +170,26 @@ class Coordinator final : public control::Coordinator::Service {
     int reported_code = -1;
     std::string reported_kind, reported_message;
     int64_t progress = -1;            // the main loop's counter from the last heartbeat
-    Clock::time_point progress_at;    // when it last advanced, or the main loop was last blocked
+    Clock::time_point progress_at;    // when it last advanced (or the worker registered)
     std::string blocked_on;           // what the main loop waits for ("" = expected to progress)
+    double blocked_s = 0;             // how long it had waited on blocked_on at the last heartbeat
+    std::string last_wait_on;         // its latest wait since the counter last moved ("" = none)
+    double last_wait_s = 0;           // how long that wait had lasted at its last heartbeat
   };
 
   // How an attempt ended.
   struct Outcome {
-    enum Kind { kFinished, kStopped, kFailed } kind = kFailed;
+    enum Kind { kFinished, kStopped, kFailed, kLedgerFailed } kind = kFailed;
     int worker = -1;  // kFailed: the index of the worker blamed
     std::string reason;
     bool hang = false;
   };
 
+  // Step 1 and 2 helpers.
+  void lock_run_dir();
+  void lock_for_plan_import();
   // Step 2 and 3 helpers.
+  void refuse_resume_drift() const;
   void resume_ledger();
   void resolve_token();
   void start_server();
@@ -187,9 +208,11 @@ class Coordinator final : public control::Coordinator::Service {
   void launch_all();
   Outcome monitor();  // mu_ not held: takes it every 100 ms
   void poll_workers(Outcome& out, int& alive, int& drafters, int& drafters_done);
-  bool progress_stalled(const WorkerState& w, std::string* reason) const;
+  std::vector<WorkerView> liveness_views() const;
+  void find_progress_hang(Outcome& out) const;
   void blame_root_cause(Outcome& out);
   void count_failure(const Outcome& out);
+  void blame_awaited_peer(Outcome& out);
   void stop_all();
   bool take_signals();
   void start_trackers();  // run.report_to (services/coordinator/trackers.h)
@@ -223,8 +246,10 @@ class Coordinator final : public control::Coordinator::Service {
   grpc::Status handler(grpc::ServerContext* ctx, Body&& body);
   template <class Body>
   grpc::Status worker_handler(grpc::ServerContext* ctx, int64_t worker_id, Body&& body);
-  // ledger_->append; a failure (e.g. a full disk) as INTERNAL with its message.
+  // ledger_->append; a failure (e.g. a full disk) as INTERNAL with its message, kept in
+  // ledger_failure_: the run stops with exit 4 (monitor(), stop_on_ledger_failure()).
   grpc::Status append_ledger(const nlohmann::json& record);
+  int stop_on_ledger_failure();
   grpc::Status stale(int64_t id) const;
   WorkerState* worker(int64_t id);
   int index_of(config::Role role, int rank) const;
@@ -237,7 +262,7 @@ class Coordinator final : public control::Coordinator::Service {
   std::string device_;
   std::vector<config::WorkerSlot> left_out_;
   mutable std::mutex mu_;
-  std::optional<RunLock> lock_;   // <output_dir>/run.lock, from open_ledger() until the coordinator is destroyed
+  std::optional<RunLock> lock_;   // <output_dir>/run.lock, from run() (or open_ledger()) until the coordinator is destroyed
   std::optional<Ledger> ledger_;  // from open_ledger()
   std::vector<uint32_t> lengths_;
   int64_t first_lr_schedule_steps_ = 0, first_total_steps_ = 0;  // generation 0, from plan()
@@ -247,6 +272,7 @@ class Coordinator final : public control::Coordinator::Service {
   int attempt_ = 0;
   std::vector<WorkerState> workers_;
   bool stop_requested_ = false, checkpoint_requested_ = false;
+  std::string ledger_failure_;  // the first failed ledger append of a control-plane call ("" = none)
   std::string stop_reason_ = "dflash stop";  // of a graceful stop: "dflash stop" or "signal"
   int signals_seen_ = 0;                     // SIGINT/SIGTERM count take_signals() has acted on
   int64_t step_ = 0, start_step_ = 0, total_steps_ = 0, nonfinite_ = 0;

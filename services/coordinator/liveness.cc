@@ -40,11 +40,11 @@ double stuck_s(const WorkerView& w) { return w.waiting.empty() ? w.idle_s : w.wa
 
 // Among the workers of the terminal strongly connected components of `R` (every worker it reaches
 // reaches it back) whose counters stood still at least `min_idle_s`, the one stuck the longest
-// (ties: the lowest index); -1 when none qualifies.
+// (ties: the lowest index); -1 when none qualifies. Only a live worker is ever picked.
 int pick_culprit(const std::vector<WorkerView>& ws, const std::vector<int>& R, double min_idle_s) {
   int best = -1;
   for (int j : R) {
-    if (ws[j].idle_s < min_idle_s) continue;
+    if (!ws[j].live || ws[j].idle_s < min_idle_s) continue;
     bool terminal = true;
     for (int k : reach(ws, j)) {
       const auto back = reach(ws, k);
@@ -115,6 +115,14 @@ std::vector<int> peers_named(const std::string& waiting, int self, const std::ve
     if (named) out.push_back(j);
   }
   return out;
+}
+
+int culprit_of_wait(const std::vector<WorkerView>& ws, int from, double min_idle_s) {
+  if (ws[from].waits_on.empty()) return -1;
+  auto R = reach(ws, from);
+  R.erase(std::remove(R.begin(), R.end(), from), R.end());
+  const int c = pick_culprit(ws, R, min_idle_s);
+  return c;
 }
 
 HangVerdict find_hang(const std::vector<WorkerView>& ws, const LivenessLimits& limits) {

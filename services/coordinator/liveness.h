@@ -58,4 +58,11 @@ struct HangVerdict {
 // The rules above on one snapshot (`waits_on` filled in).
 HangVerdict find_hang(const std::vector<WorkerView>& ws, const LivenessLimits& limits);
 
+// The live worker that worker `from`'s waits lead to (the blame rule above), among those whose
+// counters stood still at least `min_idle_s`; -1 when `from` waits on nobody or none qualifies.
+// For a worker that failed while it waited (a receive that timed out): the peer that hung it. The
+// caller may fill `waits_on` with exited workers too (peers_named on a copy marked live), so that
+// the chain passes through peers that failed after it.
+int culprit_of_wait(const std::vector<WorkerView>& ws, int from, double min_idle_s);
+
 }  // namespace dflash::coordinator

@@ -5,10 +5,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "core/util/error.h"
 
@@ -22,11 +24,15 @@ RunLock RunLock::acquire(const std::string& dir) {
     const int err = errno;
     ::close(fd);
     if (err != EWOULDBLOCK) throw Error(kExitFailure, "cannot lock " + path + ": " + std::strerror(err));
-    std::ifstream in(path);
+    // The holder writes its pid right after it locks: give a holder that just started a moment.
     std::string holder;
-    std::getline(in, holder);
-    DFLASH_FAIL(ConfigError, "run.output_dir " << dir << " is in use by another dflash run (holder: "
-                                               << (holder.empty() ? "unknown" : holder) << ", from " << path
+    for (int i = 0; i < 20 && holder.empty(); ++i) {
+      if (i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      std::ifstream in(path);
+      std::getline(in, holder);
+    }
+    DFLASH_FAIL(ConfigError, "run.output_dir " << dir << " is locked by " << (holder.empty() ? "an unknown process" : holder)
+                                               << ": it is in use by another dflash run (" << path
                                                << "); stop it first (dflash stop --run-dir " << dir << ")");
   }
   char host[256] = {0};

@@ -900,15 +900,16 @@ int cmd_train_service(int argc, char** argv) {
   TrainServiceOptions o;
   o.store_host = f.get("store-host", "127.0.0.1");
   o.store_port = static_cast<int>(f.get_int("store-port", 29500));
-  o.recv_timeout_s = f.get_double("recv-timeout-s", 300);
-  o.collective_timeout_s = f.get_double("collective-timeout-s", 300);
   o.peer_grace_s = f.get_double("peer-grace-s", 3);
   o.hash_every = f.get_int("hash-every", 100);
-  DFLASH_CHECK(o.recv_timeout_s > 0 && o.collective_timeout_s > 0 && o.peer_grace_s > 0, ConfigError,
-               "--recv-timeout-s, --collective-timeout-s and --peer-grace-s must be > 0");
   auto w = pipeline::start_worker(
       f, config::Role::kDrafter, o,
       usage_text("dflash-drafter", {{"train", cmd_train_service, kTrainServiceUsage}}));
+  // Waits on peers: coordinator.receive_timeout_s (above the coordinator's liveness checks).
+  o.recv_timeout_s = f.get_double("recv-timeout-s", w.cfg.coordinator.receive_timeout_s);
+  o.collective_timeout_s = f.get_double("collective-timeout-s", w.cfg.coordinator.receive_timeout_s);
+  DFLASH_CHECK(o.recv_timeout_s > 0 && o.collective_timeout_s > 0 && o.peer_grace_s > 0, ConfigError,
+               "--recv-timeout-s, --collective-timeout-s and --peer-grace-s must be > 0");
   const auto& cfg = w.cfg;
   const auto& plan = w.plan;
   const auto& client = w.client;

@@ -41,8 +41,8 @@
 // schedule); with M > 1 anchor/noise seeds include the rank and gradients are summed over ranks, so
 // it is a different (equally valid) run.
 //
-// Failures: a dead or vanished target, or one that sends nothing for --recv-timeout-s -> TransportError
-// (exit 1) naming the link; a peer drafter that dies while this one waits in a collective for more
+// Failures: a dead or vanished target, or one that sends nothing for --recv-timeout-s (default
+// coordinator.receive_timeout_s, as --collective-timeout-s) -> TransportError (exit 1) naming the link; a peer drafter that dies while this one waits in a collective for more
 // than --peer-grace-s -> exit 1 from a watchdog (which unlinks this rank's segments first); a
 // batch that does not match the plan or fails its checksum -> DataError (exit 4).
 // Launch plan: with `--coordinator ADDR` (started by `dflash run`), the coordinator's assignment gives

@@ -305,16 +305,31 @@ TargetServer::LinkTotals TargetServer::link_totals() const {
   return t;
 }
 
-// DFLASH_TEST_FREEZE_TARGET=RANK:BATCHES (tests only): in launch attempt 0, the batch count after
-// which target `rank`'s main loop freezes; -1 when the switch does not name this target.
-int64_t test_freeze_after(int rank, int attempt) {
+// DFLASH_TEST_FREEZE_TARGET=RANK:BATCHES[:wait] (tests only): in launch attempt 0, the batch count
+// after which target `rank`'s main loop freezes (-1 when the switch does not name this target);
+// with ":wait" it freezes inside its wait for the credits of the drafter it sent that batch to.
+struct TestFreeze {
+  int64_t after = -1;
+  bool in_wait = false;
+};
+TestFreeze test_freeze(int rank, int attempt) {
   const std::string v = switches::get("DFLASH_TEST_FREEZE_TARGET");
-  if (v.empty() || attempt != 0) return -1;
-  const auto colon = v.find(':');
-  DFLASH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < v.size() &&
-                   v.find_first_not_of("0123456789:") == std::string::npos && v.find(':', colon + 1) == std::string::npos,
-               ConfigError, "DFLASH_TEST_FREEZE_TARGET: expected RANK:BATCHES, got '" << v << "'");
-  return std::stoi(v.substr(0, colon)) == rank ? std::stoll(v.substr(colon + 1)) : -1;
+  if (v.empty() || attempt != 0) return {};
+  const std::string spec = v.size() > 5 && v.compare(v.size() - 5, 5, ":wait") == 0 ? v.substr(0, v.size() - 5) : v;
+  const auto colon = spec.find(':');
+  DFLASH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < spec.size() &&
+                   spec.find_first_not_of("0123456789:") == std::string::npos && spec.find(':', colon + 1) == std::string::npos,
+               ConfigError, "DFLASH_TEST_FREEZE_TARGET: expected RANK:BATCHES or RANK:BATCHES:wait, got '" << v << "'");
+  if (std::stoi(spec.substr(0, colon)) != rank) return {};
+  return {std::stoll(spec.substr(colon + 1)), spec.size() != v.size()};
+}
+
+[[noreturn]] void freeze_main_loop(int rank, int64_t sent, int d, bool in_wait) {
+  std::optional<control::BlockedOn> blocked;
+  if (in_wait) blocked.emplace("drafter " + std::to_string(d));  // as acquire() reports its credit wait
+  LOG_WARN("target " << rank << ": main loop frozen after " << sent << " batches" << (in_wait ? " inside its wait on drafter " + std::to_string(d) : "")
+                     << " (DFLASH_TEST_FREEZE_TARGET)");
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
 }
 
 // Every counter of this rank: micro-batch c of the launch, to each drafter in turn.
@@ -330,7 +345,7 @@ void TargetServer::loop() {
 #ifdef DFLASH_WITH_CUDA
   if (device_.is_cuda()) copy_stream_ = c10::cuda::getStreamFromPool(false, device_.index() < 0 ? 0 : device_.index());
 #endif
-  const int64_t freeze_after = test_freeze_after(rank_, launch_.attempt);
+  const TestFreeze freeze = test_freeze(rank_, launch_.attempt);
   int64_t sent = 0;
   for (int64_t c : counters_) {
     const int64_t step = start_step_ + c / A_;  // 0-based schedule step of micro-batch counter c
@@ -339,10 +354,7 @@ void TargetServer::loop() {
     for (int d = 0; d < M_; ++d) {
       send_batch(step, c, d);
       control::advance_progress();
-      if (++sent == freeze_after) {
-        LOG_WARN("target " << rank_ << ": main loop frozen after " << sent << " batches (DFLASH_TEST_FREEZE_TARGET)");
-        for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
-      }
+      if (++sent == freeze.after) freeze_main_loop(rank_, sent, d, freeze.in_wait);
     }
   }
 #ifdef DFLASH_WITH_CUDA
@@ -603,10 +615,11 @@ int cmd_serve(int argc, char** argv) {
   Flags f(argc, argv, pipeline::worker_flags({"attach-timeout-s", "send-timeout-s"}));
   ServeOptions o;
   o.attach_timeout_s = f.get_double("attach-timeout-s", 300);
-  o.send_timeout_s = f.get_double("send-timeout-s", 600);
-  DFLASH_CHECK(o.attach_timeout_s > 0 && o.send_timeout_s > 0, ConfigError, "--attach-timeout-s and --send-timeout-s must be > 0");
   auto w = pipeline::start_worker(f, config::Role::kTarget, o,
                                   usage_text("dflash-target", {{"serve", cmd_serve, kServeUsage}}));
+  // The wait for a credit: coordinator.receive_timeout_s (above the coordinator's liveness checks).
+  o.send_timeout_s = f.get_double("send-timeout-s", w.cfg.coordinator.receive_timeout_s);
+  DFLASH_CHECK(o.attach_timeout_s > 0 && o.send_timeout_s > 0, ConfigError, "--attach-timeout-s and --send-timeout-s must be > 0");
   const auto& cfg = w.cfg;
   const auto& plan = w.plan;
   const auto& client = w.client;

@@ -23,8 +23,8 @@
 // only after that send completed. Such batches carry no payload checksum (the host never sees the
 // features): the JSON's direct_send_batches and payload_checksums, and the metric
 // dflash_target_direct_send_batches_total, say how many went which way.
-// Failures: a dead drafter or a link that stays full past --send-timeout-s -> TransportError
-// (exit 1) naming the link; config/usage -> 2; CUDA OOM -> 3; bad shard data -> 4.
+// Failures: a dead drafter or a link that stays full past --send-timeout-s (default
+// coordinator.receive_timeout_s) -> TransportError (exit 1) naming the link; config/usage -> 2; CUDA OOM -> 3; bad shard data -> 4.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -37,7 +37,8 @@ namespace dflash::target {
 
 struct ServeOptions : pipeline::WorkerOptions {
   double attach_timeout_s = 300;  // wait for the drafters to create their links
-  double send_timeout_s = 600;    // longest wait for one credit (peer death is detected at once)
+  double send_timeout_s = 900;    // longest wait for one credit (peer death is detected at once);
+                                  // cmd_serve: coordinator.receive_timeout_s unless --send-timeout-s
 };
 
 struct ServeSummary {

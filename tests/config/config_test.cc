@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <dirent.h>
 #include <fstream>
@@ -392,6 +393,28 @@ TEST(Config, ProgressTimeout) {
   ParseResult r = parse(kMinimal + "coordinator: {progress_timeout_s: 1}\n");
   EXPECT_EQ(paths_of(r), (std::vector<std::string>{"coordinator.progress_timeout_s"})) << dump(r);
   EXPECT_EQ(r.problems[0].message, "expected 0 (off) or a value in [2, 86400] seconds, got 1");
+}
+
+// The liveness timeouts keep the coordinator ahead of a drafter's receive (docs/design.md#recovery).
+TEST(Config, LivenessTimeoutsKeepTheCoordinatorAheadOfTheReceiveTimeout) {
+  const auto& co = parse(kMinimal).config.coordinator;
+  EXPECT_EQ(co.wait_cycle_s, 10.0);
+  EXPECT_EQ(co.receive_timeout_s, 900.0);
+  EXPECT_GE(co.receive_timeout_s, std::max(co.progress_timeout_s, co.wait_cycle_s) + kLivenessMarginS);
+  ParseResult r = parse(kMinimal + "coordinator: {receive_timeout_s: 300}\n");  // the old drafter default
+  ASSERT_EQ(paths_of(r), (std::vector<std::string>{"coordinator.receive_timeout_s"})) << dump(r);
+  EXPECT_NE(r.problems[0].message.find("expected a value >= 610 (coordinator.progress_timeout_s 600 + 10 s), got 300"),
+            std::string::npos) << r.problems[0].message;
+  EXPECT_TRUE(parse(kMinimal + "coordinator: {receive_timeout_s: 610}\n").ok());
+  EXPECT_TRUE(parse(kMinimal + "coordinator: {receive_timeout_s: 60, progress_timeout_s: 30}\n").ok());
+  r = parse(kMinimal + "coordinator: {receive_timeout_s: 15, progress_timeout_s: 0}\n");  // wait_cycle_s 10 still on
+  ASSERT_EQ(paths_of(r), (std::vector<std::string>{"coordinator.receive_timeout_s"})) << dump(r);
+  EXPECT_NE(r.problems[0].message.find("coordinator.wait_cycle_s 10 + 10 s"), std::string::npos) << r.problems[0].message;
+  EXPECT_TRUE(parse(kMinimal + "coordinator: {receive_timeout_s: 5, progress_timeout_s: 0, wait_cycle_s: 0}\n").ok());
+  r = parse(kMinimal + "coordinator: {wait_cycle_s: 1}\n");
+  EXPECT_EQ(paths_of(r), (std::vector<std::string>{"coordinator.wait_cycle_s"})) << dump(r);
+  r = parse(kMinimal + "coordinator: {receive_timeout_s: 0}\n");
+  EXPECT_EQ(paths_of(r), (std::vector<std::string>{"coordinator.receive_timeout_s"})) << dump(r);
 }
 
 TEST(Config, EvalSectionIsOffWhenAbsentAndValidatedWhenPresent) {

@@ -21,6 +21,26 @@
 #   progress_hang  target 1's main loop freezes (DFLASH_TEST_FREEZE_TARGET) while its heartbeat
 #                lives: within coordinator.progress_timeout_s + 5 s that target (not a drafter
 #                waiting on it) is restarted, and the run ends with the fault-free run's weights.
+#   wait_hang    target 0's main loop freezes inside its wait for drafter 0's credits (reporting
+#                "waiting on drafter 0"; DFLASH_TEST_FREEZE_TARGET=0:6:wait) while drafter 0 then waits
+#                on it: with every liveness timeout at its default (progress_timeout_s 600), the wait
+#                cycle is found within coordinator.wait_cycle_s (10 s) + 8 s, target 0 (not a drafter)
+#                is restarted as hung, and the run finishes with every sample trained once.
+#   lock_race    two `dflash run` on one fresh run.output_dir whose data comes from data.jsonl, started
+#                0.3 s apart: exactly one runs; the other exits 2 "locked by pid <the winner>" before
+#                it plans or imports anything. `--plan` on the live run's directory plans read-only
+#                (no import), and refuses (exit 2, naming the holder) where that would need an import.
+#   resume_drift `--resume auto` of a finished run with train.lr / data.token_budget overrides: exit 2
+#                naming both fields with their recorded and new values, the ledger untouched; the
+#                same config, or a change a resume may make (coordinator.progress_timeout_s), resumes.
+#   ledger_enospc  the coordinator's 8th ledger.jsonl append (a worker's step record) fails with ENOSPC
+#                once (DFLASH_TEST_JSONL_ENOSPC): the run stops with exit 4 naming the file and the
+#                free space, records no restart (no worker is blamed) but a "stopped" record with the
+#                cause, leaves no torn line, and `--resume latest` then finishes it exactly once.
+#   recv_blame   the same freeze with both liveness rules off (progress_timeout_s 0, wait_cycle_s 0)
+#                and coordinator.receive_timeout_s 20: a drafter (or target 1) gives up waiting and exits
+#                1, and the restart blames target 0 as hung (the peer its wait led to), not the worker
+#                that gave up.
 # Usage: hardening.sh CASE BIN_DIR TESTDATA_DIR WORK_DIR   (DFLASH_PYTHON, DFLASH_SOURCE_DIR set)
 set -euo pipefail
 case_name=$1 bin=$2 data=$3 work=$4
@@ -85,7 +105,7 @@ run_lock)
   rc=0
   "$bin/dflash" run "$work/a.yaml" --quiet 2> "$work/second.log" || rc=$?
   [ $rc = 2 ] || fail "second dflash run on one output_dir: exit $rc, expected 2: $(tail -3 "$work/second.log")"
-  grep -q "is in use by another dflash run (holder: pid $coord host " "$work/second.log" \
+  grep -q "is locked by pid $coord host " "$work/second.log" \
     || fail "no error naming the holder pid $coord: $(tail -3 "$work/second.log")"
   [ "$(grep -c '"type":"run"' "$work/a/ledger.jsonl")" = 1 ] || fail "the second run wrote to the first one's ledger"
   "$bin/dflash" status --config "$work/a.yaml" | grep -q "^run " || fail "dflash status while the lock is held"
@@ -280,6 +300,113 @@ assert lag <= float(sys.argv[2]) + 5, f"detected {lag:.1f} s after the last step
 print(f"target 1 restarted {lag:.1f} s after the last step: {r['reason']}")
 PY
   "$py" "$src/tests/coordinator/check_run.py" "$work/hang" --samples 100 --reference "$work/ref" --expect-restarts 1
+  ;;
+lock_race)
+  config lr 60 "s|^  shard_dir: .*|  jsonl: [$work/train.jsonl]|"
+  "$bin/dflash" run "$work/lr.yaml" --quiet 2> "$work/lr-a.log" &
+  pa=$!
+  started+=("$pa")
+  sleep 0.3
+  "$bin/dflash" run "$work/lr.yaml" --quiet 2> "$work/lr-b.log" &
+  pb=$!
+  started+=("$pb")
+  for _ in $(seq 300); do kill -0 "$pa" 2>/dev/null && kill -0 "$pb" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$pa" 2>/dev/null; then winner=$pa loser=$pb lose_log=$work/lr-b.log; else winner=$pb loser=$pa lose_log=$work/lr-a.log; fi
+  rc=0
+  wait "$loser" || rc=$?
+  [ $rc = 2 ] || fail "the losing dflash run: exit $rc, expected 2: $(tail -3 "$lose_log")"
+  grep -q "is locked by pid $winner host " "$lose_log" || fail "no error naming the winner pid $winner: $(tail -3 "$lose_log")"
+  ! grep -q "data.jsonl" "$lose_log" || fail "the losing run planned or imported before it took the lock: $(grep data.jsonl "$lose_log")"
+  wait_for "$work/lr/ledger.jsonl" '"type":"step"'
+  "$py" -c "import json,sys; r=json.loads(open(sys.argv[1]).readline()); assert r['type']=='run' and r['data_import'], r.get('data_import')" \
+    "$work/lr/ledger.jsonl" || fail "the winner recorded no import"
+  # --plan on the live run's directory: read-only from its imported shards.
+  "$bin/dflash" run "$work/lr.yaml" --plan --quiet > "$work/plan.json" 2> "$work/plan.log" || fail "--plan of a live run: $(tail -3 "$work/plan.log")"
+  ! grep -q "data.jsonl: importing" "$work/plan.log" || fail "--plan imported into a live run's directory"
+  # ... and refuses where it would have to import (another shard_dir in that directory).
+  sed "s|^  jsonl: .*|&\n  shard_dir: $work/lr/other-shards|" "$work/lr.yaml" > "$work/lr-other.yaml"
+  rc=0
+  "$bin/dflash" run "$work/lr-other.yaml" --plan --quiet > /dev/null 2> "$work/plan2.log" || rc=$?
+  [ $rc = 2 ] || fail "--plan needing an import into a live run's directory: exit $rc, expected 2: $(tail -3 "$work/plan2.log")"
+  grep -q "is locked by pid $winner host .*--plan does not import" "$work/plan2.log" || fail "no refusal naming the holder: $(tail -3 "$work/plan2.log")"
+  [ ! -e "$work/lr/other-shards" ] || fail "--plan imported into $work/lr/other-shards"
+  "$bin/dflash" stop --config "$work/lr.yaml" > /dev/null
+  wait "$winner" || fail "the winning run did not stop cleanly: $(tail -3 "$work/lr-a.log" "$work/lr-b.log")"
+  ;;
+resume_drift)
+  config rd 1
+  "$bin/dflash" run "$work/rd.yaml" --quiet 2> "$work/rd.log" || fail "the first run: $(tail -3 "$work/rd.log")"
+  before=$(md5sum < "$work/rd/ledger.jsonl")
+  rc=0
+  "$bin/dflash" run "$work/rd.yaml" --resume auto train.lr=0.001 --set data.token_budget=512 --quiet 2> "$work/rd2.log" || rc=$?
+  [ $rc = 2 ] || fail "--resume auto with other train.lr / data.token_budget: exit $rc, expected 2: $(tail -3 "$work/rd2.log")"
+  grep -q "data.token_budget: 576 -> 512; train.lr: 0.003 -> 0.001" "$work/rd2.log" || fail "the refusal does not name both fields: $(tail -3 "$work/rd2.log")"
+  [ "$(md5sum < "$work/rd/ledger.jsonl")" = "$before" ] || fail "the refused resume wrote to the ledger"
+  rc=0
+  "$bin/dflash" run "$work/rd.yaml" --resume latest train.lr=0.001 --quiet 2> "$work/rd3.log" || rc=$?
+  [ $rc = 2 ] && grep -q "train.lr: 0.003 -> 0.001" "$work/rd3.log" || fail "--resume latest with another train.lr: exit $rc: $(tail -3 "$work/rd3.log")"
+  "$bin/dflash" run "$work/rd.yaml" --resume auto --quiet 2> "$work/rd4.log" || fail "a resume with the recorded config: $(tail -3 "$work/rd4.log")"
+  "$bin/dflash" run "$work/rd.yaml" --resume auto coordinator.progress_timeout_s=300 --quiet 2> "$work/rd5.log" \
+    || fail "a resume changing only a liveness timeout: $(tail -3 "$work/rd5.log")"
+  ;;
+ledger_enospc)
+  config le 2 "s/^  backoff_s: .*/  backoff_s: 0.2/"
+  rc=0
+  DFLASH_TEST_JSONL_ENOSPC=ledger.jsonl:8 "$bin/dflash" run "$work/le.yaml" --quiet 2> "$work/le.log" || rc=$?
+  [ $rc = 4 ] || fail "a full disk under ledger.jsonl: exit $rc, expected 4: $(tail -5 "$work/le.log")"
+  grep -q "cannot write the run ledger: .*ledger.jsonl: cannot append a record: write failed: No space left on device.* MiB free" "$work/le.log" \
+    || fail "the error does not name the ledger, the full disk and the free space: $(tail -3 "$work/le.log")"
+  "$py" - "$work/le/ledger.jsonl" <<'PY'
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]  # every line whole
+assert not [r for r in recs if r["type"] == "restart"], "a worker was blamed for the disk: %s" % [r for r in recs if r["type"] == "restart"]
+assert recs[-1]["type"] == "stopped" and "No space left on device" in recs[-1]["reason"], recs[-1]
+print("stopped:", recs[-1]["reason"][:120])
+PY
+  "$bin/dflash" run "$work/le.yaml" --resume latest --quiet 2> "$work/le2.log" || fail "resume after the disk recovered: $(tail -3 "$work/le2.log")"
+  "$py" "$src/tests/coordinator/check_run.py" "$work/le" --samples 100
+  ;;
+recv_blame)
+  config rb 3 "s/^  backoff_s: .*/  backoff_s: 0.2/" \
+    "s/^  heartbeat_timeout_s: .*/  heartbeat_timeout_s: 30\n  progress_timeout_s: 0\n  wait_cycle_s: 0\n  receive_timeout_s: 20/"
+  DFLASH_TEST_FREEZE_TARGET=0:6:wait "$bin/dflash" run "$work/rb.yaml" --quiet 2> "$work/rb.log" \
+    || fail "frozen-in-wait target run: $(tail -5 "$work/rb.log")"
+  "$py" - "$work/rb/ledger.jsonl" <<'PY'
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+restarts = [r for r in recs if r["type"] == "restart"]
+assert len(restarts) == 1, restarts
+r = restarts[0]
+assert (r["role"], r["rank"]) == ("target", 0), f"blamed {r['role']} {r['rank']}: {r['reason']}"
+assert "target 0 hung" in r["reason"] and "then failed" in r["reason"], r["reason"]
+print("restart:", r["reason"][:200])
+PY
+  "$py" "$src/tests/coordinator/check_run.py" "$work/rb" --samples 100 --expect-restarts 1
+  ;;
+wait_hang)
+  config cyc 3 "s/^  backoff_s: .*/  backoff_s: 0.2/"
+  ! grep -q "progress_timeout_s\|wait_cycle_s\|receive_timeout_s" "$work/cyc.yaml" || fail "the config must keep the default timeouts"
+  DFLASH_TEST_FREEZE_TARGET=0:6:wait "$bin/dflash" run "$work/cyc.yaml" --quiet 2> "$work/cyc.log" \
+    || fail "frozen-in-wait target run: $(tail -5 "$work/cyc.log")"
+  grep -q "main loop frozen after 6 batches inside its wait on drafter" "$work/cyc/logs/target-0.log" || fail "the freeze hook did not fire"
+  "$py" - "$work/cyc/ledger.jsonl" <<'PY'
+import json, re, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+cfg = recs[0]["config"]
+for key, default in (("progress_timeout_s", 600), ("wait_cycle_s", 10), ("receive_timeout_s", 900)):
+    m = re.search(r"\b%s: ([0-9.e+]+)" % key, cfg)
+    assert m and float(m.group(1)) == default, f"{key} is not its default {default}: {m and m.group(0)}"
+restarts = [r for r in recs if r["type"] == "restart"]
+assert len(restarts) == 1, restarts
+r = restarts[0]
+assert (r["role"], r["rank"]) == ("target", 0), f"blamed {r['role']} {r['rank']}: {r['reason']}"
+assert "wait cycle" in r["reason"], r["reason"]
+last_step = max(x["time"] for x in recs if x["type"] == "step" and x["time"] < r["time"])
+lag = r["time"] - last_step
+assert lag <= 10 + 8, f"detected {lag:.1f} s after the last step"
+print(f"target 0 restarted {lag:.1f} s after the last step: {r['reason']}")
+PY
+  "$py" "$src/tests/coordinator/check_run.py" "$work/cyc" --samples 100 --expect-restarts 1
   ;;
 *)
   fail "unknown case $case_name"

@@ -137,3 +137,15 @@ TEST(Liveness, ProgressRuleFollowsTheWaitToTheStalledPeer) {
   v = find_hang(resolved(ws), {});
   EXPECT_EQ(v.worker, D0) << v.reason;
 }
+
+TEST(Liveness, AFailedWaiterLeadsToThePeerThatHungIt) {
+  auto ws = frozen_target0(305);
+  ws[D0].live = false;  // drafter 0 gave up on target 0 after 300 s (a receive timeout) and exited
+  ws = resolved(ws);
+  ws[D0].waits_on = peers_named("target 0", D0, ws);
+  EXPECT_EQ(culprit_of_wait(ws, D0, 300), T0);
+  ws[T0].idle_s = 1;  // target 0 moved a second ago: the failure is drafter 0's own
+  EXPECT_EQ(culprit_of_wait(ws, D0, 300), -1);
+  ws[D0].waits_on.clear();  // it waited on nobody
+  EXPECT_EQ(culprit_of_wait(ws, D0, 0), -1);
+}
