@@ -30,7 +30,7 @@ bool may_change_on_resume(const std::string& path) {
   const std::string section = path.substr(0, path.find('.'));
   for (const char* s : {"topology", "coordinator", "resilience", "launch", "eval"})
     if (section == s) return true;
-  for (const char* f : {"run.resume", "run.output_dir", "run.keep_last", "run.keep_every"})
+  for (const char* f : {"run.resume", "run.output_dir", "run.keep_last", "run.keep_every", "run.report_to"})
     if (path == f) return true;
   return false;
 }

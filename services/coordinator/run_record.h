@@ -2,7 +2,8 @@
 // latest|auto|DIR` continues the run the ledger's "run" record describes, so the config it is
 // given (file and overrides) must describe the same run. What a resume may change: the workers
 // (topology), how they are started and supervised (coordinator, resilience, launch), the evals
-// (eval), the retention (run.keep_last, run.keep_every), run.resume and run.output_dir. Every
+// (eval), the retention (run.keep_last, run.keep_every), the trackers (run.report_to), run.resume
+// and run.output_dir. Every
 // other field (target, drafter, train, data, run.name, run.seed, run.epochs,
 // run.save_interval_steps, ...) defines what is trained: a change of one is refused, naming it.
 #pragma once

@@ -39,7 +39,7 @@ TEST(ResumeDrift, NamesEveryTrainingFieldChangedByOverrides) {
 TEST(ResumeDrift, AcceptsWhatAResumeMayChange) {
   const auto recorded = config::to_yaml(load());
   EXPECT_TRUE(resume_drift(recorded, load({"coordinator.progress_timeout_s=300", "resilience.max_restarts=9",
-                                           "run.keep_last=5", "run.resume=never",
+                                           "run.keep_last=5", "run.resume=never", "run.report_to=[tensorboard]",
                                            "topology.hosts=[{name: localhost, launch: local, target_gpus: [0], drafter_gpus: [1]}]"}))
                   .empty());
 }
