@@ -201,6 +201,8 @@ void fields(V& v, DrafterSection& s) {
   v("num_kv_heads", s.num_kv_heads);
   v("head_dim", s.head_dim);
   v("intermediate_size", s.intermediate_size);
+  v("sliding_window", s.sliding_window);
+  v("layer_types", s.layer_types);
   v("init_from", s.init_from);
 }
 
@@ -291,10 +293,10 @@ void fields(V& v, CoordinatorSection& s) {
   v("token_file", s.token_file);
   v("heartbeat_timeout_s", s.heartbeat_timeout_s);
   v("progress_timeout_s", s.progress_timeout_s);
-  v("metrics_port", s.metrics_port);
-  v("worker_metrics_port_base", s.worker_metrics_port_base);
   v("wait_cycle_s", s.wait_cycle_s);
   v("receive_timeout_s", s.receive_timeout_s);
+  v("metrics_port", s.metrics_port);
+  v("worker_metrics_port_base", s.worker_metrics_port_base);
   v("metrics_listen", s.metrics_listen);
   v("profile_interval_s", s.profile_interval_s);
 }
@@ -851,8 +853,6 @@ void in_range(Ctx& ctx, const std::string& path, T v, T lo, T hi) {
   }
 }
 
-// "HOST:PORT" with PORT in [0, 65535]; returns the port, or -1 after reporting.
-int check_listen(Ctx& ctx, const std::string& path, const std::string& listen, std::string* host) {
 // coordinator.wait_cycle_s and receive_timeout_s, and how they relate to progress_timeout_s
 // (docs/design.md#recovery): the coordinator's checks must fire before a drafter's receive gives up.
 void check_liveness_timeouts(Ctx& ctx, const CoordinatorSection& co) {
@@ -878,6 +878,8 @@ void check_liveness_timeouts(Ctx& ctx, const CoordinatorSection& co) {
   }
 }
 
+// "HOST:PORT" with PORT in [0, 65535]; returns the port, or -1 after reporting.
+int check_listen(Ctx& ctx, const std::string& path, const std::string& listen, std::string* host) {
   const size_t colon = listen.rfind(':');
   const std::string port_text = colon == std::string::npos ? "" : listen.substr(colon + 1);
   const bool digits = !port_text.empty() && port_text.size() <= 5 &&
@@ -913,6 +915,30 @@ bool uses_placeholder(const std::string& tmpl, const std::string& name) {
   return tmpl.find("{" + name + "}") != std::string::npos;
 }
 
+// drafter.sliding_window and drafter.layer_types (docs/recipe.md#sliding-window).
+void validate_layer_types(const DrafterSection& d, Ctx& ctx) {
+  at_least(ctx, "drafter.sliding_window", d.sliding_window, 0);
+  if (d.layer_types.empty()) return;
+  if (static_cast<int>(d.layer_types.size()) != d.num_layers)
+    ctx.check("drafter.layer_types", "expected one entry per layer (drafter.num_layers = " + num(d.num_layers) +
+                                         "), got " + num(static_cast<int>(d.layer_types.size())));
+  bool sliding = false, known = true;
+  for (size_t i = 0; i < d.layer_types.size(); ++i) {
+    const auto& t = d.layer_types[i];
+    if (t != "full_attention" && t != "sliding_attention") {
+      ctx.check(join_index("drafter.layer_types", i), "expected full_attention or sliding_attention, got '" + t + "'");
+      known = false;
+    }
+    sliding = sliding || t == "sliding_attention";
+  }
+  if (!known) return;
+  if (sliding && d.sliding_window <= 0)
+    ctx.check("drafter.sliding_window", "expected > 0: drafter.layer_types names sliding_attention layers");
+  if (!sliding && d.sliding_window > 0)
+    ctx.check("drafter.layer_types", "names no sliding_attention layer, so drafter.sliding_window (" +
+                                         num(d.sliding_window) + ") would have no effect");
+}
+
 // drafter.method's own fields and the combinations its objective defines (docs/recipe.md#methods).
 void validate_method(const RunConfig& c, Ctx& ctx) {
   const auto& d = c.drafter;
@@ -943,6 +969,19 @@ void validate_method(const RunConfig& c, Ctx& ctx) {
   }
 }
 
+// run.report_to: known trackers, each once (docs/metrics.md#trackers).
+void validate_report_to(const std::vector<std::string>& trackers, Ctx& ctx) {
+  std::set<std::string> seen;
+  for (size_t i = 0; i < trackers.size(); ++i) {
+    const std::string& t = trackers[i];
+    const std::string path = join_index("run.report_to", i);
+    if (t != "tensorboard" && t != "wandb" && t != "mlflow")
+      ctx.check(path, "unknown tracker '" + t + "': expected tensorboard, wandb or mlflow");
+    else if (!seen.insert(t).second)
+      ctx.check(path, "'" + t + "' is listed twice");
+  }
+}
+
 void validate(RunConfig& c, Ctx& ctx) {
   // run
   if (c.run.name.empty()) ctx.check("run.name", "expected a non-empty name");
@@ -955,6 +994,7 @@ void validate(RunConfig& c, Ctx& ctx) {
   if (c.run.resume.empty()) {
     ctx.check("run.resume", "expected \"auto\", \"never\" or a checkpoint path");
   }
+  validate_report_to(c.run.report_to, ctx);
 
   // target
   if (c.target.model_dir.empty()) ctx.check("target.model_dir", "required field is missing");
@@ -987,6 +1027,7 @@ void validate(RunConfig& c, Ctx& ctx) {
                                           num(c.drafter.num_kv_heads));
   }
 
+  validate_layer_types(c.drafter, ctx);
   validate_method(c, ctx);
 
   // train
@@ -1000,19 +1041,6 @@ void validate(RunConfig& c, Ctx& ctx) {
   at_least(ctx, "train.soft_labels.kl_weight", c.train.soft_labels.kl_weight, 0.0);
   positive(ctx, "train.soft_labels.temperature", c.train.soft_labels.temperature);
   at_least(ctx, "train.noise.start", c.train.noise.start, 0.0);
-// run.report_to: known trackers, each once (docs/metrics.md#trackers).
-void validate_report_to(const std::vector<std::string>& trackers, Ctx& ctx) {
-  std::set<std::string> seen;
-  for (size_t i = 0; i < trackers.size(); ++i) {
-    const std::string& t = trackers[i];
-    const std::string path = join_index("run.report_to", i);
-    if (t != "tensorboard" && t != "wandb" && t != "mlflow")
-      ctx.check(path, "unknown tracker '" + t + "': expected tensorboard, wandb or mlflow");
-    else if (!seen.insert(t).second)
-      ctx.check(path, "'" + t + "' is listed twice");
-  }
-}
-
   at_least(ctx, "train.noise.end", c.train.noise.end, 0.0);
   at_least(ctx, "train.max_nonfinite_steps", c.train.max_nonfinite_steps, 0);
   in_range(ctx, "train.dpace_alpha", c.train.dpace_alpha, 0.0, 1.0);
@@ -1025,7 +1053,6 @@ void validate_report_to(const std::vector<std::string>& trackers, Ctx& ctx) {
               "expected true when train.soft_labels.enabled is true (soft labels need h_last)");
   }
 
-  validate_report_to(c.run.report_to, ctx);
   // data
   if (c.data.shard_dir.empty()) ctx.check("data.shard_dir", "required field is missing");  // data.jsonl sets a default
   at_least(ctx, "data.max_batch_size", c.data.max_batch_size, 1);
@@ -1132,6 +1159,7 @@ void validate_report_to(const std::vector<std::string>& trackers, Ctx& ctx) {
               "expected 0 (off) or a value in [" + num(kMinHeartbeatTimeoutS) + ", " + num(static_cast<int64_t>(kMaxTimeoutS)) +
                   "] seconds, got " + num(co.progress_timeout_s));
   }
+  check_liveness_timeouts(ctx, co);
   in_range(ctx, "coordinator.metrics_port", co.metrics_port, 0, 65535);
   in_range(ctx, "coordinator.worker_metrics_port_base", co.worker_metrics_port_base, 0, 65535);
   if (co.metrics_port > 0 && co.metrics_port == listen_port) {
@@ -1159,7 +1187,6 @@ void validate_report_to(const std::vector<std::string>& trackers, Ctx& ctx) {
               "expected a value <= " + num(c.data.token_budget) + " (data.token_budget), got " +
                   num(oom.token_budget_floor));
   } else if (oom.token_budget_floor < c.data.max_seq_len) {
-  check_liveness_timeouts(ctx, co);
     ctx.check("resilience.oom.token_budget_floor",
               "expected a value >= " + num(c.data.max_seq_len) + " (data.max_seq_len), got " +
                   num(oom.token_budget_floor));
@@ -1177,7 +1204,7 @@ void validate_report_to(const std::vector<std::string>& trackers, Ctx& ctx) {
       "epochs",      "seed",       "max_seq_len", "num_layers",  "loss",         "dpace_alpha",
       "anchor_spread", "method",   "dspark",      "dflash2",     "markov_rank",  "markov_head",
       "confidence_head", "confidence_with_markov", "conv_taps", "conv_group", "selector_rank", "selector_top_k",
-      "ce_weight", "tv_weight", "confidence_weight", "selector_weight"};
+      "ce_weight", "tv_weight", "confidence_weight", "selector_weight", "sliding_window", "layer_types"};
   for (size_t i = 0; i < oom.allow_changing.size(); ++i) {
     const std::string& full = oom.allow_changing[i];
     const size_t dot = full.rfind('.');

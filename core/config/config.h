@@ -85,12 +85,12 @@ struct RunSection {
   int keep_last = 3;                             // >= 1 most recent checkpoints kept
   int keep_every = 0;                            // >= 0; also keep steps % keep_every == 0 (0 = off)
   std::string resume = "auto";                   // "auto" (latest in output_dir), "never", or a checkpoint path
-};
-
-struct TargetSection {
   // Trackers that receive metrics.jsonl's scalars (docs/metrics.md#trackers): each of
   // tensorboard | wandb | mlflow at most once. Empty = none.
   std::vector<std::string> report_to;
+};
+
+struct TargetSection {
   std::string model_dir;                  // REQUIRED: HF-style dir (config.json + safetensors)
   Dtype dtype = Dtype::kBfloat16;
   std::vector<int> target_layer_ids;      // empty = the paper's default formula; else >= 0, unique
@@ -126,6 +126,11 @@ struct DrafterSection {
   int num_kv_heads = 0;                   // when both set: num_heads % num_kv_heads == 0
   int head_dim = 0;
   int intermediate_size = 0;
+  // Sliding-window attention (docs/recipe.md#sliding-window): 0 = off; else a block of a sliding
+  // layer sees the last sliding_window context rows before its anchor. layer_types: one of
+  // full_attention | sliding_attention per layer; empty = every layer sliding when sliding_window > 0.
+  int sliding_window = 0;                 // >= 0
+  std::vector<std::string> layer_types;
   std::string init_from;                  // exported drafter dir to start from ("" = fresh init)
 };
 
@@ -228,11 +233,6 @@ struct CoordinatorSection {
   // loop waits or not, is hung: the worker its waits lead to is restarted. 0 = off, else
   // [kMinHeartbeatTimeoutS, kMaxTimeoutS].
   double progress_timeout_s = 600.0;
-  int metrics_port = 9400;                 // [0, 65535], 0 = off (coordinator's /metrics)
-  int worker_metrics_port_base = 9401;     // [0, 65535], worker i serves base + i, 0 = off
-  // Host address every /metrics server binds ("" = bind_host(): 127.0.0.1 on an all-local run,
-  // else the process's own configured host); an explicit value (0.0.0.0 included) is used as given.
-  std::string metrics_listen;
   // Workers that wait on each other in a cycle (target 0 on drafter 0's credits, drafter 0 on
   // target 0's batch, ...), none of them progressing, this long: the one that waited first is hung.
   // 0 = off, else [kMinHeartbeatTimeoutS, kMaxTimeoutS].
@@ -243,6 +243,11 @@ struct CoordinatorSection {
   // kLivenessMarginS, so the coordinator finds the hung worker before a healthy drafter waiting on
   // it gives up and takes the blame. (0, kMaxTimeoutS].
   double receive_timeout_s = 900.0;
+  int metrics_port = 9400;                 // [0, 65535], 0 = off (coordinator's /metrics)
+  int worker_metrics_port_base = 9401;     // [0, 65535], worker i serves base + i, 0 = off
+  // Host address every /metrics server binds ("" = bind_host(): 127.0.0.1 on an all-local run,
+  // else the process's own configured host); an explicit value (0.0.0.0 included) is used as given.
+  std::string metrics_listen;
   double profile_interval_s = 0.0;         // [0, kMaxTimeoutS] (0 = off)
 };
 
