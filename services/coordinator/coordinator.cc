@@ -106,10 +106,10 @@ int Coordinator::run() {
       return kExitOk;
     }
     serve_control();
+    start_trackers();
     const int rc = supervise();
     drain_evals();
     finish();
-    start_trackers();
     return rc;
   } catch (...) {
     if (lock_) {  // the directory is ours: leave no shared memory of this run behind
@@ -556,6 +556,7 @@ Coordinator::Outcome Coordinator::monitor() {
     if (m_epoch_) m_epoch_->set(double(last_epoch_));
     if (m_committed_) m_committed_->set(double(ledger_->state().committed_step()));
     poll_evals();
+    if (trackers_) trackers_->poll();
     if (!ledger_failure_.empty()) {  // before any worker's failure: theirs follow from it
       stop_all();
       out.kind = Outcome::kLedgerFailed;
@@ -607,7 +608,6 @@ void Coordinator::poll_workers(Outcome& out, int& alive, int& drafters, int& dra
       if (w.exit.exited) {
         w.state = w.exit.code == 0 ? "done" : "failed";
         if (stopped_by_signal(w.exit)) w.state = "stopped";
-    if (trackers_) trackers_->poll();
         if (w.exit.code != 0 && out.worker < 0 && !(stop_requested_ && w.spec.role == config::Role::kTarget) &&
             !stopped_by_signal(w.exit)) {
           out.worker = static_cast<int>(i);
@@ -785,6 +785,7 @@ void Coordinator::drain_evals() {
         break;
       }
       poll_evals();
+      if (trackers_) trackers_->poll();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -857,7 +858,6 @@ void Coordinator::stop_run(const RecoveryDecision& d, const WorkerState& w) {
   const int64_t committed = ledger_->state().committed_step();
   ledger_->append({{"type", "stopped"}, {"reason", d.reason}, {"step", committed}});
   switch (d.stop_cause) {
-      if (trackers_) trackers_->poll();
     case StopCause::kNotRetriable:  // a bad config or bad data fails the same way on every restart
       LOG_ERROR("run stopped (not restarted: " << (d.exit_code == kExitConfig ? "config" : "data") << " error): " << d.reason
                                                << "; log: " << w.spec.log_path);
@@ -908,13 +908,6 @@ void Coordinator::open_oom_generation(const WorkerState& w, const RecoveryDecisi
 // ---------------------------------------------------------------------------------------------
 // Step 5.
 
-void Coordinator::finish() {
-  if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  fs::remove(fs::path(cfg_.run.output_dir) / "coordinator.json");
-  remove_run_segments("at the end of the run");
-}
-
-}  // namespace dflash::coordinator
 // The trackers of run.report_to; the sidecars' Python only when wandb or mlflow is asked for.
 void Coordinator::start_trackers() {
   const auto& to = cfg_.run.report_to;
@@ -935,4 +928,11 @@ void Coordinator::start_trackers() {
   trackers_ = std::make_unique<RunTrackers>(std::move(o));
 }
 
+void Coordinator::finish() {
   if (trackers_) trackers_->finish();
+  if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  fs::remove(fs::path(cfg_.run.output_dir) / "coordinator.json");
+  remove_run_segments("at the end of the run");
+}
+
+}  // namespace dflash::coordinator

@@ -97,6 +97,7 @@
 #include "services/coordinator/ledger.h"
 #include "services/coordinator/recovery_policy.h"
 #include "services/coordinator/run_lock.h"
+#include "services/coordinator/trackers.h"
 
 namespace dflash::coordinator {
 
@@ -107,7 +108,6 @@ struct RunOptions {
   std::string resume;                 // --resume: "" | "latest" | "auto" | a committed checkpoint dir
   bool plan_only = false;             // --plan
   std::optional<std::string> device;  // --device cpu|cuda (default: cuda on a CUDA build whose host has an NVIDIA GPU)
-#include "services/coordinator/trackers.h"
   bool quiet = false;                 // --quiet: no progress lines, no per-worker start lines
   std::optional<int> metrics_port;    // --metrics-port (default coordinator.metrics_port; <= 0: none)
   // --plan-samples/--plan-lengths (only with --plan): the samples' token counts as stated by the
@@ -196,6 +196,7 @@ class Coordinator final : public control::Coordinator::Service {
   void write_run_files();
   void start_metrics();
   void declare_metrics(metrics::Registry& r);
+  void start_trackers();  // run.report_to (services/coordinator/trackers.h)
 
   // Step 4, mu_ held unless noted.
   CommitChoice restart_point();
@@ -211,11 +212,10 @@ class Coordinator final : public control::Coordinator::Service {
   std::vector<WorkerView> liveness_views() const;
   void find_progress_hang(Outcome& out) const;
   void blame_root_cause(Outcome& out);
-  void count_failure(const Outcome& out);
   void blame_awaited_peer(Outcome& out);
+  void count_failure(const Outcome& out);
   void stop_all();
   bool take_signals();
-  void start_trackers();  // run.report_to (services/coordinator/trackers.h)
   void remove_run_segments(const char* when);
   int end_run(const Outcome& outcome);
   RecoveryDecision handle_failure(const Outcome& outcome);
@@ -292,10 +292,10 @@ class Coordinator final : public control::Coordinator::Service {
   metrics::Gauge *m_eval_best_ = nullptr, *m_eval_step_ = nullptr, *m_eval_seconds_ = nullptr;
   metrics::Counter* m_eval_failures_ = nullptr;
   std::map<std::string, metrics::Gauge*> m_eval_tau_;  // by group ("overall": every prompt)
+  std::unique_ptr<RunTrackers> trackers_;  // when run.report_to names any, from start_trackers()
   // Last: destroyed first, so no call arrives while the state above is torn down.
   std::unique_ptr<metrics::MetricsServer> metrics_server_;
   std::unique_ptr<grpc::Server> server_;
 };
 
 }  // namespace dflash::coordinator
-  std::unique_ptr<RunTrackers> trackers_;  // when run.report_to names any, from start_trackers()
