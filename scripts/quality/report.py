@@ -264,12 +264,13 @@ def methods_plot(res, out, images):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     c = curves(out)
+    os.makedirs(images, exist_ok=True)
     fig, axes = plt.subplots(1, len(runs), figsize=(4 * len(runs), 3.6), squeeze=False)
     for ax, (m, seeds) in zip(axes[0], runs.items()):
         for seed, name in seeds:
             loss = [p["loss"] for p in c.get(name, [])]
             avg = [sum(loss[max(0, i - SMOOTH + 1):i + 1]) / (i + 1 - max(0, i - SMOOTH + 1)) for i in range(len(loss))]
-            ax.plot([p["step"] for p in c.get(name, [])], avg, label=f"seed {seed} (`{name}`)", linewidth=1.2)
+            ax.plot([p["step"] for p in c.get(name, [])], avg, label=f"seed {seed} ({name})", linewidth=1.2)
         ax.set_title(f"{METHOD_TITLES[m]} (its own objective)")
         ax.set_xlabel("optimizer step")
         ax.set_yscale("log")

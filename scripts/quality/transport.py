@@ -89,6 +89,17 @@ def module_dir(name):
     return pkg, licences
 
 
+def dist_metadata(name, site):
+    """(path, dist-info folder name) of the METADATA of module `name`'s distribution in `site`, or
+    None: shipped so that importlib.metadata answers for it on the host (speculators' own version
+    check reads it)."""
+    for d in sorted(os.listdir(site)):
+        if d.lower().startswith(name.lower() + "-") and d.endswith(".dist-info") \
+                and os.path.isfile(os.path.join(site, d, "METADATA")):
+            return os.path.join(site, d, "METADATA"), d
+    return None
+
+
 def module_file(name):
     """The source file of a one-file module (e.g. typing_extensions.py)."""
     spec = importlib.util.find_spec(name)
@@ -123,7 +134,12 @@ def pack_sources(bundle):
         pkg, licences = module_dir(name)
         files += [(p, n, False) for p, n in tree_files(pkg, "refpy/" + name)]
         files += [(p, f"refpy/{name}/{os.path.basename(p)}.dist", False) for p in licences]
-    files += [(module_file(name), f"refpy/{name}.py", False) for name in REFERENCE_SINGLE_FILES]
+        meta = dist_metadata(name, os.path.dirname(pkg))
+        files += [(meta[0], f"refpy/{meta[1]}/METADATA", False)] if meta else []
+    for name in REFERENCE_SINGLE_FILES:
+        files.append((module_file(name), f"refpy/{name}.py", False))
+        meta = dist_metadata(name, os.path.dirname(module_file(name)))
+        files += [(meta[0], f"refpy/{meta[1]}/METADATA", False)] if meta else []
     wheels = os.path.join(bundle, REF_WHEELS)
     found = sorted(f for f in os.listdir(wheels) if f.endswith(".whl")) if os.path.isdir(wheels) else []
     if not found:

@@ -36,8 +36,10 @@ def fake_wheel(tag):
 
 def ref_checks(transport, dest):
     fails = []
+    import importlib.metadata
+    meta = f"speculators-{importlib.metadata.version('speculators')}.dist-info/METADATA"  # its version check reads it
     for name in ("specforge/__init__.py", "speculators/__init__.py", "pydantic/__init__.py", "typing_extensions.py",
-                 "annotated_types/__init__.py", "typing_inspection/__init__.py"):
+                 "annotated_types/__init__.py", "typing_inspection/__init__.py", meta):
         if not os.path.isfile(os.path.join(dest, "refpy", name)):
             fails.append(f"refpy/{name} not shipped")
     done = transport.install_ref_wheels(dest, "cp312")
