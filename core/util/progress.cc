@@ -124,8 +124,9 @@ std::string Progress::line() const {
   if (opt_.total > 0) os << "/" << compact(static_cast<double>(opt_.total));
   os << " " << opt_.unit;
   if (opt_.total > 0) os << " (" << 100 * done / opt_.total << "%)";
-  os << " | " << compact(rate()) << " " << opt_.unit << "/s";
-  if (opt_.total > 0) os << " | ETA " << format_duration(eta_s());
+  // No measurement yet (one sample): dashes, never a rate of 0 or an unknown ETA posing as numbers.
+  os << " | " << (rate() > 0 ? compact(rate()) : std::string("-")) << " " << opt_.unit << "/s";
+  if (opt_.total > 0) os << " | ETA " << (eta_s() < 0 ? std::string("-") : format_duration(eta_s()));
   return os.str();
 }
 

@@ -76,7 +76,7 @@ class Progress {
   // The final line (always printed, TTY or not).
   void finish();
 
-  // "import: 1200/5000 docs (24%) | 180 docs/s | ETA 0:00:21"
+  // "import: 1200/5000 docs (24%) | 180 docs/s | ETA 0:00:21"; "- docs/s | ETA -" before a rate is measured
   std::string line() const;
   double rate() const { return window_.rate(); }
   double eta_s() const { return window_.eta_s(opt_.total, done_); }

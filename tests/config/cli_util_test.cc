@@ -151,7 +151,7 @@ TEST(Progress, PlainLinesEveryPeriodWhenNotATty) {
   p.finish();
   // Lines at t=1 (the first), 11, 21, and the final one.
   EXPECT_EQ(out.str(),
-            "import: 20/1000 docs (2%) | 0 docs/s | ETA ?\n"
+            "import: 20/1000 docs (2%) | - docs/s | ETA -\n"
             "import: 220/1000 docs (22%) | 20 docs/s | ETA 0:00:39\n"
             "import: 420/1000 docs (42%) | 20 docs/s | ETA 0:00:29\n"
             "import: 500/1000 docs (50%) | 20 docs/s | ETA 0:00:25\n");
@@ -163,7 +163,7 @@ TEST(Progress, PlainLinesEveryPeriodWhenNotATty) {
     clock.t = 100;
     q.update(10);
   }
-  EXPECT_EQ(tty.str(), "\rimport: 10/1000 docs (1%) | 0 docs/s | ETA ?\033[K\n");  // redrawn in place, ended
+  EXPECT_EQ(tty.str(), "\rimport: 10/1000 docs (1%) | - docs/s | ETA -\033[K\n");  // redrawn in place, ended
 }
 
 TEST(ConfigOverrides, ValidatedLikeTheYaml) {

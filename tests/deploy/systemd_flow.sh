@@ -87,11 +87,13 @@ mv "$token.aside" "$token"
 echo "(d) the token in the environment only, or the placeholder: exit 2 saying what to do"
 
 # (e) systemctl enable --now dflash-coordinator
-run_unit > "$work/e.log" 2>&1 &
+"$py" "$src/tests/deploy/run_unit.py" "$unit" --root "$root" > "$work/e.log" 2>&1 &  # execs the unit's command
 coord=$!
 trap 'kill "$coord" 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
-  with_unit_env "$bin/dflash" status --config "$cfg" --json > "$work/status.json" 2>/dev/null && break
+  # (until the coordinator holds run.lock, status summarises the ledger the refused starts of (d) left)
+  with_unit_env "$bin/dflash" status --config "$cfg" --json > "$work/status.json" 2>/dev/null &&
+    grep -q '"workers"' "$work/status.json" && break
   kill -0 "$coord" 2>/dev/null || { cat "$work/e.log"; fail "the coordinator exited before answering"; }
   sleep 0.1
 done
