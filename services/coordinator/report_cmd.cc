@@ -7,6 +7,7 @@
 #include "core/util/error.h"
 #include "core/util/flags.h"
 #include "core/util/log.h"
+#include "core/util/process.h"
 #include "services/coordinator/python_module.h"
 
 namespace dflash::cli {
@@ -32,7 +33,7 @@ int cmd_report(int argc, char** argv) {
     if (f.has("out")) args.insert(args.end(), {"--out", f.get("out")});
     return run_python_module(python_interpreter(f.get("python", "")), "dflash_tools.report", args, false);
   } catch (const std::exception& e) {
-    LOG_ERROR(e.what());
+    LOG_ERROR(user_message(e));
     return exit_code_for(e);
   }
 }
