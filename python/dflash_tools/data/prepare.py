@@ -4,9 +4,11 @@
 Run through `dflash data prepare` (which also handles --out DIR by importing into shards), or as
 `python -m dflash_tools.data prepare --tokenizer DIR --input a.jsonl --out prepared.jsonl`.
 Writes OUT (atomically) and OUT.meta.json (the stats and provenance below), prints the same JSON
-on stdout and a progress line on stderr. Exit codes: 0 ok; 2 usage/config (bad flag, missing
-tokenizer files, no chat template, OUT exists, --thinking on a template without enable_thinking);
-4 bad data (a bad record without --skip-bad, an unloadable tokenizer, no document written).
+on stdout and a progress line on stderr. Exit codes: 0 ok; 1 anything unexpected (one line, no
+traceback); 2 usage/config (bad flag, missing tokenizer files, a chat template that is not a
+string or does not compile, no chat template, OUT exists, an OUT that cannot be written,
+--thinking on a template without enable_thinking); 4 bad data (a bad record without --skip-bad,
+an unloadable tokenizer, no document written).
 """
 
 import argparse
@@ -17,22 +19,16 @@ import os
 import sys
 import time
 
-from .formats import FORMATS, BadRecord, record_messages
-from .spans import Renderer, assistant_spans, mask_from_offsets, template_text
+from ..errors import EXIT_CONFIG, EXIT_DATA, Fatal, guard, os_error_text
+from .formats import DEFAULT_MAX_RECORD_BYTES, FORMATS, BadRecord, parse_line, read_lines, record_messages
+from .spans import (Renderer, TemplateConfigError, assistant_spans, check_template_config, compile_template,
+                    mask_from_offsets, template_file, template_text)
 
-EXIT_CONFIG = 2
-EXIT_DATA = 4
 MAX_BAD_EXAMPLES = 20
 # The data contract (core/data/contract.h): the keys of the meta JSON that say how the token ids were
 # made; `dflash data import` carries them to the shards, the run ledger and the export.
 CONTRACT_KEYS = ("tokenizer_sha256", "chat_template_sha256", "thinking", "system_sha256", "last_turn_only",
                  "max_seq_len", "format")
-
-
-class Fatal(Exception):
-    def __init__(self, code, message):
-        super().__init__(message)
-        self.code = code
 
 
 def sha256_text(text):
@@ -62,7 +58,13 @@ def parse_args(argv):
     p.add_argument("--prompts-only", action="store_true",
                    help="write {id, input_ids} prompts (the chat before its last reply + generation prompt) for "
                         "dflash eval / generate instead of training documents")
+    p.add_argument("--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES,
+                   help=f"a longer input line is a bad record, skipped unread (default {DEFAULT_MAX_RECORD_BYTES})")
     a = p.parse_args(argv)
+    if a.max_record_bytes < 1:
+        p.error(f"--max-record-bytes must be >= 1, got {a.max_record_bytes}")
+    if a.system is not None and not encodable(a.system):
+        p.error("--system: not valid UTF-8 text")
     if a.max_seq_len < 0:
         p.error(f"--max-seq-len must be >= 0, got {a.max_seq_len}")
     if a.workers < 1:
@@ -73,19 +75,54 @@ def parse_args(argv):
     return a
 
 
+def encodable(text):
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def model_dir_problem(flag, model_dir):
+    """None when model_dir is a folder; else the message: a name like ORG/NAME is taken for what it
+    likely is, a Hugging Face model id, with the download that gives the folder (the tools read
+    local files only)."""
+    if os.path.isdir(model_dir):
+        return None
+    msg = f"{flag} {model_dir}: not a directory"
+    if os.path.exists(model_dir):
+        return msg
+    parts = model_dir.split("/")
+    if len(parts) == 2 and all(parts) and not model_dir.startswith((".", "~")):
+        local = parts[1]
+        msg += (f"; it looks like a Hugging Face model id, and this command reads local files only: download "
+                f"it first (`hf download {model_dir} --local-dir {local}`, or only the tokenizer: add --include "
+                f"'tokenizer*' '*.jinja') and pass {flag} {local}")
+    return msg
+
+
 def load_tokenizer(model_dir, thinking):
     tok_json = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isdir(model_dir):
-        raise Fatal(EXIT_CONFIG, f"--tokenizer {model_dir}: not a directory")
+    problem = model_dir_problem("--tokenizer", model_dir)
+    if problem:
+        raise Fatal(EXIT_CONFIG, problem)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if not os.path.isfile(os.path.join(model_dir, name)):
             raise Fatal(EXIT_CONFIG, f"--tokenizer {model_dir}: missing {name}")
     try:
+        check_template_config(model_dir)
+    except TemplateConfigError as e:
+        raise Fatal(EXIT_CONFIG, str(e))
+    try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:
-        raise Fatal(EXIT_DATA, f"{model_dir}: cannot load the tokenizer: {type(e).__name__}: {e}")
+        raise Fatal(EXIT_DATA, f"{model_dir}: cannot load the tokenizer: {type(e).__name__}: {str(e)[:500]}")
     template = template_text(tok)
+    try:
+        compile_template(template, template_file(model_dir))
+    except TemplateConfigError as e:
+        raise Fatal(EXIT_CONFIG, str(e))
     if thinking != "keep" and (template is None or "enable_thinking" not in template):
         raise Fatal(EXIT_CONFIG, f"--thinking {thinking}: the chat template of {model_dir} has no enable_thinking "
                     "switch (use --thinking keep)")
@@ -105,7 +142,8 @@ class Preparer:
         self.a = a
         self.tok = tok
         self.template = template
-        self.renderer = Renderer(tok, template, a.thinking) if template is not None else None
+        self.renderer = (Renderer(tok, template, a.thinking, template_file(a.tokenizer)) if template is not None
+                         else None)
         self.renders_tool_calls = template is not None and "tool_calls" in template
         self.stats = {"records": 0, "documents": 0, "tokens": 0, "assistant_tokens": 0, "truncated": 0,
                       "formats": {}, "skipped_bad": {}, "dropped": {}, "bad_examples": []}
@@ -152,6 +190,8 @@ class Preparer:
         doc = {"id": rid, "input_ids": ids}
         if mask is not None:
             doc["loss_mask"] = mask
+        elif isinstance(obj.get("group"), str) and obj["group"]:
+            doc["group"] = obj["group"]  # a prompt's group in the eval report (docs/eval.md)
         doc["source"] = source
         return doc, fmt, truncated
 
@@ -160,21 +200,17 @@ class Preparer:
         ("dropped", reason) | ("fatal", code, message); what a worker sends back."""
         where, raw = item
         try:
+            obj = parse_line(raw, self.a.max_record_bytes)
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise BadRecord(f"not UTF-8 text at byte {e.start}", "not_utf8")
-            if not line.strip():
-                raise BadRecord("empty line", "empty_line")
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise BadRecord(f"invalid JSON: {e}", "invalid_json")
-            doc, fmt, truncated = self.document(obj, where)
+                doc, fmt, truncated = self.document(obj, where)
+            except RecursionError:
+                raise BadRecord("nested too deeply to process", "too_deep")
         except BadRecord as e:
             return ("bad", e.reason, f"{where}: {e}")
         except Dropped as e:
             return ("dropped", e.reason)
+        except TemplateConfigError as e:
+            return ("fatal", EXIT_CONFIG, f"{e} (while rendering {where})")
         except Fatal as e:
             return ("fatal", e.code, str(e))
         return ("doc", doc["id"], json.dumps(doc, separators=(",", ":")) + "\n",
@@ -207,7 +243,7 @@ class Preparer:
         except OSError as e:
             raise Fatal(EXIT_CONFIG, f"--input {path}: cannot open: {e.strerror}")
         with f:
-            for line_no, raw in enumerate(f, 1):
+            for line_no, raw in read_lines(f, self.a.max_record_bytes):
                 yield f"{path}:{line_no}", raw
 
     def take(self, result, out, progress):
@@ -244,16 +280,105 @@ def _worker_outcome(item):
 
 
 def write_json_atomic(path, obj):
+    """path <- obj as JSON, through a temporary file in the same folder (fsynced, renamed); the
+    temporary file is removed when anything fails."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
 
 
-def run(argv):
+def remove_quietly(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def remove_stale_tmps(path):
+    """Removes PATH.tmp-PID and PATH.meta.json.tmp-PID left by a run that was killed (PID no longer
+    alive), so that nothing half-written stays next to the output."""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    base = os.path.basename(path)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        for stem in (base + ".tmp-", base + ".meta.json.tmp-"):
+            pid = name[len(stem):] if name.startswith(stem) else ""
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+                remove_quietly(os.path.join(folder, name))
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def open_out(path):
+    """The temporary output file next to `path`, created before any work so that an --out that
+    cannot be written fails at once (exit 2), not after the whole dataset."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise Fatal(EXIT_CONFIG, f"--out {path}: cannot create the folder {folder}: {os_error_text(e)}")
+    remove_stale_tmps(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        return tmp, OutFile(path, open(tmp, "w", encoding="utf-8"))
+    except OSError as e:
+        raise Fatal(EXIT_CONFIG, f"--out {path}: cannot write there: {os_error_text(e)}")
+
+
+class OutFile:
+    """The output being written: an OSError (disk full, I/O error) is a Fatal naming --out."""
+
+    def __init__(self, path, f):
+        self.path, self.f = path, f
+
+    def _fail(self, e):
+        return Fatal(EXIT_CONFIG, f"--out {self.path}: cannot write there: {os_error_text(e)}")
+
+    def write(self, text):
+        try:
+            self.f.write(text)
+        except OSError as e:
+            raise self._fail(e)
+
+    def sync(self):
+        try:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+        except OSError as e:
+            raise self._fail(e)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.f.close()
+        except OSError as e:
+            if exc[0] is None:
+                raise self._fail(e)
+
+
+def run(argv, extra_meta=None):
+    """prepare ARGS -> 0, or raises Fatal; extra_meta: keys added to (or replacing) the meta JSON's."""
     a = parse_args(argv)
     if os.path.exists(a.out):
         raise Fatal(EXIT_CONFIG, f"--out {a.out}: exists; refusing to overwrite it")
@@ -274,10 +399,9 @@ def run(argv):
             print(f"prepare: {s['records']} records, {s['documents']} documents, {s['tokens']} tokens, "
                   f"{bad} bad, {now - t0:.1f}s", file=sys.stderr, flush=True)
 
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    tmp = f"{a.out}.tmp-{os.getpid()}"
+    tmp, out_file = open_out(a.out)
     try:
-        with open(tmp, "w", encoding="utf-8") as out:
+        with out_file as out:
             items = (item for path in a.inputs for item in p.lines(path))
             if a.workers == 1:
                 for item in items:
@@ -289,8 +413,7 @@ def run(argv):
                 with multiprocessing.get_context("fork").Pool(a.workers) as pool:
                     for result in pool.imap(_worker_outcome, items, chunksize=16):
                         p.take(result, out, progress)
-            out.flush()
-            os.fsync(out.fileno())
+            out.sync()
         progress(final=True)
         s = p.stats
         if s["documents"] == 0:
@@ -313,19 +436,22 @@ def run(argv):
             "out_sha256": p.out_hash.hexdigest(),
             "stats": s,
         }
-        write_json_atomic(a.out + ".meta.json", meta)
-        os.replace(tmp, a.out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        meta.update(extra_meta or {})
+        try:  # the sidecar first: OUT itself appears last, complete
+            write_json_atomic(a.out + ".meta.json", meta)
+        except OSError as e:
+            raise Fatal(EXIT_CONFIG, f"--out {a.out}: cannot write there: {os_error_text(e)}")
+        try:
+            os.replace(tmp, a.out)
+        except OSError as e:
+            remove_quietly(a.out + ".meta.json")
+            raise Fatal(EXIT_CONFIG, f"--out {a.out}: cannot write there: {os_error_text(e)}")
+    finally:
+        remove_quietly(tmp)
     print(json.dumps(meta, indent=2))
     return 0
 
 
 def main(argv):
-    try:
-        return run(argv)
-    except Fatal as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.code
+    """`dflash data prepare` ARGS -> exit code; never raises (errors.guard)."""
+    return guard("data prepare", run, argv)

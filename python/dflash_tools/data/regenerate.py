@@ -24,11 +24,14 @@ kill -9 at any point and a rerun give every input id exactly once. OUT.work/ is 
 record is in OUT.
 
 With --server URL (an OpenAI-compatible chat endpoint) the replies of chat lines come from it
-instead (server.py); tokenized lines are skipped.
+instead (server.py: every answer is checked before it is kept); tokenized lines are skipped.
+
+OUT.work/options.json is written when the first round starts, so a command that fails before
+(a bad flag value, a bad line, a missing target) leaves nothing that blocks the corrected one.
 
 Exit codes: 0 ok; 2 usage/config; 4 bad data (a bad line without --skip-bad, names FILE:LINE);
-1 when some records got no answer from --server (a rerun asks again); others from `dflash generate`
-as it returns them.
+1 when some records got no answer from --server (a rerun asks again), or anything unexpected (one
+line, no traceback); others from `dflash generate` as it returns them.
 """
 
 import argparse
@@ -39,10 +42,12 @@ import subprocess
 import sys
 import time
 
-from .formats import BadRecord, record_messages
-from .prepare import CONTRACT_KEYS, EXIT_CONFIG, EXIT_DATA, MAX_BAD_EXAMPLES, Fatal, sha256_file, write_json_atomic
+from ..errors import EXIT_CONFIG, EXIT_DATA, Fatal, guard
+from .formats import DEFAULT_MAX_RECORD_BYTES, BadRecord, lone_surrogate, parse_line, read_lines, record_messages
+from .prepare import (CONTRACT_KEYS, MAX_BAD_EXAMPLES, model_dir_problem, remove_quietly, sha256_file,
+                      write_json_atomic)
 from .server import server_round
-from .spans import Renderer, template_text
+from .spans import Renderer, TemplateConfigError, check_template_config, compile_template, template_file, template_text
 
 
 def parse_args(argv):
@@ -64,8 +69,15 @@ def parse_args(argv):
     p.add_argument("--skip-bad", action="store_true")
     p.add_argument("--server", default=None, help="URL of an OpenAI-compatible server (chat lines only)")
     p.add_argument("--server-model", default=None, help="the model name the server knows (default: --target)")
-    p.add_argument("--server-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--server-timeout", type=float, default=600.0,
+                   help="seconds per request, from its start to the answer's last byte")
     p.add_argument("--server-retries", type=int, default=3, help="attempts per request")
+    p.add_argument("--server-backoff", type=float, default=1.0,
+                   help="seconds before the first retry, doubled for each next one (at most 30)")
+    p.add_argument("--server-max-response-bytes", type=int, default=0,
+                   help="the largest answer taken (default 1 MiB + 256 bytes per --max-new-tokens)")
+    p.add_argument("--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES,
+                   help=f"a longer input line is a bad record, skipped unread (default {DEFAULT_MAX_RECORD_BYTES})")
     flags = sorted(p._option_string_actions)
     for word in argv:  # an unknown flag: exit 2 naming the closest known one (as the dflash CLI does)
         name = word.split("=", 1)[0]
@@ -81,6 +93,14 @@ def parse_args(argv):
             p.error("--server needs --server-model (or --target)")
         if a.server_retries < 1:
             p.error(f"--server-retries must be >= 1, got {a.server_retries}")
+        if not a.server_timeout > 0:
+            p.error(f"--server-timeout must be > 0, got {a.server_timeout}")
+        if not 0 <= a.server_backoff <= 30:
+            p.error(f"--server-backoff must be in [0, 30], got {a.server_backoff}")
+        if a.server_max_response_bytes < 0:
+            p.error(f"--server-max-response-bytes must be >= 0, got {a.server_max_response_bytes}")
+    if a.max_record_bytes < 1:
+        p.error(f"--max-record-bytes must be >= 1, got {a.max_record_bytes}")
     if a.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.batch_size < 1:
@@ -97,8 +117,12 @@ def stop_tokens(a, tok):
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(a.target, name)
         if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token_id")
+            try:
+                with open(path, "rb") as f:
+                    cfg = json.loads(f.read().decode("utf-8"))
+            except (ValueError, RecursionError) as e:
+                raise Fatal(EXIT_CONFIG, f"{path}: not valid JSON ({str(e)[:200]})")
+            eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
             if isinstance(eos, int):
                 return [eos]
             if isinstance(eos, list) and eos and all(isinstance(x, int) for x in eos):
@@ -180,31 +204,42 @@ class Regenerator:
 
     def load_tokenizer(self):
         if self.tok is None:
-            from transformers import AutoTokenizer
-            try:
-                self.tok = AutoTokenizer.from_pretrained(self.a.target, local_files_only=True)
-            except Exception as e:
-                raise Fatal(EXIT_DATA, f"{self.a.target}: cannot load the tokenizer: {type(e).__name__}: {e}")
+            self.tok = self.any_tokenizer()
             template = template_text(self.tok)
+            try:
+                compile_template(template, template_file(self.a.target))
+            except TemplateConfigError as e:
+                raise Fatal(EXIT_CONFIG, str(e))
             if template is None:
                 raise Fatal(EXIT_CONFIG, f"{self.a.target}: chat records need a chat template; the tokenizer has none")
             if self.a.thinking != "keep" and "enable_thinking" not in template:
                 raise Fatal(EXIT_CONFIG, f"--thinking {self.a.thinking}: the chat template of {self.a.target} has no "
                             "enable_thinking switch (use --thinking keep)")
-            self.renderer = Renderer(self.tok, template, self.a.thinking)
+            self.renderer = Renderer(self.tok, template, self.a.thinking, template_file(self.a.target))
         return self.tok
 
     def any_tokenizer(self):
         """The target's tokenizer without requiring a chat template (for its eos token)."""
         if self.tok is not None:
             return self.tok
+        problem = model_dir_problem("--target", self.a.target)
+        if problem:
+            raise Fatal(EXIT_CONFIG, problem)
+        try:
+            check_template_config(self.a.target)
+        except TemplateConfigError as e:
+            raise Fatal(EXIT_CONFIG, str(e))
         from transformers import AutoTokenizer
         try:
-            return AutoTokenizer.from_pretrained(self.a.target, local_files_only=True)
+            self.tok = AutoTokenizer.from_pretrained(self.a.target, local_files_only=True)
         except Exception as e:
-            raise Fatal(EXIT_DATA, f"{self.a.target}: cannot load the tokenizer: {type(e).__name__}: {e}")
+            raise Fatal(EXIT_DATA, f"{self.a.target}: cannot load the tokenizer: {type(e).__name__}: {str(e)[:500]}")
+        return self.tok
 
     def read_done(self):
+        """Ids already in OUT. A line that is not a valid output line (torn, or a record with a reply
+        that is not text, written by an older version) is dropped from OUT, atomically, so that
+        this run regenerates that record instead of keeping it."""
         done = set()
         if not os.path.exists(self.a.out):
             return done
@@ -215,16 +250,32 @@ class Regenerator:
             print(f"regenerate: {self.a.out} ends in an incomplete line ({len(data) - complete} bytes); cutting it off",
                   file=sys.stderr)
             os.truncate(self.a.out, complete)
-        for ln, line in enumerate(data[:complete].splitlines(), 1):
+        kept, dropped = [], []
+        for ln, line in enumerate(data[:complete].splitlines(True), 1):
+            problem = output_line_problem(line)
+            if problem is not None:
+                dropped.append(f"{self.a.out}:{ln}: {problem}")
+                continue
+            obj = json.loads(line)
+            kept.append(line)
+            done.add(obj["id"])
+            # the totals cover every record in OUT, those of an interrupted earlier run too
+            info = obj.get("regenerated")
+            self.stats["turns"] += int(info["turns"])
+            self.stats["hit_max_tokens"] += int(info["hit_max_tokens"])
+        if dropped:
+            print(f"regenerate: dropping {len(dropped)} invalid lines from {self.a.out} (regenerated again); first: "
+                  f"{dropped[0]}", file=sys.stderr)
+            self.stats["dropped_from_out"] = len(dropped)
+            tmp = f"{self.a.out}.tmp-{os.getpid()}"
             try:
-                obj = json.loads(line)
-                done.add(obj["id"])
-                # the totals cover every record in OUT, those of an interrupted earlier run too
-                info = obj.get("regenerated") or {}
-                self.stats["turns"] += int(info.get("turns", 0))
-                self.stats["hit_max_tokens"] += int(info.get("hit_max_tokens", 0))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                raise Fatal(EXIT_DATA, f"{self.a.out}:{ln}: not an output line of regenerate (JSON with \"id\")")
+                with open(tmp, "wb") as f:
+                    f.writelines(kept)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.a.out)
+            finally:
+                remove_quietly(tmp)
         return done
 
     def read_input(self, done):
@@ -234,17 +285,11 @@ class Regenerator:
         except OSError as e:
             raise Fatal(EXIT_CONFIG, f"--input {self.a.input}: cannot open: {e.strerror}")
         with f:
-            for ln, raw in enumerate(f, 1):
+            for ln, raw in read_lines(f, self.a.max_record_bytes):
                 where = f"{self.a.input}:{ln}"
                 self.stats["records"] += 1
                 try:
-                    try:
-                        obj = json.loads(raw.decode("utf-8"))
-                    except UnicodeDecodeError:
-                        raise BadRecord("not UTF-8 text", "not_utf8")
-                    except ValueError as e:
-                        raise BadRecord(f"invalid JSON: {e}" if raw.strip() else "empty line",
-                                        "invalid_json" if raw.strip() else "empty_line")
+                    obj = parse_line(raw, self.a.max_record_bytes)
                     if not isinstance(obj, dict):
                         raise BadRecord("expected a JSON object", "not_an_object")
                     rid = obj.get("id")
@@ -278,12 +323,19 @@ class Regenerator:
                         continue
                     rec.source = where
                     records.append(rec)
+                except RecursionError:
+                    self.bad_line(where, BadRecord("nested too deeply to process", "too_deep"))
                 except BadRecord as e:
-                    msg = f"{where}: {e}"
-                    if not self.a.skip_bad:
-                        raise Fatal(EXIT_DATA, msg + " (use --skip-bad to count and skip bad records)")
-                    self._skip(e.reason, msg)
+                    self.bad_line(where, e)
         return records
+
+    def bad_line(self, where, e):
+        """A bad input line (or a record the template cannot render): exit 4 naming FILE:LINE, or
+        counted and skipped with --skip-bad."""
+        msg = f"{where}: {e}"
+        if not self.a.skip_bad:
+            raise Fatal(EXIT_DATA, msg + " (use --skip-bad to count and skip bad records)")
+        self._skip(e.reason, msg)
 
     def prompt(self, rec, k):
         if rec.kind == "tokens":
@@ -323,13 +375,28 @@ class Regenerator:
         mask += [0] * len(rec.context[-1])
         return {"id": rec.id, "input_ids": ids, "loss_mask": mask, "source": rec.source, "regenerated": info}
 
-    def generate_round(self, k, batch):
+    def round_prompts(self, k, batch):
+        """{id: prompt ids} of round k; a record whose prompt the template cannot render is a bad
+        record (exit 4, or skipped and counted with --skip-bad)."""
+        prompts = {}
+        for rec in batch:
+            try:
+                prompts[rec.id] = self.prompt(rec, k)
+            except TemplateConfigError as e:
+                raise Fatal(EXIT_CONFIG, f"{e} (while rendering {rec.source})")
+            except RecursionError:
+                self.bad_line(rec.source, BadRecord("nested too deeply to render", "too_deep"))
+            except BadRecord as e:
+                self.bad_line(rec.source, e)
+        return prompts
+
+    def generate_round(self, k, batch, prompts):
         inp = os.path.join(self.work, f"round-{k}.in.jsonl")
         out = os.path.join(self.work, f"round-{k}.out.jsonl")
         tmp = inp + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             for rec in batch:
-                f.write(json.dumps({"id": rec.id, "input_ids": self.prompt(rec, k)}) + "\n")
+                f.write(json.dumps({"id": rec.id, "input_ids": prompts[rec.id]}) + "\n")
         os.replace(tmp, inp)
         a = self.a
         cmd = [a.dflash, "generate", "--model", a.target, "--input", inp, "--out", out, "--device", a.device,
@@ -356,62 +423,115 @@ class Regenerator:
         return results
 
     def check_work_options(self):
-        """The round files hold replies generated with certain options; a rerun must use the same ones."""
+        """The round files hold replies generated with certain options; a rerun must use the same ones.
+        Only replies are protected: a work folder without any (a run that failed before its first
+        reply) is taken over by this run's options."""
         a = self.a
-        opts = {"target": a.target and os.path.abspath(a.target), "input": os.path.abspath(a.input), "thinking": a.thinking,
+        self.opts = opts = {"target": a.target and os.path.abspath(a.target), "input": os.path.abspath(a.input), "thinking": a.thinking,
                 "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_p": a.top_p,
                 "top_k": a.top_k, "seed": a.seed, "dtype": a.dtype, "stop_token_ids": a.stop_token_ids,
                 "server": a.server, "server_model": a.server_model}
         path = os.path.join(self.work, "options.json")
-        if os.path.exists(path):
+        if not self.has_replies():
+            return
+        try:
             with open(path, encoding="utf-8") as f:
                 before = json.load(f)
-            diff = sorted(k for k in opts if before.get(k) != opts[k])
-            if diff:
-                raise Fatal(EXIT_CONFIG, f"{self.work} was started with other options ({', '.join(diff)}: "
-                            f"{[before.get(k) for k in diff]} then, {[opts[k] for k in diff]} now); rerun with the "
-                            f"same options, or remove {self.work} and start over")
-        else:
-            os.makedirs(self.work, exist_ok=True)
-            write_json_atomic(path, opts)
+            if not isinstance(before, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            raise Fatal(EXIT_CONFIG, f"{path}: unreadable ({e}); remove {self.work} to start over")
+        diff = sorted(k for k in opts if before.get(k) != opts[k])
+        if diff:
+            raise Fatal(EXIT_CONFIG, f"{self.work} was started with other options ({', '.join(diff)}: "
+                        f"{[before.get(k) for k in diff]} then, {[opts[k] for k in diff]} now); rerun with the "
+                        f"same options, or remove {self.work} and start over")
+
+    def has_replies(self):
+        """Whether OUT.work holds replies of an earlier run (a non-empty round output file)."""
+        try:
+            names = os.listdir(self.work)
+        except OSError:
+            return False
+        for name in names:
+            if name.startswith("round-") and name.endswith((".out.jsonl", ".server.jsonl")):
+                try:
+                    if os.path.getsize(os.path.join(self.work, name)) > 0:
+                        return True
+                except OSError:
+                    pass
+        return False
+
+    def start_work(self):
+        """Before the first round writes anything: OUT.work/ and its options.json."""
+        os.makedirs(self.work, exist_ok=True)
+        write_json_atomic(os.path.join(self.work, "options.json"), self.opts)
+
+    def remove_work(self, only_without_replies):
+        if not os.path.isdir(self.work) or (only_without_replies and self.has_replies()):
+            return
+        for name in sorted(os.listdir(self.work)):
+            remove_quietly(os.path.join(self.work, name))
+        try:
+            os.rmdir(self.work)
+        except OSError:
+            pass
 
     def run(self):
+        try:
+            return self._run()
+        finally:  # a run that failed before any reply leaves no work folder to block the next one
+            self.remove_work(only_without_replies=True)
+
+    def _run(self):
         a = self.a
         self.check_work_options()
         done = self.read_done()
         records = self.read_input(done)
         self.stops = None if a.server else stop_tokens(a, self.any_tokenizer)
         failed = False
-        with open(a.out, "a", encoding="utf-8") as out:
+        out = None  # OUT, opened (for appending) when the first record is finished
+        try:
             k = 0
             while True:
                 batch = [r for r in records if k < len(r.turns)]
                 if not batch:
                     break
+                if k == 0:
+                    self.start_work()
                 if a.server:
-                    results, errors = server_round(a, self.work, k, batch, lambda r, j: r.messages[:r.turns[j]],
-                                                   lambda m: print(m, file=sys.stderr, flush=True))
+                    results, errors, retries = server_round(a, self.work, k, batch,
+                                                            lambda r, j: r.messages[:r.turns[j]],
+                                                            lambda m: print(m, file=sys.stderr, flush=True))
+                    self.stats["server_retries"] = self.stats.get("server_retries", 0) + retries
                     for rid, msg in errors.items():  # left for a rerun
                         self._skip("server_error", f"{rid}: round {k}: {msg}")
-                    records = [r for r in records if r.id not in errors]
-                    batch = [r for r in batch if r.id not in errors]
                     failed = failed or bool(errors)
                 else:
-                    results = self.generate_round(k, batch)
+                    prompts = self.round_prompts(k, batch)
+                    results = self.generate_round(k, [r for r in batch if r.id in prompts], prompts) if prompts else {}
+                records = [r for r in records if k >= len(r.turns) or r.id in results]
                 for rec in batch:
+                    if rec.id not in results:
+                        continue
                     self.apply(rec, k, results[rec.id])
                     self.stats["turns"] += 1
                     if k == len(rec.turns) - 1:
+                        out = out or open(a.out, "a", encoding="utf-8")
                         out.write(json.dumps(self.finished_line(rec), ensure_ascii=False) + "\n")
                         self.stats["regenerated"] += 1
                         self.stats["hit_max_tokens"] += rec.hit_max
-                out.flush()
-                os.fsync(out.fileno())
+                if out is not None:
+                    out.flush()
+                    os.fsync(out.fileno())
                 k += 1
+        finally:
+            if out is not None:
+                out.close()
+        if not os.path.exists(a.out):  # nothing new, nothing before: an empty OUT, as every run ends with one
+            open(a.out, "a").close()
         if not failed:  # every input record is in OUT now: the round files are no longer needed
-            for name in sorted(os.listdir(self.work)):
-                os.remove(os.path.join(self.work, name))
-            os.rmdir(self.work)
+            self.remove_work(only_without_replies=False)
         meta = {"kind": "dflash-regenerated-jsonl", "target": a.target and os.path.abspath(a.target),
                 "server": a.server, "input": a.input,
                 "thinking": a.thinking, "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
@@ -436,19 +556,50 @@ def input_contract(path):
     side = path + ".meta.json"
     if not os.path.isfile(side):
         return {}
-    with open(side, encoding="utf-8") as f:
+    with open(side, "rb") as f:
         try:
-            meta = json.load(f)
-        except ValueError as e:
-            raise Fatal(EXIT_DATA, f"{side}: not valid JSON ({e})")
-    if "tokenizer_sha256" not in meta:
+            meta = json.loads(f.read().decode("utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise Fatal(EXIT_DATA, f"{side}: not valid JSON ({str(e)[:200]})")
+    if not isinstance(meta, dict) or "tokenizer_sha256" not in meta:
         return {}
     return {k: meta[k] for k in CONTRACT_KEYS if k in meta}
 
 
-def main(argv):
+def output_line_problem(line):
+    """None when `line` (bytes) is a valid output line of regenerate: a JSON object with a string id,
+    "regenerated" counts, and either messages whose contents are text or token ids with a 0/1 mask;
+    else what is wrong with it."""
     try:
-        return Regenerator(parse_args(argv)).run()
-    except Fatal as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.code
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return "not JSON"
+    if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+        return "not a JSON object with a string id"
+    info = obj.get("regenerated")
+    if not (isinstance(info, dict) and all(isinstance(info.get(k), int) for k in ("turns", "hit_max_tokens"))):
+        return "no regenerated.turns / hit_max_tokens counts"
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            return "a message whose role or content is not text"
+        if lone_surrogate(msgs) is not None:
+            return lone_surrogate(msgs)
+        return None
+    ids, mask = obj.get("input_ids"), obj.get("loss_mask")
+    if (isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            and all(m in (0, 1) for m in mask)):
+        return None
+    return "neither messages nor input_ids with a loss_mask"
+
+
+def run(argv):
+    return Regenerator(parse_args(argv)).run()
+
+
+def main(argv):
+    """`dflash data regenerate` ARGS -> exit code; never raises (errors.guard)."""
+    return guard("data regenerate", run, argv)

@@ -23,6 +23,7 @@ spans by their character offsets (a token is trained when it starts inside a spa
 """
 
 import json
+import os
 import re
 
 from .formats import BadRecord
@@ -34,12 +35,79 @@ class TemplateError(BadRecord):
     pass
 
 
+class TemplateConfigError(Exception):
+    """The chat template itself is broken (not a string, a Jinja syntax error): a config error of the
+    model folder, not of the record being rendered (exit 2)."""
+
+
+def template_file(model_dir):
+    """The file the chat template comes from: chat_template.jinja when the folder has one (HF's newer
+    layout, which wins over the config's key), else tokenizer_config.json."""
+    jinja = os.path.join(model_dir, "chat_template.jinja")
+    return jinja if os.path.isfile(jinja) else os.path.join(model_dir, "tokenizer_config.json")
+
+
+def check_template_config(model_dir):
+    """Before HF loads the folder: tokenizer_config.json must be a JSON object whose chat_template,
+    when present, is a string or a list of {"name", "template"} strings. TemplateConfigError naming
+    the file otherwise."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    try:
+        with open(path, "rb") as f:
+            cfg = json.loads(f.read().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise TemplateConfigError(f"{path}: not UTF-8 text at byte {e.start}")
+    except (ValueError, RecursionError) as e:
+        raise TemplateConfigError(f"{path}: not valid JSON ({str(e)[:200]})")
+    if not isinstance(cfg, dict):
+        raise TemplateConfigError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    t = cfg.get("chat_template")
+    named = isinstance(t, list) and all(isinstance(x, dict) and isinstance(x.get("name"), str)
+                                        and isinstance(x.get("template"), str) for x in t)
+    if t is not None and not isinstance(t, str) and not named:
+        raise TemplateConfigError(f"{path}: chat_template must be a string (a Jinja template) or a list of "
+                                  f"{{\"name\", \"template\"}} objects, got {type(t).__name__}")
+
+
+def compile_template(text, source):
+    """Compiles the template as HF does; TemplateConfigError naming `source` on a syntax error."""
+    if text is None:
+        return
+    if not isinstance(text, str):
+        raise TemplateConfigError(f"{source}: the chat template is a {type(text).__name__}, not a string")
+    if not text.strip():
+        raise TemplateConfigError(f"{source}: the chat template is empty")
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: the first render reports it
+        return
+    try:
+        _compile_jinja_template(text)
+    except Exception as e:  # noqa: BLE001 - jinja2.TemplateSyntaxError and what a broken template raises
+        raise TemplateConfigError(_syntax_message(e, source))
+
+
+def _syntax_message(e, source):
+    line = getattr(e, "lineno", None)
+    msg = getattr(e, "message", None) or str(e)
+    return f"{source}: chat template syntax error{f' at line {line}' if line else ''}: {msg}"
+
+
+def _is_syntax_error(e):
+    try:
+        import jinja2
+    except ImportError:
+        return False
+    return isinstance(e, jinja2.exceptions.TemplateSyntaxError)
+
+
 class Renderer:
     """apply_chat_template(tokenize=False) with the run's template and switches. The span search renders
     the same prefixes several times per conversation; renderings are memoised until clear()."""
 
-    def __init__(self, tokenizer, template, thinking):
+    def __init__(self, tokenizer, template, thinking, source="the chat template"):
         self.tok = tokenizer
+        self.source = source  # the file the template came from, for config errors
         self.template = template
         # Qwen3-style templates read `enable_thinking`; "keep" passes nothing (the template's default).
         self.kwargs = {} if thinking == "keep" else {"enable_thinking": thinking == "on"}
@@ -57,7 +125,11 @@ class Renderer:
         try:
             text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                                 chat_template=self.template, **self.kwargs)
+        except RecursionError:
+            raise TemplateError("chat template render failed: the record is nested too deeply", "template_error")
         except Exception as e:  # jinja2 errors, raise_exception() in templates, type errors
+            if _is_syntax_error(e):  # the template's fault, whatever the record (exit 2)
+                raise TemplateConfigError(_syntax_message(e, self.source)) from e
             raise TemplateError(f"chat template render failed: {type(e).__name__}: {e}", "template_error") from e
         self.cache[key] = text
         return text

@@ -1,8 +1,15 @@
-"""python -m dflash_tools.report RUN_DIR [--out DIR] (normally run by `dflash report`)."""
+"""python -m dflash_tools.report RUN_DIR [--out DIR] (normally run by `dflash report`). Never ends in
+a traceback (errors.guard), not even when matplotlib is missing."""
 
 import sys
 
-from .report import main
+from ..errors import guard
+
+
+def run(argv):
+    from .report import main
+    return main(argv)
+
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(guard("report", run, sys.argv[1:]))

@@ -12,14 +12,18 @@ and RUN_DIR/pipeline/drafter-*.jsonl (when present; their keys: docs/files.md) a
                     (only with pipeline logs)
   index.html        a summary table and the images
 
-Prints {"out", "steps", "pngs", "html"} as one JSON line. Exit codes: 0 ok; 2 usage, or no
-metrics.jsonl in RUN_DIR; 4 a line that is not a JSON object with the expected keys (FILE:LINE
-named), or a metrics.jsonl without steps."""
+Prints {"out", "steps", "pngs", "html"} as one JSON line. Exit codes: 0 ok; 1 anything
+unexpected (one line, no traceback); 2 usage, no metrics.jsonl in RUN_DIR, an input that cannot be
+read, or an --out that cannot be written (named); 4 a line that is not UTF-8 (byte offset named),
+not a JSON object, lacks an expected key or has one of the wrong type (FILE:LINE and the key
+named), or a metrics.jsonl without steps. The page is written last, through a temporary file, so
+an index.html is always a complete one."""
 
 import argparse
 import glob
 import html
 import json
+import math
 import os
 import sys
 
@@ -28,28 +32,106 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ..data.formats import TooLong, read_lines  # noqa: E402
+from ..errors import os_error_text  # noqa: E402
+
+# The longest line read (a longer one is bad data, skipped unread).
+MAX_LINE_BYTES = 16 << 20
+
+INT, NUM, NUMS, STR = "an integer", "a number", "a list of numbers", "a string"
+# The keys the report reads and their types (docs/files.md); numbers may be null (a non-finite
+# value as the C++ side writes it) and are read as NaN.
+METRICS_TYPES = {"step": INT, "epoch": INT, "loss": NUM, "accept_len": NUM, "acc_k": NUMS, "lr": NUM,
+                 "grad_norm": NUM, "tokens_per_s": NUM, "ce": NUM, "kl": NUM, "tokens": NUM}
+LEDGER_TYPES = {"type": STR, "step": INT, "to_step": INT, "start_step": INT, "time": NUM}
+DRAFTER_TYPES = {"event": STR, "step": INT, "wait_s": NUM, "train_s": NUM, "allreduce_s": NUM, "step_s": NUM,
+                 "loop_s": NUM}
+
 
 class BadData(Exception):
     pass
 
 
-def read_jsonl(path, required=()):
-    """Objects of a JSON-lines file; BadData naming FILE:LINE for a bad line or a missing key."""
+class CannotRead(Exception):
+    pass
+
+
+def _number(v):
+    if v is None:
+        return float("nan")
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    if isinstance(v, int):
+        return v if -(1 << 63) <= v < (1 << 63) else None
+    return v if math.isfinite(v) else float("nan")
+
+
+def check_types(r, types, where):
+    """r with its numbers normalised (null and non-finite -> NaN); BadData naming the key whose
+    value has the wrong type."""
+    for key, kind in types.items():
+        if key not in r:
+            continue
+        v = r[key]
+        if kind == INT:
+            ok = isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < (1 << 63)
+        elif kind == STR:
+            ok = isinstance(v, str)
+        elif kind == NUM:
+            n = _number(v)
+            ok = n is not None
+            if ok:
+                r[key] = n
+        else:
+            ok = isinstance(v, list)
+            if ok:
+                nums = [_number(x) for x in v]
+                ok = all(n is not None for n in nums)
+                if ok:
+                    r[key] = nums
+        if not ok:
+            raise BadData(f"{where}: {key} must be {kind}, got {json.dumps(v)[:60]}")
+    return r
+
+
+def read_jsonl(path, required=(), types=None):
+    """Objects of a JSON-lines file; BadData naming FILE:LINE for a bad line, a missing key or a key
+    of the wrong type; CannotRead when the file cannot be read."""
     out = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BadData(f"{path}:{i}: not JSON ({e})")
-            if not isinstance(r, dict):
-                raise BadData(f"{path}:{i}: not a JSON object")
-            missing = [k for k in required if k not in r]
-            if missing:
-                raise BadData(f"{path}:{i}: no {', '.join(missing)}")
-            out.append(r)
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise CannotRead(f"{path}: cannot read: {os_error_text(e)}")
+    with f:
+        try:
+            lines = list(read_lines(f, MAX_LINE_BYTES))
+        except OSError as e:
+            raise CannotRead(f"{path}: cannot read: {os_error_text(e)}")
+    offset = 0
+    for i, raw in lines:
+        where = f"{path}:{i}"
+        if isinstance(raw, TooLong):
+            raise BadData(f"{where}: a line of {raw.length} bytes, longer than {MAX_LINE_BYTES}")
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadData(f"{where}: not UTF-8 text at byte {e.start} of the line (offset {offset + e.start} in "
+                          "the file)")
+        offset += len(raw)
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except RecursionError:
+            raise BadData(f"{where}: not JSON (nested too deeply)")
+        except ValueError as e:
+            raise BadData(f"{where}: not JSON ({str(e)[:200]})")
+        if not isinstance(r, dict):
+            raise BadData(f"{where}: not a JSON object")
+        missing = [k for k in required if k not in r]
+        if missing:
+            raise BadData(f"{where}: no {', '.join(missing)}")
+        out.append(check_types(r, types or {}, where))
     return out
 
 
@@ -157,7 +239,7 @@ def plot_stages(run_dir, out, pngs):
     path = os.path.join(run_dir, "pipeline", "drafter-0.jsonl")
     if not os.path.exists(path):
         return
-    rows = last_per_step([r for r in read_jsonl(path) if "event" not in r and "step" in r])
+    rows = last_per_step([r for r in read_jsonl(path, types=DRAFTER_TYPES) if "event" not in r and "step" in r])
     if not rows:
         return
     x = [r["step"] for r in rows]
@@ -188,7 +270,7 @@ def summary(steps, ledger, drafter_logs):
         if t0 and t1:
             rows.append(("wall time (ledger)", f"{t1 - t0:.0f} s"))
     for path in drafter_logs:
-        done = [r for r in read_jsonl(path) if r.get("event") == "done"]
+        done = [r for r in read_jsonl(path, types=DRAFTER_TYPES) if r.get("event") == "done"]
         if done:
             d = done[-1]
             rows.append((f"drafter {d.get('rank')} loop", f"{d.get('loop_s', 0):.1f} s, waiting {d.get('wait_s', 0):.1f} s"))
@@ -210,8 +292,14 @@ figure{{display:inline-block;margin:0.5em}}</style></head>
 </body></html>
 """
     path = os.path.join(out, "index.html")
-    with open(path, "w") as f:
-        f.write(page)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return path
 
 
@@ -227,19 +315,26 @@ def main(argv):
     out = a.out or os.path.join(a.run_dir, "report")
     try:
         steps = last_per_step(read_jsonl(metrics, ("step", "epoch", "loss", "accept_len", "acc_k", "lr", "grad_norm",
-                                                   "tokens_per_s")))
+                                                   "tokens_per_s"), METRICS_TYPES))
         if not steps:
             raise BadData(f"{metrics}: no steps")
         ledger_path = os.path.join(a.run_dir, "ledger.jsonl")
-        ledger = read_jsonl(ledger_path, ("type",)) if os.path.exists(ledger_path) else []
-        os.makedirs(out, exist_ok=True)
-        pngs = []
-        plot_metrics(steps, ledger_marks(ledger), out, pngs)
-        plot_stages(a.run_dir, out, pngs)
+        ledger = read_jsonl(ledger_path, ("type",), LEDGER_TYPES) if os.path.exists(ledger_path) else []
         drafter_logs = sorted(glob.glob(os.path.join(a.run_dir, "pipeline", "drafter-*.jsonl")))
-        page = write_html(out, a.run_dir, summary(steps, ledger, drafter_logs), pngs)
+        rows = summary(steps, ledger, drafter_logs)  # reads (and checks) every input before writing
+        try:
+            os.makedirs(out, exist_ok=True)
+            pngs = []
+            plot_metrics(steps, ledger_marks(ledger), out, pngs)
+            plot_stages(a.run_dir, out, pngs)
+            page = write_html(out, a.run_dir, rows, pngs)
+        except OSError as e:
+            raise CannotRead(f"--out {out}: cannot write there: {os_error_text(e)}")
     except BadData as e:
         print(f"dflash report: {e}", file=sys.stderr)
         return 4
+    except CannotRead as e:
+        print(f"dflash report: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({"out": out, "steps": len(steps), "pngs": pngs, "html": page}))
     return 0
