@@ -43,7 +43,44 @@ const char* to_string(MarkovHeadType t) {
   }
 }
 
+std::vector<std::string> DrafterConfig::resolved_layer_types() const {
+  std::vector<std::string> out;
+  for (int64_t l = 0; l < num_layers; ++l) out.push_back(sliding(l) ? "sliding_attention" : "full_attention");
+  return out;
+}
+
+BlockAttention BlockAttention::windowed(int64_t window) const {
+  BlockAttention w = *this;
+  for (size_t j = 0; j < ctx_len.size(); ++j)
+    if (ctx_len[j] > window) {
+      w.ctx_begin[j] = ctx_begin[j] + ctx_len[j] - window;
+      w.ctx_len[j] = window;
+    }
+  return w;
+}
+
+bool BlockAttention::exceeds(int64_t window) const {
+  for (const int64_t n : ctx_len)
+    if (n > window) return true;
+  return false;
+}
+
 namespace {
+// The attention layout fields (ConfigError naming the drafter.* field).
+void check_layer_types(const DrafterConfig& c) {
+  DFLASH_CHECK(c.sliding_window >= 0, ConfigError, "drafter.sliding_window must be >= 0, got " << c.sliding_window);
+  if (c.layer_types.empty()) return;
+  DFLASH_CHECK(static_cast<int64_t>(c.layer_types.size()) == c.num_layers, ConfigError,
+               "drafter.layer_types has " << c.layer_types.size() << " entries for " << c.num_layers << " layers");
+  for (size_t l = 0; l < c.layer_types.size(); ++l) {
+    const auto& t = c.layer_types[l];
+    DFLASH_CHECK(t == "full_attention" || t == "sliding_attention", ConfigError,
+                 "drafter.layer_types[" << l << "]: expected full_attention or sliding_attention, got '" << t << "'");
+    DFLASH_CHECK(t == "full_attention" || c.sliding_window > 0, ConfigError,
+                 "drafter.layer_types[" << l << "] is sliding_attention but drafter.sliding_window is 0");
+  }
+}
+
 // The method's own fields against the shapes (ConfigError naming the drafter.* field).
 void check_method_options(const DrafterConfig& c) {
   if (c.method == DrafterMethod::kDspark) {
@@ -97,6 +134,7 @@ DrafterConfig drafter_config_for_target(const io::TargetConfig& t, const Drafter
                "drafter num_heads " << c.num_heads << " must be a multiple of num_kv_heads " << c.num_kv_heads);
   DFLASH_CHECK(c.block_size >= 2, ConfigError, "drafter.block_size must be >= 2, got " << c.block_size);
   check_method_options(c);
+  check_layer_types(c);
   return c;
 }
 
@@ -468,6 +506,31 @@ int64_t Drafter::block_sparse_tile(const BlockAttention& attn) {
   return tile;
 }
 
+// One attention layout of a forward, built once and shared by the layers that use it. The
+// block-sparse plan's host work runs on another thread while the caller queues layer 0's norm,
+// projections and rope; its arrays are copied to the device (one copy) at the first attention.
+Drafter::LayerAttention::LayerAttention(const Drafter& d, const BlockAttention& attn, bool used, bool sparse, int64_t T,
+                                        torch::Device device)
+    : device_(device) {
+  if (!used) return;
+  if (!sparse) {
+    groups = d.plan_attention(attn, device);
+    return;
+  }
+  planned_ = std::async(std::launch::async, [attn, B = d.cfg_.block_size, T, tile = block_sparse_tile(attn),
+                                             pinned = device.is_cuda()] {
+    return plan_block_sparse_host(attn.ctx_begin, attn.ctx_len, B, T, tile, pinned);
+  });
+}
+
+const BlockSparsePlan& Drafter::LayerAttention::plan() {
+  if (planned_.valid()) {
+    plan_ = planned_.get();
+    upload_block_sparse_plan(plan_, device_);
+  }
+  return plan_;
+}
+
 torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor& q_pos_Q, int64_t T,
                                   const BlockAttention& attn, torch::ScalarType compute, bool recompute_mlp,
                                   const ContextKvOf& ctx_kv_of, const RopeTable* rope_c) const {
@@ -477,17 +540,14 @@ torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor
   auto rope_q = rope_table(inv_freq_, q_pos_Q, compute);
   auto x = x_QH.to(compute);
   const bool sparse = attention_kernel(attn, compute) == BlockAttention::Kernel::kBlockSparse;
-  const int64_t tile = block_sparse_tile(attn);
-  // Built once per forward, shared by every layer. The block-sparse plan's host work runs on another
-  // thread while this one queues layer 0's norm, projections and rope; its arrays are copied to the
-  // device (one copy) just before the first attention.
-  const auto groups = sparse ? std::vector<AttnGroup>{} : plan_attention(attn, x.device());
-  std::future<BlockSparsePlan> planned;
-  if (sparse)
-    planned = std::async(std::launch::async, [&attn, B = cfg_.block_size, T, tile, pinned = x.is_cuda()] {
-      return plan_block_sparse_host(attn.ctx_begin, attn.ctx_len, B, T, tile, pinned);
-    });
-  BlockSparsePlan bsp;
+  // Two layouts at most: the full context, and (sliding layers, when some block's context is longer
+  // than the window) the windowed one.
+  bool any_full = false, any_window = false;
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) (cfg_.sliding(l) ? any_window : any_full) = true;
+  const bool windowed = any_window && attn.exceeds(cfg_.sliding_window);
+  any_full = any_full || !windowed;
+  const BlockAttention attn_w = windowed ? attn.windowed(cfg_.sliding_window) : BlockAttention{};
+  LayerAttention full(*this, attn, any_full, sparse, T, x.device()), window(*this, attn_w, windowed, sparse, T, x.device());
   const double scale = 1.0 / std::sqrt(double(D));
   const bool conv = cfg_.method == DrafterMethod::kDflash2;
   DFLASH_CHECK(!conv || Q % cfg_.block_size == 0, ConfigError,
@@ -507,12 +567,10 @@ torch::Tensor Drafter::run_layers(const torch::Tensor& x_QH, const torch::Tensor
     q = apply_rope_train(q, rope_q);
     k_blk = apply_rope_train(k_blk, rope_q);
     if (rope_c) ctx.k = apply_rope_train(ctx.k, *rope_c);
-    if (sparse && l == 0) {
-      bsp = planned.get();
-      upload_block_sparse_plan(bsp, x.device());
-    }
-    auto a = (sparse ? block_sparse_attention(q, ctx.k, ctx.v, k_blk, v_blk, bsp, scale, block_sparse_flash_supported(q))
-                     : attention(q, ctx.k, ctx.v, k_blk, v_blk, groups))
+    auto& layout = windowed && cfg_.sliding(l) ? window : full;
+    auto a = (sparse ? block_sparse_attention(q, ctx.k, ctx.v, k_blk, v_blk, layout.plan(), scale,
+                                              block_sparse_flash_supported(q))
+                     : attention(q, ctx.k, ctx.v, k_blk, v_blk, layout.groups))
                  .reshape({Q, Hq * D});
     auto o = F::linear(a, w(p + "self_attn.o_proj.weight", compute));
     x = x + (conv ? attn_conv.output(o) : o);

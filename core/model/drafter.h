@@ -12,11 +12,13 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <future>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/io/hf_config.h"
+#include "core/model/block_attention.h"
 #include "core/model/layers.h"
 
 namespace dflash::model {
@@ -69,6 +71,17 @@ struct DrafterConfig {
   std::vector<int64_t> target_layer_ids;
   int64_t num_target_layers = 0;
   int64_t num_context_layers() const { return static_cast<int64_t>(target_layer_ids.size()); }
+  // Sliding-window attention (docs/recipe.md#sliding-window): a block of a "sliding_attention"
+  // layer sees only the last `sliding_window` context rows before its anchor (still its whole own
+  // block, both directions); "full_attention" layers see the whole context. layer_types empty:
+  // every layer sliding when sliding_window > 0, else every layer full.
+  int64_t sliding_window = 0;
+  std::vector<std::string> layer_types;
+  bool sliding(int64_t layer) const {
+    return sliding_window > 0 && (layer_types.empty() || layer_types.at(layer) == "sliding_attention");
+  }
+  // num_layers entries, as the exports write them.
+  std::vector<std::string> resolved_layer_types() const;
 };
 
 // docs/recipe.md#target-layers: [L_t // 2] if L_d == 1 else round(1 + i * (L_t - 4) / (L_d - 1)).
@@ -109,6 +122,11 @@ struct BlockAttention {
   int64_t max_group_blocks = 64;            // masked
   int64_t tile = 256;                       // block-sparse: context rows per full tile (DFLASH_BSA_TILE)
   Kernel kernel = Kernel::kAuto;
+  // The same blocks seeing only the last `window` rows of their context (a block's context rows are
+  // the consecutive positions before its anchor): ctx_begin moves up, ctx_len is capped at window.
+  BlockAttention windowed(int64_t window) const;
+  // Whether some block's context is longer than `window` (else windowed(window) sees the same keys).
+  bool exceeds(int64_t window) const;
 };
 
 class Drafter {
@@ -203,6 +221,20 @@ class Drafter {
     torch::Tensor mask;  // [count*B, ctx_keys + count*B] bool on the device, or undefined (all visible)
   };
   std::vector<AttnGroup> plan_attention(const BlockAttention& attn, torch::Device device) const;
+  // One attention layout of a forward (the full context, or the sliding window's), planned once for
+  // the layers that use it: masked groups, or a block-sparse plan (built on another thread, uploaded
+  // by the first plan() call). Unused: nothing is planned.
+  class LayerAttention {
+   public:
+    LayerAttention(const Drafter& d, const BlockAttention& attn, bool used, bool sparse, int64_t T, torch::Device device);
+    const BlockSparsePlan& plan();
+    std::vector<AttnGroup> groups;
+
+   private:
+    torch::Device device_;
+    std::future<BlockSparsePlan> planned_;
+    BlockSparsePlan plan_;
+  };
   torch::Tensor attention(const torch::Tensor& q_QhD, const torch::Tensor& k_ctx, const torch::Tensor& v_ctx,
                           const torch::Tensor& k_blk, const torch::Tensor& v_blk,
                           const std::vector<AttnGroup>& groups) const;

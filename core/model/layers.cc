@@ -27,8 +27,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// DFLASH_FUSED_TRAIN_OPS auto (in a CUDA build) or on, and x a CUDA bf16/fp16 tensor: the training
-// functions below run the fused kernels of cuda/train_ops.h (layers.h has the contract).
+}  // namespace
+
 bool fused_train_ops(const torch::Tensor& x) {
   if (!x.is_cuda() || (x.scalar_type() != torch::kBFloat16 && x.scalar_type() != torch::kHalf)) return false;
   const std::string mode = switches::get("DFLASH_FUSED_TRAIN_OPS");
@@ -40,6 +40,8 @@ bool fused_train_ops(const torch::Tensor& x) {
   return true;
 #endif
 }
+
+namespace {
 
 struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w, double eps) {

@@ -13,6 +13,10 @@ namespace dflash::model {
 
 // Qwen3/Llama RMSNorm: w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype); the multiply in x's dtype.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+// DFLASH_FUSED_TRAIN_OPS auto (in a CUDA build) or on, and x a CUDA bf16/fp16 tensor: the training
+// functions run the fused kernels of cuda/train_ops.h and cuda/block_conv.h. `on` in a build without
+// CUDA is a ConfigError.
+bool fused_train_ops(const torch::Tensor& x);
 // Training versions with lean autograd (the drafter): the same forward as rms_norm, resp.
 // linear(silu(g) * u, w_down), but a custom backward that saves only x and the fp32 row scale
 // (rms_norm's graph keeps x in fp32, the normalised rows and more: ~5x the bytes), resp. only g, u

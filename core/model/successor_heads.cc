@@ -1,9 +1,54 @@
 #include "core/model/successor_heads.h"
 
+#include "core/model/layers.h"
 #include "core/util/error.h"
+#include "core/util/switches.h"
+
+#ifdef DFLASH_WITH_CUDA
+#include "core/model/cuda/block_conv.h"
+#endif
 
 namespace dflash::model {
 namespace F = torch::nn::functional;
+
+namespace {
+#ifdef DFLASH_WITH_CUDA
+// block_conv on the kernels of cuda/block_conv.h: saves y, base and delta; the backward is one kernel.
+struct BlockConvFn : public torch::autograd::Function<BlockConvFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& y, const torch::Tensor& base,
+                               const torch::Tensor& delta, int64_t block, int64_t group) {
+    ctx->save_for_backward({y, base, delta});
+    ctx->saved_data["block"] = block;
+    ctx->saved_data["group"] = group;
+    return fused_train::block_conv_forward(y, base, delta, block, group);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    auto r = fused_train::block_conv_backward(grads[0], s[0], s[1], s[2], ctx->saved_data["block"].toInt(),
+                                              ctx->saved_data["group"].toInt());
+    return {r.dy, r.dbase.to(s[1].scalar_type()), r.ddelta, torch::Tensor(), torch::Tensor()};
+  }
+};
+#endif
+
+// The kernels where DFLASH_FUSED_TRAIN_OPS allows them and they take the shapes; `on` with shapes they
+// do not take is a ConfigError.
+bool block_conv_kernels([[maybe_unused]] const torch::Tensor& y, [[maybe_unused]] const torch::Tensor& base,
+                        [[maybe_unused]] const torch::Tensor& delta, [[maybe_unused]] int64_t block,
+                        [[maybe_unused]] int64_t group) {
+#ifdef DFLASH_WITH_CUDA
+  if (!fused_train_ops(y)) return false;
+  const bool ok = fused_train::block_conv_supported(y, base, delta, block, group);
+  DFLASH_CHECK(ok || switches::get("DFLASH_FUSED_TRAIN_OPS") != "on", ConfigError,
+               "DFLASH_FUSED_TRAIN_OPS=on: the block convolution kernels do not take groups of "
+                   << group << " with " << base.size(0) << " taps (a power of two <= 32, at most "
+                   << fused_train::kBlockConvMaxTaps << " taps, one dtype)");
+  return ok;
+#else
+  return false;
+#endif
+}
+}  // namespace
 
 torch::Tensor block_conv(const torch::Tensor& y, const torch::Tensor& base, const torch::Tensor& delta, int64_t block,
                          int64_t group) {
@@ -12,6 +57,9 @@ torch::Tensor block_conv(const torch::Tensor& y, const torch::Tensor& base, cons
                    delta.size(1) == T && delta.size(2) == G,
                ConfigError, "block_conv: rows " << Q << " x " << H << ", taps " << base.sizes() << ", delta " << delta.sizes()
                                                 << " for blocks of " << block << " and groups of " << group);
+#ifdef DFLASH_WITH_CUDA
+  if (block_conv_kernels(y, base, delta, block, group)) return BlockConvFn::apply(y, base, delta, block, group);
+#endif
   const int64_t N = Q / block;
   auto y4 = y.view({N, block, G, group});
   auto d4 = delta.view({N, block, T, G});
@@ -57,14 +105,17 @@ MarkovStep markov_rnn_step(const Drafter& d, const torch::Tensor& state, const t
 }
 
 torch::Tensor markov_bias(const Drafter& d, const torch::Tensor& e, const torch::Tensor& h, torch::ScalarType compute) {
+  return F::linear(markov_features(d, e, h, compute), d.weight("markov_head.markov_w2.weight", compute));
+}
+
+torch::Tensor markov_features(const Drafter& d, const torch::Tensor& e, const torch::Tensor& h, torch::ScalarType compute) {
   const auto& c = d.config();
-  const auto w2 = d.weight("markov_head.markov_w2.weight", compute);
   switch (c.dspark.markov_head) {
-    case MarkovHeadType::kVanilla: return F::linear(e, w2);
+    case MarkovHeadType::kVanilla: return e;
     case MarkovHeadType::kGated: {
       auto gate = torch::sigmoid(F::linear(torch::cat({h.to(compute), e}, -1), d.weight("markov_head.gate_proj.weight", compute),
                                            d.weight("markov_head.gate_proj.bias", compute)));
-      return F::linear(gate * e, w2);
+      return gate * e;
     }
     case MarkovHeadType::kRnn: break;
   }
@@ -79,7 +130,7 @@ torch::Tensor markov_bias(const Drafter& d, const torch::Tensor& e, const torch:
     state = s.state;
     outs.push_back(s.out);
   }
-  return F::linear(torch::stack(outs, 1).view({n, r}), w2);
+  return torch::stack(outs, 1).view({n, r});
 }
 
 torch::Tensor confidence_logits(const Drafter& d, const torch::Tensor& h, const torch::Tensor& e, torch::ScalarType compute) {

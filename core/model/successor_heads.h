@@ -15,6 +15,8 @@ namespace dflash::model {
 // y convolved inside blocks: out[i, c] = sum_{t<T} (base[t, c] + delta[i, t, c / group]) * y[i - t, c],
 // where i - t must stay in row i's block of `block` rows (rows outside contribute 0; the taps never
 // reach into the previous block). y [Q, H], base [T, H], delta [Q, T, H / group]; Q a multiple of block.
+// For CUDA bf16/fp16 inputs with DFLASH_FUSED_TRAIN_OPS auto or on: one CUDA kernel forward and one
+// backward (core/model/cuda/block_conv.h) where they take the shape, else the LibTorch ops.
 torch::Tensor block_conv(const torch::Tensor& y_QH, const torch::Tensor& base_TH, const torch::Tensor& delta_QTG,
                          int64_t block, int64_t group);
 
@@ -49,10 +51,13 @@ struct MarkovStep {
 MarkovStep markov_rnn_step(const Drafter& drafter, const torch::Tensor& state, const torch::Tensor& e_nr,
                            const torch::Tensor& h_nH, torch::ScalarType compute);
 
-// The Markov logit bias [n, V] of rows with previous-token embeddings e [n, r] and hidden states h
-// [n, H]. vanilla: W2 e; gated: W2 (sigmoid(gate_proj([h; e])) * e); rnn: W2 of markov_rnn_step's
-// output, the state carried over the slots of each block (the rows are whole blocks, slot-major
-// inside a block, and the state starts at 0 in slot 0).
+// The Markov logit bias [n, V] = W2 m of rows with previous-token embeddings e [n, r] and hidden
+// states h [n, H], where m = markov_features [n, r] is: vanilla e; gated sigmoid(gate_proj([h; e]))
+// * e; rnn markov_rnn_step's output, the state carried over the slots of each block (the rows are
+// whole blocks, slot-major inside a block, and the state starts at 0 in slot 0). Training folds W2 m
+// into the lm_head GEMM ([h; m] against [lm_head; W2]).
+torch::Tensor markov_features(const Drafter& drafter, const torch::Tensor& e_nr, const torch::Tensor& h_nH,
+                              torch::ScalarType compute);
 torch::Tensor markov_bias(const Drafter& drafter, const torch::Tensor& e_nr, const torch::Tensor& h_nH,
                           torch::ScalarType compute);
 

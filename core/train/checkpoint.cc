@@ -203,7 +203,9 @@ json drafter_config_to_json(const model::DrafterConfig& c) {
                {{"conv_taps", c.dflash2.conv_taps},
                 {"conv_group", c.dflash2.conv_group},
                 {"selector_rank", c.dflash2.selector_rank},
-                {"selector_top_k", c.dflash2.selector_top_k}}}};
+                {"selector_top_k", c.dflash2.selector_top_k}}},
+              {"sliding_window", c.sliding_window},
+              {"layer_types", c.resolved_layer_types()}};
 }
 
 namespace {
@@ -228,6 +230,9 @@ void method_from_json(const io::JsonValue& r, model::DrafterConfig& c) {
     c.dflash2 = {d.get<int64_t>("conv_taps"), d.get<int64_t>("conv_group"), d.get<int64_t>("selector_rank"),
                  d.get<int64_t>("selector_top_k")};
   }
+  // Written before sliding windows existed: every layer full.
+  c.sliding_window = r.get_or<int64_t>("sliding_window", 0);
+  c.layer_types = r.get_or<std::vector<std::string>>("layer_types", {});
 }
 }  // namespace
 
@@ -284,6 +289,11 @@ std::string drafter_config_bounds_problem(const model::DrafterConfig& c) {
   range("target_layer_ids (count)", static_cast<int64_t>(c.target_layer_ids.size()), 1, b.max_layers);
   for (size_t i = 0; i < c.target_layer_ids.size(); ++i)
     range(("target_layer_ids[" + std::to_string(i) + "]").c_str(), c.target_layer_ids[i], 0, c.num_target_layers - 1);
+  range("sliding_window", c.sliding_window, 0, int64_t{1} << 30);
+  if (!c.layer_types.empty()) range("layer_types (count)", static_cast<int64_t>(c.layer_types.size()), c.num_layers, c.num_layers);
+  for (size_t i = 0; i < c.layer_types.size() && p.tellp() == 0; ++i)
+    if (c.layer_types[i] != "full_attention" && c.layer_types[i] != "sliding_attention")
+      p << "layer_types[" << i << "] must be full_attention or sliding_attention, got '" << c.layer_types[i] << "'";
   if (c.method == model::DrafterMethod::kDspark) range("dspark.markov_rank", c.dspark.markov_rank, 0, 4096);
   if (c.method == model::DrafterMethod::kDflash2) {
     range("dflash2.conv_taps", c.dflash2.conv_taps, 1, c.block_size);
@@ -351,6 +361,9 @@ std::string drafter_config_difference(const model::DrafterConfig& a, const model
     cmp("dspark.confidence_head", a.dspark.confidence_head, b.dspark.confidence_head);
     cmp("dspark.confidence_with_markov", a.dspark.confidence_with_markov, b.dspark.confidence_with_markov);
   }
+  cmp("sliding_window", a.sliding_window, b.sliding_window);
+  if (d.tellp() == 0 && a.resolved_layer_types() != b.resolved_layer_types())
+    d << "layer_types differ (" << (a.sliding_window > 0 ? "sliding window " : "") << "per layer)";
   if (a.method == model::DrafterMethod::kDflash2 && b.method == a.method) {
     cmp("dflash2.conv_taps", a.dflash2.conv_taps, b.dflash2.conv_taps);
     cmp("dflash2.conv_group", a.dflash2.conv_group, b.dflash2.conv_group);

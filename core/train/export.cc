@@ -65,7 +65,6 @@ void add_method_fields(const model::DrafterConfig& c, json& j) {
     const auto& d = c.dflash2;
     j["architectures"] = {"DFlash2DraftModel"};
     j["is_causal"] = false;
-    j["layer_types"] = std::vector<std::string>(c.num_layers, "full_attention");
     auto& dc = j["dflash_config"];
     dc["block_size"] = c.block_size;
     dc["conv_kernel_size"] = d.conv_taps;
@@ -119,6 +118,31 @@ void read_method_fields(const io::JsonValue& root, const DraftValue& draft_value
     d.confidence_with_markov = root.get_or<bool>("confidence_head_with_markov", d.confidence_with_markov);
   }
 }
+// layer_types and sliding_window back from config.json; without layer_types every layer is full (a
+// config that turns sliding windows on without naming the layers is refused: loaders disagree on
+// which layers it means).
+void read_layer_types(const io::JsonValue& root, model::DrafterConfig& c) {
+  if (!root.has("layer_types")) {
+    if (root.get_or<bool>("use_sliding_window", false))
+      root.at("use_sliding_window").fail("is true but 'layer_types' is missing: name each layer's attention");
+    return;
+  }
+  const auto types = root.get<std::vector<std::string>>("layer_types");
+  if (static_cast<int64_t>(types.size()) != c.num_layers)
+    root.at("layer_types").fail("has " + std::to_string(types.size()) + " entries for num_hidden_layers " +
+                                std::to_string(c.num_layers));
+  bool sliding = false;
+  for (size_t i = 0; i < types.size(); ++i) {
+    if (types[i] != "full_attention" && types[i] != "sliding_attention")
+      root.at("layer_types").at(i).fail("must be full_attention or sliding_attention, got '" + types[i] + "'");
+    sliding = sliding || types[i] == "sliding_attention";
+  }
+  if (!sliding) return;
+  if (!root.has("sliding_window")) root.at("layer_types").fail("names sliding_attention layers but 'sliding_window' is missing");
+  c.sliding_window = root.get<int64_t>("sliding_window");
+  if (c.sliding_window <= 0) root.at("sliding_window").fail("must be > 0 with sliding_attention layers");
+  c.layer_types = types;
+}
 }  // namespace
 
 json drafter_decoder_config_json(const model::DrafterConfig& c) {
@@ -131,7 +155,12 @@ json drafter_decoder_config_json(const model::DrafterConfig& c) {
   dims.max_position_embeddings = kExportMaxPositionEmbeddings;
   json j = io::hf_dense_config_json(dims);
   j["attention_dropout"] = 0.0;
-  j["use_sliding_window"] = false;
+  // Sliding layers: a block sees the last sliding_window context rows before its anchor, and its
+  // own block both ways (is_causal false, written by every export that has sliding layers).
+  j["use_sliding_window"] = c.sliding_window > 0;
+  j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
+  j["layer_types"] = c.resolved_layer_types();
+  if (c.sliding_window > 0) j["is_causal"] = false;
   json rope{{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
   const int64_t rotary = c.rope.rotary_dim > 0 ? c.rope.rotary_dim : c.head_dim;
   if (rotary != c.head_dim) {
@@ -171,7 +200,15 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
   DFLASH_CHECK(method.has_value(), ConfigError,
                source << ": field 'architectures' must contain \"DFlashDraftModel\", \"DFlash2DraftModel\" or "
                          "\"Qwen3DSparkModel\" (not a drafter export of ours)");
-  const io::TargetConfig t = io::parse_hf_config_json(text, source);
+  // The target parser refuses use_sliding_window (no target model of ours has sliding layers); a
+  // drafter's sliding layers are read by read_layer_types.
+  std::string dims_text = text;
+  if (root.has("use_sliding_window")) {
+    json j = root.raw();
+    j.erase("use_sliding_window");
+    dims_text = j.dump();
+  }
+  const io::TargetConfig t = io::parse_hf_config_json(dims_text, source);
   DFLASH_CHECK(t.family == io::Family::kQwen3, ConfigError,
                source << ": field 'model_type' must be \"qwen3\" for a DFlash drafter, got \"" << t.model_type << "\"");
   DFLASH_CHECK(!t.qkv_bias && !t.o_bias, ConfigError,
@@ -225,6 +262,7 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& text, const 
     c.target_layer_ids = model::default_target_layer_ids(c.num_target_layers, c.num_layers);
   }
   read_method_fields(root, draft_value, c);
+  read_layer_types(root, c);
   const std::string problem = drafter_config_bounds_problem(c);
   DFLASH_CHECK(problem.empty(), ConfigError, source << ": implausible drafter shape: " << problem);
   return c;

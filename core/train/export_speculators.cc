@@ -41,10 +41,7 @@ const char* speculators_architecture(model::DrafterMethod m) {
 json transformer_layer_config(const model::DrafterConfig& c) {
   DFLASH_CHECK(c.rope.type == "default" || c.rope.type == "llama3", ConfigError,
                "export --format speculators: RoPE type '" << c.rope.type << "' has no speculators spelling here");
-  json j = drafter_decoder_config_json(c);
-  j["sliding_window"] = nullptr;
-  j["layer_types"] = std::vector<std::string>(c.num_layers, "full_attention");
-  return j;
+  return drafter_decoder_config_json(c);
 }
 
 }  // namespace
@@ -96,7 +93,7 @@ json speculators_config_json(const model::DrafterConfig& c, torch::ScalarType dt
          {"aux_hidden_state_layer_ids", c.target_layer_ids},
          {"mask_token_id", c.mask_token_id},
          {"sample_from_anchor", dspark},
-         {"sliding_window_non_causal", c.method == model::DrafterMethod::kDflash2},
+         {"sliding_window_non_causal", c.method == model::DrafterMethod::kDflash2 || c.sliding_window > 0},
          {"tie_word_embeddings", false},
          {"dtype", export_dtype_name(dtype)}};
   if (dspark) {

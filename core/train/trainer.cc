@@ -106,8 +106,9 @@ model::cudnn_runs::PrepareReport Trainer::prepare_attention(int64_t tokens, int6
                                       mix_seed(0x636e706c616e7321ull, d));  // "cnplans!": not a training seed
     const auto ctx = block_contexts(anchors, doc_lens);
     const int64_t Q = static_cast<int64_t>(anchors.size()) * B;
-    for (const auto& f : model::full_runs(ctx.ctx_begin, ctx.ctx_len, B, tile))
-      shapes.insert({model::cudnn_runs::widen(f.q_row0, f.q_rows, Q).rows, f.k_rows});
+    for (const auto& layout : {ctx, ctx.windowed(cfg.sliding_window > 0 ? cfg.sliding_window : doc_len)})
+      for (const auto& f : model::full_runs(layout.ctx_begin, layout.ctx_len, B, tile))
+        shapes.insert({model::cudnn_runs::widen(f.q_row0, f.q_rows, Q).rows, f.k_rows});
   }
   const model::cudnn_runs::Problem p{cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, opt_.compute,
                                      drafter_.parameters().front().second.device().index()};

@@ -17,7 +17,7 @@ script runs the same step with speculators' own code:
   - `loss.backward()`.
 speculators labels a row with the target's argmax; the case's ids are built so that the gold token
 is that argmax, and its blocks stay inside their documents, where speculators' and our masks agree.
-With --case metadata "mutate" (slot_shift | no_markov | conv_crosses_blocks) the reference is changed
+With --case metadata "mutate" (slot_shift | no_markov | conv_crosses_blocks | no_window) the reference is changed
 on purpose, and the tests expect a disagreement.
 Checks: |ours - ref| / |ref| < --tol for the loss, and max|ours - ref| / max|ref| < --grad-tol for
 the gradient of every drafter parameter (the same parameter set on both sides).
@@ -37,9 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from speculators_ref import import_speculators  # noqa: E402
 
 
-def qwen3_layer_config(cfg):
+def qwen3_layer_config(cfg, meta):
     from transformers import Qwen3Config
-    c = Qwen3Config(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+    # The export's sliding layers (layer_types, sliding_window); must-fail "no_window": all full.
+    window = cfg.get("sliding_window") if meta.get("mutate") != "no_window" else None
+    types = cfg.get("layer_types") if window else None
+    c = Qwen3Config(layer_types=types or ["full_attention"] * cfg["num_hidden_layers"], sliding_window=window,
+                    use_sliding_window=bool(window),hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
                     num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
                     num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
                     vocab_size=cfg["vocab_size"], rms_norm_eps=cfg["rms_norm_eps"],
@@ -60,9 +64,9 @@ def build_reference(export_dir, meta):
     with open(os.path.join(export_dir, "config.json")) as f:
         cfg = json.load(f)
     dc = cfg["dflash_config"]
-    common = dict(transformer_layer_config=qwen3_layer_config(cfg), draft_vocab_size=cfg["vocab_size"],
+    common = dict(transformer_layer_config=qwen3_layer_config(cfg, meta), draft_vocab_size=cfg["vocab_size"],
                   block_size=meta["block_size"], aux_hidden_state_layer_ids=dc["target_layer_ids"],
-                  mask_token_id=dc["mask_token_id"])
+                  mask_token_id=dc["mask_token_id"], sliding_window_non_causal=True)
     shifted = meta.get("mutate") == "slot_shift"  # must-fail: the other slot convention
     if meta["method"] == "dspark":
         conf = DSparkSpeculatorConfig(**common, sample_from_anchor=not shifted, markov_rank=cfg["markov_rank"],

@@ -44,6 +44,8 @@ model::DrafterConfig drafter_config(const config::RunConfig& cfg, const io::Targ
   over.dspark.confidence_with_markov = ds.confidence_with_markov;
   const auto& d2 = cfg.drafter.dflash2;
   over.dflash2 = {d2.conv_taps, d2.conv_group, d2.selector_rank, d2.selector_top_k};
+  over.sliding_window = cfg.drafter.sliding_window;
+  over.layer_types = cfg.drafter.layer_types;
   return model::drafter_config_for_target(target, over);
 }
 

@@ -26,6 +26,7 @@ struct Variant {
   bool confidence_with_markov = true;
   bool soft_labels = false;  // dflash2: CE + KL at T = 1
   bool dpace = false;        // dflash2: D-PACE weights
+  int64_t window = 0;        // > 0: layer 0 sliding_attention with this window, layer 1 full
   std::string mutate;        // what the reference is told to do differently ("" = nothing)
 };
 
@@ -91,6 +92,7 @@ int compare_with_speculators(const Variant& v, const std::string& tag) {
   c.dspark.markov_head = v.markov;
   c.dspark.confidence_with_markov = v.confidence_with_markov;
   c.dflash2.conv_taps = 2, c.dflash2.conv_group = 16, c.dflash2.selector_rank = 8, c.dflash2.selector_top_k = 6;
+  if (v.window > 0) c.sliding_window = v.window, c.layer_types = {"sliding_attention", "full_attention"};
   model::Drafter drafter(c, torch::kCPU, 11);
   perturb_all(drafter, 5);
   auto b = make_batch(c, v, 3);
@@ -175,6 +177,21 @@ TEST(SuccessorVsSpeculators, Dflash2Dpace) {
   EXPECT_EQ(compare_with_speculators(v, "dflash2_dpace"), 0);
 }
 
+// Sliding-window layers (a block sees the last `window` context rows before its anchor) beside a
+// full one: the documents' later anchors have up to 37 context rows, so a window of 6 cuts most.
+TEST(SuccessorVsSpeculators, Dflash2SlidingWindow) {
+  Variant v;
+  v.method = model::DrafterMethod::kDflash2;
+  v.window = 6;
+  EXPECT_EQ(compare_with_speculators(v, "dflash2_window"), 0);
+}
+
+TEST(SuccessorVsSpeculators, DsparkSlidingWindow) {
+  Variant v;
+  v.window = 6;
+  EXPECT_EQ(compare_with_speculators(v, "dspark_window"), 0);
+}
+
 // The comparison can fail: each detail the methods add, changed on the reference's side only.
 TEST(SuccessorVsSpeculators, WrongSlotShiftDisagrees) {
   Variant v;
@@ -193,4 +210,12 @@ TEST(SuccessorVsSpeculators, ConvCrossingBlocksDisagrees) {
   v.method = model::DrafterMethod::kDflash2;
   v.mutate = "conv_crosses_blocks";
   EXPECT_EQ(compare_with_speculators(v, "m_conv"), 1);
+}
+
+TEST(SuccessorVsSpeculators, WindowIgnoredDisagrees) {
+  Variant v;
+  v.method = model::DrafterMethod::kDflash2;
+  v.window = 6;
+  v.mutate = "no_window";
+  EXPECT_EQ(compare_with_speculators(v, "m_window"), 1);
 }
