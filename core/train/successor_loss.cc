@@ -1,5 +1,6 @@
 #include "core/train/successor_loss.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/model/layers.h"
@@ -65,6 +66,7 @@ class SuccessorObjective {
     loss_dt_ = compute == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
     lm_head_ = frozen.lm_head.to(compute);
     fused_ = fused_loss_enabled(lm_head_);
+    if (dspark() || opt.soft_labels) cache_target_logits();
   }
 
   // The rows of `hidden` [N*B, H] this method supervises, through the objective; backward into
@@ -79,6 +81,10 @@ class SuccessorObjective {
   // temperature T in the loss dtype (no gradient).
   torch::Tensor target_logits(int64_t r0, int64_t n) const;
   torch::Tensor target_log_probs(int64_t r0, int64_t n, double T) const;
+  // Rows of different blocks share positions (a block's rows overlap the next anchors' blocks): when
+  // the distinct positions are fewer than the rows, the target's logits are computed once per
+  // position ([P, V], at most kTargetCacheBytes) and each chunk gathers its rows.
+  void cache_target_logits();
   // The unary part of a DFlash2 chunk: CE numerator, KL numerator (soft labels) and, when
   // backward, dz [n, V] in the compute dtype (fused) or the loss dtype.
   struct Unary {
@@ -103,7 +109,12 @@ class SuccessorObjective {
   int64_t N_;
   SlotRows rows_;
   torch::Tensor lidx_, labels_, prev_, mask_, weights_, lm_head_;
+  torch::Tensor target_cache_, target_row_;  // [P, V] compute dtype, [R] int64 (cache_target_logits)
+  torch::Tensor lm_markov_;                  // DSpark: [V, H + r] = [lm_head | W2] for the logits GEMM
 };
+
+// The target logits cache's size bound (1.25 GB holds 4096 positions of a 152k vocabulary in bf16).
+constexpr int64_t kTargetCacheBytes = int64_t{4} << 30;
 
 int64_t SuccessorObjective::chunk_rows() const {
   // Whole blocks: the rnn head and D-PACE's weights run along a block's slots.
@@ -111,8 +122,28 @@ int64_t SuccessorObjective::chunk_rows() const {
   return std::max<int64_t>(1, opt_.logits_chunk_rows / S) * S;
 }
 
+void SuccessorObjective::cache_target_logits() {
+  // The target's logits of a row are read at the position before its label.
+  std::vector<int64_t> pos(rows_.label_idx.size()), order(pos.size());
+  for (size_t i = 0; i < pos.size(); ++i) pos[i] = rows_.label_idx[i] - 1, order[i] = static_cast<int64_t>(i);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return pos[a] < pos[b]; });
+  std::vector<int64_t> distinct, row(pos.size());
+  for (const int64_t i : order) {
+    if (distinct.empty() || distinct.back() != pos[i]) distinct.push_back(pos[i]);
+    row[i] = static_cast<int64_t>(distinct.size()) - 1;
+  }
+  const int64_t P = distinct.size(), V = lm_head_.size(0);
+  if (P >= static_cast<int64_t>(pos.size()) || P * V * c10::elementSize(compute_) > kTargetCacheBytes) return;
+  torch::NoGradGuard g;
+  const auto dev = lidx_.device();
+  auto h = mb_.h_last_TH.index({torch::tensor(distinct).to(dev)});
+  target_cache_ = F::linear(frozen_.final_norm(h.to(compute_)), lm_head_);
+  target_row_ = torch::tensor(row).to(dev);
+}
+
 torch::Tensor SuccessorObjective::target_logits(int64_t r0, int64_t n) const {
   torch::NoGradGuard g;
+  if (target_cache_.defined()) return target_cache_.index_select(0, target_row_.narrow(0, r0, n));
   auto h = mb_.h_last_TH.index({lidx_.narrow(0, r0, n) - 1});
   return F::linear(frozen_.final_norm(h.to(compute_)), lm_head_).contiguous();
 }
@@ -133,10 +164,16 @@ torch::Tensor SuccessorObjective::target_log_probs(int64_t r0, int64_t n, double
 SuccessorObjective::Chunk SuccessorObjective::dspark_chunk(const torch::Tensor& h, int64_t r0, int64_t n,
                                                            bool backward) const {
   const auto& o = d_.config().dspark;
-  torch::Tensor e, zc = F::linear(h, lm_head_);
+  // The logits z = lm_head h + W2 m in one GEMM of [h; m] against [lm_head | W2] (no graph: the
+  // gradients below are written by hand, autograd only for the small heads that make m).
+  torch::Tensor e, m, zc;
   if (o.markov_rank > 0) {
     e = model::markov_embeddings(d_, prev_.narrow(0, r0, n), compute_);
-    zc = zc + model::markov_bias(d_, e, h, compute_);
+    m = model::markov_features(d_, e, h, compute_);
+  }
+  {
+    torch::NoGradGuard g;
+    zc = m.defined() ? F::linear(torch::cat({h.detach(), m.detach()}, 1), lm_markov_) : F::linear(h.detach(), lm_head_);
   }
   auto y = labels_.narrow(0, r0, n).unsqueeze(1);
   auto w = weights_.narrow(0, r0, n).to(loss_dt_);
@@ -170,8 +207,22 @@ SuccessorObjective::Chunk SuccessorObjective::dspark_chunk(const torch::Tensor& 
       dz.mul_(w.unsqueeze(1));
     }
   }
-  std::vector<torch::Tensor> outs{zc}, grads;
-  if (backward) grads.push_back(dz.to(zc.scalar_type()));
+  std::vector<torch::Tensor> outs, grads;
+  if (backward) {
+    // dz through the GEMM: [dh | dm] = dz [lm_head | W2], dW2 = dz^T m.
+    auto dzc = dz.to(zc.scalar_type());
+    const int64_t H = h.size(1);
+    if (m.defined()) {
+      torch::NoGradGuard g;
+      auto dhm = dzc.mm(lm_markov_);
+      grads = {dhm.narrow(1, 0, H), dhm.narrow(1, H, m.size(1)), dzc.t().mm(m.detach())};
+    } else {
+      torch::NoGradGuard g;
+      grads = {dzc.mm(lm_head_)};
+    }
+    outs.push_back(h);
+    if (m.defined()) outs.insert(outs.end(), {m, d_.weight("markov_head.markov_w2.weight", compute_)});
+  }
   if (o.confidence_head) {
     auto c = model::confidence_logits(d_, h, e, compute_).to(loss_dt_);
     auto bce = F::binary_cross_entropy_with_logits(c, overlap, F::BinaryCrossEntropyWithLogitsFuncOptions().reduction(torch::kNone));
@@ -271,6 +322,10 @@ MicroBatchStats SuccessorObjective::run(const torch::Tensor& hidden, bool backwa
   auto grad_rows = backward ? torch::empty_like(rows) : torch::Tensor();
   auto num = torch::zeros({}, f32), kl = torch::zeros({}, f32), correct = torch::empty({R}, f32);
   const int64_t step = chunk_rows();
+  if (dspark() && d_.config().dspark.markov_rank > 0) {
+    torch::NoGradGuard g;
+    lm_markov_ = torch::cat({lm_head_, d_.weight("markov_head.markov_w2.weight", compute_).detach()}, 1);
+  }
   for (int64_t r0 = 0; r0 < R; r0 += step) {
     const int64_t n = std::min(step, R - r0);
     torch::AutoGradMode grad_mode(backward);
