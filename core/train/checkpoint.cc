@@ -205,7 +205,8 @@ json drafter_config_to_json(const model::DrafterConfig& c) {
                 {"selector_rank", c.dflash2.selector_rank},
                 {"selector_top_k", c.dflash2.selector_top_k}}},
               {"sliding_window", c.sliding_window},
-              {"layer_types", c.resolved_layer_types()}};
+              // Only with sliding layers: without, every layer is full.
+              {"layer_types", c.sliding_window > 0 ? c.resolved_layer_types() : std::vector<std::string>{}}};
 }
 
 namespace {

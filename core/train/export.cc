@@ -159,7 +159,7 @@ json drafter_decoder_config_json(const model::DrafterConfig& c) {
   // own block both ways (is_causal false, written by every export that has sliding layers).
   j["use_sliding_window"] = c.sliding_window > 0;
   j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
-  j["layer_types"] = c.resolved_layer_types();
+  if (c.sliding_window > 0 || c.method == model::DrafterMethod::kDflash2) j["layer_types"] = c.resolved_layer_types();
   if (c.sliding_window > 0) j["is_causal"] = false;
   json rope{{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
   const int64_t rotary = c.rope.rotary_dim > 0 ? c.rope.rotary_dim : c.head_dim;

@@ -41,7 +41,9 @@ const char* speculators_architecture(model::DrafterMethod m) {
 json transformer_layer_config(const model::DrafterConfig& c) {
   DFLASH_CHECK(c.rope.type == "default" || c.rope.type == "llama3", ConfigError,
                "export --format speculators: RoPE type '" << c.rope.type << "' has no speculators spelling here");
-  return drafter_decoder_config_json(c);
+  json j = drafter_decoder_config_json(c);
+  j["layer_types"] = c.resolved_layer_types();  // speculators reads the sliding layers from it
+  return j;
 }
 
 }  // namespace
