@@ -123,7 +123,7 @@ void Coordinator::record_eval(const EvalDone& d) {
                      {"rounds", d.result.value("rounds", 0)}});
     const LedgerEval& best = *ledger_->state().best_eval();
     set_eval_metrics(ledger_->state().evals.back());
-    append_metrics_line({{"event", "eval"}, {"step", d.job.step}, {"checkpoint", d.job.dir}, {"tau", tau}, {"groups", groups},
+    append_metrics_line({{"event", "eval"}, {"step", d.job.step}, {"checkpoint", relative_to(d.job.dir, cfg_.run.output_dir)}, {"tau", tau}, {"groups", groups},
                          {"wall_s", d.wall_s}, {"best_tau", best.tau}, {"best_step", best.step}});
     if (best.step == d.job.step) {
       DFLASH_CHECK(!d.export_dir.empty(), DataError, "the eval worker did not export the new best checkpoint");

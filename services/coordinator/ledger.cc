@@ -55,7 +55,8 @@ std::string stored_path(const LedgerState& s, const io::JsonValue& r, const std:
   return (std::filesystem::path(r.source().file).parent_path() / p).lexically_normal().string();
 }
 
-// `p` relative to `run_dir` when it lies inside it, else absolute.
+}  // namespace
+
 std::string relative_to(const std::string& p, const std::string& run_dir) {
   namespace fs = std::filesystem;
   const fs::path abs = fs::absolute(p).lexically_normal(), base = fs::absolute(run_dir).lexically_normal();
@@ -63,7 +64,6 @@ std::string relative_to(const std::string& p, const std::string& run_dir) {
   if (rel.empty() || *rel.begin() == "..") return abs.string();
   return rel.string();
 }
-}  // namespace
 
 void Ledger::apply(LedgerState& s, const io::JsonValue& r) {
   if (!r.raw().is_object()) r.fail("is not a JSON object (a ledger record)");

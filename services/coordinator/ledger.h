@@ -127,6 +127,10 @@ struct LedgerState {
   }
 };
 
+// `p` relative to `run_dir` when it lies inside it (how run records name the run's own files: a
+// copied run directory then names its own), else absolute.
+std::string relative_to(const std::string& p, const std::string& run_dir);
+
 class Ledger {
  public:
   // Opens (creating it and its directory when missing) and replays `path`. A line that does not
