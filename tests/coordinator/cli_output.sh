@@ -36,7 +36,8 @@ grep -q '^  40 epoch(s): [0-9]* batches -> [0-9]* steps; per epoch ' "$work/plan
 cmp -s "$work/plan.json" "$work/plan_quiet.json" || fail "--quiet changed the plan JSON"
 echo "(a) the plan: one line for 40 epochs; --quiet: none"
 
-# (b)
+# (b) a run far longer than this test (it is stopped in (d)), so it is live whatever the machine's speed
+config r 100000
 "$bin/dflash" run "$work/r.yaml" 2> "$work/r.log" &
 coord=$!
 for _ in $(seq 600); do grep -q '"type":"step"' "$work/r/ledger.jsonl" 2>/dev/null && break; sleep 0.1; done
