@@ -73,7 +73,7 @@ def make_bundle(testdata, bundle):
             f.write(json.dumps({"id": f"t{i}", "input_ids": d, "loss_mask": [0] * cut + [1] * (len(d) - cut)}) + "\n")
     for name, rows in (("heldout_prompts.jsonl", docs[:5]), ("humaneval_prompts.jsonl", docs[5:8])):
         with open(os.path.join(bundle, "data", name), "w") as f:
-            f.writelines(json.dumps({"id": f"{name[0]}{i}", "input_ids": d[:6]}) + "\n" for i, d in enumerate(rows))
+            f.writelines(json.dumps({"id": f"{name[:2]}{i}", "input_ids": d[:6]}) + "\n" for i, d in enumerate(rows))
 
 
 def successor_checks(out, v):
