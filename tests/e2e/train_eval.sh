@@ -75,7 +75,7 @@ for _ in $(seq 1200); do [ "$(evals)" -gt "$first" ] && break; sleep 0.05; done
 import json, re, sys, urllib.request
 text, status = open(sys.argv[1]).read(), json.load(open(sys.argv[2]))
 line = [l for l in text.splitlines() if l.startswith("eval: ")]
-m = line and re.match(r"eval: latest tau 1(\.0)? \(step (\d+)\), best tau [0-9.]+ \(step (\d+)\)", line[0])
+m = line and re.match(r"eval: latest tau 1(\.0+)? \(step (\d+)\), best tau [0-9.]+ \(step (\d+)\)", line[0])
 assert m, text
 ev = status["eval"]
 # The resumed part evaluates at block size 1 (tau exactly 1); the best is one of the first part's
