@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Whether this Python can run the successors' cross-check (docs/quality.md, "Successor variants"):
 imports vLLM speculators 0.9.0 the way scripts/reference/successor_generate.py --format
-speculators does (the loguru stand-in, the training-stack modules it lacks stubbed), then its
+speculators does (the loguru stand-in, the training-stack modules it lacks replaced by stand-ins that raise when called), then its
 loader and the DSpark / DFlash2 model classes, and pydantic with its compiled core.
 
 On the GPU host run it with the unpacked bundle's modules first on the path:
   PYTHONPATH=/tmp/quality/bundle/refpy python3 scripts/quality/check_reference_imports.py
-Prints one JSON line (python, speculators, pydantic, pydantic_core versions, the stubbed modules).
+Prints one JSON line (python, speculators, pydantic, pydantic_core versions, the modules replaced by stand-ins).
 Exit 0 importable, 1 not (the error printed).
 """
 import importlib.metadata
@@ -22,7 +22,7 @@ def main():
         from check_speculators_export import provide_loguru
         shim = provide_loguru()
         from speculators_ref import import_speculators
-        _, stubbed = import_speculators()
+        _, stand_ins = import_speculators()
         from speculators.config import SpeculatorModelConfig  # noqa: F401
         from speculators.model import SpeculatorModel  # noqa: F401
         from speculators.models.dflash2.core import DFlash2DraftModel  # noqa: F401
@@ -35,7 +35,7 @@ def main():
     print(json.dumps({"ok": True, "python": sys.version.split()[0],
                       "speculators": importlib.metadata.version("speculators"), "pydantic": pydantic.VERSION,
                       "pydantic_core": pydantic_core.__version__, "pydantic_core_from": pydantic_core.__file__,
-                      "loguru_stand_in": shim, "stubbed": stubbed}))
+                      "loguru_stand_in": shim, "absent_replaced": stand_ins}))
     return 0
 
 
