@@ -27,6 +27,9 @@ class Fatal(Exception):
         super().__init__(message)
         self.code = code
 
+    def __reduce__(self):  # rebuilt with both arguments when it crosses a process boundary
+        return (Fatal, (self.code, str(self)))
+
 
 def short(text, limit=MAX_MESSAGE_CHARS):
     text = str(text)

@@ -383,7 +383,67 @@ def main():
     if rc == 0:
         compare("mistral multi-turn", read_jsonl(out)[0], *expected_doc(toks["mistral"], "mistral", convo))
 
+    worker_killed(dirs["qwen3"])
     return fixtures.result()
+
+
+def descendants(pid):
+    """Every process below `pid` (from /proc), children first."""
+    kids = [int(e) for e in os.listdir("/proc") if e.isdigit() and parent(int(e)) == pid]
+    return kids + [d for k in kids for d in descendants(k)]
+
+
+def parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def worker_killed(tok_dir):
+    """7. --workers 2 with its worker processes killed mid-run: exit 1 naming the workers and no
+    output, not a wait that never ends. The input is far longer than the run lasts before the kill."""
+    print("--workers 2, workers killed")
+    src = os.path.join(WORK, "long.jsonl")
+    write_jsonl(src, [{"text": f"line {i} " + "word " * 50} for i in range(200000)])
+    out = os.path.join(WORK, "killed.jsonl")
+    proc = subprocess.Popen([DFLASH, "data", "prepare", "--tokenizer", tok_dir, "--input", src, "--out", out,
+                             "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    # The workers are forked by the forkserver process: both run its command line.
+    workers = []
+    while time.time() < deadline and proc.poll() is None:
+        below = descendants(proc.pid)
+        server = [d for d in below if "multiprocessing.forkserver" in cmdline(d)]
+        workers = [d for d in below if d in server and parent(d) in server]
+        if len(workers) >= 2:
+            break
+        time.sleep(0.2)
+    check(proc.poll() is None, f"prepare ended before its workers were seen: exit {proc.poll()}")
+    for w in workers:
+        try:
+            os.kill(w, 9)
+        except ProcessLookupError:
+            pass
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        check(False, "prepare did not end within 60 s of its workers being killed")
+        return
+    check(proc.returncode == 1, f"killed workers: exit {proc.returncode}, expected 1\n{err[-1500:]}")
+    check("--workers process ended unexpectedly" in err, f"killed workers: message {err[-800:]}")
+    check(not os.path.exists(out), "killed workers: the output exists")
+    check(not [f for f in os.listdir(WORK) if f.startswith("killed.jsonl.tmp-")], "temporary output left behind")
 
 
 if __name__ == "__main__":

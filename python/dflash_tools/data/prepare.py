@@ -12,14 +12,19 @@ an unloadable tokenizer, no document written).
 """
 
 import argparse
+import collections
+import contextlib
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
-from ..errors import EXIT_CONFIG, EXIT_DATA, Fatal, guard, os_error_text
+from ..errors import EXIT_CONFIG, EXIT_DATA, EXIT_FAILURE, Fatal, guard, os_error_text, short
 from .formats import DEFAULT_MAX_RECORD_BYTES, FORMATS, BadRecord, parse_line, read_lines, record_messages
 from .spans import (Renderer, TemplateConfigError, assistant_spans, check_template_config, compile_template,
                     mask_from_offsets, template_file, template_text)
@@ -272,11 +277,64 @@ class Preparer:
         progress()
 
 
+# --workers N: the worker processes' own Preparer (each loads the tokenizer itself).
 _WORKER = None
+# Chunks of input lines submitted to the workers ahead of the writer, per worker: the lines held in
+# memory stay bounded (WINDOW_PER_WORKER x workers x CHUNK_LINES) whatever the input's size.
+CHUNK_LINES = 16
+WINDOW_PER_WORKER = 4
 
 
-def _worker_outcome(item):
-    return _WORKER.outcome(item)
+def _init_worker(a):
+    global _WORKER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker
+    tok, template, _ = load_tokenizer(a.tokenizer, a.thinking)
+    _WORKER = Preparer(a, tok, template)
+
+
+def _worker_chunk(chunk):
+    """The outcomes of a chunk of lines; an unexpected exception comes back as a value (an exception
+    object whose class cannot be rebuilt from its pickled arguments would otherwise be lost)."""
+    out = []
+    for item in chunk:
+        try:
+            out.append(_WORKER.outcome(item))
+        except Exception as e:
+            out.append(("fatal", EXIT_FAILURE, f"{item[0]}: internal error: {type(e).__name__}: {short(str(e))}"))
+    return out
+
+
+def parallel_outcomes(a, items):
+    """The outcomes of `items` in input order, computed by a.workers processes. The workers start from
+    a fresh interpreter (forkserver: nothing of this process's threads or locks is inherited, which
+    a fork after the tokenizer is loaded does not guarantee), and a worker that dies (killed, out of
+    memory) is a Fatal naming it instead of a wait that never ends."""
+    ctx = multiprocessing.get_context("forkserver")
+    ex = ProcessPoolExecutor(a.workers, mp_context=ctx, initializer=_init_worker, initargs=(a,))
+    it = iter(items)
+    pending = collections.deque()
+
+    def submit_next():
+        chunk = list(itertools.islice(it, CHUNK_LINES))
+        if chunk:
+            pending.append(ex.submit(_worker_chunk, chunk))
+        return bool(chunk)
+
+    try:
+        more = True
+        while more and len(pending) < WINDOW_PER_WORKER * a.workers:
+            more = submit_next()
+        while pending:
+            try:
+                results = pending.popleft().result()
+            except BrokenProcessPool:
+                raise Fatal(EXIT_FAILURE, f"a --workers process ended unexpectedly (killed, or out of memory?); "
+                            f"nothing was written to {a.out}")
+            if more:
+                more = submit_next()
+            yield from results
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
 def write_json_atomic(path, obj):
@@ -407,11 +465,8 @@ def run(argv, extra_meta=None):
                 for item in items:
                     p.take(p.outcome(item), out, progress)
             else:
-                global _WORKER
-                _WORKER = p  # inherited by the forked workers
-                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker
-                with multiprocessing.get_context("fork").Pool(a.workers) as pool:
-                    for result in pool.imap(_worker_outcome, items, chunksize=16):
+                with contextlib.closing(parallel_outcomes(a, items)) as results:
+                    for result in results:
                         p.take(result, out, progress)
             out.sync()
         progress(final=True)
