@@ -23,6 +23,8 @@
 
 #include "core/util/error.h"
 #include "core/util/flags.h"
+#include "core/util/log.h"
+#include "core/util/switches.h"
 #include "core/util/utf8.h"
 
 namespace dflash::config {
@@ -144,6 +146,28 @@ std::string worker_host(const RunConfig& c, Role role, int rank) {
     for (size_t g = 0; g < (role == Role::kTarget ? h.target_gpus : h.drafter_gpus).size(); ++g, ++i)
       if (i == rank) return h.name;
   DFLASH_FAIL(ConfigError, "topology.hosts: no " << to_string(role) << " " << rank << " (the config has " << i << ")");
+}
+
+// ---------------------------------------------------------------- kernels keys
+
+const std::vector<KernelKey>& kernel_keys() {
+  static const std::vector<KernelKey> keys = [] {
+    std::vector<KernelKey> out;
+    for (const switches::Switch& s : switches::all()) {
+      if (!s.numerics) continue;
+      std::string key = std::string(s.name).substr(std::strlen("DFLASH_"));
+      std::transform(key.begin(), key.end(), key.begin(), [](unsigned char ch) { return std::tolower(ch); });
+      out.push_back({key, s.name, s.default_value});
+    }
+    return out;
+  }();
+  return keys;
+}
+
+std::map<std::string, std::string> kernel_defaults() {
+  std::map<std::string, std::string> out;
+  for (const KernelKey& k : kernel_keys()) out[k.key] = k.default_value;
+  return out;
 }
 
 // ---------------------------------------------------------------- field lists
@@ -358,6 +382,7 @@ void fields(V& v, RunConfig& s) {
   v("resilience", s.resilience);
   v("launch", s.launch);
   v("eval", s.eval);
+  v("kernels", s.kernels);
 }
 
 // ---------------------------------------------------------------- helpers
@@ -600,6 +625,53 @@ void read_value(const YAML::Node& n, const std::string& path, E& out, Ctx& ctx) 
   ctx.add(path, msg, pos_of(n));
 }
 
+// kernels: one scalar per registry key, checked by the switch's own rule (switches::validate),
+// the message naming the field instead of the variable; unknown keys are problems.
+void read_value(const YAML::Node& n, const std::string& path, KernelsSection& out, Ctx& ctx) {
+  if (n.IsNull()) return;
+  if (!n.IsMap()) {
+    type_error(ctx, path, n, "a mapping");
+    return;
+  }
+  std::vector<std::string> known;
+  for (const KernelKey& k : kernel_keys()) known.push_back(k.key);
+  std::set<std::string> seen;
+  for (auto it = n.begin(); it != n.end(); ++it) {
+    if (!it->first.IsScalar()) {
+      ctx.add(path, "expected string keys, got " + describe(it->first), pos_of(it->first));
+      continue;
+    }
+    const std::string name = it->first.Scalar();
+    if (!check_utf8(ctx, path, name, pos_of(it->first))) continue;
+    const std::string item_path = join_key(path, name);
+    ctx.note_line(item_path, it->second);
+    if (!seen.insert(name).second) {
+      ctx.add(item_path, "duplicate key", pos_of(it->first));
+      continue;
+    }
+    const auto key = std::find_if(kernel_keys().begin(), kernel_keys().end(), [&](const KernelKey& k) { return k.key == name; });
+    if (key == kernel_keys().end()) {
+      const std::string hint = closest_match(name, known);
+      ctx.add(item_path,
+              hint.empty() ? "unknown key (expected one of: " + join_list(known, ", ") + ")"
+                           : "unknown key (did you mean '" + hint + "'?)",
+              pos_of(it->first));
+      continue;
+    }
+    std::string value;
+    read_value(it->second, item_path, value, ctx);
+    if (value.empty()) value = key->default_value;  // `key:` with no value
+    try {
+      switches::validate(key->switch_name.c_str(), value);
+      out.values[name] = value;
+    } catch (const ConfigError& e) {  // "DFLASH_X: expected ..., got 'v'" -> "expected ..., got 'v'"
+      const std::string msg = e.what();
+      const std::string prefix = key->switch_name + ": ";
+      ctx.add(item_path, msg.rfind(prefix, 0) == 0 ? msg.substr(prefix.size()) : msg, pos_of(it->second));
+    }
+  }
+}
+
 template <class T, std::enable_if_t<std::is_class<T>::value, int> = 0>
 void read_value(const YAML::Node& n, const std::string& path, T& out, Ctx& ctx);
 
@@ -733,6 +805,16 @@ void write_value(YAML::Emitter& e, bool v) { e << (v ? "true" : "false"); }
 void write_value(YAML::Emitter& e, int v) { e << v; }
 void write_value(YAML::Emitter& e, int64_t v) { e << v; }
 void write_value(YAML::Emitter& e, double v) { e << format_double(v); }
+
+void write_value(YAML::Emitter& e, const KernelsSection& k) {  // every key, in the registry's order
+  e << YAML::BeginMap;
+  for (const KernelKey& key : kernel_keys()) {
+    e << YAML::Key << key.key << YAML::Value;
+    const auto it = k.values.find(key.key);
+    write_value(e, it != k.values.end() ? it->second : key.default_value);
+  }
+  e << YAML::EndMap;
+}
 
 template <class E, std::enable_if_t<std::is_enum<E>::value, int> = 0>
 void write_value(YAML::Emitter& e, E v) {
@@ -1458,7 +1540,9 @@ ParseResult parse_config_file(const std::string& path, const std::vector<std::st
     result.problems.push_back(Problem{"", "cannot read file: I/O error", 0, 0});
     return result;
   }
-  return parse_config_string(text.str(), path, overrides);
+  ParseResult result = parse_config_string(text.str(), path, overrides);
+  apply_kernel_environment(result);
+  return result;
 }
 
 RunConfig load_config_or_throw(const std::string& path, const std::vector<std::string>& overrides) {
@@ -1470,6 +1554,42 @@ RunConfig load_config_or_throw(const std::string& path, const std::vector<std::s
   }
   return std::move(result.config);
 }
+
+void apply_kernel_environment(ParseResult& r) {
+  if (!r.ok()) return;
+  for (const KernelKey& k : kernel_keys()) {
+    const std::string path = "kernels." + k.key;
+    std::string env;
+    try {
+      env = switches::environment_value(k.switch_name.c_str());
+    } catch (const ConfigError& e) {
+      r.problems.push_back(Problem{path, std::string("the environment: ") + e.what(), 0, 0});
+      continue;
+    }
+    if (env.empty()) continue;
+    std::string& value = r.config.kernels.values[k.key];
+    if (value == env) continue;
+    if (value == k.default_value) {
+      LOG_WARN(path << ": " << value << " -> " << env << " from the environment's " << k.switch_name
+                    << " (the config leaves it at its default)");
+      value = env;
+    } else {
+      r.problems.push_back(Problem{path, "the config sets " + value + " but the environment sets " + k.switch_name + "=" + env +
+                                             ": unset " + k.switch_name + " or set " + path + " to " + env, 0, 0});
+    }
+  }
+}
+
+std::map<std::string, std::string> kernel_switch_values(const KernelsSection& k) {
+  std::map<std::string, std::string> out;
+  for (const KernelKey& key : kernel_keys()) {
+    const auto it = k.values.find(key.key);
+    out[key.switch_name] = it != k.values.end() ? it->second : key.default_value;
+  }
+  return out;
+}
+
+void install_kernels(const RunConfig& c) { switches::install(kernel_switch_values(c.kernels)); }
 
 std::string to_yaml(const RunConfig& c) {
   YAML::Emitter e;

@@ -16,6 +16,9 @@
 //   - Path-like strings (run.output_dir, target.model_dir, drafter.init_from, data.shard_dir,
 //     data.jsonl[i], coordinator.token_file, eval.prompts) expand `${NAME}` and `${NAME:-default}` from the environment at
 //     parse time; an unset NAME without a default is a problem.
+//   - The kernels: section's keys come from the switch registry (KernelsSection below); a
+//     config file's kernels are reconciled with the environment's DFLASH_* numerics switches
+//     when it is loaded (apply_kernel_environment).
 //   - When problems is empty, `config` is valid; otherwise `config` holds what could be parsed
 //     (defaults where not) and must not be used to run anything.
 // No LibTorch, no gRPC: this library links yaml-cpp and dflash_util only.
@@ -301,6 +304,26 @@ struct EvalSection {
   double timeout_s = 3600.0;              // (0, kMaxTimeoutS]: a longer eval is killed and counted as failed
 };
 
+// kernels: the switches of core/util/switches.h that can change numerical results (numerics ==
+// true) as run config keys, so that a run's kernel choices are part of its config and recorded
+// with it (ledger, checkpoints, export; docs/switches.md#the-run-configs-kernels-section). One key
+// per such switch, derived from the registry: its name without DFLASH_, in lower case
+// (DFLASH_BSA_FULL -> bsa_full). A value is one the switch allows (switches::validate), `auto`
+// only where that is the switch's default; `key:` with no value is the default.
+struct KernelKey {
+  std::string key;          // "bsa_full"
+  std::string switch_name;  // "DFLASH_BSA_FULL"
+  std::string default_value;  // the switch's default ("auto" or a concrete value)
+};
+// Every kernels key, in the registry's order.
+const std::vector<KernelKey>& kernel_keys();
+// key -> default value, for every kernels key.
+std::map<std::string, std::string> kernel_defaults();
+
+struct KernelsSection {
+  std::map<std::string, std::string> values = kernel_defaults();  // key -> value; every key present
+};
+
 struct RunConfig {
   RunSection run;
   TargetSection target;
@@ -312,6 +335,7 @@ struct RunConfig {
   ResilienceSection resilience;
   std::map<std::string, LaunchTemplate> launch;  // name -> template ("local" is built in)
   std::optional<EvalSection> eval;               // absent = no eval during training
+  KernelsSection kernels;
 
   int num_targets() const;   // target_gpus over all hosts
   int num_drafters() const;  // drafter_gpus over all hosts
@@ -374,7 +398,8 @@ struct ParseResult {
 // themselves hold only paths, so print them with format_problem(source_name, p).
 ParseResult parse_config_string(const std::string& yaml, const std::string& source_name,
                                 const std::vector<std::string>& overrides = {});
-// Reads and parses a file; an unreadable file is a Problem with an empty path.
+// Reads and parses a file, then applies apply_kernel_environment; an unreadable file is a Problem
+// with an empty path.
 ParseResult parse_config_file(const std::string& path, const std::vector<std::string>& overrides = {});
 // parse_config_file, throwing dflash::ConfigError (exit code 2) with every problem, one a line.
 RunConfig load_config_or_throw(const std::string& path, const std::vector<std::string>& overrides = {});
@@ -383,6 +408,27 @@ RunConfig load_config_or_throw(const std::string& path, const std::vector<std::s
 // '=' ("unexpected argument").
 std::vector<std::string> command_line_overrides(const std::vector<std::string>& after_config,
                                                 const std::vector<std::string>& set_flags);
+
+// ---- the kernels section and the environment ----
+
+// Reconciles `r.config.kernels` with the environment's numerics switches
+// (switches::environment_value); for each switch set there:
+//   - its key left at its default (by the file, an override or its absence): takes the
+//     environment's value, with a warning log naming both ("kernels.bsa_full: auto -> flash from
+//     the environment's DFLASH_BSA_FULL");
+//   - its key set to another value: a Problem at kernels.KEY naming the variable and both values;
+//   - the same value: nothing.
+// A value the switch does not allow is a Problem at kernels.KEY with the switch's message. Does
+// nothing when `r` already has problems. parse_config_file (and so load_config_or_throw) applies
+// it; parse_config_string does not: a recorded config (the ledger's) is read as written.
+void apply_kernel_environment(ParseResult& r);
+
+// {switch name -> value} of the kernels section: what switches::install takes.
+std::map<std::string, std::string> kernel_switch_values(const KernelsSection& k);
+// switches::install(kernel_switch_values(c.kernels)): the process's numerics switches answer the
+// config's values from now on. Every process that trains or evaluates from a run config calls it
+// before it builds models.
+void install_kernels(const RunConfig& c);
 
 // YAML text holding every field (defaults included, environment references already expanded);
 // for a valid config, parse_config_string(to_yaml(c)) == c.

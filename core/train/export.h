@@ -55,14 +55,15 @@ model::DrafterConfig drafter_config_from_hf_json(const std::string& json_text, c
 struct ExportProvenance {
   // What the run recorded (services/common/provenance.h run_provenance): {"target": {model_dir,
   // config_sha256}, "data": {shard_dir, manifest_sha256, index_sha256, documents, tokens, inputs},
-  // "data_contract": {...} (core/data/contract.h)}; null when the export is not from a run.
+  // "data_contract": {...} (core/data/contract.h), "kernels": {KEY: value} (the run config's kernels
+  // section)}; null when the export is not from a run.
   nlohmann::json run = nullptr;
   std::optional<int64_t> steps;     // training steps behind the exported weights
   std::optional<double> tau_final;  // mean acceptance length of the run's last eval, when it evaluated
   std::optional<double> tau_best;   // ... of its best eval
 };
 
-// dflash_config.provenance: the run's keys (target, data, data_contract; null when absent), steps,
+// dflash_config.provenance: the run's keys (target, data, data_contract, kernels; null when absent), steps,
 // tau_final, tau_best (null when unknown), dflash_version and dflash_commit (this build's, fixed when
 // CMake configured it).
 nlohmann::json provenance_json(const ExportProvenance& p);

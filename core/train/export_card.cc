@@ -86,7 +86,7 @@ std::string load_snippet(const json& config, const std::string& export_dir) {
 
 json provenance_json(const ExportProvenance& p) {
   json out;
-  for (const char* key : {"target", "data", "data_contract"})
+  for (const char* key : {"target", "data", "data_contract", "kernels"})
     out[key] = p.run.is_object() && p.run.contains(key) ? p.run[key] : json();
   out["steps"] = p.steps ? json(*p.steps) : json();
   out["tau_final"] = p.tau_final ? json(*p.tau_final) : json();

@@ -170,6 +170,7 @@ std::string read_checked(const Switch& s) {
 
 std::mutex g_mu;
 std::optional<std::map<std::string, std::string>> g_set;  // name -> set value, unset ones absent
+std::map<std::string, std::string> g_installed;           // name -> installed value ("" = the default)
 
 // The set values, reading and checking the environment on first use.
 const std::map<std::string, std::string>& set_values() {
@@ -197,6 +198,7 @@ std::string get(const char* name) {
   const Switch& s = find(name);
   std::lock_guard<std::mutex> lk(g_mu);
   const auto& set = set_values();
+  if (auto in = g_installed.find(name); in != g_installed.end()) return in->second.empty() ? s.default_value : in->second;
   auto it = set.find(name);
   return it != set.end() ? it->second : s.default_value;
 }
@@ -212,7 +214,9 @@ int64_t get_int(const char* name) {
 bool is_set(const char* name) {
   find(name);
   std::lock_guard<std::mutex> lk(g_mu);
-  return set_values().count(name) > 0;
+  const bool env_set = set_values().count(name) > 0;
+  if (auto in = g_installed.find(name); in != g_installed.end()) return !in->second.empty();
+  return env_set;
 }
 
 nlohmann::json to_json() {
@@ -230,5 +234,19 @@ void reload() {
   std::lock_guard<std::mutex> lk(g_mu);
   g_set.reset();
 }
+
+void install(const std::map<std::string, std::string>& values) {
+  std::map<std::string, std::string> checked_values;
+  for (const auto& [name, value] : values) {
+    const Switch& s = find(name.c_str());
+    if (!s.numerics)
+      throw Error(kExitFailure, "switches: install of " + name + ", which is not a numerics switch (core/util/switches.cc)");
+    checked_values[name] = checked(s, value);
+  }
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_installed = std::move(checked_values);
+}
+
+std::string environment_value(const char* name) { return read_checked(find(name)); }
 
 }  // namespace dflash::switches

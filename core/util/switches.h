@@ -13,6 +13,7 @@
 // - Thread-safe; values are returned by copy.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -64,7 +65,29 @@ bool is_set(const char* name);
 // bench reports.
 nlohmann::json to_json();
 
-// Reads the environment again (tests that change it with setenv).
+// Reads the environment again (tests that change it with setenv). Installed values (install())
+// stay installed.
 void reload();
+
+// ---- values from the run config (its kernels: section, core/config/config.h) ----
+
+// Installs the effective values of numerics switches for this process: every process that trains
+// or evaluates from a run config installs the config's kernels section (config::install_kernels)
+// before it builds models, so the choice comes from the config, not from the environment.
+// - `values`: switch name -> value. Each name must be a declared switch with numerics == true
+//   (else Error, exit 1: a programming error); each value one validate() allows (else its
+//   ConfigError); "" and, where it is the default, `auto` mean the default.
+// - From then on get(), get_int(), is_set() and to_json() answer an installed switch's value
+//   whatever the environment holds (the environment is still checked: a bad value of any switch
+//   still fails every call). Switches not in `values` keep reading the environment.
+// - Replaces any earlier install; install({}) goes back to the environment for every switch.
+//   reload() keeps the installed values.
+void install(const std::map<std::string, std::string>& values);
+
+// The environment's own value of switch `name`, read now and ignoring install(): "" when unset
+// (or set to "", or to `auto` where that is the default), else the value. ConfigError when the
+// value is not allowed (the message of validate()); an undeclared name: Error (exit 1). What the
+// run config's kernels section is reconciled with (config::apply_kernel_environment).
+std::string environment_value(const char* name);
 
 }  // namespace dflash::switches

@@ -155,12 +155,14 @@ struct WorkerStart {
   std::unique_ptr<control::ControlClient> client;
 };
 
-// Loads --config (with the --set overrides the coordinator forwards), reads the common flags into `o`, connects to the coordinator when --coordinator
+// Loads --config (with the --set overrides the coordinator forwards) and installs its kernels
+// section (config::install_kernels), reads the common flags into `o`, connects to the coordinator when --coordinator
 // is given and takes its launch plan (else LaunchPlan::standalone). Positional arguments ->
 // ConfigError with `usage`.
 inline WorkerStart start_worker(const Flags& f, config::Role role, WorkerOptions& o, const std::string& usage) {
   DFLASH_CHECK(f.positional().empty(), ConfigError, usage);
   WorkerStart w{config::load_config_or_throw(f.get("config"), f.get_all("set")), {}, nullptr};
+  config::install_kernels(w.cfg);  // the numerics switches answer the config's kernels section
   o.rank = static_cast<int>(f.get_int("rank", -1));
   o.device = f.get("device", "cpu");
   o.run_id = run_id_of(w.cfg, f);

@@ -55,7 +55,8 @@ json run_provenance(const config::RunConfig& cfg) {
                       {"name", target_name(cfg.target.model_dir, io::JsonDocument::parse_file(target_config).json())},
                       {"config_sha256", data::sha256_file(target_config)}}},
           {"data", data},
-          {"data_contract", data::contract_from_manifest(manifest).fields}};
+          {"data_contract", data::contract_from_manifest(manifest).fields},
+          {"kernels", cfg.kernels.values}};
 }
 
 }  // namespace dflash::pipeline

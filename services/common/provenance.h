@@ -15,7 +15,8 @@ namespace dflash::pipeline {
 //                                                   of an HF cache path, else null
 //  "data": {"shard_dir", "manifest_sha256", "index_sha256", "documents", "tokens", "trainable_tokens",
 //           "inputs": [{"file", "sha256"}]},     sha256 of each imported JSONL when its sidecar has it
-//  "data_contract": {...}}                        {} when unknown
+//  "data_contract": {...},                        {} when unknown
+//  "kernels": {"bsa_full": "auto", ...}}          the config's kernels section (after the environment)
 // Reads target.model_dir/config.json and data.shard_dir/{manifest.json,index.bin} (hashing them is
 // cheap: the index holds 32 bytes per document; the token shards are not read). DataError naming
 // the file when one cannot be read.

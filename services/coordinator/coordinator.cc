@@ -93,6 +93,7 @@ Coordinator::Coordinator(config::RunConfig cfg, RunOptions opts)
 Coordinator::~Coordinator() = default;
 
 int Coordinator::run() {
+  config::install_kernels(base_cfg_);  // the plan and the run record read the config's kernels
   if (!opts_.plan_only) lock_run_dir();  // before plan() imports data.jsonl into the directory
   const json p = plan();
   if (opts_.plan_only) {
@@ -229,11 +230,20 @@ bool Coordinator::open_ledger() {
 }
 
 // A resume continues the run its ledger records: a config (file and overrides) that changes what
-// that run trains is refused, naming each field (services/coordinator/run_record.h).
+// that run trains is refused, naming each field (services/coordinator/run_record.h). A kernels.*
+// change that the command line's overrides set explicitly is accepted with a warning.
 void Coordinator::refuse_resume_drift() const {
   const auto& run = ledger_->state().run;
   if (!run.contains("config") || !run["config"].is_string()) return;
-  const auto drift = resume_drift(run["config"].get<std::string>(), base_cfg_);
+  const auto changes = resume_changes(run["config"].get<std::string>(), base_cfg_, opts_.overrides);
+  for (const auto& c : changes.overridden) {
+    const size_t colon = c.find(": ");
+    LOG_WARN(c.substr(0, colon) << " changed on resume: " << c.substr(colon + 2) << " (explicit override)");
+  }
+  for (const auto& c : changes.unrecorded)
+    LOG_WARN(c << ": the run record has no kernels section (a run started before it existed; its kernels read as the "
+                  "defaults): resuming with the new value");
+  const auto& drift = changes.refused;
   if (drift.empty()) return;
   std::string list;
   for (const auto& d : drift) list += (list.empty() ? "" : "; ") + d;

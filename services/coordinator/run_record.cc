@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <map>
+#include <set>
 
 namespace dflash::coordinator {
 namespace {
@@ -35,6 +36,14 @@ bool may_change_on_resume(const std::string& path) {
   return false;
 }
 
+// The drift entries "FIELD: A -> B" of the map below, in key order.
+std::vector<std::string> drift_lines(const std::map<std::string, std::pair<std::string, std::string>>& diff) {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : diff)
+    if (!may_change_on_resume(k)) out.push_back(k + ": " + v.first + " -> " + v.second);
+  return out;
+}
+
 }  // namespace
 
 std::vector<std::string> resume_drift(const std::string& recorded_yaml, const config::RunConfig& current) {
@@ -54,9 +63,31 @@ std::vector<std::string> resume_drift(const std::string& recorded_yaml, const co
   if (complete)
     for (const auto& [k, v] : now)
       if (!was.count(k)) diff[k] = {"(unset)", v};
-  std::vector<std::string> out;
-  for (const auto& [k, v] : diff)
-    if (!may_change_on_resume(k)) out.push_back(k + ": " + v.first + " -> " + v.second);
+  return drift_lines(diff);
+}
+
+ResumeChanges resume_changes(const std::string& recorded_yaml, const config::RunConfig& current,
+                             const std::vector<std::string>& overrides) {
+  YAML::Node recorded;
+  try {
+    recorded = YAML::Load(recorded_yaml);
+  } catch (const YAML::Exception&) {  // resume_drift reports what it can of such a record
+  }
+  const bool has_kernels = recorded.IsMap() && recorded["kernels"].IsDefined();
+  std::set<std::string> set_on_command_line;
+  for (const auto& o : overrides) set_on_command_line.insert(o.substr(0, o.find('=')));
+  ResumeChanges out;
+  for (const std::string& line : resume_drift(recorded_yaml, current)) {
+    const std::string field = line.substr(0, line.find(": "));
+    if (field.rfind("kernels.", 0) != 0)
+      out.refused.push_back(line);
+    else if (!has_kernels)
+      out.unrecorded.push_back(line);
+    else if (set_on_command_line.count(field) || set_on_command_line.count("kernels"))
+      out.overridden.push_back(line);
+    else
+      out.refused.push_back(line);
+  }
   return out;
 }
 

@@ -20,4 +20,21 @@ namespace dflash::coordinator {
 // config that no longer parses (an older release's keys) is compared on the keys both have.
 std::vector<std::string> resume_drift(const std::string& recorded_yaml, const config::RunConfig& current);
 
+// A resume's changes to the kernels: section (docs/switches.md#the-run-configs-kernels-section),
+// which resume_drift refuses like any field that defines what is trained ("kernels.loss: auto ->
+// plain", whether the new value comes from the config file or the environment), except:
+//   - `overridden`: a changed kernels.KEY that one of the command line's `overrides`
+//     ("kernels.KEY=VALUE" or "kernels={...}", config::command_line_overrides) sets explicitly:
+//     accepted; the caller
+//     logs "kernels.KEY changed on resume: A -> B (explicit override)";
+//   - `unrecorded`: every changed kernels.KEY when the record has no kernels: section (a run
+//     started before the section existed; its kernels read as the defaults): accepted.
+struct ResumeChanges {
+  std::vector<std::string> refused;     // resume_drift's list without the accepted kernels changes
+  std::vector<std::string> overridden;  // "kernels.KEY: A -> B"
+  std::vector<std::string> unrecorded;  // "kernels.KEY: A -> B"
+};
+ResumeChanges resume_changes(const std::string& recorded_yaml, const config::RunConfig& current,
+                             const std::vector<std::string>& overrides);
+
 }  // namespace dflash::coordinator

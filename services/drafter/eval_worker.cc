@@ -62,6 +62,7 @@ class EvalWorker {
 
 void EvalWorker::load() {
   cfg_ = config::load_config_or_throw(opt_.config_path);
+  config::install_kernels(cfg_);  // before the target and drafter are built
   DFLASH_CHECK(cfg_.eval.has_value(), ConfigError, opt_.config_path << ": the config has no eval: section");
   plan_.emplace(pipeline::RunPlan::load(cfg_, opt_.device));
   prompts_ = eval::read_eval_prompts(cfg_.eval->prompts, cfg_.eval->max_prompts);

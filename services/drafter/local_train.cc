@@ -197,6 +197,7 @@ int64_t resume_step(const stream::RunSchedule& sched, int64_t epoch, int64_t bat
 
 LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTrainOptions& opt) {
   const auto t_start = Clock::now();
+  config::install_kernels(cfg);  // before any model is built
   const auto plan = pipeline::RunPlan::load(cfg, opt.device);
   auto device = model::parse_device(opt.device);
   model::LoadOptions lo;

@@ -33,6 +33,11 @@
 #   resume_drift `--resume auto` of a finished run with train.lr / data.token_budget overrides: exit 2
 #                naming both fields with their recorded and new values, the ledger untouched; the
 #                same config, or a change a resume may make (coordinator.progress_timeout_s), resumes.
+#   resume_kernels  a finished run records its kernels: section (the ledger's run record config and
+#                provenance, the checkpoints' run_info, the export's provenance); `--resume auto` with
+#                a kernels value changed in the config file, or by the environment (DFLASH_ADAMW), exits
+#                2 naming kernels.adamw with both values, the ledger untouched; the same change as an
+#                explicit override (--set kernels.adamw=plain) resumes with a warning naming it.
 #   ledger_enospc  the coordinator's 8th ledger.jsonl append (a worker's step record) fails with ENOSPC
 #                once (DFLASH_TEST_JSONL_ENOSPC): the run stops with exit 4 naming the file and the
 #                free space, records no restart (no worker is blamed) but a "stopped" record with the
@@ -348,6 +353,38 @@ resume_drift)
   "$bin/dflash" run "$work/rd.yaml" --resume auto --quiet 2> "$work/rd4.log" || fail "a resume with the recorded config: $(tail -3 "$work/rd4.log")"
   "$bin/dflash" run "$work/rd.yaml" --resume auto coordinator.progress_timeout_s=300 --quiet 2> "$work/rd5.log" \
     || fail "a resume changing only a liveness timeout: $(tail -3 "$work/rd5.log")"
+  ;;
+resume_kernels)
+  config rk 1
+  "$bin/dflash" run "$work/rk.yaml" --quiet 2> "$work/rk.log" || fail "the first run: $(tail -3 "$work/rk.log")"
+  "$py" - "$work/rk" <<'PY'
+import glob, json, sys
+d = sys.argv[1]
+run = [json.loads(l) for l in open(d + "/ledger.jsonl") if json.loads(l)["type"] == "run"][0]
+assert "\nkernels:\n" in run["config"], run["config"]
+assert run["provenance"]["kernels"]["adamw"] == "auto", run["provenance"].get("kernels")
+for state in glob.glob(d + "/checkpoints/*/state.json"):
+    assert json.load(open(state))["run_info"]["provenance"]["kernels"]["adamw"] == "auto", state
+exported = json.load(open(d + "/export/config.json"))["dflash_config"]["provenance"]["kernels"]
+assert exported["loss"] == "auto" and len(exported) == len(run["provenance"]["kernels"]), exported
+PY
+  before=$(md5sum < "$work/rk/ledger.jsonl")
+  { cat "$work/rk.yaml"; printf '\nkernels:\n  adamw: plain\n'; } > "$work/rk-plain.yaml"
+  rc=0
+  "$bin/dflash" run "$work/rk-plain.yaml" --resume auto --quiet 2> "$work/rk2.log" || rc=$?
+  [ $rc = 2 ] && grep -q "started with (kernels.adamw: auto -> plain)" "$work/rk2.log" \
+    || fail "--resume auto with kernels.adamw changed in the config: exit $rc: $(tail -3 "$work/rk2.log")"
+  rc=0
+  DFLASH_ADAMW=plain "$bin/dflash" run "$work/rk.yaml" --resume auto --quiet 2> "$work/rk3.log" || rc=$?
+  [ $rc = 2 ] && grep -q "started with (kernels.adamw: auto -> plain)" "$work/rk3.log" \
+    || fail "--resume auto with DFLASH_ADAMW=plain: exit $rc: $(tail -3 "$work/rk3.log")"
+  grep -q "kernels.adamw: auto -> plain from the environment's DFLASH_ADAMW" "$work/rk3.log" \
+    || fail "no warning naming the variable and the key: $(tail -3 "$work/rk3.log")"
+  [ "$(md5sum < "$work/rk/ledger.jsonl")" = "$before" ] || fail "a refused resume wrote to the ledger"
+  "$bin/dflash" run "$work/rk-plain.yaml" --resume auto --set kernels.adamw=plain --quiet 2> "$work/rk4.log" \
+    || fail "a resume with the change as an explicit override: $(tail -3 "$work/rk4.log")"
+  grep -q "kernels.adamw changed on resume: auto -> plain (explicit override)" "$work/rk4.log" \
+    || fail "no warning for the explicit override: $(tail -3 "$work/rk4.log")"
   ;;
 ledger_enospc)
   config le 2 "s/^  backoff_s: .*/  backoff_s: 0.2/"

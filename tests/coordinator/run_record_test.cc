@@ -50,3 +50,30 @@ TEST(ResumeDrift, AnOlderRecordIsComparedOnTheKeysItHas) {
   EXPECT_TRUE(resume_drift(older, load()).empty());
   EXPECT_EQ(resume_drift(older, load({"train.lr=0.01"})), std::vector<std::string>{"train.lr: 0.003 -> 0.01"});
 }
+
+// kernels.*: refused like any field that defines what is trained, unless the command line's
+// overrides set it explicitly; a record from before the section existed refuses none.
+TEST(ResumeDrift, AChangedKernelIsRefusedUnlessOverriddenExplicitly) {
+  const auto recorded = config::to_yaml(load());
+  auto from_file = config::parse_config_string(kConfig + "kernels: {loss: plain}\n", "run.yaml");
+  ASSERT_TRUE(from_file.ok());
+  EXPECT_EQ(resume_drift(recorded, from_file.config), std::vector<std::string>{"kernels.loss: auto -> plain"});
+  const auto refused = resume_changes(recorded, from_file.config, {"train.lr=0.003"});
+  EXPECT_EQ(refused.refused, std::vector<std::string>{"kernels.loss: auto -> plain"});
+  EXPECT_TRUE(refused.overridden.empty());
+  const auto overridden = resume_changes(recorded, load({"kernels.loss=plain"}), {"kernels.loss=plain"});
+  EXPECT_TRUE(overridden.refused.empty());
+  EXPECT_EQ(overridden.overridden, std::vector<std::string>{"kernels.loss: auto -> plain"});
+  // Another field is still refused next to an accepted kernel override.
+  const auto both = resume_changes(recorded, load({"kernels.loss=plain", "train.lr=0.01"}), {"kernels.loss=plain", "train.lr=0.01"});
+  EXPECT_EQ(both.refused, std::vector<std::string>{"train.lr: 0.003 -> 0.01"});
+  EXPECT_EQ(both.overridden, std::vector<std::string>{"kernels.loss: auto -> plain"});
+}
+
+TEST(ResumeDrift, ARecordWithoutKernelsRefusesNoKernelChange) {
+  const std::string older = kConfig;  // written before the kernels section existed
+  EXPECT_TRUE(resume_changes(older, load(), {}).refused.empty());
+  const auto changes = resume_changes(older, load({"kernels.adamw=plain"}), {});
+  EXPECT_TRUE(changes.refused.empty());
+  EXPECT_EQ(changes.unrecorded, std::vector<std::string>{"kernels.adamw: auto -> plain"});
+}
