@@ -46,10 +46,17 @@ void Coordinator::start_evals() {
   if (!cfg_.eval) return;
   EvalRunnerOptions o;
   o.binary = worker_binary("dflash-drafter");
-  o.config_path = fs::absolute(opts_.config_path).string();
   o.device = cfg_.eval->device.empty() ? device_ : cfg_.eval->device;
   o.gpu = eval_gpu(cfg_);
   o.work_dir = (fs::path(cfg_.run.output_dir) / "evals").string();
+  // The eval workers read the run's effective config (the command line's overrides applied, the
+  // kernels: section after the environment), not the file alone; a token set in the config is not
+  // written there (eval workers do not call the control plane).
+  config::RunConfig effective = base_cfg_;
+  if (!effective.coordinator.token.empty()) effective.coordinator.token = "<redacted>";
+  fs::create_directories(o.work_dir);
+  o.config_path = fs::absolute(fs::path(o.work_dir) / "run-config.yaml").string();
+  atomic_write(o.config_path, config::to_yaml(effective));
   o.timeout_s = cfg_.eval->timeout_s;
   std::lock_guard<std::mutex> lk(mu_);
   eval_ = std::make_unique<EvalRunner>(o);
