@@ -149,11 +149,10 @@ class Registry : public prometheus::Collectable {
 // read at declaration; a read failing later makes that scrape answer 500 with the message.
 void declare_process_metrics(Registry& r);
 
-// dflash_build_info{version, commit} = 1: the project version and the git commit the binaries were
-// configured from ("unknown" outside a git checkout). Throws ConfigError if declared twice in `r`.
+// dflash_build_info{version, commit} = 1: build_info::version() and build_info::identity()
+// (core/util/build_info.h: the commit the binary was built from, "-dirty" with uncommitted changes,
+// "unknown" outside a git checkout). Throws ConfigError if declared twice in `r`.
 void declare_build_info(Registry& r);
-std::string build_version();
-std::string build_commit();
 
 // Both of the above: what every service declares next to its own metrics.
 inline void declare_common_metrics(Registry& r) {

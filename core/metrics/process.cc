@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/metrics/metrics.h"
+#include "core/util/build_info.h"
 #include "core/util/error.h"
 
 namespace dflash::metrics {
@@ -69,7 +70,7 @@ void declare_process_metrics(Registry& r) {
 
 void declare_build_info(Registry& r) {
   r.unitless_gauge("dflash_build_info", "always 1: the labels name the version and git commit of this build",
-                   {{"version", build_version()}, {"commit", build_commit()}})
+                   {{"version", build_info::version()}, {"commit", build_info::identity()}})
       .set(1);
 }
 

@@ -3,8 +3,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/train/build_version.h"
 #include "core/train/export.h"
+#include "core/util/build_info.h"
 #include "core/util/error.h"
 #include "core/util/fileio.h"
 
@@ -91,8 +91,8 @@ json provenance_json(const ExportProvenance& p) {
   out["steps"] = p.steps ? json(*p.steps) : json();
   out["tau_final"] = p.tau_final ? json(*p.tau_final) : json();
   out["tau_best"] = p.tau_best ? json(*p.tau_best) : json();
-  out["dflash_version"] = DFLASH_BUILD_VERSION;
-  out["dflash_commit"] = DFLASH_BUILD_COMMIT;
+  out["dflash_version"] = build_info::version();
+  out["dflash_commit"] = build_info::identity();
   return out;
 }
 

@@ -1,6 +1,6 @@
 // dflash-drafter: the drafter trainer binary. Thin: dispatch a subcommand, map errors to exit codes.
+#include "core/util/build_info.h"
 #include "core/util/process.h"
-#include "core/util/version.h"
 #include "services/drafter/eval_worker.h"
 #include "services/drafter/trainer_service.h"
 
@@ -10,5 +10,5 @@ int main(int argc, char** argv) {
                              {"dflash-drafter", "drafter",
                               {{"train", drafter::cmd_train_service, drafter::kTrainServiceUsage},
                                {"eval-checkpoint", drafter::cmd_eval_checkpoint, drafter::kEvalCheckpointUsage}}},
-                             build_version(), build_commit());
+                             build_info::version(), build_info::identity().c_str());
 }

@@ -1,6 +1,6 @@
 // dflash-target: the target server binary. Thin: dispatch a subcommand, map errors to exit codes.
+#include "core/util/build_info.h"
 #include "core/util/process.h"
-#include "core/util/version.h"
 #include "services/target/capture_cmd.h"
 #include "services/target/serve.h"
 
@@ -10,5 +10,5 @@ int main(int argc, char** argv) {
                              {"dflash-target", "target",
                               {{"capture", target::cmd_capture, target::kCaptureUsage},
                                {"serve", target::cmd_serve, target::kServeUsage}}},
-                             build_version(), build_commit());
+                             build_info::version(), build_info::identity().c_str());
 }

@@ -13,9 +13,9 @@ bin=$1 work=$2
 src=${DFLASH_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 rm -rf "$work" && mkdir -p "$work"
 fail() { echo "FAIL: $*"; exit 1; }
-# The commit the binaries must report (the build embeds `git describe --always --dirty`).
+# The commit the binaries must report (core/util/build_info.h: `git rev-parse HEAD`, "-dirty" with changes).
 commit=""
-if git -C "$src" rev-parse --git-dir > /dev/null 2>&1; then commit=$(git -C "$src" rev-parse --short=12 HEAD); fi
+if git -C "$src" rev-parse --git-dir > /dev/null 2>&1; then commit=$(git -C "$src" rev-parse HEAD); fi
 
 # expect RC WHAT CMD...: runs CMD (stdout -> $work/out, stderr -> $work/err), checks its exit code.
 expect() {

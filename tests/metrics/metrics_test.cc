@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "core/metrics/metrics.h"
+#include "core/util/build_info.h"
 #include "core/util/error.h"
 
 using namespace dflash;
@@ -157,9 +158,12 @@ TEST(Metrics, ProcessAndBuildInfo) {
   volatile double x = 0;
   for (const std::clock_t c0 = std::clock(); std::clock() - c0 < CLOCKS_PER_SEC / 3;) x = x + 1;  // 0.33 s of CPU
   EXPECT_GT(sample(reg.text(), "dflash_process_cpu_seconds_total"), cpu0 + 0.1);
-  EXPECT_FALSE(build_version().empty());
-  EXPECT_FALSE(build_commit().empty());
-  EXPECT_EQ(sample(first, "dflash_build_info{commit=\"" + build_commit() + "\",version=\"" + build_version() + "\"}"), 1);
+  // The label is the build's one identity (core/util/build_info.h), as --version and an export show it.
+  EXPECT_FALSE(std::string(build_info::version()).empty());
+  EXPECT_FALSE(build_info::identity().empty());
+  EXPECT_EQ(sample(first, "dflash_build_info{commit=\"" + build_info::identity() + "\",version=\"" +
+                              build_info::version() + "\"}"),
+            1);
 }
 
 TEST(StageProfiler, SharesAddUpAndLineFormat) {

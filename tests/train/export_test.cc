@@ -13,6 +13,7 @@
 
 #include "core/io/safetensors.h"
 #include "core/train/checkpoint.h"
+#include "core/util/build_info.h"
 #include "services/drafter/export_cmd.h"
 #include "tests/common/drafter_test_util.h"
 #include "tests/common/test_util.h"
@@ -183,7 +184,9 @@ TEST(Export, ProvenanceBlockAndModelCard) {
   EXPECT_EQ(prov["tau_final"], 3.25);
   EXPECT_TRUE(prov["tau_best"].is_null());
   EXPECT_FALSE(prov["dflash_version"].get<std::string>().empty());
-  EXPECT_FALSE(prov["dflash_commit"].get<std::string>().empty());
+  // The build's one identity (core/util/build_info.h), as --version and dflash_build_info show it.
+  EXPECT_EQ(prov["dflash_version"], build_info::version());
+  EXPECT_EQ(prov["dflash_commit"], build_info::identity());
   // The import ignores the block: the config round-trips as before.
   EXPECT_EQ(drafter_config_difference(import_hf(tmp.file("out")).config, d.config()), "");
 
