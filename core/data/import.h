@@ -30,13 +30,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/data/shards.h"
+
 namespace dflash::data {
 
 struct ImportOptions {
   std::vector<std::string> inputs;  // JSONL files, read in this order
   std::string out_dir;
   int64_t max_seq_len = 0;          // 0 = no truncation; otherwise >= 2 * block_size
-  int64_t block_size = 16;          // the drafter's block size; >= 1
+  int64_t block_size = kDefaultBlockSize;  // the largest drafter block size to serve; >= 1
   bool skip_bad = false;
   int64_t shard_tokens = int64_t{1} << 26;  // tokens per shard file (~320 MiB); >= 1
   // Provenance of the inputs (e.g. the .meta.json sidecars of `dflash data prepare`), recorded

@@ -234,6 +234,9 @@ ShardReader ShardReader::open(const std::string& dir) {
                ipath << ": holds " << ih.num_samples << " samples but " << mpath << " says " << m_docs);
   DFLASH_CHECK(ih.num_shards == m_num_shards, DataError,
                ipath << ": names " << ih.num_shards << " shards but " << mpath << " lists " << m_num_shards);
+  const uint32_t m_block = m.get<uint32_t>("block_size");
+  DFLASH_CHECK(ih.block_size == m_block, DataError,
+               ipath << ": header says block_size " << ih.block_size << " but " << mpath << " says " << m_block);
   r.records_ = reinterpret_cast<const IndexRecord*>(idx.data + sizeof(IndexHeader));
   r.num_samples_ = ih.num_samples;
   r.block_size_ = ih.block_size;
@@ -333,6 +336,20 @@ std::vector<uint32_t> ShardReader::lengths() const {
   std::vector<uint32_t> out(num_samples_);
   for (uint64_t i = 0; i < num_samples_; ++i) out[i] = records_[i].length;
   return out;
+}
+
+// -------------------------------------------------------------------------------------------------
+// Training's check against the drafter's block size
+// -------------------------------------------------------------------------------------------------
+
+void check_block_size(const ShardReader& shards, int64_t drafter_block_size) {
+  const int64_t b = shards.block_size();
+  DFLASH_CHECK(b >= drafter_block_size, ConfigError,
+               shards.dir() << "/" << kManifestFile << ": the shards were imported with block_size " << b
+                            << " (documents of at least " << 2 * b << " trainable tokens) but drafter.block_size is "
+                            << drafter_block_size << ": re-import them with `dflash data import --block-size "
+                            << drafter_block_size << "` (or `dflash data prepare --out DIR --block-size "
+                            << drafter_block_size << "`), or set drafter.block_size to at most " << b);
 }
 
 }  // namespace dflash::data

@@ -40,6 +40,11 @@
 //    core/io/json_file.h (a missing or mistyped field names the field).
 //  - Every failure is dflash::DataError (exit code 4) naming the file and the byte offset or the
 //    sample id, and the field; an unknown version carries a hint to re-import or upgrade.
+//  - The block size B (manifest "block_size" = index header block_size; open() refuses a dataset
+//    whose two disagree) is the one the import's short filter used: every document has at least
+//    2 * B trainable tokens. Packing and anchor sampling do not read it. A drafter of block size
+//    b <= B trains on the shards as they are; b > B would train on documents shorter than two of
+//    its blocks, so training refuses it (check_block_size) and asks for a re-import at b.
 #pragma once
 
 #include <cstddef>
@@ -57,6 +62,12 @@ inline constexpr char kIndexMagic[8] = {'D', 'F', 'L', 'S', 'I', 'D', 'X', '1'};
 inline constexpr uint32_t kShardFormatVersion = 1;
 inline constexpr const char* kManifestFile = "manifest.json";
 inline constexpr const char* kIndexFile = "index.bin";
+// The block size an import filters with when none is given (`dflash data import` / `data prepare
+// --out DIR` without --block-size, ImportOptions, ShardWriterOptions): documents need at least
+// 2 * 16 trainable tokens, and the shards serve drafters of block size up to 16
+// (check_block_size). A drafter's own default (config drafter.block_size) is larger: import with
+// --block-size equal to the drafter's block size.
+inline constexpr uint32_t kDefaultBlockSize = 16;
 
 #pragma pack(push, 1)
 struct ShardHeader {
@@ -119,7 +130,7 @@ struct SampleView {
 struct ShardWriterOptions {
   int64_t shard_tokens = int64_t{1} << 26;  // start a new shard once this many tokens are buffered
                                            // (a larger document still gets a shard of its own)
-  uint32_t block_size = 16;                 // recorded in the index header and the manifest
+  uint32_t block_size = kDefaultBlockSize;  // recorded in the index header and the manifest
   int64_t max_seq_len = 0;                  // recorded in the manifest (0 = none)
 };
 
@@ -176,6 +187,7 @@ class ShardReader {
   uint64_t num_samples() const { return num_samples_; }
   uint32_t num_shards() const { return static_cast<uint32_t>(shards_.size()); }
   uint64_t num_tokens() const { return num_tokens_; }
+  // The block size the import filtered with (index header; open() checks the manifest agrees).
   uint32_t block_size() const { return block_size_; }
   const nlohmann::json& manifest() const { return manifest_; }
   const std::string& dir() const { return dir_; }
@@ -201,5 +213,10 @@ class ShardReader {
   uint64_t num_samples_ = 0, num_tokens_ = 0;
   uint32_t block_size_ = 0;
 };
+
+// Training's check of the shards against the drafter (see the contract at the top): ConfigError
+// (exit 2) when shards.block_size() < drafter_block_size, naming both values, the manifest file and
+// the --block-size to re-import with. A larger shard block size passes: the filter was stricter.
+void check_block_size(const ShardReader& shards, int64_t drafter_block_size);
 
 }  // namespace dflash::data

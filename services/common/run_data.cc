@@ -39,4 +39,10 @@ std::optional<json> import_run_data(const config::RunConfig& cfg) {
   return s.to_json();
 }
 
+data::ShardReader open_run_shards(const config::RunConfig& cfg) {
+  data::ShardReader shards = data::ShardReader::open(cfg.data.shard_dir);
+  data::check_block_size(shards, cfg.drafter.block_size);
+  return shards;
+}
+
 }  // namespace dflash::pipeline

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/config/config.h"
+#include "core/data/shards.h"
 
 namespace dflash::pipeline {
 
@@ -19,5 +20,10 @@ namespace dflash::pipeline {
 // or restarted run) it is reused (nullopt). ConfigError when it holds one imported from other inputs;
 // the import's own errors (core/data/import.h) otherwise.
 std::optional<nlohmann::json> import_run_data(const config::RunConfig& cfg);
+
+// The run's shards (data.shard_dir) as training reads them: ShardReader::open (DataError when
+// damaged), then data::check_block_size against drafter.block_size (ConfigError when the shards were
+// imported for a smaller block). What the coordinator plans from and every trainer reads.
+data::ShardReader open_run_shards(const config::RunConfig& cfg);
 
 }  // namespace dflash::pipeline

@@ -163,7 +163,7 @@ json Coordinator::plan() {
   if (opts_.plan_lengths.empty()) {
     if (opts_.plan_only) lock_for_plan_import();
     if (auto imported = pipeline::import_run_data(cfg_)) data_import_ = *imported;  // data.jsonl, once per run dir
-    lengths_ = data::ShardReader::open(cfg_.data.shard_dir).lengths();
+    lengths_ = pipeline::open_run_shards(cfg_).lengths();  // refuses shards imported for a smaller block
   } else {
     lengths_ = opts_.plan_lengths;  // --plan-samples: sized before any data exists
   }

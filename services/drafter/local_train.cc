@@ -211,7 +211,7 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
 
   // One target, one drafter: the schedule is the epoch plans in order, cut to whole steps per epoch.
   pipeline::import_run_data(cfg);  // data.jsonl: into data.shard_dir, once per run dir
-  auto shards = data::ShardReader::open(cfg.data.shard_dir);
+  auto shards = pipeline::open_run_shards(cfg);
   const auto sched = stream::RunSchedule::build(shards.lengths(), cfg.run.epochs, {1, 1, cfg.train.grad_accum},
                                                 {stream::Generation{0, plan.packing, 1}});
   int64_t micro_total = 0;

@@ -34,6 +34,7 @@
 #include "core/train/trainer.h"
 #include "services/common/pipeline_common.h"
 #include "services/common/provenance.h"
+#include "services/common/run_data.h"
 #include "services/common/run_plan.h"
 #include "services/common/transport_factory.h"
 #include "services/drafter/train_loop.h"
@@ -565,7 +566,7 @@ void DrafterRank::build() {
   drafter_ = std::make_unique<model::Drafter>(plan_->drafter, device_, static_cast<uint64_t>(cfg_.run.seed));
   if (!cfg_.drafter.init_from.empty()) train::init_from_export(*drafter_, cfg_.drafter.init_from);
 
-  auto shards = data::ShardReader::open(cfg_.data.shard_dir);
+  auto shards = pipeline::open_run_shards(cfg_);
   sched_.emplace(pipeline::build_schedule(cfg_, shards.lengths(), launch_));
   provenance_ = pipeline::run_provenance(cfg_);
   // Learning-rate schedule length as `dflash train` computes it; fixed by the coordinator at run

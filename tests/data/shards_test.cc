@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 
+#include "core/data/import.h"
 #include "core/data/packing.h"
 #include "tests/common/test_util.h"
 
@@ -265,6 +266,35 @@ TEST(Shards, ManifestFieldsOfTheWrongTypeNameTheField) {
   EXPECT_TRUE(contains(msg, "field 'shards[0].file' must name a file inside the dataset directory")) << msg;
   msg = with([](nlohmann::json& j) { j["version"] = -1; });
   EXPECT_TRUE(contains(msg, "manifest.json: field 'version' must be an integer in [0, 4294967295], got -1")) << msg;
+}
+
+// The manifest's block size is read back: it must agree with the index header, and training refuses
+// a drafter block larger than the one the import filtered with (check_block_size).
+TEST(Shards, BlockSizeIsCheckedAgainstTheDrafter) {
+  ScratchDir tmp;
+  const std::string dir = write_dataset(tmp.file("ds"), make_docs(3, 20, 12), 1 << 20);  // block size 4
+  const ShardReader r = ShardReader::open(dir);
+  EXPECT_EQ(r.block_size(), 4u);
+  check_block_size(r, 4);  // the import's own block
+  check_block_size(r, 2);  // a smaller drafter block: every document still holds two of its blocks
+  const std::string msg = error_of<ConfigError>([&] { check_block_size(r, 8); });
+  for (const std::string& want : {dir + "/manifest.json", std::string("imported with block_size 4"),
+                                  std::string("drafter.block_size is 8"), std::string("--block-size 8")})
+    EXPECT_TRUE(contains(msg, want)) << "lacks '" << want << "': " << msg;
+
+  nlohmann::json m;
+  std::ifstream(dir + "/manifest.json") >> m;
+  m["block_size"] = 16;
+  testing::write_file(dir + "/manifest.json", m.dump());
+  const std::string bad = error_of<DataError>([&] { ShardReader::open(dir); });
+  EXPECT_TRUE(contains(bad, "index.bin: header says block_size 4 but")) << bad;
+  EXPECT_TRUE(contains(bad, "manifest.json says 16")) << bad;
+}
+
+// The defaults of the import (ImportOptions, the CLI through it) and of the writer are one constant.
+TEST(Shards, DefaultBlockSizeIsOneConstant) {
+  EXPECT_EQ(ShardWriterOptions{}.block_size, kDefaultBlockSize);
+  EXPECT_EQ(ImportOptions{}.block_size, static_cast<int64_t>(kDefaultBlockSize));
 }
 
 // The index is what open() could be tempted to scan, so this builds 1M samples of tiny documents
