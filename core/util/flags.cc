@@ -158,14 +158,4 @@ std::string closest_match(const std::string& word, const std::vector<std::string
   return best;
 }
 
-bool help_requested(int argc, char** argv, const char* usage) {
-  for (int i = 0; i < argc && std::strcmp(argv[i], "--"); ++i) {
-    if (is_help(argv[i])) {
-      std::cout << usage;
-      return true;
-    }
-  }
-  return false;
-}
-
 }  // namespace dflash

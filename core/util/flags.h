@@ -54,7 +54,4 @@ size_t edit_distance(const std::string& a, const std::string& b);
 // `candidates`' order.
 std::string closest_match(const std::string& word, const std::vector<std::string>& candidates);
 
-// True when a command's arguments hold --help or -h; then `usage` has been printed on stdout.
-bool help_requested(int argc, char** argv, const char* usage);
-
 }  // namespace dflash

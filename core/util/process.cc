@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -66,11 +67,40 @@ int run_command(const std::function<int()>& body) {
   }
 }
 
-std::string usage_text(const char* binary, const std::vector<Subcommand>& commands) {
+namespace {
+constexpr const char* kExitCodesLine = "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
+}  // namespace
+
+std::string usage_text(const std::vector<Subcommand>& commands) {
   std::string out;
-  for (const auto& c : commands)
-    out += std::string(out.empty() ? "usage: " : "       ") + binary + " " + c.name + " " + c.usage + "\n";
-  return out + "exit codes: 0 ok, 1 failure, 2 config/usage, 3 CUDA OOM, 4 bad data\n";
+  for (const auto& c : commands) out += usage_lines(c.spec(), out.empty() ? "usage: " : "       ");
+  return out + kExitCodesLine;
+}
+
+std::string command_help(const Subcommand& command) { return help_text(command.spec()) + kExitCodesLine; }
+
+namespace {
+// The anchor a Markdown renderer gives the heading "### `TEXT`": lower case, spaces as '-', other
+// punctuation dropped.
+std::string anchor_of(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_')
+      out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    else if (c == ' ')
+      out += '-';
+  }
+  return out;
+}
+}  // namespace
+
+std::string markdown_reference(const Binary& binary) {
+  std::string out = "| command | what |\n|---|---|\n";
+  for (const auto& c : binary.commands)
+    out += std::string("| [`") + binary.name + " " + c.name + "`](#" + anchor_of(c.spec().name) + ") | " +
+           markdown_cell(c.spec().summary) + " |\n";
+  for (const auto& c : binary.commands) out += "\n" + markdown_reference(c.spec());
+  return out;
 }
 
 std::string version_line(const char* binary, const char* version, const char* commit) {
@@ -117,7 +147,7 @@ int unknown_command(const Binary& b, int argc, char** argv) {
   const std::string near = closest_match(word, names);
   std::cerr << b.name << ": unknown " << (word.rfind("--", 0) == 0 ? "flag" : "command") << " '" << word << "'"
             << (near.empty() ? "" : "; did you mean '" + near + "'?") << "\n"
-            << usage_text(b.name, group ? group_commands(b, argv[1]) : b.commands);
+            << usage_text(group ? group_commands(b, argv[1]) : b.commands);
   return kExitConfig;
 }
 
@@ -137,12 +167,12 @@ const Subcommand* find_command(const Binary& b, int argc, char** argv, int* word
 int help_for(const Binary& b, int argc, char** argv) {
   int words = 0;
   if (const Subcommand* c = find_command(b, argc, argv, &words)) {
-    std::cout << usage_text(b.name, {*c});
+    std::cout << command_help(*c);
     return kExitOk;
   }
   const auto group = group_commands(b, argv[1]);
   if (!group.empty() && argc == 2) {
-    std::cout << usage_text(b.name, group);
+    std::cout << usage_text(group);
     return kExitOk;
   }
   return unknown_command(b, argc, argv);
@@ -161,7 +191,7 @@ int run_registered(const Binary& b, const Subcommand& c, int argc, char** argv, 
       return c.run(argc, argv);
     });
   } catch (const HelpRequested&) {
-    std::cout << usage_text(b.name, {c});
+    std::cout << command_help(c);
     return kExitOk;
   }
 }
@@ -170,16 +200,25 @@ int run_registered(const Binary& b, const Subcommand& c, int argc, char** argv, 
 int dispatch_subcommand(int argc, char** argv, const Binary& b, const char* version, const char* commit) {
   set_log_role(b.role);
   if (argc < 2) {
-    std::cerr << usage_text(b.name, b.commands);
+    std::cerr << usage_text(b.commands);
     return kExitConfig;
   }
   if (argc > 2 && is_arg(argv[1], {"help"})) return help_for(b, argc - 1, argv + 1);
   if (is_arg(argv[1], {"--help", "-h", "help"})) {
-    std::cout << usage_text(b.name, b.commands);
+    std::cout << usage_text(b.commands);
     return kExitOk;
   }
   if (is_arg(argv[1], {"--version"})) {
     std::cout << version_line(b.name, version, commit);
+    return kExitOk;
+  }
+  if (is_arg(argv[1], {"--markdown-reference"})) {
+    std::cout << markdown_reference(b);
+    return kExitOk;
+  }
+  if (is_arg(argv[1], {"--list-options"})) {
+    for (const auto& c : b.commands)
+      for (const auto& o : all_options(c.spec())) std::cout << c.name << "\t--" << o.name << "\n";
     return kExitOk;
   }
   if (is_arg(argv[1], {"--list-commands"})) {
@@ -191,7 +230,7 @@ int dispatch_subcommand(int argc, char** argv, const Binary& b, const char* vers
   if (best) return run_registered(b, *best, argc - 1 - best_words, argv + 1 + best_words, version, commit);
   const auto group = group_commands(b, argv[1]);
   if (!group.empty() && (argc == 2 || is_arg(argv[2], {"--help", "-h"}))) {
-    (argc == 2 ? std::cerr : std::cout) << usage_text(b.name, group);
+    (argc == 2 ? std::cerr : std::cout) << usage_text(group);
     return argc == 2 ? kExitConfig : kExitOk;
   }
   return unknown_command(b, argc, argv);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/util/error.h"
+#include "core/util/options.h"
 
 namespace dflash {
 
@@ -35,12 +36,12 @@ int run_command(const std::function<int()>& body);
 
 // One command of a binary (the binary's command registry is a list of these; docs/cli.md).
 // `name`: one word ("capture") or a group and a word ("bench target"); `run` gets the arguments
-// after the name. `usage`: its arguments, as printed after "usage: BINARY NAME ", optionally
-// followed by indented description lines.
+// after the name. `spec`: the command's option table (core/util/options.h), named "BINARY NAME":
+// its usage, --help and Markdown reference come from it.
 struct Subcommand {
   const char* name;
   int (*run)(int argc, char** argv);
-  const char* usage;
+  const CommandSpec& (*spec)();
 };
 
 // A binary: its name, its log role, and its commands.
@@ -50,8 +51,13 @@ struct Binary {
   std::vector<Subcommand> commands;
 };
 
-// "usage: BINARY NAME USAGE" for each command, then the exit codes.
-std::string usage_text(const char* binary, const std::vector<Subcommand>& commands);
+// Each command's usage_lines (core/util/options.h; "usage: " before the first only), then the exit codes.
+std::string usage_text(const std::vector<Subcommand>& commands);
+// A command's help_text, then the exit codes: its --help.
+std::string command_help(const Subcommand& command);
+// The Markdown command reference of a binary: a table of its commands (synopsis and summary), then
+// each command's markdown_reference (docs/cli.md's generated section).
+std::string markdown_reference(const Binary& binary);
 
 // "BINARY VERSION (commit COMMIT)": the --version line.
 std::string version_line(const char* binary, const char* version, const char* commit);
@@ -59,12 +65,14 @@ std::string version_line(const char* binary, const char* version, const char* co
 // A binary's main() (the conventions of docs/cli.md): sets the log role, then
 // - no arguments -> usage_text on stderr, exit 2;
 // - --help, -h or help -> usage_text on stdout, exit 0; help COMMAND (or help GROUP) -> that
-//   command's (group's) usage alone on stdout, exit 0; --version -> version_line on stdout, exit 0;
-//   --list-commands -> every command name, one per line, exit 0 (the CLI test iterates over them);
+//   command's command_help (the group's usage_text) alone on stdout, exit 0; --version -> version_line
+//   on stdout, exit 0; --list-commands -> every command name, one per line, exit 0 (the CLI test
+//   iterates over them);
+// - hidden, for the docs and tests: --markdown-reference -> markdown_reference on stdout;
+//   --list-options -> "COMMAND<TAB>--FLAG" for every flag of every command's table (modes included);
 // - a known command (its longest matching name): --version anywhere in its arguments -> version_line,
 //   exit 0; else the log level switch is applied (apply_log_level_switch) and the command runs under
-//   run_command; a HelpRequested (--help / -h, core/util/flags.h) -> usage_text of that command on
-//   stdout, exit 0;
+//   run_command; a HelpRequested (--help / -h, core/util/flags.h) -> command_help on stdout, exit 0;
 // - a group word alone ("bench") or with --help / -h -> the group's commands (stderr, exit 2, or
 //   stdout, exit 0);
 // - anything else -> "unknown command 'X'; did you mean 'Y'?" (edit distance) and usage, exit 2.

@@ -34,7 +34,7 @@
 #include "services/common/control_client.h"
 #include "services/common/run_plan.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/log.h"
 
 namespace dflash::pipeline {
@@ -58,11 +58,11 @@ inline stream::RunSchedule build_schedule(const config::RunConfig& c, const std:
 
 // The coordinator's client when --coordinator ADDR is given (started by `dflash run`: register and
 // fetch the launch plan, see control_client.h), else nullptr (started by hand).
-inline std::unique_ptr<control::ControlClient> connect_coordinator(const Flags& f, const config::RunConfig& cfg,
+inline std::unique_ptr<control::ControlClient> connect_coordinator(const Options& f, const config::RunConfig& cfg,
                                                                    config::Role role, int rank, int metrics_port) {
   if (!f.has("coordinator")) return nullptr;
   return control::ControlClient::connect(control::ControlClient::options_from_env(
-      f.get("coordinator"), role, rank, static_cast<int>(f.get_int("attempt", 0)), metrics_port,
+      f.get("coordinator"), role, rank, static_cast<int>(f.get_int("attempt")), metrics_port,
       cfg.coordinator.heartbeat_timeout_s));
 }
 
@@ -124,9 +124,9 @@ inline uint64_t run_id_of(const config::RunConfig& c) {
   const std::string key = c.run.name + '\0' + c.run.output_dir;
   return stream::xxhash64(key.data(), key.size()) & 0x7fffffffffffffffull;
 }
-inline uint64_t run_id_of(const config::RunConfig& c, const Flags& f) {
+inline uint64_t run_id_of(const config::RunConfig& c, const Options& f) {
   if (f.has("run-id")) {
-    const int64_t v = f.get_int("run-id", 0);
+    const int64_t v = f.get_int("run-id");
     DFLASH_CHECK(v >= 0, ConfigError, "--run-id must be >= 0, got " << v);
     return static_cast<uint64_t>(v);
   }
@@ -141,10 +141,21 @@ struct WorkerOptions {
   int metrics_port = -1;  // -1: no /metrics; 0: ephemeral (logged)
 };
 
-// The flags of WorkerOptions plus --config, --coordinator and --attempt, and a command's own `extra`.
-inline std::set<std::string> worker_flags(std::set<std::string> extra) {
-  extra.insert({"config", "set", "rank", "device", "run-id", "metrics-port", "coordinator", "attempt"});
-  return extra;
+// The flags of WorkerOptions plus --config, --set, --coordinator and --attempt, then a command's own
+// `extra`: the option table of a worker command (core/util/options.h).
+inline std::vector<Option> worker_options(const std::vector<Option>& extra) {
+  std::vector<Option> out{
+      required("config", "CFG", "the run config (YAML)"),
+      repeated("set", "section.field=VALUE", "a config override (the coordinator forwards its own)"),
+      computed("rank", "R", "none: must be given", "this worker's rank within its role"),
+      value("device", "cpu|cuda", "cpu", "where this worker runs"),
+      computed("run-id", "ID", "a hash of run.name and run.output_dir",
+               "the run id (names the shared memory; every process of one run agrees)"),
+      value("metrics-port", "P", "-1", "the /metrics port (-1: none; 0: ephemeral, logged)"),
+      value("coordinator", "ADDR", "", "the coordinator's HOST:PORT (set by dflash run; by hand: none)"),
+      value("attempt", "N", "0", "the restart attempt (set by dflash run)")};
+  out.insert(out.end(), extra.begin(), extra.end());
+  return out;
 }
 
 // What a worker command starts from: its config with the launch's topology (without the workers a
@@ -158,15 +169,15 @@ struct WorkerStart {
 // Loads --config (with the --set overrides the coordinator forwards) and installs its kernels
 // section (config::install_kernels), reads the common flags into `o`, connects to the coordinator when --coordinator
 // is given and takes its launch plan (else LaunchPlan::standalone). Positional arguments ->
-// ConfigError with `usage`.
-inline WorkerStart start_worker(const Flags& f, config::Role role, WorkerOptions& o, const std::string& usage) {
-  DFLASH_CHECK(f.positional().empty(), ConfigError, usage);
+// ConfigError with the command's usage.
+inline WorkerStart start_worker(const Options& f, config::Role role, WorkerOptions& o) {
+  DFLASH_CHECK(f.positional().empty(), ConfigError, usage_lines(f.spec()));
   WorkerStart w{config::load_config_or_throw(f.get("config"), f.get_all("set")), {}, nullptr};
   config::install_kernels(w.cfg);  // the numerics switches answer the config's kernels section
-  o.rank = static_cast<int>(f.get_int("rank", -1));
-  o.device = f.get("device", "cpu");
+  o.rank = static_cast<int>(f.get_int_or("rank", -1));
+  o.device = f.get("device");
   o.run_id = run_id_of(w.cfg, f);
-  o.metrics_port = static_cast<int>(f.get_int("metrics-port", -1));
+  o.metrics_port = static_cast<int>(f.get_int("metrics-port"));
   w.client = connect_coordinator(f, w.cfg, role, o.rank, o.metrics_port);
   w.plan = w.client ? w.client->plan() : control::LaunchPlan::standalone(w.cfg, o.run_id);
   if (w.client) o.run_id = w.plan.run_id;

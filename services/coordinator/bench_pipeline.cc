@@ -27,7 +27,7 @@
 #include "core/model/device_memory.h"
 #include "core/io/safetensors.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/log.h"
 #include "core/util/process.h"
 #include "services/coordinator/launcher.h"
@@ -39,17 +39,42 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-const char* kUsage =
-    "usage: dflash bench pipeline [--transport shm|c10d] [--shape tiny|qwen3-8b | --model HF_DIR]\n"
-    "         [--device cpu|cuda] [--target-gpu 0] [--drafter-gpu 0] [--samples N] [--seq-len L]\n"
-    "         [--token-budget T] [--max-batch-size B] [--epochs 1] [--drafter-layers 5] [--block-size 16]\n"
-    "         [--max-anchors 512] [--inflight-depth 2] [--work DIR] [--bin-dir DIR] [--timeout-s 3000] [--keep-run]\n"
-    "         [--drafter-env NAME=VALUE,...] [--target-env NAME=VALUE,...]\n"
-    "  Both transports use inflight_depth slots per link (shm_slots = inflight_depth).\n"
-    "  --drafter-env / --target-env: extra environment of that process only (e.g. an MPS client's\n"
-    "  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE when both share a GPU under MPS).\n"
-    "  --shape writes a random-weight HF dir (config.json + model.safetensors) under --work once and\n"
-    "  reuses it; --model uses an existing one (e.g. the tiny test model).\n";
+}  // namespace
+
+const CommandSpec& bench_pipeline_spec() {
+  static const CommandSpec s{
+      "dflash bench pipeline",
+      "1 `dflash-target serve` + 1 `dflash-drafter train` as processes on generated data: the drafter's\n"
+      "tokens/s and waiting fraction, target pack+send / forward, peak memory per process, checksums, as JSON",
+      {},
+      {value("transport", "shm|c10d", "shm", "the link (c10d: NCCL, needs --device cuda)"),
+       value("shape", "tiny|qwen3-8b", "",
+             "a random-weight HF target of this shape, written under --work once and reused (or --model)"),
+       value("model", "HF_DIR", "", "an existing HF model folder instead of --shape"),
+       value("device", "cpu|cuda", "cpu", "where both processes run"),
+       value("target-gpu", "N", "0", "the target's GPU"),
+       value("drafter-gpu", "N", "0", "the drafter's GPU"),
+       computed("samples", "N", "64 at qwen3-8b, else 48", "generated samples"),
+       computed("seq-len", "L", "4096 at qwen3-8b, else 64", "tokens per sample"),
+       computed("token-budget", "T", "16384 at qwen3-8b, else 4 * seq-len", "data.token_budget"),
+       computed("max-batch-size", "B", "token-budget / seq-len", "data.max_batch_size"),
+       value("epochs", "N", "1", "run.epochs"),
+       computed("drafter-layers", "N", "5 at qwen3-8b, else 1", "drafter.num_layers"),
+       computed("block-size", "B", "16 at qwen3-8b, else 8", "drafter.block_size"),
+       computed("max-anchors", "N", "512 at qwen3-8b, else 32", "train.max_anchors"),
+       value("inflight-depth", "N", "2", "slots per link, both transports (shm_slots = inflight_depth)"),
+       computed("work", "DIR", "a fresh temporary folder", "the work folder (target, data, run)"),
+       computed("bin-dir", "DIR", "this binary's folder", "where dflash-target and dflash-drafter are"),
+       value("timeout-s", "S", "3000", "the pair's deadline"),
+       value("grace-s", "S", "60", "when one process fails, the seconds the other gets to notice before it is killed"),
+       flag("keep-run", "keep the run folder (the drafter's checkpoint and export) afterwards"),
+       value("drafter-env", "NAME=VALUE,...", "",
+             "extra environment of the drafter process only (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE under MPS)"),
+       value("target-env", "NAME=VALUE,...", "", "extra environment of the target process only")}};
+  return s;
+}
+
+namespace {
 
 double secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -253,9 +278,9 @@ struct BenchOptions {
 
 // --drafter-env / --target-env: comma-separated NAME=VALUE entries, NAME of [A-Za-z0-9_] not starting
 // with a digit.
-std::vector<std::string> env_entries(const Flags& f, const char* flag) {
+std::vector<std::string> env_entries(const Options& f, const char* flag) {
   std::vector<std::string> out;
-  const std::string v = f.get(flag, "");
+  const std::string v = f.has(flag) ? f.get(flag) : "";
   size_t at = 0;
   while (at < v.size()) {
     const size_t end = std::min(v.find(',', at), v.size());
@@ -270,31 +295,31 @@ std::vector<std::string> env_entries(const Flags& f, const char* flag) {
   return out;
 }
 
-BenchOptions parse_options(const Flags& f) {
-  DFLASH_CHECK(f.positional().empty(), ConfigError, kUsage);
+BenchOptions parse_options(const Options& f) {
+  DFLASH_CHECK(f.positional().empty(), ConfigError, usage_lines(bench_pipeline_spec()));
   BenchOptions o;
-  o.transport = f.get("transport", "shm");
+  o.transport = f.get("transport");
   DFLASH_CHECK(o.transport == "shm" || o.transport == "c10d", ConfigError,
                "--transport: expected shm|c10d, got '" << o.transport << "'");
-  o.device = f.get("device", "cpu");
+  o.device = f.get("device");
   DFLASH_CHECK(o.device == "cpu" || o.device == "cuda", ConfigError, "--device: expected cpu|cuda, got '" << o.device << "'");
   o.cuda = o.device == "cuda";
   DFLASH_CHECK(o.cuda || o.transport == "shm", ConfigError, "--transport c10d needs --device cuda (NCCL)");
   DFLASH_CHECK(!o.cuda || torch::cuda::is_available(), ConfigError, "--device cuda but no CUDA device is available");
-  DFLASH_CHECK(f.has("shape") != f.has("model"), ConfigError, "give exactly one of --shape NAME and --model DIR\n" << kUsage);
-  o.tgpu = static_cast<int>(f.get_int("target-gpu", 0)), o.dgpu = static_cast<int>(f.get_int("drafter-gpu", 0));
-  o.shape = f.get("shape", "");
+  DFLASH_CHECK(f.has("shape") != f.has("model"), ConfigError, "give exactly one of --shape NAME and --model DIR\n" << usage_lines(bench_pipeline_spec()));
+  o.tgpu = static_cast<int>(f.get_int("target-gpu")), o.dgpu = static_cast<int>(f.get_int("drafter-gpu"));
+  o.shape = f.has("shape") ? f.get("shape") : "";
   const bool big = o.shape == "qwen3-8b";
-  o.seq_len = f.get_int("seq-len", big ? 4096 : 64);
-  o.token_budget = f.get_int("token-budget", big ? 16384 : 4 * o.seq_len);
-  o.max_batch = f.get_int("max-batch-size", std::max<int64_t>(1, o.token_budget / o.seq_len));
-  o.samples = f.get_int("samples", big ? 64 : 48);
-  o.epochs = f.get_int("epochs", 1);
-  o.drafter_layers = f.get_int("drafter-layers", big ? 5 : 1);
-  o.block = f.get_int("block-size", big ? 16 : 8);
-  o.anchors = f.get_int("max-anchors", big ? 512 : 32);
-  o.inflight = f.get_int("inflight-depth", 2);
-  o.timeout_s = f.get_double("timeout-s", 3000), o.grace_s = f.get_double("grace-s", 60);
+  o.seq_len = f.get_int_or("seq-len", big ? 4096 : 64);
+  o.token_budget = f.get_int_or("token-budget", big ? 16384 : 4 * o.seq_len);
+  o.max_batch = f.get_int_or("max-batch-size", std::max<int64_t>(1, o.token_budget / o.seq_len));
+  o.samples = f.get_int_or("samples", big ? 64 : 48);
+  o.epochs = f.get_int("epochs");
+  o.drafter_layers = f.get_int_or("drafter-layers", big ? 5 : 1);
+  o.block = f.get_int_or("block-size", big ? 16 : 8);
+  o.anchors = f.get_int_or("max-anchors", big ? 512 : 32);
+  o.inflight = f.get_int("inflight-depth");
+  o.timeout_s = f.get_double("timeout-s"), o.grace_s = f.get_double("grace-s");
   o.keep_run = f.has("keep-run");
   o.drafter_env = env_entries(f, "drafter-env");
   o.target_env = env_entries(f, "target-env");
@@ -305,7 +330,7 @@ BenchOptions parse_options(const Flags& f) {
 }
 
 // --work (default a fresh temp dir), created; --bin-dir (default this binary's dir) with both workers.
-void prepare_dirs(const Flags& f, BenchOptions& o) {
+void prepare_dirs(const Options& f, BenchOptions& o) {
   fs::path work = f.has("work") ? fs::path(f.get("work")) : fs::temp_directory_path() / ("dflash-bench-pipeline-" + std::to_string(::getpid()));
   fs::create_directories(work);
   o.work = fs::absolute(work);
@@ -434,11 +459,7 @@ json result_json(const BenchOptions& o, const std::vector<Proc>& ps, const std::
 }  // namespace
 
 int cmd_bench_pipeline(int argc, char** argv) {
-  if (help_requested(argc, argv, kUsage)) return kExitOk;
-  Flags f(argc, argv,
-          {"transport", "shape", "model", "device", "target-gpu", "drafter-gpu", "samples", "seq-len", "token-budget",
-           "max-batch-size", "epochs", "drafter-layers", "block-size", "max-anchors", "inflight-depth", "work", "bin-dir",
-           "timeout-s", "grace-s", "keep-run", "drafter-env", "target-env"}, {"keep-run"});
+  Options f(argc, argv, bench_pipeline_spec());
   const auto t_setup = Clock::now();
   BenchOptions o = parse_options(f);
   prepare_dirs(f, o);

@@ -5,7 +5,9 @@
 // time as a fraction of its forward time, peak memory per process (host RSS, CUDA allocator) and
 // whether every batch's checksum was verified. See cmd_bench_pipeline's usage for the flags.
 #pragma once
+#include "core/util/options.h"
 
 namespace dflash::cli {
 int cmd_bench_pipeline(int argc, char** argv);  // args after "dflash bench pipeline"
+const CommandSpec& bench_pipeline_spec();       // its option table (core/util/options.h)
 }

@@ -4,25 +4,17 @@
 #include <exception>
 #include <iostream>
 #include <optional>
-#include <set>
 #include <string>
 
 #include "core/config/config.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/process.h"
 #include "services/coordinator/control_token.h"
 
 namespace dflash::cli {
 
 namespace {
-
-constexpr const char* kUsage =
-    "usage: dflash config check FILE\n"
-    "  Parses and validates a run config; prints every problem as FILE: field.path: message.\n"
-    "  Also checks the control token the coordinator would serve with (coordinator.token, the file of\n"
-    "  coordinator.token_file, or DFLASH_CONTROL_TOKEN): present, not a placeholder, >= 16 characters.\n"
-    "  Exit status: 0 valid, 2 any problem.\n";
 
 // "run 'x': 2 target(s) + 2 drafter(s) on 1 host(s), transport shm, ..."
 std::string summarize(const config::RunConfig& c) {
@@ -41,22 +33,29 @@ std::string summarize(const config::RunConfig& c) {
 
 }  // namespace
 
+const CommandSpec& config_check_spec() {
+  static const CommandSpec s{
+      "dflash config check",
+      "validate a run config; prints every problem as FILE: field.path: message; exit 2 on any",
+      {{"FILE", "the run config (YAML)"}},
+      {},
+      "Also checks the control token the coordinator would serve with (coordinator.token, the file of\n"
+      "coordinator.token_file, or DFLASH_CONTROL_TOKEN): present, not a placeholder, >= 16 characters."};
+  return s;
+}
+
 int cmd_config_check(int argc, char** argv) {
-  std::optional<Flags> flags;
+  std::optional<Options> flags;
   try {
-    flags.emplace(argc, argv, std::set<std::string>{"help"}, std::set<std::string>{"help"});
+    flags.emplace(argc, argv, config_check_spec());
   } catch (const ConfigError& e) {  // an unknown flag
-    std::cerr << "dflash config check: " << user_message(e) << "\n" << kUsage;
+    std::cerr << "dflash config check: " << user_message(e) << "\n" << usage_lines(config_check_spec());
     return kExitConfig;
   }
-  const Flags& f = *flags;
-  if (f.has("help")) {
-    std::cout << kUsage;
-    return kExitOk;
-  }
+  const Options& f = *flags;
   if (f.positional().size() != 1) {
     std::cerr << "dflash config check: expected exactly one FILE, got " << f.positional().size()
-              << " argument(s)\n" << kUsage;
+              << " argument(s)\n" << usage_lines(config_check_spec());
     return kExitConfig;
   }
   const std::string file = f.positional()[0];

@@ -1,5 +1,6 @@
 // `dflash config check FILE`: parse and validate a run config, print every problem at once.
 #pragma once
+#include "core/util/options.h"
 
 namespace dflash::cli {
 
@@ -9,5 +10,7 @@ namespace dflash::cli {
 // Returns 0 when valid, dflash::kExitConfig (2) on any problem (unreadable file and YAML syntax
 // errors included) or on a usage error. Never throws.
 int cmd_config_check(int argc, char** argv);
+// Its option table (core/util/options.h).
+const CommandSpec& config_check_spec();
 
 }  // namespace dflash::cli

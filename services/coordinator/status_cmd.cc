@@ -16,7 +16,7 @@
 #include "control.grpc.pb.h"
 #include "core/config/config.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/io/json_file.h"
 #include "core/stream/shm_transport.h"
 #include "services/common/pipeline_common.h"
@@ -32,7 +32,7 @@ using nlohmann::json;
 namespace {
 
 // The run directory the flags name (--run-dir, or --config's run.output_dir); "" for --coordinator.
-std::string run_dir_of(const Flags& f) {
+std::string run_dir_of(const Options& f) {
   if (f.has("run-dir")) return f.get("run-dir");
   if (f.has("config")) return config::load_config_or_throw(f.get("config")).run.output_dir;
   return "";
@@ -40,7 +40,7 @@ std::string run_dir_of(const Flags& f) {
 
 // The run id of the run in `dir` as its workers derive it: from --config, else from the config the
 // ledger's first ("run") record holds.
-uint64_t run_id_in(const Flags& f, const std::string& dir) {
+uint64_t run_id_in(const Options& f, const std::string& dir) {
   if (f.has("config")) return pipeline::run_id_of(config::load_config_or_throw(f.get("config")));
   const std::string ledger = (fs::path(dir) / "ledger.jsonl").string();
   std::ifstream in(ledger);
@@ -65,7 +65,7 @@ std::vector<std::string> run_segments(uint64_t id) {
 
 // Names the leftover shared memory of the run in `dir` on stderr with the cleanup command; returns
 // how many segments there are.
-size_t print_leftovers(const Flags& f, const std::string& dir) {
+size_t print_leftovers(const Options& f, const std::string& dir) {
   const auto left = run_segments(run_id_in(f, dir));
   if (!left.empty()) {
     std::cerr << "leftover shared memory of this run:";
@@ -77,7 +77,7 @@ size_t print_leftovers(const Flags& f, const std::string& dir) {
 }
 
 // The leftover shared memory of the run in `dir` as one clause ("" when none), with the cleanup command.
-std::string leftovers_clause(const Flags& f, const std::string& dir) {
+std::string leftovers_clause(const Options& f, const std::string& dir) {
   if (!fs::exists(fs::path(dir) / "ledger.jsonl") || fs::file_size(fs::path(dir) / "ledger.jsonl") == 0) return "";
   const auto left = run_segments(run_id_in(f, dir));
   if (left.empty()) return "";
@@ -94,14 +94,14 @@ std::string ended_state(const std::string& dir) {
 }
 
 // No `dflash run` holds `dir`/run.lock: one ConfigError saying how the run ended and what it left.
-[[noreturn]] void report_dead_run(const Flags& f, const std::string& dir) {
+[[noreturn]] void report_dead_run(const Options& f, const std::string& dir) {
   DFLASH_FAIL(ConfigError, "no coordinator is running for " << dir << ": the run has ended, " << ended_state(dir)
                                                             << leftovers_clause(f, dir));
 }
 
 // `dflash stop --cleanup`: removes the shared memory a dead run left (holding the run's lock
 // meanwhile, so no run starts in between; ConfigError naming the holder when the run is live).
-int cleanup_dead_run(const Flags& f) {
+int cleanup_dead_run(const Options& f) {
   const std::string dir = run_dir_of(f);
   DFLASH_CHECK(!dir.empty(), ConfigError, "dflash stop --cleanup: give --run-dir DIR or --config CONFIG");
   const auto lock = RunLock::acquire(dir);
@@ -116,7 +116,7 @@ int cleanup_dead_run(const Flags& f) {
 struct ClientTarget {
   std::string address, token;
 };
-ClientTarget client_target(const Flags& f) {
+ClientTarget client_target(const Options& f) {
   ClientTarget c;
   std::string token_file;
   if (f.has("coordinator")) c.address = f.get("coordinator");
@@ -151,7 +151,7 @@ void check_status(const grpc::Status& st, const ClientTarget& c) {
 }
 // `dflash status` of a run no coordinator holds: its summary from the ledger, and its leftover
 // shared memory (with the cleanup command) on stderr.
-int print_ended_run(const Flags& f, const std::string& dir) {
+int print_ended_run(const Options& f, const std::string& dir) {
   const json s = summarize_run(dir);
   if (f.has("json"))
     std::cout << s.dump(2) << std::endl;
@@ -162,8 +162,45 @@ int print_ended_run(const Flags& f, const std::string& dir) {
 }
 }  // namespace
 
+namespace {
+// The flags that find a run's coordinator, shared by status, stop and checkpoint.
+std::vector<Option> run_finder_options() {
+  return {value("config", "CONFIG", "", "the run's config: its run.output_dir holds coordinator.json"),
+          value("run-dir", "DIR", "", "the run's output_dir"),
+          value("coordinator", "ADDR", "", "the coordinator's HOST:PORT (instead of --config / --run-dir)"),
+          value("token-file", "F", "",
+                "the control token's file (default: coordinator.json's, else $DFLASH_CONTROL_TOKEN)")};
+}
+CommandSpec control_spec(const std::string& name, const std::string& summary, std::vector<Option> extra) {
+  CommandSpec s{name, summary, {}, run_finder_options()};
+  s.options.insert(s.options.end(), extra.begin(), extra.end());
+  return s;
+}
+}  // namespace
+
+const CommandSpec& status_spec() {
+  static const CommandSpec s = control_spec(
+      "dflash status",
+      "a live run: workers, steps, restarts; a finished, stopped or failed run: its summary from the ledger\n"
+      "(and the shared memory it left, which `dflash stop --cleanup` removes)",
+      {flag("json", "the status (or the ended run's summary) as JSON")});
+  return s;
+}
+const CommandSpec& stop_spec() {
+  static const CommandSpec s = control_spec(
+      "dflash stop",
+      "graceful stop: the drafters finish their step, commit a checkpoint and exit; an ended run: one line,\n"
+      "exit 0",
+      {flag("cleanup", "for a dead run (with --config or --run-dir): remove the shared memory it left")});
+  return s;
+}
+const CommandSpec& checkpoint_spec() {
+  static const CommandSpec s = control_spec("dflash checkpoint", "commit a checkpoint after the current step", {});
+  return s;
+}
+
 int cmd_status(int argc, char** argv) {
-  Flags f(argc, argv, {"coordinator", "run-dir", "config", "token-file", "json"}, {"json"});
+  Options f(argc, argv, status_spec());
   if (!f.has("coordinator") && (f.has("run-dir") || f.has("config"))) {
     const std::string dir = run_dir_of(f);
     if (!RunLock::held(dir)) return print_ended_run(f, dir);
@@ -184,12 +221,10 @@ int cmd_status(int argc, char** argv) {
 }
 
 int cmd_control(const char* action, int argc, char** argv) {
-  Flags f(argc, argv, {"coordinator", "run-dir", "config", "token-file", "cleanup"}, {"cleanup"});
-  if (f.has("cleanup")) {
-    DFLASH_CHECK(std::string(action) == "stop", ConfigError, "--cleanup is a flag of dflash stop only");
-    return cleanup_dead_run(f);
-  }
-  if (std::string(action) == "stop" && !f.has("coordinator") && (f.has("run-dir") || f.has("config"))) {
+  const bool stop = std::string(action) == "stop";
+  Options f(argc, argv, stop ? stop_spec() : checkpoint_spec());
+  if (stop && f.has("cleanup")) return cleanup_dead_run(f);
+  if (stop && !f.has("coordinator") && (f.has("run-dir") || f.has("config"))) {
     const std::string dir = run_dir_of(f);
     if (!RunLock::held(dir)) {  // nothing to stop: one line, exit 0 (docs/cli.md#stop)
       std::cout << "nothing to stop: the run in " << dir << " has ended, " << ended_state(dir) << leftovers_clause(f, dir)

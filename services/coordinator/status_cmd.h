@@ -16,6 +16,7 @@
 // file, or a call the coordinator refused for its token; 1 (TransportError) when the coordinator
 // cannot be reached or the call fails otherwise (10 s deadline).
 #pragma once
+#include "core/util/options.h"
 
 namespace dflash::coordinator {
 
@@ -32,5 +33,10 @@ int cmd_status(int argc, char** argv);
 // (ConfigError naming the holder while a coordinator lives) and unlinks the run's leftover /dev/shm
 // segments whose creator is gone; prints how many.
 int cmd_control(const char* action, int argc, char** argv);
+
+// The option tables of status, stop and checkpoint (core/util/options.h).
+const CommandSpec& status_spec();
+const CommandSpec& stop_spec();
+const CommandSpec& checkpoint_spec();
 
 }  // namespace dflash::coordinator

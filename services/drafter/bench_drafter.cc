@@ -17,7 +17,7 @@
 #include "core/train/anchors.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/log.h"
 #include "core/util/process.h"
 #include "core/util/switches.h"
@@ -44,8 +44,8 @@ const char* memory_source(const torch::Device& d) {
 }
 
 // --method dflash|dspark|dflash2 (default dflash).
-model::DrafterMethod bench_method(const Flags& f) {
-  const std::string m = f.get("method", "dflash");
+model::DrafterMethod bench_method(const Options& f) {
+  const std::string m = f.get("method");
   if (m == "dspark") return model::DrafterMethod::kDspark;
   if (m == "dflash2") return model::DrafterMethod::kDflash2;
   DFLASH_CHECK(m == "dflash", ConfigError, "--method: expected dflash, dspark or dflash2, got '" << m << "'");
@@ -54,21 +54,21 @@ model::DrafterMethod bench_method(const Flags& f) {
 
 // The drafter of the bench: --method (or `method` when given) on a Qwen3-8B-shaped target (sizes
 // from the flags), the method's options at their defaults.
-model::DrafterConfig bench_drafter_config(const Flags& f, std::optional<model::DrafterMethod> method = std::nullopt) {
-  const int64_t H = f.get_int("hidden", 4096), V = f.get_int("vocab", 151936);
+model::DrafterConfig bench_drafter_config(const Options& f, std::optional<model::DrafterMethod> method = std::nullopt) {
+  const int64_t H = f.get_int("hidden"), V = f.get_int("vocab");
   io::TargetConfig t;
   t.family = io::Family::kQwen3;
   t.hidden_size = H;
   t.vocab_size = V;
   t.num_layers = 36;
-  t.num_heads = f.get_int("heads", 32);
-  t.num_kv_heads = f.get_int("kv-heads", 8);
-  t.head_dim = f.get_int("head-dim", 128);
-  t.intermediate_size = f.get_int("intermediate", 12288);
+  t.num_heads = f.get_int("heads");
+  t.num_kv_heads = f.get_int("kv-heads");
+  t.head_dim = f.get_int("head-dim");
+  t.intermediate_size = f.get_int("intermediate");
   t.rope.theta = 1e6;
   model::DrafterConfig over;
-  over.num_layers = f.get_int("layers", 5);
-  over.block_size = f.get_int("block-size", 16);
+  over.num_layers = f.get_int("layers");
+  over.block_size = f.get_int("block-size");
   over.mask_token_id = V - 1;
   over.method = method.value_or(bench_method(f));
   return model::drafter_config_for_target(t, over);
@@ -92,8 +92,8 @@ train::MicroBatch random_micro_batch(const model::DrafterConfig& cfg, int64_t do
 // --embed-on host|device (default host: the training default): whether the frozen embedding goes to
 // host memory. host: on CUDA it does, as train.embed_on_host auto (the default) leaves it; on any
 // other device it stays where it is, as in the trainer. device: it stays on the device.
-bool bench_embed_on_host(const Flags& f, const torch::Device& device) {
-  const std::string where = f.get("embed-on", "host");
+bool bench_embed_on_host(const Options& f, const torch::Device& device) {
+  const std::string where = f.get("embed-on");
   DFLASH_CHECK(where == "host" || where == "device", ConfigError,
                "--embed-on: expected host or device, got '" << where << "'");
   return where == "host" && device.is_cuda();
@@ -304,9 +304,9 @@ json memory_over_steps(train::Trainer& trainer, const train::MicroBatch& mb, con
 }
 
 // The trainer options the flags select (anchors, soft labels, recompute), for `steps` steps at least.
-train::TrainerOptions bench_trainer_options(const Flags& f, torch::ScalarType compute, int64_t steps) {
+train::TrainerOptions bench_trainer_options(const Options& f, torch::ScalarType compute, int64_t steps) {
   train::TrainerOptions to;
-  to.max_anchors = f.get_int("anchors", 512);
+  to.max_anchors = f.get_int("anchors");
   to.loss.soft_labels = f.has("soft-labels");
   to.loss.recompute_mlp = f.has("recompute-mlp");
   to.schedule.total_steps = std::max<int64_t>(1000, steps);
@@ -317,7 +317,7 @@ train::TrainerOptions bench_trainer_options(const Flags& f, torch::ScalarType co
 // --loss-curve N: N optimizer steps of a fresh drafter (parameter seed 0) over 4 fixed random
 // micro-batches (torch seed 1234) taken in turn, and the loss of every step. The same command
 // with DFLASH_FUSED_TRAIN_OPS off and on compares the fused kernels' training numerics.
-json loss_curve(const Flags& f, const torch::Device& device, int64_t n) {
+json loss_curve(const Options& f, const torch::Device& device, int64_t n) {
   const auto cfg = bench_drafter_config(f);
   const auto compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
   auto opts = torch::TensorOptions().device(device).dtype(compute);
@@ -328,7 +328,7 @@ json loss_curve(const Flags& f, const torch::Device& device, int64_t n) {
   train::Trainer trainer(drafter, frozen, bench_trainer_options(f, compute, n));
   std::vector<train::MicroBatch> batches;
   for (int i = 0; i < 4; ++i)
-    batches.push_back(random_micro_batch(cfg, f.get_int("docs", 1), f.get_int("context", 4096), device, opts));
+    batches.push_back(random_micro_batch(cfg, f.get_int("docs"), f.get_int("context"), device, opts));
   std::vector<double> loss;
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t s = 0; s < n; ++s) {
@@ -458,10 +458,10 @@ std::string attention_name() {
 
 // Our measurement; every tensor it makes is freed when it returns (the baseline runs afterwards on
 // the same device).
-json bench_ours(const Flags& f, const torch::Device& device, const std::optional<AbSpec>& ab,
+json bench_ours(const Options& f, const torch::Device& device, const std::optional<AbSpec>& ab,
                 std::optional<model::DrafterMethod> method = std::nullopt) {
-  const int64_t ctx = f.get_int("context", 4096), docs = f.get_int("docs", 1);
-  const int64_t repeats = f.get_int("repeats", 5), warmup = f.get_int("warmup", 2), steps = f.get_int("steps", 0);
+  const int64_t ctx = f.get_int("context"), docs = f.get_int("docs");
+  const int64_t repeats = f.get_int("repeats"), warmup = f.get_int("warmup"), steps = f.get_int("steps");
   DFLASH_CHECK(repeats >= 1 && warmup >= 1 && steps >= 0, ConfigError,
                "bench drafter: need --repeats >= 1, --warmup >= 1, --steps >= 0");
   const auto cfg = bench_drafter_config(f, method);
@@ -516,7 +516,7 @@ json bench_ours(const Flags& f, const torch::Device& device, const std::optional
   const json profile = f.has("profile") ? profile_step(trainer, mb, device) : json::object();
   json out = {{"bench", "drafter"},
               {"method", model::to_string(cfg.method)},
-              {"device", f.get("device", "cuda")},
+              {"device", f.get("device")},
               {"attention", attention_name()},
               {"layers", cfg.num_layers},
               {"hidden", H},
@@ -543,7 +543,7 @@ json bench_ours(const Flags& f, const torch::Device& device, const std::optional
               {"step_ms", step_ms(times)},
               {"tokens_per_s", double(ctx * docs) / med},
               {"tflops", tflops},
-              {"mfu", tflops / f.get_double("peak-tflops", 790.0)},
+              {"mfu", tflops / f.get_double("peak-tflops")},
               {"peak_gib", mem.peak_allocated},
               {"peak_reserved_gib", mem.peak_reserved},
               {"memory_source", memory_source(device)},
@@ -559,13 +559,13 @@ json bench_ours(const Flags& f, const torch::Device& device, const std::optional
 }
 
 // The baseline's warm-up steps: --baseline-warmup (checked >= 1 at the start), else ours.
-int64_t baseline_warmup(const Flags& f, const json& ours) {
-  return f.get_int("baseline-warmup", ours.at("warmup").get<int64_t>());
+int64_t baseline_warmup(const Options& f, const json& ours) {
+  return f.get_int_or("baseline-warmup", ours.at("warmup").get<int64_t>());
 }
 
 // " --FLAG VALUE" for the shape and timing flags both baselines take (values as our JSON reports
 // them, but the warm-up: --baseline-warmup when given), plus `extra` (flag, JSON key) pairs.
-std::string shape_flags(const Flags& f, const json& ours, const std::vector<std::pair<std::string, std::string>>& extra) {
+std::string shape_flags(const Options& f, const json& ours, const std::vector<std::pair<std::string, std::string>>& extra) {
   std::vector<std::pair<std::string, std::string>> pairs{
       {"hidden", "hidden"},   {"layers", "layers"},       {"heads", "heads"},     {"kv-heads", "kv_heads"},
       {"head-dim", "head_dim"}, {"intermediate", "intermediate"}, {"vocab", "vocab"}, {"context", "context"},
@@ -578,12 +578,12 @@ std::string shape_flags(const Flags& f, const json& ours, const std::vector<std:
 
 // --baseline eager: the eager PyTorch step, scripts/reference/bench_drafter_baseline.py,
 // same shapes, same FLOP formula; it keeps its own loss chunking (2048 rows, as first measured).
-std::string eager_baseline_command(const Flags& f, const json& ours) {
+std::string eager_baseline_command(const Options& f, const json& ours) {
   const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/reference/bench_drafter_baseline.py";
-  std::string cmd = shell_quote(script) + " --device " + shell_quote(f.get("device", "cuda"));
+  std::string cmd = shell_quote(script) + " --device " + shell_quote(f.get("device"));
   cmd += shape_flags(f, ours, {{"docs", "docs"}});
-  cmd += " --chunk-rows " + std::to_string(f.get_int("baseline-chunk-rows", 2048));
-  cmd += " --peak-tflops " + std::to_string(f.get_double("peak-tflops", 790.0));
+  cmd += " --chunk-rows " + std::to_string(f.get_int("baseline-chunk-rows"));
+  cmd += " --peak-tflops " + std::to_string(f.get_double("peak-tflops"));
   if (ours.at("soft_labels").get<bool>()) cmd += " --soft-labels";
   return cmd;
 }
@@ -592,10 +592,10 @@ std::string eager_baseline_command(const Flags& f, const json& ours) {
 // at our shapes and gamma, with SpecForge's defaults on CUDA (flex_attention, bf16 + fp32 master
 // AdamW, FSDP, its checkpointed objective chunks). On CPU (tests): sdpa, fp32, no FSDP, because
 // torch has no flex_attention backward and FSDP no CPU support. Its objective is hard-label only.
-std::string specforge_baseline_command(const Flags& f, const json& ours) {
+std::string specforge_baseline_command(const Options& f, const json& ours) {
   DFLASH_CHECK(ours.at("docs").get<int64_t>() == 1, ConfigError,
                "--baseline specforge: needs --docs 1 (SpecForge's batch is one document of --context tokens)");
-  const std::string device = f.get("device", "cuda");
+  const std::string device = f.get("device");
   const bool cuda = model::parse_device(device).is_cuda();
   const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/bench/specforge_drafter_step.py";
   std::string cmd = shell_quote(script) + " --device " + shell_quote(device);
@@ -607,9 +607,9 @@ std::string specforge_baseline_command(const Flags& f, const json& ours) {
 
 // Runs the baseline `kind` after ours and adds it to `out`: "baseline" (its JSON), its ms/step,
 // tokens/s, peak and MFU (SpecForge's from our FLOP formula: the same work), and the ratios.
-void add_baseline(const Flags& f, const std::string& kind, json& out) {
+void add_baseline(const Options& f, const std::string& kind, json& out) {
   const bool specforge = kind == "specforge";
-  const std::string py = f.get("python", switches::get("DFLASH_PYTHON"));
+  const std::string py = f.get_or("python", switches::get("DFLASH_PYTHON"));
   const std::string cmd =
       shell_quote(py) + " " + (specforge ? specforge_baseline_command(f, out) : eager_baseline_command(f, out));
   json base = json::parse(run_for_json(cmd, "baseline " + kind));
@@ -619,7 +619,7 @@ void add_baseline(const Flags& f, const std::string& kind, json& out) {
     const double tflops = step_flops(cfg, out.at("anchors").get<int64_t>(), out.at("context").get<int64_t>(),
                                      out.at("context").get<int64_t>(), /*soft_labels=*/false) / base_s / 1e12;
     base["tflops"] = tflops;
-    base["mfu"] = tflops / f.get_double("peak-tflops", 790.0);
+    base["mfu"] = tflops / f.get_double("peak-tflops");
     base["mfu_note"] = "FLOPs of services/drafter/bench_drafter.cc step_flops (the same work as ours, hard labels)";
     const bool soft = out.at("soft_labels").get<bool>();
     out["baseline_objective"] = soft ? "hard-label CE only: SpecForge 0.2.0's DFlash objective has no soft-label "
@@ -642,21 +642,59 @@ void add_baseline(const Flags& f, const std::string& kind, json& out) {
 
 }  // namespace
 
+const CommandSpec& bench_drafter_spec() {
+  static const CommandSpec s{
+      "dflash bench drafter",
+      "one drafter training step (time, tokens/s, MFU, peak memory) as JSON, on a Qwen3-8B-shaped target of\n"
+      "the given sizes; --baseline: a baseline's step in the same invocation; --ab: an A/B of a switch",
+      {},
+      {value("method", "dflash|dspark|dflash2", "dflash",
+             "the drafter method; dspark and dflash2 also time our DFlash step of the same shape"),
+       value("device", "cuda|cpu", "cuda", "where the step runs"),
+       value("hidden", "H", "4096", "the target's hidden size"),
+       value("layers", "N", "5", "draft layers"),
+       value("heads", "N", "32", "attention heads"),
+       value("kv-heads", "N", "8", "key/value heads"),
+       value("head-dim", "N", "128", "head dimension"),
+       value("intermediate", "N", "12288", "MLP intermediate size"),
+       value("vocab", "V", "151936", "vocabulary size"),
+       value("context", "T", "4096", "tokens per document"),
+       value("anchors", "N", "512", "train.max_anchors"),
+       value("block-size", "B", "16", "the draft block"),
+       value("docs", "N", "1", "documents per micro-batch"),
+       value("warmup", "N", "2", "untimed steps first (>= 1)"),
+       value("repeats", "N", "5", "timed steps (>= 1)"),
+       value("steps", "N", "0", "add peak allocated/reserved memory at steps 1, 10, N and the creep"),
+       flag("soft-labels", "the KL term on the target's logits too"),
+       flag("recompute-mlp", "recompute the MLP in the backward"),
+       value("embed-on", "host|device", "host",
+             "where the frozen embedding lives: host as train.embed_on_host auto (the training default) on CUDA"),
+       value("peak-tflops", "T", "790", "the peak the MFU is computed against (the H200's measured bf16 GEMM rate)"),
+       flag("profile", "one more step under the profiler: the top CPU ops and device kernels, device idle time"),
+       value("loss-curve", "N", "0", "add the loss of N optimizer steps of a fresh drafter on 4 fixed micro-batches"),
+       value("ab", "NAME=V1,V2,...", "",
+             "time the values of a switch read each step, interleaved in this process (docs/cli.md)"),
+       value("baseline", "eager|specforge", "",
+             "eager: scripts/reference/bench_drafter_baseline.py; specforge: SpecForge 0.2.0's DFlash step (--docs 1)"),
+       computed("baseline-warmup", "N", "--warmup", "the baseline's own warm-up steps (>= 1)"),
+       value("baseline-chunk-rows", "N", "2048", "the eager baseline's loss chunk rows"),
+       computed("python", "PY", "$DFLASH_PYTHON", "the Python that runs the baseline")},
+      "A/B switches: DFLASH_DRAFTER_ATTENTION=masked|block_sparse, DFLASH_LOSS=plain|fused,\n"
+      "DFLASH_ADAMW=plain|fused (docs/switches.md). The baseline runs after ours, in a process of its own on\n"
+      "the same device and shapes; one that cannot run fails the bench (exit 1). docs/cli.md has the details."};
+  return s;
+}
+
 int cmd_bench_drafter(int argc, char** argv) {
-  Flags f(argc, argv,
-          {"device", "hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "context", "anchors",
-           "block-size", "docs", "warmup", "repeats", "steps", "soft-labels", "peak-tflops", "profile", "baseline",
-           "baseline-chunk-rows", "baseline-warmup", "recompute-mlp", "embed-on",
-           "loss-curve", "python", "ab", "method"},
-          {"soft-labels", "profile", "recompute-mlp"});
-  const std::string baseline = f.get("baseline", "");
+  Options f(argc, argv, bench_drafter_spec());
+  const std::string baseline = f.has("baseline") ? f.get("baseline") : "";
   DFLASH_CHECK(baseline.empty() || baseline == "eager" || baseline == "specforge", ConfigError,
                "--baseline: expected eager or specforge, got '" << baseline << "'");
-  DFLASH_CHECK(!f.has("baseline-warmup") || (!baseline.empty() && f.get_int("baseline-warmup", 0) >= 1), ConfigError,
+  DFLASH_CHECK(!f.has("baseline-warmup") || (!baseline.empty() && f.get_int_or("baseline-warmup", 0) >= 1), ConfigError,
                "--baseline-warmup: needs --baseline and a value >= 1");
-  auto device = model::parse_device(f.get("device", "cuda"));
+  auto device = model::parse_device(f.get("device"));
   bench_embed_on_host(f, device);  // a bad --embed-on fails before any work
-  const int64_t curve_steps = f.get_int("loss-curve", 0);
+  const int64_t curve_steps = f.get_int("loss-curve");
   DFLASH_CHECK(curve_steps >= 0, ConfigError, "--loss-curve: need N >= 0, got " << curve_steps);
   const std::optional<AbSpec> ab = f.has("ab") ? std::optional<AbSpec>(parse_ab(f.get("ab"))) : std::nullopt;
   json out = bench_ours(f, device, ab);

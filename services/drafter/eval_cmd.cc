@@ -15,39 +15,52 @@
 #include "core/model/target.h"
 #include "core/train/export.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/log.h"
 #include "core/util/process.h"
 #include "core/util/progress.h"
 
 namespace dflash::cli {
+
+const CommandSpec& eval_spec() {
+  static const CommandSpec s{
+      "dflash eval",
+      "speculative decoding and the target alone on the same prompts; JSON report per group (tau,\n"
+      "acceptance histogram, tokens/s, speedup; docs/eval.md)",
+      {},
+      {required("target", "DIR", "the target model (HF folder)"),
+       required("drafter", "DIR", "the exported drafter (dflash export)"),
+       required("input", "FILE.jsonl",
+                "prompt lines {\"input_ids\", \"id\", \"group\"|\"benchmark\"} (the schema dflash generate reads; id "
+                "and group optional, ids unique)"),
+       value("max-new-tokens", "N", "64", "tokens generated per prompt"),
+       computed("block-size", "B", "the drafter's", "the draft block"),
+       value("batch-size", "B", "1", "prompts decoded together"),
+       value("temperature", "T", "0", "sampling temperature (0: greedy)"),
+       value("top-p", "P", "1", "nucleus sampling"),
+       value("top-k", "K", "0", "top-k sampling (0: off)"),
+       value("seed", "S", "0", "sampling seed (>= 0)"),
+       value("device", "cpu|cuda", "cpu", "where both models run"),
+       value("dtype", "float32|bfloat16", "float32", "the models' dtype"),
+       value("stop-token-ids", "a,b", "", "tokens that end a generation"),
+       value("out", "FILE.json", "", "also write the report to FILE"),
+       flag("no-baseline", "skip the target alone (no speedup)"),
+       flag("allow-mismatch",
+            "accept prompts prepared with another chat template, tokenizer, system prompt or thinking mode than "
+            "the drafter's training data")},
+      "Prompts prepared unlike the drafter's training data (FILE.jsonl.meta.json vs the export's provenance)\n"
+      "exit 2 unless --allow-mismatch; a prompt longer than the target's max_position_embeddings or with a\n"
+      "token outside its vocabulary exits 4 naming FILE:LINE; a --max-new-tokens beyond the positions left\n"
+      "after the longest prompt exits 2. The report: {\"results\", \"tau\", \"tokens_per_second\",\n"
+      "\"acceptance_histogram\", \"position_acceptance\", \"baseline_tokens_per_second\", \"speedup\",\n"
+      "\"groups\", ...} (core/eval/evaluate.h)."};
+  return s;
+}
+
 namespace {
 
-const char* kEvalUsage =
-    "usage: dflash eval --target DIR --drafter DIR --input FILE.jsonl [--max-new-tokens N (64)]\n"
-    "                   [--block-size B (the drafter's)] [--device cpu|cuda] [--dtype float32|bfloat16]\n"
-    "                   [--stop-token-ids a,b] [--batch-size B (1)] [--no-baseline] [--out FILE.json]\n"
-    "                   [--temperature T (0: greedy) [--top-p P (1)] [--top-k K (0)] [--seed S (0)]] [--allow-mismatch]\n"
-    "  speculative decoding of each prompt line {\"input_ids\": [...], \"id\": ..., \"group\"|\"benchmark\": ...}\n"
-    "  (the schema `dflash generate` reads; id and group optional; ids unique),\n"
-    "  and the target's own greedy decoding of the same prompts (speedup); prints the JSON report\n"
-    "  {\"results\": [{\"output_ids\", \"acceptance_lengths\", \"group\"}...], \"tau\", \"tokens_per_second\",\n"
-    "   \"acceptance_histogram\", \"position_acceptance\", \"baseline_tokens_per_second\", \"speedup\",\n"
-    "   \"groups\": {...}, ...} (core/eval/evaluate.h)\n"
-    "  prompts prepared with another chat template, tokenizer, system prompt or thinking mode than the\n"
-    "  drafter's training data (FILE.jsonl.meta.json vs the export's provenance) exit 2 unless --allow-mismatch;\n"
-    "  a prompt longer than the target's max_position_embeddings or with a token outside its vocabulary\n"
-    "  exits 4 naming FILE:LINE; a --max-new-tokens beyond the positions left after the longest prompt exits 2\n";
-
 int run_eval(int argc, char** argv) {
-  Flags flags(argc, argv,
-              {"target", "drafter", "input", "max-new-tokens", "block-size", "device", "dtype", "stop-token-ids",
-               "batch-size", "no-baseline", "out", "temperature", "top-p", "top-k", "seed", "allow-mismatch", "help"},
-              {"help", "no-baseline", "allow-mismatch"});
-  if (flags.has("help")) {
-    std::cout << kEvalUsage;
-    return kExitOk;
-  }
+  Options flags(argc, argv, eval_spec());
   DFLASH_CHECK(flags.positional().empty(), ConfigError, "eval: unexpected argument '" << flags.positional().front() << "'");
   const std::string target_dir = flags.get("target"), drafter_dir = flags.get("drafter"), input = flags.get("input");
   // Prompts prepared unlike the drafter's training data (core/data/contract.h): exit 2 unless allowed.
@@ -55,30 +68,30 @@ int run_eval(int argc, char** argv) {
   eval::EvalOptions opt;
   opt.baseline = !flags.has("no-baseline");
   eval::SpecDecodeOptions& dec = opt.decode;
-  dec.max_new_tokens = flags.get_int("max-new-tokens", 64);
-  dec.block_size = flags.get_int("block-size", 0);
+  dec.max_new_tokens = flags.get_int("max-new-tokens");
+  dec.block_size = flags.get_int_or("block-size", 0);
   DFLASH_CHECK(dec.max_new_tokens >= 1, ConfigError, "--max-new-tokens must be >= 1, got " << dec.max_new_tokens);
   DFLASH_CHECK(!flags.has("block-size") || dec.block_size >= 1, ConfigError,
                "--block-size must be >= 1, got " << dec.block_size);
-  dec.batch_size = flags.get_int("batch-size", 1);
+  dec.batch_size = flags.get_int("batch-size");
   DFLASH_CHECK(dec.batch_size >= 1, ConfigError, "--batch-size must be >= 1, got " << dec.batch_size);
-  dec.sampling.temperature = flags.get_double("temperature", 0.0);
-  dec.sampling.top_p = flags.get_double("top-p", 1.0);
-  dec.sampling.top_k = flags.get_int("top-k", 0);
-  const int64_t seed = flags.get_int("seed", 0);
+  dec.sampling.temperature = flags.get_double("temperature");
+  dec.sampling.top_p = flags.get_double("top-p");
+  dec.sampling.top_k = flags.get_int("top-k");
+  const int64_t seed = flags.get_int("seed");
   DFLASH_CHECK(seed >= 0, ConfigError, "--seed must be >= 0, got " << seed);
   dec.seed = static_cast<uint64_t>(seed);
   model::validate_sampling(dec.sampling);
   if (flags.has("stop-token-ids")) dec.stop_token_ids = flags.get_int_list("stop-token-ids");
-  const std::string out_path = flags.get("out", "");
+  const std::string out_path = (flags.has("out") ? flags.get("out") : "");
   std::ofstream out_file;
   if (!out_path.empty()) {  // opened before any work, so that a bad path fails fast
     out_file.open(out_path);
     DFLASH_CHECK(out_file, ConfigError, "--out " << out_path << ": cannot open for writing");
   }
   model::LoadOptions load;
-  load.device = model::parse_device(flags.get("device", "cpu"));
-  load.dtype = model::parse_dtype(flags.get("dtype", "float32"));
+  load.device = model::parse_device(flags.get("device"));
+  load.dtype = model::parse_dtype(flags.get("dtype"));
 
   // The target's limits from its config.json alone, checked before any weight is loaded.
   const io::TargetConfig target_cfg = io::parse_hf_config(target_dir);

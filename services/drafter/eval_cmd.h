@@ -2,6 +2,7 @@
 // sampled) speculative decoding (core/eval/spec_decode.h) and, in the same run, the target's own greedy
 // decoding of the same prompts.
 #pragma once
+#include "core/util/options.h"
 
 namespace dflash::cli {
 
@@ -29,5 +30,7 @@ namespace dflash::cli {
 // writable), 3 on CUDA OOM, 4 on bad data (bad prompt line, group or token id, bad safetensors),
 // 1 otherwise. Never throws.
 int cmd_eval(int argc, char** argv);
+// Its option table (core/util/options.h).
+const CommandSpec& eval_spec();
 
 }  // namespace dflash::cli

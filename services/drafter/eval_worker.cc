@@ -16,7 +16,7 @@
 #include "core/train/export.h"
 #include "core/util/error.h"
 #include "core/util/fileio.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/log.h"
 #include "core/util/process.h"
 #include "services/common/run_plan.h"
@@ -104,19 +104,35 @@ void EvalWorker::write() {
 
 }  // namespace
 
+const CommandSpec& eval_checkpoint_spec() {
+  static const CommandSpec s{
+      "dflash-drafter eval-checkpoint",
+      "the run's eval (its eval: section) of one checkpoint, as the coordinator starts it after a commit;\n"
+      "writes the result JSON",
+      {},
+      {required("config", "CFG", "the run config (with an eval: section)"),
+       required("checkpoint", "DIR", "the checkpoint to evaluate"),
+       required("out", "RESULT.json", "the result (written atomically)"),
+       value("device", "cpu|cuda", "cpu", "where the eval runs"),
+       value("export-dir", "DIR", "",
+             "export the checkpoint here (DIR must not exist) when its tau exceeds --export-above"),
+       value("export-above", "TAU", "0", "the tau an export must exceed (given together with --export-dir)")}};
+  return s;
+}
+
 int cmd_eval_checkpoint(int argc, char** argv) {
-  Flags f(argc, argv, {"config", "checkpoint", "out", "device", "export-dir", "export-above"}, {});
+  Options f(argc, argv, eval_checkpoint_spec());
   DFLASH_CHECK(f.positional().empty() && f.has("config") && f.has("checkpoint") && f.has("out"), ConfigError,
-               usage_text("dflash-drafter", {{"eval-checkpoint", cmd_eval_checkpoint, kEvalCheckpointUsage}}));
+               usage_lines(eval_checkpoint_spec()));
   DFLASH_CHECK(f.has("export-dir") == f.has("export-above"), ConfigError,
                "--export-dir and --export-above go together");
   EvalWorkerOptions o;
   o.config_path = f.get("config");
   o.checkpoint = f.get("checkpoint");
   o.out = f.get("out");
-  o.device = f.get("device", "cpu");
-  o.export_dir = f.get("export-dir", "");
-  o.export_above = f.get_double("export-above", 0);
+  o.device = f.get("device");
+  o.export_dir = f.has("export-dir") ? f.get("export-dir") : "";
+  o.export_above = f.get_double("export-above");
   EvalWorker(o).run();
   return kExitOk;
 }

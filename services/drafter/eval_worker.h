@@ -16,13 +16,12 @@
 // Exit codes: 0 ok; 2 config/usage (no eval section, bad flags); 4 data (bad prompts, a corrupt or
 // missing checkpoint); 3 CUDA OOM; 1 other.
 #pragma once
+#include "core/util/options.h"
 
 namespace dflash::drafter {
 
 int cmd_eval_checkpoint(int argc, char** argv);  // args after "dflash-drafter eval-checkpoint"
-// The flags of `dflash-drafter eval-checkpoint`, for the binary's usage text.
-inline constexpr const char* kEvalCheckpointUsage =
-    "--config CFG --checkpoint DIR --out RESULT.json [--device cpu|cuda]\n"
-    "         [--export-dir DIR --export-above TAU]";
+// Its option table (core/util/options.h): the binary's usage text.
+const CommandSpec& eval_checkpoint_spec();
 
 }  // namespace dflash::drafter

@@ -1,6 +1,7 @@
 // `dflash export`: a training checkpoint -> the HF DFlash drafter format (core/train/export.h) or
 // the vLLM speculators format (core/train/export_speculators.h).
 #pragma once
+#include "core/util/options.h"
 
 namespace dflash::cli {
 
@@ -16,5 +17,7 @@ namespace dflash::cli {
 // --verifier without --format speculators, no verifier known for speculators, OUT exists and is not
 // empty), 4 on a bad checkpoint (missing, corrupt, truncated, unsupported version). Never throws.
 int cmd_export(int argc, char** argv);
+// Its option table (core/util/options.h).
+const CommandSpec& export_spec();
 
 }  // namespace dflash::cli

@@ -22,29 +22,44 @@
 #include "core/model/target.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/log.h"
 #include "core/util/process.h"
 #include "core/util/progress.h"
 
 namespace dflash::cli {
-namespace {
 
-const char* kGenerateUsage =
-    "usage: dflash generate --model DIR --input FILE.jsonl --out OUT.jsonl [--max-new-tokens N (256)]\n"
-    "                       [--temperature T (0 = greedy)] [--top-p P (1)] [--top-k K (0 = off)] [--seed S (0)]\n"
-    "                       [--batch-size B (8)] [--device cpu|cuda] [--dtype float32|bfloat16]\n"
-    "                       [--stop-token-ids a,b]\n"
-    "  generates for each prompt line {\"input_ids\": [...], \"id\": ... (optional; else the line number)}, the\n"
-    "  schema `dflash eval` reads; appends the line plus \"id\", \"output_ids\" and \"finish_reason\" (stop|length)\n"
-    "  to OUT as each request finishes; ids already in OUT are skipped. A prompt longer than the model's\n"
-    "  max_position_embeddings or with a token outside its vocabulary exits 4 naming FILE:LINE; a\n"
-    "  --max-new-tokens beyond the positions left after the longest prompt exits 2 before any work\n";
+const CommandSpec& generate_spec() {
+  static const CommandSpec s{
+      "dflash generate",
+      "batched generation on the target's KV / recurrent cache; resumable: ids already in OUT are skipped",
+      {},
+      {required("model", "DIR", "the model (HF folder)"),
+       required("input", "FILE.jsonl",
+                "prompt lines {\"input_ids\", \"id\"} (id optional: else the line number), the schema dflash eval reads"),
+       required("out", "OUT.jsonl",
+                "each finished request appends its line plus \"id\", \"output_ids\" and \"finish_reason\" (stop|length)"),
+       value("max-new-tokens", "N", "256", "tokens generated per prompt at most"),
+       value("temperature", "T", "0", "sampling temperature (0: greedy)"),
+       value("top-p", "P", "1", "nucleus sampling"),
+       value("top-k", "K", "0", "top-k sampling (0: off)"),
+       value("seed", "S", "0", "sampling seed (>= 0)"),
+       value("batch-size", "B", "8", "requests decoded together"),
+       value("device", "cpu|cuda", "cpu", "where the model runs"),
+       value("dtype", "float32|bfloat16", "float32", "the model's dtype"),
+       value("stop-token-ids", "a,b", "", "tokens that end a generation")},
+      "A prompt longer than the model's max_position_embeddings or with a token outside its vocabulary\n"
+      "exits 4 naming FILE:LINE; a --max-new-tokens beyond the positions left after the longest prompt\n"
+      "exits 2 before any work."};
+  return s;
+}
+
+namespace {
 
 // One `dflash generate` run, in its steps: read_input, read_done, open_out, generate.
 class GenerateJob {
  public:
-  explicit GenerateJob(const Flags& flags);
+  explicit GenerateJob(const Options& flags);
   void read_input();
   void read_done();
   void open_out();
@@ -65,24 +80,24 @@ class GenerateJob {
   int fd_ = -1;
 };
 
-GenerateJob::GenerateJob(const Flags& flags)
+GenerateJob::GenerateJob(const Options& flags)
     : model_dir_(flags.get("model")), input_(flags.get("input")), out_(flags.get("out")) {
   DFLASH_CHECK(flags.positional().empty(), ConfigError,
                "generate: unexpected argument '" << flags.positional().front() << "'");
-  opt_.max_new_tokens = flags.get_int("max-new-tokens", 256);
-  opt_.batch_size = flags.get_int("batch-size", 8);
-  opt_.sampling.temperature = flags.get_double("temperature", 0.0);
-  opt_.sampling.top_p = flags.get_double("top-p", 1.0);
-  opt_.sampling.top_k = flags.get_int("top-k", 0);
-  const int64_t seed = flags.get_int("seed", 0);
+  opt_.max_new_tokens = flags.get_int("max-new-tokens");
+  opt_.batch_size = flags.get_int("batch-size");
+  opt_.sampling.temperature = flags.get_double("temperature");
+  opt_.sampling.top_p = flags.get_double("top-p");
+  opt_.sampling.top_k = flags.get_int("top-k");
+  const int64_t seed = flags.get_int("seed");
   DFLASH_CHECK(seed >= 0, ConfigError, "--seed must be >= 0, got " << seed);
   seed_ = static_cast<uint64_t>(seed);
   DFLASH_CHECK(opt_.max_new_tokens >= 1, ConfigError, "--max-new-tokens must be >= 1, got " << opt_.max_new_tokens);
   DFLASH_CHECK(opt_.batch_size >= 1, ConfigError, "--batch-size must be >= 1, got " << opt_.batch_size);
   model::validate_sampling(opt_.sampling);
   if (flags.has("stop-token-ids")) opt_.stop_token_ids = flags.get_int_list("stop-token-ids");
-  load_.device = model::parse_device(flags.get("device", "cpu"));
-  load_.dtype = model::parse_dtype(flags.get("dtype", "float32"));
+  load_.device = model::parse_device(flags.get("device"));
+  load_.dtype = model::parse_dtype(flags.get("dtype"));
 }
 
 void GenerateJob::read_input() {
@@ -165,14 +180,7 @@ void GenerateJob::generate() {
 }
 
 int run_generate(int argc, char** argv) {
-  Flags flags(argc, argv,
-              {"model", "input", "out", "max-new-tokens", "temperature", "top-p", "top-k", "seed", "batch-size",
-               "device", "dtype", "stop-token-ids", "help"},
-              {"help"});
-  if (flags.has("help")) {
-    std::cout << kGenerateUsage;
-    return kExitOk;
-  }
+  Options flags(argc, argv, generate_spec());
   GenerateJob job(flags);
   job.read_input();
   job.read_done();

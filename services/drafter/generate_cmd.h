@@ -1,5 +1,6 @@
 // `dflash generate`: batched generation with the target's KV / recurrent cache (core/model/generation.h).
 #pragma once
+#include "core/util/options.h"
 
 namespace dflash::cli {
 
@@ -19,5 +20,7 @@ namespace dflash::cli {
 // model config), 3 on CUDA OOM, 4 on bad data (bad input or output line, duplicate id, token outside
 // the vocabulary, bad safetensors, unwritable OUT), 1 otherwise. Never throws.
 int cmd_generate(int argc, char** argv);
+// Its option table (core/util/options.h).
+const CommandSpec& generate_spec();
 
 }  // namespace dflash::cli

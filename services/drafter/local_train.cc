@@ -20,7 +20,7 @@
 #include "core/train/export.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/log.h"
 #include "core/util/progress.h"
 #include "services/common/provenance.h"
@@ -270,17 +270,29 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   return res;
 }
 
+const CommandSpec& train_spec() {
+  static const CommandSpec s{
+      "dflash train",
+      "a whole training run in one process: capture, train, checkpoints (resume with run.resume: auto), export",
+      {{"CONFIG", "the run config (YAML; docs/config.md)"},
+       {"section.field=VALUE", "an override of one config field, validated like the YAML", true, true}},
+      {repeated("set", "section.field=VALUE", "an override, as the positional form"),
+       value("device", "cpu|cuda", "cpu", "where the target and the drafter run"),
+       value("max-steps", "N", "-1", "stop (with a checkpoint) after N optimizer steps; -1: run to the end"),
+       computed("export", "DIR", "run.output_dir/export", "where the trained drafter is exported"),
+       flag("quiet", "no progress lines")}};
+  return s;
+}
+
 int cmd_train(int argc, char** argv) {
-  Flags f(argc, argv, {"device", "max-steps", "export", "quiet", "set"}, {"quiet"});
-  DFLASH_CHECK(!f.positional().empty(), ConfigError,
-               "usage: dflash train CONFIG [section.field=VALUE ...] [--set section.field=VALUE] [--device cpu|cuda] "
-               "[--max-steps N] [--export DIR]");
+  Options f(argc, argv, train_spec());
+  DFLASH_CHECK(!f.positional().empty(), ConfigError, usage_lines(train_spec()));
   auto cfg = config::load_config_or_throw(
       f.positional()[0], config::command_line_overrides({f.positional().begin() + 1, f.positional().end()}, f.get_all("set")));
   LocalTrainOptions o;
-  o.device = f.get("device", "cpu");
-  o.max_steps = f.get_int("max-steps", -1);
-  o.export_dir = f.get("export", "");
+  o.device = f.get("device");
+  o.max_steps = f.get_int("max-steps");
+  o.export_dir = f.get_or("export", "");
   o.quiet = f.has("quiet");
   auto r = run_local_training(cfg, o);
   std::cout << json{{"steps", r.steps}, {"loss", r.last_loss}, {"accept_len", r.last_accept_len},

@@ -10,6 +10,7 @@
 // computes exactly what the uninterrupted run would have (bitwise on CPU fp32). A checkpoint whose
 // position is not a whole number of steps (train.grad_accum changed since) is refused: ConfigError.
 #pragma once
+#include "core/util/options.h"
 #include <cstdint>
 #include <string>
 
@@ -33,5 +34,7 @@ struct LocalTrainResult {
 LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTrainOptions& opt);
 
 int cmd_train(int argc, char** argv);  // args after "dflash train"
+// Its option table (core/util/options.h).
+const CommandSpec& train_spec();
 
 }  // namespace dflash::drafter

@@ -8,7 +8,7 @@ int main(int argc, char** argv) {
   using namespace dflash;
   return dispatch_subcommand(argc, argv,
                              {"dflash-drafter", "drafter",
-                              {{"train", drafter::cmd_train_service, drafter::kTrainServiceUsage},
-                               {"eval-checkpoint", drafter::cmd_eval_checkpoint, drafter::kEvalCheckpointUsage}}},
+                              {{"train", drafter::cmd_train_service, drafter::train_service_spec},
+                               {"eval-checkpoint", drafter::cmd_eval_checkpoint, drafter::eval_checkpoint_spec}}},
                              build_info::version(), build_info::identity().c_str());
 }

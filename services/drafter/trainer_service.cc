@@ -895,20 +895,36 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
   return rank.run();
 }
 
+const CommandSpec& train_service_spec() {
+  static const CommandSpec s{
+      "dflash-drafter train",
+      "a data-parallel drafter trainer: trains on the packed batches its targets stream (started by\n"
+      "dflash run; by hand, the pipeline without a coordinator)",
+      {},
+      pipeline::worker_options(
+          {value("store-host", "H", "127.0.0.1", "the drafters' TCPStore host (rank 0 serves it)"),
+           value("store-port", "P", "29500", "the drafters' TCPStore port"),
+           computed("recv-timeout-s", "S", "the config's coordinator.receive_timeout_s", "the wait for a batch"),
+           computed("collective-timeout-s", "S", "the config's coordinator.receive_timeout_s",
+                    "the wait on the other drafters in a collective"),
+           value("peer-grace-s", "S", "3",
+                 "a peer drafter dead while this one waits this long in a collective: exit 1"),
+           value("hash-every", "N", "100",
+                 "hash the weights every N steps and at the last, to check the drafters agree (0: never)")})};
+  return s;
+}
+
 int cmd_train_service(int argc, char** argv) {
-  Flags f(argc, argv, pipeline::worker_flags({"store-host", "store-port", "recv-timeout-s", "collective-timeout-s",
-                                              "peer-grace-s", "hash-every"}));
+  Options f(argc, argv, train_service_spec());
   TrainServiceOptions o;
-  o.store_host = f.get("store-host", "127.0.0.1");
-  o.store_port = static_cast<int>(f.get_int("store-port", 29500));
-  o.peer_grace_s = f.get_double("peer-grace-s", 3);
-  o.hash_every = f.get_int("hash-every", 100);
-  auto w = pipeline::start_worker(
-      f, config::Role::kDrafter, o,
-      usage_text("dflash-drafter", {{"train", cmd_train_service, kTrainServiceUsage}}));
+  o.store_host = f.get("store-host");
+  o.store_port = static_cast<int>(f.get_int("store-port"));
+  o.peer_grace_s = f.get_double("peer-grace-s");
+  o.hash_every = f.get_int("hash-every");
+  auto w = pipeline::start_worker(f, config::Role::kDrafter, o);
   // Waits on peers: coordinator.receive_timeout_s (above the coordinator's liveness checks).
-  o.recv_timeout_s = f.get_double("recv-timeout-s", w.cfg.coordinator.receive_timeout_s);
-  o.collective_timeout_s = f.get_double("collective-timeout-s", w.cfg.coordinator.receive_timeout_s);
+  o.recv_timeout_s = f.get_double_or("recv-timeout-s", w.cfg.coordinator.receive_timeout_s);
+  o.collective_timeout_s = f.get_double_or("collective-timeout-s", w.cfg.coordinator.receive_timeout_s);
   DFLASH_CHECK(o.recv_timeout_s > 0 && o.collective_timeout_s > 0 && o.peer_grace_s > 0, ConfigError,
                "--recv-timeout-s, --collective-timeout-s and --peer-grace-s must be > 0");
   const auto& cfg = w.cfg;

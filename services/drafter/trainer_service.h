@@ -84,10 +84,7 @@ TrainServiceResult run_train_service(const config::RunConfig& cfg, const TrainSe
                                      const control::LaunchPlan& plan, control::ControlClient* client);
 
 int cmd_train_service(int argc, char** argv);  // args after "dflash-drafter train"
-// The flags of `dflash-drafter train`, for the binary's usage text and usage errors.
-inline constexpr const char* kTrainServiceUsage =
-    "--config CFG --rank D [--device cpu|cuda] [--run-id ID] [--store-port P]\n"
-    "         [--store-host H] [--metrics-port P] [--recv-timeout-s S]\n"
-    "         [--collective-timeout-s S] [--peer-grace-s S] [--hash-every N]";
+// Its option table (core/util/options.h): the binary's usage text and usage errors.
+const CommandSpec& train_service_spec();
 
 }  // namespace dflash::drafter

@@ -12,23 +12,14 @@
 #include "core/model/drafter.h"
 #include "core/model/target.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/process.h"
+#include "services/target/bench_generate.h"
 #include "services/target/bench_target.h"
 
 namespace dflash::target {
 namespace {
 using json = nlohmann::json;
-
-const char* kUsage =
-    "usage: dflash bench generate --eval [--shape qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid] [--device cuda|cpu]\n"
-    "         [--dtype bfloat16|float32] [--prompts 1] [--prompt-len 128] [--max-new-tokens 1024]\n"
-    "         [--block-size 16] [--draft-layers 5] [--batch-size (--prompts)] [--baseline-prompts (--prompts)]\n"
-    "Speculative decoding as dflash eval runs it (batched, the target on its cache) against the eval\n"
-    "before the cache (one prompt at a time, the target re-running the whole sequence every round)\n"
-    "on the first --baseline-prompts prompts (its tokens/s does not depend on how many: it decodes\n"
-    "them one after another), random target and drafter, greedy; JSON: ours, baseline, ratio of\n"
-    "tokens/s, peak memory, same_output_ids (on the prompts both ran). Progress lines on stderr.\n";
 
 struct Run {
   std::vector<eval::SpecDecodeResult> results;
@@ -66,22 +57,41 @@ Run time_decode(eval::SpeculativeDecoder& dec, const std::vector<std::vector<int
 
 }  // namespace
 
+CommandSpec bench_eval_spec() {
+  return CommandSpec{
+      "dflash bench generate",
+      "speculative decoding as dflash eval runs it (batched, the target on its cache) against the eval\n"
+      "before the cache (one prompt at a time, the target re-running the whole sequence every round), random\n"
+      "target and drafter, greedy; JSON: ours, baseline, ratio of tokens/s, peak memory, same_output_ids",
+      {},
+      {Option{"eval", "", "", "", "this mode", false, true},
+       value("shape", "qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid", "qwen3-8b", "the target's shape"),
+       value("device", "cuda|cpu", "cuda", "where it runs"),
+       value("dtype", "bfloat16|float32", "bfloat16", "weights and compute"),
+       value("prompts", "N", "1", "random prompts"),
+       value("prompt-len", "N", "128", "tokens per prompt"),
+       value("max-new-tokens", "N", "1024", "tokens generated per prompt"),
+       value("block-size", "B", "16", "the draft block"),
+       value("draft-layers", "N", "5", "the random drafter's layers"),
+       computed("batch-size", "B", "--prompts", "prompts decoded together"),
+       computed("baseline-prompts", "N", "--prompts",
+                "the reference runs the first N prompts (its tokens/s does not depend on how many)")},
+      "Progress lines on stderr."};
+}
+
 int cmd_bench_eval(int argc, char** argv) {
-  if (help_requested(argc, argv, kUsage)) return kExitOk;
-  Flags f(argc, argv,
-          {"eval", "shape", "device", "dtype", "prompts", "prompt-len", "max-new-tokens", "block-size", "draft-layers",
-           "batch-size", "baseline-prompts"},
-          {"eval"});
+  const CommandSpec& spec = bench_generate_spec().modes.at(0);
+  Options f(argc, argv, spec);
   DFLASH_CHECK(f.positional().empty(), ConfigError,
-               "bench generate --eval: unexpected argument '" << f.positional().front() << "'\n" << kUsage);
-  const std::string shape = f.get("shape", "qwen3-8b");
-  const int64_t prompts_n = f.get_int("prompts", 1), prompt_len = f.get_int("prompt-len", 128);
-  const int64_t draft_layers = f.get_int("draft-layers", 5);
-  const int64_t baseline_n = f.get_int("baseline-prompts", prompts_n);
+               "bench generate --eval: unexpected argument '" << f.positional().front() << "'\n" << usage_lines(spec));
+  const std::string shape = f.get("shape");
+  const int64_t prompts_n = f.get_int("prompts"), prompt_len = f.get_int("prompt-len");
+  const int64_t draft_layers = f.get_int("draft-layers");
+  const int64_t baseline_n = f.get_int_or("baseline-prompts", prompts_n);
   eval::SpecDecodeOptions opt;
-  opt.max_new_tokens = f.get_int("max-new-tokens", 1024);
-  opt.block_size = f.get_int("block-size", 16);
-  opt.batch_size = f.get_int("batch-size", prompts_n);
+  opt.max_new_tokens = f.get_int("max-new-tokens");
+  opt.block_size = f.get_int("block-size");
+  opt.batch_size = f.get_int_or("batch-size", prompts_n);
   DFLASH_CHECK(prompts_n >= 1, ConfigError, "--prompts must be >= 1, got " << prompts_n);
   DFLASH_CHECK(prompt_len >= 1, ConfigError, "--prompt-len must be >= 1, got " << prompt_len);
   DFLASH_CHECK(opt.max_new_tokens >= 1, ConfigError, "--max-new-tokens must be >= 1, got " << opt.max_new_tokens);
@@ -91,8 +101,8 @@ int cmd_bench_eval(int argc, char** argv) {
                "--baseline-prompts must be in [1, --prompts = " << prompts_n << "], got " << baseline_n);
   DFLASH_CHECK(draft_layers >= 1, ConfigError, "--draft-layers must be >= 1, got " << draft_layers);
   model::LoadOptions lo;
-  lo.device = model::parse_device(f.get("device", "cuda"));
-  lo.dtype = model::parse_dtype(f.get("dtype", "bfloat16"));
+  lo.device = model::parse_device(f.get("device"));
+  lo.dtype = model::parse_dtype(f.get("dtype"));
   const auto cfg = bench_shape_config(shape);
   auto target = model::make_random_target(cfg, lo, 1234);
   model::DrafterConfig dc;
@@ -121,14 +131,14 @@ int cmd_bench_eval(int argc, char** argv) {
            ours.results[i].acceptance_lengths == base.results[i].acceptance_lengths;
   json report{{"bench", "eval"},
               {"shape", shape},
-              {"device", f.get("device", "cuda")},
-              {"dtype", f.get("dtype", "bfloat16")},
+              {"device", f.get("device")},
+              {"dtype", f.get("dtype")},
               {"prompts", prompts_n},
               {"prompt_len", prompt_len},
               {"max_new_tokens", opt.max_new_tokens},
               {"block_size", opt.block_size},
               {"draft_layers", draft_layers},
-              {"batch_size", f.get_int("batch-size", prompts_n)},
+              {"batch_size", f.get_int_or("batch-size", prompts_n)},
               {"baseline_prompts", baseline_n},
               {"baseline_batch_size", 1},
               {"ours", ours.stats},

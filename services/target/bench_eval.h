@@ -12,7 +12,10 @@
 //                       bf16 may differ where the two kernels round differently)}
 // Exit codes as `dflash bench generate` (2 on a bad flag).
 #pragma once
+#include "core/util/options.h"
 
 namespace dflash::target {
 int cmd_bench_eval(int argc, char** argv);  // args after "dflash bench generate", --eval among them
+// The option table of this mode (bench_generate_spec's mode: its --help and reference).
+CommandSpec bench_eval_spec();
 }

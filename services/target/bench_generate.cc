@@ -19,7 +19,7 @@
 #include "core/model/target.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/process.h"
 #include "core/util/switches.h"
 #include "services/target/bench_eval.h"
@@ -28,21 +28,6 @@
 namespace dflash::target {
 namespace {
 using json = nlohmann::json;
-
-const char* kUsage =
-    "usage: dflash bench generate [--shape qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid | --model DIR] [--device cuda|cpu]\n"
-    "         [--dtype bfloat16|float32] [--batches 1x128,64x128] [--new-tokens 128] [--warmup 1]\n"
-    "         [--repeats 3] [--hbm-gbps 4800] [--baseline [--python PY]]\n"
-    "Greedy decoding of B random prompts of P tokens (BxP), exactly --new-tokens each, one request\n"
-    "per cache slot. Per batch: tokens_per_s (B * new / seconds of the whole run, as HF's is\n"
-    "measured), prefill_s (the same run with one new token), decode_tokens_per_s (B * (new - 1) over\n"
-    "the rest) and decode_roofline (the time to read the weights once at --hbm-gbps over the time of\n"
-    "one decode step); decode_roofline_with_cache also counts the cache a step must touch at least:\n"
-    "the K/V rows of every attention layer at the mean context (P + new/2 tokens per slot), and for\n"
-    "hybrids the Gated DeltaNet states (fp32, read and written) and conv windows. --baseline adds HF transformers generate of the same shape and batches,\n"
-    "measured in this invocation, and speedup_vs_baseline per batch. --model DIR: an HF model folder's\n"
-    "own weights instead of a random-weight shape (HF loads the same folder).\n"
-    "dflash bench generate --eval ...: speculative decoding vs its uncached reference (--eval --help).\n";
 
 // Seconds of one Generator::run over `requests` with `new_tokens` each (median of `repeats` after
 // `warmup` untimed runs); checks every request got exactly new_tokens tokens.
@@ -71,7 +56,7 @@ double time_run(model::TargetModel& target, const std::vector<model::GenerationR
   return times[times.size() / 2];
 }
 
-// Bytes of decoding state one decode step of `b` must touch at least (see kUsage), element size
+// Bytes of decoding state one decode step of `b` must touch at least (bench_generate_spec's details), element size
 // `elem` for K/V and conv windows.
 double cache_bytes_per_step(const io::TargetConfig& cfg, const BatchShape& b, int64_t new_tokens, double elem) {
   const double context = double(b.len) + double(new_tokens) / 2.0;
@@ -123,13 +108,13 @@ json measure(model::TargetModel& target, const io::TargetConfig& cfg, const Batc
 }
 
 // `what`: "--shape NAME" or "--model DIR" (already quoted).
-void add_baseline(const Flags& f, const std::string& what, const std::string& batches, int64_t new_tokens,
+void add_baseline(const Options& f, const std::string& what, const std::string& batches, int64_t new_tokens,
                   int64_t warmup, int64_t repeats, json& report) {
-  const std::string py = f.get("python", switches::get("DFLASH_PYTHON"));
+  const std::string py = f.get_or("python", switches::get("DFLASH_PYTHON"));
   const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/reference/bench_hf_generate.py";
   const std::string cmd = shell_quote(py) + " " + shell_quote(script) + " " + what +
-                          " --device " + shell_quote(f.get("device", "cuda")) + " --dtype " +
-                          shell_quote(f.get("dtype", "bfloat16")) + " --batches " + shell_quote(batches) +
+                          " --device " + shell_quote(f.get("device")) + " --dtype " +
+                          shell_quote(f.get("dtype")) + " --batches " + shell_quote(batches) +
                           " --new-tokens " + std::to_string(new_tokens) + " --warmup " + std::to_string(warmup) +
                           " --repeats " + std::to_string(repeats);
   auto base = json::parse(run_for_json(cmd, "baseline"));
@@ -144,26 +129,51 @@ void add_baseline(const Flags& f, const std::string& what, const std::string& ba
 
 }  // namespace
 
+const CommandSpec& bench_generate_spec() {
+  static const CommandSpec s{
+      "dflash bench generate",
+      "greedy decoding tokens/s, prefill, decode rate and roofline as JSON; --eval: the KV-cached\n"
+      "speculative eval against the uncached reference",
+      {},
+      {value("shape", "qwen3-8b|qwen3.6-27b|tiny|tiny-hybrid", "qwen3-8b", "a random-weight target of this shape"),
+       value("model", "DIR", "", "an HF model folder's own weights instead of --shape (HF loads the same folder)"),
+       value("device", "cuda|cpu", "cuda", "where it runs"),
+       value("dtype", "bfloat16|float32", "bfloat16", "weights and compute"),
+       value("batches", "BxP,...", "1x128,64x128", "B random prompts of P tokens, one request per cache slot"),
+       value("new-tokens", "N", "128", "exactly N new tokens per request (>= 2)"),
+       value("warmup", "N", "1", "untimed runs first"),
+       value("repeats", "N", "3", "timed runs (the median is reported)"),
+       value("hbm-gbps", "G", "4800", "the memory bandwidth of the roofline"),
+       flag("baseline", "HF transformers generate of the same shape and batches in this invocation: "
+                        "speedup_vs_baseline per batch"),
+       computed("python", "PY", "$DFLASH_PYTHON", "the Python that runs the baseline")},
+      "Per batch: tokens_per_s (B * new / seconds of the whole run, as HF's is measured), prefill_s (the\n"
+      "same run with one new token), decode_tokens_per_s (B * (new - 1) over the rest) and decode_roofline\n"
+      "(the time to read the weights once at --hbm-gbps over the time of one decode step);\n"
+      "decode_roofline_with_cache also counts the cache a step must touch at least (K/V rows of every\n"
+      "attention layer at the mean context, and for hybrids the Gated DeltaNet states and conv windows).",
+      {bench_eval_spec()}};
+  return s;
+}
+
 int cmd_bench_generate(int argc, char** argv) {
   for (int i = 0; i < argc; ++i)
     if (std::strcmp(argv[i], "--eval") == 0) return cmd_bench_eval(argc, argv);
-  if (help_requested(argc, argv, kUsage)) return kExitOk;
-  Flags f(argc, argv,
-          {"shape", "model", "device", "dtype", "batches", "new-tokens", "warmup", "repeats", "hbm-gbps", "baseline", "python"},
-          {"baseline"});
+  Options f(argc, argv, bench_generate_spec());
   DFLASH_CHECK(f.positional().empty(), ConfigError,
-               "bench generate: unexpected argument '" << f.positional().front() << "'\n" << kUsage);
+               "bench generate: unexpected argument '" << f.positional().front() << "'\n"
+                                                       << usage_lines(bench_generate_spec()));
   DFLASH_CHECK(!(f.has("shape") && f.has("model")), ConfigError, "bench generate: give --shape or --model, not both");
-  const std::string model_dir = f.get("model", ""), shape = f.get("shape", "qwen3-8b");
-  const std::string batches = f.get("batches", "1x128,64x128");
-  const int64_t new_tokens = f.get_int("new-tokens", 128);
-  const int64_t warmup = f.get_int("warmup", 1), repeats = f.get_int("repeats", 3);
-  const double hbm_gbps = f.get_double("hbm-gbps", 4800);
+  const std::string model_dir = f.has("model") ? f.get("model") : "", shape = f.get("shape");
+  const std::string batches = f.get("batches");
+  const int64_t new_tokens = f.get_int("new-tokens");
+  const int64_t warmup = f.get_int("warmup"), repeats = f.get_int("repeats");
+  const double hbm_gbps = f.get_double("hbm-gbps");
   DFLASH_CHECK(new_tokens >= 2, ConfigError, "--new-tokens must be >= 2 (the decode rate needs a decode step)");
   DFLASH_CHECK(warmup >= 0 && repeats >= 1, ConfigError, "--warmup must be >= 0 and --repeats >= 1");
   model::LoadOptions lo;
-  lo.device = model::parse_device(f.get("device", "cuda"));
-  lo.dtype = model::parse_dtype(f.get("dtype", "bfloat16"));
+  lo.device = model::parse_device(f.get("device"));
+  lo.dtype = model::parse_dtype(f.get("dtype"));
   const auto cfg = model_dir.empty() ? bench_shape_config(shape) : io::parse_hf_config(model_dir);
   auto target = model_dir.empty() ? model::make_random_target(cfg, lo, 1234) : model::load_target(model_dir, lo);
   model::synchronize(lo.device);
@@ -175,8 +185,8 @@ int cmd_bench_generate(int argc, char** argv) {
                            double(torch::elementSize(lo.dtype))));
   json report{{"bench", "generate"},
               {model_dir.empty() ? "shape" : "model", model_dir.empty() ? shape : model_dir},
-              {"device", f.get("device", "cuda")},
-              {"dtype", f.get("dtype", "bfloat16")},
+              {"device", f.get("device")},
+              {"dtype", f.get("dtype")},
               {"weights_gib", weight_bytes / double(1ull << 30)},
               {"hbm_gbps", hbm_gbps},
               {"switches", switches::to_json()},

@@ -22,7 +22,7 @@
 #include "core/model/target.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/log.h"
 #include "core/util/process.h"
 #include "core/util/switches.h"
@@ -35,30 +35,6 @@ namespace dflash::target {
 namespace {
 using json = nlohmann::json;
 namespace fs = std::filesystem;
-
-const char* kUsage =
-    "usage: dflash bench target [--shape qwen3-8b|qwen3.6-27b|qwen3-30b-a3b|qwen3.5-35b-a3b|tiny|tiny-hybrid|\n"
-    "         tiny-moe|tiny-hybrid-moe] [--device cuda|cpu]\n"
-    "         [--dtype bfloat16|float32] [--batches 1x4096,4x4096,16x1024] [--layers IDS] [--no-last-hidden]\n"
-    "         [--warmup 2] [--repeats 5] [--peak-tflops 790] [--baseline [--python PY] [--check-dir DIR]]\n"
-    "         [--profile [--profile-top 25]] [--fp8]\n"
-    "  Forward + capture of a random-weight target on batches DOCSxLEN (documents of LEN tokens);\n"
-    "  JSON on stdout: tokens/s, MFU, peak memory per batch. --layers defaults: 3,15,31,47,59\n"
-    "  (qwen3.6-27b), 1,3,5 (tiny, tiny-moe), 0,3,5,7 (tiny-hybrid, tiny-hybrid-moe), 1,9,17,25,33\n"
-    "  (qwen3-8b), 1,12,23,34,45 (qwen3-30b-a3b), 1,10,19,28,37 (qwen3.5-35b-a3b).\n"
-    "  --baseline: after our model is freed, runs scripts/reference/bench_hf_target.py (HF transformers;\n"
-    "  --python, else $DFLASH_PYTHON, else python3; the script under $DFLASH_SOURCE_DIR, else .) on the\n"
-    "  same batches (speedup_vs_baseline), and checks our output against it: the weights are drawn per\n"
-    "  tensor name from seeded generators (model::RandomWeights, per-name mode), HF rebuilds them from\n"
-    "  the manifest and runs the first batch's token ids; \"error_vs_hf\" lists per captured segment\n"
-    "  (each layer, then the last hidden state) rel_fro = ||ours - hf||_F / ||hf||_F and max_abs, in\n"
-    "  fp32 of the model-dtype values, and worst_rel_fro. The check's files (capture.safetensors,\n"
-    "  weights.json) go to a temp dir that is removed, or to --check-dir DIR, kept.\n"
-    "  --profile: one more forward per batch under the Kineto profiler (after the timed ones, not in\n"
-    "  them): \"profile\" gives the GPU time per kernel name (the --profile-top largest) and their total.\n"
-    "  --fp8: random FP8 weights (128x128 block scales), FP8 GEMMs on Hopper with bf16, else dequantized;\n"
-    "  with --baseline our bf16 path on the same dequantized weights instead of HF (speedup_vs_bf16,\n"
-    "  weights_gib) and per-layer error of both vs fp32 on those weights (services/target/bench_fp8.h).\n";
 
 // GPU time per kernel name of one call of `fn` (Kineto, CUDA activity only): the `top` largest
 // names (truncated to 160 characters) and the total, in ms.
@@ -292,12 +268,12 @@ namespace {
 
 // --baseline: runs scripts/reference/bench_hf_target.py on the same batches (after our model is
 // freed) and adds its report, its error_vs_hf and speedup_vs_baseline per batch to `report`.
-void add_hf_baseline(const Flags& f, const std::string& shape, const std::string& batches, const std::string& layers,
+void add_hf_baseline(const Options& f, const std::string& shape, const std::string& batches, const std::string& layers,
                      int64_t warmup, int64_t repeats, const fs::path& check_dir, json& report) {
-  const std::string py = f.get("python", switches::get("DFLASH_PYTHON"));
+  const std::string py = f.get_or("python", switches::get("DFLASH_PYTHON"));
   const std::string script = switches::get("DFLASH_SOURCE_DIR") + "/scripts/reference/bench_hf_target.py";
   const std::string cmd = shell_quote(py) + " " + shell_quote(script) + " --shape " + shell_quote(shape) + " --device " +
-                          shell_quote(f.get("device", "cuda")) + " --dtype " + shell_quote(f.get("dtype", "bfloat16")) +
+                          shell_quote(f.get("device")) + " --dtype " + shell_quote(f.get("dtype")) +
                           " --batches " + shell_quote(batches) + " --layers " + shell_quote(layers) + " --warmup " +
                           std::to_string(warmup) + " --repeats " + std::to_string(repeats) + " --check " +
                           shell_quote(check_dir.string());
@@ -317,25 +293,55 @@ void add_hf_baseline(const Flags& f, const std::string& shape, const std::string
 
 }  // namespace
 
+const CommandSpec& bench_target_spec() {
+  static const CommandSpec s{
+      "dflash bench target",
+      "target forward + capture of a random-weight target on batches DOCSxLEN: tokens/s, MFU, peak memory\n"
+      "per batch as JSON; --baseline: HF transformers in the same invocation, with the error of ours vs HF",
+      {},
+      {value("shape", "qwen3-8b|qwen3.6-27b|qwen3-30b-a3b|qwen3.5-35b-a3b|tiny|tiny-hybrid|tiny-moe|tiny-hybrid-moe",
+             "qwen3-8b", "the target's shape"),
+       value("device", "cuda|cpu", "cuda", "where it runs"),
+       value("dtype", "bfloat16|float32", "bfloat16", "weights and compute"),
+       value("batches", "DOCSxLEN,...", "1x4096,4x4096,16x1024", "the batches: DOCS documents of LEN tokens"),
+       computed("layers", "IDS", "the shape's: 1,9,17,25,33 (qwen3-8b), 3,15,31,47,59 (qwen3.6-27b), 1,12,23,34,45 "
+                "(qwen3-30b-a3b), 1,10,19,28,37 (qwen3.5-35b-a3b), 1,3,5 (tiny, tiny-moe), 0,3,5,7 (tiny-hybrid, "
+                "tiny-hybrid-moe)", "the captured layers"),
+       flag("no-last-hidden", "do not capture the last hidden state"),
+       value("warmup", "N", "2", "untimed forwards first"),
+       value("repeats", "N", "5", "timed forwards"),
+       value("peak-tflops", "T", "790", "the peak the MFU is computed against"),
+       flag("baseline", "run scripts/reference/bench_hf_target.py (HF transformers) on the same batches after ours "
+                        "is freed: speedup_vs_baseline, and error_vs_hf on the first batch"),
+       computed("python", "PY", "$DFLASH_PYTHON, else python3", "the Python that runs the baseline"),
+       computed("check-dir", "DIR", "a temporary folder, removed", "with --baseline: keep the check's files here"),
+       flag("profile", "one more forward per batch under the Kineto profiler: GPU time per kernel name"),
+       value("profile-top", "N", "25", "with --profile: the N largest kernel names"),
+       flag("fp8", "random FP8 block-scaled weights (FP8 GEMMs on Hopper); with --baseline against our bf16 path on "
+                   "the same dequantized weights (services/target/bench_fp8.h)")},
+      "error_vs_hf lists per captured segment (each layer, then the last hidden state) rel_fro =\n"
+      "||ours - hf||_F / ||hf||_F and max_abs, in fp32 of the model-dtype values, and worst_rel_fro; the\n"
+      "weights are drawn per tensor name from seeded generators, HF rebuilds them from the manifest.\n"
+      "Attention and GEMM choices are switches (docs/switches.md); docs/perf.md has the method."};
+  return s;
+}
+
 int cmd_bench_target(int argc, char** argv) {
-  if (help_requested(argc, argv, kUsage)) return kExitOk;
-  Flags f(argc, argv,
-          {"shape", "device", "dtype", "batches", "layers", "warmup", "repeats", "baseline", "python", "peak-tflops",
-           "no-last-hidden", "check-dir", "profile", "profile-top", "fp8"},
-          {"baseline", "no-last-hidden", "profile", "fp8"});
+  Options f(argc, argv, bench_target_spec());
   DFLASH_CHECK(f.positional().empty(), ConfigError,
-               "bench target: unexpected argument '" << f.positional().front() << "'\n" << kUsage);
-  const std::string shape = f.get("shape", "qwen3-8b");
-  const std::string batches_s = f.get("batches", "1x4096,4x4096,16x1024");
-  const std::string layers_s = f.get("layers", default_layers(shape));
-  const int64_t warmup = f.get_int("warmup", 2), repeats = f.get_int("repeats", 5);
+               "bench target: unexpected argument '" << f.positional().front() << "'\n"
+                                                     << usage_lines(bench_target_spec()));
+  const std::string shape = f.get("shape");
+  const std::string batches_s = f.get("batches");
+  const std::string layers_s = f.get_or("layers", default_layers(shape));
+  const int64_t warmup = f.get_int("warmup"), repeats = f.get_int("repeats");
   DFLASH_CHECK(warmup >= 0 && repeats >= 1, ConfigError, "--warmup must be >= 0 and --repeats >= 1");
-  const double peak_tflops = f.get_double("peak-tflops", 790.0);
+  const double peak_tflops = f.get_double("peak-tflops");
   const bool baseline = f.has("baseline");
   DFLASH_CHECK(baseline || !f.has("check-dir"), ConfigError, "--check-dir needs --baseline");
   model::LoadOptions lo;
-  lo.device = model::parse_device(f.get("device", "cuda"));
-  lo.dtype = model::parse_dtype(f.get("dtype", "bfloat16"));
+  lo.device = model::parse_device(f.get("device"));
+  lo.dtype = model::parse_dtype(f.get("dtype"));
   lo.load_lm_head = false;
   auto cfg = shape_config(shape);
   model::CaptureSpec spec{parse_int_list(layers_s, "--layers"), !f.has("no-last-hidden")};
@@ -345,8 +351,8 @@ int cmd_bench_target(int argc, char** argv) {
                  "--fp8 takes neither --profile nor --check-dir");
     json report = {{"bench", "target"},
                    {"shape", shape},
-                   {"device", f.get("device", "cuda")},
-                   {"dtype", f.get("dtype", "bfloat16")},
+                   {"device", f.get("device")},
+                   {"dtype", f.get("dtype")},
                    {"layers", spec.layer_ids},
                    {"last_hidden", spec.last_hidden}};
     report["fp8"] = bench_fp8(cfg, spec, parse_batch_shapes(batches_s), {lo, warmup, repeats, peak_tflops, baseline});
@@ -359,7 +365,7 @@ int cmd_bench_target(int argc, char** argv) {
   model::synchronize(lo.device);
   const double weights_gib = allocated_gib(lo.device, false);  // resident weights, no load temporaries
   // --baseline: files of the HF error check (the first batch), removed afterwards unless --check-dir.
-  CheckDir check(baseline, f.get("check-dir", ""));
+  CheckDir check(baseline, f.get_or("check-dir", ""));
 
   json results = json::array();
   for (auto b : parse_batch_shapes(batches_s)) {
@@ -369,18 +375,18 @@ int cmd_bench_target(int argc, char** argv) {
     const std::string name = std::to_string(b.docs) + "x" + std::to_string(b.len);
     model::CaptureResult buf;
     results.push_back(measure_batch(name, *target, cfg, spec, ids, lens, lo.device, warmup, repeats, peak_tflops, buf));
-    if (f.has("profile")) results.back()["profile"] = profile_forward(f.get_int("profile-top", 25), [&] {
+    if (f.has("profile")) results.back()["profile"] = profile_forward(f.get_int("profile-top"), [&] {
       buf = target->forward_capture(ids, lens, spec, std::move(buf));
       model::synchronize(lo.device);
     });
     if (baseline && results.size() == 1)
       write_check_files(check.path, name, ids.view({b.docs, b.len}), buf, *weights, target->config(),
-                        f.get("device", "cuda"));
+                        f.get("device"));
   }
   json report = {{"bench", "target"},
                  {"shape", shape},
-                 {"device", f.get("device", "cuda")},
-                 {"dtype", f.get("dtype", "bfloat16")},
+                 {"device", f.get("device")},
+                 {"dtype", f.get("dtype")},
                  {"layers", spec.layer_ids},
                  {"last_hidden", spec.last_hidden},
                  {"weights_gib", weights_gib},

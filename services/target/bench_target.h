@@ -10,9 +10,12 @@
 
 #include "core/io/hf_config.h"
 #include "core/model/target.h"
+#include "core/util/options.h"
 
 namespace dflash::target {
 int cmd_bench_target(int argc, char** argv);
+// Its option table (core/util/options.h).
+const CommandSpec& bench_target_spec();
 // The named target shapes of the benches (qwen3-8b | qwen3.6-27b | tiny | tiny-hybrid); ConfigError otherwise.
 io::TargetConfig bench_shape_config(const std::string& shape);
 

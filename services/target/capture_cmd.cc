@@ -6,7 +6,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/target.h"
 #include "core/util/error.h"
-#include "core/util/flags.h"
+#include "core/util/options.h"
 #include "core/util/log.h"
 #include "core/util/progress.h"
 
@@ -73,18 +73,34 @@ CaptureSummary run_capture(const CaptureOptions& opt) {
   return sum;
 }
 
+const CommandSpec& capture_spec() {
+  static const CommandSpec s{
+      "dflash-target capture",
+      "offline capture of a JSONL token file: features.{i} [T_i, K*H] (and last_hidden.{i} [T_i, H]) of\n"
+      "every line i into safetensors",
+      {},
+      {required("model", "DIR", "the target model (HF folder)"),
+       required("input", "FILE.jsonl", "lines {\"input_ids\": [...]}"),
+       computed("layers", "1,3,...", "none (an empty list)", "the target layers whose hidden states are captured"),
+       flag("last-hidden", "also capture the last hidden state"),
+       value("dtype", "float32|bfloat16", "float32", "the model's dtype"),
+       value("device", "cpu|cuda", "cpu", "where the model runs"),
+       required("out", "FILE.safetensors", "the captured tensors"),
+       value("token-budget", "N", "16384", "documents are packed into forward batches of at most N tokens")}};
+  return s;
+}
+
 int cmd_capture(int argc, char** argv) {
-  Flags f(argc, argv, {"model", "input", "layers", "last-hidden", "dtype", "device", "out", "token-budget"},
-          {"last-hidden"});
+  Options f(argc, argv, capture_spec());
   CaptureOptions o;
   o.model_dir = f.get("model");
   o.input_jsonl = f.get("input");
   o.out_path = f.get("out");
   o.layers = f.has("layers") ? f.get_int_list("layers") : std::vector<int64_t>{};
   o.last_hidden = f.has("last-hidden");
-  o.dtype = f.get("dtype", o.dtype);
-  o.device = f.get("device", o.device);
-  o.token_budget = f.get_int("token-budget", o.token_budget);
+  o.dtype = f.get("dtype");
+  o.device = f.get("device");
+  o.token_budget = f.get_int("token-budget");
   DFLASH_CHECK(o.token_budget > 0, ConfigError, "--token-budget must be positive");
   auto s = run_capture(o);
   LOG_INFO("captured " << s.documents << " documents, " << s.tokens << " tokens in " << s.batches << " batches, "

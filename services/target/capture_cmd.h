@@ -1,5 +1,6 @@
 // `dflash-target capture`: offline hidden-state capture of a JSONL token file into safetensors.
 #pragma once
+#include "core/util/options.h"
 #include <string>
 #include <vector>
 
@@ -26,9 +27,7 @@ CaptureSummary run_capture(const CaptureOptions& opt);
 
 // CLI entry: args after "capture". Returns an exit code (docs/design.md#exit-codes), printing errors to stderr.
 int cmd_capture(int argc, char** argv);
-// The flags of `dflash-target capture`, for the binary's usage text.
-inline constexpr const char* kCaptureUsage =
-    "--model DIR --input FILE.jsonl --layers 1,3 [--last-hidden]\n"
-    "         [--dtype float32|bfloat16] [--device cpu|cuda] --out FILE.safetensors";
+// Its option table (core/util/options.h): the binary's usage text.
+const CommandSpec& capture_spec();
 
 }  // namespace dflash::target

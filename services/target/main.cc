@@ -8,7 +8,7 @@ int main(int argc, char** argv) {
   using namespace dflash;
   return dispatch_subcommand(argc, argv,
                              {"dflash-target", "target",
-                              {{"capture", target::cmd_capture, target::kCaptureUsage},
-                               {"serve", target::cmd_serve, target::kServeUsage}}},
+                              {{"capture", target::cmd_capture, target::capture_spec},
+                               {"serve", target::cmd_serve, target::serve_spec}}},
                              build_info::version(), build_info::identity().c_str());
 }

@@ -611,14 +611,25 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
   return server.run();
 }
 
+const CommandSpec& serve_spec() {
+  static const CommandSpec s{
+      "dflash-target serve",
+      "a target server: captures the hidden states of its data share and streams packed batches to the\n"
+      "drafters (started by dflash run; by hand, the pipeline without a coordinator)",
+      {},
+      pipeline::worker_options(
+          {value("attach-timeout-s", "S", "300", "the wait for the drafters to attach"),
+           computed("send-timeout-s", "S", "the config's coordinator.receive_timeout_s", "the wait for a credit")})};
+  return s;
+}
+
 int cmd_serve(int argc, char** argv) {
-  Flags f(argc, argv, pipeline::worker_flags({"attach-timeout-s", "send-timeout-s"}));
+  Options f(argc, argv, serve_spec());
   ServeOptions o;
-  o.attach_timeout_s = f.get_double("attach-timeout-s", 300);
-  auto w = pipeline::start_worker(f, config::Role::kTarget, o,
-                                  usage_text("dflash-target", {{"serve", cmd_serve, kServeUsage}}));
+  o.attach_timeout_s = f.get_double("attach-timeout-s");
+  auto w = pipeline::start_worker(f, config::Role::kTarget, o);
   // The wait for a credit: coordinator.receive_timeout_s (above the coordinator's liveness checks).
-  o.send_timeout_s = f.get_double("send-timeout-s", w.cfg.coordinator.receive_timeout_s);
+  o.send_timeout_s = f.get_double_or("send-timeout-s", w.cfg.coordinator.receive_timeout_s);
   DFLASH_CHECK(o.attach_timeout_s > 0 && o.send_timeout_s > 0, ConfigError, "--attach-timeout-s and --send-timeout-s must be > 0");
   const auto& cfg = w.cfg;
   const auto& plan = w.plan;

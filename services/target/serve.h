@@ -58,9 +58,7 @@ ServeSummary run_serve(const config::RunConfig& cfg, const ServeOptions& opt, co
                        control::ControlClient* client);
 
 int cmd_serve(int argc, char** argv);  // args after "dflash-target serve"
-// The flags of `dflash-target serve`, for the binary's usage text and usage errors.
-inline constexpr const char* kServeUsage =
-    "--config CFG --rank R [--device cpu|cuda] [--run-id ID] [--metrics-port P]\n"
-    "         [--attach-timeout-s S] [--send-timeout-s S]";
+// Its option table (core/util/options.h): the binary's usage text and usage errors.
+const CommandSpec& serve_spec();
 
 }  // namespace dflash::target

@@ -1,11 +1,13 @@
 // The CLI machinery of core/util and core/config (docs/cli.md): flags (did-you-mean, --help / -h,
-// "--"), user-facing error text, the log line format and level, the progress helper's moving-window
+// "--"), option tables (parser, defaults written once, help and Markdown from the table),
+// user-facing error text, the log line format and level, the progress helper's moving-window
 // rate and ETA (fake clock), and section.field=VALUE config overrides validated like the YAML.
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <regex>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -14,6 +16,7 @@
 #include "core/util/flags.h"
 #include "core/util/log.h"
 #include "core/util/log_level.h"
+#include "core/util/options.h"
 #include "core/util/process.h"
 #include "core/util/progress.h"
 
@@ -58,6 +61,75 @@ TEST(Flags, HelpAnywhereAndDashDash) {
   EXPECT_EQ(f.get("set"), "c.d=2");
   EXPECT_EQ(f.positional(), (std::vector<std::string>{"x", "-h", "--plan"}));
   EXPECT_FALSE(f.has("plan"));
+}
+
+// A command's table as the commands write theirs.
+const CommandSpec& sample_spec() {
+  static const CommandSpec s{
+      "dflash sample",
+      "a sample command",
+      {{"CONFIG", "the config"}},
+      {required("input", "FILE", "the input"),
+       value("block-size", "B", "16", "the block"),
+       value("ratio", "R", "0.5", "a ratio"),
+       computed("port", "P", "the config's port", "a port"),
+       flag("quiet", "no progress"),
+       repeated("set", "K=V", "an override")},
+      "Details of the sample.",
+      {CommandSpec{"dflash sample", "its other mode", {}, {Option{"other", "", "", "", "this mode", false, true},
+                                                           value("depth", "N", "2", "a depth")}}}};
+  return s;
+}
+
+Options parse_options(std::vector<std::string> words) {
+  std::vector<char*> argv;
+  for (auto& w : words) argv.push_back(w.data());
+  return Options(static_cast<int>(argv.size()), argv.data(), sample_spec());
+}
+
+TEST(Options, ParserAndDefaultsComeFromTheTable) {
+  const Options o = parse_options({"cfg.yaml", "--input", "a.jsonl", "--quiet", "--set", "a=1", "--set=b=2"});
+  EXPECT_EQ(o.positional(), (std::vector<std::string>{"cfg.yaml"}));
+  EXPECT_EQ(o.get("input"), "a.jsonl");
+  EXPECT_EQ(o.get_int("block-size"), 16);  // the table's default
+  EXPECT_DOUBLE_EQ(o.get_double("ratio"), 0.5);
+  EXPECT_EQ(o.get_int_or("port", 9000), 9000);  // a computed default comes from the command
+  EXPECT_TRUE(o.has("quiet") && o.enabled("quiet"));
+  EXPECT_EQ(o.get_all("set"), (std::vector<std::string>{"a=1", "b=2"}));
+  EXPECT_EQ(parse_options({"--block-size=32", "--port", "7"}).get_int("block-size"), 32);
+  EXPECT_EQ(parse_options({"--port", "7"}).get_int_or("port", 9000), 7);
+  EXPECT_FALSE(parse_options({"--quiet=false"}).enabled("quiet"));
+}
+
+TEST(Options, FlagsContractsHold) {
+  EXPECT_NE(error_of([] { parse_options({"--blok-size", "3"}); }).find("did you mean --block-size?"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_options({"--input"}); }).find("flag --input needs a value"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_options({}).get("input"); }).find("missing required flag --input"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_options({"--block-size", "x"}).get_int("block-size"); })
+                .find("flag --block-size: expected an integer, got 'x'"),
+            std::string::npos);
+  EXPECT_THROW(parse_options({"cfg.yaml", "-h"}), HelpRequested);  // the dispatcher prints help_text
+  EXPECT_EQ(parse_options({"--", "--quiet"}).positional(), (std::vector<std::string>{"--quiet"}));
+  // A default written twice, or a name outside the table, is the command's own mistake.
+  EXPECT_THROW(parse_options({}).get_int_or("block-size", 16), std::logic_error);
+  EXPECT_THROW(parse_options({}).has("nonexistent"), std::logic_error);
+}
+
+TEST(Options, HelpAndReferenceListEveryOption) {
+  const std::string help = help_text(sample_spec());
+  EXPECT_EQ(help.rfind("usage: dflash sample CONFIG --input FILE [--block-size B]", 0), 0u) << help;
+  EXPECT_EQ(help.find("usage:", 1), std::string::npos) << "one usage line: " << help;
+  EXPECT_NE(help.find("   or: dflash sample --other [--depth N]"), std::string::npos) << help;
+  const std::string md = markdown_reference(sample_spec());
+  EXPECT_NE(md.find("### `dflash sample --other`"), std::string::npos) << md;
+  for (const auto& o : all_options(sample_spec())) {
+    EXPECT_NE(help.find("--" + o.name), std::string::npos) << o.name;
+    EXPECT_NE(md.find("`--" + o.name), std::string::npos) << o.name;
+  }
+  EXPECT_NE(help.find("(default: 16)"), std::string::npos) << help;
+  EXPECT_NE(help.find("(default: the config's port)"), std::string::npos) << help;
+  EXPECT_NE(help.find("(required)"), std::string::npos) << help;
+  EXPECT_NE(help.find("Details of the sample."), std::string::npos) << help;
 }
 
 TEST(ErrorText, SourceLocationsOnlyAtDebugLevel) {
