@@ -35,6 +35,7 @@
 #include "core/model/drafter.h"
 #include "core/stream/schedule.h"
 #include "core/train/collectives.h"
+#include "core/train/timed_collectives.h"
 #include "core/train/trainer.h"
 
 namespace dflash::drafter {
@@ -85,6 +86,19 @@ class SingleRankGroup final : public RankGroup {
 
  private:
   train::SingleRank one_;
+};
+
+// Several ranks (`dflash-drafter train`): collectives timed and watched (train::TimedCollectives),
+// host waits run with its wait guard held. `c` must outlive it.
+class TimedRankGroup final : public RankGroup {
+ public:
+  explicit TimedRankGroup(train::TimedCollectives& c) : c_(c) {}
+  train::Collectives& collectives() override { return c_; }
+  double take_seconds() override { return c_.take_seconds(); }
+  void host_wait(const std::function<void()>& wait) override { c_.host_wait(wait); }
+
+ private:
+  train::TimedCollectives& c_;
 };
 
 // Stop / checkpoint requests from outside the loop (a coordinator, a step limit).

@@ -14,29 +14,27 @@
 #include <thread>
 
 #ifdef DFLASH_WITH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #endif
 
 #include "core/data/shards.h"
 #include "core/io/json_file.h"
 #include "core/io/jsonl_log.h"
-#include "core/stream/cuda_copy_completion.h"
-#include "core/stream/deferred_release.h"
 #include "core/util/process.h"
 #include "core/model/drafter.h"
 #include "core/model/target.h"
 #include "core/train/checkpoint.h"
 #include "core/train/collectives_factory.h"
 #include "core/train/export.h"
+#include "core/train/timed_collectives.h"
 #include "core/train/trainer.h"
+#include "services/common/link_source.h"
 #include "services/common/pipeline_common.h"
 #include "services/common/provenance.h"
 #include "services/common/run_data.h"
 #include "services/common/run_plan.h"
 #include "services/common/transport_factory.h"
+#include "services/drafter/peer_watchdog.h"
 #include "services/drafter/train_loop.h"
 
 namespace dflash::drafter {
@@ -52,112 +50,6 @@ struct ReplicaError : Error {
 };
 
 milliseconds ms_of(double s) { return milliseconds(static_cast<int64_t>(s * 1000.0)); }
-
-bool pid_alive(pid_t pid) {
-  if (pid <= 0) return false;
-  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
-  std::ifstream st("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(st, line)) return false;
-  const auto p = line.rfind(')');
-  return p == std::string::npos || p + 2 >= line.size() || line[p + 2] != 'Z';
-}
-
-// Tells the PeerWatchdog that this thread waits on its peers (see TimedCollectives).
-struct BlockedOnPeers {
-  std::atomic<int64_t>& since;
-  control::BlockedOn heartbeat{"drafter peers (collective)"};  // not this rank's stall
-  explicit BlockedOnPeers(std::atomic<int64_t>& s) : since(s) {
-    since.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
-  }
-  ~BlockedOnPeers() { since.store(0, std::memory_order_relaxed); }
-};
-
-// Times the collectives (the all-reduce stage) and tells the watchdog when this rank is blocked in
-// one, or in a host wait for device work that contains one (a dead peer leaves an NCCL all-reduce,
-// and so that wait, blocked).
-class TimedCollectives final : public train::Collectives, public RankGroup {
- public:
-  TimedCollectives(train::Collectives& inner, metrics::Histogram& h, std::atomic<int64_t>& since_ns)
-      : inner_(inner), h_(h), since_(since_ns) {}
-  int rank() const override { return inner_.rank(); }
-  int world_size() const override { return inner_.world_size(); }
-  void all_reduce_sum(std::vector<torch::Tensor>& t) override { timed([&] { inner_.all_reduce_sum(t); }); }
-  void broadcast(std::vector<torch::Tensor>& t, int root) override { timed([&] { inner_.broadcast(t, root); }); }
-  void barrier() override { timed([&] { inner_.barrier(); }); }
-  train::Collectives& collectives() override { return *this; }
-  double take_seconds() override {
-    const double s = acc_;
-    acc_ = 0;
-    return s;
-  }
-  void host_wait(const std::function<void()>& wait) override {
-    BlockedOnPeers blocked(since_);
-    wait();
-  }
-
- private:
-  template <class F>
-  void timed(F&& f) {
-    const auto t0 = Clock::now();
-    BlockedOnPeers blocked(since_);
-    f();
-    const double d = pipeline::seconds_since(t0);
-    h_.observe(d);
-    acc_ += d;
-  }
-  train::Collectives& inner_;
-  metrics::Histogram& h_;
-  std::atomic<int64_t>& since_;
-  double acc_ = 0;
-};
-
-// A peer drafter that died leaves the others blocked in a collective until its timeout; this thread
-// notices (the peer's pid is gone while we have been waiting > grace), removes this rank's shm
-// segments and exits 1 at once.
-class PeerWatchdog {
- public:
-  PeerWatchdog(std::vector<pid_t> peers, std::vector<std::string> segments, std::string run_prefix,
-               std::atomic<int64_t>& since_ns, double grace_s, int rank)
-      : peers_(std::move(peers)), segments_(std::move(segments)), prefix_(std::move(run_prefix)), since_(since_ns),
-        grace_s_(grace_s), rank_(rank) {
-    th_ = std::thread([this] { loop(); });
-  }
-  ~PeerWatchdog() {
-    stop_ = true;
-    th_.join();
-  }
-
- private:
-  void loop() {
-    while (!stop_) {
-      std::this_thread::sleep_for(milliseconds(100));
-      const int64_t s = since_.load(std::memory_order_relaxed);
-      if (s == 0) continue;
-      const double waited = std::chrono::duration<double>(Clock::now().time_since_epoch() - Clock::duration(s)).count();
-      if (waited < grace_s_) continue;
-      for (size_t r = 0; r < peers_.size(); ++r) {
-        if (static_cast<int>(r) == rank_ || pid_alive(peers_[r])) continue;
-        LOG_ERROR("drafter " << rank_ << ": peer drafter rank " << r << " (pid " << peers_[r] << ") died while this rank waited "
-                             << waited << " s in a collective; exiting");
-        for (const auto& n : segments_) stream::remove_own_segment(n);
-        try {
-          stream::remove_stale_segments(prefix_);  // the dead peer's, if no target removed them
-        } catch (...) {
-        }
-        std::_Exit(kExitFailure);
-      }
-    }
-  }
-  std::vector<pid_t> peers_;
-  std::vector<std::string> segments_;
-  std::string prefix_;
-  std::atomic<int64_t>& since_;
-  double grace_s_;
-  int rank_;
-  std::atomic<bool> stop_{false};
-  std::thread th_;
-};
 
 struct DrafterMetrics {
   metrics::Counter *tokens, *batches, *samples, *bytes, *checksums, *steps;
@@ -192,196 +84,6 @@ struct DrafterMetrics {
     waiting = &r.gauge("dflash_drafter_waiting_ratio", "fraction of the loop's wall time spent waiting for data");
     gpu.declare(r, "drafter");
   }
-};
-
-// The k-th micro-batch of drafter `d` must be exactly batch `i` of the epoch plan: checked field by field.
-void check_against_plan(const stream::PackedBatchView& v, uint64_t run_id, int64_t epoch, int64_t i, const data::Batch& b,
-                        uint32_t K, uint32_t H, stream::DType dt, const std::string& where) {
-  const auto& h = v.header();
-  DFLASH_CHECK(h.run_id == run_id, DataError, where << ": run id " << h.run_id << " != " << run_id << " (a target of another run?)");
-  DFLASH_CHECK(h.epoch == epoch && h.batch_id == static_cast<uint64_t>(i), DataError,
-               where << ": got batch " << h.batch_id << " of epoch " << h.epoch << ", the plan says batch " << i << " of epoch " << epoch);
-  DFLASH_CHECK(h.k == K && h.h == H && h.dtype == static_cast<uint32_t>(dt), DataError,
-               where << ": shape K=" << h.k << " H=" << h.h << " dtype " << stream::dtype_name(static_cast<stream::DType>(h.dtype))
-                     << ", expected K=" << K << " H=" << H << " dtype " << stream::dtype_name(dt));
-  DFLASH_CHECK(h.num_docs == b.sample_ids.size(), DataError,
-               where << ": " << h.num_docs << " documents, the plan has " << b.sample_ids.size());
-  const auto* docs = v.docs();
-  for (size_t j = 0; j < b.sample_ids.size(); ++j)
-    DFLASH_CHECK(docs[j].sample_id == b.sample_ids[j] && docs[j].length == static_cast<uint32_t>(b.lengths[j]), DataError,
-                 where << ": document " << j << " is sample " << docs[j].sample_id << " (" << docs[j].length
-                       << " tokens), the plan says sample " << b.sample_ids[j] << " (" << b.lengths[j] << " tokens)");
-}
-
-// A received batch as a MicroBatch. Both devices: host copies of the loss mask (the anchor sampler)
-// and of the input ids as int64 (input_ids_host: a host embedding's row gather), read from the slot
-// on the host. CPU: views of the slot memory otherwise (input_ids_T is input_ids_host), valid while
-// the slot is held. CUDA:
-// non-blocking copies from the pinned slot (registered shm mapping or c10d's pinned slots) on a
-// stream of their own, so they do not queue behind the compute of earlier micro-batches; the
-// compute stream waits for them before using the tensors (allocated on the copy stream, marked as
-// used by the compute stream). The slot is needed only until the copies have run:
-// copy_completion() hands their event over, so nothing on the host waits for them.
-class BatchUpload {
- public:
-  explicit BatchUpload(torch::Device device) : device_(device) {
-#ifdef DFLASH_WITH_CUDA
-    if (device_.is_cuda()) copy_.emplace(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index()));
-#endif
-  }
-
-  train::MicroBatch start(const stream::PackedBatchView& v, bool want_h_last) {
-    const auto& L = v.layout();
-    const int64_t T = static_cast<int64_t>(L.tokens), KH = int64_t(L.k) * L.h;
-    const auto dt = pipeline::torch_dtype(L.dtype);
-    DFLASH_CHECK(!want_h_last || v.h_last() != nullptr, DataError,
-                 "packed batch " << v.header().batch_id
-                     << " has no h_last but the objective needs it (train.soft_labels.enabled or drafter.method: dspark; target.ship_h_last)");
-    train::MicroBatch mb;
-    const uint8_t* mask = v.loss_mask();
-    mb.loss_mask_host.assign(mask, mask + T);
-    const auto* docs = v.docs();
-    for (uint32_t j = 0; j < L.num_docs; ++j) mb.doc_lens.push_back(docs[j].length);
-    auto ids = torch::from_blob(const_cast<int32_t*>(v.input_ids()), {T}, torch::kInt32);
-    mb.input_ids_host = ids.to(torch::kInt64);  // a copy: outlives the slot
-    auto mask_T = torch::from_blob(const_cast<uint8_t*>(mask), {T}, torch::kUInt8);
-    auto feats = torch::from_blob(const_cast<void*>(v.features()), {T, KH}, dt);
-    auto hl = want_h_last ? torch::from_blob(const_cast<void*>(v.h_last()), {T, int64_t(L.h)}, dt) : torch::Tensor();
-#ifdef DFLASH_WITH_CUDA
-    if (copy_) {
-      const auto compute = c10::cuda::getCurrentCUDAStream(device_.index());
-      {
-        c10::cuda::CUDAStreamGuard on_copy(*copy_);
-        ids = ids.to(device_, torch::kInt32, /*non_blocking=*/true);
-        mask_T = mask_T.to(device_, torch::kUInt8, /*non_blocking=*/true);
-        feats = feats.to(device_, dt, /*non_blocking=*/true);
-        if (hl.defined()) hl = hl.to(device_, dt, /*non_blocking=*/true);
-        copied_ = std::make_unique<at::cuda::CUDAEvent>();
-        copied_->record(*copy_);
-      }
-      copied_->block(compute);
-      for (auto* t : {&ids, &mask_T, &feats, &hl})
-        if (t->defined()) t->record_stream(compute);
-    }
-#endif
-    mb.input_ids_T = ids.is_cpu() ? mb.input_ids_host : ids.to(torch::kInt64);
-    mb.loss_mask_T = mask_T;
-    mb.features_TKH = feats;
-    mb.h_last_TH = hl;
-    return mb;
-  }
-
-  // The completion of the last start()'s copies (the slot may go back once it has completed);
-  // null on CPU, where the micro-batch read the slot itself and has been trained when this is asked.
-  std::unique_ptr<stream::CopyCompletion> copy_completion() {
-#ifdef DFLASH_WITH_CUDA
-    if (copy_) {
-      DFLASH_CHECK(copied_ != nullptr, TransportError, "BatchUpload: copy_completion() without a start() before it");
-      return std::make_unique<stream::CudaCopyCompletion>(std::move(copied_));
-    }
-#endif
-    return nullptr;
-  }
-
-  // Call once the micro-batch's work is enqueued (and its slot handed over); returns once the
-  // micro-batch before it has been trained: the GPU has this one queued meanwhile, and the host
-  // runs at most one micro-batch ahead of it (which bounds the inputs alive on the copy stream to
-  // two batches). CPU: at once (it has been trained).
-  void finish() {
-#ifdef DFLASH_WITH_CUDA
-    if (!copy_) return;
-    trained_.record(c10::cuda::getCurrentCUDAStream(device_.index()));
-    trained_before_.synchronize();  // a no-op before the first micro-batch
-    std::swap(trained_, trained_before_);
-#endif
-  }
-
- private:
-  torch::Device device_;
-#ifdef DFLASH_WITH_CUDA
-  std::optional<c10::cuda::CUDAStream> copy_;
-  std::unique_ptr<at::cuda::CUDAEvent> copied_;  // recorded after the current batch's copies
-  at::cuda::CUDAEvent trained_, trained_before_;
-#endif
-};
-
-struct LinkTotals {
-  uint32_t ready = 0, free_slots = 0;
-};
-LinkTotals link_totals(const std::vector<std::unique_ptr<stream::Receiver>>& links) {
-  LinkTotals t;
-  for (const auto& l : links) {
-    const auto s = l->stats();
-    t.ready += s.ready;
-    t.free_slots += s.free_slots;
-  }
-  return t;
-}
-
-// The train loop's data source: micro-batch c of the launch is received from target c mod N,
-// checked against the plan, and uploaded; its slot goes back once its work is enqueued (CPU) or,
-// on CUDA, as soon as its copies have run (stream::DeferredRelease: the loop does not wait).
-class LinkSource final : public MicroBatchSource {
- public:
-  LinkSource(std::vector<std::unique_ptr<stream::Receiver>>& links, const pipeline::RunPlan& plan, const TrainServiceOptions& opt,
-             bool want_h_last, torch::Device device, RankGroup& group, DrafterMetrics& met, metrics::StageProfiler& prof)
-      : links_(links), plan_(plan), opt_(opt), want_h_last_(want_h_last), group_(group), met_(met), prof_(prof), upload_(device) {}
-
-  Fetched fetch(const PlannedMicroBatch& p) override {
-    const int t = static_cast<int>(p.counter % static_cast<int64_t>(links_.size()));
-    const std::string where = "drafter " + std::to_string(opt_.rank) + ": batch " + std::to_string(p.batch_index) + " of epoch " +
-                              std::to_string(p.epoch) + " from target " + std::to_string(t) + " (" + links_[t]->name() + ")";
-    const auto t0 = Clock::now();
-    std::optional<stream::ReceivedBatch> rb;
-    try {
-      control::BlockedOn blocked("target " + std::to_string(t));
-      rb = links_[t]->receive(ms_of(opt_.recv_timeout_s));
-    } catch (const TransportError& err) {
-      throw TransportError(where + ": " + err.what());
-    } catch (const DataError& err) {
-      throw DataError(where + ": " + err.what());
-    }
-    DFLASH_CHECK(rb.has_value(), TransportError, where << ": the target closed its link before sending it");
-    Fetched f;
-    f.wait_seconds = pipeline::seconds_since(t0);
-    auto view = rb->view();
-    check_against_plan(view, opt_.run_id, p.epoch, p.batch_index, *p.batch, static_cast<uint32_t>(plan_.num_context_layers()),
-                       static_cast<uint32_t>(plan_.hidden_size), plan_.wire_dtype, where);
-    f.checksum_verified = plan_.checksum && view.has_checksum();
-    if (f.checksum_verified) met_.checksums->inc();
-    f.mb = upload_.start(view, want_h_last_);
-    held_ = std::move(rb);
-    held_link_ = t;
-    return f;
-  }
-
-  void release(const PlannedMicroBatch&) override {
-    const size_t bytes = held_->size();
-    if (auto copied = upload_.copy_completion())
-      deferred_.release_when_done(*links_[held_link_], std::move(*held_), std::move(copied));
-    else
-      links_[held_link_]->release(std::move(*held_));
-    held_.reset();
-    group_.host_wait([&] { upload_.finish(); });
-    met_.bytes->inc(double(bytes));
-    const auto l = link_totals(links_);
-    met_.queue_depth->set(l.ready);
-    met_.free_credits->set(l.free_slots);
-    prof_.set_inflight(l.ready);
-  }
-
- private:
-  std::vector<std::unique_ptr<stream::Receiver>>& links_;
-  const pipeline::RunPlan& plan_;
-  const TrainServiceOptions& opt_;
-  const bool want_h_last_;
-  RankGroup& group_;
-  DrafterMetrics& met_;
-  metrics::StageProfiler& prof_;
-  BatchUpload upload_;
-  std::optional<stream::ReceivedBatch> held_;
-  int held_link_ = 0;
-  stream::DeferredRelease deferred_;  // last: destroyed first, giving back what it still holds
 };
 
 // `dflash stop` / `dflash checkpoint`, reaching every rank through the coordinator's heartbeats.
@@ -466,7 +168,8 @@ class DrafterRank final : private pipeline::WorkerBase, private StepHooks {
   std::unique_ptr<train::Collectives> coll_;
   FailureGuard failure_guard_;
   std::atomic<int64_t> in_collective_since_{0};
-  std::unique_ptr<TimedCollectives> tcoll_;
+  std::unique_ptr<train::TimedCollectives> tcoll_;
+  std::optional<TimedRankGroup> group_;  // tcoll_ as the train loop's RankGroup
   model::FrozenTargetParts frozen_;
   std::unique_ptr<model::Drafter> drafter_;
   std::optional<stream::RunSchedule> sched_;
@@ -531,7 +234,7 @@ void DrafterRank::create_links() {
   LOG_INFO("drafter " << rank_ << "/" << M_ << ": " << N_ << " links of " << lopt.slots << " slots x " << lopt.slot_bytes << " bytes ("
                       << segment_names_.front() << " ...)");
   plog_ = std::make_unique<pipeline::ProfileLogger>(prof_, cfg_.coordinator.profile_interval_s, [this] {
-    const auto l = link_totals(links_);
+    const auto l = pipeline::link_totals(links_);
     return "queued " + std::to_string(l.ready) + " free credits " + std::to_string(l.free_slots);
   });
 }
@@ -556,7 +259,8 @@ void DrafterRank::join_collectives() {
   co.timeout = ms_of(opt_.collective_timeout_s);
   coll_ = train::make_collectives(co);
   failure_guard_.armed = true;
-  tcoll_ = std::make_unique<TimedCollectives>(*coll_, *met_.allreduce, in_collective_since_);
+  tcoll_ = std::make_unique<train::TimedCollectives>(*coll_, *met_.allreduce, BlockedOnPeers::scope(in_collective_since_));
+  group_.emplace(*tcoll_);
 }
 
 // Drafter, schedule and trainer from the run plan (as `dflash train` builds them); the launch's
@@ -694,7 +398,8 @@ void DrafterRank::train() {
   if (client_) client_->set_on_lost([names = segment_names_] {
     for (const auto& n : names) stream::remove_own_segment(n);
   });
-  LinkSource source(links_, *plan_, opt_, plan_->objective_needs_h_last(), device_, *tcoll_, met_, prof_);
+  pipeline::LinkSource source(links_, *plan_, {opt_.rank, opt_.run_id, opt_.recv_timeout_s}, plan_->objective_needs_h_last(),
+                              device_, *group_, {met_.checksums, met_.bytes, met_.queue_depth, met_.free_credits}, prof_);
   std::optional<CoordinatorRequests> requests;
   if (client_) requests.emplace(*client_, rank_);
   TrainLoopOptions lo;
@@ -705,7 +410,7 @@ void DrafterRank::train() {
   lo.save_interval_steps = cfg_.run.save_interval_steps;
   lo.final_step = total_steps_;
   lo.hash_every = opt_.hash_every;
-  TrainLoop loop(*trainer_, *drafter_, *sched_, source, *tcoll_, *this, requests ? &*requests : nullptr, lo);
+  TrainLoop loop(*trainer_, *drafter_, *sched_, source, *group_, *this, requests ? &*requests : nullptr, lo);
   const auto r = loop.run();
   static_cast<TrainLoopResult&>(res_) = r;
   if (r.steps_done > start_step_) res_.steps = r.steps_done;
