@@ -46,7 +46,7 @@ const CommandSpec& data_import_spec() {
                 "lines {\"input_ids\", \"loss_mask\"} or {\"input_ids\", \"labels\"} (-100 = masked)"),
        required("out", "DIR", "the shard folder (published atomically)"),
        value("max-seq-len", "N", "0", "truncate documents to N tokens (0: no limit)"),
-       value("block-size", "B", "16", "documents with < 2*B trainable tokens are dropped"),
+       value("block-size", "B", std::to_string(data::kDefaultBlockSize), "documents with < 2*B trainable tokens are dropped"),
        flag("skip-bad", "count and skip bad lines (each named FILE:LINE) instead of exit 4"),
        computed("shard-tokens", "N", "67108864", "tokens per shard")},
       "An input's FILE.jsonl.meta.json sidecar (from `data prepare`) is recorded in the manifest. Chat / text\n"
@@ -74,7 +74,7 @@ const CommandSpec& data_prepare_spec() {
        flag("prompts-only", "{id, input_ids} prompts for eval / generate (--out FILE.jsonl only)"),
        value("workers", "N", "1", "processes that render and tokenize"),
        value("max-record-bytes", "N", kMaxRecordBytes, "a longer input line is a bad record"),
-       value("block-size", "B", "16", "--out DIR only: as data import's"),
+       value("block-size", "B", std::to_string(data::kDefaultBlockSize), "--out DIR only: as data import's"),
        computed("shard-tokens", "N", "67108864", "--out DIR only: tokens per shard"),
        python_option()},
       "Exit: 0 ok, 1 unexpected, 2 usage/config (a broken chat template, an --out that cannot be written),\n"
