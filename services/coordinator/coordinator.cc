@@ -246,11 +246,19 @@ void Coordinator::refuse_resume_drift() const {
   const auto& drift = changes.refused;
   if (drift.empty()) return;
   std::string list;
-  for (const auto& d : drift) list += (list.empty() ? "" : "; ") + d;
+  bool kernels = false;
+  for (const auto& d : drift) {
+    list += (list.empty() ? "" : "; ") + d;
+    kernels = kernels || d.rfind("kernels.", 0) == 0;
+  }
   DFLASH_FAIL(ConfigError, "cannot resume the run in " << cfg_.run.output_dir << " with other settings than it was started with ("
                                                        << list << "): a resume continues the run its ledger records; restore "
                                                        << (drift.size() == 1 ? "this value" : "these values") << " in "
-                                                       << opts_.config_path << " or its overrides, or start a fresh run.output_dir");
+                                                       << opts_.config_path << " or its overrides, or start a fresh run.output_dir"
+                                                       << (kernels ? " (a kernels.* value also comes from its DFLASH_* variable where the config "
+                                                                     "leaves it at its default; a kernels.* change given explicitly on the "
+                                                                     "command line, --set kernels.KEY=VALUE, is accepted)"
+                                                                   : ""));
 }
 
 void Coordinator::resume_ledger() {
