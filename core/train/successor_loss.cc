@@ -42,6 +42,30 @@ SlotRows slot_rows(const model::DrafterConfig& cfg, const std::vector<int64_t>& 
 
 namespace {
 
+// The target logits cache's size bound (1.25 GB holds 4096 positions of a 152k vocabulary in bf16).
+constexpr int64_t kTargetCacheBytes = int64_t{4} << 30;
+
+// The positions whose target logits the rows read (the one before each label: label_idx - 1), once
+// each in ascending order, and each row's index into them.
+struct DistinctPositions {
+  std::vector<int64_t> positions, row;
+};
+
+DistinctPositions distinct_positions(const std::vector<int64_t>& label_idx) {
+  const size_t R = label_idx.size();
+  std::vector<int64_t> order(R);
+  for (size_t i = 0; i < R; ++i) order[i] = static_cast<int64_t>(i);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return label_idx[a] < label_idx[b]; });
+  DistinctPositions out;
+  out.row.resize(R);
+  for (const int64_t i : order) {
+    const int64_t pos = label_idx[i] - 1;
+    if (out.positions.empty() || out.positions.back() != pos) out.positions.push_back(pos);
+    out.row[i] = static_cast<int64_t>(out.positions.size()) - 1;
+  }
+  return out;
+}
+
 // One micro-batch's rows through the method's heads and objective, a chunk of rows at a time: each
 // chunk's graph (logits [rows, V] in the loss dtype) is built, differentiated into the detached
 // rows and the heads' parameters, and dropped before the next.
@@ -52,10 +76,23 @@ class SuccessorObjective {
       : d_(d), frozen_(frozen), mb_(mb), opt_(opt), compute_(compute), N_(anchors.size()),
         rows_(slot_rows(d.config(), anchors, mb.doc_lens, opt.gamma)) {
     const auto dev = mb.input_ids_T.device();
+    lm_head_ = frozen.lm_head.to(compute);
+    // The target's logits once per distinct position (cache_target_logits), planned here so that
+    // its index arrays go up in the same copy as the rows'.
+    DistinctPositions targets;
+    if (dspark() || opt.soft_labels) targets = distinct_positions(rows_.label_idx);
+    const bool cache = !targets.positions.empty() &&
+                       static_cast<int64_t>(targets.positions.size()) < static_cast<int64_t>(targets.row.size()) &&
+                       static_cast<int64_t>(targets.positions.size()) * lm_head_.size(0) * c10::elementSize(compute) <=
+                           kTargetCacheBytes;
     model::HostStaging staged;
     staged.add(rows_.label_idx);
     staged.add(rows_.prev_idx);
     staged.add(rows_.decay);
+    if (cache) {
+      staged.add(std::move(targets.positions));
+      staged.add(std::move(targets.row));
+    }
     const auto up = staged.upload(dev);
     lidx_ = up[0];
     labels_ = mb.input_ids_T.index({lidx_});
@@ -64,9 +101,8 @@ class SuccessorObjective {
     // D-PACE's weights replace the position decay (they are multiplied in per chunk).
     weights_ = opt.type == LossType::kDpace ? mask_ : up[2] * mask_;
     loss_dt_ = compute == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
-    lm_head_ = frozen.lm_head.to(compute);
     fused_ = fused_loss_enabled(lm_head_);
-    if (dspark() || opt.soft_labels) cache_target_logits();
+    if (cache) cache_target_logits(up[3], up[4]);
   }
 
   // The rows of `hidden` [N*B, H] this method supervises, through the objective; backward into
@@ -83,8 +119,9 @@ class SuccessorObjective {
   torch::Tensor target_log_probs(int64_t r0, int64_t n, double T) const;
   // Rows of different blocks share positions (a block's rows overlap the next anchors' blocks): when
   // the distinct positions are fewer than the rows, the target's logits are computed once per
-  // position ([P, V], at most kTargetCacheBytes) and each chunk gathers its rows.
-  void cache_target_logits();
+  // position ([P, V], at most kTargetCacheBytes; positions [P] and each row's index into them [R]
+  // on the device, from distinct_positions) and each chunk gathers its rows.
+  void cache_target_logits(const torch::Tensor& positions, const torch::Tensor& row);
   // The unary part of a DFlash2 chunk: CE numerator, KL numerator (soft labels) and, when
   // backward, dz [n, V] in the compute dtype (fused) or the loss dtype.
   struct Unary {
@@ -113,32 +150,17 @@ class SuccessorObjective {
   torch::Tensor lm_markov_;                  // DSpark: [V, H + r] = [lm_head | W2] for the logits GEMM
 };
 
-// The target logits cache's size bound (1.25 GB holds 4096 positions of a 152k vocabulary in bf16).
-constexpr int64_t kTargetCacheBytes = int64_t{4} << 30;
-
 int64_t SuccessorObjective::chunk_rows() const {
   // Whole blocks: the rnn head and D-PACE's weights run along a block's slots.
   const int64_t S = rows_.slots;
   return std::max<int64_t>(1, opt_.logits_chunk_rows / S) * S;
 }
 
-void SuccessorObjective::cache_target_logits() {
-  // The target's logits of a row are read at the position before its label.
-  std::vector<int64_t> pos(rows_.label_idx.size()), order(pos.size());
-  for (size_t i = 0; i < pos.size(); ++i) pos[i] = rows_.label_idx[i] - 1, order[i] = static_cast<int64_t>(i);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return pos[a] < pos[b]; });
-  std::vector<int64_t> distinct, row(pos.size());
-  for (const int64_t i : order) {
-    if (distinct.empty() || distinct.back() != pos[i]) distinct.push_back(pos[i]);
-    row[i] = static_cast<int64_t>(distinct.size()) - 1;
-  }
-  const int64_t P = distinct.size(), V = lm_head_.size(0);
-  if (P >= static_cast<int64_t>(pos.size()) || P * V * c10::elementSize(compute_) > kTargetCacheBytes) return;
+void SuccessorObjective::cache_target_logits(const torch::Tensor& positions, const torch::Tensor& row) {
   torch::NoGradGuard g;
-  const auto dev = lidx_.device();
-  auto h = mb_.h_last_TH.index({torch::tensor(distinct).to(dev)});
+  auto h = mb_.h_last_TH.index({positions});
   target_cache_ = F::linear(frozen_.final_norm(h.to(compute_)), lm_head_);
-  target_row_ = torch::tensor(row).to(dev);
+  target_row_ = row;
 }
 
 torch::Tensor SuccessorObjective::target_logits(int64_t r0, int64_t n) const {
