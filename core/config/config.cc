@@ -1064,94 +1064,129 @@ void validate_report_to(const std::vector<std::string>& trackers, Ctx& ctx) {
   }
 }
 
-void validate(RunConfig& c, Ctx& ctx) {
-  // run
-  if (c.run.name.empty()) ctx.check("run.name", "expected a non-empty name");
-  if (c.run.output_dir.empty()) ctx.check("run.output_dir", "expected a directory path");
-  at_least<int64_t>(ctx, "run.seed", c.run.seed, 0);
-  at_least(ctx, "run.epochs", c.run.epochs, 1);
-  at_least(ctx, "run.save_interval_steps", c.run.save_interval_steps, 1);
-  at_least(ctx, "run.keep_last", c.run.keep_last, 1);
-  at_least(ctx, "run.keep_every", c.run.keep_every, 0);
-  if (c.run.resume.empty()) {
+// run: names, intervals, retention and the trackers.
+void validate_run(const RunSection& r, Ctx& ctx) {
+  if (r.name.empty()) ctx.check("run.name", "expected a non-empty name");
+  if (r.output_dir.empty()) ctx.check("run.output_dir", "expected a directory path");
+  at_least<int64_t>(ctx, "run.seed", r.seed, 0);
+  at_least(ctx, "run.epochs", r.epochs, 1);
+  at_least(ctx, "run.save_interval_steps", r.save_interval_steps, 1);
+  at_least(ctx, "run.keep_last", r.keep_last, 1);
+  at_least(ctx, "run.keep_every", r.keep_every, 0);
+  if (r.resume.empty()) {
     ctx.check("run.resume", "expected \"auto\", \"never\" or a checkpoint path");
   }
-  validate_report_to(c.run.report_to, ctx);
+  validate_report_to(r.report_to, ctx);
+}
 
-  // target
-  if (c.target.model_dir.empty()) ctx.check("target.model_dir", "required field is missing");
-  {
-    std::set<int> seen;
-    for (size_t i = 0; i < c.target.target_layer_ids.size(); ++i) {
-      const int id = c.target.target_layer_ids[i];
-      const std::string path = join_index("target.target_layer_ids", i);
-      if (id < 0) {
-        ctx.check(path, "expected a layer id >= 0, got " + num(id));
-      } else if (!seen.insert(id).second) {
-        ctx.check(path, "layer id " + num(id) + " appears more than once");
-      }
+// target: the model directory and the captured layer ids (each >= 0, each once).
+void validate_target(const TargetSection& t, Ctx& ctx) {
+  if (t.model_dir.empty()) ctx.check("target.model_dir", "required field is missing");
+  std::set<int> seen;
+  for (size_t i = 0; i < t.target_layer_ids.size(); ++i) {
+    const int id = t.target_layer_ids[i];
+    const std::string path = join_index("target.target_layer_ids", i);
+    if (id < 0) {
+      ctx.check(path, "expected a layer id >= 0, got " + num(id));
+    } else if (!seen.insert(id).second) {
+      ctx.check(path, "layer id " + num(id) + " appears more than once");
     }
   }
+}
 
-  // drafter
-  at_least(ctx, "drafter.num_layers", c.drafter.num_layers, 1);
-  at_least(ctx, "drafter.block_size", c.drafter.block_size, 2);
-  at_least<int64_t>(ctx, "drafter.mask_token_id", c.drafter.mask_token_id, -1);
-  at_least(ctx, "drafter.hidden_size", c.drafter.hidden_size, 0);
-  at_least(ctx, "drafter.num_heads", c.drafter.num_heads, 0);
-  at_least(ctx, "drafter.num_kv_heads", c.drafter.num_kv_heads, 0);
-  at_least(ctx, "drafter.head_dim", c.drafter.head_dim, 0);
-  at_least(ctx, "drafter.intermediate_size", c.drafter.intermediate_size, 0);
-  if (c.drafter.num_heads > 0 && c.drafter.num_kv_heads > 0 &&
-      c.drafter.num_heads % c.drafter.num_kv_heads != 0) {
-    ctx.check("drafter.num_kv_heads", "expected a divisor of drafter.num_heads (" +
-                                          num(c.drafter.num_heads) + "), got " +
-                                          num(c.drafter.num_kv_heads));
+// drafter: the architecture's sizes, then its sliding-window layers.
+void validate_drafter(const DrafterSection& d, Ctx& ctx) {
+  at_least(ctx, "drafter.num_layers", d.num_layers, 1);
+  at_least(ctx, "drafter.block_size", d.block_size, 2);
+  at_least<int64_t>(ctx, "drafter.mask_token_id", d.mask_token_id, -1);
+  at_least(ctx, "drafter.hidden_size", d.hidden_size, 0);
+  at_least(ctx, "drafter.num_heads", d.num_heads, 0);
+  at_least(ctx, "drafter.num_kv_heads", d.num_kv_heads, 0);
+  at_least(ctx, "drafter.head_dim", d.head_dim, 0);
+  at_least(ctx, "drafter.intermediate_size", d.intermediate_size, 0);
+  if (d.num_heads > 0 && d.num_kv_heads > 0 && d.num_heads % d.num_kv_heads != 0) {
+    ctx.check("drafter.num_kv_heads", "expected a divisor of drafter.num_heads (" + num(d.num_heads) + "), got " +
+                                          num(d.num_kv_heads));
   }
+  validate_layer_types(d, ctx);
+}
 
-  validate_layer_types(c.drafter, ctx);
-  validate_method(c, ctx);
-
-  // train
-  positive(ctx, "train.lr", c.train.lr);
-  in_range(ctx, "train.warmup_ratio", c.train.warmup_ratio, 0.0, 1.0);
-  at_least(ctx, "train.weight_decay", c.train.weight_decay, 0.0);
-  at_least(ctx, "train.grad_accum", c.train.grad_accum, 1);
-  at_least(ctx, "train.grad_clip", c.train.grad_clip, 0.0);
-  at_least(ctx, "train.max_anchors", c.train.max_anchors, 1);
-  positive(ctx, "train.gamma", c.train.gamma);
-  at_least(ctx, "train.soft_labels.kl_weight", c.train.soft_labels.kl_weight, 0.0);
-  positive(ctx, "train.soft_labels.temperature", c.train.soft_labels.temperature);
-  at_least(ctx, "train.noise.start", c.train.noise.start, 0.0);
-  at_least(ctx, "train.noise.end", c.train.noise.end, 0.0);
-  at_least(ctx, "train.max_nonfinite_steps", c.train.max_nonfinite_steps, 0);
-  in_range(ctx, "train.dpace_alpha", c.train.dpace_alpha, 0.0, 1.0);
-  if (c.train.loss == LossType::kDpace && c.train.soft_labels.enabled) {
+// train: the optimizer, the objective's weights and the noise schedule.
+void validate_train(const TrainSection& t, Ctx& ctx) {
+  positive(ctx, "train.lr", t.lr);
+  in_range(ctx, "train.warmup_ratio", t.warmup_ratio, 0.0, 1.0);
+  at_least(ctx, "train.weight_decay", t.weight_decay, 0.0);
+  at_least(ctx, "train.grad_accum", t.grad_accum, 1);
+  at_least(ctx, "train.grad_clip", t.grad_clip, 0.0);
+  at_least(ctx, "train.max_anchors", t.max_anchors, 1);
+  positive(ctx, "train.gamma", t.gamma);
+  at_least(ctx, "train.soft_labels.kl_weight", t.soft_labels.kl_weight, 0.0);
+  positive(ctx, "train.soft_labels.temperature", t.soft_labels.temperature);
+  at_least(ctx, "train.noise.start", t.noise.start, 0.0);
+  at_least(ctx, "train.noise.end", t.noise.end, 0.0);
+  at_least(ctx, "train.max_nonfinite_steps", t.max_nonfinite_steps, 0);
+  in_range(ctx, "train.dpace_alpha", t.dpace_alpha, 0.0, 1.0);
+  if (t.loss == LossType::kDpace && t.soft_labels.enabled) {
     ctx.check("train.soft_labels.enabled",
               "expected false when train.loss is dpace (the D-PACE objective has no soft-label term)");
   }
+}
+
+// Across train and target: soft labels are computed from the target's h_last.
+void check_soft_labels_need_h_last(const RunConfig& c, Ctx& ctx) {
   if (c.train.soft_labels.enabled && !c.target.ship_h_last) {
     ctx.check("target.ship_h_last",
               "expected true when train.soft_labels.enabled is true (soft labels need h_last)");
   }
+}
 
-  // data
-  if (c.data.shard_dir.empty()) ctx.check("data.shard_dir", "required field is missing");  // data.jsonl sets a default
-  at_least(ctx, "data.max_batch_size", c.data.max_batch_size, 1);
-  at_least<int64_t>(ctx, "data.shuffle_seed", c.data.shuffle_seed, 0);
-  if (c.data.max_seq_len < 2 * c.drafter.block_size) {
-    ctx.check("data.max_seq_len", "expected a value >= " + num(2 * c.drafter.block_size) +
-                                      " (2 * drafter.block_size), got " + num(c.data.max_seq_len));
+// Across data and drafter: a sequence holds at least two drafter blocks.
+void check_max_seq_len_holds_two_blocks(const DataSection& data, const DrafterSection& d, Ctx& ctx) {
+  if (data.max_seq_len < 2 * d.block_size) {
+    ctx.check("data.max_seq_len", "expected a value >= " + num(2 * d.block_size) + " (2 * drafter.block_size), got " +
+                                      num(data.max_seq_len));
   }
-  if (c.data.token_budget < c.data.max_seq_len) {
-    ctx.check("data.token_budget", "expected a value >= " + num(c.data.max_seq_len) +
-                                       " (data.max_seq_len), got " + num(c.data.token_budget));
-  } else if (c.data.token_budget > kMaxTokenBudget) {
+}
+
+// data: the shards, the batch limits and the token budget; max_seq_len is checked against the
+// drafter's block size.
+void validate_data(const DataSection& data, const DrafterSection& d, Ctx& ctx) {
+  if (data.shard_dir.empty()) ctx.check("data.shard_dir", "required field is missing");  // data.jsonl sets a default
+  at_least(ctx, "data.max_batch_size", data.max_batch_size, 1);
+  at_least<int64_t>(ctx, "data.shuffle_seed", data.shuffle_seed, 0);
+  check_max_seq_len_holds_two_blocks(data, d, ctx);
+  if (data.token_budget < data.max_seq_len) {
+    ctx.check("data.token_budget", "expected a value >= " + num(data.max_seq_len) + " (data.max_seq_len), got " +
+                                       num(data.token_budget));
+  } else if (data.token_budget > kMaxTokenBudget) {
     ctx.check("data.token_budget", "expected a value <= " + num(kMaxTokenBudget) +
-                                       " (token offsets inside a batch are 32-bit), got " + num(c.data.token_budget));
+                                       " (token offsets inside a batch are 32-bit), got " + num(data.token_budget));
   }
+}
 
-  // topology
+// Across topology and launch: a host's launch names "local" or a launch template, and a template
+// that uses {ctid} needs the host's container id. `hp` is the host's path (topology.hosts[i]).
+void check_host_launch(const RunConfig& c, const HostSpec& host, const std::string& hp, Ctx& ctx) {
+  if (host.launch != "local" && !c.launch.count(host.launch)) {
+    std::vector<std::string> names = {"local"};
+    for (const auto& entry : c.launch) names.push_back(entry.first);
+    std::string msg = "expected 'local' or a launch template name (" + join_list(names, ", ") + "), got \"" +
+                      host.launch + "\"";
+    const std::string hint = closest_match(host.launch, names);
+    if (!hint.empty()) msg += " (did you mean '" + hint + "'?)";
+    ctx.check(hp + ".launch", msg);
+  } else if (host.launch != "local") {
+    const LaunchTemplate& t = c.launch.at(host.launch);
+    if (uses_placeholder(t.command_template, "ctid") && host.ctid <= 0) {
+      ctx.check(hp + ".ctid", "expected a container id > 0 (launch template '" + host.launch + "' uses {ctid}), got " +
+                                  num(host.ctid));
+    }
+  }
+}
+
+// topology.hosts: unique names, known launchers, GPU lists without repeats (targets and drafters
+// disjoint unless colocated), at least one target and one drafter. Returns how many hosts have workers.
+int validate_hosts(const RunConfig& c, Ctx& ctx) {
   const TopologySection& topo = c.topology;
   if (topo.hosts.empty()) ctx.check("topology.hosts", "expected at least one host");
   std::set<std::string> host_names;
@@ -1164,21 +1199,7 @@ void validate(RunConfig& c, Ctx& ctx) {
     } else if (!host_names.insert(host.name).second) {
       ctx.check(hp + ".name", "host '" + host.name + "' appears more than once");
     }
-    if (host.launch != "local" && !c.launch.count(host.launch)) {
-      std::vector<std::string> names = {"local"};
-      for (const auto& entry : c.launch) names.push_back(entry.first);
-      std::string msg = "expected 'local' or a launch template name (" + join_list(names, ", ") +
-                        "), got \"" + host.launch + "\"";
-      const std::string hint = closest_match(host.launch, names);
-      if (!hint.empty()) msg += " (did you mean '" + hint + "'?)";
-      ctx.check(hp + ".launch", msg);
-    } else if (host.launch != "local") {
-      const LaunchTemplate& t = c.launch.at(host.launch);
-      if (uses_placeholder(t.command_template, "ctid") && host.ctid <= 0) {
-        ctx.check(hp + ".ctid", "expected a container id > 0 (launch template '" + host.launch +
-                                    "' uses {ctid}), got " + num(host.ctid));
-      }
-    }
+    check_host_launch(c, host, hp, ctx);
     at_least(ctx, hp + ".ctid", host.ctid, 0);
     std::map<int, std::string> used_by_targets, used_by_drafters;
     auto& drafters_used = topo.colocate ? used_by_drafters : used_by_targets;  // disjoint unless colocated
@@ -1190,9 +1211,16 @@ void validate(RunConfig& c, Ctx& ctx) {
     if (c.num_targets() == 0) ctx.check("topology.hosts", "expected at least one target GPU");
     if (c.num_drafters() == 0) ctx.check("topology.hosts", "expected at least one drafter GPU");
   }
+  return hosts_with_workers;
+}
+
+// topology: the hosts, then the transport, its ports and its slot ring.
+void validate_topology(const RunConfig& c, Ctx& ctx) {
+  const TopologySection& topo = c.topology;
+  const int hosts_with_workers = validate_hosts(c, ctx);
   if (topo.transport == Transport::kShm && hosts_with_workers > 1) {
-    ctx.check("topology.transport", "shm needs every target and drafter on one host, but " +
-                                        num(hosts_with_workers) + " hosts have workers (use c10d)");
+    ctx.check("topology.transport", "shm needs every target and drafter on one host, but " + num(hosts_with_workers) +
+                                        " hosts have workers (use c10d)");
   }
   in_range(ctx, "topology.inflight_depth", topo.inflight_depth, 1, kMaxSlots);
   at_least(ctx, "topology.gpu_memory_gib", topo.gpu_memory_gib, 0.0);
@@ -1208,8 +1236,22 @@ void validate(RunConfig& c, Ctx& ctx) {
                                         " (the shm ring's slot table holds at most that many), got " +
                                         num(topo.shm_slots));
   }
+}
 
-  // coordinator
+// Across coordinator and topology: a loopback listen address is unreachable from a launched host.
+void check_loopback_reaches_hosts(const TopologySection& topo, Ctx& ctx) {
+  for (size_t h = 0; h < topo.hosts.size(); ++h) {
+    if (topo.hosts[h].launch != "local") {
+      ctx.check("coordinator.listen", "a loopback address is unreachable from host '" + topo.hosts[h].name +
+                                          "' (launch '" + topo.hosts[h].launch + "'); listen on a routable address");
+      break;
+    }
+  }
+}
+
+// coordinator: the listen address and its token, the liveness timeouts, the metrics ports and
+// the profiling interval; a loopback address is checked against the hosts.
+void validate_coordinator(const RunConfig& c, Ctx& ctx) {
   const CoordinatorSection& co = c.coordinator;
   std::string listen_host;
   const int listen_port = check_listen(ctx, "coordinator.listen", co.listen, &listen_host);
@@ -1220,16 +1262,7 @@ void validate(RunConfig& c, Ctx& ctx) {
     ctx.check("coordinator.token", "required when coordinator.listen is not a loopback address "
                                    "(set token or token_file)");
   }
-  if (listen_port >= 0 && is_loopback(listen_host)) {
-    for (size_t h = 0; h < topo.hosts.size(); ++h) {
-      if (topo.hosts[h].launch != "local") {
-        ctx.check("coordinator.listen",
-                  "a loopback address is unreachable from host '" + topo.hosts[h].name +
-                      "' (launch '" + topo.hosts[h].launch + "'); listen on a routable address");
-        break;
-      }
-    }
-  }
+  if (listen_port >= 0 && is_loopback(listen_host)) check_loopback_reaches_hosts(c.topology, ctx);
   if (co.heartbeat_timeout_s < kMinHeartbeatTimeoutS || co.heartbeat_timeout_s > kMaxTimeoutS) {
     ctx.check("coordinator.heartbeat_timeout_s",
               "expected a value in [" + num(kMinHeartbeatTimeoutS) + ", " + num(static_cast<int64_t>(kMaxTimeoutS)) +
@@ -1257,27 +1290,29 @@ void validate(RunConfig& c, Ctx& ctx) {
                                                     "] seconds (0 = off; at most a day), got " +
                                                     num(co.profile_interval_s));
   }
+}
 
-  // resilience
-  const OomPolicy& oom = c.resilience.oom;
-  if (!(oom.token_budget_step > 0 && oom.token_budget_step < 1)) {
-    ctx.check("resilience.oom.token_budget_step",
-              "expected a value in (0, 1), got " + num(oom.token_budget_step));
-  }
-  if (oom.token_budget_floor > c.data.token_budget) {
+// Across resilience and data: the OOM floors lie inside data's token budget and batch size.
+void check_oom_floors(const OomPolicy& oom, const DataSection& data, Ctx& ctx) {
+  if (oom.token_budget_floor > data.token_budget) {
     ctx.check("resilience.oom.token_budget_floor",
-              "expected a value <= " + num(c.data.token_budget) + " (data.token_budget), got " +
+              "expected a value <= " + num(data.token_budget) + " (data.token_budget), got " +
                   num(oom.token_budget_floor));
-  } else if (oom.token_budget_floor < c.data.max_seq_len) {
+  } else if (oom.token_budget_floor < data.max_seq_len) {
     ctx.check("resilience.oom.token_budget_floor",
-              "expected a value >= " + num(c.data.max_seq_len) + " (data.max_seq_len), got " +
+              "expected a value >= " + num(data.max_seq_len) + " (data.max_seq_len), got " +
                   num(oom.token_budget_floor));
   }
-  if (oom.max_batch_size_floor < 1 || oom.max_batch_size_floor > c.data.max_batch_size) {
+  if (oom.max_batch_size_floor < 1 || oom.max_batch_size_floor > data.max_batch_size) {
     ctx.check("resilience.oom.max_batch_size_floor",
-              "expected a value in [1, " + num(c.data.max_batch_size) +
+              "expected a value in [1, " + num(data.max_batch_size) +
                   "] (data.max_batch_size), got " + num(oom.max_batch_size_floor));
   }
+}
+
+// resilience.oom.allow_changing: only the settings the system may lower after an OOM, never a
+// training-signal setting.
+void check_allow_changing(const std::vector<std::string>& allow_changing, Ctx& ctx) {
   static const std::vector<std::string> kChangeable = {"token_budget", "max_batch_size",
                                                        "expandable_segments"};
   static const std::set<std::string> kTrainingSignal = {
@@ -1287,8 +1322,8 @@ void validate(RunConfig& c, Ctx& ctx) {
       "anchor_spread", "method",   "dspark",      "dflash2",     "markov_rank",  "markov_head",
       "confidence_head", "confidence_with_markov", "conv_taps", "conv_group", "selector_rank", "selector_top_k",
       "ce_weight", "tv_weight", "confidence_weight", "selector_weight", "sliding_window", "layer_types"};
-  for (size_t i = 0; i < oom.allow_changing.size(); ++i) {
-    const std::string& full = oom.allow_changing[i];
+  for (size_t i = 0; i < allow_changing.size(); ++i) {
+    const std::string& full = allow_changing[i];
     const size_t dot = full.rfind('.');
     const std::string name = dot == std::string::npos ? full : full.substr(dot + 1);
     const std::string path = join_index("resilience.oom.allow_changing", i);
@@ -1299,6 +1334,30 @@ void validate(RunConfig& c, Ctx& ctx) {
       ctx.check(path, "expected one of: " + join_list(kChangeable, ", ") + ", got \"" + full + "\"");
     }
   }
+}
+
+// Across resilience and topology: an injected fault names a worker the topology has.
+// `fp` is the fault's path (resilience.fault_injection[i]).
+void check_fault_rank(const RunConfig& c, const FaultSpec& f, const std::string& fp, Ctx& ctx) {
+  const int workers = f.role == Role::kTarget    ? c.num_targets()
+                      : f.role == Role::kDrafter ? c.num_drafters()
+                                                 : 1;
+  if (f.rank < 0 || f.rank >= workers) {
+    ctx.check(fp + ".rank", "expected a value in [0, " + num(workers - 1) + "] (" + num(workers) + " " +
+                                to_string(f.role) + " worker(s)), got " + num(f.rank));
+  }
+}
+
+// resilience: the OOM policy (its floors checked against data), restarts and their backoff, and
+// the injected faults (checked against the topology).
+void validate_resilience(const RunConfig& c, Ctx& ctx) {
+  const OomPolicy& oom = c.resilience.oom;
+  if (!(oom.token_budget_step > 0 && oom.token_budget_step < 1)) {
+    ctx.check("resilience.oom.token_budget_step",
+              "expected a value in (0, 1), got " + num(oom.token_budget_step));
+  }
+  check_oom_floors(oom, c.data, ctx);
+  check_allow_changing(oom.allow_changing, ctx);
   at_least(ctx, "resilience.max_restarts", c.resilience.max_restarts, 0);
   if (c.resilience.backoff_s < 0 || c.resilience.backoff_s > kMaxBackoffS) {
     ctx.check("resilience.backoff_s", "expected a value in [0, " + num(static_cast<int64_t>(kMaxBackoffS)) +
@@ -1309,79 +1368,104 @@ void validate(RunConfig& c, Ctx& ctx) {
     const FaultSpec& f = c.resilience.fault_injection[i];
     const std::string fp = join_index("resilience.fault_injection", i);
     at_least<int64_t>(ctx, fp + ".step", f.step, 0);
-    const int workers = f.role == Role::kTarget    ? c.num_targets()
-                        : f.role == Role::kDrafter ? c.num_drafters()
-                                                   : 1;
-    if (f.rank < 0 || f.rank >= workers) {
-      ctx.check(fp + ".rank", "expected a value in [0, " + num(workers - 1) + "] (" +
-                                  num(workers) + " " + to_string(f.role) + " worker(s)), got " +
-                                  num(f.rank));
+    check_fault_rank(c, f, fp, ctx);
+  }
+}
+
+// Across eval and run: only saved checkpoints are evaluated, so eval.every_steps is 0 or a
+// multiple of run.save_interval_steps.
+void check_eval_every_steps(const EvalSection& ev, const RunSection& run, Ctx& ctx) {
+  if (ev.every_steps > 0 && run.save_interval_steps > 0 && ev.every_steps % run.save_interval_steps != 0) {
+    ctx.check("eval.every_steps", "expected 0 (every saved checkpoint) or a multiple of run.save_interval_steps (" +
+                                      num(run.save_interval_steps) + ": only saved checkpoints are evaluated), got " +
+                                      num(ev.every_steps));
+  }
+}
+
+// eval (when present): the prompts, the cadence (checked against run), the generation limits,
+// the device and the timeout.
+void validate_eval(const RunConfig& c, Ctx& ctx) {
+  if (!c.eval) return;
+  const EvalSection& ev = *c.eval;
+  if (ev.prompts.empty()) ctx.check("eval.prompts", "required field is missing (a token JSONL of prompts)");
+  at_least(ctx, "eval.every_steps", ev.every_steps, 0);
+  check_eval_every_steps(ev, c.run, ctx);
+  at_least(ctx, "eval.max_new_tokens", ev.max_new_tokens, 1);
+  at_least(ctx, "eval.block_size", ev.block_size, 0);
+  at_least(ctx, "eval.max_prompts", ev.max_prompts, 1);
+  if (!ev.device.empty() && ev.device != "cpu" && ev.device != "cuda") {
+    ctx.check("eval.device", "expected \"\" (the run's device), cpu or cuda, got \"" + ev.device + "\"");
+  }
+  at_least(ctx, "eval.gpu", ev.gpu, -1);
+  if (!(ev.timeout_s > 0 && ev.timeout_s <= kMaxTimeoutS)) {
+    ctx.check("eval.timeout_s", "expected a value in (0, " + num(static_cast<int64_t>(kMaxTimeoutS)) +
+                                    "] seconds, got " + num(ev.timeout_s));
+  }
+}
+
+// One launch template at `lp` (launch.NAME): a command template for every remote kind, with known
+// placeholders only, {cmd} or {qcmd}, {ctid} for pct; environment variable names.
+void validate_launch_template(const std::string& lp, const LaunchTemplate& t, Ctx& ctx) {
+  if (t.kind == LaunchKind::kLocal) return;
+  if (t.command_template.empty()) {
+    ctx.check(lp + ".command_template",
+              std::string("required for kind ") + to_string(t.kind) + " (e.g. \"" +
+                  (t.kind == LaunchKind::kSsh   ? "ssh {host} {qcmd}"
+                   : t.kind == LaunchKind::kPct ? "pct exec {ctid} -- {cmd}"
+                                                : "srun --nodes=1 --ntasks=1 -w {host} --gres=gpu:{ngpu} --export=ALL {cmd}") +
+                  "\")");
+    return;
+  }
+  // Every {word} must be a known placeholder.
+  const std::string& tmpl = t.command_template;
+  for (size_t open = tmpl.find('{'); open != std::string::npos; open = tmpl.find('{', open + 1)) {
+    const size_t close = tmpl.find('}', open);
+    if (close == std::string::npos) break;
+    const std::string word = tmpl.substr(open + 1, close - open - 1);
+    if (std::find(kPlaceholders.begin(), kPlaceholders.end(), word) == kPlaceholders.end()) {
+      ctx.check(lp + ".command_template", "unknown placeholder {" + word +
+                                              "} (expected {host}, {ctid}, {cmd}, {qcmd} or {ngpu})");
     }
   }
-
-  // eval
-  if (c.eval) {
-    const EvalSection& ev = *c.eval;
-    if (ev.prompts.empty()) ctx.check("eval.prompts", "required field is missing (a token JSONL of prompts)");
-    at_least(ctx, "eval.every_steps", ev.every_steps, 0);
-    if (ev.every_steps > 0 && c.run.save_interval_steps > 0 && ev.every_steps % c.run.save_interval_steps != 0) {
-      ctx.check("eval.every_steps", "expected 0 (every saved checkpoint) or a multiple of run.save_interval_steps (" +
-                                        num(c.run.save_interval_steps) + ": only saved checkpoints are evaluated), got " +
-                                        num(ev.every_steps));
-    }
-    at_least(ctx, "eval.max_new_tokens", ev.max_new_tokens, 1);
-    at_least(ctx, "eval.block_size", ev.block_size, 0);
-    at_least(ctx, "eval.max_prompts", ev.max_prompts, 1);
-    if (!ev.device.empty() && ev.device != "cpu" && ev.device != "cuda") {
-      ctx.check("eval.device", "expected \"\" (the run's device), cpu or cuda, got \"" + ev.device + "\"");
-    }
-    at_least(ctx, "eval.gpu", ev.gpu, -1);
-    if (!(ev.timeout_s > 0 && ev.timeout_s <= kMaxTimeoutS)) {
-      ctx.check("eval.timeout_s", "expected a value in (0, " + num(static_cast<int64_t>(kMaxTimeoutS)) +
-                                      "] seconds, got " + num(ev.timeout_s));
+  if (!uses_placeholder(tmpl, "cmd") && !uses_placeholder(tmpl, "qcmd")) {
+    ctx.check(lp + ".command_template", "expected the {cmd} (or {qcmd}) placeholder in \"" + tmpl + "\"");
+  }
+  if (t.kind == LaunchKind::kPct && !uses_placeholder(tmpl, "ctid")) {
+    ctx.check(lp + ".command_template", "expected the {ctid} placeholder for kind pct in \"" + tmpl + "\"");
+  }
+  for (const auto& entry : t.env) {
+    if (entry.first.empty() || entry.first.find('=') != std::string::npos) {
+      ctx.check(lp + ".env." + entry.first, "expected an environment variable name");
     }
   }
+}
 
-  // launch
-  for (const auto& [name, t] : c.launch) {
+// launch: every template, none named 'local' (the built-in local launcher).
+void validate_launch(const std::map<std::string, LaunchTemplate>& launch, Ctx& ctx) {
+  for (const auto& [name, t] : launch) {
     const std::string lp = join_key("launch", name);
     if (name == "local") {
       ctx.check(lp, "the name 'local' is reserved for the built-in local launcher");
     }
-    if (t.kind == LaunchKind::kLocal) continue;
-    if (t.command_template.empty()) {
-      ctx.check(lp + ".command_template",
-                std::string("required for kind ") + to_string(t.kind) + " (e.g. \"" +
-                    (t.kind == LaunchKind::kSsh   ? "ssh {host} {qcmd}"
-                     : t.kind == LaunchKind::kPct ? "pct exec {ctid} -- {cmd}"
-                                                  : "srun --nodes=1 --ntasks=1 -w {host} --gres=gpu:{ngpu} --export=ALL {cmd}") +
-                    "\")");
-      continue;
-    }
-    // Every {word} must be a known placeholder.
-    const std::string& tmpl = t.command_template;
-    for (size_t open = tmpl.find('{'); open != std::string::npos; open = tmpl.find('{', open + 1)) {
-      const size_t close = tmpl.find('}', open);
-      if (close == std::string::npos) break;
-      const std::string word = tmpl.substr(open + 1, close - open - 1);
-      if (std::find(kPlaceholders.begin(), kPlaceholders.end(), word) == kPlaceholders.end()) {
-        ctx.check(lp + ".command_template", "unknown placeholder {" + word +
-                                                "} (expected {host}, {ctid}, {cmd}, {qcmd} or {ngpu})");
-      }
-    }
-    if (!uses_placeholder(tmpl, "cmd") && !uses_placeholder(tmpl, "qcmd")) {
-      ctx.check(lp + ".command_template", "expected the {cmd} (or {qcmd}) placeholder in \"" + tmpl + "\"");
-    }
-    if (t.kind == LaunchKind::kPct && !uses_placeholder(tmpl, "ctid")) {
-      ctx.check(lp + ".command_template",
-                "expected the {ctid} placeholder for kind pct in \"" + tmpl + "\"");
-    }
-    for (const auto& entry : t.env) {
-      if (entry.first.empty() || entry.first.find('=') != std::string::npos) {
-        ctx.check(lp + ".env." + entry.first, "expected an environment variable name");
-      }
-    }
+    validate_launch_template(lp, t, ctx);
   }
+}
+
+// Every range and cross-field check, section by section; the order of the calls is the order the
+// problems are reported in (ahead of the sort by file position, which keeps it for equal positions).
+void validate(const RunConfig& c, Ctx& ctx) {
+  validate_run(c.run, ctx);
+  validate_target(c.target, ctx);
+  validate_drafter(c.drafter, ctx);
+  validate_method(c, ctx);
+  validate_train(c.train, ctx);
+  check_soft_labels_need_h_last(c, ctx);
+  validate_data(c.data, c.drafter, ctx);
+  validate_topology(c, ctx);
+  validate_coordinator(c, ctx);
+  validate_resilience(c, ctx);
+  validate_eval(c, ctx);
+  validate_launch(c.launch, ctx);
 }
 
 }  // namespace
