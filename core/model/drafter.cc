@@ -144,7 +144,11 @@ torch::Tensor FrozenTargetParts::final_norm(const torch::Tensor& h) const {
 
 FrozenTargetParts load_frozen_target_parts(const std::string& dir, torch::Device device, torch::ScalarType dtype,
                                            bool embed_on_host) {
-  auto cfg = io::parse_hf_config(dir);
+  return load_frozen_target_parts(dir, io::parse_hf_config(dir), device, dtype, embed_on_host);
+}
+
+FrozenTargetParts load_frozen_target_parts(const std::string& dir, const io::TargetConfig& cfg, torch::Device device,
+                                           torch::ScalarType dtype, bool embed_on_host) {
   auto st = io::SafetensorsModel::open_dir(dir);
   std::string prefix = "model.";
   if (st.has("model.language_model.embed_tokens.weight")) prefix = "model.language_model.";

@@ -107,6 +107,9 @@ struct FrozenTargetParts {
 };
 FrozenTargetParts load_frozen_target_parts(const std::string& target_dir, torch::Device device,
                                            torch::ScalarType dtype, bool embed_on_host = false);
+// The same with target_dir's config.json already parsed into `target` (io::parse_hf_config).
+FrozenTargetParts load_frozen_target_parts(const std::string& target_dir, const io::TargetConfig& target,
+                                           torch::Device device, torch::ScalarType dtype, bool embed_on_host = false);
 
 // Which keys each block attends to: block j sees context rows [ctx_begin[j], ctx_begin[j] + ctx_len[j])
 // and its own B rows. Two kernels:

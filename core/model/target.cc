@@ -50,7 +50,10 @@ void finish_capture(torch::Tensor& h, torch::Tensor& delta, const CaptureSpec& s
 }
 
 std::unique_ptr<TargetModel> load_target(const std::string& dir, const LoadOptions& opt) {
-  auto cfg = io::parse_hf_config(dir);
+  return load_target(dir, io::parse_hf_config(dir), opt);
+}
+
+std::unique_ptr<TargetModel> load_target(const std::string& dir, const io::TargetConfig& cfg, const LoadOptions& opt) {
   auto w = fp8::checkpoint_weights(dir, opt.device, opt.dtype);
   return make_target(cfg, *w, opt);
 }

@@ -78,6 +78,9 @@ class TargetModel {
 // Loads DIR (config.json + model.safetensors[.index.json]; an HF fine-grained FP8 checkpoint is
 // dequantized at load, core/model/fp8.h). Throws ConfigError / DataError.
 std::unique_ptr<TargetModel> load_target(const std::string& dir, const LoadOptions& opt);
+// The same with DIR's config.json already parsed into `cfg` (io::parse_hf_config(dir)); the weight
+// source still reads its quantization_config (fp8::checkpoint_weights).
+std::unique_ptr<TargetModel> load_target(const std::string& dir, const io::TargetConfig& cfg, const LoadOptions& opt);
 
 // A model of the given shape with random weights (for benchmarks; no files).
 std::unique_ptr<TargetModel> make_random_target(const io::TargetConfig& cfg, const LoadOptions& opt, uint64_t seed);

@@ -143,6 +143,7 @@ stream::PipelineShape pipeline_shape(const config::RunConfig& c) {
 RunPlan RunPlan::build(const config::RunConfig& cfg, const io::TargetConfig& target, const std::string& device) {
   RunPlan p;
   p.device = device;
+  p.target = target;
   p.shape = pipeline_shape(cfg);
   p.packing = packing_options(cfg);
   for (int id : cfg.target.target_layer_ids) p.target_layer_ids.push_back(id);

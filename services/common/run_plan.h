@@ -8,7 +8,9 @@
 //   - the drafter's compute and export dtypes: bfloat16 on CUDA, float32 elsewhere (the only place
 //     that rule is written), and where the target's embedding lives (train.embed_on_host);
 //   - the DrafterConfig (the config's overrides on the target's shapes) and the TrainerOptions.
-// Pure: no I/O except RunPlan::load reading config.json; no clock, no randomness.
+// Pure: no I/O except RunPlan::load reading config.json; no clock, no randomness. The parsed
+// config.json travels in the plan (`target`): a process that loads its plan passes it down to what
+// needs the target's shapes (its frozen parts, the target model) instead of parsing the file again.
 // Errors: ConfigError naming the field (a layer id outside the target, a mask token outside the
 // vocabulary, a head count that does not divide, an unreadable target.model_dir/config.json).
 #pragma once
@@ -46,6 +48,7 @@ stream::PipelineShape pipeline_shape(const config::RunConfig& c);
 
 struct RunPlan {
   std::string device;                      // as given: "cpu", "cuda", "cuda:1"
+  io::TargetConfig target;                 // target.model_dir/config.json as build() was given it
   stream::PipelineShape shape;             // N targets, M drafters, grad_accum
   data::PackingOptions packing;            // generation 0 (the config's); later ones change budgets only
 
@@ -81,7 +84,8 @@ struct RunPlan {
   bool objective_needs_h_last() const {
     return trainer.loss.soft_labels || drafter.method == model::DrafterMethod::kDspark;
   }
-  // Every field above (dtype names as in dtype_name; the drafter config as checkpoints write it).
+  // Every field above but `target` (dtype names as in dtype_name; the drafter config as checkpoints
+  // write it).
   nlohmann::json to_json() const;
 
   // The plan of `cfg` for the target described by `target` on `device`. When drafter.mask_token_id

@@ -17,15 +17,14 @@
 #include "core/model/layers.h"
 #include "core/model/target.h"
 #include "core/train/checkpoint.h"
-#include "core/train/export.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
 #include "core/util/options.h"
 #include "core/util/log.h"
 #include "core/util/progress.h"
-#include "services/common/provenance.h"
 #include "services/common/run_data.h"
 #include "services/common/run_plan.h"
+#include "services/drafter/drafter_session.h"
 #include "services/drafter/train_loop.h"
 
 namespace dflash::drafter {
@@ -88,12 +87,11 @@ class StepLimit final : public StepRequests {
 // metrics.jsonl, the progress log and the checkpoints of `dflash train`.
 class LocalSteps final : public StepHooks {
  public:
-  LocalSteps(const config::RunConfig& cfg, const LocalTrainOptions& opt, model::Drafter& drafter, train::Trainer& trainer,
-             int64_t total_steps, LocalTrainResult& res, const json& provenance)
-      : cfg_(cfg), opt_(opt), drafter_(drafter), trainer_(trainer), total_steps_(total_steps),
+  LocalSteps(const config::RunConfig& cfg, const LocalTrainOptions& opt, DrafterSession& session, int64_t total_steps,
+             LocalTrainResult& res)
+      : cfg_(cfg), opt_(opt), session_(session), trainer_(session.trainer()),
         shown_total_(opt.max_steps >= 0 ? std::min(total_steps, opt.max_steps) : total_steps), res_(res),
-        provenance_(provenance),
-        ckpt_root_(fs::path(cfg.run.output_dir) / "checkpoints"),
+        ckpt_root_(session.checkpoints_dir()),
         metrics_log_(io::JsonlLog::open((fs::path(cfg.run.output_dir) / "metrics.jsonl").string(), io::JsonlLog::Mode::kAppend)),
         t_loop_(Clock::now()) {
     open_tensorboard();
@@ -124,16 +122,8 @@ class LocalSteps final : public StepHooks {
   void checkpoint(const StepRecord& r) override {
     const std::string dir = (ckpt_root_ / train::checkpoint_dir_name(trainer_.step_count())).string();
     if (fs::exists(dir)) return;
-    const auto& to = trainer_.options();
-    train::CheckpointState st;
-    st.step = trainer_.step_count();
-    st.optimizer_steps = trainer_.optimizer().steps();
-    st.data_position = {{"epoch", r.epoch}, {"batch", r.last_batch_index + 1}};
-    st.seed = to.seed;
-    st.scheduler = {{"lr", to.schedule.lr}, {"warmup_ratio", to.schedule.warmup_ratio}, {"total_steps", total_steps_}};
-    st.run_info = {{"provenance", provenance_}};
-    train::save_checkpoint(dir, drafter_, trainer_.optimizer(), st);
-    train::apply_retention(ckpt_root_.string(), cfg_.run.keep_last, cfg_.run.keep_every);
+    session_.save_checkpoint(dir, trainer_.step_count(), {{"epoch", r.epoch}, {"batch", r.last_batch_index + 1}});
+    session_.apply_retention();
     res_.last_checkpoint = dir;
   }
 
@@ -167,12 +157,10 @@ class LocalSteps final : public StepHooks {
 
   const config::RunConfig& cfg_;
   const LocalTrainOptions& opt_;
-  model::Drafter& drafter_;
+  DrafterSession& session_;  // the checkpoints: its save_checkpoint, its retention
   train::Trainer& trainer_;
-  const int64_t total_steps_;
-  const int64_t shown_total_;  // the last step this run trains: total_steps_, or --max-steps when fewer
+  const int64_t shown_total_;  // the last step this run trains: the schedule's, or --max-steps when fewer
   LocalTrainResult& res_;
-  const json& provenance_;  // run_provenance(): into every checkpoint
   const fs::path ckpt_root_;
   io::JsonlLog metrics_log_;  // whole records, fsynced; DataError naming the file on a failed write
   std::unique_ptr<metrics::tensorboard::ScalarEventWriter> tb_;  // run.report_to has tensorboard
@@ -193,21 +181,37 @@ int64_t resume_step(const stream::RunSchedule& sched, int64_t epoch, int64_t bat
   return sched.total_steps();
 }
 
+// The checkpoint run.resume names loaded into the session; the schedule step it resumes at (0
+// when it names none).
+int64_t resume_local(const config::RunConfig& cfg, DrafterSession& session, const stream::RunSchedule& sched) {
+  const std::string from = DrafterSession::configured_resume(cfg);
+  if (from.empty()) return 0;
+  auto loaded = session.resume(from);
+  const io::JsonSource state_json{from + "/state.json"};
+  const io::JsonValue position(loaded.state.data_position, state_json, "data_position");
+  const int64_t epoch = position.get<int64_t>("epoch");
+  const int64_t batch = position.get<int64_t>("batch");
+  const int64_t start_step = resume_step(sched, epoch, batch, from);
+  LOG_INFO("resumed from " << from << " at step " << session.trainer().step_count() << " (epoch " << epoch << ", batch "
+                           << batch << ")");
+  return start_step;
+}
+
 }  // namespace
 
 LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTrainOptions& opt) {
   const auto t_start = Clock::now();
   config::install_kernels(cfg);  // before any model is built
-  const auto plan = pipeline::RunPlan::load(cfg, opt.device);
+  const auto plan = pipeline::RunPlan::load(cfg, opt.device);  // parses the target's config.json, once
   auto device = model::parse_device(opt.device);
   model::LoadOptions lo;
   lo.device = device;
   lo.dtype = plan.target_dtype;
   lo.load_lm_head = false;
-  auto target = model::load_target(cfg.target.model_dir, lo);
-  auto frozen = model::load_frozen_target_parts(cfg.target.model_dir, device, plan.compute_dtype, plan.embed_on_host);
-  model::Drafter drafter(plan.drafter, device, static_cast<uint64_t>(cfg.run.seed));
-  if (!cfg.drafter.init_from.empty()) train::init_from_export(drafter, cfg.drafter.init_from);
+  auto target = model::load_target(cfg.target.model_dir, plan.target, lo);
+  DrafterSession session(cfg, plan, device);
+  session.load_frozen();
+  session.build_drafter();
 
   // One target, one drafter: the schedule is the epoch plans in order, cut to whole steps per epoch.
   pipeline::import_run_data(cfg);  // data.jsonl: into data.shard_dir, once per run dir
@@ -221,31 +225,14 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   DFLASH_CHECK(total_steps > 0, ConfigError,
                "the data gives " << micro_total << " batches, fewer than train.grad_accum=" << cfg.train.grad_accum
                                  << ": nothing to train");
-  train::Trainer trainer(drafter, frozen, plan.trainer_options(total_steps));
-
-  const fs::path out = cfg.run.output_dir;
-  const fs::path ckpt_root = out / "checkpoints";
-  fs::create_directories(ckpt_root);
-  train::remove_stale_checkpoint_tmp(ckpt_root.string());
-  int64_t start_step = 0;
-  std::string resume_from;
-  if (cfg.run.resume == "auto") resume_from = train::latest_valid_checkpoint(ckpt_root.string());
-  else if (cfg.run.resume != "never") resume_from = cfg.run.resume;
-  if (!resume_from.empty()) {
-    auto loaded = train::load_checkpoint(resume_from, &drafter, &trainer.optimizer());
-    const io::JsonSource state_json{resume_from + "/state.json"};
-    const io::JsonValue position(loaded.state.data_position, state_json, "data_position");
-    const int64_t epoch = position.get<int64_t>("epoch");
-    const int64_t batch = position.get<int64_t>("batch");
-    start_step = resume_step(sched, epoch, batch, resume_from);
-    LOG_INFO("resumed from " << resume_from << " at step " << trainer.step_count() << " (epoch " << epoch << ", batch " << batch << ")");
-  }
+  session.build_trainer(total_steps);
+  session.prepare_checkpoints_dir();
+  const int64_t start_step = resume_local(cfg, session, sched);
 
   LocalTrainResult res;
   CaptureSource source(*target, shards, {plan.target_layer_ids, plan.objective_needs_h_last()}, device);
   SingleRankGroup single;
-  const json provenance = pipeline::run_provenance(cfg);
-  LocalSteps hooks(cfg, opt, drafter, trainer, total_steps, res, provenance);
+  LocalSteps hooks(cfg, opt, session, total_steps, res);
   StepLimit limit(opt.max_steps);
   TrainLoopOptions lopt;
   lopt.device = device;
@@ -255,15 +242,13 @@ LocalTrainResult run_local_training(const config::RunConfig& cfg, const LocalTra
   // The learning-rate schedule's length, as `dflash train` always had it: when an epoch's batches do
   // not fill whole steps it exceeds the steps run, and the last checkpoint is the interval's.
   lopt.final_step = total_steps;
-  const auto r = TrainLoop(trainer, drafter, sched, source, single, hooks, opt.max_steps >= 0 ? &limit : nullptr, lopt).run();
-  res.steps = trainer.step_count();
+  const auto r = TrainLoop(session.trainer(), session.drafter(), sched, source, single, hooks,
+                           opt.max_steps >= 0 ? &limit : nullptr, lopt)
+                     .run();
+  res.steps = session.trainer().step_count();
   if (!r.stopped) {
-    res.export_dir = opt.export_dir.empty() ? (out / "export").string() : opt.export_dir;
-    if (fs::exists(res.export_dir)) fs::remove_all(res.export_dir);
-    train::ExportProvenance prov;
-    prov.run = provenance;
-    prov.steps = res.steps;
-    train::export_hf(drafter, res.export_dir, plan.export_dtype, prov);
+    res.export_dir = opt.export_dir.empty() ? (fs::path(cfg.run.output_dir) / "export").string() : opt.export_dir;
+    session.export_drafter(res.export_dir, res.steps);
   }
   LOG_INFO("trained " << res.steps << " steps in " << std::chrono::duration<double>(Clock::now() - t_start).count() << " s"
                       << (res.export_dir.empty() ? "" : ", exported to " + res.export_dir));

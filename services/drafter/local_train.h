@@ -1,7 +1,7 @@
 // `dflash train CONFIG`: a whole training run in ONE process (target capture + drafter training on
 // one device), driven by the same run plan (services/common/run_plan.h), shards, packing, train
-// loop (services/drafter/train_loop.h: here the target's capture is its data source) and
-// checkpoints as the distributed run. It is the embedded default job of scripts/demo.sh and the
+// loop (services/drafter/train_loop.h: here the target's capture is its data source), training
+// stack (services/drafter/drafter_session.h) and checkpoints as the distributed run. It is the embedded default job of scripts/demo.sh and the
 // reference the multi-process pipeline must reproduce.
 //
 // Resume: checkpoints go to <run.output_dir>/checkpoints/step-N with the data position

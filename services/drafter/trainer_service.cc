@@ -25,15 +25,14 @@
 #include "core/model/target.h"
 #include "core/train/checkpoint.h"
 #include "core/train/collectives_factory.h"
-#include "core/train/export.h"
 #include "core/train/timed_collectives.h"
 #include "core/train/trainer.h"
 #include "services/common/link_source.h"
 #include "services/common/pipeline_common.h"
-#include "services/common/provenance.h"
 #include "services/common/run_data.h"
 #include "services/common/run_plan.h"
 #include "services/common/transport_factory.h"
+#include "services/drafter/drafter_session.h"
 #include "services/drafter/peer_watchdog.h"
 #include "services/drafter/train_loop.h"
 
@@ -156,7 +155,7 @@ class DrafterRank final : private pipeline::WorkerBase, private StepHooks {
 
   const TrainServiceOptions& opt_;
   const int rank_;
-  const fs::path out_, ckpt_root_;
+  const fs::path out_;
   DrafterMetrics met_;
   metrics::StageProfiler prof_;
   const size_t s_wait_, s_train_, s_ar_, s_step_, s_ckpt_;
@@ -170,18 +169,14 @@ class DrafterRank final : private pipeline::WorkerBase, private StepHooks {
   std::atomic<int64_t> in_collective_since_{0};
   std::unique_ptr<train::TimedCollectives> tcoll_;
   std::optional<TimedRankGroup> group_;  // tcoll_ as the train loop's RankGroup
-  model::FrozenTargetParts frozen_;
-  std::unique_ptr<model::Drafter> drafter_;
+  std::optional<DrafterSession> session_;  // frozen target parts, drafter, trainer (build())
   std::optional<stream::RunSchedule> sched_;
   int64_t schedule_steps_ = 0, total_steps_ = 0, start_step_ = 0;
-  train::TrainerOptions to_;
-  std::unique_ptr<train::Trainer> trainer_;
   std::unique_ptr<PeerWatchdog> watchdog_;
   uint64_t h0_ = 0;
   std::optional<io::JsonlLog> steplog_, metrics_log_;  // whole records, fsynced (core/io/jsonl_log.h)
   TrainServiceResult res_;
   bool stopped_ = false;
-  nlohmann::json provenance_;  // run_provenance(): into every checkpoint and the export
 };
 
 DrafterRank::DrafterRank(const config::RunConfig& cfg, const TrainServiceOptions& opt, const control::LaunchPlan& launch,
@@ -190,7 +185,6 @@ DrafterRank::DrafterRank(const config::RunConfig& cfg, const TrainServiceOptions
       opt_(opt),
       rank_(pipeline::checked_rank(opt.rank, M_, "drafter trainers")),
       out_(cfg.run.output_dir),
-      ckpt_root_(out_ / "checkpoints"),
       met_(*registry_),
       prof_({"wait", "train", "allreduce", "step", "checkpoint"}),
       s_wait_(prof_.stage("wait")),
@@ -202,7 +196,7 @@ DrafterRank::DrafterRank(const config::RunConfig& cfg, const TrainServiceOptions
 
 TrainServiceResult DrafterRank::run() {
   if (!launch_.from_coordinator && cfg_.run.resume != "never") {
-    const std::string found = cfg_.run.resume == "auto" ? train::latest_valid_checkpoint(ckpt_root_.string()) : cfg_.run.resume;
+    const std::string found = DrafterSession::configured_resume(cfg_);
     DFLASH_CHECK(found.empty(), ConfigError,
                  "run.resume: a distributed run resumes through its coordinator's ledger (`dflash run CONFIG --resume latest`); "
                  "started by hand it must start fresh (found " << found << "): use a fresh run.output_dir or run.resume: never");
@@ -263,16 +257,15 @@ void DrafterRank::join_collectives() {
   group_.emplace(*tcoll_);
 }
 
-// Drafter, schedule and trainer from the run plan (as `dflash train` builds them); the launch's
-// checkpoint when it resumes.
+// Drafter, schedule and trainer from the run plan, through the DrafterSession `dflash train` uses;
+// the launch's checkpoint when it resumes.
 void DrafterRank::build() {
-  frozen_ = model::load_frozen_target_parts(cfg_.target.model_dir, device_, plan_->compute_dtype, plan_->embed_on_host);
-  drafter_ = std::make_unique<model::Drafter>(plan_->drafter, device_, static_cast<uint64_t>(cfg_.run.seed));
-  if (!cfg_.drafter.init_from.empty()) train::init_from_export(*drafter_, cfg_.drafter.init_from);
+  session_.emplace(cfg_, *plan_, device_);
+  session_->load_frozen();
+  session_->build_drafter();
 
   auto shards = pipeline::open_run_shards(cfg_);
   sched_.emplace(pipeline::build_schedule(cfg_, shards.lengths(), launch_));
-  provenance_ = pipeline::run_provenance(cfg_);
   // Learning-rate schedule length as `dflash train` computes it; fixed by the coordinator at run
   // start (packing changes never change it). The steps actually run drop each epoch's tail that
   // does not fill a whole step.
@@ -286,11 +279,10 @@ void DrafterRank::build() {
                "the schedule has " << sched_->segment_of(start_step_).drafters << " drafter ranks at step " << start_step_
                                    << " but the config has " << M_);
 
-  to_ = plan_->trainer_options(schedule_steps_);
-  trainer_ = std::make_unique<train::Trainer>(*drafter_, frozen_, to_, tcoll_.get());
+  session_->build_trainer(schedule_steps_, tcoll_.get());
   if (launch_.resume_checkpoint.empty()) return;
   // Every rank loads the committed checkpoint (the drafter state is replicated: any rank count).
-  auto ck = train::load_checkpoint(launch_.resume_checkpoint, drafter_.get(), &trainer_->optimizer());
+  auto ck = session_->resume(launch_.resume_checkpoint);
   const int64_t at = io::JsonValue(ck.state.data_position, io::JsonSource{launch_.resume_checkpoint + "/state.json"}, "data_position")
                          .get<int64_t>("schedule_step");
   DFLASH_CHECK(at == start_step_, DataError,
@@ -306,10 +298,10 @@ void DrafterRank::verify_replicas() {
   {
     torch::NoGradGuard ng;
     std::vector<torch::Tensor> mine;
-    for (const auto& [_, p] : drafter_->parameters()) mine.push_back(p.detach().clone());
+    for (const auto& [_, p] : session_->drafter().parameters()) mine.push_back(p.detach().clone());
     tcoll_->broadcast(mine, 0);
     size_t j = 0;
-    for (const auto& [name, p] : drafter_->parameters()) {
+    for (const auto& [name, p] : session_->drafter().parameters()) {
       DFLASH_CHECK(torch::equal(mine[j], p.detach()), ReplicaError,
                    "drafter " << rank_ << ": parameter " << name << " differs from rank 0's at start (different seed or init?)");
       ++j;
@@ -343,23 +335,20 @@ void DrafterRank::warm_up() {
     const auto& gen = sched_->generations()[sched_->segment_of(start_step_).generation];
     const int64_t T = gen.packing.token_budget, H = plan_->hidden_size;
     const int64_t doc_len = std::min<int64_t>(T, cfg_.data.max_seq_len);
-    log_attention_plans(trainer_->prepare_attention(T, doc_len));
-    const double s = trainer_->warm_up(T, doc_len, plan_->num_context_layers() * H, H, plan_->vocab_size);
+    log_attention_plans(session_->trainer().prepare_attention(T, doc_len));
+    const double s = session_->trainer().warm_up(T, doc_len, plan_->num_context_layers() * H, H, plan_->vocab_size);
     LOG_INFO("drafter " << rank_ << ": warm-up at " << T << " tokens, up to " << cfg_.train.max_anchors << " anchors in " << s
                         << " s (peak GPU memory allocated " << pipeline::peak_gpu_bytes(opt_.device).at("allocated") / double(1 << 30)
                         << " GiB)");
   }
-  h0_ = weight_hash(*drafter_);
+  h0_ = weight_hash(session_->drafter());
   LOG_INFO("drafter " << rank_ << ": replicas identical at start (weights " << hex64(h0_) << "); " << total_steps_ << " steps of "
                       << cfg_.train.grad_accum << " micro-batches over " << cfg_.run.epochs << " epochs");
 }
 
 // The step log starts with the plan of this launch; rank 0 also writes metrics.jsonl.
 void DrafterRank::open_logs() {
-  if (rank_ == 0) {
-    fs::create_directories(ckpt_root_);
-    train::remove_stale_checkpoint_tmp(ckpt_root_.string());
-  }
+  if (rank_ == 0) session_->prepare_checkpoints_dir();
   fs::create_directories(out_ / "pipeline");
   // A resumed launch appends: the log then holds the rolled-back steps too, the last record of a
   // step is the one that counts (the ledger says which steps are committed).
@@ -410,7 +399,7 @@ void DrafterRank::train() {
   lo.save_interval_steps = cfg_.run.save_interval_steps;
   lo.final_step = total_steps_;
   lo.hash_every = opt_.hash_every;
-  TrainLoop loop(*trainer_, *drafter_, *sched_, source, *group_, *this, requests ? &*requests : nullptr, lo);
+  TrainLoop loop(session_->trainer(), session_->drafter(), *sched_, source, *group_, *this, requests ? &*requests : nullptr, lo);
   const auto r = loop.run();
   static_cast<TrainLoopResult&>(res_) = r;
   if (r.steps_done > start_step_) res_.steps = r.steps_done;
@@ -501,24 +490,18 @@ void DrafterRank::checkpoint(const StepRecord& r) {
 // Checkpoints are named by schedule step (= optimizer steps unless a non-finite step was skipped);
 // with a coordinator, the commit is recorded in its ledger before training goes on.
 void DrafterRank::commit_checkpoint(int64_t epoch, int64_t steps_done) {
-  const std::string dir = (ckpt_root_ / train::checkpoint_dir_name(steps_done)).string();
+  const std::string dir = (fs::path(session_->checkpoints_dir()) / train::checkpoint_dir_name(steps_done)).string();
   if (fs::exists(dir)) {
     // Only a checkpoint a resumed launch started from can already exist here.
     DFLASH_CHECK(fs::path(dir) == fs::path(launch_.resume_checkpoint) || !client_, ConfigError,
                  dir << " exists but is not the checkpoint this launch resumed from");
     return;
   }
-  train::CheckpointState st;
-  st.step = steps_done;
-  st.optimizer_steps = trainer_->optimizer().steps();
-  st.data_position = {{"schedule_step", steps_done}, {"epoch", epoch}, {"drafters", M_}, {"targets", N_},
-                      {"generations", static_cast<int64_t>(launch_.generations.size())}};
-  st.seed = to_.seed;
-  st.scheduler = {{"lr", to_.schedule.lr}, {"warmup_ratio", to_.schedule.warmup_ratio}, {"total_steps", schedule_steps_}};
-  st.run_info = {{"provenance", provenance_}};
-  train::save_checkpoint(dir, *drafter_, trainer_->optimizer(), st);
+  const auto st = session_->save_checkpoint(dir, steps_done,
+                                            {{"schedule_step", steps_done}, {"epoch", epoch}, {"drafters", M_}, {"targets", N_},
+                                             {"generations", static_cast<int64_t>(launch_.generations.size())}});
   if (client_) client_->commit_checkpoint(steps_done, dir, st.optimizer_steps);
-  train::apply_retention(ckpt_root_.string(), cfg_.run.keep_last, cfg_.run.keep_every);
+  session_->apply_retention();
   res_.last_checkpoint = dir;
   if (const auto* f = launch_.fault_at(config::Role::kDrafter, rank_, steps_done);
       f && f->kind == config::FaultKind::kCorruptCheckpoint)
@@ -565,11 +548,7 @@ void DrafterRank::export_drafter() {
   if (rank_ != 0 || stopped_) return;
   control::BlockedOn blocked("export");
   res_.export_dir = (out_ / "export").string();
-  if (fs::exists(res_.export_dir)) fs::remove_all(res_.export_dir);
-  train::ExportProvenance prov;
-  prov.run = provenance_;
-  prov.steps = total_steps_;
-  train::export_hf(*drafter_, res_.export_dir, plan_->export_dtype, prov);
+  session_->export_drafter(res_.export_dir, total_steps_);
 }
 
 void DrafterRank::finish() {
@@ -583,7 +562,7 @@ void DrafterRank::finish() {
   for (const auto& l : links_) res_.checksums_verified_ahead += static_cast<int64_t>(l->stats().verified_ahead);
   json done = {{"event", "done"}, {"rank", rank_}, {"steps", res_.steps}, {"micro_batches", res_.micro_batches}, {"tokens", res_.tokens},
                {"samples", res_.samples}, {"checksums_verified", res_.checksums_verified}, {"loop_s", res_.loop_seconds},
-               {"checkpoint_s", res_.checkpoint_seconds}, {"wait_s", res_.wait_seconds}, {"final_weight_hash", hex64(weight_hash(*drafter_))}};
+               {"checkpoint_s", res_.checkpoint_seconds}, {"wait_s", res_.wait_seconds}, {"final_weight_hash", hex64(weight_hash(session_->drafter()))}};
   steplog_->append(done);
   LOG_INFO("drafter " << rank_ << ": trained " << res_.steps << " steps, " << res_.micro_batches << " micro-batches, " << res_.tokens
                       << " tokens in " << res_.train_seconds() << " s (" << int(res_.tokens_per_s())

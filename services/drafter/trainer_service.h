@@ -6,8 +6,9 @@
 //                      swept first), so targets can attach while it loads;
 //   join collectives   make_collectives: "cpu" over the TCPStore rank 0 hosts at
 //                      127.0.0.1:--store-port, "nccl" on CUDA;
-//   build              the Drafter and Trainer from the run plan (as `dflash train` does), and the
-//                      launch's checkpoint when it resumes;
+//   build              the frozen target parts, Drafter and Trainer from the run plan through the
+//                      DrafterSession `dflash train` uses (services/drafter/drafter_session.h), and
+//                      the launch's checkpoint when it resumes;
 //   verify replicas    a broadcast from rank 0 checks every replica starts with identical weights;
 //                      the peers' pids for the watchdog; a warm-up at the launch's largest shape;
 //   train loop         services/drafter/train_loop.h over the micro-batches the run schedule
