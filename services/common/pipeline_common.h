@@ -148,7 +148,7 @@ inline std::vector<Option> worker_options(const std::vector<Option>& extra) {
       required("config", "CFG", "the run config (YAML)"),
       repeated("set", "section.field=VALUE", "a config override (the coordinator forwards its own)"),
       computed("rank", "R", "none: must be given", "this worker's rank within its role"),
-      value("device", "cpu|cuda", "cpu", "where this worker runs"),
+      value("device", "cpu|cuda", WorkerOptions{}.device, "where this worker runs"),
       computed("run-id", "ID", "a hash of run.name and run.output_dir",
                "the run id (names the shared memory; every process of one run agrees)"),
       value("metrics-port", "P", "-1", "the /metrics port (-1: none; 0: ephemeral, logged)"),

@@ -48,7 +48,7 @@ const CommandSpec& data_import_spec() {
        value("max-seq-len", "N", "0", "truncate documents to N tokens (0: no limit)"),
        value("block-size", "B", std::to_string(data::kDefaultBlockSize), "documents with < 2*B trainable tokens are dropped"),
        flag("skip-bad", "count and skip bad lines (each named FILE:LINE) instead of exit 4"),
-       computed("shard-tokens", "N", "67108864", "tokens per shard")},
+       value("shard-tokens", "N", std::to_string(data::ImportOptions{}.shard_tokens), "tokens per shard")},
       "An input's FILE.jsonl.meta.json sidecar (from `data prepare`) is recorded in the manifest. Chat / text\n"
       "records (no input_ids) are tokenized by `dflash data prepare` first."};
   return s;
@@ -75,7 +75,7 @@ const CommandSpec& data_prepare_spec() {
        value("workers", "N", "1", "processes that render and tokenize"),
        value("max-record-bytes", "N", kMaxRecordBytes, "a longer input line is a bad record"),
        value("block-size", "B", std::to_string(data::kDefaultBlockSize), "--out DIR only: as data import's"),
-       computed("shard-tokens", "N", "67108864", "--out DIR only: tokens per shard"),
+       value("shard-tokens", "N", std::to_string(data::ImportOptions{}.shard_tokens), "--out DIR only: tokens per shard"),
        python_option()},
       "Exit: 0 ok, 1 unexpected, 2 usage/config (a broken chat template, an --out that cannot be written),\n"
       "4 bad data (FILE:LINE; docs/data.md#bad-input-and-exit-codes)."};
@@ -189,7 +189,7 @@ int cmd_data_import(int argc, char** argv) {
   o.max_seq_len = flags.get_int("max-seq-len");
   o.block_size = flags.get_int("block-size");
   o.skip_bad = flags.enabled("skip-bad");
-  o.shard_tokens = flags.get_int_or("shard-tokens", o.shard_tokens);
+  o.shard_tokens = flags.get_int("shard-tokens");
   o.input_meta = data::read_input_sidecars(o.inputs);  // the manifest keeps each input's FILE.meta.json
   const data::ImportSummary s = data::import_jsonl(o);
   std::cout << s.to_json().dump(2) << std::endl;
@@ -247,7 +247,7 @@ int cmd_data_prepare(int argc, char** argv) {
     o.out_dir = dir;
     o.max_seq_len = flags.get_int("max-seq-len");
     o.block_size = flags.get_int("block-size");
-    o.shard_tokens = flags.get_int_or("shard-tokens", o.shard_tokens);
+    o.shard_tokens = flags.get_int("shard-tokens");
     const json sidecars = data::read_input_sidecars(o.inputs);
     DFLASH_CHECK(sidecars.contains(jsonl), DataError, jsonl << ".meta.json: missing after prepare");
     o.input_meta = {{"prepare", sidecars[jsonl]}};

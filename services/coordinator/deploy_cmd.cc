@@ -157,7 +157,7 @@ const CommandSpec& deploy_prometheus_spec() {
        value("address", "NAME=ADDR[,NAME=ADDR...]", "",
              "the address Prometheus scrapes for a topology host name (e.g. the IP of the container the workers "
              "run in)"),
-       value("scrape-interval", "DURATION", "15s", "Prometheus' scrape_interval")}};
+       value("scrape-interval", "DURATION", PrometheusOptions{}.scrape_interval, "Prometheus' scrape_interval")}};
   return s;
 }
 

@@ -83,10 +83,11 @@ const CommandSpec& capture_spec() {
        required("input", "FILE.jsonl", "lines {\"input_ids\": [...]}"),
        computed("layers", "1,3,...", "none (an empty list)", "the target layers whose hidden states are captured"),
        flag("last-hidden", "also capture the last hidden state"),
-       value("dtype", "float32|bfloat16", "float32", "the model's dtype"),
-       value("device", "cpu|cuda", "cpu", "where the model runs"),
+       value("dtype", "float32|bfloat16", CaptureOptions{}.dtype, "the model's dtype"),
+       value("device", "cpu|cuda", CaptureOptions{}.device, "where the model runs"),
        required("out", "FILE.safetensors", "the captured tensors"),
-       value("token-budget", "N", "16384", "documents are packed into forward batches of at most N tokens")}};
+       value("token-budget", "N", std::to_string(CaptureOptions{}.token_budget),
+             "documents are packed into forward batches of at most N tokens")}};
   return s;
 }
 
