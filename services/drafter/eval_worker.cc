@@ -72,7 +72,7 @@ void EvalWorker::build() {
   model::LoadOptions lo;
   lo.device = model::parse_device(opt_.device);
   lo.dtype = plan_->target_dtype;
-  target_ = model::load_target(cfg_.target.model_dir, lo);
+  target_ = model::load_target(cfg_.target.model_dir, plan_->target, lo);  // config.json parsed by the plan
   drafter_ = std::make_unique<model::Drafter>(plan_->drafter, torch::kCPU, /*init_seed=*/0);
   ckpt_ = train::load_checkpoint(opt_.checkpoint, drafter_.get(), nullptr);
 }

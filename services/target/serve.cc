@@ -228,7 +228,7 @@ void TargetServer::load() {
   lo.device = device_;
   lo.dtype = plan_->target_dtype;
   lo.load_lm_head = false;
-  target_ = model::load_target(cfg_.target.model_dir, lo);
+  target_ = model::load_target(cfg_.target.model_dir, plan_->target, lo);  // config.json parsed by the plan
   const auto& tcfg = target_->config();
   spec_ = plan_->capture_spec();
   model::validate_capture(tcfg, spec_);
