@@ -20,14 +20,14 @@ grpc::Status Coordinator::handler(grpc::ServerContext* ctx, Body&& body) {
 template <class Body>
 grpc::Status Coordinator::worker_handler(grpc::ServerContext* ctx, int64_t worker_id, Body&& body) {
   return handler(ctx, [&] {
-    auto* w = worker(worker_id);
+    auto* w = run_.worker(worker_id);
     return w ? body(*w) : stale(worker_id);
   });
 }
 
 grpc::Status Coordinator::append_ledger(const nlohmann::json& record) {
   try {
-    ledger_->append(record);
+    run_.append(record);
     return grpc::Status::OK;
   } catch (const std::exception& e) {
     if (ledger_failure_.empty()) ledger_failure_ = e.what();  // monitor() stops the run on it (exit 4)
@@ -37,21 +37,18 @@ grpc::Status Coordinator::append_ledger(const nlohmann::json& record) {
 
 grpc::Status Coordinator::Register(grpc::ServerContext* ctx, const pb::RegisterRequest* req, pb::RegisterResponse* resp) {
   return handler(ctx, [&]() -> grpc::Status {
-    if (req->attempt() != attempt_)
+    const int attempt = run_.attempt();
+    if (req->attempt() != attempt)
       return {grpc::StatusCode::FAILED_PRECONDITION, "worker of attempt " + std::to_string(req->attempt()) +
-                                                         ", the run is at attempt " + std::to_string(attempt_)};
+                                                         ", the run is at attempt " + std::to_string(attempt)};
     const auto role = req->role() == pb::ROLE_TARGET ? config::Role::kTarget : config::Role::kDrafter;
-    const int idx = index_of(role, req->rank());
+    const int idx = run_.index_of(role, req->rank());
     if (idx < 0)
       return {grpc::StatusCode::INVALID_ARGUMENT,
               "no such worker: role " + std::to_string(req->role()) + " rank " + std::to_string(req->rank())};
-    auto& w = workers_[idx];
-    w.registered = true;
-    w.last_heartbeat = w.progress_at = Clock::now();
-    w.metrics_port = req->metrics_port();
-    w.state = "running";
+    run_.register_worker(idx, req->metrics_port(), Clock::now());
     resp->set_run_id(cfg_.run.name);
-    resp->set_worker_id(int64_t(attempt_) * kAttemptStride + idx);
+    resp->set_worker_id(run_.worker_id(idx));
     return grpc::Status::OK;
   });
 }
@@ -65,15 +62,8 @@ grpc::Status Coordinator::GetAssignment(grpc::ServerContext* ctx, const pb::Assi
 
 grpc::Status Coordinator::Heartbeat(grpc::ServerContext* ctx, const pb::HeartbeatRequest* req, pb::HeartbeatResponse* resp) {
   return worker_handler(ctx, req->worker_id(), [&](WorkerState& w) {
-    w.last_heartbeat = Clock::now();
-    w.step = req->step();
-    w.tokens_per_s = req->tokens_per_second();
-    // The stall clock restarts when the counter moves, waiting or not (liveness.h).
-    if (req->progress() != w.progress) w.progress_at = w.last_heartbeat, w.last_wait_on.clear();
-    if (!req->blocked_on().empty()) w.last_wait_on = req->blocked_on(), w.last_wait_s = req->blocked_s();
-    w.progress = req->progress();
-    w.blocked_on = req->blocked_on();
-    w.blocked_s = req->blocked_s();
+    RunState::heartbeat(w, {req->step(), req->tokens_per_second(), req->progress(), req->blocked_on(), req->blocked_s()},
+                        Clock::now());
     if (w.spec.role == config::Role::kDrafter) {
       resp->set_stop(stop_requested_);
       resp->set_checkpoint_now(checkpoint_requested_);
@@ -89,16 +79,9 @@ grpc::Status Coordinator::ReportStep(grpc::ServerContext* ctx, const pb::StepRep
                              {"optimizer_step", r->optimizer_step()}, {"skipped_nonfinite", r->skipped_nonfinite()},
                              {"loss", r->loss()}, {"samples", samples}});
     if (!st.ok()) return st;
-    w.step = r->step();
-    if (r->rank() == 0) {
-      last_loss_ = r->loss();
-      last_tau_ = r->accept_len();
-      last_epoch_ = r->epoch();
-      step_ = r->step();
-    }
-    tokens_per_s_[r->rank()] = r->tokens_per_second();
+    run_.record_step(w, {r->step(), r->rank(), r->epoch(), r->loss(), r->accept_len(), r->tokens_per_second(),
+                         r->skipped_nonfinite()});
     if (r->skipped_nonfinite()) {
-      ++nonfinite_;
       LOG_WARN("step " << r->step() << " skipped on every rank: non-finite loss or gradients; drafter " << r->rank()
                        << "'s samples " << json(samples).dump());
     }
@@ -120,9 +103,7 @@ grpc::Status Coordinator::CommitCheckpoint(grpc::ServerContext* ctx, const pb::C
 
 grpc::Status Coordinator::ReportFailure(grpc::ServerContext* ctx, const pb::FailureReport* r, pb::Ack*) {
   return worker_handler(ctx, r->worker_id(), [&](WorkerState& w) {
-    w.reported_code = r->exit_code();
-    w.reported_kind = r->kind();
-    w.reported_message = r->message();
+    RunState::record_failure(w, r->exit_code(), r->kind(), r->message());
     return grpc::Status::OK;
   });
 }
@@ -162,41 +143,18 @@ grpc::Status Coordinator::auth(grpc::ServerContext* ctx) const {
 }
 grpc::Status Coordinator::stale(int64_t id) const {
   return {grpc::StatusCode::FAILED_PRECONDITION,
-          "worker id " + std::to_string(id) + " is not part of attempt " + std::to_string(attempt_) + " of this run"};
-}
-Coordinator::WorkerState* Coordinator::worker(int64_t id) {
-  if (id / kAttemptStride != attempt_) return nullptr;
-  const int64_t i = id % kAttemptStride;
-  return i >= 0 && i < int64_t(workers_.size()) ? &workers_[i] : nullptr;
-}
-int Coordinator::index_of(config::Role role, int rank) const {
-  for (size_t i = 0; i < workers_.size(); ++i)
-    if (workers_[i].spec.role == role && workers_[i].spec.rank == rank) return static_cast<int>(i);
-  return -1;
+          "worker id " + std::to_string(id) + " is not part of attempt " + std::to_string(run_.attempt()) + " of this run"};
 }
 
 json Coordinator::status_json() const {  // mu_ held
-  json ws = json::array();
-  for (const auto& w : workers_)
-    ws.push_back({{"role", config::to_string(w.spec.role)}, {"rank", w.spec.rank}, {"host", w.spec.host}, {"gpu", w.spec.gpu},
-                  {"pid", w.pid}, {"state", w.state}, {"step", w.step}, {"tokens_per_s", w.tokens_per_s},
-                  {"last_heartbeat_s_ago", w.registered ? seconds_since(w.last_heartbeat) : -1.0}, {"metrics_port", w.metrics_port},
-                  {"exit", w.exit.exited ? w.exit.describe() : ""}, {"progress", w.progress},
-                  {"waiting", w.blocked_on.empty() ? "" : "waiting on " + w.blocked_on},
-                  {"waiting_s", w.blocked_on.empty() || !w.registered ? 0.0 : w.blocked_s + seconds_since(w.last_heartbeat)}});
-  const auto& st = ledger_->state();
-  json gens = json::array();
-  for (const auto& g : st.generations)
-    gens.push_back({{"start_step", g.start_step}, {"token_budget", g.token_budget}, {"max_batch_size", g.max_batch_size},
-                    {"drafters", g.drafters}});
-  double tps = 0;
-  for (const auto& [_, v] : tokens_per_s_) tps += v;
-  return {{"run", cfg_.run.name}, {"output_dir", cfg_.run.output_dir}, {"address", address_}, {"attempt", attempt_},
-          {"step", step_}, {"total_steps", total_steps_}, {"epoch", last_epoch_}, {"loss", last_loss_}, {"tau", last_tau_},
-          {"tokens_per_s", tps}, {"committed_step", st.committed_step()},
-          {"last_checkpoint", st.checkpoints.empty() ? "" : st.checkpoints.back().dir}, {"workers", ws},
-          {"restarts", st.restart_log}, {"restarts_by_role", st.restarts}, {"packing", gens},
-          {"packing_changes", st.packing_log}, {"nonfinite_steps", nonfinite_}, {"stop_requested", stop_requested_},
+  const auto& st = run_.recorded();
+  const DrafterProgress& p = run_.progress();
+  return {{"run", cfg_.run.name}, {"output_dir", cfg_.run.output_dir}, {"address", address_}, {"attempt", run_.attempt()},
+          {"step", p.step}, {"total_steps", total_steps_}, {"epoch", p.epoch}, {"loss", p.loss}, {"tau", p.tau},
+          {"tokens_per_s", p.total_tokens_per_s()}, {"committed_step", st.committed_step()},
+          {"last_checkpoint", st.checkpoints.empty() ? "" : st.checkpoints.back().dir}, {"workers", run_.workers_json(Clock::now())},
+          {"restarts", st.restart_log}, {"restarts_by_role", st.restarts}, {"packing", run_.generations_json()},
+          {"packing_changes", st.packing_log}, {"nonfinite_steps", p.nonfinite_steps}, {"stop_requested", stop_requested_},
           {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()}, {"left_out", slots_json()},
           {"degraded", st.degraded_log}, {"eval", eval_status()}};
 }

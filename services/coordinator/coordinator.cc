@@ -22,7 +22,6 @@
 #include "core/util/log.h"
 #include "core/util/process.h"
 #include "core/util/switches.h"
-#include "core/io/hf_config.h"
 #include "services/common/pipeline_common.h"
 #include "services/common/provenance.h"
 #include "services/common/run_data.h"
@@ -167,8 +166,8 @@ json Coordinator::plan() {
   } else {
     lengths_ = opts_.plan_lengths;  // --plan-samples: sized before any data exists
   }
-  const auto sched0 = pipeline::build_schedule(
-      cfg_, lengths_, std::vector<control::GenerationSpec>{{0, cfg_.data.token_budget, cfg_.data.max_batch_size, cfg_.num_drafters()}});
+  gen0_ = RunState::generation_zero(cfg_);
+  const auto sched0 = pipeline::build_schedule(cfg_, lengths_, std::vector<control::GenerationSpec>{gen0_});
   DFLASH_CHECK(sched0.total_steps() > 0, ConfigError,
                "the data gives no whole optimizer step (" << lengths_.size() << " samples, " << cfg_.num_drafters()
                                                           << " drafters, train.grad_accum=" << cfg_.train.grad_accum << ")");
@@ -176,7 +175,8 @@ json Coordinator::plan() {
   first_lr_schedule_steps_ = sched0.lr_schedule_steps();
   first_total_steps_ = sched0.total_steps();
   device_ = resolve_device(opts_.device);
-  const auto p = make_plan(cfg_, lengths_, sched0, device_);
+  run_plan_ = std::make_unique<pipeline::RunPlan>(pipeline::RunPlan::load(cfg_, device_));  // the one per coordinator
+  const auto p = make_plan(cfg_, lengths_, sched0, *run_plan_);
   if (!opts_.quiet) print_plan(p, std::cerr);  // --quiet: the plan JSON of --plan alone
   if (!opts_.plan_batches.empty()) {
     write_step_batches(sched0, opts_.plan_batches);
@@ -209,20 +209,19 @@ bool Coordinator::open_ledger() {
                "--resume " << resume << ": " << ledger_path << " does not exist: there is no run to resume in run.output_dir");
   DFLASH_CHECK(!existed || !resume.empty() || cfg_.run.resume != "never", ConfigError,
                ledger_path << " exists and run.resume is never: resume with --resume latest or use a fresh run.output_dir");
-  ledger_.emplace(Ledger::open(ledger_path));
-  if (!existed || ledger_->state().run.is_null()) {
-    ledger_->append({{"type", "run"}, {"name", cfg_.run.name}, {"schedule_steps", first_lr_schedule_steps_},
-                     {"total_steps", first_total_steps_}, {"token_budget", cfg_.data.token_budget},
-                     {"max_batch_size", cfg_.data.max_batch_size}, {"max_anchors", cfg_.train.max_anchors},
-                     {"block_size", cfg_.drafter.block_size}, {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()},
-                     {"epochs", cfg_.run.epochs}, {"samples", lengths_.size()}, {"config", config::to_yaml(redacted(cfg_))},
-                     {"plan", pipeline::RunPlan::build(cfg_, io::parse_hf_config(cfg_.target.model_dir), device_).to_json()},
-                     {"switches", switches::to_json()}, {"provenance", pipeline::run_provenance(cfg_)}, {"data_import", data_import_}});
+  run_.attach(Ledger::open(ledger_path));
+  if (run_.recorded().run.is_null()) {  // a new run (generation 0 is recorded once, never on a resume)
+    run_.start_run({{"name", cfg_.run.name}, {"schedule_steps", first_lr_schedule_steps_}, {"total_steps", first_total_steps_},
+                    {"max_anchors", cfg_.train.max_anchors}, {"block_size", cfg_.drafter.block_size},
+                    {"targets", cfg_.num_targets()}, {"epochs", cfg_.run.epochs}, {"samples", lengths_.size()},
+                    {"config", config::to_yaml(redacted(cfg_))}, {"plan", run_plan_->to_json()},
+                    {"switches", switches::to_json()}, {"provenance", pipeline::run_provenance(cfg_)}, {"data_import", data_import_}},
+                   gen0_);
   } else {
     refuse_resume_drift();
     resume_ledger();
   }
-  if (ledger_->state().finished) {
+  if (run_.recorded().finished) {
     LOG_INFO("the run in " << out << " is already finished");
     return false;
   }
@@ -233,7 +232,7 @@ bool Coordinator::open_ledger() {
 // that run trains is refused, naming each field (services/coordinator/run_record.h). A kernels.*
 // change that the command line's overrides set explicitly is accepted with a warning.
 void Coordinator::refuse_resume_drift() const {
-  const auto& run = ledger_->state().run;
+  const auto& run = run_.recorded().run;
   if (!run.contains("config") || !run["config"].is_string()) return;
   const auto changes = resume_changes(run["config"].get<std::string>(), base_cfg_, opts_.overrides);
   for (const auto& c : changes.overridden) {
@@ -262,8 +261,8 @@ void Coordinator::refuse_resume_drift() const {
 }
 
 void Coordinator::resume_ledger() {
-  const auto& st = ledger_->state();
-  LOG_INFO("resuming " << ledger_->path() << ": committed step " << st.committed_step() << ", " << st.attempts
+  const auto& st = run_.recorded();
+  LOG_INFO("resuming " << run_.ledger().path() << ": committed step " << st.committed_step() << ", " << st.attempts
                        << " launch(es) so far");
   const std::string& resume = opts_.resume;
   if (resume.empty() || resume == "latest") return;
@@ -272,8 +271,8 @@ void Coordinator::resume_ledger() {
   auto it = std::find_if(cks.begin(), cks.end(), [&](const LedgerCheckpoint& c) {
     return fs::weakly_canonical(c.dir) == fs::weakly_canonical(resume);
   });
-  DFLASH_CHECK(it != cks.end(), ConfigError, "--resume " << resume << ": not a checkpoint committed in " << ledger_->path());
-  ledger_->append({{"type", "rollback"}, {"to_step", it->step}, {"reason", "--resume " + resume}});
+  DFLASH_CHECK(it != cks.end(), ConfigError, "--resume " << resume << ": not a checkpoint committed in " << run_.ledger().path());
+  run_.append({{"type", "rollback"}, {"to_step", it->step}, {"reason", "--resume " + resume}});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -348,8 +347,8 @@ void Coordinator::start_metrics() {
 int Coordinator::supervise() {
   for (;;) {
     std::unique_lock<std::mutex> lk(mu_);
-    if (ledger_->state().finished) {
-      LOG_INFO("the run is finished (ledger " << ledger_->path() << ")");
+    if (run_.recorded().finished) {
+      LOG_INFO("the run is finished (ledger " << run_.ledger().path() << ")");
       return kExitOk;
     }
     launch_attempt(restart_point());
@@ -369,7 +368,7 @@ int Coordinator::supervise() {
 // The commit the next attempt starts from (recovery_policy.h's choose_commit), carried out:
 // skipped commits warned, checkpoint directories above it moved aside, a "rollback" record.
 CommitChoice Coordinator::restart_point() {
-  const auto& st = ledger_->state();
+  const auto& st = run_.recorded();
   std::vector<CommitCandidate> commits;
   for (const auto& c : st.checkpoints) commits.push_back({c.step, c.dir, CommitCheck::kNotChecked, ""});
   for (auto it = commits.rbegin(); it != commits.rend(); ++it) {  // newest first, until one verifies
@@ -387,7 +386,7 @@ CommitChoice Coordinator::restart_point() {
     LOG_WARN("skipping committed checkpoint " << s.dir << " (step " << s.step << "): it fails verification: " << s.error);
   move_checkpoints_above(choice.step);
   if (choice.rollback) {
-    ledger_->append({{"type", "rollback"}, {"to_step", choice.step}, {"discarded_steps", choice.discarded_steps}});
+    run_.append({{"type", "rollback"}, {"to_step", choice.step}, {"discarded_steps", choice.discarded_steps}});
     if (choice.discarded_steps)
       LOG_INFO("rolling back " << choice.discarded_steps << " uncommitted step(s) to the commit at step " << choice.step);
   }
@@ -401,7 +400,7 @@ void Coordinator::move_checkpoints_above(int64_t step) {
   for (const auto& d : train::list_checkpoints(ckroot.string()))
     if (std::stoll(fs::path(d).filename().string().substr(5)) > step) {  // list_checkpoints: step-<digits> only
       const fs::path dst = fs::path(cfg_.run.output_dir) / "rolled-back" /
-                           (fs::path(d).filename().string() + "-attempt-" + std::to_string(ledger_->state().attempts));
+                           (fs::path(d).filename().string() + "-attempt-" + std::to_string(run_.recorded().attempts));
       fs::create_directories(dst.parent_path());
       fs::rename(d, dst);
       LOG_WARN("moved " << d << " (above the commit at step " << step << ") to " << dst.string());
@@ -412,7 +411,7 @@ void Coordinator::move_checkpoints_above(int64_t step) {
 // state is replicated (it loads on any count); the rest of the epoch is re-planned for the new
 // count from the commit.
 void Coordinator::match_generation_to_topology(int64_t start_step) {
-  auto g = ledger_->state().generations.back();
+  auto g = run_.recorded().generations.back();
   if (cfg_.num_drafters() == g.drafters) return;
   const int before = g.drafters;
   g.drafters = cfg_.num_drafters();
@@ -424,36 +423,37 @@ void Coordinator::match_generation_to_topology(int64_t start_step) {
 
 // A "packing" record: generation `g` from g.start_step; the training signal stays as configured.
 void Coordinator::append_packing(const control::GenerationSpec& g, const std::string& reason) {
-  ledger_->append({{"type", "packing"}, {"start_step", g.start_step}, {"token_budget", g.token_budget},
-                   {"max_batch_size", g.max_batch_size}, {"drafters", g.drafters}, {"reason", reason},
-                   {"max_anchors", cfg_.train.max_anchors}, {"block_size", cfg_.drafter.block_size}});
+  run_.append({{"type", "packing"}, {"start_step", g.start_step}, {"token_budget", g.token_budget},
+               {"max_batch_size", g.max_batch_size}, {"drafters", g.drafters}, {"reason", reason},
+               {"max_anchors", cfg_.train.max_anchors}, {"block_size", cfg_.drafter.block_size}});
 }
 
 void Coordinator::launch_attempt(const CommitChoice& from) {
   const int64_t start_step = from.step;
   match_generation_to_topology(start_step);
-  const auto& st = ledger_->state();
+  const auto& st = run_.recorded();
   const auto sched = pipeline::build_schedule(cfg_, lengths_, st.generations);
   total_steps_ = sched.total_steps();
-  attempt_ = st.attempts;
+  run_.begin_attempt(st.attempts, start_step);
+  const int attempt = run_.attempt();
   stop_requested_ = checkpoint_requested_ = false;
-  ledger_->append({{"type", "launch"}, {"attempt", attempt_}, {"start_step", start_step}, {"resume", from.dir},
-                   {"generations", static_cast<int64_t>(st.generations.size())}, {"targets", cfg_.num_targets()},
-                   {"drafters", cfg_.num_drafters()}, {"left_out", slots_json()}});
+  run_.append({{"type", "launch"}, {"attempt", attempt}, {"start_step", start_step}, {"resume", from.dir},
+               {"generations", static_cast<int64_t>(st.generations.size())}, {"targets", cfg_.num_targets()},
+               {"drafters", cfg_.num_drafters()}, {"left_out", slots_json()}});
   build_assignment(start_step, from.dir);
-  step_ = start_step;
   start_step_ = start_step;
-  eta_window_ = RateWindow(kEtaWindowS);  // this launch's steps only (a rollback moves step_ back)
+  eta_window_ = RateWindow(kEtaWindowS);  // this launch's steps only (a rollback moves the progress step back)
   launch_all();
-  LOG_INFO("attempt " << attempt_ << ": " << workers_.size() << " workers from step " << start_step << "/" << total_steps_
+  LOG_INFO("attempt " << attempt << ": " << run_.workers().size() << " workers from step " << start_step << "/" << total_steps_
                       << (from.dir.empty() ? "" : " (resumed from " + from.dir + ")"));
 }
 
 void Coordinator::build_assignment(int64_t start_step, const std::string& resume_dir) {
-  const auto& st = ledger_->state();
+  const auto& st = run_.recorded();
   assignment_.Clear();
   assignment_.set_run_id(pipeline::run_id_of(cfg_));
-  assignment_.set_attempt(attempt_);
+  const int attempt = run_.attempt();
+  assignment_.set_attempt(attempt);
   assignment_.set_start_step(start_step);
   assignment_.set_schedule_steps(st.schedule_steps);
   for (const auto& g : st.generations) {
@@ -466,8 +466,8 @@ void Coordinator::build_assignment(int64_t start_step, const std::string& resume
   assignment_.set_resume_checkpoint(resume_dir);
   // Injected faults (tests): entry k of resilience.fault_injection is armed in launch attempt k
   // only, so a sequence of faults fires one after another and every restart can get past its own.
-  if (attempt_ < static_cast<int>(cfg_.resilience.fault_injection.size())) {
-    const auto& f = cfg_.resilience.fault_injection[attempt_];
+  if (attempt < static_cast<int>(cfg_.resilience.fault_injection.size())) {
+    const auto& f = cfg_.resilience.fault_injection[attempt];
     auto* x = assignment_.add_faults();
     x->set_kind(config::to_string(f.kind));
     x->set_role(wire_role(f.role));
@@ -485,8 +485,7 @@ void Coordinator::build_assignment(int64_t start_step, const std::string& resume
 }
 
 // Worker `index` of the attempt: its command line, environment and log.
-Coordinator::WorkerState Coordinator::make_worker(const config::HostSpec& h, config::Role role, int rank, int gpu,
-                                                  int index) const {
+WorkerState Coordinator::make_worker(const config::HostSpec& h, config::Role role, int rank, int gpu, int index) const {
   WorkerState w;
   w.spec.role = role;
   w.spec.rank = rank;
@@ -498,7 +497,7 @@ Coordinator::WorkerState Coordinator::make_worker(const config::HostSpec& h, con
   const int port = cfg_.coordinator.worker_metrics_port_base > 0 ? cfg_.coordinator.worker_metrics_port_base + index : -1;
   w.spec.argv = {worker_binary(target ? "dflash-target" : "dflash-drafter"), target ? "serve" : "train",
                  "--config", fs::absolute(opts_.config_path).string(), "--rank", std::to_string(rank),
-                 "--coordinator", address_, "--attempt", std::to_string(attempt_), "--device", device_,
+                 "--coordinator", address_, "--attempt", std::to_string(run_.attempt()), "--device", device_,
                  "--metrics-port", std::to_string(port)};
   for (const auto& o : opts_.overrides) w.spec.argv.insert(w.spec.argv.end(), {"--set", o});
   if (h.launch != "local" && !cfg_.coordinator.token_file.empty())
@@ -521,20 +520,20 @@ Coordinator::WorkerState Coordinator::make_worker(const config::HostSpec& h, con
 }
 
 void Coordinator::launch_all() {
-  workers_.clear();
+  auto& workers = run_.workers();
   int t = 0, d = 0;
   for (const auto& h : cfg_.topology.hosts)
-    for (int g : h.target_gpus) workers_.push_back(make_worker(h, config::Role::kTarget, t++, g, int(workers_.size())));
+    for (int g : h.target_gpus) run_.add_worker(make_worker(h, config::Role::kTarget, t++, g, int(workers.size())));
   for (const auto& h : cfg_.topology.hosts)
-    for (int g : h.drafter_gpus) workers_.push_back(make_worker(h, config::Role::kDrafter, d++, g, int(workers_.size())));
+    for (int g : h.drafter_gpus) run_.add_worker(make_worker(h, config::Role::kDrafter, d++, g, int(workers.size())));
   // Drafters first: they create the links the targets attach to.
   std::vector<size_t> order;
-  for (size_t i = 0; i < workers_.size(); ++i)
-    if (workers_[i].spec.role == config::Role::kDrafter) order.push_back(i);
-  for (size_t i = 0; i < workers_.size(); ++i)
-    if (workers_[i].spec.role == config::Role::kTarget) order.push_back(i);
+  for (size_t i = 0; i < run_.workers().size(); ++i)
+    if (run_.workers()[i].spec.role == config::Role::kDrafter) order.push_back(i);
+  for (size_t i = 0; i < run_.workers().size(); ++i)
+    if (run_.workers()[i].spec.role == config::Role::kTarget) order.push_back(i);
   for (size_t i : order) {
-    auto& w = workers_[i];
+    auto& w = run_.workers()[i];
     std::unique_ptr<Launcher> l;
     if (w.launch_key == "local") {
       l = std::make_unique<LocalLauncher>();
@@ -569,10 +568,10 @@ Coordinator::Outcome Coordinator::monitor() {
     int alive = 0, drafters = 0, drafters_done = 0;
     poll_workers(out, alive, drafters, drafters_done);
     if (m_alive_) m_alive_->set(alive);
-    if (m_step_) m_step_->set(double(step_));
+    if (m_step_) m_step_->set(double(run_.progress().step));
     if (m_total_steps_) m_total_steps_->set(double(total_steps_));
-    if (m_epoch_) m_epoch_->set(double(last_epoch_));
-    if (m_committed_) m_committed_->set(double(ledger_->state().committed_step()));
+    if (m_epoch_) m_epoch_->set(double(run_.progress().epoch));
+    if (m_committed_) m_committed_->set(double(run_.recorded().committed_step()));
     poll_evals();
     if (trackers_) trackers_->poll();
     if (!ledger_failure_.empty()) {  // before any worker's failure: theirs follow from it
@@ -589,7 +588,7 @@ Coordinator::Outcome Coordinator::monitor() {
     }
     if (drafters_done == drafters) {
       stop_all();  // targets have closed their links by now; anything left is stopped
-      out.kind = stop_requested_ && ledger_->state().committed_step() < total_steps_ ? Outcome::kStopped : Outcome::kFinished;
+      out.kind = stop_requested_ && run_.recorded().committed_step() < total_steps_ ? Outcome::kStopped : Outcome::kFinished;
       return out;
     }
     if (!opts_.quiet && seconds_since(last_print) > 2.0) {
@@ -618,8 +617,8 @@ bool Coordinator::take_signals() {
 void Coordinator::poll_workers(Outcome& out, int& alive, int& drafters, int& drafters_done) {
   const double hb_timeout = cfg_.coordinator.heartbeat_timeout_s;
   const double startup_timeout = std::max(120.0, 4 * hb_timeout);
-  for (size_t i = 0; i < workers_.size(); ++i) {
-    auto& w = workers_[i];
+  for (size_t i = 0; i < run_.workers().size(); ++i) {
+    auto& w = run_.workers()[i];
     if (w.spec.role == config::Role::kDrafter) ++drafters;
     if (!w.exit.exited) {
       w.exit = poll_child(w.pid);
@@ -652,9 +651,9 @@ void Coordinator::poll_workers(Outcome& out, int& alive, int& drafters, int& dra
 
 // Every worker of the attempt as liveness.h sees it, with the peers its wait names.
 std::vector<WorkerView> Coordinator::liveness_views() const {
-  std::vector<WorkerView> ws(workers_.size());
-  for (size_t i = 0; i < workers_.size(); ++i) {
-    const auto& w = workers_[i];
+  std::vector<WorkerView> ws(run_.workers().size());
+  for (size_t i = 0; i < run_.workers().size(); ++i) {
+    const auto& w = run_.workers()[i];
     auto& v = ws[i];
     v.name = std::string(config::to_string(w.spec.role)) + " " + std::to_string(w.spec.rank);
     v.live = w.registered && !w.exit.exited;
@@ -688,18 +687,18 @@ void Coordinator::blame_root_cause(Outcome& out) {
     if (w.reported_code == kExitConfig || w.reported_code == kExitData) return 2;
     return 3;
   };
-  for (size_t i = 0; i < workers_.size(); ++i) {
-    auto& w = workers_[i];
+  for (size_t i = 0; i < run_.workers().size(); ++i) {
+    auto& w = run_.workers()[i];
     if (!w.exit.exited) w.exit = poll_child(w.pid);
     if (!w.exit.exited || w.exit.code == 0 || w.state == "stopped") continue;
     w.state = "failed";
-    if (rank_of(w) < rank_of(workers_[out.worker])) {
+    if (rank_of(w) < rank_of(run_.workers()[out.worker])) {
       out.worker = static_cast<int>(i);
       out.reason = w.exit.describe() + (w.reported_message.empty() ? "" : ": " + w.reported_message);
       if (rank_of(w) == 0) out.reason = "CUDA out of memory (" + out.reason + ")";
     }
   }
-  if (rank_of(workers_[out.worker]) == 3) blame_awaited_peer(out);
+  if (rank_of(run_.workers()[out.worker]) == 3) blame_awaited_peer(out);
 }
 
 // A worker that failed after it waited on a peer since its counter last moved (a receive or
@@ -707,13 +706,13 @@ void Coordinator::blame_root_cause(Outcome& out) {
 // at least as long as that wait lasted (it stopped before the failed worker began to wait), the
 // failure is that worker's hang (liveness.h's blame rule).
 void Coordinator::blame_awaited_peer(Outcome& out) {
-  const auto& failed = workers_[out.worker];
+  const auto& failed = run_.workers()[out.worker];
   if (failed.last_wait_on.empty() || failed.last_wait_s < config::kMinHeartbeatTimeoutS) return;
   auto ws = liveness_views();
   auto named = ws;  // the chain passes through peers that failed after it: name them too
   for (auto& v : named) v.live = true;
   for (size_t i = 0; i < ws.size(); ++i) {
-    if (!ws[i].live) ws[i].waiting = workers_[i].last_wait_on;
+    if (!ws[i].live) ws[i].waiting = run_.workers()[i].last_wait_on;
     ws[i].waits_on = peers_named(ws[i].waiting, static_cast<int>(i), named);
   }
   const auto& f = ws[out.worker];
@@ -727,7 +726,7 @@ void Coordinator::blame_awaited_peer(Outcome& out) {
 }
 
 void Coordinator::count_failure(const Outcome& out) {
-  const auto& w = workers_[out.worker];
+  const auto& w = run_.workers()[out.worker];
   const bool oom = ran_out_of_memory(w.exit.code, w.reported_code);
   if (m_oom_ && oom) m_oom_->inc();
   const std::string key = std::string(config::to_string(w.spec.role)) + "/" + (oom ? "oom" : out.hang ? "hang" : "crash");
@@ -736,34 +735,33 @@ void Coordinator::count_failure(const Outcome& out) {
 
 void Coordinator::stop_all() {
   std::vector<pid_t> pids;
-  for (auto& w : workers_)
+  for (auto& w : run_.workers())
     if (!w.exit.exited) pids.push_back(w.pid), w.state = "stopped", w.exit.exited = true, w.exit.code = 143;
   stop_process_groups(pids, 3.0);
 }
 
 void Coordinator::print_progress(bool final_line) {
-  double tps = 0;
-  for (const auto& [_, v] : tokens_per_s_) tps += v;
+  const DrafterProgress& p = run_.progress();
   // The ETA's rate: steps over the last kEtaWindowS seconds, sampled from this launch's first step on
   // (start-up, worker loading and the first batch never count).
-  if (step_ > start_step_) eta_window_.add(seconds_since(t0_), step_);
-  const double eta = eta_window_.eta_s(total_steps_, step_);
-  std::cerr << run_progress_line({step_, total_steps_, last_epoch_, attempt_, tps, last_loss_, last_tau_, eta,
-                                  /*measured=*/step_ > start_step_, final_line})
+  if (p.step > start_step_) eta_window_.add(seconds_since(t0_), p.step);
+  const double eta = eta_window_.eta_s(total_steps_, p.step);
+  std::cerr << run_progress_line({p.step, total_steps_, p.epoch, run_.attempt(), p.total_tokens_per_s(), p.loss, p.tau, eta,
+                                  /*measured=*/p.step > start_step_, final_line})
             << std::endl;
 }
 
 // The attempt ended without a failure: every drafter finished, or `dflash stop` / a signal.
 int Coordinator::end_run(const Outcome& outcome) {
   if (outcome.kind == Outcome::kFinished) {
-    ledger_->append({{"type", "finished"}, {"step", total_steps_}});
+    run_.append({{"type", "finished"}, {"step", total_steps_}});
     print_progress(true);
     LOG_INFO("run finished: " << total_steps_ << " steps; export in " << (fs::path(cfg_.run.output_dir) / "export").string());
     return kExitOk;
   }
-  const int64_t committed = ledger_->state().committed_step();
+  const int64_t committed = run_.recorded().committed_step();
   const std::string reason = !outcome.reason.empty() ? outcome.reason : stop_reason_;
-  ledger_->append({{"type", "stopped"}, {"reason", reason}, {"step", committed}});
+  run_.append({{"type", "stopped"}, {"reason", reason}, {"step", committed}});
   LOG_INFO("run stopped at the committed step " << committed << "; continue with dflash run " << opts_.config_path
                                                 << " --resume latest");
   return kExitOk;
@@ -772,13 +770,13 @@ int Coordinator::end_run(const Outcome& outcome) {
 // A worker's record could not be written to the ledger: the run cannot go on recording what it
 // trains. Stop (no restart: no worker is to blame), record why when the disk allows, exit 4.
 int Coordinator::stop_on_ledger_failure() {
-  const fs::path dir = fs::absolute(ledger_->path()).parent_path();
+  const fs::path dir = fs::absolute(run_.ledger().path()).parent_path();
   std::error_code ec;
   const auto space = fs::space(dir, ec);
   const std::string disk = ec ? "" : "; the filesystem of " + dir.string() + " has " + std::to_string(space.available >> 20) + " MiB free";
-  const int64_t committed = ledger_->state().committed_step();
+  const int64_t committed = run_.recorded().committed_step();
   try {
-    ledger_->append({{"type", "stopped"}, {"reason", "cannot write the run ledger: " + ledger_failure_}, {"step", committed}});
+    run_.append({{"type", "stopped"}, {"reason", "cannot write the run ledger: " + ledger_failure_}, {"step", committed}});
   } catch (const std::exception& e) {
     LOG_WARN("the stopped record could not be written either: " << e.what());
   }
@@ -828,11 +826,11 @@ void Coordinator::drain_evals() {
 // backoff, which supervise() sleeps without the lock).
 
 RecoveryDecision Coordinator::handle_failure(const Outcome& outcome) {
-  const auto& w = workers_[outcome.worker];
+  const auto& w = run_.workers()[outcome.worker];
   const std::string role = config::to_string(w.spec.role);
-  ledger_->append({{"type", "restart"}, {"attempt", attempt_}, {"role", role}, {"rank", w.spec.rank},
-                   {"reason", outcome.reason}, {"exit_code", w.exit.code}, {"oom", ran_out_of_memory(w.exit.code, w.reported_code)}});
-  const int n = ledger_->state().restart_budget_used(role);
+  run_.append({{"type", "restart"}, {"attempt", run_.attempt()}, {"role", role}, {"rank", w.spec.rank},
+               {"reason", outcome.reason}, {"exit_code", w.exit.code}, {"oom", ran_out_of_memory(w.exit.code, w.reported_code)}});
+  const int n = run_.recorded().restart_budget_used(role);
   LOG_WARN(role << " " << w.spec.rank << " failed: " << outcome.reason << " (restart " << n << " of at most "
                 << cfg_.resilience.max_restarts << " for the " << role << "s)");
   const RecoveryDecision d = decide_recovery(situation_of(w, outcome, n));
@@ -850,7 +848,7 @@ FailureSituation Coordinator::situation_of(const WorkerState& w, const Outcome& 
   auto allowed = [&](const std::string& k) {
     return std::find(res.oom.allow_changing.begin(), res.oom.allow_changing.end(), k) != res.oom.allow_changing.end();
   };
-  const auto& g = ledger_->state().generations.back();
+  const auto& g = run_.recorded().generations.back();
   FailureSituation s;
   s.kind = classify_failure(w.exit.code, w.reported_code, outcome.hang);
   s.role = config::to_string(w.spec.role);
@@ -873,8 +871,8 @@ FailureSituation Coordinator::situation_of(const WorkerState& w, const Outcome& 
 
 // A "stopped" record with the decision's reason; the last commit stays valid for --resume.
 void Coordinator::stop_run(const RecoveryDecision& d, const WorkerState& w) {
-  const int64_t committed = ledger_->state().committed_step();
-  ledger_->append({{"type", "stopped"}, {"reason", d.reason}, {"step", committed}});
+  const int64_t committed = run_.recorded().committed_step();
+  run_.append({{"type", "stopped"}, {"reason", d.reason}, {"step", committed}});
   switch (d.stop_cause) {
     case StopCause::kNotRetriable:  // a bad config or bad data fails the same way on every restart
       LOG_ERROR("run stopped (not restarted: " << (d.exit_code == kExitConfig ? "config" : "data") << " error): " << d.reason
@@ -898,10 +896,10 @@ void Coordinator::stop_run(const RecoveryDecision& d, const WorkerState& w) {
 void Coordinator::go_degraded(const WorkerState& w, const std::string& why) {
   left_out_.push_back({w.spec.role, w.spec.host, w.spec.gpu});
   cfg_ = config::without_workers(base_cfg_, left_out_);
-  const int64_t step = ledger_->state().committed_step();
+  const int64_t step = run_.recorded().committed_step();
   const char* role = config::to_string(w.spec.role);
-  ledger_->append({{"type", "degraded"}, {"role", role}, {"rank", w.spec.rank}, {"host", w.spec.host}, {"gpu", w.spec.gpu},
-                   {"reason", why}, {"step", step}, {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()}});
+  run_.append({{"type", "degraded"}, {"role", role}, {"rank", w.spec.rank}, {"host", w.spec.host}, {"gpu", w.spec.gpu},
+               {"reason", why}, {"step", step}, {"targets", cfg_.num_targets()}, {"drafters", cfg_.num_drafters()}});
   if (m_left_out_) m_left_out_->set(double(left_out_.size()));
   LOG_WARN("running degraded (resilience.allow_degraded): " << why << "; going on without " << role << " " << w.spec.rank
                                                             << " (host " << w.spec.host << " GPU " << w.spec.gpu
@@ -913,10 +911,10 @@ void Coordinator::go_degraded(const WorkerState& w, const std::string& why) {
 // OOM response: the decision's packing as a new generation from the commit step (never the
 // training signal).
 void Coordinator::open_oom_generation(const WorkerState& w, const RecoveryDecision& d) {
-  auto g = ledger_->state().generations.back();
+  auto g = run_.recorded().generations.back();
   g.token_budget = d.packing.token_budget;
   g.max_batch_size = d.packing.max_batch_size;
-  g.start_step = ledger_->state().committed_step();
+  g.start_step = run_.recorded().committed_step();
   append_packing(g, "CUDA OOM in " + std::string(config::to_string(w.spec.role)) + " " + std::to_string(w.spec.rank));
   if (m_packing_) m_packing_->inc();
   LOG_WARN("OOM response: " << d.packing_change << " from step " << g.start_step

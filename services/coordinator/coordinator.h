@@ -97,7 +97,12 @@
 #include "services/coordinator/ledger.h"
 #include "services/coordinator/recovery_policy.h"
 #include "services/coordinator/run_lock.h"
+#include "services/coordinator/run_state.h"
 #include "services/coordinator/trackers.h"
+
+namespace dflash::pipeline {
+struct RunPlan;  // services/common/run_plan.h
+}  // namespace dflash::pipeline
 
 namespace dflash::coordinator {
 
@@ -149,33 +154,11 @@ class Coordinator final : public control::Coordinator::Service {
   grpc::Status GetStatus(grpc::ServerContext* ctx, const control::StatusRequest*, control::StatusResponse* resp) override;
   grpc::Status Control(grpc::ServerContext* ctx, const control::ControlRequest* req, control::ControlResponse* resp) override;
 
-  static constexpr int kAttemptStride = 100000;
+  static constexpr int kAttemptStride = RunState::kAttemptStride;
 
  private:
-  using Clock = std::chrono::steady_clock;
+  using Clock = RunClock;
   static double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-  struct WorkerState {
-    WorkerSpec spec;
-    std::string launch_key;
-    pid_t pid = -1;
-    Clock::time_point started;
-    bool registered = false;
-    Clock::time_point last_heartbeat;
-    int64_t step = 0;
-    double tokens_per_s = 0;
-    int metrics_port = -1;
-    std::string state = "starting";  // starting | running | done | failed | stopped
-    ExitInfo exit;
-    int reported_code = -1;
-    std::string reported_kind, reported_message;
-    int64_t progress = -1;            // the main loop's counter from the last heartbeat
-    Clock::time_point progress_at;    // when it last advanced (or the worker registered)
-    std::string blocked_on;           // what the main loop waits for ("" = expected to progress)
-    double blocked_s = 0;             // how long it had waited on blocked_on at the last heartbeat
-    std::string last_wait_on;         // its latest wait since the counter last moved ("" = none)
-    double last_wait_s = 0;           // how long that wait had lasted at its last heartbeat
-  };
 
   // How an attempt ended.
   struct Outcome {
@@ -251,8 +234,6 @@ class Coordinator final : public control::Coordinator::Service {
   grpc::Status append_ledger(const nlohmann::json& record);
   int stop_on_ledger_failure();
   grpc::Status stale(int64_t id) const;
-  WorkerState* worker(int64_t id);
-  int index_of(config::Role role, int rank) const;
   nlohmann::json status_json() const;
   nlohmann::json slots_json() const;
 
@@ -263,22 +244,21 @@ class Coordinator final : public control::Coordinator::Service {
   std::vector<config::WorkerSlot> left_out_;
   mutable std::mutex mu_;
   std::optional<RunLock> lock_;   // <output_dir>/run.lock, from run() (or open_ledger()) until the coordinator is destroyed
-  std::optional<Ledger> ledger_;  // from open_ledger()
+  // The ledger's state (from open_ledger()), the attempt and its worker table, the drafters'
+  // progress (services/coordinator/run_state.h); mu_ held around every access once serving.
+  RunState run_;
   std::vector<uint32_t> lengths_;
-  int64_t first_lr_schedule_steps_ = 0, first_total_steps_ = 0;  // generation 0, from plan()
+  control::GenerationSpec gen0_;  // generation 0 (RunState::generation_zero), from plan()
+  int64_t first_lr_schedule_steps_ = 0, first_total_steps_ = 0;  // generation 0's schedule, from plan()
+  std::unique_ptr<pipeline::RunPlan> run_plan_;  // built once, by plan(): the plan report and the run record
   nlohmann::json data_import_;  // plan(): the import of data.jsonl this launch made (null: none), for the ledger
   std::string token_, address_;
   control::Assignment assignment_;
-  int attempt_ = 0;
-  std::vector<WorkerState> workers_;
   bool stop_requested_ = false, checkpoint_requested_ = false;
   std::string ledger_failure_;  // the first failed ledger append of a control-plane call ("" = none)
   std::string stop_reason_ = "dflash stop";  // of a graceful stop: "dflash stop" or "signal"
   int signals_seen_ = 0;                     // SIGINT/SIGTERM count take_signals() has acted on
-  int64_t step_ = 0, start_step_ = 0, total_steps_ = 0, nonfinite_ = 0;
-  int last_epoch_ = 0;
-  double last_loss_ = 0, last_tau_ = 0;
-  std::map<int, double> tokens_per_s_;
+  int64_t start_step_ = 0, total_steps_ = 0;
   Clock::time_point t0_ = Clock::now();
   static constexpr double kEtaWindowS = 60;
   RateWindow eta_window_{kEtaWindowS};  // the progress line's ETA (core/util/progress.h)

@@ -65,7 +65,7 @@ void Coordinator::start_evals() {
   m_eval_step_ = &r.gauge("dflash_eval_checkpoint_steps", "schedule step of the checkpoint of the latest eval");
   m_eval_seconds_ = &r.gauge("dflash_eval_wall_seconds", "wall seconds of the latest eval worker");
   m_eval_failures_ = &r.counter("dflash_eval_failures_total", "evals of committed checkpoints that failed");
-  const auto& st = ledger_->state();
+  const auto& st = run_.recorded();
   if (!st.evals.empty()) set_eval_metrics(st.evals.back());
   // A resumed run: pinned checkpoints whose eval never finished (the coordinator stopped first).
   for (const auto& c : st.checkpoints) {
@@ -102,7 +102,7 @@ void Coordinator::queue_eval(int64_t step, const std::string& dir) {
 
 void Coordinator::poll_evals() {
   if (!eval_) return;
-  const LedgerEval* best = ledger_->state().best_eval();
+  const LedgerEval* best = run_.recorded().best_eval();
   if (auto d = eval_->poll(best ? best->tau : -1.0)) {
     eval_seconds_ += d->wall_s;
     if (d->ok)
@@ -113,7 +113,7 @@ void Coordinator::poll_evals() {
 }
 
 void Coordinator::record_eval(const EvalDone& d) {
-  const auto& cks = ledger_->state().checkpoints;
+  const auto& cks = run_.recorded().checkpoints;
   const bool committed = std::any_of(cks.begin(), cks.end(), [&](const LedgerCheckpoint& c) {
     return c.step == d.job.step && c.dir == d.job.dir;
   });
@@ -123,13 +123,13 @@ void Coordinator::record_eval(const EvalDone& d) {
     const json& per_group = d.result.at("groups");
     for (auto it = per_group.begin(); it != per_group.end(); ++it) groups[it.key()] = it.value().at("tau");
     const double tau = d.result.at("tau").get<double>();
-    const LedgerEval* before = ledger_->state().best_eval();
+    const LedgerEval* before = run_.recorded().best_eval();
     const std::string before_dir = before ? before->dir : "";
-    ledger_->append({{"type", "eval"}, {"step", d.job.step}, {"dir", d.job.dir}, {"tau", tau}, {"groups", groups},
-                     {"wall_s", d.wall_s}, {"prompts", d.result.value("prompts", 0)}, {"tokens", d.result.value("tokens", 0)},
-                     {"rounds", d.result.value("rounds", 0)}});
-    const LedgerEval& best = *ledger_->state().best_eval();
-    set_eval_metrics(ledger_->state().evals.back());
+    run_.append({{"type", "eval"}, {"step", d.job.step}, {"dir", d.job.dir}, {"tau", tau}, {"groups", groups},
+                 {"wall_s", d.wall_s}, {"prompts", d.result.value("prompts", 0)}, {"tokens", d.result.value("tokens", 0)},
+                 {"rounds", d.result.value("rounds", 0)}});
+    const LedgerEval& best = *run_.recorded().best_eval();
+    set_eval_metrics(run_.recorded().evals.back());
     append_metrics_line({{"event", "eval"}, {"step", d.job.step}, {"checkpoint", relative_to(d.job.dir, cfg_.run.output_dir)}, {"tau", tau}, {"groups", groups},
                          {"wall_s", d.wall_s}, {"best_tau", best.tau}, {"best_step", best.step}});
     if (best.step == d.job.step) {
@@ -152,7 +152,7 @@ void Coordinator::record_eval_failure(const EvalJob& job, const std::string& rea
   LOG_WARN("eval of " << job.dir << " (step " << job.step << ") failed: " << reason << "; training goes on");
   if (m_eval_failures_) m_eval_failures_->inc();
   try {
-    ledger_->append({{"type", "eval_failed"}, {"step", job.step}, {"dir", job.dir}, {"reason", reason}, {"wall_s", wall_s}});
+    run_.append({{"type", "eval_failed"}, {"step", job.step}, {"dir", job.dir}, {"reason", reason}, {"wall_s", wall_s}});
     unpin_unless_best(job.dir);
   } catch (const std::exception& e) {
     LOG_WARN("eval of " << job.dir << ": recording the failure failed: " << e.what());
@@ -161,12 +161,12 @@ void Coordinator::record_eval_failure(const EvalJob& job, const std::string& rea
 
 // Unpins checkpoint `dir` unless it is the best one.
 void Coordinator::unpin_unless_best(const std::string& dir) {
-  const LedgerEval* best = ledger_->state().best_eval();
+  const LedgerEval* best = run_.recorded().best_eval();
   if ((!best || best->dir != dir) && fs::exists(dir)) train::remove_keep_marker(dir);
 }
 
 void Coordinator::set_eval_metrics(const LedgerEval& e) {
-  const LedgerEval& best = *ledger_->state().best_eval();
+  const LedgerEval& best = *run_.recorded().best_eval();
   m_eval_best_->set(best.tau);
   m_eval_step_->set(double(e.step));
   m_eval_seconds_->set(e.wall_s);
@@ -199,7 +199,7 @@ void Coordinator::append_metrics_line(const json& line) const {
 // The last and the best tau into export/ and export-best/ (their provenance and model card): the
 // final checkpoint's eval ends after the drafter wrote the export. A failure is logged, never fatal.
 void Coordinator::record_tau_in_exports() {
-  const auto& st = ledger_->state();
+  const auto& st = run_.recorded();
   if (st.evals.empty()) return;
   const double last = st.evals.back().tau, best = st.best_eval()->tau;
   for (const char* name : {"export", "export-best"}) {
@@ -216,7 +216,7 @@ void Coordinator::record_tau_in_exports() {
 
 json Coordinator::eval_status() const {
   if (!eval_) return nullptr;
-  const auto& st = ledger_->state();
+  const auto& st = run_.recorded();
   auto of = [](const LedgerEval* e) -> json {
     if (!e) return nullptr;
     return {{"step", e->step}, {"checkpoint", e->dir}, {"tau", e->tau}, {"groups", e->groups}, {"wall_s", e->wall_s}};

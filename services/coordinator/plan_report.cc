@@ -40,14 +40,6 @@ struct MemoryItems {
   }
 };
 
-io::TargetConfig target_config(const config::RunConfig& cfg) {
-  try {
-    return io::parse_hf_config(cfg.target.model_dir);
-  } catch (const Error& e) {
-    throw ConfigError(std::string("target.model_dir: ") + e.what());
-  }
-}
-
 // Whether a CUDA drafter keeps half-precision copies of its weights between steps: our AdamW kernel
 // (DFLASH_ADAMW auto or kernel, in a CUDA build) rewrites them, and the forward multiplies with them.
 bool adamw_keeps_copies() {
@@ -142,7 +134,9 @@ json memory_estimate(const config::RunConfig& cfg, const std::string& device, co
 }  // namespace
 
 json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& lengths, const stream::RunSchedule& sched,
-               const std::string& device) {
+               const pipeline::RunPlan& run_plan) {
+  const std::string& device = run_plan.device;
+  const io::TargetConfig& tc = run_plan.target;
   json p;
   json hosts = json::array();
   for (const auto& h : cfg.topology.hosts)
@@ -164,8 +158,6 @@ json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& length
   p["epochs"] = epochs;
   p["total_steps"] = sched.total_steps();
   p["tokens_per_step"] = steps ? tokens / std::max<int64_t>(steps, 1) : 0;
-  const io::TargetConfig tc = target_config(cfg);
-  const auto run_plan = pipeline::RunPlan::build(cfg, tc, device);
   p["memory_estimate"] = memory_estimate(cfg, device, tc, run_plan);
   p["drafter_config"] = train::hf_drafter_config_json(run_plan.drafter, run_plan.export_dtype);
   return p;

@@ -11,6 +11,10 @@
 #include "core/config/config.h"
 #include "core/stream/schedule.h"
 
+namespace dflash::pipeline {
+struct RunPlan;  // services/common/run_plan.h
+}  // namespace dflash::pipeline
+
 namespace dflash::coordinator {
 
 // topology (hosts, targets, drafters, transport), samples, epochs (batches, steps, untrained
@@ -20,11 +24,11 @@ namespace dflash::coordinator {
 // batch in flight; shared memory per link; K and the slot size as the workers derive them on
 // `device`, pipeline::RunPlan) and drafter_config (the config.json object an export of this run
 // carries, provenance aside: the drafter's shape for another trainer of the same drafter).
-// `lengths`: the samples' token counts; `sched`: the schedule of
-// generation 0. Reads target.model_dir's config.json (a failure -> ConfigError naming
-// target.model_dir) and the sizes of its *.safetensors files.
+// `lengths`: the samples' token counts; `sched`: the schedule of generation 0; `run_plan`: the
+// run's plan on its device (pipeline::RunPlan::load, built once per coordinator; its `target` is
+// target.model_dir's config.json). Reads the sizes of target.model_dir's *.safetensors files.
 nlohmann::json make_plan(const config::RunConfig& cfg, const std::vector<uint32_t>& lengths, const stream::RunSchedule& sched,
-                         const std::string& device);
+                         const pipeline::RunPlan& run_plan);
 
 // `samples` token counts drawn from a stated length histogram "L1:W1,L2:W2,..." (tokens per
 // sample and relative weight > 0; "2048" alone = every sample that long), deterministic: each
