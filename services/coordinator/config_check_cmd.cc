@@ -51,6 +51,9 @@ int cmd_config_check(int argc, char** argv) {
   } catch (const ConfigError& e) {  // an unknown flag
     std::cerr << "dflash config check: " << user_message(e) << "\n" << usage_lines(config_check_spec());
     return kExitConfig;
+  } catch (const HelpRequested&) {  // --help / -h: answered here too when called without the dispatcher
+    std::cout << help_text(config_check_spec());
+    return kExitOk;
   }
   const Options& f = *flags;
   if (f.positional().size() != 1) {
