@@ -43,10 +43,6 @@
 //      worker's), a best-effort "stopped" record with the cause, exit 4 naming the file and the
 //      free space of its filesystem; the last commit stays valid for --resume.
 //    handle_failure(): records the "restart" and carries out recovery_policy.h's decide_recovery:
-//      A record a worker reports that cannot be written to the ledger (a full disk, any write
-//      error) ends the run instead: workers stopped, no restart (the failure is the disk's, not a
-//      worker's), a best-effort "stopped" record with the cause, exit 4 naming the file and the
-//      free space of its filesystem; the last commit stays valid for --resume.
 //      restart from the commit after the backoff, a new packing generation after an OOM, leave the
 //      worker out (degraded; ledger "degraded", dflash_coordinator_left_out_workers, `dflash
 //      status`), or stop with its exit code (1 restarts exhausted, 2 config, 3 OOM at the floors,
